@@ -1,0 +1,18 @@
+"""varsmooth: variational learning (IVON) as adaptive label smoothing for noisy labels, in `transformers.Trainer`."""
+
+from .metrics import classification_metrics
+from .posterior import POSTERIOR_FILE, DiagonalGaussianPosterior, VariationalClassifierOutput, VariationalIVON
+from .trainer import VariationalTrainer
+from .training_args import VariationalTrainingArguments
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "POSTERIOR_FILE",
+    "DiagonalGaussianPosterior",
+    "VariationalClassifierOutput",
+    "VariationalIVON",
+    "VariationalTrainer",
+    "VariationalTrainingArguments",
+    "classification_metrics",
+]

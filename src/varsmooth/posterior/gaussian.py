@@ -1,0 +1,126 @@
+"""The weight posterior q = N(m, diag σ²) that IVON learns, detached from the optimizer.
+
+The mean m is the model's own weights; this object holds σ per trainable parameter and can draw
+weight samples without an optimizer, so that evaluation inside the Trainer, label-noise export and a
+model reloaded from disk all sample the *same* weights for the same seed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from ..utils import atomic_path
+from .ivon import derive_seed
+
+__all__ = ["POSTERIOR_FILE", "DiagonalGaussianPosterior"]
+
+logger = logging.getLogger(__name__)
+
+POSTERIOR_FILE = "posterior.safetensors"
+
+
+class DiagonalGaussianPosterior:
+    """q(θ) = N(m, diag σ²) over the named parameters of `model` (seed 000, Eq. 6 with IVON's q).
+
+    Args:
+        model: the network; its current weights are the posterior mean m.
+        std: parameter name -> σ (same shape as the parameter). Parameters not listed are deterministic.
+        metadata: JSON-safe facts about how σ was obtained (ess, prior precision, hess_init, ...).
+    """
+
+    def __init__(self, model: torch.nn.Module, std: Mapping[str, torch.Tensor], metadata: Mapping[str, Any] | None = None):
+        params = dict(model.named_parameters())
+        missing = [name for name in std if name not in params]
+        if missing:
+            raise ValueError(
+                f"The posterior has standard deviations for parameters the model does not have: {missing[:5]}"
+                f"{' ...' if len(missing) > 5 else ''}. Load it into the architecture it was trained with."
+            )
+        for name, s in std.items():
+            if tuple(s.shape) != tuple(params[name].shape):
+                raise ValueError(
+                    f"Posterior std of {name!r} has shape {tuple(s.shape)} but the model parameter has shape "
+                    f"{tuple(params[name].shape)}: the posterior file does not belong to this model."
+                )
+        self.model = model
+        self.names = list(std)
+        self.std = {name: std[name].detach().to(params[name].device, params[name].dtype) for name in self.names}
+        self.metadata = dict(metadata or {})
+
+    # -- construction ------------------------------------------------------------------------------
+    @classmethod
+    def from_ivon(cls, model: torch.nn.Module, optimizer: Any, names: list[str], metadata: Mapping[str, Any] | None = None) -> "DiagonalGaussianPosterior":
+        """σ = 1/sqrt(ess·(h+δ)) read from a `VariationalIVON` whose parameters are `names` of `model`."""
+        stds = optimizer.posterior_std()
+        if len(stds) != len(names):
+            raise ValueError(f"IVON holds {len(stds)} parameters but {len(names)} names were given.")
+        return cls(model, dict(zip(names, stds)), metadata)
+
+    @classmethod
+    def zero(cls, model: torch.nn.Module) -> "DiagonalGaussianPosterior":
+        """A point mass at the current weights: sampling returns the mean (used when no posterior exists)."""
+        return cls(model, {}, {"kind": "point_mass"})
+
+    @classmethod
+    def load(cls, model: torch.nn.Module, path: str | os.PathLike) -> "DiagonalGaussianPosterior":
+        if os.path.isdir(path):
+            path = os.path.join(path, POSTERIOR_FILE)
+        with safe_open(str(path), framework="pt") as f:
+            raw = f.metadata() or {}
+            std = {key: f.get_tensor(key) for key in f.keys()}
+        metadata = json.loads(raw.get("varsmooth", "{}"))
+        return cls(model, std, metadata)
+
+    def save(self, path: str | os.PathLike) -> str:
+        """Write σ as safetensors (whole file or nothing) with the metadata as JSON."""
+        if os.path.isdir(path):
+            path = os.path.join(path, POSTERIOR_FILE)
+        # IVON's parameters are views of one flat storage: clone so safetensors accepts them.
+        tensors = {name: s.detach().to("cpu").clone().contiguous() for name, s in self.std.items()}
+        with atomic_path(path) as tmp:
+            save_file(tensors, tmp, metadata={"format": "pt", "varsmooth": json.dumps(self.metadata)})
+        return str(path)
+
+    # -- sampling ----------------------------------------------------------------------------------
+    @property
+    def is_point_mass(self) -> bool:
+        return not self.std
+
+    @contextlib.contextmanager
+    def sampled(self, seed: int) -> Iterator[None]:
+        """Set the model's weights to θ = m + σ⊙e, e ~ N(0, I) drawn from `seed`; restore m on exit, always.
+
+        The draw depends on the seed, the parameter order and the device only — not on batch size or on
+        the global RNG — so the s-th sample of an evaluation is the same model on every batch.
+        """
+        params = dict(self.model.named_parameters())
+        saved: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+        generators: dict[torch.device, torch.Generator] = {}
+        try:
+            with torch.no_grad():
+                for index, name in enumerate(self.names):
+                    p, std = params[name], self.std[name]
+                    gen = generators.setdefault(p.device, torch.Generator(device=p.device))
+                    gen.manual_seed(derive_seed(seed, index))
+                    noise = torch.randn(p.shape, generator=gen, device=p.device, dtype=p.dtype)
+                    saved.append((p, p.data))
+                    p.data = p.data + noise * std
+            yield
+        finally:
+            for p, mean in saved:
+                p.data = mean
+
+    def summary(self) -> dict[str, float]:
+        if self.is_point_mass:
+            return {}
+        flat = torch.cat([s.flatten().float() for s in self.std.values()])
+        return {"posterior_std_mean": flat.mean().item(), "posterior_std_median": flat.median().item()}

@@ -1,0 +1,98 @@
+"""Variational prediction: Bayesian model averaging over posterior samples.
+
+P̂(y|x) = (1/S) Σ_s softmax(f(x; θ_s)), θ_s ~ q — probabilities are averaged, not logits (ivon.md §2;
+the authors' `do_evalbatch_ivon`). The same sweep gives the posterior-mean prediction p̄ = softmax(f(x; m)),
+the predictive entropy and mutual information, and the per-draw label noise p̄ − softmax(f(x; θ_s))
+(seed 000, Eq. 19) that the label-noise export needs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers.utils import ModelOutput
+
+from .gaussian import DiagonalGaussianPosterior
+from .ivon import derive_seed
+
+__all__ = ["VariationalClassifierOutput", "predictive_distribution", "model_logits", "LABEL_KEYS"]
+
+LABEL_KEYS = ("labels", "label", "label_ids")
+
+
+@dataclass
+class VariationalClassifierOutput(ModelOutput):
+    """Output of a posterior-averaged classifier.
+
+    logits: log P̂, the log of the posterior-averaged probabilities; softmax(logits) == P̂, so code written for
+        ordinary logits (argmax, softmax, pipelines) gives the BMA prediction.
+    probs: P̂ (batch, K). mean_probs: p̄ = softmax at the posterior mean. entropy: H[P̂].
+    mutual_information: H[P̂] − mean_s H[softmax(f(x; θ_s))] (epistemic part of the uncertainty).
+    noise_rms: sqrt(mean_s ‖p̄ − softmax(f(x; θ_s))‖²), the size of the label noise one IVON step injects.
+    """
+
+    logits: torch.Tensor | None = None
+    probs: torch.Tensor | None = None
+    mean_logits: torch.Tensor | None = None
+    mean_probs: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
+    mutual_information: torch.Tensor | None = None
+    noise_rms: torch.Tensor | None = None
+
+
+def model_logits(model: torch.nn.Module, inputs: Mapping[str, Any]) -> torch.Tensor:
+    """Logits of `model` on `inputs` (labels are not passed, so no loss is computed)."""
+    outputs = model(**{k: v for k, v in inputs.items() if k not in LABEL_KEYS})
+    logits = outputs["logits"] if isinstance(outputs, Mapping) else outputs[0]
+    return logits.float()
+
+
+def _entropy(probs: torch.Tensor) -> torch.Tensor:
+    return -(probs * probs.clamp_min(1e-30).log()).sum(-1)
+
+
+@torch.no_grad()
+def predictive_distribution(
+    model: torch.nn.Module,
+    posterior: DiagonalGaussianPosterior,
+    inputs: Mapping[str, Any],
+    num_samples: int,
+    seed: int = 0,
+) -> VariationalClassifierOutput:
+    """BMA over `num_samples` draws of `posterior` and the prediction at the mean, for one batch.
+
+    Draw s uses the seed derive_seed(seed, s): the same S models for every batch and every call, so the
+    trainer's evaluation and a model reloaded from disk agree exactly. `num_samples=0` (or a point-mass
+    posterior) predicts at the mean.
+    """
+    mean_logits = model_logits(model, inputs)
+    mean_probs = mean_logits.softmax(-1)
+    if num_samples <= 0 or posterior.is_point_mass:
+        zeros = torch.zeros(mean_probs.shape[:-1], device=mean_probs.device)
+        return VariationalClassifierOutput(
+            logits=mean_logits.log_softmax(-1), probs=mean_probs, mean_logits=mean_logits, mean_probs=mean_probs,
+            entropy=_entropy(mean_probs), mutual_information=zeros, noise_rms=zeros,
+        )
+    probs = torch.zeros_like(mean_probs)
+    expected_entropy = torch.zeros(mean_probs.shape[:-1], device=mean_probs.device)
+    noise_sq = torch.zeros_like(expected_entropy)
+    for s in range(num_samples):
+        with posterior.sampled(derive_seed(seed, s)):
+            sample_probs = model_logits(model, inputs).softmax(-1)
+        probs += sample_probs
+        expected_entropy += _entropy(sample_probs)
+        noise_sq += (mean_probs - sample_probs).square().sum(-1)
+    probs /= num_samples
+    entropy = _entropy(probs)
+    return VariationalClassifierOutput(
+        logits=probs.clamp_min(1e-30).log(),
+        probs=probs,
+        mean_logits=mean_logits,
+        mean_probs=mean_probs,
+        entropy=entropy,
+        mutual_information=(entropy - expected_entropy / num_samples).clamp_min(0.0),
+        noise_rms=(noise_sq / num_samples).sqrt(),
+    )

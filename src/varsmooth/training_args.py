@@ -1,0 +1,87 @@
+"""`VariationalTrainingArguments`: `TrainingArguments` plus IVON's settings and variational prediction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from transformers import TrainingArguments
+
+from .methods import METHODS, get_method_class
+
+__all__ = ["VariationalTrainingArguments"]
+
+
+@dataclass
+class VariationalTrainingArguments(TrainingArguments):
+    """Arguments of `VariationalTrainer`; every field parses with `HfArgumentParser` (`--ess 1e4`, ...).
+
+    IVON defaults are the authors' CIFAR recipe (ivon.md §3): lr 0.2, hess_init 0.5, β1 0.9,
+    β2 0.99999, prior precision 2e-4, ess = training-set size, one MC sample per micro-batch.
+    """
+
+    method: str = field(
+        default="ivon",
+        metadata={"help": "Training method: " + ", ".join(sorted(METHODS)) + ". 'ivon' trains by variational learning."},
+    )
+    learning_rate: float | None = field(
+        default=None,
+        metadata={"help": "Peak learning rate. Default: the method's own (IVON 0.2, which is not an AdamW rate: "
+                          "the first IVON step is an SGD step of this size; others 5e-5 as in TrainingArguments)."},
+    )
+    ess: float | None = field(
+        default=None,
+        metadata={"help": "IVON effective sample size λ (seed 000, Eq. 6). Default: the number of training examples."},
+    )
+    hess_init: float = field(default=0.5, metadata={"help": "IVON initial Hessian h0 (> 0); sets the initial posterior std 1/sqrt(ess (h0 + prior_precision))."})
+    beta1: float = field(default=0.9, metadata={"help": "IVON gradient momentum β1."})
+    beta2: float = field(default=0.99999, metadata={"help": "IVON Hessian EMA rate β2 (1 = fixed Hessian)."})
+    prior_precision: float = field(
+        default=2e-4,
+        metadata={"help": "IVON weight decay δ = precision of the Gaussian prior. Replaces `weight_decay`, which IVON ignores."},
+    )
+    mc_samples: int = field(default=1, metadata={"help": "Posterior samples (forward+backward) per micro-batch during training."})
+    clip_radius: float | None = field(
+        default=None,
+        metadata={"help": "IVON element-wise clipping of the preconditioned update (None = no clipping). Gradient-norm "
+                          "clipping (`max_grad_norm`) is applied inside each sample, before IVON reads the gradient."},
+    )
+    rescale_lr: bool = field(default=True, metadata={"help": "Multiply lr by (hess_init + prior_precision), ivon-opt's default."})
+    eval_mc_samples: int = field(
+        default=32,
+        metadata={"help": "Posterior samples averaged (BMA) by evaluate()/predict(); 0 predicts at the posterior mean."},
+    )
+    eval_seed: int = field(default=0, metadata={"help": "Seed of the posterior samples used for prediction (common across evaluations)."})
+
+    def __post_init__(self) -> None:
+        method_cls = get_method_class(self.method)
+        if self.learning_rate is None:
+            self.learning_rate = method_cls.default_learning_rate
+        if method_cls.uses_ivon:
+            if self.fp16:
+                raise ValueError(
+                    "fp16 with a gradient scaler is not supported with IVON: IVON reads the gradients when each weight "
+                    "sample ends, before the scaler unscales them, so every update would be ~65536x too large. "
+                    "Use bf16=True (autocast with fp32 weights) or full precision."
+                )
+            if self.mc_samples < 1:
+                raise ValueError(f"mc_samples must be >= 1, got {self.mc_samples}.")
+            if self.hess_init <= 0:
+                raise ValueError(f"hess_init must be > 0 (IVON's posterior std is 1/sqrt(ess (h + δ))), got {self.hess_init}.")
+            if not 0.0 <= self.beta2 <= 1.0 or not 0.0 <= self.beta1 < 1.0:
+                raise ValueError(f"Need 0 <= beta1 < 1 and 0 <= beta2 <= 1, got beta1={self.beta1}, beta2={self.beta2}.")
+            if self.prior_precision < 0:
+                raise ValueError(f"prior_precision must be >= 0, got {self.prior_precision}.")
+            if self.ess is not None and not self.ess > 0:
+                raise ValueError(f"ess must be > 0, got {self.ess}.")
+            if self.clip_radius is not None and not self.clip_radius > 0:
+                raise ValueError(f"clip_radius must be > 0 or None, got {self.clip_radius}.")
+        if self.eval_mc_samples < 0:
+            raise ValueError(f"eval_mc_samples must be >= 0 (0 = predict at the posterior mean), got {self.eval_mc_samples}.")
+        super().__post_init__()
+        if method_cls.uses_ivon and (self.fsdp or self.deepspeed):
+            raise ValueError(
+                "IVON is not supported with FSDP or DeepSpeed (yet): it keeps all parameters in one flat vector and "
+                "replaces their storage, which clashes with sharded parameters. Use DDP (torchrun / accelerate launch "
+                "--multi_gpu) instead."
+            )
+
