@@ -1,6 +1,7 @@
 """varsmooth: variational learning (IVON) as adaptive label smoothing for noisy labels, in `transformers.Trainer`."""
 
 from .metrics import classification_metrics
+from .modeling import VariationalModel
 from .posterior import POSTERIOR_FILE, DiagonalGaussianPosterior, VariationalClassifierOutput, VariationalIVON
 from .trainer import VariationalTrainer
 from .training_args import VariationalTrainingArguments
@@ -12,6 +13,7 @@ __all__ = [
     "DiagonalGaussianPosterior",
     "VariationalClassifierOutput",
     "VariationalIVON",
+    "VariationalModel",
     "VariationalTrainer",
     "VariationalTrainingArguments",
     "classification_metrics",

@@ -72,8 +72,10 @@ class VariationalIVON(ivon.IVON):
             return super()._sample_params()
         param_avgs, noises = [], []
         for group in self.param_groups:
-            std = (group["ess"] * (group["hess"] + group["weight_decay"])).rsqrt()
-            noise = torch.randn(group["numel"], device=self._device, dtype=self._dtype, generator=generator) * std
+            # same arithmetic as ivon-opt, so a run seeded like ours reproduces it bit for bit
+            noise = torch.randn(group["numel"], device=self._device, dtype=self._dtype, generator=generator) / (
+                group["ess"] * (group["hess"] + group["weight_decay"])
+            ).sqrt()
             noises.append(noise)
             offset = 0
             for p in group["params"]:

@@ -1,0 +1,105 @@
+"""`VariationalModel`: a trained classifier together with its posterior, predicting by Bayesian model averaging."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForImageClassification, AutoModelForSequenceClassification, PreTrainedModel
+
+from .posterior import POSTERIOR_FILE, DiagonalGaussianPosterior, VariationalClassifierOutput, predictive_distribution
+
+__all__ = ["VariationalModel"]
+
+
+
+def _auto_class(config: Any) -> type:
+    architectures = " ".join(getattr(config, "architectures", None) or [])
+    if "ImageClassification" in architectures or type(config) in AutoModelForImageClassification._model_mapping:
+        return AutoModelForImageClassification
+    return AutoModelForSequenceClassification
+
+
+class VariationalModel(torch.nn.Module):
+    """A classifier whose forward averages softmax probabilities over `num_samples` posterior draws.
+
+    `forward(**inputs)` returns a `VariationalClassifierOutput` whose `logits` are log P̂, so argmax/softmax
+    code written for ordinary logits gets the BMA prediction; `num_samples=0` predicts at the posterior mean.
+    For the same `seed` the draws are those of `VariationalTrainer.evaluate()` (common random numbers).
+    """
+
+    def __init__(self, model: torch.nn.Module, posterior: DiagonalGaussianPosterior, num_samples: int = 32, seed: int = 0) -> None:
+        super().__init__()
+        self.model = model
+        self.posterior = posterior
+        self.num_samples = num_samples
+        self.seed = seed
+
+    @property
+    def config(self) -> Any:
+        return getattr(self.model, "config", None)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        pretrained_model_name_or_path: str | os.PathLike,
+        *,
+        num_samples: int | None = None,
+        seed: int | None = None,
+        model_class: type | None = None,
+        revision: str | None = None,
+        token: str | None = None,
+        **model_kwargs: Any,
+    ) -> "VariationalModel":
+        """Load weights (the posterior mean) and `posterior.safetensors` from a folder or a Hub repo.
+
+        Without a posterior file the model predicts at the mean, with a warning. Defaults for `num_samples` and
+        `seed` are those the model was evaluated with during training.
+        """
+        path = os.fspath(pretrained_model_name_or_path)
+        if model_class is None:
+            model_class = _auto_class(AutoConfig.from_pretrained(path, revision=revision, token=token))
+        model = model_class.from_pretrained(path, revision=revision, token=token, **model_kwargs)
+        model.eval()
+        posterior_path = _resolve_posterior(path, revision, token)
+        if posterior_path is None:
+            warnings.warn(
+                f"No {POSTERIOR_FILE} in {path!r}: the model was not trained with IVON (or the file was not uploaded). "
+                "Predicting at the posterior mean (a point estimate).", UserWarning, stacklevel=2,
+            )
+            posterior = DiagonalGaussianPosterior.zero(model)
+        else:
+            posterior = DiagonalGaussianPosterior.load(model, posterior_path)
+        meta = posterior.metadata
+        return cls(
+            model,
+            posterior,
+            num_samples=int(meta.get("eval_mc_samples", 32)) if num_samples is None else num_samples,
+            seed=int(meta.get("eval_seed", 0)) if seed is None else seed,
+        )
+
+    def forward(self, **inputs: Any) -> VariationalClassifierOutput:
+        return predictive_distribution(self.model, self.posterior, inputs, self.num_samples, self.seed)
+
+    def save_pretrained(self, save_directory: str | os.PathLike, **kwargs: Any) -> None:
+        if not isinstance(self.model, PreTrainedModel):
+            raise TypeError(f"save_pretrained needs a transformers PreTrainedModel, got {type(self.model).__name__}.")
+        self.model.save_pretrained(save_directory, **kwargs)
+        if not self.posterior.is_point_mass:
+            self.posterior.metadata = {**self.posterior.metadata, "eval_mc_samples": self.num_samples, "eval_seed": self.seed}
+            self.posterior.save(save_directory)
+
+
+def _resolve_posterior(path: str, revision: str | None, token: str | None) -> str | None:
+    if os.path.isdir(path):
+        candidate = os.path.join(path, POSTERIOR_FILE)
+        return candidate if os.path.isfile(candidate) else None
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError
+
+    try:
+        return hf_hub_download(path, POSTERIOR_FILE, revision=revision, token=token)
+    except EntryNotFoundError:
+        return None

@@ -1,0 +1,80 @@
+"""Tiny models and data shared by the tests (no network, a few hundred parameters)."""
+
+from __future__ import annotations
+
+import copy
+
+import datasets
+import numpy as np
+import torch
+import torch.nn.functional as F
+from transformers.modeling_outputs import SequenceClassifierOutput
+
+import ivon
+from varsmooth import VariationalTrainingArguments
+from varsmooth.posterior import derive_seed
+
+
+class TinyClassifier(torch.nn.Module):
+    """An MLP on flattened 8x8 images. `unused` is a trainable head that never gets a gradient."""
+
+    def __init__(self, in_features: int = 64, hidden: int = 16, num_classes: int = 10, with_unused: bool = False):
+        super().__init__()
+        self.body = torch.nn.Linear(in_features, hidden)
+        self.head = torch.nn.Linear(hidden, num_classes)
+        self.unused = torch.nn.Linear(2, 2) if with_unused else None
+
+    def forward(self, pixel_values, labels=None):
+        return SequenceClassifierOutput(logits=self.head(torch.tanh(self.body(pixel_values.flatten(1)))))
+
+
+def digits_dataset(n: int | None = None, seed: int = 0) -> datasets.Dataset:
+    """scikit-learn's 8x8 digits as a `datasets.Dataset` with a ClassLabel column."""
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    x = (d.images / 16.0).astype("float32")
+    y = d.target.astype("int64")
+    if n is not None:
+        idx = np.random.default_rng(seed).permutation(len(y))[:n]
+        x, y = x[idx], y[idx]
+    features = datasets.Features({
+        "pixel_values": datasets.Array2D((8, 8), "float32"),
+        "label": datasets.ClassLabel(names=[str(i) for i in range(10)]),
+    })
+    return datasets.Dataset.from_dict({"pixel_values": x, "label": y}, features=features).with_format("torch")
+
+
+def make_args(tmp_path, **kw) -> VariationalTrainingArguments:
+    defaults = dict(
+        output_dir=str(tmp_path), report_to=[], use_cpu=True, save_strategy="no", logging_strategy="no",
+        disable_tqdm=True, per_device_train_batch_size=16, per_device_eval_batch_size=64, seed=0,
+        dataloader_num_workers=0,
+    )
+    defaults.update(kw)
+    return VariationalTrainingArguments(**defaults)
+
+
+def reference_ivon_loop(model, batches_per_step, steps, *, lr, ess, hess_init, beta1, beta2, wd, seed, mc_samples=1,
+                        clip_norm=0.0, rank=0, loss_scale=1.0):
+    """The ivon-opt README loop, written out by hand, with the noise seeded as VariationalIVON seeds it.
+
+    `batches_per_step(step)` returns the micro-batches [(x, y), ...] of that optimizer step.
+    """
+    model = copy.deepcopy(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = ivon.IVON(params, lr=lr, ess=ess, hess_init=hess_init, beta1=beta1, beta2=beta2, weight_decay=wd)
+    for step in range(steps):
+        draw = 0
+        for x, y in batches_per_step(step):
+            for _ in range(mc_samples):
+                torch.manual_seed(derive_seed(seed, rank, step, draw))
+                draw += 1
+                with opt.sampled_params(train=True):
+                    opt.zero_grad()
+                    loss = F.cross_entropy(model(x).logits, y)  # micro-batch mean, no 1/GA
+                    (loss * loss_scale).backward()
+                    if clip_norm:
+                        torch.nn.utils.clip_grad_norm_(params, clip_norm)
+        opt.step()
+    return model, opt

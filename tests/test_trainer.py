@@ -1,0 +1,199 @@
+"""VariationalTrainer trains exactly like a hand-written IVON loop and avoids every pitfall of ivon.md §0."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import datasets
+import numpy as np
+import pytest
+import torch
+from transformers import HfArgumentParser
+
+from helpers import TinyClassifier, digits_dataset, make_args, reference_ivon_loop
+from varsmooth import VariationalTrainer, VariationalTrainingArguments
+from varsmooth.posterior import VariationalIVON
+
+IVON_KW = dict(lr=0.2, hess_init=0.5, beta1=0.9, beta2=0.999, wd=2e-4)
+
+
+def _trainer_args(tmp_path, **kw):
+    base = dict(learning_rate=IVON_KW["lr"], hess_init=IVON_KW["hess_init"], beta1=IVON_KW["beta1"],
+                beta2=IVON_KW["beta2"], prior_precision=IVON_KW["wd"], lr_scheduler_type="constant",
+                max_grad_norm=0.0, train_sampling_strategy="sequential")
+    base.update(kw)
+    return make_args(tmp_path, **base)
+
+
+def _sequential_batches(ds, batch, grad_accum):
+    x, y = ds[:]["pixel_values"], ds[:]["label"]
+
+    def batches(step):
+        start = step * batch * grad_accum
+        return [(x[start + k * batch: start + (k + 1) * batch], y[start + k * batch: start + (k + 1) * batch])
+                for k in range(grad_accum)]
+    return batches
+
+
+def _max_diff(a, b):
+    return max((pa - pb).abs().max().item() for pa, pb in zip(a.parameters(), b.parameters()))
+
+
+@pytest.mark.parametrize("grad_accum,mc_samples,clip", [(1, 1, 0.0), (2, 1, 0.0), (2, 2, 0.0), (1, 2, 0.5)])
+def test_trainer_matches_hand_written_ivon_loop(tmp_path, grad_accum, mc_samples, clip):
+    """Weights, Hessian and step counter equal the ivon-opt README loop run on the same samples.
+
+    Covers: forward and backward inside the sampling context, gradients zeroed per sample, one sample per
+    micro-batch with its mean loss (not divided by the accumulation count), clipping inside the context.
+    """
+    ds = digits_dataset(128)
+    torch.manual_seed(0)
+    model = TinyClassifier()
+    init = copy.deepcopy(model)
+    steps, batch = 4, 16
+    args = _trainer_args(tmp_path, per_device_train_batch_size=batch, gradient_accumulation_steps=grad_accum,
+                         max_steps=steps, mc_samples=mc_samples, max_grad_norm=clip)
+    trainer = VariationalTrainer(model=model, args=args, train_dataset=ds)
+    trainer.train()
+    ref, ref_opt = reference_ivon_loop(init, _sequential_batches(ds, batch, grad_accum), steps, ess=len(ds),
+                                       seed=0, mc_samples=mc_samples, clip_norm=clip, **IVON_KW)
+    assert _max_diff(trainer.model, ref) < 1e-6
+    assert torch.allclose(trainer.ivon.hessian(), ref_opt.param_groups[0]["hess"], atol=1e-6, rtol=1e-6)
+    assert trainer.ivon.current_step == ref_opt.current_step == steps
+    # the Hessian did move (β2 = 0.999): the comparison is not between two untouched initial values
+    assert (trainer.ivon.hessian() - 0.5).abs().max() > 1e-3
+
+
+def test_trainer_semantics_of_accumulation_would_differ(tmp_path):
+    """The comparison above can fail: the Trainer's default 1/GA loss scaling gives other weights."""
+    ds = digits_dataset(64)
+    torch.manual_seed(0)
+    init = TinyClassifier()
+    batches = _sequential_batches(ds, 16, 2)
+    good, good_opt = reference_ivon_loop(init, batches, 3, ess=64, seed=0, **IVON_KW)
+    scaled, scaled_opt = reference_ivon_loop(init, batches, 3, ess=64, seed=0, loss_scale=0.5, **IVON_KW)
+    assert _max_diff(good, scaled) > 1e-4
+    assert not torch.allclose(good_opt.param_groups[0]["hess"], scaled_opt.param_groups[0]["hess"], atol=1e-6)
+
+
+def test_resume_is_exact(tmp_path):
+    """Train 2N steps == train N, checkpoint, resume, train N (weights, Hessian, step counter, data order)."""
+    ds = digits_dataset(256)
+    torch.manual_seed(0)
+    model = TinyClassifier()
+    init = copy.deepcopy(model)
+    common = dict(max_steps=8, per_device_train_batch_size=16, gradient_accumulation_steps=2, lr_scheduler_type="cosine",
+                  warmup_steps=2, beta2=0.999, train_sampling_strategy="random")
+    full = VariationalTrainer(model=model, args=make_args(tmp_path / "full", **common), train_dataset=ds)
+    full.train()
+
+    half_args = make_args(tmp_path / "half", save_strategy="steps", save_steps=4, **common)
+    VariationalTrainer(model=copy.deepcopy(init), args=half_args, train_dataset=ds).train()
+    # a fresh process would start from the initial weights and the checkpoint: mimic it
+    resumed = VariationalTrainer(model=copy.deepcopy(init), args=half_args, train_dataset=ds)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "half" / "checkpoint-4"))
+
+    assert _max_diff(full.model, resumed.model) == 0.0
+    assert torch.equal(full.ivon.hessian(), resumed.ivon.hessian())
+    assert resumed.ivon.current_step == full.ivon.current_step == 8
+    ckpt = torch.load(tmp_path / "half" / "checkpoint-4" / "optimizer.pt", weights_only=True)
+    assert ckpt["state"]["current_step"] == 4
+
+
+def test_ivon_reached_through_accelerate_wrapper(tmp_path):
+    ds = digits_dataset(64)
+    trainer = VariationalTrainer(model=TinyClassifier(), args=_trainer_args(tmp_path, max_steps=1), train_dataset=ds)
+    trainer.train()
+    assert type(trainer.optimizer).__name__ == "AcceleratedOptimizer"
+    assert not hasattr(trainer.optimizer, "sampled_params")
+    assert isinstance(trainer.ivon, VariationalIVON)
+
+
+def test_frozen_and_gradless_parameters(tmp_path):
+    """Frozen weights are neither perturbed nor decayed; a trainable head without gradient does not crash."""
+    ds = digits_dataset(64)
+    model = TinyClassifier(with_unused=True)
+    model.body.weight.requires_grad_(False)
+    frozen = model.body.weight.detach().clone()
+    trainer = VariationalTrainer(model=model, args=_trainer_args(tmp_path, max_steps=3), train_dataset=ds)
+    trainer.train()
+    assert torch.equal(model.body.weight, frozen)
+    ivon_params = {id(p) for g in trainer.ivon.param_groups for p in g["params"]}
+    assert id(model.body.weight) not in ivon_params
+    assert torch.isfinite(model.unused.weight).all()
+
+
+def test_exception_inside_sample_restores_mean_weights():
+    model = TinyClassifier()
+    opt = VariationalIVON(model.parameters(), lr=0.1, ess=100.0, hess_init=0.5)
+    mean = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="boom"):
+        with opt.sampled_params(train=True):
+            assert any(not torch.equal(p, m) for p, m in zip(model.parameters(), mean))  # really perturbed
+            raise RuntimeError("boom")
+    assert all(torch.equal(p, m) for p, m in zip(model.parameters(), mean))
+    assert opt.state["count"] == 0  # the failed sample was not recorded
+
+
+def test_non_finite_loss_is_a_clear_error_and_weights_survive(tmp_path):
+    clean = digits_dataset(32)
+    pixels = clean[:]["pixel_values"].numpy().copy()
+    pixels[0] = np.nan
+    ds = datasets.Dataset.from_dict({"pixel_values": pixels, "label": clean[:]["label"].numpy()}).with_format("torch")
+    model = TinyClassifier()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainer = VariationalTrainer(model=model, args=_trainer_args(tmp_path, max_steps=2), train_dataset=ds)
+    with pytest.raises(FloatingPointError, match="Non-finite training loss"):
+        trainer.train()
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+def test_fp16_refused_with_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="fp16 with a gradient scaler is not supported with IVON"):
+        make_args(tmp_path, fp16=True)
+
+
+def test_low_precision_weights_refused(tmp_path):
+    model = TinyClassifier().to(torch.bfloat16)
+    trainer = VariationalTrainer(model=model, args=_trainer_args(tmp_path, max_steps=1), train_dataset=digits_dataset(32))
+    with pytest.raises(ValueError, match="IVON needs fp32 trainable weights"):
+        trainer.train()
+
+
+def test_fsdp_refused(tmp_path):
+    with pytest.raises(ValueError, match="not supported with FSDP or DeepSpeed"):
+        make_args(tmp_path, fsdp="full_shard")
+
+
+def test_bf16_autocast_trains_and_hessian_moves(tmp_path):
+    ds = digits_dataset(64)
+    model = TinyClassifier()
+    trainer = VariationalTrainer(model=model, args=_trainer_args(tmp_path, max_steps=5, bf16=True), train_dataset=ds)
+    trainer.train()
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    hess = trainer.ivon.hessian()
+    assert torch.isfinite(hess).all()
+    assert (hess != 0.5).float().mean() > 0.9
+
+
+def test_args_parse_with_hf_argument_parser():
+    (args,) = HfArgumentParser(VariationalTrainingArguments).parse_args_into_dataclasses(
+        ["--output_dir", "o", "--ess", "1e4", "--hess_init", "0.1", "--beta2", "0.9999", "--mc_samples", "2",
+         "--eval_mc_samples", "0", "--prior_precision", "1e-3", "--clip_radius", "0.05"])
+    assert (args.ess, args.hess_init, args.beta2, args.mc_samples, args.eval_mc_samples) == (1e4, 0.1, 0.9999, 2, 0)
+    assert args.method == "ivon" and args.learning_rate == 0.2 and args.clip_radius == 0.05
+    (erm,) = HfArgumentParser(VariationalTrainingArguments).parse_args_into_dataclasses(["--output_dir", "o", "--method", "erm"])
+    assert erm.learning_rate == 5e-5
+
+
+def test_unknown_method_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="Unknown method 'sgld'"):
+        make_args(tmp_path, method="sgld")
+
+
+def test_ess_defaults_to_training_set_size(tmp_path):
+    ds = digits_dataset(48)
+    trainer = VariationalTrainer(model=TinyClassifier(), args=_trainer_args(tmp_path, max_steps=1), train_dataset=ds)
+    trainer.train()
+    assert trainer.ivon.param_groups[0]["ess"] == 48.0
