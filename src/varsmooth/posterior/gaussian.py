@@ -52,7 +52,8 @@ class DiagonalGaussianPosterior:
                     f"{tuple(params[name].shape)}: the posterior file does not belong to this model."
                 )
         self.model = model
-        self.names = list(std)
+        # the model's parameter order, not the mapping's (safetensors sorts keys): it fixes which noise each draws
+        self.names = [name for name in params if name in std]
         self.std = {name: std[name].detach().to(params[name].device, params[name].dtype) for name in self.names}
         self.metadata = dict(metadata or {})
 
