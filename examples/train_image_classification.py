@@ -160,15 +160,18 @@ def main() -> None:
 
     train, test = data["train"].with_transform(transform), data["test"].with_transform(transform)
     trainer = VariationalTrainer(model=model, args=training_args, train_dataset=train, eval_dataset=test,
-                                 data_collator=collate, processing_class=processor)
+                                 data_collator=collate, processing_class=processor,
+                                 noise_report=reports["train"] if reports else None)
     trainer.train()
     metrics = trainer.evaluate()
     trainer.save_model()
     trainer.log_metrics("eval", metrics)
     trainer.save_metrics("eval", metrics)
-    if training_args.should_save and reports:
-        with open(os.path.join(training_args.output_dir, "noise_report.json"), "w") as f:
-            json.dump({split: report.to_dict() for split, report in reports.items()}, f, indent=2)
+    dataset_name = data_args.dataset_name or "sklearn-digits"
+    if training_args.push_to_hub:
+        trainer.push_to_hub(dataset=dataset_name)
+    else:
+        trainer.create_model_card(dataset=dataset_name)
     print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items()}))
     trainer.accelerator.wait_for_everyone()
 

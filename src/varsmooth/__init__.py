@@ -2,6 +2,7 @@
 
 from .metrics import classification_metrics
 from .modeling import VariationalModel
+from .pipelines import pipeline
 from .posterior import POSTERIOR_FILE, DiagonalGaussianPosterior, VariationalClassifierOutput, VariationalIVON
 from .trainer import VariationalTrainer
 from .training_args import VariationalTrainingArguments
@@ -17,4 +18,5 @@ __all__ = [
     "VariationalTrainer",
     "VariationalTrainingArguments",
     "classification_metrics",
+    "pipeline",
 ]

@@ -11,7 +11,7 @@ from transformers import AutoConfig, AutoModelForImageClassification, AutoModelF
 
 from .posterior import POSTERIOR_FILE, DiagonalGaussianPosterior, VariationalClassifierOutput, predictive_distribution
 
-__all__ = ["VariationalModel"]
+__all__ = ["VariationalModel", "load_posterior"]
 
 
 
@@ -63,15 +63,7 @@ class VariationalModel(torch.nn.Module):
             model_class = _auto_class(AutoConfig.from_pretrained(path, revision=revision, token=token))
         model = model_class.from_pretrained(path, revision=revision, token=token, **model_kwargs)
         model.eval()
-        posterior_path = _resolve_posterior(path, revision, token)
-        if posterior_path is None:
-            warnings.warn(
-                f"No {POSTERIOR_FILE} in {path!r}: the model was not trained with IVON (or the file was not uploaded). "
-                "Predicting at the posterior mean (a point estimate).", UserWarning, stacklevel=2,
-            )
-            posterior = DiagonalGaussianPosterior.zero(model)
-        else:
-            posterior = DiagonalGaussianPosterior.load(model, posterior_path)
+        posterior = load_posterior(model, path, revision=revision, token=token)
         meta = posterior.metadata
         return cls(
             model,
@@ -90,6 +82,18 @@ class VariationalModel(torch.nn.Module):
         if not self.posterior.is_point_mass:
             self.posterior.metadata = {**self.posterior.metadata, "eval_mc_samples": self.num_samples, "eval_seed": self.seed}
             self.posterior.save(save_directory)
+
+
+def load_posterior(model: torch.nn.Module, path: str | os.PathLike, revision: str | None = None, token: str | None = None) -> DiagonalGaussianPosterior:
+    """The posterior saved next to `model`'s weights (folder or Hub repo); a point mass, with a warning, if none."""
+    posterior_path = _resolve_posterior(os.fspath(path), revision, token)
+    if posterior_path is None:
+        warnings.warn(
+            f"No {POSTERIOR_FILE} in {os.fspath(path)!r}: the model was not trained with IVON (or the file was not "
+            "uploaded). Predicting at the posterior mean (a point estimate).", UserWarning, stacklevel=3,
+        )
+        return DiagonalGaussianPosterior.zero(model)
+    return DiagonalGaussianPosterior.load(model, posterior_path)
 
 
 def _resolve_posterior(path: str, revision: str | None, token: str | None) -> str | None:

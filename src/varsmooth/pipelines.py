@@ -1,0 +1,89 @@
+"""`transformers` pipelines whose scores are posterior-averaged probabilities (Bayesian model averaging).
+
+    classify = varsmooth.pipeline("image-classification", model="user/repo")
+    classify(image)                               # [{"label": ..., "score": P̂(label | image)}, ...]
+    classify(image, return_uncertainty=True)      # {"predictions": [...], "entropy": H[P̂], "mutual_information": ...}
+
+The pipeline classes can also be passed to `transformers.pipeline(..., pipeline_class=...)`; they then read the
+posterior from the model's folder or repo.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+import torch
+import transformers
+from transformers import ImageClassificationPipeline, TextClassificationPipeline
+from transformers.image_utils import load_image
+
+from .modeling import VariationalModel, load_posterior
+from .posterior import DiagonalGaussianPosterior, predictive_distribution
+
+__all__ = ["VariationalImageClassificationPipeline", "VariationalTextClassificationPipeline", "pipeline"]
+
+
+class _VariationalMixin:
+    """Replaces the pipeline's forward pass by BMA over `num_samples` posterior draws (the trainer's draws for the same seed)."""
+
+    def __init__(self, *args: Any, posterior: DiagonalGaussianPosterior | None = None, num_samples: int | None = None,
+                 seed: int | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if posterior is None:
+            posterior = load_posterior(self.model, self.model.name_or_path)
+        meta = posterior.metadata
+        self.posterior = posterior
+        self.num_samples = int(meta.get("eval_mc_samples", 32)) if num_samples is None else num_samples
+        self.seed = int(meta.get("eval_seed", 0)) if seed is None else seed
+
+    def _sanitize_parameters(self, return_uncertainty: bool | None = None, **kwargs: Any) -> tuple[dict, dict, dict]:
+        preprocess, forward, postprocess = super()._sanitize_parameters(**kwargs)
+        if return_uncertainty is not None:
+            postprocess["return_uncertainty"] = return_uncertainty
+        return preprocess, forward, postprocess
+
+    def _forward(self, model_inputs: dict[str, Any]) -> dict[str, Any]:
+        out = predictive_distribution(self.model, self.posterior, model_inputs, self.num_samples, self.seed)
+        # log P̂ as "logits": the pipeline's softmax turns them back into P̂
+        return {"logits": out.logits, "entropy": out.entropy, "mutual_information": out.mutual_information}
+
+    def postprocess(self, model_outputs: dict[str, Any], return_uncertainty: bool = False, **kwargs: Any) -> Any:
+        result = super().postprocess(model_outputs, **kwargs)
+        if not return_uncertainty:
+            return result
+        return {"predictions": result,
+                "entropy": float(model_outputs["entropy"].reshape(-1)[0]),
+                "mutual_information": float(model_outputs["mutual_information"].reshape(-1)[0])}
+
+
+class VariationalImageClassificationPipeline(_VariationalMixin, ImageClassificationPipeline):
+    """`ImageClassificationPipeline` with posterior-averaged scores; grayscale models get grayscale images."""
+
+    def preprocess(self, image: Any, timeout: float | None = None) -> Any:
+        # `load_image` always converts to RGB, which a 1-channel model (e.g. trained on digits) cannot take
+        if getattr(self.model.config, "num_channels", 3) != 1 or isinstance(image, (np.ndarray, torch.Tensor)):
+            return super().preprocess(image, timeout=timeout)
+        image = load_image(image, timeout=timeout).convert("L")
+        return self.image_processor(images=image, return_tensors="pt").to(self.dtype)
+
+
+class VariationalTextClassificationPipeline(_VariationalMixin, TextClassificationPipeline):
+    """`TextClassificationPipeline` with posterior-averaged scores."""
+
+
+_PIPELINES = {"image-classification": VariationalImageClassificationPipeline,
+              "text-classification": VariationalTextClassificationPipeline}
+
+
+def pipeline(task: str, model: str | os.PathLike, *, num_samples: int | None = None, seed: int | None = None, **kwargs: Any) -> Any:
+    """`transformers.pipeline` for a varsmooth model (folder or Hub repo) that predicts with its posterior."""
+    if task not in _PIPELINES:
+        raise ValueError(f"varsmooth pipelines support {sorted(_PIPELINES)}, got {task!r}.")
+    loaded = VariationalModel.from_pretrained(model, num_samples=num_samples, seed=seed,
+                                              **{k: kwargs.pop(k) for k in ("revision", "token") if k in kwargs})
+    return transformers.pipeline(task, model=loaded.model, pipeline_class=_PIPELINES[task], posterior=loaded.posterior,
+                                 num_samples=loaded.num_samples, seed=loaded.seed,
+                                 **({"tokenizer": os.fspath(model)} if task == "text-classification" else {"image_processor": os.fspath(model)}),
+                                 **kwargs)

@@ -1,0 +1,74 @@
+"""Run by tests/test_hub.py in a subprocess whose HF_ENDPOINT points at the local Hub stand-in.
+
+Trains a tiny model with intermediate pushes, pushes at the end, reloads from the stand-in, predicts with
+`VariationalModel` and the pipeline, and writes what it saw to results.json for the test to check.
+"""
+
+import json
+import os
+import sys
+import warnings
+
+import numpy as np
+import torch
+from transformers import ResNetConfig, ResNetForImageClassification, ViTImageProcessor
+
+from varsmooth import VariationalModel, VariationalTrainer, VariationalTrainingArguments, pipeline
+from varsmooth.corruption import corrupt_labels
+from varsmooth.data import load_digits_dataset
+
+
+def main(out: str) -> None:
+    data = load_digits_dataset()
+    train = data["train"].select(range(256))
+    train, report = corrupt_labels(train, "symmetric", 0.2, seed=0, return_report=True)
+    test = data["test"].select(range(40))
+    processor = ViTImageProcessor(do_resize=False, image_mean=[0.5], image_std=[0.5], do_convert_rgb=False)
+
+    def transform(batch):
+        return {"pixel_values": processor(batch["image"], return_tensors="pt")["pixel_values"],
+                "labels": torch.as_tensor(batch["label"])}
+
+    torch.manual_seed(0)
+    config = ResNetConfig(num_channels=1, embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], layer_type="basic",
+                          downsample_in_first_stage=False, num_labels=10,
+                          id2label={i: str(i) for i in range(10)}, label2id={str(i): i for i in range(10)})
+    args = VariationalTrainingArguments(
+        output_dir=os.path.join(out, "run"), report_to=[], use_cpu=True, max_steps=20, per_device_train_batch_size=32,
+        eval_strategy="steps", eval_steps=10, save_strategy="steps", save_steps=10, push_to_hub=True,
+        hub_model_id="offline-user/digits-ivon", hub_strategy="every_save", remove_unused_columns=False,
+        eval_mc_samples=4, eval_seed=7, beta2=0.999, disable_tqdm=True,
+    )
+    trainer = VariationalTrainer(model=ResNetForImageClassification(config), args=args,
+                                 train_dataset=train.with_transform(transform), eval_dataset=test.with_transform(transform),
+                                 processing_class=processor, noise_report=report)
+    trainer.train()
+    trainer.evaluate()
+    trainer.push_to_hub(dataset="sklearn-digits")
+    expected = np.exp(trainer.predict(test.with_transform(transform)).predictions)
+
+    images = test[:]["image"]
+    loaded = VariationalModel.from_pretrained("offline-user/digits-ivon")
+    with torch.no_grad():
+        got = loaded(pixel_values=processor(images, return_tensors="pt")["pixel_values"])
+    classify = pipeline("image-classification", model="offline-user/digits-ivon")
+    piped = classify(images[:5], top_k=10)
+    piped_probs = [[next(r["score"] for r in res if r["label"] == str(k)) for k in range(10)] for res in piped]
+    uncertain = classify(images[0], return_uncertainty=True)
+
+    plain = ResNetForImageClassification(config)
+    plain.push_to_hub("offline-user/plain-model")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        VariationalModel.from_pretrained("offline-user/plain-model")
+    json.dump({
+        "max_abs_diff_model": float(np.abs(got.probs.numpy() - expected).max()),
+        "max_abs_diff_pipeline": float(np.abs(np.array(piped_probs) - expected[:5]).max()),
+        "entropy_expected": float(-(expected[0] * np.log(expected[0])).sum()),
+        "uncertain": uncertain,
+        "no_posterior_warnings": [str(w.message) for w in caught],
+    }, open(os.path.join(out, "results.json"), "w"))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

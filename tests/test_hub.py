@@ -1,0 +1,69 @@
+"""Sharing on the Hub, tested against a local stand-in of its HTTP API (the real huggingface_hub code runs)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from hub_stand_in import HubStandIn
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def pushed(tmp_path_factory):
+    out = tmp_path_factory.mktemp("hub")
+    hub = HubStandIn()
+    env = {**os.environ, "HF_ENDPOINT": hub.endpoint, "HF_HUB_DISABLE_XET": "1", "HF_TOKEN": "hf_offline_dummy_token",
+           "HF_HOME": str(out / "hf_home"), "OMP_NUM_THREADS": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
+    env.pop("HF_HUB_OFFLINE", None)
+    result = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "hub_worker.py"), str(out)],
+                            env=env, capture_output=True, text=True, timeout=600)
+    hub.close()
+    assert result.returncode == 0, result.stderr[-4000:]
+    return hub, json.load(open(out / "results.json"))
+
+
+def test_push_uploads_only_the_shareable_files(pushed):
+    hub, _ = pushed
+    files = set(hub.repos["offline-user/digits-ivon"])
+    assert {"model.safetensors", "config.json", "posterior.safetensors", "preprocessor_config.json", "README.md",
+            "noise_report.json"} <= files
+    assert not files & {"training_args.bin", "optimizer.pt", "scheduler.pt", "trainer_state.json", "rng_state.pth"}
+    assert not any(f.startswith(("checkpoint-", "runs/")) for f in files)
+
+
+def test_intermediate_pushes_carry_the_posterior(pushed):
+    hub, _ = pushed
+    intermediate = [c for c in hub.commits if c["repo"] == "offline-user/digits-ivon" and "progress" in c["summary"]]
+    assert intermediate, hub.commits
+    assert all("posterior.safetensors" in c["files"] and "model.safetensors" in c["files"] for c in intermediate)
+
+
+def test_model_card_replaces_the_trainers(pushed):
+    hub, _ = pushed
+    card = hub.repos["offline-user/digits-ivon"]["README.md"].decode()
+    meta = yaml.safe_load(card.split("---")[1])
+    assert "ivon" in meta["tags"] and meta["library_name"] == "transformers"
+    results = {m["type"] for r in meta["model-index"][0]["results"] for m in r["metrics"]}
+    assert {"accuracy", "nll", "ece", "brier"} <= results
+    assert "ADAMW" not in card and "adamw" not in card.lower()  # the stock card's wrong optimizer line
+    assert "realized rate" in card and "symmetric" in card
+    assert "posterior-averaged" in card and "VariationalModel.from_pretrained(\"offline-user/digits-ivon\")" in card
+
+
+def test_reloaded_model_and_pipeline_predict_like_the_trainer(pushed):
+    _, results = pushed
+    assert results["max_abs_diff_model"] < 1e-5
+    assert results["max_abs_diff_pipeline"] < 1e-5
+    assert results["uncertain"]["entropy"] == pytest.approx(results["entropy_expected"], rel=1e-4)
+    assert results["uncertain"]["mutual_information"] >= 0
+    assert len(results["uncertain"]["predictions"]) == 5  # the pipeline's default top_k
+
+
+def test_repo_without_posterior_warns_and_predicts_at_mean(pushed):
+    _, results = pushed
+    assert any("Predicting at the posterior mean" in w for w in results["no_posterior_warnings"])
