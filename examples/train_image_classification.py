@@ -71,7 +71,6 @@ class ExampleTrainingArguments(VariationalTrainingArguments):
     warmup_steps: float = field(default=0.05, metadata={"help": "Warm-up (fraction of the steps if < 1)."})
     lr_scheduler_type: str = field(default="cosine", metadata={"help": "Learning-rate schedule."})
     report_to: str | None = field(default="none", metadata={"help": "Experiment trackers."})
-    remove_unused_columns: bool = field(default=False, metadata={"help": "The image transform needs the raw columns."})
 
 
 def _find_column(features: datasets.Features, kind: type, given: str | None, what: str) -> str:

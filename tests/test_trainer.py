@@ -197,3 +197,75 @@ def test_ess_defaults_to_training_set_size(tmp_path):
     trainer = VariationalTrainer(model=TinyClassifier(), args=_trainer_args(tmp_path, max_steps=1), train_dataset=ds)
     trainer.train()
     assert trainer.ivon.param_groups[0]["ess"] == 48.0
+
+
+def test_best_model_reload_brings_its_posterior(tmp_path):
+    """With load_best_model_at_end the Hessian is the best checkpoint's, not the last step's."""
+    ds = digits_dataset(128)
+    args = _trainer_args(tmp_path, max_steps=6, eval_strategy="steps", eval_steps=3, save_strategy="steps", save_steps=3,
+                         load_best_model_at_end=True, metric_for_best_model="accuracy", greater_is_better=True,
+                         train_sampling_strategy="random")
+    trainer = VariationalTrainer(model=TinyClassifier(), args=args, train_dataset=ds, eval_dataset=ds)
+    trainer.train()
+    best = trainer.state.best_model_checkpoint
+    saved = torch.load(os.path.join(best, "optimizer.pt"), weights_only=True)
+    assert torch.equal(trainer.ivon.hessian(), saved["param_groups"][0]["hess"])
+    assert trainer.ivon.current_step == saved["state"]["current_step"]
+
+
+def test_hessian_diagnostics_logged_and_stuck_hessian_warned(tmp_path, caplog):
+    ds = digits_dataset(64)
+    args = _trainer_args(tmp_path, max_steps=4, logging_strategy="steps", logging_steps=2, beta2=0.99999)
+    trainer = VariationalTrainer(model=TinyClassifier(), args=args, train_dataset=ds)
+    with caplog.at_level("WARNING", logger="varsmooth.trainer"):
+        trainer.train()
+    logged = [e for e in trainer.state.log_history if "loss" in e]
+    assert logged and all({"hess_mean", "hess_median", "posterior_std_mean", "posterior_std_median"} <= set(e) for e in logged)
+    expected_std = 1 / np.sqrt(64 * (logged[-1]["hess_median"] + 2e-4))
+    assert logged[-1]["posterior_std_median"] == pytest.approx(expected_std, rel=1e-3)
+    assert "Hessian hardly moved" in caplog.text
+    # with β2 = 0.9 the Hessian moves and there is no warning
+    caplog.clear()
+    moving = VariationalTrainer(model=TinyClassifier(), args=_trainer_args(tmp_path / "b", max_steps=4, beta2=0.9), train_dataset=ds)
+    with caplog.at_level("WARNING", logger="varsmooth.trainer"):
+        moving.train()
+    assert "Hessian hardly moved" not in caplog.text
+
+
+def test_label_smoothing_factor_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="method='ls'"):
+        VariationalTrainer(model=TinyClassifier(), args=make_args(tmp_path, label_smoothing_factor=0.1))
+
+
+def test_prior_precision_is_not_overridden_by_weight_decay(tmp_path):
+    """The stock optimizer groups would write args.weight_decay into IVON's δ (hf.md §0)."""
+    args = _trainer_args(tmp_path, max_steps=1, weight_decay=0.1, prior_precision=5e-3)
+    trainer = VariationalTrainer(model=TinyClassifier(), args=args, train_dataset=digits_dataset(32))
+    trainer.train()
+    assert [g["weight_decay"] for g in trainer.ivon.param_groups] == [5e-3]
+
+
+def test_with_transform_dataset_needs_no_flags(tmp_path):
+    """`with_transform` reads raw columns at fetch time; the trainer keeps them without remove_unused_columns=False."""
+    from varsmooth.data import load_digits_dataset
+
+    raw = load_digits_dataset()["train"].select(range(64))
+
+    def transform(batch):
+        pixels = torch.stack([torch.as_tensor(np.asarray(im, dtype="float32") / 255.0) for im in batch["image"]])
+        return {"pixel_values": pixels, "labels": torch.as_tensor(batch["label"])}
+
+    trainer = VariationalTrainer(model=TinyClassifier(), args=_trainer_args(tmp_path, max_steps=2),
+                                 train_dataset=raw.with_transform(transform), eval_dataset=raw.with_transform(transform))
+    trainer.train()
+    assert "eval_accuracy" in trainer.evaluate()
+    assert raw.column_names == ["image", "label"]  # the user's dataset is untouched
+
+
+def test_timm_model_keeps_timm_initialisation():
+    """transformers would re-initialise a TimmWrapper from a config with N(0, 0.02) (hf.md §7)."""
+    from varsmooth.models import create_image_classifier
+
+    model = create_image_classifier("test_resnet", {i: str(i) for i in range(10)}, num_channels=1)
+    conv = next(p for p in model.timm_model.parameters() if p.dim() == 4)
+    assert conv.std().item() > 0.05  # timm's fan-in init (≈0.11 here), not transformers' N(0, 0.02)
