@@ -16,16 +16,21 @@ What differs from the stock Trainer, and why (research notes ivon.md §0 and hf.
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import logging
 import os
+import shutil
 from typing import Any
 
+import datasets
 import numpy as np
 import torch
 from transformers import Trainer
+from transformers.utils.hub import PushInProgress, hf_api
 from transformers.trainer_utils import EvalPrediction, PredictionOutput
 
-from .methods import TrainingMethod, get_method_class
+from .methods import EXAMPLE_INDEX_KEY, ExampleIndexDataset, TrainingMethod, get_method_class
+from .hub import SHAREABLE_PATTERNS, build_model_card
 from .metrics import classification_metrics
 from .posterior import DiagonalGaussianPosterior, VariationalIVON, predictive_distribution, unwrap_ivon
 from .posterior.prediction import LABEL_KEYS
@@ -38,6 +43,8 @@ logger = logging.getLogger(__name__)
 
 #: the Hessian "has hardly moved" when its median relative change from hess_init is below this
 HESSIAN_STUCK_TOLERANCE = 0.01
+#: the label corruption of the training set, next to the model (read by the model card)
+NOISE_REPORT_FILE = "noise_report.json"
 #: checkpoint file with the training method's own state (OLS soft labels, ALASCA EMAs, ...)
 METHOD_STATE_FILE = "method_state.pt"
 
@@ -48,6 +55,10 @@ class VariationalTrainer(Trainer):
     Models may be any module returning logits in a `ModelOutput` or tuple (HF `AutoModelFor*Classification`,
     timm wrapped in `varsmooth.models.TimmClassifier`, ...); the loss is computed here from the logits.
     """
+
+    #: `compute_loss` returns the micro-batch mean (it ignores `num_items_in_batch`), so the stock
+    #: `training_step` must divide by the accumulation steps even for models that accept loss kwargs
+    loss_is_scaled_for_ga = False
 
     def __init__(self, model: Any = None, args: VariationalTrainingArguments | None = None, *pargs: Any, **kwargs: Any) -> None:
         if args is None:
@@ -63,12 +74,18 @@ class VariationalTrainer(Trainer):
                 "instead, so that the method is recorded and compared fairly."
             )
         user_metrics = kwargs.pop("compute_metrics", None)
+        self._noise_report = kwargs.pop("noise_report", None)
         super().__init__(model, args, *pargs, compute_metrics=self._compute_metrics, **kwargs)
         self.user_compute_metrics = user_metrics
         train_size = _length(self.train_dataset)
         self.method: TrainingMethod = get_method_class(args.method)(args, num_train_examples=train_size)
+        if self.model is not None:  # extra heads must exist before the optimizer is built
+            self.method.attach(self.model)
         for callback in self.method.callbacks():
             self.add_callback(callback)
+        for callback in self.callback_handler.callbacks:
+            if hasattr(callback, "bind"):  # callbacks that need the trainer itself, e.g. LabelNoiseCallback
+                callback.bind(self)
         self._ivon_param_names: list[str] | None = None
         self._last_grad_norm: torch.Tensor | None = None
         if self.method.uses_ivon and self.optimizer is not None and not isinstance(self.optimizer, VariationalIVON):
@@ -120,14 +137,15 @@ class VariationalTrainer(Trainer):
         labels = inputs.get("labels")
         if labels is None:
             raise ValueError(f"The training batch has no 'labels' (keys: {sorted(inputs)}); name the label column 'label' or 'labels'.")
-        outputs = model(**{k: v for k, v in inputs.items() if k not in LABEL_KEYS})
+        outputs = model(**{k: v for k, v in inputs.items() if k not in LABEL_KEYS and k != EXAMPLE_INDEX_KEY})
         logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
         loss = self.method.loss(logits, labels, self, inputs)
         return (loss, outputs) if return_outputs else loss
 
     def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
         if not self.method.uses_ivon:
-            return super().training_step(model, inputs, num_items_in_batch)
+            loss = self.method.training_step(self, model, inputs, num_items_in_batch)  # e.g. SAM's two passes
+            return loss if loss is not None else super().training_step(model, inputs, num_items_in_batch)
         model.train()
         inputs = self._prepare_inputs(inputs)
         opt = self.ivon
@@ -153,6 +171,17 @@ class VariationalTrainer(Trainer):
         # for logging only: the Trainer sums this over micro-batches and divides by the optimizer steps
         return total / self.args.mc_samples / self.current_gradient_accumulation_steps
 
+    def _get_dataloader(self, dataset: Any, description: str, batch_size: int, sampler_fn: Any = None,
+                        is_training: bool = False, dataloader_key: str | None = None) -> Any:
+        if is_training and self.method.needs_example_index:  # per-example method state, keyed by row position
+            dataset = ExampleIndexDataset(dataset)
+        return super()._get_dataloader(dataset, description, batch_size, sampler_fn, is_training, dataloader_key)
+
+    def _set_signature_columns_if_needed(self) -> None:
+        super()._set_signature_columns_if_needed()
+        if self.method.needs_example_index and EXAMPLE_INDEX_KEY not in self._signature_columns:
+            self._signature_columns.append(EXAMPLE_INDEX_KEY)  # or the column removal would drop the index
+
     def _clip_grad_norm(self, model: torch.nn.Module) -> Any:
         if self.method.uses_ivon:  # already clipped inside each sample; clipping now would not reach IVON
             return self._last_grad_norm
@@ -164,6 +193,21 @@ class VariationalTrainer(Trainer):
         if state and self.args.should_save:
             with atomic_path(os.path.join(output_dir, METHOD_STATE_FILE)) as tmp:
                 torch.save(state, tmp)
+
+    def _remove_unused_columns(self, dataset: Any, description: str | None = None) -> Any:
+        # a `with_transform` dataset reads its raw columns (e.g. "image") when an item is fetched: removing them
+        # would break the transform (hf.md §5), and its output is already what the model takes
+        if isinstance(dataset, datasets.Dataset) and dataset.format.get("type") == "custom":
+            return dataset
+        return super()._remove_unused_columns(dataset, description)
+
+    def _load_best_model(self) -> None:
+        # the stock version reloads only the weights: the Hessian must come from the same checkpoint, or the
+        # saved and evaluated posterior would pair the best mean with the last step's variances
+        super()._load_best_model()
+        best = self.state.best_model_checkpoint
+        if self.ivon is not None and best and os.path.isfile(os.path.join(best, "optimizer.pt")):
+            self.ivon.load_state_dict(torch.load(os.path.join(best, "optimizer.pt"), map_location="cpu", weights_only=True))
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         super()._load_optimizer_and_scheduler(checkpoint)
@@ -211,11 +255,98 @@ class VariationalTrainer(Trainer):
         predictions = output.predictions[0] if isinstance(output.predictions, tuple) else output.predictions
         return PredictionOutput(predictions=predictions, label_ids=output.label_ids, metrics=output.metrics)
 
+    def label_noise(self, dataset: Any = None, num_samples: int = 64, **kwargs: Any) -> Any:
+        """Per-example label noise ε̄ = p̄ − P̂ of the current posterior (seed 000, Eq. 15) as a `datasets.Dataset`.
+
+        One row per example of `dataset` (default: the training set), in dataset order, with its `clean_label` and
+        `is_corrupted` columns carried over; the columns and `kwargs` are those of
+        `varsmooth.label_noise.compute_label_noise` (`seed` defaults to `args.eval_seed`). The batches come from the
+        Trainer's own machinery (column removal, collator, device, DDP sharding); every process must call this.
+        """
+        from torch.utils.data import SequentialSampler
+
+        from .label_noise import compute_label_noise
+
+        dataset = self.train_dataset if dataset is None else dataset
+        # not get_eval_dataloader(): it may group rows by length or return the cached loader of eval_dataset
+        loader = self._get_dataloader(dataset, "Label noise", self.args.eval_batch_size, sampler_fn=SequentialSampler)
+        kwargs.setdefault("seed", self.args.eval_seed)
+        return compute_label_noise(
+            self.accelerator.unwrap_model(self.model), self.posterior(), dataset, num_samples=num_samples,
+            dataloader=loader, accelerator=self.accelerator, device=self.args.device, **kwargs,
+        )
+
     # -- saving ------------------------------------------------------------------------------------
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         super()._save(output_dir, state_dict)
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
         if self.ivon is not None and self.args.should_save:
-            self.posterior().save(output_dir if output_dir is not None else self.args.output_dir)
+            self.posterior().save(output_dir)
+        report = self.train_noise_report() if self.args.should_save else None
+        if report is not None:
+            with atomic_path(os.path.join(output_dir, NOISE_REPORT_FILE)) as tmp, open(tmp, "w") as f:
+                f.write(report.to_json())
+
+    def train_noise_report(self) -> Any:
+        """The label corruption of the training set: the report given at construction, else the realized one
+        recomputed from a `clean_label` column (None when the labels are the dataset's own)."""
+        if self._noise_report is not None:
+            return self._noise_report
+        dataset = self.train_dataset
+        if isinstance(dataset, datasets.Dataset) and "clean_label" in dataset.column_names:
+            from .corruption import noise_report
+
+            label_column = "label" if "label" in dataset.column_names else "labels"
+            return noise_report(dataset.with_format(None), label_column=label_column)
+        return None
+
+    # -- sharing -----------------------------------------------------------------------------------
+    def create_model_card(self, model_name: str | None = None, **kwargs: Any) -> None:
+        """Replaces the stock card (which would report the Trainer's `optim` for IVON runs) with varsmooth's."""
+        if not self.is_world_process_zero():
+            return
+        card = build_model_card(self, model_name=model_name, **kwargs)
+        with atomic_path(os.path.join(self.args.output_dir, "README.md")) as tmp:
+            card.save(tmp)
+
+    def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True, token: str | None = None,
+                    revision: str | None = None, private: bool | None = None, **kwargs: Any) -> Any:
+        """Save, write the card, and upload only the shareable files of output_dir (`hub.SHAREABLE_PATTERNS`)."""
+        self.callback_handler.on_push_begin(self.args, self.state, self.control)
+        token = token if token is not None else self.args.hub_token
+        if self.hub_model_id is None:
+            self.init_hf_repo(token=token, private=private)
+        self.save_model(_internal_call=True)
+        if not self.is_world_process_zero():
+            return None
+        model_name = kwargs.pop("model_name", None) or (self.args.hub_model_id or self.args.output_dir).rstrip("/").split("/")[-1]
+        self.create_model_card(model_name=model_name, **kwargs)
+        self._finish_current_push()
+        return hf_api().upload_folder(
+            repo_id=self.hub_model_id, folder_path=self.args.output_dir, commit_message=commit_message, token=token,
+            run_as_future=not blocking, allow_patterns=SHAREABLE_PATTERNS,
+            revision=revision if revision is not None else self.args.hub_revision,
+        )
+
+    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
+        """Intermediate pushes: the stock version copies only config and weights from the checkpoint (and uploads
+        the rest of output_dir); here the posterior travels with the weights and only shareable files go up."""
+        if not self.is_world_process_zero() or self.args.hub_strategy == "end":
+            return
+        if not self.args.hub_always_push and self.push_in_progress is not None and not self.push_in_progress.is_done():
+            return
+        self.callback_handler.on_push_begin(self.args, self.state, self.control)
+        for name in os.listdir(checkpoint_folder):
+            if any(fnmatch.fnmatch(name, pattern) for pattern in SHAREABLE_PATTERNS):
+                shutil.copy(os.path.join(checkpoint_folder, name), os.path.join(self.args.output_dir, name))
+        if self.processing_class is not None:
+            self.processing_class.save_pretrained(self.args.output_dir)
+        job = hf_api().upload_folder(
+            repo_id=self.hub_model_id, folder_path=self.args.output_dir, token=self.args.hub_token,
+            commit_message=f"Training in progress, step {self.state.global_step}", run_as_future=True,
+            allow_patterns=SHAREABLE_PATTERNS, revision=self.args.hub_revision,
+        )
+        self.push_in_progress = PushInProgress([job])
 
     # -- diagnostics -------------------------------------------------------------------------------
     def hessian_summary(self) -> dict[str, float]:

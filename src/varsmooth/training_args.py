@@ -52,6 +52,55 @@ class VariationalTrainingArguments(TrainingArguments):
     )
     eval_seed: int = field(default=0, metadata={"help": "Seed of the posterior samples used for prediction (common across evaluations)."})
 
+    # -- baselines (methods.md §9 lists the defaults) -----------------------------------------------
+    smoothing: float = field(
+        default=0.1,
+        metadata={"help": "method='ls': smoothing rate α in [0, 1]; target (1-α)·onehot + α/K (uniform over all K classes)."},
+    )
+    gls_rate: float = field(
+        default=0.1,
+        metadata={"help": "method='gls': smoothing rate r < 1 of (1-r)·onehot + r/K; r < 0 is negative label smoothing "
+                          "(seed 003). Default 0.1 as in the reference code; varsmooth.methods.optimal_smoothing_rate "
+                          "gives r_opt for a known symmetric noise rate."},
+    )
+    gls_warmup_epochs: float = field(
+        default=0.0,
+        metadata={"help": "method='gls': epochs of plain cross-entropy before switching to gls_rate (the reference "
+                          "warms up with CE before NLS, whose loss is unbounded below)."},
+    )
+    ols_alpha: float = field(
+        default=0.5,
+        metadata={"help": "method='ols': weight α of the hard-label CE in α·CE + (1-α)·soft-label CE (Zhang et al. 2021)."},
+    )
+    sam_rho: float = field(default=0.05, metadata={"help": "method='sam': neighbourhood radius ρ (Foret et al. 2020)."})
+    sam_adaptive: bool = field(
+        default=False,
+        metadata={"help": "method='sam': adaptive SAM (ASAM), perturbation scaled by |w|; use a ~10x larger sam_rho."},
+    )
+    gce_q: float = field(default=0.7, metadata={"help": "method='gce': q in (0, 1] of the generalized cross-entropy (1 - p_y^q)/q."})
+    ln_temperature: float = field(
+        default=1.0, metadata={"help": "method='logistic_normal': temperature τ of the softmax-centred link (seed 004)."}
+    )
+    ln_min_scale: float = field(
+        default=1.0, metadata={"help": "method='logistic_normal': λ > 0 in Σ^{1/2} = c cᵀ + λI (reference flag `min_scale`)."}
+    )
+    ln_target_smoothing: float = field(
+        default=0.01, metadata={"help": "method='logistic_normal': t in the observed target (1-t)·onehot + t/(K+1)."}
+    )
+    alasca_lambda: float = field(default=2.0, metadata={"help": "method='alasca': weight λ of the auxiliary classifiers' loss (seed 002)."})
+    alasca_ema: float = field(default=0.7, metadata={"help": "method='alasca': EMA coefficient β of the per-example logits."})
+    alasca_temperature: float = field(
+        default=1 / 3, metadata={"help": "method='alasca': sharpening temperature τ of the EMA logits (softmax(t/τ))."}
+    )
+    alasca_warmup_epochs: float = field(
+        default=30.0,
+        metadata={"help": "method='alasca': epochs over which the AC targets move linearly from hard to adaptive (reference code)."},
+    )
+    alasca_num_classifiers: int = field(
+        default=3,
+        metadata={"help": "method='alasca': auxiliary classifiers on evenly spaced intermediate blocks (ResNet-34: layers 1-3)."},
+    )
+
     def __post_init__(self) -> None:
         method_cls = get_method_class(self.method)
         if self.learning_rate is None:
