@@ -1,5 +1,6 @@
 """varsmooth: variational learning (IVON) as adaptive label smoothing for noisy labels, in `transformers.Trainer`."""
 
+from .label_noise import LabelNoiseCallback, compute_label_noise
 from .metrics import classification_metrics
 from .modeling import VariationalModel
 from .pipelines import pipeline
@@ -12,11 +13,13 @@ __version__ = "0.1.0"
 __all__ = [
     "POSTERIOR_FILE",
     "DiagonalGaussianPosterior",
+    "LabelNoiseCallback",
     "VariationalClassifierOutput",
     "VariationalIVON",
     "VariationalModel",
     "VariationalTrainer",
     "VariationalTrainingArguments",
     "classification_metrics",
+    "compute_label_noise",
     "pipeline",
 ]

@@ -1,0 +1,113 @@
+"""`LabelNoiseCallback`: export the per-example label noise of the posterior at the end of training."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import datasets
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+
+from .compute import write_label_noise
+
+if TYPE_CHECKING:
+    from ..trainer import VariationalTrainer
+
+__all__ = ["LabelNoiseCallback"]
+
+logger = logging.getLogger(__name__)
+
+
+class LabelNoiseCallback(TrainerCallback):
+    """Writes `label_noise.parquet` and `label_noise_summary.json` into `output_dir` when training ends.
+
+    The rows are `compute_label_noise` results (seed 000, Eq. 15 and Eq. 19) for every example of `dataset`
+    (default: the training set, with its `clean_label`/`is_corrupted` columns when present), in dataset order;
+    under DDP each process measures its shard and the main process writes one file. Both files are written to a
+    temporary name and renamed, so a crash never leaves half a file.
+
+    Pass it to `VariationalTrainer(callbacks=[LabelNoiseCallback()])`, which binds it to the trainer; a callback
+    added later with `trainer.add_callback` must be bound by hand: `trainer.add_callback(LabelNoiseCallback().bind(trainer))`.
+
+    Args:
+        num_samples: posterior samples S per example; costs S + 1 forward passes over `dataset`.
+        every_n_epochs: also export after every n-th epoch, as `label_noise_epoch<n>.parquet` (+ summary).
+        dataset: the examples to measure (a `datasets.Dataset` the trainer's collator can batch).
+        seed: seed of the posterior draws (default `args.eval_seed`, the draws evaluation uses).
+        plots: also draw seed 000's Fig. 4 (smoothed labels per class) and, when the dataset holds images,
+            Fig. 3 (highest- and lowest-noise examples) into `output_dir`.
+    """
+
+    def __init__(
+        self,
+        num_samples: int = 64,
+        every_n_epochs: int | None = None,
+        dataset: datasets.Dataset | None = None,
+        *,
+        seed: int | None = None,
+        plots: bool = False,
+    ) -> None:
+        if num_samples < 1:
+            raise ValueError(f"num_samples must be >= 1, got {num_samples}.")
+        if every_n_epochs is not None and every_n_epochs < 1:
+            raise ValueError(f"every_n_epochs must be >= 1 or None, got {every_n_epochs}.")
+        self.num_samples = num_samples
+        self.every_n_epochs = every_n_epochs
+        self.dataset = dataset
+        self.seed = seed
+        self.plots = plots
+        self.trainer: VariationalTrainer | None = None
+
+    def bind(self, trainer: "VariationalTrainer") -> "LabelNoiseCallback":
+        """Attach the trainer whose posterior and dataloaders are used (`VariationalTrainer` does it on init)."""
+        self.trainer = trainer
+        return self
+
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        # fail before training rather than after it
+        if self.trainer is None:
+            raise RuntimeError(
+                "LabelNoiseCallback is not bound to a trainer: pass it in VariationalTrainer(callbacks=[...]) or "
+                "add it as trainer.add_callback(LabelNoiseCallback(...).bind(trainer))."
+            )
+        if self.dataset is None and self.trainer.train_dataset is None:
+            raise ValueError("LabelNoiseCallback has no dataset: the trainer has no train_dataset and none was given.")
+
+    def on_epoch_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        epoch = round(state.epoch or 0)
+        # the last epoch is exported by on_train_end
+        if self.every_n_epochs and epoch % self.every_n_epochs == 0 and state.global_step < state.max_steps:
+            self.export(args, state, name=f"label_noise_epoch{epoch}")
+
+    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        self.export(args, state)
+
+    def export(self, args: TrainingArguments, state: TrainerState, name: str = "label_noise") -> str | None:
+        """Measure the label noise now and write it; returns the parquet path on the main process, else None.
+
+        Every process must call it (the results are gathered across processes).
+        """
+        trainer = self.trainer
+        dataset = self.dataset if self.dataset is not None else trainer.train_dataset
+        seed = args.eval_seed if self.seed is None else self.seed
+        noise = trainer.label_noise(dataset, num_samples=self.num_samples, seed=seed)
+        if not args.should_save:
+            return None
+        metadata = {"epoch": state.epoch, "global_step": state.global_step, "num_samples": self.num_samples,
+                    "seed": seed, **trainer.posterior().summary()}
+        path, _ = write_label_noise(noise, args.output_dir, name, metadata)
+        if self.plots:
+            self._draw(noise, dataset, args.output_dir, name)
+        logger.info("Wrote the label noise of %d examples to %s", len(noise), path)
+        return path
+
+    @staticmethod
+    def _draw(noise: datasets.Dataset, dataset: datasets.Dataset, output_dir: str, name: str) -> None:
+        from .. import plots  # matplotlib is imported only when pictures are asked for
+
+        if "smoothed_label" in noise.column_names:
+            plots.plot_smoothed_labels(noise, output_dir, filename=f"{name}_smoothed_labels.png")
+        if plots.find_image_column(dataset) is not None:
+            plots.plot_noise_extremes(noise, dataset, output_dir, filename=f"{name}_extremes.png")
+        else:
+            logger.info("The dataset has no image column: no picture of the highest/lowest-noise examples.")

@@ -1,0 +1,138 @@
+"""Pictures of the label noise (seed 000, Fig. 2-4; blog seed 001's Moon picture): each writes a readable PNG."""
+
+from __future__ import annotations
+
+import os
+
+import datasets
+import matplotlib.image
+import numpy as np
+import PIL.Image
+import pytest
+import torch
+from transformers.utils import ModelOutput
+
+from varsmooth import VariationalTrainer, VariationalTrainingArguments
+from varsmooth.label_noise import LabelNoiseCallback
+from varsmooth.plots import (
+    class_smoothed_labels,
+    find_image_column,
+    label_smoothing_targets,
+    plot_noise_2d,
+    plot_noise_extremes,
+    plot_noise_vs_mean,
+    plot_smoothed_labels,
+)
+
+K = 3
+
+
+def assert_png(path: str, folder) -> None:
+    assert os.path.dirname(path) == str(folder)
+    with open(path, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    image = matplotlib.image.imread(path)
+    assert image.ndim == 3 and min(image.shape[:2]) > 50
+    assert not [name for name in os.listdir(folder) if name.startswith(".tmp-")]
+
+
+def noise_table(n: int = 12, seed: int = 0) -> datasets.Dataset:
+    """A hand-made label-noise result: smoothed labels y + ε with Σ_k ε_k = 0."""
+    rng = np.random.default_rng(seed)
+    label = np.arange(n) % K
+    clean = np.where(np.arange(n) % 5 == 0, (label + 1) % K, label)
+    eps = rng.normal(scale=0.01, size=(n, K))
+    eps -= eps.mean(1, keepdims=True)
+    return datasets.Dataset.from_dict({
+        "example_index": np.arange(n)[::-1].copy(), "label": label, "clean_label": clean, "is_corrupted": clean != label,
+        "noise": eps.astype(np.float32), "smoothed_label": (np.eye(K)[label] + eps).astype(np.float32),
+        "noise_at_label": np.abs(eps[np.arange(n), label]), "noise_l2": np.linalg.norm(eps, axis=1),
+    })
+
+
+def test_fig2_noise_vs_mean(tmp_path):
+    assert_png(plot_noise_vs_mean(tmp_path, variances=(0.25, 1.0, 4.0)), tmp_path)
+
+
+def test_fig3_extremes_from_pil_images_and_pixel_arrays(tmp_path):
+    noise = noise_table()
+    rng = np.random.default_rng(0)
+    pil = datasets.Dataset.from_dict(
+        {"img": [PIL.Image.fromarray(rng.integers(0, 255, (8, 8), dtype=np.uint8)) for _ in range(12)]},
+        features=datasets.Features({"img": datasets.Image()}),
+    )
+    assert find_image_column(pil) == "img"
+    assert_png(plot_noise_extremes(noise, pil, tmp_path, num_examples=4, filename="pil.png"), tmp_path)
+    flat = datasets.Dataset.from_dict({"pixel_values": rng.random((12, 64)).astype(np.float32)})
+    assert_png(plot_noise_extremes(noise, flat, tmp_path, num_examples=20, score="noise_at_label", filename="flat.png"), tmp_path)
+    chw = datasets.Dataset.from_dict({"pixel_values": rng.random((12, 3, 6, 6)).astype(np.float32)})
+    assert_png(plot_noise_extremes(noise, chw, tmp_path, num_examples=3, filename="chw.png"), tmp_path)
+    with pytest.raises(ValueError, match="No image column"):
+        plot_noise_extremes(noise, datasets.Dataset.from_dict({"x": list(range(12))}), tmp_path)
+
+
+def test_fig4_smoothed_labels(tmp_path):
+    noise = noise_table()
+    targets = label_smoothing_targets(K, 0.3)
+    np.testing.assert_allclose(targets.sum(1), 1.0)
+    np.testing.assert_allclose(np.diag(targets), 0.7 + 0.1)  # (1 − α) + α/K
+    np.testing.assert_allclose(targets[0, 1], 0.1)
+    smoothed = np.asarray(noise.with_format("numpy")[:]["smoothed_label"])
+    per_class = class_smoothed_labels(noise)
+    for c in range(K):
+        np.testing.assert_allclose(per_class[c], smoothed[np.arange(12) % K == c].mean(0), rtol=1e-6)
+    ols = np.full((K, K), 1.0 / K)
+    assert_png(plot_smoothed_labels(noise, tmp_path, others={"LS α=0.3": targets, "OLS": ols}), tmp_path)
+    with pytest.raises(ValueError, match="matrix"):
+        plot_smoothed_labels(noise, tmp_path, others={"bad": np.eye(K + 1)})
+
+
+def test_moon_picture(tmp_path):
+    noise = noise_table()
+    points = np.random.default_rng(1).normal(size=(12, 2))
+    path = plot_noise_2d(noise, points, tmp_path, boundary=lambda xy: 1 / (1 + np.exp(-xy[:, 0])))
+    assert_png(path, tmp_path)
+    with pytest.raises(ValueError, match="shape"):
+        plot_noise_2d(noise, points[:, :1], tmp_path)
+
+
+class TinyImageClassifier(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Linear(16, K)
+
+    def forward(self, pixel_values, labels=None):
+        return ModelOutput(logits=self.net(pixel_values.flatten(1)))
+
+
+def test_callback_draws_figures_for_images(tmp_path):
+    """Images decoded on the fly by `with_transform` (the usual vision set-up): the Trainer's collator batches
+    the transform's output, the figures read the raw images."""
+    rng = np.random.default_rng(0)
+    label = np.arange(24) % K
+    pictures = [PIL.Image.fromarray((rng.random((4, 4)) * 60 + 60 * y).astype(np.uint8)) for y in label]
+    data = datasets.Dataset.from_dict(
+        {"image": pictures, "label": label, "clean_label": label},
+        features=datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(num_classes=K),
+                                    "clean_label": datasets.ClassLabel(num_classes=K)}),
+    )
+
+    def to_pixels(batch):
+        pixels = [torch.as_tensor(np.asarray(im, dtype=np.float32) / 255.0)[None] for im in batch["image"]]
+        return {"pixel_values": pixels, "labels": batch["label"]}
+
+    def collate(rows):
+        return {"pixel_values": torch.stack([r["pixel_values"] for r in rows]), "labels": torch.tensor([r["labels"] for r in rows])}
+
+    args = VariationalTrainingArguments(
+        output_dir=str(tmp_path), num_train_epochs=1, per_device_train_batch_size=8, learning_rate=0.05, beta2=0.99,
+        report_to="none", save_strategy="no", logging_strategy="no", use_cpu=True, disable_tqdm=True,
+    )
+    torch.manual_seed(0)
+    trainer = VariationalTrainer(TinyImageClassifier(), args, train_dataset=data.with_transform(to_pixels),
+                                 data_collator=collate, callbacks=[LabelNoiseCallback(num_samples=4, plots=True)])
+    trainer.train()
+    assert_png(str(tmp_path / "label_noise_smoothed_labels.png"), tmp_path)
+    assert_png(str(tmp_path / "label_noise_extremes.png"), tmp_path)
+    noise = datasets.Dataset.from_parquet(str(tmp_path / "label_noise.parquet"))
+    assert noise["label"][:] == list(label) and noise.features["clean_label"] == data.features["clean_label"]
