@@ -186,3 +186,16 @@ def test_eval_mc_samples_zero_predicts_at_mean(tmp_path):
     with torch.no_grad():
         probs = trainer.model(pixel_values=ds[:]["pixel_values"]).logits.softmax(-1).numpy()
     assert metrics["eval_nll"] == pytest.approx(log_loss(ds[:]["label"].numpy(), probs, labels=range(10)), rel=1e-5)
+
+
+def test_cached_and_fresh_draws_are_the_same_weights():
+    model = torch.nn.Linear(30, 20)
+    std = {"weight": torch.full((20, 30), 0.1), "bias": torch.full((20,), 0.2)}
+    cached, fresh = DiagonalGaussianPosterior(model, std), DiagonalGaussianPosterior(model, std, cache_bytes=0)
+    for seed in (0, 1, 0):
+        with cached.sampled(seed):
+            a = [p.detach().clone() for p in model.parameters()]
+        with fresh.sampled(seed):
+            b = [p.detach().clone() for p in model.parameters()]
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert cached._cache_used > 0 and fresh._cache_used == 0

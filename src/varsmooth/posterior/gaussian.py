@@ -26,6 +26,8 @@ __all__ = ["POSTERIOR_FILE", "DiagonalGaussianPosterior"]
 logger = logging.getLogger(__name__)
 
 POSTERIOR_FILE = "posterior.safetensors"
+#: default memory for cached weight perturbations (a tiny CNN's 64 draws take a few MB; a ResNet-34's, 5 GB)
+DEFAULT_CACHE_BYTES = 256 * 2**20
 
 
 class DiagonalGaussianPosterior:
@@ -35,9 +37,11 @@ class DiagonalGaussianPosterior:
         model: the network; its current weights are the posterior mean m.
         std: parameter name -> σ (same shape as the parameter). Parameters not listed are deterministic.
         metadata: JSON-safe facts about how σ was obtained (ess, prior precision, hess_init, ...).
+        cache_bytes: memory for keeping drawn perturbations σ⊙e (σ is fixed for the object's lifetime).
     """
 
-    def __init__(self, model: torch.nn.Module, std: Mapping[str, torch.Tensor], metadata: Mapping[str, Any] | None = None):
+    def __init__(self, model: torch.nn.Module, std: Mapping[str, torch.Tensor], metadata: Mapping[str, Any] | None = None,
+                 cache_bytes: int = DEFAULT_CACHE_BYTES):
         params = dict(model.named_parameters())
         missing = [name for name in std if name not in params]
         if missing:
@@ -56,6 +60,9 @@ class DiagonalGaussianPosterior:
         self.names = [name for name in params if name in std]
         self.std = {name: std[name].detach().to(params[name].device, params[name].dtype) for name in self.names}
         self.metadata = dict(metadata or {})
+        self.cache_bytes = cache_bytes
+        self._cache: dict[int, list[torch.Tensor]] = {}
+        self._cache_used = 0
 
     # -- construction ------------------------------------------------------------------------------
     @classmethod
@@ -96,6 +103,26 @@ class DiagonalGaussianPosterior:
     def is_point_mass(self) -> bool:
         return not self.std
 
+    def _perturbation(self, seed: int) -> list[torch.Tensor]:
+        """σ⊙e for the draw `seed`, one tensor per name; kept while the cache budget allows, since evaluation and
+        label-noise export ask for the same S draws on every batch and drawing e costs as much as a forward pass."""
+        cached = self._cache.get(seed)
+        if cached is not None:
+            return cached
+        params = dict(self.model.named_parameters())
+        generators: dict[torch.device, torch.Generator] = {}
+        perturbation = []
+        for index, name in enumerate(self.names):
+            p = params[name]
+            gen = generators.setdefault(p.device, torch.Generator(device=p.device))
+            gen.manual_seed(derive_seed(seed, index))
+            perturbation.append(torch.randn(p.shape, generator=gen, device=p.device, dtype=p.dtype) * self.std[name])
+        size = sum(t.numel() * t.element_size() for t in perturbation)
+        if self._cache_used + size <= self.cache_bytes:
+            self._cache[seed] = perturbation
+            self._cache_used += size
+        return perturbation
+
     @contextlib.contextmanager
     def sampled(self, seed: int) -> Iterator[None]:
         """Set the model's weights to θ = m + σ⊙e, e ~ N(0, I) drawn from `seed`; restore m on exit, always.
@@ -105,16 +132,12 @@ class DiagonalGaussianPosterior:
         """
         params = dict(self.model.named_parameters())
         saved: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
-        generators: dict[torch.device, torch.Generator] = {}
         try:
             with torch.no_grad():
-                for index, name in enumerate(self.names):
-                    p, std = params[name], self.std[name]
-                    gen = generators.setdefault(p.device, torch.Generator(device=p.device))
-                    gen.manual_seed(derive_seed(seed, index))
-                    noise = torch.randn(p.shape, generator=gen, device=p.device, dtype=p.dtype)
+                for name, delta in zip(self.names, self._perturbation(seed)):
+                    p = params[name]
                     saved.append((p, p.data))
-                    p.data = p.data + noise * std
+                    p.data = p.data + delta
             yield
         finally:
             for p, mean in saved:
