@@ -23,6 +23,7 @@ def main(out: str, steps: int, grad_accum: int) -> None:
                 "hess": trainer.ivon.hessian().clone(), "world_size": trainer.args.world_size,
                 "sync": trainer.ivon.sync}, os.path.join(out, f"rank{rank}.pt"))
     trainer.accelerator.wait_for_everyone()
+    trainer.end()  # destroys the process group; without it gloo can abort at exit (hf.md §3)
 
 
 if __name__ == "__main__":

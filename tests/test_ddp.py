@@ -72,3 +72,21 @@ def _reference_ddp(init, rank_batches, steps, grad_accum):
                 F.cross_entropy(model(xb).logits, yb).backward()
         opt.step()
     return model, opt
+
+
+@pytest.mark.parametrize("method", ["ols", "alasca"])
+def test_ddp_method_state_is_shared(tmp_path, method):
+    """OLS all-reduces its soft-label statistics, ALASCA gathers its EMA: every rank holds the same state."""
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    cmd = [torchrun, "--nproc_per_node", "2", "--master_port", str(29600 + len(method) + os.getpid() % 1000),
+           os.path.join(os.path.dirname(__file__), "ddp_methods_worker.py"), str(tmp_path), method]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2))
+    assert all(torch.equal(a, b) for a, b in zip(r0["params"], r1["params"]))
+    assert r0["state"] and r0["state"].keys() == r1["state"].keys()
+    for key in r0["state"]:
+        assert torch.equal(r0["state"][key], r1["state"][key]), key
+    if method == "ols":  # the checkpointed counts are the sums over both ranks (6 steps x 2 ranks x 2 rows at most)
+        assert 0 < r0["state"]["counts"].sum() <= 24
