@@ -113,6 +113,8 @@ class VariationalTrainer(Trainer):
                     "Hessian never updates. Load the model in float32 and use bf16=True for mixed precision."
                 )
             self._ivon_param_names = [names[id(p)] for p in params]
+            # the run's length (set by train() before the optimizer), for the run-length β2 rule (varsmooth.defaults)
+            self.method.total_steps = self.state.max_steps or None
             self.optimizer = VariationalIVON(
                 params, noise_seed=self.args.seed, rank=self.args.process_index,
                 sync=self.args.world_size > 1, **self.method.ivon_settings(),
@@ -374,8 +376,9 @@ class VariationalTrainer(Trainer):
                 logger.warning(
                     "IVON's Hessian hardly moved during training (median relative change %.2g after %d steps with "
                     "beta2=%s): the posterior std is still set by the prior settings (ess, hess_init), not learned. "
-                    "For short runs use a smaller beta2 (its averaging window 1/(1-beta2) should be a fraction of the "
-                    "run's steps) together with clip_radius.", moved, opt.current_step, opt.param_groups[0]["beta2"],
+                    "Try hessian_window=0.1 (beta2 = 1 - 1/max(0.1 x the run's steps, 300), clip_radius 0.05), which let "
+                    "the posterior adapt in benchmarks/training_length.py.", moved, opt.current_step,
+                    opt.param_groups[0]["beta2"],
                 )
         return output
 

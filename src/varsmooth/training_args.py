@@ -34,7 +34,14 @@ class VariationalTrainingArguments(TrainingArguments):
     )
     hess_init: float = field(default=0.5, metadata={"help": "IVON initial Hessian h0 (> 0); sets the initial posterior std 1/sqrt(ess (h0 + prior_precision))."})
     beta1: float = field(default=0.9, metadata={"help": "IVON gradient momentum β1."})
-    beta2: float = field(default=0.99999, metadata={"help": "IVON Hessian EMA rate β2 (1 = fixed Hessian)."})
+    beta2: float = field(default=0.99999, metadata={"help": "IVON Hessian EMA rate β2 (1 = fixed Hessian). Ignored when hessian_window is set."})
+    hessian_window: float | None = field(
+        default=None,
+        metadata={"help": "Run-length rule instead of beta2: β2 = 1 - 1/max(hessian_window * T, 300), T = the run's "
+                          "optimizer steps (varsmooth.defaults), with clip_radius defaulting to 0.05. 0.1 let the posterior "
+                          "adapt and beat the authors' β2 on MNIST at 20 epochs, but hurt on the 1.4k-image digits "
+                          "(benchmarks/training_length.py, README 'Does it work?'). None: beta2 as given."},
+    )
     prior_precision: float = field(
         default=2e-4,
         metadata={"help": "IVON weight decay δ = precision of the Gaussian prior. Replaces `weight_decay`, which IVON ignores."},
@@ -122,6 +129,8 @@ class VariationalTrainingArguments(TrainingArguments):
                 raise ValueError(f"prior_precision must be >= 0, got {self.prior_precision}.")
             if self.ess is not None and not self.ess > 0:
                 raise ValueError(f"ess must be > 0, got {self.ess}.")
+            if self.hessian_window is not None and not self.hessian_window > 0:
+                raise ValueError(f"hessian_window must be > 0 (a fraction of the run's steps) or None, got {self.hessian_window}.")
             if self.clip_radius is not None and not self.clip_radius > 0:
                 raise ValueError(f"clip_radius must be > 0 or None, got {self.clip_radius}.")
         if self.eval_mc_samples < 0:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any, ClassVar
 
+from ..defaults import HESSIAN_WINDOW_CLIP_RADIUS, beta2_for_window
 from .base import TrainingMethod, register_method
 
 __all__ = ["IVONMethod", "IVONFixedHessianMethod"]
@@ -17,9 +18,27 @@ class IVONMethod(TrainingMethod):
     name: ClassVar[str] = "ivon"
     uses_ivon: ClassVar[bool] = True
     default_learning_rate: ClassVar[float] = 0.2
+    #: optimizer steps of the run, set by the trainer before it builds IVON (for `hessian_window`)
+    total_steps: int | None = None
 
     def beta2(self) -> float:
-        return self.args.beta2
+        """`beta2`, or with `hessian_window` = c: 1 − 1/max(c·T, 300) for a run of T optimizer steps
+        (varsmooth.defaults; the run-length rule of benchmarks/training_length.py)."""
+        if self.args.hessian_window is None:
+            return self.args.beta2
+        if not self.total_steps:
+            raise ValueError(
+                "hessian_window sets β2 from the run's number of optimizer steps, which is not known yet (the trainer "
+                "sets it when it builds the optimizer; an IterableDataset needs max_steps). Pass beta2 instead."
+            )
+        return beta2_for_window(self.total_steps, self.args.hessian_window)
+
+    def clip_radius(self) -> float:
+        """`clip_radius` if given; 0.05 under the run-length rule (the Hessian may fall far below h0, which would
+        blow up the step lr·(h0+δ)/(h+δ), fidelity_long.md); else no clipping."""
+        if self.args.clip_radius is not None:
+            return self.args.clip_radius
+        return HESSIAN_WINDOW_CLIP_RADIUS if self.args.hessian_window is not None else math.inf
 
     def ess(self) -> float:
         """λ in seed 000 Eq. 6: the user's `ess`, else the training-set size N (the authors' choice)."""
@@ -33,20 +52,25 @@ class IVONMethod(TrainingMethod):
         return float(self.num_train_examples)
 
     def ivon_settings(self) -> dict[str, Any]:
+        return self._settings(self.beta2())
+
+    def _settings(self, beta2: float | None) -> dict[str, Any]:
         a = self.args
         return {
             "lr": a.learning_rate,
             "ess": self.ess(),
             "hess_init": a.hess_init,
             "beta1": a.beta1,
-            "beta2": self.beta2(),
+            "beta2": beta2,
             "weight_decay": a.prior_precision,
-            "clip_radius": math.inf if a.clip_radius is None else a.clip_radius,
+            "clip_radius": self.clip_radius(),
             "rescale_lr": a.rescale_lr,
         }
 
     def hyperparameters(self) -> dict[str, Any]:
-        return {"method": self.name, **{k: v for k, v in self.ivon_settings().items()},
+        known = self.args.hessian_window is None or self.total_steps  # under the run-length rule, β2 is known once T is
+        settings = self._settings(self.beta2() if known else None)
+        return {"method": self.name, **settings, "hessian_window": self.args.hessian_window,
                 "mc_samples": self.args.mc_samples, "eval_mc_samples": self.args.eval_mc_samples}
 
 

@@ -1,0 +1,477 @@
+"""Shared data, model and run code of the benchmarks (real data that fits a CPU).
+
+* Data: MNIST as in the plain-PyTorch reference study (../shared/research/fidelity_mnist.md): a fixed 10k subset of the
+  training images (``RandomState(12345).permutation(60000)[:10000]``), the first 1,000 are a *noisy* validation
+  split and the other 9,000 the training set, test = the full clean 10k; scikit-learn's 8x8 digits for quick runs.
+  Label noise comes from the library (``varsmooth.corruption.corrupt_labels``), applied to train + validation
+  together with ``seed`` as the noise seed, so validation is as noisy as training (hyperparameters are chosen on it,
+  never on the clean test set).
+* Model: the reference study's small CNN (conv16-pool-conv32-pool-fc128-fc10, no BatchNorm), an ``nn.Module`` whose
+  ``forward(pixel_values, labels=None)`` returns a ``ModelOutput`` with ``logits``, as the Trainer expects.
+* :func:`run` trains one (method, hyperparameters, noise, seed, epochs) with ``VariationalTrainer`` and returns a
+  JSON-able dict of clean-test and noisy-validation metrics, the per-epoch history and IVON's Hessian; each run is
+  cached as JSON under ``benchmarks/results/<script>/runs/`` so that every script is resumable.
+
+Paired design (as the reference): within a seed every method sees the same noisy labels, the same initial weights
+(``torch.manual_seed(seed)`` before building the model) and the same batch order (the Trainer's sampler seed).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import platform
+import re
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import TrainerCallback
+from transformers.trainer_callback import PrinterCallback
+from transformers.modeling_outputs import ImageClassifierOutput
+from transformers.utils import logging as hf_logging
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DATA_DIR = Path(os.environ.get("VARSMOOTH_DATA_DIR", REPO_ROOT.parent / "shared" / "data"))
+RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
+#: bump when a change makes old cached runs incomparable (part of every cache key)
+CACHE_VERSION = 1
+#: size of the fixed clean-test subset behind the per-epoch curves (final metrics use the whole test set)
+HISTORY_TEST_SIZE = 2000
+
+hf_logging.set_verbosity_error()
+
+__all__ = [
+    "DATA_DIR", "RESULTS_DIR", "REPO_ROOT", "DataUnavailable", "ImageData", "SmallCNN", "load_data", "noisy_labels",
+    "parse_noise", "run", "method_available", "mean_std", "write_json", "steps_per_epoch", "beta2_window",
+]
+
+
+class DataUnavailable(RuntimeError):
+    """A data file is missing; benchmarks catch it and skip with its message."""
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# data
+# -------------------------------------------------------------------------------------------------------------------
+@dataclass
+class ImageData:
+    name: str
+    x_train: np.ndarray  # (N, 1, H, W) float32, normalised
+    y_train: np.ndarray  # clean labels, int64
+    x_val: np.ndarray
+    y_val: np.ndarray  # clean labels (the run uses the noisy ones; clean only for descriptive diagnostics)
+    x_test: np.ndarray
+    y_test: np.ndarray
+    num_classes: int = 10
+
+    @property
+    def image_shape(self) -> tuple[int, int, int]:
+        return tuple(self.x_train.shape[1:])  # type: ignore[return-value]
+
+
+_DATA_CACHE: dict[str, ImageData] = {}
+
+
+def load_mnist(n_train: int = 9000, n_val: int = 1000) -> ImageData:
+    path = DATA_DIR / "mnist.npz"
+    if not path.is_file():
+        raise DataUnavailable(
+            f"MNIST not found at {path} (expected ../shared/data/mnist.npz relative to the repository root, or set "
+            "VARSMOOTH_DATA_DIR). Skipping the MNIST benchmarks; `--quick` runs on scikit-learn digits instead."
+        )
+    with np.load(path) as f:
+        x_tr, y_tr, x_te, y_te = f["x_train"], f["y_train"], f["x_test"], f["y_test"]
+    idx = np.random.RandomState(12345).permutation(len(y_tr))[: n_train + n_val]
+    norm = lambda x: ((x.astype(np.float32) / 255.0 - 0.1307) / 0.3081)[:, None]  # noqa: E731
+    x_sub, y_sub = norm(x_tr[idx]), y_tr[idx].astype(np.int64)
+    return ImageData("mnist", x_sub[n_val:], y_sub[n_val:], x_sub[:n_val], y_sub[:n_val], norm(x_te), y_te.astype(np.int64))
+
+
+def load_digits_data(n_train: int = 1000, n_val: int = 200) -> ImageData:
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    x = ((d.images / 16.0 - 0.5) / 0.5).astype(np.float32)[:, None]
+    y = d.target.astype(np.int64)
+    idx = np.random.RandomState(12345).permutation(len(y))
+    tr, va, te = idx[n_val:n_val + n_train], idx[:n_val], idx[n_val + n_train:]
+    return ImageData("digits", x[tr], y[tr], x[va], y[va], x[te], y[te])
+
+
+def load_data(name: str) -> ImageData:
+    if name not in _DATA_CACHE:
+        loaders = {"mnist": load_mnist, "digits": load_digits_data}
+        if name not in loaders:
+            raise ValueError(f"Unknown dataset {name!r}; choose one of {sorted(loaders)}.")
+        _DATA_CACHE[name] = loaders[name]()
+    return _DATA_CACHE[name]
+
+
+_NOISE_RE = re.compile(r"^(clean|sym|pair|cw)([0-9.]*)$")
+
+
+def parse_noise(noise: str) -> tuple[str | None, dict[str, float]]:
+    """'clean' | 'sym40' | 'pair20' | 'cw0.3' (class-wise, κ = 0.3, β = 0.05) -> (noise_type, corrupt_labels kwargs)."""
+    m = _NOISE_RE.match(noise)
+    if not m or (m.group(1) != "clean" and not m.group(2)):
+        raise ValueError(f"Bad noise spec {noise!r}: use clean, sym<pct>, pair<pct> or cw<kappa> (e.g. sym40, cw0.3).")
+    kind, level = m.group(1), m.group(2)
+    if kind == "clean":
+        return None, {}
+    if kind == "cw":
+        return "classwise", {"kappa": float(level), "beta": 0.05}
+    return {"sym": "symmetric", "pair": "pairflip"}[kind], {"rate": float(level) / 100.0}
+
+
+def noisy_labels(data: ImageData, noise: str, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Noisy (train, val) labels from ``varsmooth.corruption.corrupt_labels``, applied to train + val as one dataset."""
+    noise_type, params = parse_noise(noise)
+    y_all = np.concatenate([data.y_val, data.y_train])
+    if noise_type is not None:
+        import datasets
+
+        from varsmooth.corruption import corrupt_labels
+
+        features = datasets.Features({"label": datasets.ClassLabel(num_classes=data.num_classes)})
+        ds = datasets.Dataset.from_dict({"label": y_all.tolist()}, features=features)
+        ds = corrupt_labels(ds, noise_type, seed=seed, **params)
+        y_all = np.asarray(ds["label"], dtype=np.int64)
+    n_val = len(data.y_val)
+    return y_all[n_val:], y_all[:n_val]
+
+
+class ArrayDataset(torch.utils.data.Dataset):
+    """Rows {"pixel_values", "labels"} of in-memory tensors (fast to index, collated by the Trainer's default collator)."""
+
+    def __init__(self, x: np.ndarray, y: np.ndarray) -> None:
+        self.x = torch.as_tensor(x)
+        self.y = torch.as_tensor(y)
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"pixel_values": self.x[i], "labels": self.y[i]}
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# model
+# -------------------------------------------------------------------------------------------------------------------
+class SmallCNN(nn.Module):
+    """conv(1→16,3,p1)-ReLU-maxpool-conv(16→32,3,p1)-ReLU-maxpool-fc(32·H/4·W/4→128)-ReLU-fc(128→K), no BatchNorm."""
+
+    def __init__(self, image_shape: tuple[int, int, int] = (1, 28, 28), num_classes: int = 10, width: int = 16, hidden: int = 128) -> None:
+        super().__init__()
+        c, h, w = image_shape
+        self.conv1 = nn.Conv2d(c, width, 3, padding=1)
+        self.conv2 = nn.Conv2d(width, 2 * width, 3, padding=1)
+        self.fc1 = nn.Linear(2 * width * (h // 4) * (w // 4), hidden)
+        self.fc2 = nn.Linear(hidden, num_classes)
+        # what ALASCA needs to place its auxiliary heads: widths of `hidden_states` (stem first), as HF CNN configs
+        self.config = SimpleNamespace(embedding_size=width, hidden_sizes=[2 * width, hidden], num_labels=num_classes)
+
+    def get_classifier(self) -> nn.Linear:  # timm-style accessor (OLS/ALASCA/LN find the output layer with it)
+        return self.fc2
+
+    def forward(self, pixel_values: torch.Tensor, labels: torch.Tensor | None = None,
+                output_hidden_states: bool = False) -> ImageClassifierOutput:
+        h1 = F.max_pool2d(F.relu(self.conv1(pixel_values)), 2)
+        h2 = F.max_pool2d(F.relu(self.conv2(h1)), 2)
+        h3 = F.relu(self.fc1(h2.flatten(1)))
+        logits = self.fc2(h3)
+        loss = F.cross_entropy(logits, labels) if labels is not None else None
+        hidden = (h1, h2, h3[:, :, None, None]) if output_hidden_states else None
+        return ImageClassifierOutput(loss=loss, logits=logits, hidden_states=hidden)
+
+
+@torch.no_grad()
+def predict_probs(model: nn.Module, x: torch.Tensor, batch: int = 2000) -> torch.Tensor:
+    was_training = model.training
+    model.eval()
+    out = torch.cat([model(pixel_values=x[i:i + batch]).logits.float().softmax(-1) for i in range(0, len(x), batch)])
+    model.train(was_training)
+    return out
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# methods and hyperparameters
+# -------------------------------------------------------------------------------------------------------------------
+#: the reference study's baseline optimizer: SGD(momentum 0.9, lr 0.05, wd 5e-4), cosine to 0 per step
+#: (max_grad_norm 0: no gradient clipping, as the reference; the Trainer's default 1.0 slows memorisation for all methods)
+SGD_BASE: dict[str, Any] = {"optim": "sgd", "optim_args": "momentum=0.9", "learning_rate": 0.05, "weight_decay": 5e-4,
+                            "lr_scheduler_type": "cosine", "warmup_epochs": 0, "max_grad_norm": 0.0}
+#: IVON as in the reference study's S1 (= the authors' CIFAR script, library defaults), 1-epoch warm-up then cosine
+IVON_BASE: dict[str, Any] = {"learning_rate": 0.2, "hess_init": 0.5, "beta1": 0.9, "beta2": 0.99999,
+                             "prior_precision": 2e-4, "lr_scheduler_type": "cosine", "warmup_epochs": 1,
+                             "max_grad_norm": 0.0}
+
+
+def method_available(method: str) -> bool:
+    from varsmooth.methods import METHODS
+
+    return method in METHODS
+
+
+def uses_ivon(method: str) -> bool:
+    from varsmooth.methods import get_method_class
+
+    return bool(get_method_class(method).uses_ivon)
+
+
+def steps_per_epoch(n_train: int, batch_size: int) -> int:
+    return math.ceil(n_train / batch_size)
+
+
+def beta2_window(c: float, total_steps: int) -> float:
+    """β2 = 1 − 1/(c·T): the Hessian EMA averages over a window of a fraction c of the run's T optimizer steps."""
+    return 1.0 - 1.0 / (c * total_steps)
+
+
+def _slug(hp: dict[str, Any]) -> str:
+    parts = []
+    for k in sorted(hp):
+        v = hp[k]
+        v = f"{v:.6g}" if isinstance(v, float) else str(v)
+        parts.append(f"{k}={v}")
+    s = ",".join(parts) or "default"
+    return re.sub(r"[^A-Za-z0-9=,.+-]", "_", s)
+
+
+def run_key(**config: Any) -> str:
+    blob = json.dumps(config, sort_keys=True, default=str)
+    h = hashlib.sha1(blob.encode()).hexdigest()[:10]
+    name = f"{config['dataset']}_{config['noise']}_{config['method']}_{_slug(config['hyperparams'])}_e{config['epochs']}_s{config['seed']}"
+    return (name[:150] + "_" + h) if len(name) > 150 else name + "_" + h
+
+
+class HistoryCallback(TrainerCallback):
+    """Every `every` epochs: clean-test and noisy-val accuracy at the current (mean) weights, and IVON's Hessian.
+
+    Descriptive only: nothing is selected on the clean-test curve.
+    """
+
+    def __init__(self, x_test: torch.Tensor, y_test: torch.Tensor, x_val: torch.Tensor, y_val: torch.Tensor, every: int = 1) -> None:
+        self.x_test, self.y_test, self.x_val, self.y_val, self.every = x_test, y_test, x_val, y_val, every
+        self.trainer = None
+        self.history: list[dict[str, float]] = []
+
+    def on_epoch_end(self, args, state, control, model=None, **kwargs):  # noqa: ANN001
+        epoch = int(round(state.epoch or 0))
+        if self.every <= 0 or (epoch % self.every and epoch != int(args.num_train_epochs)):
+            return
+        row: dict[str, float] = {"epoch": epoch, "step": state.global_step}
+        row["test_acc"] = float((predict_probs(model, self.x_test).argmax(-1) == self.y_test).float().mean())
+        row["val_acc"] = float((predict_probs(model, self.x_val).argmax(-1) == self.y_val).float().mean())
+        losses = [r["loss"] for r in state.log_history if "loss" in r]
+        if losses:
+            row["train_loss"] = float(losses[-1])
+        if self.trainer is not None and self.trainer.ivon is not None:
+            row.update(self.trainer.hessian_summary())
+        self.history.append(row)
+
+
+def _versions() -> dict[str, str]:
+    import transformers
+
+    try:
+        import ivon  # noqa: F401
+        from importlib.metadata import version
+
+        ivon_v = version("ivon-opt")
+    except Exception:  # pragma: no cover
+        ivon_v = "?"
+    return {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "ivon-opt": ivon_v, "machine": platform.machine()}
+
+
+def _result_path(script: str, key: str) -> Path:
+    return RESULTS_DIR / script / "runs" / f"{key}.json"
+
+
+def write_json(path: Path, obj: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=1, sort_keys=False, default=_json_default) + "\n")
+    os.replace(tmp, path)
+
+
+def _json_default(o: Any) -> Any:
+    if isinstance(o, (np.floating, np.integer)):
+        return o.item()
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    return str(o)
+
+
+def cached(script: str, method: str, hyperparams: dict[str, Any] | None = None, noise: str = "sym40", seed: int = 0,
+           epochs: int = 20, *, dataset: str = "mnist", batch_size: int = 64, eval_mc_samples: int = 8) -> dict | None:
+    """The cached result of a run, or None (no training)."""
+    config = dict(dataset=dataset, method=method, hyperparams=dict(hyperparams or {}), noise=noise, seed=seed,
+                  epochs=epochs, batch_size=batch_size, eval_mc_samples=eval_mc_samples, version=CACHE_VERSION)
+    path = _result_path(script, run_key(**config))
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def run(method: str, hyperparams: dict[str, Any] | None = None, noise: str = "sym40", seed: int = 0, epochs: int = 20,
+        *, dataset: str = "mnist", batch_size: int = 64, eval_mc_samples: int = 8, history_every: int = 1,
+        script: str = "adhoc", force: bool = False, verbose: bool = True) -> dict[str, Any]:
+    """Train `method` (a name in `varsmooth.methods.METHODS`) with `hyperparams` (fields of
+    `VariationalTrainingArguments`, plus ``warmup_epochs``) on `dataset` with `noise`, for `epochs` epochs.
+
+    Defaults below the given hyperparameters: SGD_BASE for non-IVON methods, IVON_BASE for IVON methods.
+    Returns (and caches under benchmarks/results/<script>/runs/) clean-test accuracy/NLL/ECE/Brier — the BMA over
+    `eval_mc_samples` posterior draws for IVON methods, plus ``test_mean_*`` at the posterior mean —, the same on the
+    noisy validation split (``val_*``, the only numbers used for selection), the fraction of flipped training labels
+    the final model fits, the per-epoch history and the Hessian summary.
+    """
+    hyperparams = dict(hyperparams or {})
+    config = dict(dataset=dataset, method=method, hyperparams=hyperparams, noise=noise, seed=seed, epochs=epochs,
+                  batch_size=batch_size, eval_mc_samples=eval_mc_samples, version=CACHE_VERSION)
+    key = run_key(**config)
+    path = _result_path(script, key)
+    if path.is_file() and not force:
+        return json.loads(path.read_text())
+    if not method_available(method):
+        from varsmooth.methods import METHODS
+
+        raise KeyError(f"Method {method!r} is not in varsmooth.methods.METHODS ({sorted(METHODS)}).")
+
+    from varsmooth import VariationalTrainer, VariationalTrainingArguments
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    data = load_data(dataset)
+    y_train, y_val = noisy_labels(data, noise, seed)
+    n_train = len(y_train)
+    spe = steps_per_epoch(n_train, batch_size)
+    ivon_method = uses_ivon(method)
+    settings = {**(IVON_BASE if ivon_method else SGD_BASE), **hyperparams}
+    warmup_epochs = settings.pop("warmup_epochs", 0)
+    settings["warmup_steps"] = int(round(warmup_epochs * spe))
+
+    torch.manual_seed(seed)
+    model = SmallCNN(data.image_shape, data.num_classes)
+    # per-epoch history on a fixed 2,000-image subset of the clean test set (cost; final metrics use all of it)
+    sub = np.random.RandomState(0).permutation(len(data.y_test))[:HISTORY_TEST_SIZE]
+    x_test, y_test = torch.as_tensor(data.x_test[sub]), torch.as_tensor(data.y_test[sub])
+    x_val, y_val_t = torch.as_tensor(data.x_val), torch.as_tensor(y_val)
+    history_cb = HistoryCallback(x_test, y_test, x_val, y_val_t, every=history_every)
+    with tempfile.TemporaryDirectory(prefix="varsmooth-bench-") as tmp:
+        args = VariationalTrainingArguments(
+            output_dir=tmp, method=method, num_train_epochs=epochs, per_device_train_batch_size=batch_size,
+            per_device_eval_batch_size=1000, seed=seed, data_seed=seed, use_cpu=True, report_to=[],
+            save_strategy="no", eval_strategy="no", logging_strategy="steps", logging_steps=spe, disable_tqdm=True,
+            dataloader_num_workers=0, eval_mc_samples=eval_mc_samples if ivon_method else 0, eval_seed=0,
+            **settings,
+        )
+        trainer = VariationalTrainer(model=model, args=args, train_dataset=ArrayDataset(data.x_train, y_train),
+                                     callbacks=[history_cb])
+        history_cb.trainer = trainer
+        trainer.remove_callback(PrinterCallback)  # the per-epoch log dicts are kept in the result instead
+        t0 = time.perf_counter()
+        diverged = None
+        try:
+            train_out = trainer.train()
+            training_loss = float(train_out.training_loss)
+        except FloatingPointError as error:  # a diverged run is a result (e.g. an unclipped small beta2), not a crash
+            diverged = f"{error}"[:300]
+            training_loss = float("nan")
+        train_s = time.perf_counter() - t0
+        hess = trainer.hessian_summary()
+        t1 = time.perf_counter()
+        test = trainer.evaluate(ArrayDataset(data.x_test, data.y_test), metric_key_prefix="test")
+        val = trainer.evaluate(ArrayDataset(data.x_val, y_val), metric_key_prefix="val")
+        eval_s = time.perf_counter() - t1
+        log_history = trainer.state.log_history
+    # memorisation: share of flipped training labels that the final (mean) model predicts as their noisy label
+    pred_train = predict_probs(model, torch.as_tensor(data.x_train)).argmax(-1).numpy()
+    flipped = y_train != data.y_train
+    result: dict[str, Any] = {
+        "key": key, "config": config, "settings": {k: v for k, v in settings.items()},
+        "n_train": n_train, "steps": trainer.state.global_step, "steps_per_epoch": spe,
+        "realized_noise_train": float(flipped.mean()), "realized_noise_val": float((y_val != data.y_val).mean()),
+        "train_s": train_s, "eval_s": eval_s, "train_loss": training_loss, "diverged": diverged,
+        "fit_flipped": float((pred_train[flipped] == y_train[flipped]).mean()) if flipped.any() else None,
+        "fit_clean_train": float((pred_train[~flipped] == y_train[~flipped]).mean()),
+        "hessian": hess, "history": history_cb.history,
+        "log_history": [r for r in log_history if "loss" in r],
+        "versions": _versions(), "threads": torch.get_num_threads(),
+    }
+    for prefix, metrics in (("test", test), ("val", val)):
+        for name in ("accuracy", "nll", "ece", "brier", "mean_accuracy", "mean_nll", "mean_ece", "mean_brier"):
+            k = f"{prefix}_{name}"
+            if k in metrics:
+                result[k.replace("accuracy", "acc")] = float(metrics[k])
+    if "test_mean_acc" not in result:  # point-estimate methods: the mean *is* the prediction
+        for prefix in ("test", "val"):
+            for name in ("acc", "nll", "ece", "brier"):
+                result[f"{prefix}_mean_{name}"] = result[f"{prefix}_{name}"]
+    write_json(path, result)
+    if verbose:
+        print(f"[{script}] {key}: test acc {result['test_acc']:.4f} (mean {result['test_mean_acc']:.4f}) "
+              f"val acc {result['val_acc']:.4f} fit_flipped {result['fit_flipped']} "
+              f"h_med {hess.get('hess_median', float('nan')):.3g} train {train_s:.0f}s eval {eval_s:.0f}s",
+              flush=True)
+    return result
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# small helpers for the report scripts
+# -------------------------------------------------------------------------------------------------------------------
+def mean_std(values: list[float]) -> tuple[float, float]:
+    a = np.asarray([v for v in values if v is not None], dtype=float)
+    if len(a) == 0:
+        return float("nan"), float("nan")
+    return float(a.mean()), float(a.std(ddof=1)) if len(a) > 1 else 0.0
+
+
+def fmt_pm(values: list[float], scale: float = 100.0, digits: int = 2) -> str:
+    m, s = mean_std(values)
+    if math.isnan(m):
+        return "–"
+    return f"{m * scale:.{digits}f} ± {s * scale:.{digits}f}"
+
+
+def run_parallel(jobs: list[dict[str, Any]], workers: int = 2) -> list[dict[str, Any]]:
+    """Run `run(**job)` for each job with at most `workers` processes (each one thread); cached jobs return at once.
+
+    The order of `jobs` is the order of execution (put the most informative first).
+    """
+    todo = [j for j in jobs if cached(**{k: v for k, v in j.items() if k in _CACHED_KEYS}) is None]
+    print(f"{len(jobs)} runs, {len(jobs) - len(todo)} cached, {len(todo)} to train with {workers} worker(s)", flush=True)
+    if workers <= 1 or len(todo) <= 1:
+        for j in todo:
+            run(**j)
+    else:
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        with ctx.Pool(workers, maxtasksperchild=1) as pool:
+            for _ in pool.imap_unordered(_run_job, todo):
+                pass
+    return [run(**j) for j in jobs]
+
+
+_CACHED_KEYS = ("script", "method", "hyperparams", "noise", "seed", "epochs", "dataset", "batch_size", "eval_mc_samples")
+
+
+def _run_job(job: dict[str, Any]) -> str:
+    try:
+        return run(**job)["key"]
+    except Exception as e:  # report and go on: a missing method or a diverged run must not stop the batch
+        print(f"FAILED {job}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        return ""

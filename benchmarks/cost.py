@@ -1,0 +1,280 @@
+"""What IVON costs inside the Trainer (issue 7.3), in one run; ratios are the result, not absolute times.
+
+1. Time per optimizer step, configurations interleaved (random order per round, median step gap per block):
+   ERM with AdamW, IVON with 1 and 2 MC samples, SAM (ρ 0.05) around the same AdamW — all VariationalTrainer.
+2. Evaluation: `trainer.evaluate()` with S posterior samples (BMA) against S × one evaluation at the posterior mean.
+3. Label-noise export (`varsmooth.label_noise.compute_label_noise`, S draws) against (S + 1) forward sweeps.
+4. Memory: optimizer state (exact tensor bytes) and the peak growth of a fresh process's resident memory (RSS)
+   while it trains, sampled every 0.5 ms from /proc/self/statm (process level: includes the allocator's caching and
+   the Trainer's own buffers; on CUDA `torch.cuda.max_memory_allocated` would be the right measure — no GPU here).
+
+Data: MNIST 9k subset, small CNN, batch 64 (random inputs of the same shape if MNIST is absent).
+
+    OMP_NUM_THREADS=1 python benchmarks/cost.py                 # ~6-8 min on one core
+    OMP_NUM_THREADS=1 python benchmarks/cost.py --rounds 2 --steps 20 --eval-size 1000   # smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from transformers.trainer_callback import PrinterCallback  # noqa: E402
+
+import logging  # noqa: E402
+
+logging.getLogger("varsmooth").setLevel(logging.ERROR)  # blocks of 50 steps: the Hessian-stuck warning is expected
+
+from trainer_overhead import StepClock, block_time, load_xy  # noqa: E402
+
+OUT_DIR = common.RESULTS_DIR / "cost"
+STEP_CONFIGS = {
+    "erm_adamw": dict(method="erm", optim="adamw_torch", learning_rate=1e-3, weight_decay=0.0),
+    "ivon_mc1": dict(method="ivon", mc_samples=1),
+    "ivon_mc2": dict(method="ivon", mc_samples=2),
+    "sam_adamw": dict(method="sam", sam_rho=0.05, optim="adamw_torch", learning_rate=1e-3, weight_decay=0.0),
+}
+
+
+def make_trainer(cfg: dict, model, ds, steps: int, tmp: str, seed: int = 0, callbacks=None):
+    from varsmooth import VariationalTrainer, VariationalTrainingArguments
+
+    args = VariationalTrainingArguments(
+        output_dir=tmp, max_steps=steps, per_device_train_batch_size=64, per_device_eval_batch_size=1000,
+        use_cpu=True, report_to=[], save_strategy="no", eval_strategy="no", logging_strategy="no",
+        disable_tqdm=True, dataloader_num_workers=0, seed=seed, lr_scheduler_type="cosine", max_grad_norm=0.0,
+        **cfg)
+    trainer = VariationalTrainer(model=model, args=args, train_dataset=ds, callbacks=callbacks or [])
+    trainer.remove_callback(PrinterCallback)
+    return trainer
+
+
+def state_bytes(opt) -> int:
+    seen, total = set(), 0
+
+    def visit(o):
+        nonlocal total
+        if torch.is_tensor(o):
+            if o.data_ptr() not in seen:
+                seen.add(o.data_ptr())
+                total += o.numel() * o.element_size()
+        elif isinstance(o, dict):
+            for v in o.values():
+                visit(v)
+        elif isinstance(o, (list, tuple)):
+            for v in o:
+                visit(v)
+
+    inner = getattr(opt, "optimizer", opt)
+    visit(inner.state)
+    for g in inner.param_groups:  # ivon-opt keeps hess/momentum/param averages in the param groups
+        visit({k: v for k, v in g.items() if k != "params"})
+    return total
+
+
+def step_timing(x, y, rounds: int, steps: int, skip: int) -> tuple[dict, dict, list]:
+    ds = common.ArrayDataset(x.numpy(), y.numpy())
+    models = {}
+    for k in STEP_CONFIGS:
+        torch.manual_seed(0)
+        models[k] = common.SmallCNN((1, 28, 28), 10)
+    per_round = []
+    rng = random.Random(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(rounds):
+            order = list(STEP_CONFIGS)
+            rng.shuffle(order)
+            times = {}
+            for k in order:
+                clock = StepClock()
+                make_trainer(STEP_CONFIGS[k], models[k], ds, steps, tmp, seed=r, callbacks=[clock]).train()
+                times[k] = block_time(clock.ends, skip)
+            per_round.append(times)
+            print(f"round {r}: " + "  ".join(f"{k} {1e3 * v:.1f}ms" for k, v in times.items()), flush=True)
+    summary = {k: 1e3 * statistics.median([t[k] for t in per_round]) for k in STEP_CONFIGS}
+    ratios = {}
+    for k in STEP_CONFIGS:
+        v = [t[k] / t["erm_adamw"] for t in per_round]
+        ratios[f"{k} / erm_adamw"] = {"median": statistics.median(v), "min": min(v), "max": max(v)}
+    return summary, ratios, per_round
+
+
+def eval_timing(x_test, y_test, rounds: int, samples: list[int], eval_size: int) -> dict:
+    """trainer.evaluate() on `eval_size` test images with S samples vs at the mean (S = 0)."""
+    ds_train = common.ArrayDataset(x_test[:640].numpy(), y_test[:640].numpy())
+    ds_eval = common.ArrayDataset(x_test[:eval_size].numpy(), y_test[:eval_size].numpy())
+    torch.manual_seed(0)
+    model = common.SmallCNN((1, 28, 28), 10)
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = make_trainer(STEP_CONFIGS["ivon_mc1"], model, ds_train, 10, tmp)
+        trainer.train()
+        times: dict[int, list[float]] = {s: [] for s in [0, *samples]}
+        for r in range(rounds):
+            order = list(times)
+            random.Random(r).shuffle(order)
+            for s in order:
+                trainer.args.eval_mc_samples = s
+                t0 = time.perf_counter()
+                trainer.evaluate(ds_eval)
+                times[s].append(time.perf_counter() - t0)
+        # label-noise export vs (S + 1) forward sweeps
+        export = label_noise_timing(trainer, x_test[:eval_size], y_test[:eval_size], rounds, samples)
+    t0 = statistics.median(times[0])
+    out = {"eval_size": eval_size, "mean_eval_s": t0, "per_S": {}}
+    for s in samples:
+        ts = statistics.median(times[s])
+        out["per_S"][s] = {"bma_eval_s": ts, "ratio_vs_S_mean_evals": ts / (s * t0), "ratio_vs_S_plus_1_mean_evals": ts / ((s + 1) * t0)}
+    out["label_noise_export"] = export
+    return out
+
+
+def label_noise_timing(trainer, x, y, rounds: int, samples: list[int]) -> dict:
+    import datasets
+
+    from varsmooth.label_noise.compute import compute_label_noise
+
+    feats = datasets.Features({"pixel_values": datasets.Array3D(tuple(x.shape[1:]), "float32"),
+                               "label": datasets.ClassLabel(num_classes=10)})
+    ds = datasets.Dataset.from_dict({"pixel_values": x.numpy(), "label": y.numpy()}, features=feats).with_format("torch")
+    model = trainer.model
+    posterior = trainer.posterior()
+
+    @torch.no_grad()
+    def sweep():
+        model.eval()
+        for i in range(0, len(x), 256):
+            model(pixel_values=x[i:i + 256])
+
+    out = {}
+    for s in samples:
+        t_export, t_sweep = [], []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            compute_label_noise(model, posterior, ds, num_samples=s, batch_size=256)
+            t_export.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            sweep()
+            t_sweep.append(time.perf_counter() - t0)
+        te, tw = statistics.median(t_export), statistics.median(t_sweep)
+        out[s] = {"export_s": te, "one_sweep_s": tw, "ratio_vs_S_plus_1_sweeps": te / ((s + 1) * tw)}
+    return out
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
+def memory_child(cfg_name: str, steps: int) -> None:
+    """Runs in a fresh process: peak growth of the resident memory while training `steps` steps (sampled every
+    0.5 ms by a thread, so transient peaks inside a step are seen), and the optimizer state bytes."""
+    import threading
+
+    x, y, _ = load_xy()
+    torch.manual_seed(0)
+    model = common.SmallCNN((1, 28, 28), 10)
+    ds = common.ArrayDataset(x.numpy(), y.numpy())
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = make_trainer(STEP_CONFIGS[cfg_name], model, ds, steps, tmp)
+        import gc
+
+        gc.collect()
+        before = _rss_bytes()
+        peak = [before]
+        done = threading.Event()
+
+        def sample() -> None:
+            while not done.is_set():
+                peak[0] = max(peak[0], _rss_bytes())
+                time.sleep(0.0005)
+
+        thread = threading.Thread(target=sample, daemon=True)
+        thread.start()
+        trainer.train()
+        done.set()
+        thread.join()
+        opt = trainer.optimizer
+        n_params = sum(p.numel() for p in model.parameters())
+        print(json.dumps({"config": cfg_name, "peak_rss_growth_kib": (peak[0] - before) / 1024,
+                          "rss_before_kib": before / 1024, "optimizer_state_bytes": state_bytes(opt),
+                          "param_bytes": 4 * n_params}))
+
+
+def memory(steps: int) -> dict:
+    out = {}
+    for name in STEP_CONFIGS:
+        proc = subprocess.run([sys.executable, __file__, "--_memory-child", name, "--steps", str(steps)],
+                              capture_output=True, text=True, check=True)
+        out[name] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict | None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--skip", type=int, default=5)
+    p.add_argument("--eval-size", type=int, default=2000)
+    p.add_argument("--samples", default="8,32")
+    p.add_argument("--_memory-child", dest="memory_child", default=None, help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    torch.set_num_threads(1)
+    if a.memory_child:
+        memory_child(a.memory_child, a.steps)
+        return None
+    x, y, data_name = load_xy()
+    samples = [int(s) for s in a.samples.split(",")]
+    step_ms, step_ratios, per_round = step_timing(x, y, a.rounds, a.steps, a.skip)
+    try:
+        d = common.load_data("mnist")
+        x_te, y_te = torch.as_tensor(d.x_test), torch.as_tensor(d.y_test)
+    except common.DataUnavailable:
+        x_te, y_te = x, y
+    ev = eval_timing(x_te, y_te, max(3, a.rounds // 2), samples, a.eval_size)
+    mem = memory(a.steps)
+    import platform
+
+    result = {"data": data_name, "model": "SmallCNN (~207k parameters)", "batch_size": 64, "device": "cpu",
+              "threads": 1, "cpu": platform.processor() or platform.machine(), "rounds": a.rounds,
+              "steps_per_block": a.steps, "step_ms_median": step_ms, "step_ratios": step_ratios,
+              "per_round_s": per_round, "evaluation": ev, "memory": mem, "versions": common._versions(),
+              "note": "Shared 2-core machine: ratios within a round are the result; absolute times are not."}
+    common.write_json(OUT_DIR / "cost.json", result)
+    L = ["# What IVON costs (CPU, one thread)", "",
+         f"{data_name}, small CNN, batch 64; {a.rounds} interleaved rounds × {a.steps} steps per configuration.", "",
+         "| per optimizer step | ms (median) | ratio to ERM/AdamW, median [min–max] |", "|---|---|---|"]
+    for k in STEP_CONFIGS:
+        r = step_ratios[f"{k} / erm_adamw"]
+        L.append(f"| {k} | {step_ms[k]:.1f} | **{r['median']:.2f}** [{r['min']:.2f}–{r['max']:.2f}] |")
+    L += ["", f"Evaluation of {ev['eval_size']} images: at the posterior mean {ev['mean_eval_s']:.2f} s.", "",
+          "| S posterior samples | BMA evaluate() s | ÷ (S × mean eval) | ÷ ((S+1) × mean eval) |", "|---|---|---|---|"]
+    for s, v in ev["per_S"].items():
+        L.append(f"| {s} | {v['bma_eval_s']:.2f} | {v['ratio_vs_S_mean_evals']:.2f} | {v['ratio_vs_S_plus_1_mean_evals']:.2f} |")
+    L += ["", "| label-noise export, S draws | export s | one forward sweep s | ÷ ((S+1) sweeps) |", "|---|---|---|---|"]
+    for s, v in ev["label_noise_export"].items():
+        L.append(f"| {s} | {v['export_s']:.2f} | {v['one_sweep_s']:.3f} | {v['ratio_vs_S_plus_1_sweeps']:.2f} |")
+    L += ["", "| memory | optimizer state | ÷ parameter bytes | peak RSS growth while training (process level, sampled) |", "|---|---|---|---|"]
+    for k, v in mem.items():
+        L.append(f"| {k} | {v['optimizer_state_bytes'] / 2**20:.2f} MiB | {v['optimizer_state_bytes'] / v['param_bytes']:.1f}× | "
+                 f"{v['peak_rss_growth_kib'] / 1024:.1f} MiB |")
+    L += ["", result["note"], "", "Rerun: `OMP_NUM_THREADS=1 python benchmarks/cost.py`", ""]
+    (OUT_DIR / "cost.md").write_text("\n".join(L))
+    print("\n".join(L))
+    return result
+
+
+if __name__ == "__main__":
+    main()
