@@ -356,6 +356,8 @@ if trainer.args.process_index == 0:
     single = compute_label_noise(model, trainer.posterior(), data, num_samples=4, seed=args.eval_seed)
     single.to_parquet(os.path.join(out, "single_process.parquet"))
 trainer.accelerator.wait_for_everyone()
+trainer.end()
+os._exit(0)  # gloo's threads can abort interpreter teardown after all work is done (hf.md §3)
 '''
 
 
