@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from transformers import ResNetConfig, ResNetForImageClassification, ViTImageProcessor
 
-from varsmooth import VariationalModel, VariationalTrainer, VariationalTrainingArguments, pipeline
+from varsmooth import LabelNoiseCallback, VariationalModel, VariationalTrainer, VariationalTrainingArguments, pipeline
 from varsmooth.corruption import corrupt_labels
 from varsmooth.data import load_digits_dataset
 
@@ -41,7 +41,8 @@ def main(out: str) -> None:
     )
     trainer = VariationalTrainer(model=ResNetForImageClassification(config), args=args,
                                  train_dataset=train.with_transform(transform), eval_dataset=test.with_transform(transform),
-                                 processing_class=processor, noise_report=report)
+                                 processing_class=processor, noise_report=report,
+                                 callbacks=[LabelNoiseCallback(num_samples=2, plots=True)])
     trainer.train()
     trainer.evaluate()
     trainer.push_to_hub(dataset="sklearn-digits")

@@ -31,7 +31,8 @@ def test_push_uploads_only_the_shareable_files(pushed):
     hub, _ = pushed
     files = set(hub.repos["offline-user/digits-ivon"])
     assert {"model.safetensors", "config.json", "posterior.safetensors", "preprocessor_config.json", "README.md",
-            "noise_report.json"} <= files
+            "noise_report.json", "label_noise.parquet", "label_noise_summary.json"} <= files
+    assert any(f.endswith(".png") for f in files)  # the label-noise pictures
     assert not files & {"training_args.bin", "optimizer.pt", "scheduler.pt", "trainer_state.json", "rng_state.pth"}
     assert not any(f.startswith(("checkpoint-", "runs/")) for f in files)
 
