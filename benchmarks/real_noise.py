@@ -27,7 +27,7 @@ pretrained ones and a zero head) and, within a seed, sees the same labels, batch
 
 The first seed of ERM and IVON on each CIFAR-10N task also exports the per-example label noise of the training set
 (`varsmooth.label_noise`) with its mislabel-detection scores against the clean labels, and for IVON picture grids
-of the most and least ambiguous training images, into ``results/real_noise/export/<task>/<method>/``.
+of the most and least ambiguous training images, into ``results/real_noise/export/<task>/<method>-seed<seed>/``.
 
 Needs ../shared/data (or $VARSMOOTH_DATA_DIR) and the `pretrained` extra; skips with a message otherwise.
 """
@@ -147,17 +147,18 @@ def _frozen_features(net: nn.Module, pixels: torch.Tensor, stages: int, batch: i
 
 def cifar_data() -> dict[str, Any]:
     """Cached frozen features of the fixed train/test subsets and every CIFAR-10N label set of the train subset."""
+    from varsmooth.data import CIFAR10_ZIP, CIFAR10N_LABEL_SETS, CIFAR10N_LABELS_FILE, cifar10n_labels, default_data_dir, load_cifar10n
+
+    # checked even when the features are cached: the label-noise pictures read the images
+    missing = [name for name in (CIFAR10_ZIP, CIFAR10N_LABELS_FILE) if not (default_data_dir() / name).is_file()]
+    if missing:
+        raise Unavailable(f"{', '.join(missing)} not found in {default_data_dir()} (../shared/data or $VARSMOOTH_DATA_DIR).")
     cfg = CIFAR
     path = CACHE_DIR / f"cifar_v{VERSION}_n{cfg['n_train']}_t{cfg['n_test']}_s{cfg['image_size']}_f{cfg['frozen_stages']}.pt"
     if path.is_file():
         return torch.load(path, weights_only=True)
-    from varsmooth.data import CIFAR10N_LABEL_SETS, cifar10n_labels, load_cifar10n
-
-    try:
-        data = load_cifar10n(max_train=cfg["n_train"], max_test=cfg["n_test"], seed=0)
-        labels = cifar10n_labels()
-    except FileNotFoundError as error:
-        raise Unavailable(str(error)) from None
+    data = load_cifar10n(max_train=cfg["n_train"], max_test=cfg["n_test"], seed=0)
+    labels = cifar10n_labels()
     net = _pretrained_efficientnet(seed=0)  # the frozen part is the pretrained bottom, independent of the seed
     t0 = time.perf_counter()
     train_features = _frozen_features(net, _to_pixels(data["train"]["image"], cfg["image_size"]), cfg["frozen_stages"])
@@ -345,7 +346,7 @@ def export_label_noise(trainer: Any, task: Task, data: dict[str, Any], y_train: 
     if task.kind != "image":
         raise ValueError("The label-noise export is drawn for CIFAR-10N only (the pictures need images).")
     ivon = trainer.ivon is not None
-    out = OUT_DIR / "export" / task.name / trainer.args.method
+    out = OUT_DIR / "export" / task.name / f"{trainer.args.method}-seed{trainer.args.seed}"
     names = datasets.ClassLabel(names=list(_cifar_classes()))
     features = datasets.Features({"features": datasets.Array3D(tuple(data["x_train"].shape[1:]), "float32"), "label": names,
                                   "clean_label": names, "is_corrupted": datasets.Value("bool")})
@@ -488,7 +489,8 @@ def report() -> str:
             checks = [(label, rs) for label, rs in ordered if label in tuning or label in ("erm", "ivon")]
             lines += ["", f"Checks behind the fine-tuning preset (seed {TUNING_SEED} only; the preset's rows use the same seed):",
                       ""] + header
-            lines += [_row(label, [r for r in rs if r["config"]["seed"] == TUNING_SEED], erm) for label, rs in checks]
+            checks = [(label, [r for r in rs if r["config"]["seed"] == TUNING_SEED]) for label, rs in checks]
+            lines += [_row(label, rs, erm) for label, rs in sorted(checks, key=lambda c: -c[1][0]["test_acc"])]
         summary[task] = table
         exports = [r for r in rows.get("ivon", []) + rows.get("erm", []) if r.get("export")]
         if exports:
