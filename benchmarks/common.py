@@ -201,9 +201,12 @@ class SmallCNN(nn.Module):
 
 @torch.no_grad()
 def predict_probs(model: nn.Module, x: torch.Tensor, batch: int = 2000) -> torch.Tensor:
+    """Class probabilities at the model's current weights, on CPU, computed on the model's device."""
     was_training = model.training
     model.eval()
-    out = torch.cat([model(pixel_values=x[i:i + batch]).logits.float().softmax(-1) for i in range(0, len(x), batch)])
+    device = next(model.parameters()).device
+    out = torch.cat([model(pixel_values=x[i:i + batch].to(device)).logits.float().softmax(-1).cpu()
+                     for i in range(0, len(x), batch)])
     model.train(was_training)
     return out
 
@@ -219,6 +222,17 @@ SGD_BASE: dict[str, Any] = {"optim": "sgd", "optim_args": "momentum=0.9", "learn
 IVON_BASE: dict[str, Any] = {"learning_rate": 0.2, "hess_init": 0.5, "beta1": 0.9, "beta2": 0.99999,
                              "prior_precision": 2e-4, "lr_scheduler_type": "cosine", "warmup_epochs": 1,
                              "max_grad_norm": 0.0}
+
+
+def bench_device() -> str:
+    """Where `run` trains: $VARSMOOTH_BENCH_DEVICE ("cpu", the default, or "cuda"). Recorded in every result; not part
+    of the cache key (a run is the same experiment on either device, with other floating-point rounding)."""
+    device = os.environ.get("VARSMOOTH_BENCH_DEVICE", "cpu")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"VARSMOOTH_BENCH_DEVICE={device!r}: use 'cpu' or 'cuda'.")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("VARSMOOTH_BENCH_DEVICE=cuda but torch sees no GPU; unset it to run on the CPU.")
+    return device
 
 
 def method_available(method: str) -> bool:
@@ -373,7 +387,7 @@ def run(method: str, hyperparams: dict[str, Any] | None = None, noise: str = "sy
     with tempfile.TemporaryDirectory(prefix="varsmooth-bench-") as tmp:
         args = VariationalTrainingArguments(
             output_dir=tmp, method=method, num_train_epochs=epochs, per_device_train_batch_size=batch_size,
-            per_device_eval_batch_size=1000, seed=seed, data_seed=seed, use_cpu=True, report_to=[],
+            per_device_eval_batch_size=1000, seed=seed, data_seed=seed, use_cpu=bench_device() == "cpu", report_to=[],
             save_strategy="no", eval_strategy="no", logging_strategy="steps", logging_steps=spe, disable_tqdm=True,
             dataloader_num_workers=0, eval_mc_samples=eval_mc_samples if ivon_method else 0, eval_seed=0,
             **settings,
@@ -409,7 +423,7 @@ def run(method: str, hyperparams: dict[str, Any] | None = None, noise: str = "sy
         "fit_clean_train": float((pred_train[~flipped] == y_train[~flipped]).mean()),
         "hessian": hess, "history": history_cb.history,
         "log_history": [r for r in log_history if "loss" in r],
-        "versions": _versions(), "threads": torch.get_num_threads(),
+        "versions": _versions(), "threads": torch.get_num_threads(), "device": bench_device(),
     }
     for prefix, metrics in (("test", test), ("val", val)):
         for name in ("accuracy", "nll", "ece", "brier", "mean_accuracy", "mean_nll", "mean_ece", "mean_brier"):

@@ -199,3 +199,19 @@ def test_cached_and_fresh_draws_are_the_same_weights():
             b = [p.detach().clone() for p in model.parameters()]
         assert all(torch.equal(x, y) for x, y in zip(a, b))
     assert cached._cache_used > 0 and fresh._cache_used == 0
+
+
+def test_posterior_follows_the_model_when_it_moves():
+    """A pipeline moves the model after the posterior is loaded (to a GPU; here: to float64): σ and the draws follow."""
+    model = torch.nn.Linear(30, 20)
+    posterior = DiagonalGaussianPosterior(model, {"weight": torch.full((20, 30), 0.1)})
+    with posterior.sampled(0):
+        pass
+    model.double()
+    mean = model.weight.detach().clone()
+    with posterior.sampled(0):
+        delta = model.weight.detach() - mean
+    assert posterior.std["weight"].dtype == torch.float64 and delta.dtype == torch.float64
+    assert abs(delta.std().item() - 0.1) < 0.02  # a draw with the posterior's σ (600 values)
+    assert torch.equal(model.weight, mean)
+    assert posterior._cache_used == sum(t.numel() * t.element_size() for t in posterior._cache[0])

@@ -106,10 +106,11 @@ class DiagonalGaussianPosterior:
     def _perturbation(self, seed: int) -> list[torch.Tensor]:
         """σ⊙e for the draw `seed`, one tensor per name; kept while the cache budget allows, since evaluation and
         label-noise export ask for the same S draws on every batch and drawing e costs as much as a forward pass."""
+        params = dict(self.model.named_parameters())
+        self._follow_parameters(params)
         cached = self._cache.get(seed)
         if cached is not None:
             return cached
-        params = dict(self.model.named_parameters())
         generators: dict[torch.device, torch.Generator] = {}
         perturbation = []
         for index, name in enumerate(self.names):
@@ -122,6 +123,19 @@ class DiagonalGaussianPosterior:
             self._cache[seed] = perturbation
             self._cache_used += size
         return perturbation
+
+    def _follow_parameters(self, params: dict[str, torch.nn.Parameter]) -> None:
+        """Move σ to wherever (and whatever dtype) the model's parameters are now: a pipeline or `model.to(...)` may
+        move the model after the posterior was loaded; cached draws on the old device are dropped."""
+        moved = False
+        for name in self.names:
+            p = params[name]
+            if self.std[name].device != p.device or self.std[name].dtype != p.dtype:
+                self.std[name] = self.std[name].to(p.device, p.dtype)
+                moved = True
+        if moved:
+            self._cache.clear()
+            self._cache_used = 0
 
     @contextlib.contextmanager
     def sampled(self, seed: int) -> Iterator[None]:
