@@ -53,7 +53,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 from transformers.modeling_outputs import ImageClassifierOutput  # noqa: E402
-from transformers.trainer_callback import PrinterCallback  # noqa: E402
+from transformers.trainer_callback import PrinterCallback, TrainerCallback  # noqa: E402
 
 SCRIPT = "real_noise"
 OUT_DIR = common.RESULTS_DIR / SCRIPT
@@ -281,15 +281,38 @@ def settings_for(task: Task, method: str, hyperparams: dict[str, Any]) -> dict[s
     return {**base, **hyperparams}
 
 
+def setup_for(task: Task, epochs: int | None = None) -> dict[str, Any]:
+    """The task's fixed set-up; `epochs` other than the default makes a separate (longer-budget) run."""
+    cfg = CIFAR if task.kind == "image" else TEXT
+    return cfg if epochs is None or epochs == cfg["epochs"] else {**cfg, "epochs": epochs}
+
+
+class CleanTestCurve(TrainerCallback):
+    """Clean-test accuracy at the current (mean) weights after every epoch: descriptive, nothing is selected on it."""
+
+    def __init__(self, features: torch.Tensor, labels: torch.Tensor) -> None:
+        self.features, self.labels, self.history = features, labels, []
+
+    def on_epoch_end(self, args, state, control, model=None, **kwargs):  # noqa: ANN001
+        was_training = model.training
+        model.eval()
+        with torch.no_grad():
+            pred = torch.cat([model(features=self.features[i:i + 500]).logits.argmax(-1)
+                              for i in range(0, len(self.features), 500)])
+        model.train(was_training)
+        self.history.append({"epoch": round(state.epoch or 0), "step": state.global_step,
+                             "test_acc": float((pred == self.labels).float().mean())})
+
+
 def run(task_name: str, method: str, hyperparams: dict[str, Any] | None = None, seed: int = 0, *,
-        export: bool = False, force: bool = False) -> dict[str, Any]:
+        export: bool = False, force: bool = False, epochs: int | None = None) -> dict[str, Any]:
     """Train one (task, method, hyperparameters, seed); cached as JSON. `export` also writes the label noise."""
     from varsmooth import VariationalTrainer, VariationalTrainingArguments
     from varsmooth.methods import get_method_class
 
     task = Task.parse(task_name)
     hyperparams = dict(hyperparams or {})
-    cfg = CIFAR if task.kind == "image" else TEXT
+    cfg = setup_for(task, epochs)
     config = {"task": task.name, "method": method, "hyperparams": hyperparams, "seed": seed, "setup": cfg, "version": VERSION}
     key = common.run_key(dataset=task.name, noise="", method=method, hyperparams=hyperparams, epochs=cfg["epochs"],
                          seed=seed, setup=cfg, version=VERSION)
@@ -333,7 +356,9 @@ def run(task_name: str, method: str, hyperparams: dict[str, Any] | None = None, 
             dataloader_num_workers=0, lr_scheduler_type="cosine", warmup_steps=int(0.1 * steps),
             eval_mc_samples=EVAL_MC_SAMPLES if ivon else 0, eval_seed=0, remove_unused_columns=task.kind == "text", **settings,
         )
-        trainer = VariationalTrainer(model=model, args=args, train_dataset=train, data_collator=collator)
+        curve = CleanTestCurve(data["x_test"], data["y_test"]) if task.kind == "image" else None
+        trainer = VariationalTrainer(model=model, args=args, train_dataset=train, data_collator=collator,
+                                     callbacks=[curve] if curve else None)
         trainer.remove_callback(PrinterCallback)
         t0 = time.perf_counter()
         diverged = None
@@ -355,6 +380,7 @@ def run(task_name: str, method: str, hyperparams: dict[str, Any] | None = None, 
             "train_s": train_s, "eval_s": eval_s, "train_loss": training_loss, "diverged": diverged,
             "realized_noise": float((y_train != y_clean).float().mean()), "hessian": trainer.hessian_summary(),
             "log_history": [r for r in trainer.state.log_history if "loss" in r], "versions": common._versions(),
+            "test_curve": curve.history if curve else None,
         }
         for split in ("test", "val"):
             for name in ("accuracy", "nll", "ece", "brier", "mean_accuracy", "mean_nll", "mean_ece", "mean_brier"):
@@ -438,6 +464,9 @@ TUNING = {
 
 
 TUNING_SEED = 0
+#: the longer CIFAR-10N budget (3x the default run) and what runs at it
+LONG_EPOCHS = 10
+LONG_METHODS = [("erm", {}), ("ivon", {}), IVON_RULE, ("ls", {"smoothing": 0.1})]
 
 
 def plan(name: str, seeds: list[int]) -> list[dict[str, Any]]:
@@ -445,6 +474,9 @@ def plan(name: str, seeds: list[int]) -> list[dict[str, Any]]:
     if name == "tuning":
         return [{"task_name": task, "method": m, "hyperparams": hp, "seed": TUNING_SEED, "export": False}
                 for task, checks in TUNING.items() for m, hp in checks]
+    if name == "long":  # issue 9.1: does anything change at a longer budget? (per-epoch clean-test curves)
+        return [{"task_name": "cifar10n-worse", "method": m, "hyperparams": hp, "seed": seed, "export": False,
+                 "epochs": LONG_EPOCHS} for seed in seeds for m, hp in LONG_METHODS]
     ls_grid = True
     if name == "core":
         tasks, baselines = CIFAR_CORE, False
@@ -502,6 +534,27 @@ def select_on_val(rows: dict[str, list[dict[str, Any]]], family: str) -> list[di
     return [picked[s] for s in sorted(picked)]
 
 
+def _task_label(run: dict[str, Any]) -> str:
+    """The task, with the budget when it is not the default one (the longer runs of `--plan long`)."""
+    task = Task.parse(run["config"]["task"])
+    epochs = run["config"]["setup"]["epochs"]
+    return task.name if epochs == setup_for(task)["epochs"] else f"{task.name}, {epochs} epochs"
+
+
+def _curve_table(rows: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """Clean-test accuracy per epoch (mean weights), mean over seeds: where does each method memorise?"""
+    curves = {label: rs for label, rs in rows.items() if "noisy val" not in label and all(r.get("test_curve") for r in rs)}
+    if not curves:
+        return []
+    epochs = [p["epoch"] for p in next(iter(curves.values()))[0]["test_curve"]]
+    lines = ["", "Clean-test accuracy % per epoch at the mean weights (mean over seeds; descriptive only):", "",
+             "| epoch | " + " | ".join(curves) + " |", "|---|" + "---|" * len(curves)]
+    for i, epoch in enumerate(epochs):
+        cells = [f"{100 * np.mean([r['test_curve'][i]['test_acc'] for r in rs]):.1f}" for rs in curves.values()]
+        lines.append(f"| {epoch} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def report() -> str:
     """Markdown tables (mean ± sd over seeds) of the cached runs, plus the detection scores of the exports."""
     runs = [r for r in cached_runs() if r["config"].get("version") == VERSION]
@@ -518,10 +571,10 @@ def report() -> str:
              "Reproduce: `OMP_NUM_THREADS=1 python benchmarks/real_noise.py --plan core` (then `--plan text`, "
              "`--plan tuning`; `--plan all` adds CIFAR-10N random1, SAM, GCE, OLS, logistic-normal and the text LS grid).", ""]
     summary: dict[str, Any] = {}
-    for task in sorted({r["config"]["task"] for r in runs}):
+    for task in sorted({_task_label(r) for r in runs}):
         rows: dict[str, list[dict[str, Any]]] = {}
         for r in runs:
-            if r["config"]["task"] == task:
+            if _task_label(r) == task:
                 rows.setdefault(_label(r), []).append(r)
         erm = {r["config"]["seed"]: r["test_acc"] for r in rows.get("erm", [])}
         first = next(iter(rows.values()))[0]
@@ -554,6 +607,7 @@ def report() -> str:
                       ""] + header
             checks = [(label, [r for r in rs if r["config"]["seed"] == TUNING_SEED]) for label, rs in checks]
             lines += [_row(label, rs, erm) for label, rs in sorted(checks, key=lambda c: -c[1][0]["test_acc"])]
+        lines += _curve_table(rows)
         summary[task] = table
         exports = [r for r in rows.get("ivon", []) + rows.get("erm", []) if r.get("export")]
         if exports:
@@ -575,7 +629,7 @@ def report() -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--plan", default="core", help="core | tuning | baselines | text | all")
+    parser.add_argument("--plan", default="core", help="core | tuning | baselines | text | long | all")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--report", action="store_true", help="Only write the tables from the cached runs.")
     args = parser.parse_args()
@@ -599,7 +653,7 @@ def _needs_val_rerun(task: Task, method: str, cached: dict[str, Any]) -> bool:
 
 def _is_cached(job: dict[str, Any]) -> bool:
     task = Task.parse(job["task_name"])
-    cfg = CIFAR if task.kind == "image" else TEXT
+    cfg = setup_for(task, job.get("epochs"))
     key = common.run_key(dataset=task.name, noise="", method=job["method"], hyperparams=job["hyperparams"],
                          epochs=cfg["epochs"], seed=job["seed"], setup=cfg, version=VERSION)
     path = OUT_DIR / "runs" / f"{key}.json"

@@ -66,7 +66,8 @@ def plan(a: argparse.Namespace) -> tuple[str, int, list[str], list[int], list[tu
     seeds = list(range(a.seeds if a.seeds else (2 if a.quick else 3)))
     n_train = len(common.load_data(dataset).y_train)
     fams = a.methods.split(",") if a.methods else ["ivon", "ivon_S1", "erm", "ls", "sam",
-                                                    *([] if a.quick else OTHER_BASELINES[2:]), *OTHER_BASELINES[:2]]
+                                                    *([] if a.quick else [*OTHER_BASELINES[2:], "erm_lr0.01"]),
+                                                    *OTHER_BASELINES[:2]]
     g = grids(a.quick)
     specs: list[tuple[str, str, dict]] = []
     ivon_hp = ivon_setting(epochs, n_train)
@@ -98,6 +99,8 @@ def plan(a: argparse.Namespace) -> tuple[str, int, list[str], list[int], list[tu
             specs += [(fam, fam, hp) for hp in g[fam]]
         elif fam == "alasca":  # the reference warms up over 30 of 200 epochs; keep that fraction
             specs.append((fam, fam, {"alasca_warmup_epochs": round(0.15 * epochs, 2)}))
+        elif fam == "erm_lr0.01":  # control for logistic-normal's lower step size: the same lr with plain cross-entropy
+            specs.append((fam, "erm", {"learning_rate": 0.01}))
         elif fam == "logistic_normal":
             # its loss gradients are ~C = 7x cross-entropy's (methods.md §5): with the shared SGD lr 0.05 the CNN dies in
             # the first steps on MNIST (loss stuck at 30, chance accuracy on every noise, 3 seeds); lr 0.01 trains it
@@ -131,7 +134,8 @@ def _as_predicted(fam: str, r: dict) -> dict:
 
 LABELS = {"ivon": "IVON, hessian_window=0.1 rule (one setting)", "ivon_S1": "IVON, library defaults (authors' recipe), BMA",
           "erm": "ERM", "ls": "LS, best α on noisy val", "sam": "SAM, best ρ on noisy val",
-          "gce": "GCE (q 0.7)", "ols": "OLS (α 0.5)", "logistic_normal": "Logistic-normal", "alasca": "ALASCA"}
+          "erm_lr0.01": "ERM at lr 0.01 (control for logistic-normal's lr)", "gce": "GCE (q 0.7)", "ols": "OLS (α 0.5)",
+          "logistic_normal": "Logistic-normal (lr 0.01)", "alasca": "ALASCA"}
 
 
 def report(dataset: str, epochs: int, noises: list[str], seeds: list[int], specs: list, tag: str) -> dict:
