@@ -269,3 +269,32 @@ def test_timm_model_keeps_timm_initialisation():
     model = create_image_classifier("test_resnet", {i: str(i) for i in range(10)}, num_channels=1)
     conv = next(p for p in model.timm_model.parameters() if p.dim() == 4)
     assert conv.std().item() > 0.05  # timm's fan-in init (≈0.11 here), not transformers' N(0, 0.02)
+
+
+def test_finetune_preset_fills_only_untouched_ivon_fields():
+    from varsmooth.defaults import FINETUNE_PRESET
+
+    parser = HfArgumentParser(VariationalTrainingArguments)
+    (args,) = parser.parse_args_into_dataclasses(["--output_dir", "/tmp/x", "--use_cpu", "--ivon_preset", "finetune", "--beta2", "0.99"])
+    assert args.beta2 == 0.99  # set by the user: kept
+    for name in ("ess", "hess_init", "prior_precision", "rescale_lr", "clip_radius", "learning_rate"):
+        assert getattr(args, name) == FINETUNE_PRESET[name], name
+    scratch = VariationalTrainingArguments(output_dir="/tmp/x", use_cpu=True)
+    assert (scratch.learning_rate, scratch.hess_init, scratch.ess, scratch.rescale_lr) == (0.2, 0.5, None, True)
+    # the preset is about IVON: another method keeps its own defaults
+    erm = VariationalTrainingArguments(output_dir="/tmp/x", use_cpu=True, method="erm", ivon_preset="finetune")
+    assert erm.learning_rate == 5e-5
+    with pytest.raises(ValueError, match="ivon_preset must be"):
+        VariationalTrainingArguments(output_dir="/tmp/x", use_cpu=True, ivon_preset="pretrained")
+
+
+def test_finetune_preset_builds_the_documented_optimizer(tmp_path):
+    """σ0 = 1/sqrt(ess·(h0 + δ)) ≈ 3e-3 and IVON's clip radius 1e-3 reach the optimizer."""
+    ds = digits_dataset(64)
+    trainer = VariationalTrainer(model=TinyClassifier(), train_dataset=ds,
+                                 args=make_args(tmp_path, ivon_preset="finetune", max_steps=1))
+    trainer.create_optimizer()  # before any step: σ is the initial one
+    group = trainer.ivon.param_groups[0]
+    assert group["ess"] == 1e8 and group["weight_decay"] == 0.0 and group["clip_radius"] == 1e-3
+    std = trainer.posterior().std
+    assert all(torch.allclose(s, torch.full_like(s, (1e8 * 1e-3) ** -0.5), rtol=0.05) for s in std.values())

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from transformers import TrainingArguments
 
+from .defaults import FINETUNE_PRESET
 from .methods import METHODS, get_method_class
 
 __all__ = ["VariationalTrainingArguments"]
@@ -15,13 +16,20 @@ __all__ = ["VariationalTrainingArguments"]
 class VariationalTrainingArguments(TrainingArguments):
     """Arguments of `VariationalTrainer`; every field parses with `HfArgumentParser` (`--ess 1e4`, ...).
 
-    IVON defaults are the authors' CIFAR recipe (ivon.md §3): lr 0.2, hess_init 0.5, β1 0.9,
-    β2 0.99999, prior precision 2e-4, ess = training-set size, one MC sample per micro-batch.
+    IVON defaults are the authors' CIFAR recipe for training from scratch (ivon.md §3): lr 0.2, hess_init 0.5, β1 0.9,
+    β2 0.99999, prior precision 2e-4, ess = training-set size, one MC sample per micro-batch. For a pretrained model,
+    `ivon_preset="finetune"` (varsmooth.defaults.FINETUNE_PRESET) replaces those left at their defaults.
     """
 
     method: str = field(
         default="ivon",
         metadata={"help": "Training method: " + ", ".join(sorted(METHODS)) + ". 'ivon' trains by variational learning."},
+    )
+    ivon_preset: str = field(
+        default="scratch",
+        metadata={"help": "IVON defaults: 'scratch' (the authors' recipe) or 'finetune' (a pretrained model: posterior "
+                          "around the pretrained weights, bounded steps; see varsmooth.defaults.FINETUNE_PRESET). Fields "
+                          "you set to a non-default value keep it.", "choices": ["scratch", "finetune"]},
     )
     learning_rate: float | None = field(
         default=None,
@@ -110,6 +118,13 @@ class VariationalTrainingArguments(TrainingArguments):
 
     def __post_init__(self) -> None:
         method_cls = get_method_class(self.method)
+        if self.ivon_preset not in ("scratch", "finetune"):
+            raise ValueError(f"ivon_preset must be 'scratch' or 'finetune', got {self.ivon_preset!r}.")
+        if self.ivon_preset == "finetune" and method_cls.uses_ivon:
+            defaults = {f.name: f.default for f in fields(VariationalTrainingArguments)}
+            for name, value in FINETUNE_PRESET.items():
+                if getattr(self, name) == defaults[name]:  # left at the from-scratch default
+                    setattr(self, name, value)
         if self.learning_rate is None:
             self.learning_rate = method_cls.default_learning_rate
         if method_cls.uses_ivon:
