@@ -489,14 +489,22 @@ def plan(name: str, seeds: list[int]) -> list[dict[str, Any]]:
         tasks, baselines, ls_grid = TEXT_TASKS, False, False
     elif name == "all":
         tasks, baselines = CIFAR_CORE + ("cifar10n-random1",) + TEXT_TASKS, True
+    elif name == "rest":  # what `all` adds to core + baselines + text, task by task (complete seeds first)
+        return [job for task in ("cifar10n-random1",) + TEXT_TASKS + ("cifar10n-aggre",) for job in plan_tasks((task,), True, True, seeds, task_major=True)]
     else:
         raise ValueError(f"Unknown plan {name!r}.")
+    return plan_tasks(tasks, baselines, ls_grid, seeds)
+
+
+def plan_tasks(tasks: tuple[str, ...], baselines: bool, ls_grid: bool, seeds: list[int], task_major: bool = False) -> list[dict[str, Any]]:
     jobs = []
     for seed in seeds:
         for task in tasks:
             for method, hp in method_grid(Task.parse(task), baselines, ls_grid):
                 export = seed == seeds[0] and (method, hp) in (("erm", {}), ("ivon", {})) and Task.parse(task).kind == "image"
                 jobs.append({"task_name": task, "method": method, "hyperparams": hp, "seed": seed, "export": export})
+    if task_major:
+        jobs.sort(key=lambda j: tasks.index(j["task_name"]))  # stable: seed-major within a task
     return jobs
 
 
@@ -632,17 +640,19 @@ def report() -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--plan", default="core", help="core | tuning | baselines | text | long | all")
+    parser.add_argument("--plan", default="core", help="core | tuning | baselines | text | long | rest | all")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--report", action="store_true", help="Only write the tables from the cached runs.")
+    parser.add_argument("--reverse", action="store_true", help="Run the plan from its end (a second worker on the same plan).")
     args = parser.parse_args()
     if not args.report:
         try:
             jobs = plan(args.plan, args.seeds)
             todo = [j for j in jobs if not _is_cached(j)]
             print(f"{len(jobs)} runs, {len(jobs) - len(todo)} cached, {len(todo)} to train", flush=True)
-            for job in todo:
-                run(**job)
+            for job in reversed(todo) if args.reverse else todo:
+                if not _is_cached(job):  # another worker may have run it meanwhile
+                    run(**job)
         except Unavailable as error:
             print(f"SKIPPED: {error}", flush=True)
             return
