@@ -86,6 +86,8 @@ SAM_GRID = (0.05, 0.2)
 #: labels of the same label set — the only data on which a grid point (LS α, SAM ρ) is chosen. Kept out of `CIFAR`
 #: so the run keys (and the cached runs) of the training/test set-up stay valid.
 CIFAR_VAL = 1000
+#: noisy validation sentences of the text tasks (other training sentences, noised like the training set)
+TEXT_VAL = 500
 #: posterior samples of the BMA prediction on the test set
 EVAL_MC_SAMPLES = 8
 #: posterior samples per training example in the label-noise export
@@ -239,11 +241,15 @@ def text_data(name: str, noise: str, seed: int) -> dict[str, Any]:
     except FileNotFoundError as error:
         raise Unavailable(str(error)) from None
     noise_type, params = common.parse_noise(noise)
-    # fixed random subsets (the same for every seed and method); the noise is drawn with the run's seed
-    train, test = (split.shuffle(seed=0).select(range(min(n, len(split))))
-                   for split, n in ((raw["train"], TEXT["n_train"]), (raw["test"], TEXT["n_test"])))
+    # fixed random subsets (the same for every seed and method); the noise is drawn with the run's seed. The noisy
+    # validation split (for choosing LS's α and SAM's ρ) is the next TEXT_VAL training sentences, noised the same way.
+    shuffled = raw["train"].shuffle(seed=0)
+    train = shuffled.select(range(min(TEXT["n_train"], len(shuffled))))
+    val = shuffled.select(range(len(train), min(len(train) + TEXT_VAL, len(shuffled))))
+    test = raw["test"].shuffle(seed=0).select(range(min(TEXT["n_test"], len(raw["test"]))))
     if noise_type is not None:
         train = corrupt_labels(train, noise_type, seed=seed, **params)
+        val = corrupt_labels(val, noise_type, seed=seed + 1000, **params)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(minilm_path())
@@ -251,7 +257,8 @@ def text_data(name: str, noise: str, seed: int) -> dict[str, Any]:
     datasets.disable_progress_bars()
     train = train.map(encode, batched=True, remove_columns=["text"])
     test = test.map(encode, batched=True, remove_columns=["text"])
-    return {"train": train, "test": test, "tokenizer": tokenizer, "names": raw["train"].features["label"].names}
+    val = val.map(encode, batched=True, remove_columns=["text"] + [c for c in ("clean_label", "is_corrupted") if c in val.column_names])
+    return {"train": train, "val": val, "test": test, "tokenizer": tokenizer, "names": raw["train"].features["label"].names}
 
 
 def _minilm(num_labels: int, seed: int) -> nn.Module:
@@ -347,7 +354,7 @@ def run(task_name: str, method: str, hyperparams: dict[str, Any] | None = None, 
         y_train = torch.as_tensor(np.asarray(train["label"]))
         y_clean = torch.as_tensor(np.asarray(train["clean_label"])) if "clean_label" in train.column_names else y_train
         train = train.remove_columns([c for c in ("clean_label", "is_corrupted") if c in train.column_names])
-        val = None
+        val = data["val"]
     ivon = get_method_class(method).uses_ivon
     settings = settings_for(task, method, hyperparams)
     steps = math.ceil(len(y_train) / cfg["batch_size"]) * cfg["epochs"]
@@ -448,8 +455,7 @@ def method_grid(task: Task, baselines: bool, ls_grid: bool = True) -> list[tuple
     from varsmooth.methods import METHODS
 
     grid = [("erm", {}), ("ivon", {})] + ([("ls", {"smoothing": a}) for a in LS_GRID] if ls_grid else [])
-    if task.kind == "image":
-        grid.append(IVON_RULE)
+    grid.append(IVON_RULE)
     if baselines:
         grid += [(m, hp) for m, hp in BASELINES if m in METHODS]
     return grid
@@ -489,8 +495,12 @@ def plan(name: str, seeds: list[int]) -> list[dict[str, Any]]:
         tasks, baselines, ls_grid = TEXT_TASKS, False, False
     elif name == "all":
         tasks, baselines = CIFAR_CORE + ("cifar10n-random1",) + TEXT_TASKS, True
-    elif name == "rest":  # what `all` adds to core + baselines + text, task by task (complete seeds first)
-        return [job for task in ("cifar10n-random1",) + TEXT_TASKS + ("cifar10n-aggre",) for job in plan_tasks((task,), True, True, seeds, task_major=True)]
+    elif name == "rest":  # what `all` adds to core + baselines + text, most informative first, complete seeds first
+        everything = plan_tasks(("cifar10n-random1",) + TEXT_TASKS + ("cifar10n-aggre",), True, True, seeds)
+        phase = lambda j: (0 if j["task_name"] in TEXT_TASKS and (j["method"] == "ls" or j["hyperparams"] == IVON_RULE[1])  # noqa: E731
+                           else 1 if j["task_name"] == "cifar10n-random1" and j["method"] in ("erm", "ivon", "ls")
+                           else 2 if j["task_name"] in TEXT_TASKS else 3)
+        return sorted(everything, key=lambda j: (phase(j), j["task_name"], j["seed"]))
     else:
         raise ValueError(f"Unknown plan {name!r}.")
     return plan_tasks(tasks, baselines, ls_grid, seeds)
@@ -661,7 +671,7 @@ def main() -> None:
 
 def _needs_val_rerun(task: Task, method: str, cached: dict[str, Any]) -> bool:
     """Runs cached before the noisy validation split existed lack val metrics; grid methods need them for selection."""
-    return task.kind == "image" and method in SELECTED_ON_VAL and "val_acc" not in cached
+    return method in SELECTED_ON_VAL and "val_acc" not in cached
 
 
 def _is_cached(job: dict[str, Any]) -> bool:
