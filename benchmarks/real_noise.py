@@ -578,7 +578,9 @@ def _curve_table(rows: dict[str, list[dict[str, Any]]]) -> list[str]:
 
 def report() -> str:
     """Markdown tables (mean ± sd over seeds) of the cached runs, plus the detection scores of the exports."""
-    runs = [r for r in cached_runs() if r["config"].get("version") == VERSION]
+    # runs of an older set-up (the text runs with a [CLS] head, before TEXT["pooling"]) stay in runs/ but not here
+    runs = [r for r in cached_runs() if r["config"].get("version") == VERSION
+            and r["config"]["setup"] == setup_for(Task.parse(r["config"]["task"]), r["config"]["setup"]["epochs"])]
     tuning = {_label({"config": {"method": m, "hyperparams": hp}}) for checks in TUNING.values() for m, hp in checks}
     header = ["| method | seeds | acc % | NLL | ECE % | mean acc % | fit wrong % | Δacc vs ERM (pp) | noisy-val acc % | train s |",
               "|---|---|---|---|---|---|---|---|---|---|"]
