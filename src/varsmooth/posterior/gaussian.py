@@ -103,10 +103,9 @@ class DiagonalGaussianPosterior:
     def is_point_mass(self) -> bool:
         return not self.std
 
-    def _perturbation(self, seed: int) -> list[torch.Tensor]:
+    def _perturbation(self, seed: int, params: dict[str, torch.nn.Parameter]) -> list[torch.Tensor]:
         """σ⊙e for the draw `seed`, one tensor per name; kept while the cache budget allows, since evaluation and
         label-noise export ask for the same S draws on every batch and drawing e costs as much as a forward pass."""
-        params = dict(self.model.named_parameters())
         self._follow_parameters(params)
         cached = self._cache.get(seed)
         if cached is not None:
@@ -148,7 +147,7 @@ class DiagonalGaussianPosterior:
         saved: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
         try:
             with torch.no_grad():
-                for name, delta in zip(self.names, self._perturbation(seed)):
+                for name, delta in zip(self.names, self._perturbation(seed, params)):
                     p = params[name]
                     saved.append((p, p.data))
                     p.data = p.data + delta
