@@ -23,7 +23,7 @@ run on seed 0: dominated there on noisy validation). Nothing is chosen on clean 
 
     OMP_NUM_THREADS=1 python benchmarks/training_length.py --phase screen   --workers 2   # seed 0 (~40 min)
     OMP_NUM_THREADS=1 python benchmarks/training_length.py --phase confirm  --workers 2   # seeds 1, 2 (~60 min)
-    OMP_NUM_THREADS=1 python benchmarks/training_length.py --phase long     --workers 2   # 60 epochs, seed 0 (hours)
+    OMP_NUM_THREADS=1 python benchmarks/training_length.py --phase long     --workers 2   # 60 epochs, 3 seeds (~2 h)
     python benchmarks/training_length.py --phase report                                   # tables + plot only
 """
 
@@ -107,12 +107,13 @@ def jobs_for(phase: str, epochs: int, candidates: list[str] | None, seeds: list[
                 for noise in NOISES:
                     spec = base.get(name) or ivon[name]
                     jobs.append(job(name, spec, noise, seed, epochs))
-    elif phase == "long":
+    elif phase == "long":  # seed-major, so that an interrupted run leaves complete seeds behind
         cands = candidates or ["W0.1c"]
-        for name in ["ERM", "LS0.9", "LS0.7", "S1", *cands]:
-            for noise in NOISES:
-                spec = base.get(name) or ivon[name]
-                jobs.append(job(name, spec, noise, 0, epochs))
+        for seed in seeds or (0, 1, 2):
+            for name in ["ERM", "LS0.7", "S1", *cands, "LS0.9"]:
+                for noise in NOISES:
+                    spec = base.get(name) or ivon[name]
+                    jobs.append(job(name, spec, noise, seed, epochs))
     else:
         raise ValueError(phase)
     return jobs
@@ -123,7 +124,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--phase", choices=["screen", "confirm", "long", "report"], required=True)
     p.add_argument("--epochs", type=int, default=None, help="20 for screen/confirm, 60 for long")
     p.add_argument("--candidates", default=None, help="comma-separated labels (ERM, LS0.7, S1, W0.1c, ...) to run, in order")
-    p.add_argument("--seeds", default=None, help="comma-separated seeds for --phase confirm (default 1,2)")
+    p.add_argument("--seeds", default=None, help="comma-separated seeds (confirm: default 1,2; long: default 0,1,2)")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--dry-run", action="store_true")
     a = p.parse_args(argv)

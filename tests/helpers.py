@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import copy
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
 
 import datasets
 import numpy as np
@@ -78,3 +82,12 @@ def reference_ivon_loop(model, batches_per_step, steps, *, lr, ess, hess_init, b
                         torch.nn.utils.clip_grad_norm_(params, clip_norm)
         opt.step()
     return model, opt
+
+
+def load_example(name: str) -> ModuleType:
+    """An example script (examples/<name>.py) as a module, to test its functions without running it."""
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "examples" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve string annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module

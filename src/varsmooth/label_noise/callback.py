@@ -26,8 +26,8 @@ class LabelNoiseCallback(TrainerCallback):
     under DDP each process measures its shard and the main process writes one file. Both files are written to a
     temporary name and renamed, so a crash never leaves half a file.
 
-    Pass it to `VariationalTrainer(callbacks=[LabelNoiseCallback()])`, which binds it to the trainer; a callback
-    added later with `trainer.add_callback` must be bound by hand: `trainer.add_callback(LabelNoiseCallback().bind(trainer))`.
+    `VariationalTrainer(callbacks=[...])` and `VariationalTrainer.add_callback` bind it to the trainer; with a plain
+    `transformers.Trainer` (no posterior) it refuses to start.
 
     Args:
         num_samples: posterior samples S per example; costs S + 1 forward passes over `dataset`.
@@ -67,8 +67,8 @@ class LabelNoiseCallback(TrainerCallback):
         # fail before training rather than after it
         if self.trainer is None:
             raise RuntimeError(
-                "LabelNoiseCallback is not bound to a trainer: pass it in VariationalTrainer(callbacks=[...]) or "
-                "add it as trainer.add_callback(LabelNoiseCallback(...).bind(trainer))."
+                "LabelNoiseCallback is not bound to a trainer: it needs a varsmooth.VariationalTrainer (pass it in "
+                "VariationalTrainer(callbacks=[...]) or trainer.add_callback(...)), not a plain transformers.Trainer."
             )
         if self.dataset is None and self.trainer.train_dataset is None:
             raise ValueError("LabelNoiseCallback has no dataset: the trainer has no train_dataset and none was given.")

@@ -1,0 +1,53 @@
+"""The image example's argument handling (its training runs are tested in test_data.py and test_plots.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from varsmooth.defaults import FINETUNE_PRESET
+
+from helpers import load_example
+
+example = load_example("train_image_classification")
+
+
+@pytest.mark.parametrize("how", ["flags", "json", "yaml"])
+def test_a_pretrained_model_switches_to_the_finetune_preset_whatever_the_config_source(tmp_path, how):
+    config = {"output_dir": str(tmp_path), "use_cpu": True, "pretrained_weights": "weights.pth", "beta2": 0.99}
+    if how == "flags":
+        argv = ["--output_dir", str(tmp_path), "--use_cpu", "--pretrained_weights", "weights.pth", "--beta2=0.99"]
+    else:
+        path = tmp_path / f"config.{how}"
+        path.write_text(json.dumps(config) if how == "json" else yaml.safe_dump(config))
+        argv = [str(path)]
+    model_args, _, _, training_args = example.parse_arguments(argv)
+    assert model_args.pretrained_weights == "weights.pth"
+    assert training_args.ivon_preset == "finetune"
+    assert training_args.ess == FINETUNE_PRESET["ess"] and training_args.hess_init == FINETUNE_PRESET["hess_init"]
+    assert training_args.beta2 == 0.99  # the user's value beats the preset's
+
+
+@pytest.mark.parametrize("how", ["flags", "json"])
+def test_a_chosen_preset_and_a_model_from_scratch_are_left_alone(tmp_path, how):
+    scratch_pretrained = {"output_dir": str(tmp_path), "pretrained_weights": "w.pth", "ivon_preset": "scratch"}
+    from_scratch = {"output_dir": str(tmp_path)}
+    for config, expected_preset in ((scratch_pretrained, "scratch"), (from_scratch, "scratch")):
+        if how == "flags":
+            argv = [f"--{key.replace('_', '-') if key == 'ivon_preset' else key}={value}" for key, value in config.items()]
+        else:
+            path = tmp_path / "config.json"
+            path.write_text(json.dumps(config))
+            argv = [str(path)]
+        training_args = example.parse_arguments(argv)[3]
+        assert training_args.ivon_preset == expected_preset
+        assert training_args.hess_init != FINETUNE_PRESET["hess_init"]  # the from-scratch value
+
+
+def test_a_config_file_with_an_unknown_key_is_refused(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"output_dir": str(tmp_path), "learning_rat": 0.1}))
+    with pytest.raises(ValueError, match="learning_rat"):
+        example.parse_arguments([str(path)])
