@@ -25,9 +25,9 @@ pretrained ones and a zero head) and, within a seed, sees the same labels, batch
     OMP_NUM_THREADS=1 python benchmarks/real_noise.py --plan all       # + random1, SAM and the other baselines, text
     python benchmarks/real_noise.py --report                           # tables from the cached runs only
 
-The first seed of ERM and IVON on each CIFAR-10N task also exports the per-example label noise of the training set
+The first seed of ERM, IVON and IVON with the Hessian rule on each CIFAR-10N task also exports the per-example label noise of the training set
 (`varsmooth.label_noise`) with its mislabel-detection scores against the clean labels, and for IVON picture grids
-of the most and least ambiguous training images, into ``results/real_noise/export/<task>/<method>-seed<seed>/``.
+of the most and least ambiguous training images, into ``results/real_noise/export/<task>/<method>[-<hyperparameters>]-seed<seed>/``.
 
 Needs ../shared/data (or $VARSMOOTH_DATA_DIR) and the `pretrained` extra; skips with a message otherwise.
 """
@@ -96,6 +96,9 @@ BASELINES = [("sam", {"sam_rho": rho}) for rho in SAM_GRID] + [("gce", {"gce_q":
                                                                ("logistic_normal", {})]
 #: the run-length rule of varsmooth.defaults on top of the fine-tuning preset (issue 9's CIFAR-10N row)
 IVON_RULE = ("ivon", {"hessian_window": 0.1})
+#: the runs (seed 0, CIFAR-10N) that also export the per-example label noise: ERM's confidences as the detection
+#: baseline, and both IVON settings (the rule is the best IVON run on "worse")
+EXPORTED = (("erm", {}), ("ivon", {}), IVON_RULE)
 #: grid methods: chosen per seed on the noisy validation split, so their runs must carry val metrics
 SELECTED_ON_VAL = ("ls", "sam")
 
@@ -402,7 +405,8 @@ def run(task_name: str, method: str, hyperparams: dict[str, Any] | None = None, 
         wrong = (y_train != y_clean).numpy()
         result["fit_wrong_labels"] = float((mean_pred[wrong] == y_train.numpy()[wrong]).mean()) if wrong.any() else None
         if export:
-            result["export"] = export_label_noise(trainer, task, data, y_train, y_clean, key)
+            name = "-".join([method, *(f"{k}={v}" for k, v in hyperparams.items()), f"seed{seed}"])
+            result["export"] = export_label_noise(trainer, task, data, y_train, y_clean, key, name)
     common.write_json(path, result)
     print(f"[{SCRIPT}] {key}: test acc {result['test_acc']:.4f} (mean {result['test_mean_acc']:.4f}) nll {result['test_nll']:.3f} "
           f"ece {result['test_ece']:.3f} train {train_s:.0f}s eval {eval_s:.0f}s", flush=True)
@@ -410,7 +414,7 @@ def run(task_name: str, method: str, hyperparams: dict[str, Any] | None = None, 
 
 
 def export_label_noise(trainer: Any, task: Task, data: dict[str, Any], y_train: torch.Tensor, y_clean: torch.Tensor,
-                       key: str) -> dict[str, Any]:
+                       key: str, name: str) -> dict[str, Any]:
     """Label noise of every CIFAR-10N training example (`varsmooth.label_noise`), its mislabel-detection scores
     against the clean labels and, for IVON, picture grids of the most and least ambiguous training images."""
     import datasets
@@ -422,7 +426,7 @@ def export_label_noise(trainer: Any, task: Task, data: dict[str, Any], y_train: 
     if task.kind != "image":
         raise ValueError("The label-noise export is drawn for CIFAR-10N only (the pictures need images).")
     ivon = trainer.ivon is not None
-    out = OUT_DIR / "export" / task.name / f"{trainer.args.method}-seed{trainer.args.seed}"
+    out = OUT_DIR / "export" / task.name / name
     names = datasets.ClassLabel(names=list(_cifar_classes()))
     features = datasets.Features({"features": datasets.Array3D(tuple(data["x_train"].shape[1:]), "float32"), "label": names,
                                   "clean_label": names, "is_corrupted": datasets.Value("bool")})
@@ -511,7 +515,7 @@ def plan_tasks(tasks: tuple[str, ...], baselines: bool, ls_grid: bool, seeds: li
     for seed in seeds:
         for task in tasks:
             for method, hp in method_grid(Task.parse(task), baselines, ls_grid):
-                export = seed == seeds[0] and (method, hp) in (("erm", {}), ("ivon", {})) and Task.parse(task).kind == "image"
+                export = seed == seeds[0] and (method, hp) in EXPORTED and Task.parse(task).kind == "image"
                 jobs.append({"task_name": task, "method": method, "hyperparams": hp, "seed": seed, "export": export})
     if task_major:
         jobs.sort(key=lambda j: tasks.index(j["task_name"]))  # stable: seed-major within a task
@@ -523,8 +527,11 @@ def cached_runs() -> list[dict[str, Any]]:
 
 
 def _label(run: dict[str, Any]) -> str:
-    hp = run["config"]["hyperparams"]
-    return run["config"]["method"] + ("" if not hp else " (" + ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in hp.items()) + ")")
+    return _spec_label(run["config"]["method"], run["config"]["hyperparams"])
+
+
+def _spec_label(method: str, hp: dict[str, Any]) -> str:
+    return method + ("" if not hp else " (" + ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in hp.items()) + ")")
 
 
 def _fmt(values: list[float | None], scale: float = 100.0, digits: int = 2) -> str:
@@ -632,7 +639,7 @@ def report() -> str:
             lines += [_row(label, rs, erm) for label, rs in sorted(checks, key=lambda c: -c[1][0]["test_acc"])]
         lines += _curve_table(rows)
         summary[task] = table
-        exports = [r for r in rows.get("ivon", []) + rows.get("erm", []) if r.get("export")]
+        exports = [r for m, hp in EXPORTED[::-1] for r in rows.get(_spec_label(m, hp), []) if r.get("export")]
         if exports:
             lines += ["", "Mislabel detection on the training set (in-sample; seed "
                       f"{exports[0]['config']['seed']}; AUROC / average precision / precision at k = #wrong):", "",
