@@ -18,8 +18,8 @@ is max(0.1·T, 300) steps (300 instead of 282 for these 20-epoch runs; the floor
 
 Selection protocol (fixed before looking at any result): candidates are screened on seed 0; the default rule is
 the candidate with the highest noisy-validation BMA accuracy averaged over sym-40 and pair-40, confirmed on seeds
-1 and 2. LS's α is chosen per seed on noisy validation from {0 (= ERM), 0.1, 0.3, 0.5, 0.7, 0.9} (α 0.1 and 0.3 only
-run on seed 0: dominated there on noisy validation). Nothing is chosen on clean labels.
+1 and 2. LS's α is chosen per seed on noisy validation from {0 (= ERM), 0.1, 0.3, 0.5, 0.7, 0.9} at 20 epochs and
+from {0, 0.7, 0.9} at 60 epochs. Nothing is chosen on clean labels.
 
     OMP_NUM_THREADS=1 python benchmarks/training_length.py --phase screen   --workers 2   # seed 0 (~40 min)
     OMP_NUM_THREADS=1 python benchmarks/training_length.py --phase confirm  --workers 2   # seeds 1, 2 (~60 min)
