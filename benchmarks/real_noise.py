@@ -25,9 +25,10 @@ pretrained ones and a zero head) and, within a seed, sees the same labels, batch
     OMP_NUM_THREADS=1 python benchmarks/real_noise.py --plan all       # + random1, SAM and the other baselines, text
     python benchmarks/real_noise.py --report                           # tables from the cached runs only
 
-The first seed of ERM, IVON and IVON with the Hessian rule on each CIFAR-10N task also exports the per-example label noise of the training set
-(`varsmooth.label_noise`) with its mislabel-detection scores against the clean labels, and for IVON picture grids
-of the most and least ambiguous training images, into ``results/real_noise/export/<task>/<method>[-<hyperparameters>]-seed<seed>/``.
+The first seed of ERM, IVON and IVON with the Hessian rule on each CIFAR-10N task also exports the per-example
+label noise of the training set (`varsmooth.label_noise`) with its mislabel-detection scores against the clean
+labels, and for IVON picture grids of the most and least ambiguous training images, into
+``results/real_noise/export/<task>/<method>[-<hyperparameters>]-seed<seed>/``.
 
 Needs ../shared/data (or $VARSMOOTH_DATA_DIR) and the `pretrained` extra; skips with a message otherwise.
 """
