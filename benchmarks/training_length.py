@@ -92,31 +92,17 @@ def job(name: str, spec: tuple[str, dict], noise: str, seed: int, epochs: int) -
 
 
 def jobs_for(phase: str, epochs: int, candidates: list[str] | None, seeds: list[int] | None = None) -> list[dict]:
-    base, ivon = baselines(), ivon_candidates(epochs)
-    jobs: list[dict] = []
-    if phase == "screen":  # seed 0, most informative first
-        order = candidates or ["ERM", "LS0.7", "LS0.9", "S1", "W0.1c", "W0.03c", "W0.3c", "LS0.5", "LS0.3", "LS0.1"]
-        for name in order:
-            for noise in NOISES:
-                spec = base.get(name) or ivon[name]
-                jobs.append(job(name, spec, noise, 0, epochs))
-    elif phase == "confirm":  # seeds 1, 2
-        order = candidates or ["ERM", "LS0.7", "LS0.9", "S1", "W0.1c", "LS0.5"]
-        for seed in seeds or (1, 2):
-            for name in order:
-                for noise in NOISES:
-                    spec = base.get(name) or ivon[name]
-                    jobs.append(job(name, spec, noise, seed, epochs))
-    elif phase == "long":  # seed-major, so that an interrupted run leaves complete seeds behind
-        cands = candidates or ["W0.1c"]
-        for seed in seeds or (0, 1, 2):
-            for name in ["ERM", "LS0.7", "S1", *cands, "LS0.9"]:
-                for noise in NOISES:
-                    spec = base.get(name) or ivon[name]
-                    jobs.append(job(name, spec, noise, seed, epochs))
+    """Seed-major (an interrupted phase leaves complete seeds behind), most informative first within a seed."""
+    specs = {**baselines(), **ivon_candidates(epochs)}
+    if phase == "screen":
+        names, seeds = candidates or ["ERM", "LS0.7", "LS0.9", "S1", "W0.1c", "W0.03c", "W0.3c", "LS0.5", "LS0.3", "LS0.1"], [0]
+    elif phase == "confirm":
+        names, seeds = candidates or ["ERM", "LS0.7", "LS0.9", "S1", "W0.1c", "LS0.5"], seeds or [1, 2]
+    elif phase == "long":
+        names, seeds = ["ERM", "LS0.7", "S1", *(candidates or ["W0.1c"]), "LS0.9"], seeds or [0, 1, 2]
     else:
         raise ValueError(phase)
-    return jobs
+    return [job(name, specs[name], noise, seed, epochs) for seed in seeds for name in names for noise in NOISES]
 
 
 def main(argv: list[str] | None = None) -> None:
