@@ -81,10 +81,10 @@ class VariationalTrainer(Trainer):
         self.method: TrainingMethod = get_method_class(args.method)(args, num_train_examples=train_size)
         if self.model is not None:  # extra heads must exist before the optimizer is built
             self.method.attach(self.model)
-        for callback in self.method.callbacks():
-            self.add_callback(callback)
-        for callback in self.callback_handler.callbacks:
+        for callback in self.callback_handler.callbacks:  # those passed at construction
             _bind(callback, self)
+        for callback in self.method.callbacks():  # `add_callback` binds these
+            self.add_callback(callback)
         self._ivon_param_names: list[str] | None = None
         self._last_grad_norm: torch.Tensor | None = None
         if self.method.uses_ivon and self.optimizer is not None and not isinstance(self.optimizer, VariationalIVON):
