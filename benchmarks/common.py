@@ -457,6 +457,8 @@ def fmt_pm(values: list[float], scale: float = 100.0, digits: int = 2) -> str:
     m, s = mean_std(values)
     if math.isnan(m):
         return "–"
+    if sum(v is not None for v in values) == 1:  # one run has no spread to show
+        return f"{m * scale:.{digits}f}"
     return f"{m * scale:.{digits}f} ± {s * scale:.{digits}f}"
 
 
