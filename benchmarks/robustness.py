@@ -143,13 +143,17 @@ def report(dataset: str, epochs: int, noises: list[str], seeds: list[int], specs
     table: dict = {}
     for noise in noises:
         for seed in seeds:
-            res = []
+            res, missing = [], set()
             for fam, method, hp in specs:
                 r = common.cached(SCRIPT, method, hp, noise, seed, epochs, dataset=dataset)
                 if r is not None:
                     res.append((fam, method, hp, r))
+                else:
+                    missing |= {fam, "ls"} if fam == "erm" else {fam}
             res = [(fam, m, hp, _as_predicted(fam, r)) for fam, m, hp, r in res]
             for fam, (hp, r) in select(res).items():
+                if fam in missing:  # a best-of-grid over part of the grid (interrupted sweep) is not the family's result
+                    continue
                 table.setdefault(fam, {}).setdefault(noise, []).append({"seed": seed, "hp": hp, **{
                     k: r[k] for k in ("test_acc", "test_nll", "test_ece", "test_bma_acc", "val_acc", "fit_flipped")}})
     fams = [f for f in dict.fromkeys(s[0] for s in specs)] + (["ls"] if any(s[0] == "erm" for s in specs) and not any(s[0] == "ls" for s in specs) else [])
