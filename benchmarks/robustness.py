@@ -251,7 +251,19 @@ def main(argv: list[str] | None = None) -> None:
         jobs = [dict(method=m, hyperparams=hp, noise=n, seed=s, epochs=epochs, dataset=dataset, script=SCRIPT)
                 for n in order for s in seeds for (_, m, hp) in specs]
         common.run_parallel(jobs, workers=a.workers)
-    report(dataset, epochs, noises, seeds, specs, tag)
+    report(dataset, epochs, report_noises(a, dataset, epochs, noises, seeds, specs), seeds, specs, tag)
+
+
+def report_noises(a: argparse.Namespace, dataset: str, epochs: int, noises: list[str], seeds: list[int],
+                  specs: list) -> list[str]:
+    """The report's columns: the noises asked for, plus every other noise of the mode whose comparison has run (each
+    spec on at least one seed), so that resuming part of a sweep with --noises does not shrink the committed report."""
+    def ran(noise: str) -> bool:
+        return all(any(common.cached(SCRIPT, m, hp, noise, s, epochs, dataset=dataset) for s in seeds)
+                   for _, m, hp in specs)
+
+    default = QUICK_NOISES if a.quick else FULL_NOISES
+    return [n for n in dict.fromkeys([*default, *noises]) if n in noises or ran(n)]
 
 
 if __name__ == "__main__":
