@@ -1,0 +1,98 @@
+"""Do the robustness sweep's GPU runs agree with the CPU? Rerun some of them on the CPU and compare.
+
+Part of the MNIST sweep (`robustness.py`) was trained on a GPU (`VARSMOOTH_BENCH_DEVICE=cuda`) and shares the cache
+keys of the CPU runs: the device is recorded but is not part of the experiment. This script checks that assumption:
+it takes the seed-0 GPU runs, one per (method, hyperparameters) on the first noise that has it, retrains each on the
+CPU under its own cache (benchmarks/results/device_agreement/runs/) and reports both results side by side. Floating
+point differs between devices, so runs are not bit-identical; agreement means differences of the size of the
+seed-to-seed spread, not larger.
+
+    OMP_NUM_THREADS=1 python benchmarks/device_agreement.py --runs 6 --workers 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # noqa: E402
+
+SCRIPT = "device_agreement"
+SOURCE = common.RESULTS_DIR / "robustness" / "runs"
+OUT_DIR = common.RESULTS_DIR / SCRIPT
+_JOB_KEYS = ("method", "hyperparams", "noise", "seed", "epochs", "dataset", "batch_size", "eval_mc_samples")
+
+
+def gpu_runs(n: int) -> list[dict]:
+    """`n` seed-0 GPU runs of the sweep, distinct (method, hyperparameters), taking the methods in turn (a method at
+    its defaults apart from the method with set hyperparameters; file-name order within) so that a few runs cover
+    every method."""
+    by_method: dict[tuple[str, bool], list[dict]] = {}
+    seen = set()
+    for path in sorted(SOURCE.glob("*.json")):
+        r = json.loads(path.read_text())
+        c = r["config"]
+        ident = (c["method"], json.dumps(c["hyperparams"], sort_keys=True))
+        if r.get("device") == "cuda" and c["seed"] == 0 and ident not in seen:
+            seen.add(ident)
+            by_method.setdefault((c["method"], bool(c["hyperparams"])), []).append(r)
+    in_turn = [r for rnd in itertools.zip_longest(*by_method.values()) for r in rnd if r is not None]
+    return in_turn[:n]
+
+
+def seed_runs(config: dict) -> list[dict]:
+    """The sweep's runs of `config` on every seed it has (0, 1, 2, ...), whichever device trained them."""
+    runs, seed = [], 0
+    while (r := common.cached("robustness", **{**{k: config[k] for k in _JOB_KEYS}, "seed": seed})) is not None:
+        runs.append(r)
+        seed += 1
+    return runs
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--runs", type=int, default=6, help="how many GPU runs to retrain on the CPU")
+    p.add_argument("--workers", type=int, default=2)
+    a = p.parse_args()
+    if common.bench_device() != "cpu":
+        sys.exit("device_agreement.py retrains on the CPU: unset VARSMOOTH_BENCH_DEVICE.")
+    gpu = gpu_runs(a.runs)
+    if not gpu:
+        sys.exit(f"No GPU runs in {SOURCE}: nothing to compare.")
+    jobs = [{**{k: r["config"][k] for k in _JOB_KEYS}, "script": SCRIPT, "verbose": False} for r in gpu]
+    cpu = common.run_parallel(jobs, workers=a.workers)
+    lines = ["# GPU vs CPU: the same sweep runs on both devices", "",
+             "Clean-test accuracy and NLL, and noisy-validation accuracy (the selection metric). GPU: the committed "
+             "sweep run; CPU: retrained by `device_agreement.py`. Same data, labels, initialisation and batch order; "
+             "the devices round differently and IVON draws its weight noise from the device's own generator. The "
+             "yardstick is the seed-to-seed spread of the same configuration in the sweep (std of clean-test accuracy "
+             "over its seeds; a seed also redraws the noisy labels). Two independent runs with spread σ differ by "
+             "1.13·√2·σ ≈ 1.6σ on average.", "",
+             "| run | test acc % GPU / CPU | GPU − CPU pp | seed std pp (n) | test NLL GPU / CPU | "
+             "noisy-val acc % GPU / CPU |", "|---|---|---|---|---|---|"]
+    diffs, ratios = [], []
+    for g, c in zip(gpu, cpu):
+        seeds = [r["test_acc"] for r in seed_runs(g["config"])]
+        std = 100 * common.mean_std(seeds)[1] if len(seeds) > 1 else float("nan")
+        diffs.append(100 * (g["test_acc"] - c["test_acc"]))
+        if std > 0:  # NaN (one seed) compares False
+            ratios.append(abs(diffs[-1]) / std)
+        lines.append(f"| {g['key'].rsplit('_', 1)[0]} | {100 * g['test_acc']:.2f} / {100 * c['test_acc']:.2f} | "
+                     f"{diffs[-1]:+.2f} | {std:.2f} ({len(seeds)}) | {g['test_nll']:.3f} / {c['test_nll']:.3f} | "
+                     f"{100 * g['val_acc']:.1f} / {100 * c['val_acc']:.1f} |")
+    mean_abs = sum(map(abs, diffs)) / len(diffs)
+    lines += ["", f"GPU − CPU test accuracy: mean {sum(diffs) / len(diffs):+.2f} pp, mean |difference| {mean_abs:.2f} pp, "
+              f"largest {max(map(abs, diffs)):.2f} pp; |difference| / seed std: mean "
+              f"{sum(ratios) / max(1, len(ratios)):.2f}, largest {max(ratios, default=float('nan')):.2f}."]
+    OUT_DIR.mkdir(parents=True, exist_ok=True)
+    (OUT_DIR / "report.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
