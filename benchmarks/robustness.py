@@ -208,7 +208,7 @@ def _plot(table: dict, fams: list[str], noises: list[str], path: Path, title: st
         import matplotlib.pyplot as plt
     except ImportError:  # pragma: no cover
         return
-    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(noises) + 2), 4))
+    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(noises) + 2), 5))
     x = np.arange(len(noises))
     w = 0.8 / max(1, len(fams))
     for i, fam in enumerate(fams):
@@ -220,7 +220,7 @@ def _plot(table: dict, fams: list[str], noises: list[str], path: Path, title: st
     ax.set_title(title)
     ax.set_ylim(0, 100)
     ax.grid(axis="y", alpha=0.3)
-    ax.legend(fontsize=7, ncol=2, loc="lower left")
+    ax.legend(fontsize=7, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.1))  # below the axes: bars stay visible
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
