@@ -226,7 +226,8 @@ IVON_BASE: dict[str, Any] = {"learning_rate": 0.2, "hess_init": 0.5, "beta1": 0.
 
 def bench_device() -> str:
     """Where `run` trains: $VARSMOOTH_BENCH_DEVICE ("cpu", the default, or "cuda"). Recorded in every result; not part
-    of the cache key (a run is the same experiment on either device, with other floating-point rounding)."""
+    of the cache key: a run is the same experiment on either device up to rounding and, for IVON, the weight draws,
+    which act as one more draw of the training randomness (device_agreement.py measures it)."""
     device = os.environ.get("VARSMOOTH_BENCH_DEVICE", "cpu")
     if device not in ("cpu", "cuda"):
         raise ValueError(f"VARSMOOTH_BENCH_DEVICE={device!r}: use 'cpu' or 'cuda'.")
