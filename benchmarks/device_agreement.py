@@ -78,17 +78,17 @@ def main() -> None:
     diffs, ratios = [], []
     for g, c in zip(gpu, cpu):
         seeds = [r["test_acc"] for r in seed_runs(g["config"])]
-        std = 100 * common.mean_std(seeds)[1] if len(seeds) > 1 else float("nan")
+        std = 100 * common.mean_std(seeds)[1]  # 0 for a single seed: no yardstick, no ratio
         diffs.append(100 * (g["test_acc"] - c["test_acc"]))
-        if std > 0:  # NaN (one seed) compares False
+        if std > 0:
             ratios.append(abs(diffs[-1]) / std)
         lines.append(f"| {g['key'].rsplit('_', 1)[0]} | {100 * g['test_acc']:.2f} / {100 * c['test_acc']:.2f} | "
                      f"{diffs[-1]:+.2f} | {std:.2f} ({len(seeds)}) | {g['test_nll']:.3f} / {c['test_nll']:.3f} | "
                      f"{100 * g['val_acc']:.1f} / {100 * c['val_acc']:.1f} |")
-    mean_abs = sum(map(abs, diffs)) / len(diffs)
-    lines += ["", f"GPU − CPU test accuracy: mean {sum(diffs) / len(diffs):+.2f} pp, mean |difference| {mean_abs:.2f} pp, "
-              f"largest {max(map(abs, diffs)):.2f} pp; |difference| / seed std: mean "
-              f"{sum(ratios) / max(1, len(ratios)):.2f}, largest {max(ratios, default=float('nan')):.2f}."]
+    abs_diffs = [abs(d) for d in diffs]
+    lines += ["", f"GPU − CPU test accuracy: mean {common.mean_std(diffs)[0]:+.2f} pp, mean |difference| "
+              f"{common.mean_std(abs_diffs)[0]:.2f} pp, largest {max(abs_diffs):.2f} pp; |difference| / seed std: mean "
+              f"{common.mean_std(ratios)[0]:.2f}, largest {max(ratios, default=float('nan')):.2f}."]
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     (OUT_DIR / "report.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
