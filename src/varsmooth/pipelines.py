@@ -58,12 +58,21 @@ class _VariationalMixin:
                 "mutual_information": float(model_outputs["mutual_information"].reshape(-1)[0])}
 
 
+def _num_channels(config: Any) -> int:
+    """Input channels of an image classifier: `num_channels` of transformers' vision configs, or the `in_chans` a
+    `TimmWrapperConfig` builds its timm model with (it has no `num_channels`); 3 when neither says."""
+    channels = getattr(config, "num_channels", None)
+    if channels is None:
+        channels = (getattr(config, "model_args", None) or {}).get("in_chans")
+    return 3 if channels is None else int(channels)
+
+
 class VariationalImageClassificationPipeline(_VariationalMixin, ImageClassificationPipeline):
     """`ImageClassificationPipeline` with posterior-averaged scores; grayscale models get grayscale images."""
 
     def preprocess(self, image: Any, timeout: float | None = None) -> Any:
         # `load_image` always converts to RGB, which a 1-channel model (e.g. trained on digits) cannot take
-        if getattr(self.model.config, "num_channels", 3) != 1 or isinstance(image, (np.ndarray, torch.Tensor)):
+        if _num_channels(self.model.config) != 1 or isinstance(image, (np.ndarray, torch.Tensor)):
             return super().preprocess(image, timeout=timeout)
         image = load_image(image, timeout=timeout).convert("L")
         return self.image_processor(images=image, return_tensors="pt").to(self.dtype)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import inspect
 import logging
 import os
 import shutil
@@ -32,7 +33,7 @@ from transformers.trainer_utils import EvalPrediction, PredictionOutput
 from .methods import EXAMPLE_INDEX_KEY, ExampleIndexDataset, TrainingMethod, get_method_class
 from .hub import SHAREABLE_PATTERNS, build_model_card
 from .metrics import classification_metrics
-from .posterior import DiagonalGaussianPosterior, VariationalIVON, predictive_distribution, unwrap_ivon
+from .posterior import POSTERIOR_FILE, DiagonalGaussianPosterior, VariationalIVON, predictive_distribution, unwrap_ivon
 from .posterior.prediction import LABEL_KEYS
 from .training_args import VariationalTrainingArguments
 from .utils import atomic_path
@@ -41,8 +42,11 @@ __all__ = ["VariationalTrainer"]
 
 logger = logging.getLogger(__name__)
 
-#: the Hessian "has hardly moved" when its median relative change from hess_init is below this
-HESSIAN_STUCK_TOLERANCE = 0.01
+#: the Hessian "has hardly moved" when the median of |h − h0|/h0 over the weights is below this (README "Usage"): under
+#: the EMA h_T = β2^T h0 + (1 − β2^T) ĥ the change is about (1 − β2^T)·|1 − ĥ/h0|, so below 10 % the learned curvature
+#: makes up at most a tenth of h. The authors' β2 = 0.99999 stays below it for ~10k steps (MNIST, 2,820 steps: 0.5 →
+#: 0.486; scikit-learn digits, the image example's ~1.3k steps: 0.5 → 0.493).
+HESSIAN_STUCK_TOLERANCE = 0.1
 #: the label corruption of the training set, next to the model (read by the model card)
 NOISE_REPORT_FILE = "noise_report.json"
 #: checkpoint file with the training method's own state (OLS soft labels, ALASCA EMAs, ...)
@@ -53,7 +57,7 @@ class VariationalTrainer(Trainer):
     """A `Trainer` for single-label classifiers that trains with `args.method` (IVON by default).
 
     Models may be any module returning logits in a `ModelOutput` or tuple (HF `AutoModelFor*Classification`,
-    timm wrapped in `varsmooth.models.TimmClassifier`, ...); the loss is computed here from the logits.
+    timm through `varsmooth.models.create_image_classifier`, ...); the loss is computed here from the logits.
     """
 
     #: `compute_loss` returns the micro-batch mean (it ignores `num_items_in_batch`), so the stock
@@ -75,10 +79,25 @@ class VariationalTrainer(Trainer):
             )
         user_metrics = kwargs.pop("compute_metrics", None)
         self._noise_report = kwargs.pop("noise_report", None)
+        posterior = kwargs.pop("posterior", None)
+        if args.batch_eval_metrics and user_metrics is not None and "compute_result" not in inspect.signature(user_metrics).parameters:
+            raise ValueError(  # the stock Trainer's check, which would only see the wrapper below
+                "With batch_eval_metrics=True, compute_metrics must take a boolean `compute_result` argument (True on the "
+                "last batch: return the metrics of the whole evaluation then)."
+            )
         super().__init__(model, args, *pargs, compute_metrics=self._compute_metrics, **kwargs)
         self.user_compute_metrics = user_metrics
         train_size = _length(self.train_dataset)
         self.method: TrainingMethod = get_method_class(args.method)(args, num_train_examples=train_size)
+        if self.compute_loss_func is not None and type(self.method).loss is not TrainingMethod.loss:
+            raise ValueError(
+                f"compute_loss_func would replace the training loss of method={args.method!r}, which is the method "
+                "itself. Use it with method='ivon', 'ivon_fixed_hessian', 'erm' or 'sam' (cross-entropy by default), "
+                "or drop compute_loss_func."
+            )
+        if posterior is not None and not self.method.uses_ivon:
+            raise ValueError(f"posterior= is for IVON methods (BMA over the posterior); method={args.method!r} predicts at the weights.")
+        self._saved_posterior = posterior if posterior is not None else self._posterior_beside_model()
         if self.model is not None:  # extra heads must exist before the optimizer is built
             self.method.attach(self.model)
         for callback in self.callback_handler.callbacks:  # those passed at construction
@@ -129,23 +148,47 @@ class VariationalTrainer(Trainer):
         return self.optimizer
 
     def posterior(self) -> DiagonalGaussianPosterior:
-        """The current q = N(m, diag σ²); a point mass when there is no IVON state (non-IVON method, untrained)."""
+        """The current q = N(m, diag σ²): IVON's once it trains; before that the posterior passed as `posterior=` or
+        saved beside the model (`posterior.safetensors` in its `name_or_path` folder); else a point mass."""
         opt = self.ivon
         model = self.accelerator.unwrap_model(self.model)
         if opt is None:
-            return DiagonalGaussianPosterior.zero(model)
+            return self._saved_posterior if self._saved_posterior is not None else DiagonalGaussianPosterior.zero(model)
         meta = {**self.method.hyperparameters(), "eval_seed": self.args.eval_seed, "step": opt.current_step}
         return DiagonalGaussianPosterior.from_ivon(model, opt, self._ivon_param_names, meta)
 
+    def _posterior_beside_model(self) -> DiagonalGaussianPosterior | None:
+        """The posterior an IVON run saved next to the weights this trainer's model was loaded from, if any."""
+        folder = getattr(self.model, "name_or_path", None) or ""
+        if not self.method.uses_ivon or not os.path.isfile(os.path.join(folder, POSTERIOR_FILE)):
+            return None
+        try:
+            posterior = DiagonalGaussianPosterior.load(self.model, folder)
+        except ValueError as error:  # e.g. a new classification head: the saved σ belongs to another network
+            logger.warning("Not using %s from %s: %s", POSTERIOR_FILE, folder, error)
+            return None
+        logger.info("Loaded the posterior saved with the model (%s): evaluation before training predicts by BMA with it.",
+                    os.path.join(folder, POSTERIOR_FILE))
+        return posterior
+
     # -- training ----------------------------------------------------------------------------------
     def compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch: Any = None) -> Any:
-        """The method's mean loss on this micro-batch; `num_items_in_batch` is ignored on purpose (IVON averages)."""
+        """The method's mean loss on this micro-batch; `num_items_in_batch` is ignored on purpose (IVON averages).
+
+        A `compute_loss_func` given to the trainer replaces the cross-entropy: it is called as the stock Trainer calls
+        it, `compute_loss_func(outputs, labels, num_items_in_batch=None)`, where None asks for the mean over this
+        micro-batch (the loss IVON needs per posterior sample; the Trainer divides it by the accumulation steps for
+        other methods).
+        """
         labels = inputs.get("labels")
         if labels is None:
             raise ValueError(f"The training batch has no 'labels' (keys: {sorted(inputs)}); name the label column 'label' or 'labels'.")
         outputs = model(**{k: v for k, v in inputs.items() if k not in LABEL_KEYS and k != EXAMPLE_INDEX_KEY})
         logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
-        loss = self.method.loss(logits, labels, self, inputs)
+        if self.compute_loss_func is not None:
+            loss = self.compute_loss_func(outputs, labels, num_items_in_batch=None)
+        else:
+            loss = self.method.loss(logits, labels, self, inputs)
         return (loss, outputs) if return_outputs else loss
 
     def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
@@ -226,8 +269,8 @@ class VariationalTrainer(Trainer):
         """Returns (NLL of the BMA prediction, (log P̂, posterior-mean logits), labels)."""
         inputs = self._prepare_inputs(inputs)
         labels = inputs.get("labels")
-        samples = self.args.eval_mc_samples if self.ivon is not None else 0
-        out = predictive_distribution(model, self._eval_posterior, inputs, samples, self.args.eval_seed)
+        # a point-mass posterior (no IVON state, none loaded) predicts at the weights
+        out = predictive_distribution(model, self._eval_posterior, inputs, self.args.eval_mc_samples, self.args.eval_seed)
         loss = None
         if labels is not None:
             loss = torch.nn.functional.nll_loss(out.logits, labels)
@@ -238,21 +281,50 @@ class VariationalTrainer(Trainer):
     def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
         # the posterior is built once per evaluation, from the IVON state of this moment
         self._eval_posterior = self.posterior()
+        self._metric_batches: list[tuple[np.ndarray, ...]] = []
+        if self._bma_without_posterior():
+            logger.warning(
+                "eval_mc_samples=%d asks for Bayesian model averaging, but there is no posterior: this trainer has not "
+                "trained and got none (pass posterior=, or load the model from the folder holding its %s). "
+                "Predicting at the weights; the metrics are reported as mean_* (e.g. eval_mean_accuracy).",
+                self.args.eval_mc_samples, POSTERIOR_FILE,
+            )
         try:
             return super().evaluation_loop(*args, **kwargs)
         finally:
             del self._eval_posterior
 
-    def _compute_metrics(self, eval_pred: EvalPrediction) -> dict[str, float]:
+    def _bma_without_posterior(self) -> bool:
+        return self.method.uses_ivon and self.args.eval_mc_samples > 0 and self._eval_posterior.is_point_mass
+
+    def _compute_metrics(self, eval_pred: EvalPrediction, compute_result: bool | None = None) -> dict[str, float]:
+        """Metrics of the BMA prediction (and mean_* of the posterior mean), then the user's `compute_metrics`, which
+        gets log P̂ as predictions, with inputs and losses passed through as the stock Trainer does.
+
+        With `batch_eval_metrics` the Trainer calls this once per batch (`compute_result` True on the last): the user's
+        function sees every call; varsmooth's metrics keep the batches' probabilities (N·K numbers) until the last.
+        """
         log_probs, mean_logits = eval_pred.predictions
-        labels = eval_pred.label_ids
-        probs = np.exp(log_probs)
-        metrics = classification_metrics(probs, labels)
-        if self.ivon is not None and self.args.eval_mc_samples > 0:
-            mean_probs = torch.as_tensor(mean_logits).float().softmax(-1).numpy()
-            metrics.update({f"mean_{k}": v for k, v in classification_metrics(mean_probs, labels).items()})
-        if self.user_compute_metrics is not None:
-            metrics.update(self.user_compute_metrics(EvalPrediction(predictions=log_probs, label_ids=labels)))
+        user_pred = EvalPrediction(predictions=log_probs, label_ids=eval_pred.label_ids, inputs=eval_pred.inputs,
+                                   losses=eval_pred.losses)
+        user_kwargs = {} if compute_result is None else {"compute_result": compute_result}
+        user_metrics = self.user_compute_metrics(user_pred, **user_kwargs) if self.user_compute_metrics is not None else None
+        if compute_result is None:
+            log_probs, mean_logits, labels = (np.asarray(a) for a in (log_probs, mean_logits, eval_pred.label_ids))
+        else:
+            self._metric_batches.append(tuple(_numpy(a) for a in (log_probs, mean_logits, eval_pred.label_ids)))
+            if not compute_result:
+                return {}
+            log_probs, mean_logits, labels = (np.concatenate(parts) for parts in zip(*self._metric_batches))
+            self._metric_batches = []
+        mean_probs = torch.as_tensor(mean_logits).float().softmax(-1).numpy()
+        if self._bma_without_posterior():  # no posterior: name the metrics after the prediction they measure
+            metrics = {f"mean_{k}": v for k, v in classification_metrics(mean_probs, labels).items()}
+        else:
+            metrics = classification_metrics(np.exp(log_probs), labels)
+            if self.method.uses_ivon and self.args.eval_mc_samples > 0:
+                metrics.update({f"mean_{k}": v for k, v in classification_metrics(mean_probs, labels).items()})
+        metrics.update(user_metrics or {})
         return metrics
 
     def predict(self, test_dataset: Any, ignore_keys: list[str] | None = None, metric_key_prefix: str = "test") -> PredictionOutput:
@@ -378,10 +450,10 @@ class VariationalTrainer(Trainer):
             moved = (opt.hessian().float() - h0).abs().median().item() / h0
             if moved < HESSIAN_STUCK_TOLERANCE:
                 logger.warning(
-                    "IVON's Hessian hardly moved during training (median relative change %.2g after %d steps with "
-                    "beta2=%s): the posterior std is still set by the prior settings (ess, hess_init), not learned. "
+                    "IVON's Hessian hardly moved during training (median relative change %.2g < %g after %d steps "
+                    "with beta2=%s): the posterior std is still set by the prior settings (ess, hess_init), not learned. "
                     "Try hessian_window=0.1 (beta2 = 1 - 1/max(0.1 x the run's steps, 300), clip_radius 0.05), which let "
-                    "the posterior adapt in benchmarks/training_length.py.", moved, opt.current_step,
+                    "the posterior adapt in benchmarks/training_length.py.", moved, HESSIAN_STUCK_TOLERANCE, opt.current_step,
                     opt.param_groups[0]["beta2"],
                 )
         return output
@@ -390,6 +462,10 @@ class VariationalTrainer(Trainer):
 def _bind(callback: TrainerCallback, trainer: VariationalTrainer) -> None:
     if hasattr(callback, "bind"):  # callbacks that read the trainer's posterior and dataloaders
         callback.bind(trainer)
+
+
+def _numpy(array: Any) -> np.ndarray:
+    return array.detach().cpu().numpy() if isinstance(array, torch.Tensor) else np.asarray(array)
 
 
 def _length(dataset: Any) -> int | None:

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from importlib import resources
 from typing import TYPE_CHECKING, Any
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
+from huggingface_hub.utils import HFValidationError, validate_repo_id
 
 if TYPE_CHECKING:
     from ..trainer import VariationalTrainer
 
-__all__ = ["build_model_card", "MODEL_CARD_TEMPLATE"]
+__all__ = ["DEFAULT_LICENSE", "MODEL_CARD_TEMPLATE", "build_model_card", "is_hub_dataset_id"]
 
 MODEL_CARD_TEMPLATE = resources.files("varsmooth").joinpath("templates/model_card.md")
 
@@ -26,6 +28,9 @@ _FILE_DESCRIPTIONS = {
     "preprocessor_config.json": "image processor",
     "tokenizer.json": "tokenizer",
 }
+#: the card's `license:` when the user names none: varsmooth cannot know the terms of the data or the base model, and
+#: "unknown" is the Hub's identifier for that ("other" would need a license_name and license_link)
+DEFAULT_LICENSE = "unknown"
 _METRIC_NAMES = {"accuracy": "Accuracy", "nll": "Negative log-likelihood", "ece": "Expected calibration error (15 bins)",
                  "brier": "Brier score"}
 
@@ -45,9 +50,54 @@ def _base_model(model: Any) -> str | None:
     return None
 
 
+def is_hub_dataset_id(name: str) -> bool:
+    """Whether `name` can name a dataset on the Hub ("user/name" or "name"), as opposed to a local path: a valid repo
+    id by huggingface_hub's rules ("/tmp/x", "./data" and "a/b/c" are not) that is no file or folder here."""
+    if os.path.exists(os.path.expanduser(name)):
+        return False
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
+
+
+def _as_list(value: str | list[str] | None) -> list[str]:
+    return [] if value is None else [value] if isinstance(value, str) else list(value)
+
+
+def _json_block(value: Any) -> str:
+    """A ```json block that any JSON parser reads: non-finite numbers (e.g. an AUROC without corrupted examples) as null."""
+    def finite(v: Any) -> Any:
+        if isinstance(v, float) and not math.isfinite(v):
+            return None
+        if isinstance(v, dict):
+            return {k: finite(x) for k, x in v.items()}
+        if isinstance(v, list):
+            return [finite(x) for x in v]
+        return v
+
+    return "```json\n" + json.dumps(finite(value), indent=2, allow_nan=False) + "\n```"
+
+
+def _better_prediction_text(metrics: dict[str, float]) -> str | None:
+    """One sentence naming the better of the two predictions on this run, by NLL (a proper scoring rule)."""
+    if "nll" not in metrics or "mean_nll" not in metrics:
+        return None
+    bma, mean = metrics["nll"], metrics["mean_nll"]
+    if bma == mean:
+        return f"On this run both predictions have the same negative log-likelihood ({bma:.4f})."
+    if bma < mean:
+        return (f"On this run the **posterior-averaged** prediction is the better one by negative log-likelihood (lower "
+                f"is better): {bma:.4f} vs {mean:.4f} at the posterior mean.")
+    return (f"On this run the **posterior-mean** prediction is the better one by negative log-likelihood (lower is "
+            f"better): {mean:.4f} vs {bma:.4f} with posterior averaging; `VariationalModel.from_pretrained(..., "
+            f"num_samples=0)` predicts at the mean.")
+
+
 def _last_eval_metrics(trainer: "VariationalTrainer") -> dict[str, float]:
     for entry in reversed(trainer.state.log_history):
-        if "eval_accuracy" in entry:
+        if "eval_accuracy" in entry or "eval_mean_accuracy" in entry:
             return {k.removeprefix("eval_"): v for k, v in entry.items() if k.startswith("eval_")}
     return {}
 
@@ -62,13 +112,19 @@ def build_model_card(
     trainer: "VariationalTrainer",
     *,
     model_name: str | None = None,
-    dataset: str | None = None,
+    dataset: str | list[str] | None = None,
+    dataset_tags: str | list[str] | None = None,
     license: str | None = None,
     tags: list[str] | None = None,
     language: str | None = None,
     **_: Any,
 ) -> ModelCard:
-    """The card of `trainer`'s model: base model, data, injected label noise, method, metrics, label noise, usage."""
+    """The card of `trainer`'s model: base model, data, injected label noise, method, metrics, label noise, usage.
+
+    Keywords as in `Trainer.create_model_card`: `dataset` names the data in the text; the `datasets:` metadata lists
+    `dataset_tags` (default: `dataset`) that are Hub dataset ids, never local paths (`is_hub_dataset_id`); `license`
+    defaults to `DEFAULT_LICENSE`.
+    """
     output_dir = trainer.args.output_dir
     model = trainer.accelerator.unwrap_model(trainer.model)
     task, auto_class = _task(model)
@@ -79,19 +135,29 @@ def build_model_card(
     method = trainer.method.name
     report = trainer.train_noise_report()
     is_ivon = trainer.method.uses_ivon
+    datasets = _as_list(dataset)
+    hub_datasets = [d for d in _as_list(dataset_tags) or datasets if is_hub_dataset_id(d)]
+    # a local folder is named by its last component: its path on the training machine means nothing to readers
+    shown = [(d, True) if is_hub_dataset_id(d) else (os.path.basename(os.path.normpath(d)), False) for d in datasets]
+    dataset_name = ", ".join(name for name, _ in shown) if shown else None
+    license = license or DEFAULT_LICENSE
 
     eval_results = []
+    predictions = (("", "posterior-averaged" if is_ivon else ""), ("mean_", "posterior mean"))
+    if metrics.get("mean_nll", math.inf) < metrics.get("nll", math.inf):  # the better prediction first
+        predictions = predictions[::-1]
     for key, pretty in _METRIC_NAMES.items():
-        for prefix, label in (("", "posterior-averaged" if is_ivon else ""), ("mean_", "posterior mean")):
+        for prefix, label in predictions:
             if prefix + key in metrics:
                 eval_results.append(EvalResult(
-                    task_type=task, dataset_type=dataset or "custom", dataset_name=dataset or "evaluation set",
+                    task_type=task, dataset_type=hub_datasets[0] if hub_datasets else "custom",
+                    dataset_name=dataset_name or "evaluation set",
                     metric_type=key, metric_value=float(metrics[prefix + key]),
                     metric_name=f"{pretty} ({label})" if label else pretty,
                 ))
     card_data = ModelCardData(
         language=language, license=license, library_name="transformers", base_model=base_model,
-        datasets=[dataset] if dataset else None, pipeline_tag=task, model_name=model_name,
+        datasets=hub_datasets or None, pipeline_tag=task, model_name=model_name,
         tags=sorted({"varsmooth", "noisy-labels", task, *(["ivon", "variational-learning"] if is_ivon else [method]), *(tags or [])}),
         eval_results=eval_results or None,
     )
@@ -114,21 +180,28 @@ def build_model_card(
     if metrics:
         rows = [f"| {pretty} | " + " | ".join(
             f"{metrics[p + key]:.4f}" if p + key in metrics else "–" for p in ("", "mean_")) + " |"
-            for key, pretty in _METRIC_NAMES.items() if key in metrics]
-        metrics_text = ("On the evaluation set" + (f" of `{dataset}`" if dataset else "") + ", "
-                        + (f"with {trainer.args.eval_mc_samples} posterior samples averaged:" if is_ivon else "at the trained weights:"))
+            for key, pretty in _METRIC_NAMES.items() if key in metrics or "mean_" + key in metrics]
+        metrics_text = ("On the evaluation set" + (f" of `{dataset_name}`" if dataset_name else "") + ", "
+                        + (f"averaging {trainer.args.eval_mc_samples} posterior samples, and at the posterior mean:"
+                           if is_ivon else "at the trained weights:"))
         metrics_table = "| metric | posterior-averaged | posterior mean |\n|---|---|---|\n" + "\n".join(rows) + "\n"
     else:
         metrics_text, metrics_table = "The model was not evaluated.", None
+    better_text = _better_prediction_text(metrics)
 
     summary_path = os.path.join(output_dir, "label_noise_summary.json")
     if os.path.isfile(summary_path):
         with open(summary_path) as f:
             summary = json.load(f)
+        detection = summary.get("detection")
         label_noise_text = (
             "`label_noise.parquet` holds, for every training example, the label noise ε̄ = p̄ − P̂ that IVON's posterior "
-            "induces (seed 000, Eq. 15): large for ambiguous or atypical examples. To find wrong labels, rank by the "
-            "posterior-predictive confidence in the given label instead.\n\n```json\n" + json.dumps(summary, indent=2)[:3000] + "\n```"
+            "induces (Yang et al. 2025, \"Variational Learning Induces Adaptive Label Smoothing\", Eq. 15): large for "
+            "ambiguous or atypical examples. To find wrong labels, rank by the posterior-predictive confidence in the "
+            "given label instead."
+            + ("\n\nHow well each score ranks the training labels known to be wrong (`detection` of "
+               "`label_noise_summary.json`):\n\n" + _json_block(detection) if detection is not None else "")
+            + "\n\n<details>\n<summary>label_noise_summary.json</summary>\n\n" + _json_block(summary) + "\n\n</details>"
         )
     else:
         label_noise_text = "No per-example label noise was exported for this model."
@@ -148,7 +221,9 @@ def build_model_card(
         auto_class=auto_class,
         method=method,
         base_model_text=f"[{base_model}](https://huggingface.co/{base_model})" if base_model else "none (trained from a configuration)",
-        dataset_text=f"`{dataset}`" if dataset else "not recorded",
+        dataset_text=", ".join(f"[`{name}`](https://huggingface.co/datasets/{name})" if on_hub else f"`{name}` (local data)"
+                               for name, on_hub in shown) if shown else "not recorded",
+        license=license,
         labels_text=", ".join(names) if names else "see config.json",
         corruption_text=corruption_text,
         transition_table=transition_table,
@@ -159,6 +234,7 @@ def build_model_card(
                          "seed": trainer.args.seed},
         metrics_text=metrics_text,
         metrics_table=metrics_table,
+        better_text=better_text,
         label_noise_text=label_noise_text,
         pictures=pictures,
         files=files,

@@ -1,0 +1,88 @@
+"""VariationalTrainingArguments: the TrainingArguments defaults it overrides, and presets that never override the user."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from transformers import HfArgumentParser, TrainingArguments
+
+from helpers import TinyClassifier, digits_dataset, make_args, reference_ivon_loop
+from varsmooth import VariationalTrainer, VariationalTrainingArguments
+from varsmooth.defaults import FINETUNE_PRESET, SCRATCH_PRESET
+
+PRESET_FIELDS = ("hess_init", "beta2", "prior_precision", "rescale_lr")
+
+
+def _parse(*flags: str) -> VariationalTrainingArguments:
+    (args,) = HfArgumentParser(VariationalTrainingArguments).parse_args_into_dataclasses(
+        ["--output_dir", "out", "--use_cpu", *flags])
+    return args
+
+
+def test_finetune_preset_keeps_values_the_user_gave_even_when_they_equal_the_scratch_defaults():
+    """`--beta2 0.99999` is the scratch default; the finetune preset used to replace it by 0.999."""
+    args = _parse("--ivon_preset", "finetune", "--beta2", "0.99999", "--hess_init", "0.5", "--prior_precision", "2e-4",
+                  "--rescale_lr", "true")
+    assert (args.beta2, args.hess_init, args.prior_precision, args.rescale_lr) == (0.99999, 0.5, 2e-4, True)
+    # what the user left unset comes from the preset
+    assert (args.ess, args.clip_radius, args.learning_rate) == (FINETUNE_PRESET["ess"], FINETUNE_PRESET["clip_radius"],
+                                                                FINETUNE_PRESET["learning_rate"])
+    # and the scratch preset keeps a value equal to the finetune one
+    scratch = _parse("--beta2", "0.999", "--rescale_lr", "false")
+    assert (scratch.beta2, scratch.rescale_lr, scratch.hess_init) == (0.999, False, SCRATCH_PRESET["hess_init"])
+
+
+@pytest.mark.parametrize("preset", ["scratch", "finetune"])
+@pytest.mark.parametrize("method", ["ivon", "erm"])
+def test_preset_fields_are_concrete_after_post_init_and_serialise(preset, method):
+    args = _parse("--ivon_preset", preset, "--method", method)
+    expected = FINETUNE_PRESET if preset == "finetune" and method == "ivon" else SCRATCH_PRESET
+    for name in PRESET_FIELDS:
+        value = getattr(args, name)
+        assert value == expected[name] and type(value) is type(SCRATCH_PRESET[name]), name
+    as_json = json.loads(args.to_json_string())
+    assert {name: as_json[name] for name in PRESET_FIELDS} == {name: getattr(args, name) for name in PRESET_FIELDS}
+    assert args.to_dict()["max_grad_norm"] == 0.0
+    # the resolved values parse back to the same arguments (e.g. a config file written from to_dict())
+    (again,) = HfArgumentParser(VariationalTrainingArguments).parse_dict(
+        {"output_dir": "out", "use_cpu": True, "method": method, "ivon_preset": preset,
+         **{name: as_json[name] for name in PRESET_FIELDS}})
+    assert all(getattr(again, name) == getattr(args, name) for name in PRESET_FIELDS)
+
+
+def test_max_grad_norm_defaults_to_no_clipping_unlike_training_arguments():
+    assert TrainingArguments(output_dir="out", use_cpu=True).max_grad_norm == 1.0
+    assert VariationalTrainingArguments(output_dir="out", use_cpu=True).max_grad_norm == 0.0
+    assert _parse().max_grad_norm == 0.0 and _parse("--method", "erm").max_grad_norm == 0.0
+    assert _parse("--max_grad_norm", "1.0").max_grad_norm == 1.0
+
+
+def test_default_run_trains_on_unclipped_gradients(tmp_path):
+    """With the defaults, IVON sees each sample's raw gradient: the trainer matches the unclipped hand-written loop,
+    and a loop clipping at the stock 1.0 would have ended elsewhere (the sample gradients here have norm > 1)."""
+    ds = digits_dataset(64)
+    torch.manual_seed(0)
+    model = TinyClassifier()
+    init = copy.deepcopy(model)
+    steps, batch = 3, 16
+    args = make_args(tmp_path, learning_rate=0.2, beta2=0.999, lr_scheduler_type="constant", max_steps=steps,
+                     train_sampling_strategy="sequential", per_device_train_batch_size=batch)
+    trainer = VariationalTrainer(model=model, args=args, train_dataset=ds)
+    trainer.train()
+    x, y = ds[:]["pixel_values"], ds[:]["label"]
+
+    def batches(step):
+        return [(x[step * batch:(step + 1) * batch], y[step * batch:(step + 1) * batch])]
+
+    ivon_kw = dict(lr=0.2, hess_init=0.5, beta1=0.9, beta2=0.999, wd=2e-4, ess=len(ds), seed=0)
+    unclipped, _ = reference_ivon_loop(init, batches, steps, clip_norm=0.0, **ivon_kw)
+    clipped, _ = reference_ivon_loop(init, batches, steps, clip_norm=1.0, **ivon_kw)
+
+    def max_diff(a, b):
+        return max((pa - pb).abs().max().item() for pa, pb in zip(a.parameters(), b.parameters()))
+
+    assert max_diff(trainer.model, unclipped) < 1e-6
+    assert max_diff(clipped, unclipped) > 1e-3
