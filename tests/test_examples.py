@@ -55,12 +55,12 @@ def test_the_same_command_twice_gives_the_same_run(tmp_path):
     runs = [_image("--max_steps", "3", "--output_dir", str(tmp_path / name)) for name in ("a", "b")]
     for run in runs:
         assert run.returncode == 0, run.stderr[-3000:]
-    assert "40 % of the training labels" in runs[0].stderr  # the log's percent sign is not doubled
     (first,), (second,) = (_metric_lines(run.stdout) for run in runs)
     drop = ("eval_runtime", "eval_samples_per_second", "eval_steps_per_second")
     assert {k: v for k, v in first.items() if k not in drop} == {k: v for k, v in second.items() if k not in drop}
     a, b = (load_file(tmp_path / name / "model.safetensors") for name in ("a", "b"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert "40 % of the training labels" in runs[0].stderr  # the log's percent sign is not doubled
 
 
 def test_resume_from_checkpoint_continues_at_the_saved_step_and_ends_where_an_uninterrupted_run_ends(tmp_path):
@@ -235,7 +235,7 @@ def test_two_process_cpu_launch_of_the_text_example(tmp_path):
     (tmp_path / "test.txt").write_text("\n".join(lines[48:]) + "\n")
     out = tmp_path / "out"
     result = _launch("train_text_classification", tmp_path, "--model_name_or_path", "none",
-                     "--train_file", str(tmp_path / "train.txt"), "--validation_file", str(tmp_path / "test.txt"),
+                     "--train_file", str(tmp_path / "train.txt"), "--test_file", str(tmp_path / "test.txt"),
                      "--noise_type", "symmetric", "--noise_rate", "0.2", "--num_train_epochs", "1",
                      "--per_device_train_batch_size", "8", "--eval_mc_samples", "2", "--output_dir", str(out),
                      port=30200 + os.getpid() % 500)

@@ -150,8 +150,6 @@ def test_default_model_is_the_pretrained_minilm_and_its_absence_stops_the_run(tm
     """The default fine-tunes the wheel's MiniLM; without the wheel the run stops naming the fix instead of quietly
     training a BERT from scratch."""
     module = load_example("train_text_classification")
-    if minilm_path() is not None:
-        assert module.default_model() == str(minilm_path())
     train, test = _write_sentiment_files(tmp_path)
     monkeypatch.setattr(module, "minilm_path", lambda: None)
     monkeypatch.setattr(sys, "argv", [str(EXAMPLE), "--use_cpu", "--train_file", str(train), "--test_file", str(test),
@@ -159,3 +157,6 @@ def test_default_model_is_the_pretrained_minilm_and_its_absence_stops_the_run(tm
     with pytest.raises(ImportError, match=r"pretrained\]"):
         module.main()
     assert not (tmp_path / "out" / "model.safetensors").exists()
+    monkeypatch.undo()
+    if minilm_path() is not None:
+        assert module.default_model() == str(minilm_path())
