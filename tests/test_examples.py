@@ -91,6 +91,9 @@ def test_last_checkpoint_is_found_and_a_used_output_dir_refused(tmp_path):
     assert checkpoint_to_resume(args) == str(tmp_path / "out" / "checkpoint-10")
     args.overwrite_output_dir = True
     assert checkpoint_to_resume(args) is None
+    args.resume_from_checkpoint = str(tmp_path / "out" / "checkpoint-7")  # a typo is an error, not a fresh start
+    with pytest.raises(FileNotFoundError, match="checkpoint-7"):
+        checkpoint_to_resume(args)
     used = tmp_path / "used"
     used.mkdir()
     (used / "model.safetensors").write_text("an earlier run")
