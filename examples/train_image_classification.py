@@ -279,7 +279,7 @@ def main() -> None:
         trainer.log_metrics("eval", metrics)
         trainer.save_metrics("eval", metrics)
     if training_args.do_train:
-        dataset_name = data_args.dataset_name or data_args.train_dir or "sklearn-digits"
+        dataset_name = data_args.dataset_name or ("local image folders" if data_args.train_dir else "sklearn-digits")
         if training_args.push_to_hub:
             trainer.push_to_hub(dataset=dataset_name)
         else:
