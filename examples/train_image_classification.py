@@ -34,13 +34,14 @@ import datasets
 import numpy as np
 import torch
 import yaml
-from transformers import AutoImageProcessor, HfArgumentParser, ViTImageProcessor
+from transformers import AutoImageProcessor, HfArgumentParser, ViTImageProcessor, set_seed
 
 from varsmooth import LabelNoiseCallback, VariationalTrainer, VariationalTrainingArguments
 from varsmooth.corruption import CorruptionArguments, NoiseReport
-from varsmooth.data import CIFAR10N_LABEL_SETS, load_cifar10n, load_digits_dataset
+from varsmooth.data import CIFAR10N_LABEL_SETS, load_cifar10n, load_digits_dataset, train_eval_splits
 from varsmooth.methods import get_method_class
 from varsmooth.models import WEIGHT_PACKAGES, count_parameters, create_image_classifier, is_timm_name
+from varsmooth.utils import checkpoint_to_resume
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +72,7 @@ class DataArguments:
     )
     label_set: str = field(
         default="worse",
-        metadata={"help": "--dataset cifar10n: which human labels train (wrong: aggre 9 %, random1-3 17-18 %, worse 40 %).",
+        metadata={"help": "--dataset cifar10n: which human labels train (wrong: aggre 9 %%, random1-3 17-18 %%, worse 40 %%).",
                   "choices": list(CIFAR10N_LABEL_SETS)},
     )
     data_dir: str | None = field(
@@ -79,15 +80,28 @@ class DataArguments:
     )
     dataset_name: str | None = field(
         default=None,
-        metadata={"help": "A datasets Hub id, or a local image folder (class per sub-folder). Empty: scikit-learn's "
-                          "8x8 digits, which ship with scikit-learn (and get 40 % symmetric label noise unless "
-                          "--noise_type is given)."},
+        metadata={"help": "A datasets Hub id, or a local image folder (class per sub-folder). Empty (and no "
+                          "--train_dir): scikit-learn's 8x8 digits, which ship with scikit-learn (and get 40 %% "
+                          "symmetric label noise unless --noise_type is given)."},
     )
     dataset_config_name: str | None = field(default=None, metadata={"help": "Dataset configuration name."})
+    train_dir: str | None = field(default=None, metadata={"help": "A folder of training images, one sub-folder per class."})
+    validation_dir: str | None = field(default=None, metadata={"help": "A folder of evaluation images, one sub-folder per class."})
     train_split: str = field(default="train", metadata={"help": "Split to train on."})
-    eval_split: str | None = field(default="test", metadata={"help": "Split to evaluate on; if absent, 20 % of train is held out."})
-    image_column: str | None = field(default=None, metadata={"help": "Image column (default: the first Image feature)."})
-    label_column: str | None = field(default=None, metadata={"help": "Label column (default: the first ClassLabel feature)."})
+    eval_split: str | None = field(
+        default=None,
+        metadata={"help": "Split to evaluate on (default: 'validation' if the dataset has one, else 'test', else "
+                          "--train_val_split of the training split)."},
+    )
+    train_val_split: float = field(
+        default=0.2, metadata={"help": "Fraction of the training split held out for evaluation when the dataset has none."}
+    )
+    image_column_name: str | None = field(
+        default=None, metadata={"help": "Image column (default: the first Image feature).", "aliases": ["--image_column"]}
+    )
+    label_column_name: str | None = field(
+        default=None, metadata={"help": "Label column (default: the first ClassLabel feature).", "aliases": ["--label_column"]}
+    )
     image_size: int | None = field(default=None, metadata={"help": "Resize images to this size (default: the model's, else unchanged)."})
     max_train_samples: int | None = field(default=None, metadata={"help": "Truncate the training set (for quick runs)."})
     max_eval_samples: int | None = field(default=None, metadata={"help": "Truncate the evaluation set."})
@@ -98,6 +112,11 @@ class ExampleTrainingArguments(VariationalTrainingArguments):
     """The example's defaults: a run that shows the method on the embedded data in about a minute on 2 cores."""
 
     output_dir: str = field(default="outputs/image-classification", metadata={"help": "Where the model, posterior and metrics go."})
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={"help": "Train into a non-empty output_dir, from scratch even if it holds checkpoints (by default "
+                          "such a folder is refused, and its last checkpoint-N resumed)."},
+    )
     label_noise_samples: int = field(
         default=64,
         metadata={"help": "Posterior samples for the per-example label-noise export (label_noise.parquet, summary and "
@@ -113,16 +132,22 @@ class ExampleTrainingArguments(VariationalTrainingArguments):
     lr_scheduler_type: str = field(default="cosine", metadata={"help": "Learning-rate schedule."})
     report_to: str | None = field(default="none", metadata={"help": "Experiment trackers."})
 
+    def __post_init__(self) -> None:
+        # as in Hugging Face's examples, --do_train/--do_eval choose what runs; with neither given, both run
+        if not (self.do_train or self.do_eval):
+            self.do_train = self.do_eval = True
+        super().__post_init__()
+
 
 def _find_column(features: datasets.Features, kind: type, given: str | None, what: str) -> str:
     if given is not None:
         if given not in features:
-            raise ValueError(f"--{what}_column {given!r} is not a column of the dataset: {list(features)}.")
+            raise ValueError(f"--{what}_column_name {given!r} is not a column of the dataset: {list(features)}.")
         return given
     for name, feature in features.items():
         if isinstance(feature, kind):
             return name
-    raise ValueError(f"No {kind.__name__} column found among {list(features)}: pass --{what}_column.")
+    raise ValueError(f"No {kind.__name__} column found among {list(features)}: pass --{what}_column_name.")
 
 
 def load_data(data_args: DataArguments, seed: int) -> tuple[datasets.DatasetDict, bool, dict[str, NoiseReport] | None]:
@@ -131,19 +156,26 @@ def load_data(data_args: DataArguments, seed: int) -> tuple[datasets.DatasetDict
         data, report = load_cifar10n(data_args.data_dir, data_args.label_set, max_train=data_args.max_train_samples,
                                      max_test=data_args.max_eval_samples, return_report=True)
         return data, False, {"train": report}
-    if data_args.dataset_name is None:
+    if data_args.dataset_name and (data_args.train_dir or data_args.validation_dir):
+        raise ValueError("Give either --dataset_name or --train_dir/--validation_dir, not both.")
+    if data_args.validation_dir and not data_args.train_dir:
+        raise ValueError("--validation_dir needs --train_dir (the training images).")
+    if data_args.train_dir:
+        files = {"train": os.path.join(data_args.train_dir, "**")}
+        if data_args.validation_dir:
+            files["validation"] = os.path.join(data_args.validation_dir, "**")
+        raw = datasets.load_dataset("imagefolder", data_files=files)
+    elif data_args.dataset_name is None:
         return load_digits_dataset(seed=seed), True, None
-    if os.path.isdir(data_args.dataset_name):
+    elif os.path.isdir(data_args.dataset_name):
         raw = datasets.load_dataset("imagefolder", data_dir=data_args.dataset_name)
     else:
         raw = datasets.load_dataset(data_args.dataset_name, data_args.dataset_config_name)
-    if data_args.train_split not in raw:
-        raise ValueError(f"Split {data_args.train_split!r} not found; the dataset has {list(raw)}.")
-    if data_args.eval_split and data_args.eval_split in raw:
-        return datasets.DatasetDict(train=raw[data_args.train_split], test=raw[data_args.eval_split]), False, None
-    label_column = _find_column(raw[data_args.train_split].features, datasets.ClassLabel, data_args.label_column, "label")
-    split = raw[data_args.train_split].train_test_split(test_size=0.2, seed=seed, stratify_by_column=label_column)
-    return split, False, None
+    train = raw[data_args.train_split] if data_args.train_split in raw else None
+    label_column = (_find_column(train.features, datasets.ClassLabel, data_args.label_column_name, "label")
+                    if train is not None else None)
+    return train_eval_splits(raw, data_args.train_split, data_args.eval_split, data_args.train_val_split, seed,
+                             label_column), False, None
 
 
 def build_processor(model_args: ModelArguments, num_channels: int, image_size: int | None):
@@ -186,13 +218,17 @@ def main() -> None:
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     model_args, data_args, noise_args, training_args = parse_arguments(sys.argv[1:])
     datasets.utils.logging.set_verbosity_warning()
+    checkpoint = checkpoint_to_resume(training_args) if training_args.do_train else None
+    if checkpoint is not None:
+        logger.info("Resuming training from %s (pass --overwrite_output_dir to train from scratch).", checkpoint)
+    set_seed(training_args.seed)  # before the model is built: its initial weights are part of the run
 
     if data_args.dataset and noise_args.noise_type not in (None, "none"):
         raise ValueError(f"--dataset {data_args.dataset} trains on its own human labels; drop --noise_type.")
     data, embedded, reports = load_data(data_args, training_args.seed)
     features = data["train"].features
-    image_column = _find_column(features, datasets.Image, data_args.image_column, "image")
-    label_column = _find_column(features, datasets.ClassLabel, data_args.label_column, "label")
+    image_column = _find_column(features, datasets.Image, data_args.image_column_name, "image")
+    label_column = _find_column(features, datasets.ClassLabel, data_args.label_column_name, "label")
     if data_args.max_train_samples:
         data["train"] = data["train"].select(range(min(data_args.max_train_samples, len(data["train"]))))
     if data_args.max_eval_samples:
@@ -200,7 +236,7 @@ def main() -> None:
 
     if embedded and noise_args.noise_type is None:
         noise_args.noise_type, noise_args.noise_rate = "symmetric", 0.4
-        logger.warning("Embedded digits with no --noise_type: corrupting 40 %% of the training labels symmetrically "
+        logger.warning("Embedded digits with no --noise_type: corrupting 40 % of the training labels symmetrically "
                        "(pass --noise_type none to train on the clean labels).")
     if noise_args.noise_type == "none":
         noise_args.noise_type = None
@@ -235,17 +271,21 @@ def main() -> None:
                                  data_collator=collate, processing_class=processor,
                                  noise_report=reports["train"] if reports else None,
                                  callbacks=[LabelNoiseCallback(training_args.label_noise_samples, plots=True)] if export else None)
-    trainer.train()
-    metrics = trainer.evaluate()
-    trainer.save_model()
-    trainer.log_metrics("eval", metrics)
-    trainer.save_metrics("eval", metrics)
-    dataset_name = data_args.dataset_name or "sklearn-digits"
-    if training_args.push_to_hub:
-        trainer.push_to_hub(dataset=dataset_name)
-    else:
-        trainer.create_model_card(dataset=dataset_name)
-    print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items()}))
+    if training_args.do_train:
+        trainer.train(resume_from_checkpoint=checkpoint)
+        trainer.save_model()
+    if training_args.do_eval:
+        metrics = trainer.evaluate()
+        trainer.log_metrics("eval", metrics)
+        trainer.save_metrics("eval", metrics)
+    if training_args.do_train:
+        dataset_name = data_args.dataset_name or ("local image folders" if data_args.train_dir else "sklearn-digits")
+        if training_args.push_to_hub:
+            trainer.push_to_hub(dataset=dataset_name)
+        else:
+            trainer.create_model_card(dataset=dataset_name)
+    if training_args.do_eval and trainer.is_world_process_zero():  # one line of metrics per run, not per process
+        print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items()}))
     trainer.accelerator.wait_for_everyone()
     trainer.end()
 

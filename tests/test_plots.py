@@ -136,3 +136,59 @@ def test_callback_draws_figures_for_images(tmp_path):
     assert_png(str(tmp_path / "label_noise_extremes.png"), tmp_path)
     noise = datasets.Dataset.from_parquet(str(tmp_path / "label_noise.parquet"))
     assert noise["label"][:] == list(label) and noise.features["clean_label"] == data.features["clean_label"]
+
+
+def _noise_from(smoothed: np.ndarray, label: np.ndarray) -> datasets.Dataset:
+    smoothed = np.asarray(smoothed, dtype=np.float32)
+    eps = smoothed - np.eye(smoothed.shape[1], dtype=np.float32)[label]
+    return datasets.Dataset.from_dict({
+        "example_index": np.arange(len(label)), "label": label, "noise": eps, "smoothed_label": smoothed,
+        "noise_at_label": np.abs(eps[np.arange(len(label)), label]), "noise_l2": np.linalg.norm(eps, axis=1),
+    })
+
+
+def _skewed() -> datasets.Dataset:
+    # class 0: 19 targets of exactly onehot(0) and one far off: the mean of class 1's target (0.05) lies above its
+    # 90th percentile (0.0), so whiskers drawn around the mean would have a negative length
+    smoothed = np.tile(np.eye(K)[0], (20, 1))
+    smoothed[0] = [0.0, 1.0, 0.0]
+    return _noise_from(smoothed, np.zeros(20, dtype=int))
+
+
+DEGENERATE = {
+    "skewed": _skewed,
+    "one_example": lambda: _noise_from(np.eye(K)[[2]] + [[0.01, -0.02, 0.01]], np.array([2])),
+    "constant": lambda: _noise_from(np.full((6, K), 1.0 / K), np.arange(6) % K),
+    "single_class_present": lambda: _noise_from(np.eye(K)[np.ones(5, dtype=int)], np.ones(5, dtype=int)),
+    "one_class": lambda: _noise_from(np.ones((4, 1)), np.zeros(4, dtype=int)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DEGENERATE))
+def test_every_picture_draws_skewed_and_degenerate_label_noise(tmp_path, case):
+    noise = DEGENERATE[case]()
+    n = len(noise)
+    assert_png(plot_smoothed_labels(noise, tmp_path), tmp_path)
+    images = datasets.Dataset.from_dict({"pixel_values": np.full((n, 16), 0.5, dtype=np.float32)})  # constant images
+    assert_png(plot_noise_extremes(noise, images, tmp_path), tmp_path)
+    assert_png(plot_noise_2d(noise, np.zeros((n, 2)), tmp_path, boundary=lambda xy: np.full(len(xy), 0.5)), tmp_path)
+
+
+def test_smoothed_label_whiskers_span_the_quantiles_around_the_median(tmp_path, monkeypatch):
+    """The whiskers are drawn from the 10th to the 90th percentile around the median, which lies between them."""
+    from matplotlib.axes import Axes
+
+    drawn = []
+    original = Axes.errorbar
+
+    def record(self, x, y, yerr=None, **kwargs):
+        drawn.append((np.asarray(y), np.asarray(yerr)))
+        return original(self, x, y, yerr=yerr, **kwargs)
+
+    monkeypatch.setattr(Axes, "errorbar", record)
+    plot_smoothed_labels(_skewed(), tmp_path)
+    (center, (below, above)), = drawn
+    members = np.eye(K)[[1] + [0] * 19]
+    np.testing.assert_allclose(center, np.median(members, 0), atol=1e-7)
+    np.testing.assert_allclose(center - below, np.quantile(members, 0.1, axis=0), atol=1e-7)
+    np.testing.assert_allclose(center + above, np.quantile(members, 0.9, axis=0), atol=1e-7)

@@ -144,3 +144,19 @@ def test_example_default_finetunes_minilm_on_noisy_sst2(tmp_path):
     config = json.loads((out / "config.json").read_text())
     assert config["num_hidden_layers"] == 2 and config["id2label"] == {"0": "negative", "1": "positive"}
     assert config["model_type"] == "varsmooth-mean-pooling-bert"  # the default pools the mean, not [CLS]
+
+
+def test_default_model_is_the_pretrained_minilm_and_its_absence_stops_the_run(tmp_path, monkeypatch):
+    """The default fine-tunes the wheel's MiniLM; without the wheel the run stops naming the fix instead of quietly
+    training a BERT from scratch."""
+    module = load_example("train_text_classification")
+    train, test = _write_sentiment_files(tmp_path)
+    monkeypatch.setattr(module, "minilm_path", lambda: None)
+    monkeypatch.setattr(sys, "argv", [str(EXAMPLE), "--use_cpu", "--train_file", str(train), "--test_file", str(test),
+                                      "--max_steps", "1", "--output_dir", str(tmp_path / "out")])
+    with pytest.raises(ImportError, match=r"pretrained\]"):
+        module.main()
+    assert not (tmp_path / "out" / "model.safetensors").exists()
+    monkeypatch.undo()
+    if minilm_path() is not None:
+        assert module.default_model() == str(minilm_path())

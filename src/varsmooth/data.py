@@ -30,6 +30,7 @@ __all__ = [
     "load_digits_dataset",
     "load_text_classification_files",
     "load_text_dataset",
+    "train_eval_splits",
 ]
 
 CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
@@ -219,3 +220,30 @@ def load_text_dataset(name: str, data_dir: str | os.PathLike | None = None) -> d
         raise ValueError(f"Unknown text dataset {name!r}; choose one of {list(TEXT_DATASETS)}.")
     files, names = TEXT_DATASETS[name]
     return load_text_classification_files({split: _data_file(data_dir, f) for split, f in files.items()}, names)
+
+
+def train_eval_splits(
+    raw: datasets.DatasetDict,
+    train_split: str = "train",
+    eval_split: str | None = None,
+    train_val_split: float = 0.2,
+    seed: int = 0,
+    stratify_by_column: str | None = None,
+) -> datasets.DatasetDict:
+    """`train` and `test` (the split to evaluate on) in the convention of Hugging Face's example scripts.
+
+    The evaluation split is `eval_split` when given, else the dataset's `validation` split, else its `test` split,
+    else a stratified `train_val_split` fraction held out of the training split.
+    """
+    if train_split not in raw:
+        raise ValueError(f"Split {train_split!r} not found; the dataset has {list(raw)} (pass --train_split).")
+    if eval_split is not None and eval_split not in raw:
+        raise ValueError(f"Split {eval_split!r} not found; the dataset has {list(raw)} (pass --eval_split, or leave it "
+                         "out to evaluate on 'validation', 'test' or a part of the training split).")
+    found = eval_split or next((name for name in ("validation", "test") if name in raw and name != train_split), None)
+    if found is not None:
+        return datasets.DatasetDict(train=raw[train_split], test=raw[found])
+    if not 0.0 < train_val_split < 1.0:
+        raise ValueError(f"The dataset has no evaluation split ({list(raw)}) and --train_val_split is "
+                         f"{train_val_split}: pass a fraction in (0, 1) to hold out of the training split.")
+    return raw[train_split].train_test_split(test_size=train_val_split, seed=seed, stratify_by_column=stratify_by_column)

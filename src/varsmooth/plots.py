@@ -185,7 +185,7 @@ def plot_smoothed_labels(
     """Seed 000, Fig. 4: per class, the smoothed label IVON trains on, y + ε̄, beside other methods' targets.
 
     For each class c in `classes` (default the first four) one panel shows, for every class k, the mean over the
-    examples labelled c of (y + ε̄)_k, with whiskers from the 10th to the 90th percentile; `others` maps a name to
+    examples labelled c of (y + ε̄)_k, with whiskers from the 10th to the 90th percentile around the median; `others` maps a name to
     a K×K matrix of per-class targets drawn beside it (e.g. `{"LS α=0.1": label_smoothing_targets(K, 0.1)}` or
     OLS's soft-label matrix). The y-axis is symmetric-log: IVON's smoothed labels can be slightly negative (or
     exceed 1) where the noise *sharpens* the target, which a plain log axis could not show.
@@ -211,9 +211,11 @@ def plot_smoothed_labels(
             ax.bar(x + offset, np.asarray(matrix)[c], width, label=name)
             members = smoothed[labels == c]
             if j == 0 and len(members):  # IVON's targets differ per example: show their spread
-                low, high = np.quantile(members, [0.1, 0.9], axis=0)
-                mean = members.mean(0)
-                ax.errorbar(x + offset, mean, yerr=[mean - low, high - mean], fmt="none", ecolor="black", lw=0.8, capsize=1.5)
+                # around the median, not the bar's mean: a skewed class puts its mean outside the 10-90 % range,
+                # and matplotlib refuses negative whiskers; the clip absorbs rounding of the interpolated quantiles
+                low, median, high = np.quantile(members, [0.1, 0.5, 0.9], axis=0)
+                whiskers = np.clip([median - low, high - median], 0.0, None)
+                ax.errorbar(x + offset, median, yerr=whiskers, fmt="none", ecolor="black", lw=0.8, capsize=1.5)
         ax.set_yscale("symlog", linthresh=1e-4)
         ax.set_xticks(x, names if num_classes <= 20 else [str(k) for k in x], fontsize=7, rotation=90 if num_classes > 10 else 0)
         ax.set_title(f"given label: {names[c]}", fontsize=9)

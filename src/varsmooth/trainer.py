@@ -29,6 +29,7 @@ import torch
 from transformers import Trainer, TrainerCallback
 from transformers.utils.hub import PushInProgress, hf_api
 from transformers.trainer_utils import EvalPrediction, PredictionOutput
+from transformers.training_args import ParallelMode
 
 from .methods import EXAMPLE_INDEX_KEY, ExampleIndexDataset, TrainingMethod, get_method_class
 from .hub import SHAREABLE_PATTERNS, build_model_card
@@ -77,6 +78,7 @@ class VariationalTrainer(Trainer):
                 "label_smoothing_factor is not used by VariationalTrainer: choose method='ls' and set its smoothing "
                 "instead, so that the method is recorded and compared fairly."
             )
+        _refuse_undistributed_process_group(args)
         user_metrics = kwargs.pop("compute_metrics", None)
         self._noise_report = kwargs.pop("noise_report", None)
         posterior = kwargs.pop("posterior", None)
@@ -457,6 +459,24 @@ class VariationalTrainer(Trainer):
                     opt.param_groups[0]["beta2"],
                 )
         return output
+
+
+def _refuse_undistributed_process_group(args: VariationalTrainingArguments) -> None:
+    """Stop a multi-process launch that the Trainer does not run as one DDP job (e.g. `accelerate launch --multi_gpu`
+    or `torchrun` on a machine without GPUs and without `use_cpu`): each process would train its own model from its
+    own initial weights and all of them would write the same output_dir."""
+    mode = args.parallel_mode  # sets up the devices, and with them the process group of a launch
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return
+    world_size = torch.distributed.get_world_size()
+    if world_size > 1 and mode != ParallelMode.DISTRIBUTED:
+        raise RuntimeError(
+            f"This process is one of {world_size} in a torch.distributed process group, but the Trainer is not in "
+            f"distributed mode (parallel_mode={mode.value}): every process would train its own model and all would "
+            "write the same output_dir. On a machine without GPUs pass --use_cpu true (use_cpu=True), which makes the "
+            "launch one DDP job over CPU processes (gloo); on GPUs launch one process per visible GPU "
+            "(accelerate launch --multi_gpu --num_processes N, or torchrun --nproc_per_node N)."
+        )
 
 
 def _bind(callback: TrainerCallback, trainer: VariationalTrainer) -> None:

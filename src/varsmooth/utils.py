@@ -6,8 +6,9 @@ import contextlib
 import os
 import tempfile
 from collections.abc import Iterator
+from typing import Any
 
-__all__ = ["atomic_path"]
+__all__ = ["atomic_path", "checkpoint_to_resume"]
 
 
 @contextlib.contextmanager
@@ -31,3 +32,26 @@ def atomic_path(path: str | os.PathLike) -> Iterator[str]:
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+def checkpoint_to_resume(args: Any) -> str | None:
+    """The checkpoint an example script resumes from, as in Hugging Face's example scripts.
+
+    `args.resume_from_checkpoint` when given, else the last `checkpoint-N` in `args.output_dir`. A non-empty
+    `output_dir` without checkpoints is refused unless `args.overwrite_output_dir`, so that a run never mixes its
+    files with an earlier run's; `overwrite_output_dir` also starts from scratch when there are checkpoints.
+    """
+    from transformers.trainer_utils import get_last_checkpoint
+
+    if args.resume_from_checkpoint is not None:
+        if not os.path.isdir(args.resume_from_checkpoint):
+            raise FileNotFoundError(f"--resume_from_checkpoint {args.resume_from_checkpoint!r} is not a folder: pass a "
+                                    f"checkpoint-N folder written by an earlier run.")
+        return args.resume_from_checkpoint
+    if not os.path.isdir(args.output_dir) or getattr(args, "overwrite_output_dir", False):
+        return None
+    last = get_last_checkpoint(args.output_dir)
+    if last is None and os.listdir(args.output_dir):
+        raise ValueError(f"Output directory ({args.output_dir}) already exists and is not empty. Use "
+                         "--overwrite_output_dir to train into it anyway, or choose another --output_dir.")
+    return last

@@ -19,7 +19,8 @@ class CorruptionArguments:
 
     noise_type: str | None = field(
         default=None,
-        metadata={"help": "Label noise to inject into the training labels; none by default.", "choices": NOISE_TYPES},
+        metadata={"help": "Label noise to inject into the training labels; none by default. 'none' keeps the labels "
+                  "(and turns off an example's default noise).", "choices": ("none", *NOISE_TYPES)},
     )
     noise_rate: float = field(
         default=0.0,
@@ -78,8 +79,8 @@ class CorruptionArguments:
         self, dataset: Dataset | DatasetDict, label_column: str = "label"
     ) -> tuple[Dataset | DatasetDict, NoiseReport | dict[str, NoiseReport] | None]:
         """Corrupt ``dataset`` as configured and return it with its report(s); a no-op when
-        ``noise_type`` is None."""
-        if self.noise_type is None:
+        ``noise_type`` is None or ``"none"``."""
+        if self.noise_type in (None, "none"):
             return dataset, None
         return corrupt_labels(
             dataset,

@@ -1,0 +1,268 @@
+"""The example scripts as a new user runs them: `--help`, reproducible runs, resuming, the flags of Hugging Face's
+example scripts (`--do_train/--do_eval`, `--train_dir`, `--*_column_name`, `--train_val_split`, `--overwrite_output_dir`)
+and a 2-process CPU launch (gloo)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import datasets
+import numpy as np
+import PIL.Image
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from varsmooth.corruption import CorruptionArguments
+from varsmooth.data import train_eval_splits
+from varsmooth.utils import checkpoint_to_resume
+
+from helpers import load_example, make_args
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLES = sorted((REPO / "examples").glob("*.py"))
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+#: a few steps of the image example on 64 digits
+TINY_IMAGE = ["--max_train_samples", "64", "--max_eval_samples", "32", "--per_device_train_batch_size", "16",
+              "--eval_mc_samples", "2", "--label_noise_samples", "0", "--disable_tqdm", "true", "--use_cpu", "true"]
+
+
+def _image(*flags: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / "examples" / "train_image_classification.py"), *TINY_IMAGE, *flags],
+                          capture_output=True, text=True, timeout=timeout, env=ENV)
+
+
+def _metric_lines(stdout: str) -> list[dict]:
+    return [json.loads(line) for line in stdout.splitlines() if line.startswith('{"eval_')]
+
+
+@pytest.mark.parametrize("script", EXAMPLES, ids=lambda p: p.name)
+def test_every_example_prints_its_help(script):
+    result = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=300, env=ENV)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "--output_dir" in result.stdout
+    assert "%%" not in result.stdout  # help texts with a percent sign are escaped for argparse, and printed once
+    if script.name == "train_image_classification.py":
+        assert "worse 40 %" in result.stdout
+
+
+def test_the_same_command_twice_gives_the_same_run(tmp_path):
+    runs = [_image("--max_steps", "3", "--output_dir", str(tmp_path / name)) for name in ("a", "b")]
+    for run in runs:
+        assert run.returncode == 0, run.stderr[-3000:]
+    (first,), (second,) = (_metric_lines(run.stdout) for run in runs)
+    drop = ("eval_runtime", "eval_samples_per_second", "eval_steps_per_second")
+    assert {k: v for k, v in first.items() if k not in drop} == {k: v for k, v in second.items() if k not in drop}
+    a, b = (load_file(tmp_path / name / "model.safetensors") for name in ("a", "b"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert "40 % of the training labels" in runs[0].stderr  # the log's percent sign is not doubled
+
+
+def test_resume_from_checkpoint_continues_at_the_saved_step_and_ends_where_an_uninterrupted_run_ends(tmp_path):
+    flags = ["--max_steps", "6", "--save_strategy", "steps", "--save_steps", "3", "--eval_strategy", "no",
+             "--logging_strategy", "steps", "--logging_steps", "1"]
+    whole = _image(*flags, "--output_dir", str(tmp_path / "whole"))
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    resumed = _image(*flags, "--output_dir", str(tmp_path / "resumed"),
+                     "--resume_from_checkpoint", str(tmp_path / "whole" / "checkpoint-3"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    losses = [line for line in resumed.stdout.splitlines() if line.startswith("{'loss'")]
+    assert len(losses) == 3  # steps 4-6 only: it did not restart at step 0
+    state = json.loads((tmp_path / "resumed" / "checkpoint-6" / "trainer_state.json").read_text())
+    assert state["global_step"] == 6
+    for name in ("model.safetensors", "posterior.safetensors"):
+        a, b = (load_file(tmp_path / run / name) for run in ("whole", "resumed"))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+    (whole_metrics,), (resumed_metrics,) = _metric_lines(whole.stdout), _metric_lines(resumed.stdout)
+    assert whole_metrics["eval_accuracy"] == resumed_metrics["eval_accuracy"]
+    assert whole_metrics["eval_nll"] == resumed_metrics["eval_nll"]
+
+
+def test_last_checkpoint_is_found_and_a_used_output_dir_refused(tmp_path):
+    args = make_args(tmp_path / "out")
+    assert checkpoint_to_resume(args) is None  # no folder yet
+    (tmp_path / "out" / "checkpoint-2").mkdir(parents=True)
+    (tmp_path / "out" / "checkpoint-10").mkdir()
+    assert checkpoint_to_resume(args) == str(tmp_path / "out" / "checkpoint-10")
+    args.overwrite_output_dir = True
+    assert checkpoint_to_resume(args) is None
+    args.resume_from_checkpoint = str(tmp_path / "out" / "checkpoint-7")  # a typo is an error, not a fresh start
+    with pytest.raises(FileNotFoundError, match="checkpoint-7"):
+        checkpoint_to_resume(args)
+    used = tmp_path / "used"
+    used.mkdir()
+    (used / "model.safetensors").write_text("an earlier run")
+    with pytest.raises(ValueError, match="overwrite_output_dir"):
+        checkpoint_to_resume(make_args(used))
+    refused = _image("--max_steps", "1", "--output_dir", str(used))
+    assert refused.returncode != 0 and "--overwrite_output_dir" in refused.stderr
+    assert (used / "model.safetensors").read_text() == "an earlier run"
+
+
+def test_do_train_and_do_eval_choose_what_runs(tmp_path):
+    evaluated = _image("--do_eval", "--output_dir", str(tmp_path / "eval"))
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    assert "train_runtime" not in evaluated.stdout and len(_metric_lines(evaluated.stdout)) == 1
+    assert not (tmp_path / "eval" / "model.safetensors").exists()
+    trained = _image("--do_train", "--eval_strategy", "no", "--max_steps", "2", "--output_dir", str(tmp_path / "train"))
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    assert "train_runtime" in trained.stdout and not _metric_lines(trained.stdout)
+    assert (tmp_path / "train" / "model.safetensors").is_file() and not (tmp_path / "train" / "eval_results.json").exists()
+
+
+def test_noise_type_none_is_accepted_and_keeps_the_labels():
+    example = load_example("train_image_classification")
+    noise_args = example.parse_arguments(["--noise_type", "none", "--use_cpu", "true"])[2]
+    assert noise_args.noise_type == "none"
+    data = datasets.Dataset.from_dict({"label": [0, 1, 2, 0]})
+    kept, report = noise_args.apply(data)
+    assert report is None and kept["label"] == [0, 1, 2, 0]
+    assert CorruptionArguments(noise_type="none").apply(data)[1] is None
+
+
+def _image_folder(root: Path, per_class: int) -> None:
+    rng = np.random.default_rng(0)
+    for name in ("cat", "dog"):
+        (root / name).mkdir(parents=True)
+        for i in range(per_class):
+            PIL.Image.fromarray(rng.integers(0, 255, (8, 8), dtype=np.uint8)).save(root / name / f"{i}.png")
+
+
+def test_image_folders_column_names_and_the_validation_split(tmp_path):
+    example = load_example("train_image_classification")
+    _image_folder(tmp_path / "train", 5)
+    _image_folder(tmp_path / "val", 2)
+    data_args = example.parse_arguments(["--train_dir", str(tmp_path / "train"), "--validation_dir", str(tmp_path / "val"),
+                                         "--use_cpu", "true"])[1]
+    data, embedded, _ = example.load_data(data_args, seed=0)
+    assert not embedded and (len(data["train"]), len(data["test"])) == (10, 4)
+    assert data["train"].features["label"].names == ["cat", "dog"]
+    # an image folder with a validation/ sub-folder (HF's layout) is evaluated on it, not on a part of train
+    (tmp_path / "both").mkdir()
+    shutil.copytree(tmp_path / "train", tmp_path / "both" / "train")
+    shutil.copytree(tmp_path / "val", tmp_path / "both" / "validation")
+    data_args = example.parse_arguments(["--dataset_name", str(tmp_path / "both"), "--use_cpu", "true"])[1]
+    data, _, _ = example.load_data(data_args, seed=0)
+    assert (len(data["train"]), len(data["test"])) == (10, 4)
+    # the old flag names stay as aliases of HF's
+    data_args = example.parse_arguments(["--image_column", "img", "--label_column", "y", "--use_cpu", "true"])[1]
+    assert (data_args.image_column_name, data_args.label_column_name) == ("img", "y")
+    data_args = example.parse_arguments(["--image_column_name", "img", "--train_val_split", "0.5", "--use_cpu", "true"])[1]
+    assert data_args.image_column_name == "img" and data_args.train_val_split == 0.5
+
+
+def test_train_eval_splits_follow_hf_conventions():
+    labels = datasets.ClassLabel(names=["a", "b"])
+    split = lambda n: datasets.Dataset.from_dict({"label": [i % 2 for i in range(n)]},  # noqa: E731
+                                                 features=datasets.Features({"label": labels}))
+    raw = datasets.DatasetDict(train=split(20), validation=split(6), test=split(8))
+    assert len(train_eval_splits(raw)["test"]) == 6  # validation first, as HF's examples evaluate
+    assert len(train_eval_splits(raw, eval_split="test")["test"]) == 8
+    assert len(train_eval_splits(datasets.DatasetDict(train=split(20), test=split(8)))["test"]) == 8
+    held_out = train_eval_splits(datasets.DatasetDict(train=split(20)), train_val_split=0.25, stratify_by_column="label")
+    assert (len(held_out["train"]), len(held_out["test"])) == (15, 5)
+    assert sorted(held_out["test"]["label"]) == [0, 0, 1, 1, 1] or sorted(held_out["test"]["label"]) == [0, 0, 0, 1, 1]
+    with pytest.raises(ValueError, match="eval_split"):
+        train_eval_splits(raw, eval_split="dev")
+    with pytest.raises(ValueError, match="train_val_split"):
+        train_eval_splits(datasets.DatasetDict(train=split(20)), train_val_split=0.0)
+
+
+def test_text_example_column_names_files_and_train_val_split(tmp_path):
+    example = load_example("train_text_classification")
+    from transformers import HfArgumentParser
+
+    rows = "sentence,y\n" + "".join(f"{'good' if i % 2 else 'bad'} film {i},{'pos' if i % 2 else 'neg'}\n" for i in range(20))
+    (tmp_path / "train.csv").write_text(rows)
+    (tmp_path / "dev.csv").write_text(rows[: rows.index("film 6")].rsplit("\n", 1)[0] + "\n")
+    parser = HfArgumentParser(example.DataArguments)
+    (data_args,) = parser.parse_args_into_dataclasses(
+        ["--train_file", str(tmp_path / "train.csv"), "--test_file", str(tmp_path / "dev.csv"),
+         "--text_column_name", "sentence", "--label_column", "y"])
+    assert data_args.validation_file == str(tmp_path / "dev.csv")
+    data = example.load_data(data_args, seed=0)
+    assert (len(data["train"]), len(data["test"])) == (20, 6)
+    assert data["train"].features["y"].names == ["neg", "pos"]
+    (data_args,) = parser.parse_args_into_dataclasses(
+        ["--train_file", str(tmp_path / "train.csv"), "--text_column", "sentence", "--label_column_name", "y",
+         "--train_val_split", "0.3"])
+    data = example.load_data(data_args, seed=0)
+    assert (len(data["train"]), len(data["test"])) == (14, 6)
+
+
+# -- several processes -------------------------------------------------------------------------------------------
+def _launch(example: str, dump: Path, *flags: str, port: int) -> subprocess.CompletedProcess:
+    """The README's CPU launch: `accelerate launch --multi_gpu --num_processes 2 ... --use_cpu true`."""
+    accelerate = shutil.which("accelerate", path=os.path.dirname(sys.executable))
+    cmd = [accelerate, "launch", "--multi_gpu", "--num_processes", "2", "--main_process_port", str(port),
+           str(REPO / "tests" / "example_ddp_worker.py"), example, str(dump), "--use_cpu", "true",
+           "--disable_tqdm", "true", *flags]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=ENV)
+
+
+def _check_one_ddp_run(result: subprocess.CompletedProcess, dump: Path, out: Path) -> None:
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = [torch.load(dump / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    assert ranks[0]["world_size"] == 2
+    assert all(torch.equal(ranks[0]["params"][n], ranks[1]["params"][n]) for n in ranks[0]["params"])
+    assert torch.equal(ranks[0]["hess"], ranks[1]["hess"])
+    (printed,) = _metric_lines(result.stdout)  # one set of metrics, from the main process
+    saved = json.loads((out / "eval_results.json").read_text())
+    assert saved["eval_accuracy"] == pytest.approx(printed["eval_accuracy"], abs=1e-4)
+    weights = load_file(out / "model.safetensors")  # the folder holds the replicas' weights
+    for name, value in ranks[0]["params"].items():
+        if name in weights:
+            assert torch.equal(weights[name], value), name
+    assert not [name for name in os.listdir(out) if name.startswith(".tmp-")]
+
+
+@pytest.mark.slow
+def test_two_process_cpu_launch_of_the_image_example(tmp_path):
+    out = tmp_path / "out"
+    result = _launch("train_image_classification", tmp_path, *TINY_IMAGE[:-4], "--label_noise_samples", "4",
+                     "--num_train_epochs", "1", "--output_dir", str(out), port=29700 + os.getpid() % 500)
+    _check_one_ddp_run(result, tmp_path, out)
+    assert (out / "label_noise.parquet").is_file() and (out / "README.md").is_file()
+
+
+@pytest.mark.slow
+def test_two_process_cpu_launch_of_the_text_example(tmp_path):
+    words = ["good", "great", "fine", "bad", "awful", "dull"]
+    lines = [f"{int(i % 6 < 3)} the film was {words[i % 6]} ." for i in range(64)]
+    (tmp_path / "train.txt").write_text("\n".join(lines[:48]) + "\n")
+    (tmp_path / "test.txt").write_text("\n".join(lines[48:]) + "\n")
+    out = tmp_path / "out"
+    result = _launch("train_text_classification", tmp_path, "--model_name_or_path", "none",
+                     "--train_file", str(tmp_path / "train.txt"), "--test_file", str(tmp_path / "test.txt"),
+                     "--noise_type", "symmetric", "--noise_rate", "0.2", "--num_train_epochs", "1",
+                     "--per_device_train_batch_size", "8", "--eval_mc_samples", "2", "--output_dir", str(out),
+                     port=30200 + os.getpid() % 500)
+    _check_one_ddp_run(result, tmp_path, out)
+
+
+@pytest.mark.slow
+def test_a_multi_process_launch_that_does_not_distribute_is_refused(tmp_path):
+    """Without `--use_cpu` on a machine without GPUs, the processes would each train their own model."""
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
+    cmd = [torchrun, "--nproc_per_node", "2", "--master_port", str(30700 + os.getpid() % 500),
+           str(REPO / "examples" / "train_image_classification.py"), *TINY_IMAGE[:-2], "--max_steps", "1",
+           "--output_dir", str(tmp_path / "out")]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=ENV)
+    assert result.returncode != 0
+    assert "--use_cpu true" in result.stderr and "not in distributed mode" in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_ci_runs_the_readme_commands_verbatim():
+    readme = (REPO / "README.md").read_text()
+    commands = [block.strip() for block in readme.split("```bash\n")[1:3]]
+    commands = [block.split("\n```")[0].strip() for block in commands]
+    assert "accelerate launch examples/train_image_classification.py" in commands[0] and "pytest" in commands[1]
+    ci = [line for line in (REPO / ".ci" / "run").read_text().splitlines() if line and not line.startswith("#")]
+    assert commands[0] in ci and commands[1] in ci
+    assert all('".[test,pretrained]"' in command for command in commands)  # what the defaults need
