@@ -23,6 +23,7 @@ import glob
 import logging
 import os
 import shutil
+from pathlib import Path
 from typing import Any
 
 import datasets
@@ -30,7 +31,7 @@ import numpy as np
 import torch
 from transformers import Trainer, TrainerCallback
 from transformers.utils.hub import PushInProgress, hf_api
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, EvalPrediction, PredictionOutput, rotate_checkpoints
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, EvalPrediction, PredictionOutput, sort_checkpoints
 
 from .files import OWNED_PATTERNS, FolderSave, add_to_manifest, shareable_files, written_by_varsmooth
 from .methods import EXAMPLE_INDEX_KEY, ExampleIndexDataset, TrainingMethod, get_method_class
@@ -402,11 +403,28 @@ class VariationalTrainer(Trainer):
             self.state.best_model_checkpoint = final
             self.state.save_to_json(os.path.join(written, "trainer_state.json"))
         if os.path.isdir(final):  # a checkpoint of the same step from an earlier run: replace it whole
-            shutil.rmtree(final)
+            _remove_checkpoint(final)
         os.replace(written, final)
         shutil.rmtree(staging, ignore_errors=True)
-        rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
-                           best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
+        self._rotate_checkpoints_atomically(run_dir)
+
+    def _rotate_checkpoints_atomically(self, run_dir: str) -> None:
+        """`transformers.trainer_utils.rotate_checkpoints`, but each old checkpoint disappears by one rename before
+        it is deleted: a kill inside `rmtree` would leave a visible half-deleted checkpoint that resume picks up."""
+        limit = self.args.save_total_limit
+        if limit is None or limit <= 0:
+            return
+        checkpoints = sort_checkpoints(run_dir, use_mtime=True)
+        protected = {checkpoints[-1]} if checkpoints else set()  # the newest, to resume from
+        if self.state.best_model_checkpoint is not None:
+            protected.add(str(Path(self.state.best_model_checkpoint)))
+        remaining = len(checkpoints)
+        for checkpoint in checkpoints:
+            if remaining <= max(limit, len(protected)):
+                break
+            if checkpoint not in protected:
+                _remove_checkpoint(checkpoint)
+                remaining -= 1
 
     def train_noise_report(self) -> Any:
         """The label corruption of the training set: the report given at construction, else the realized one
@@ -526,6 +544,14 @@ class VariationalTrainer(Trainer):
                     opt.param_groups[0]["beta2"],
                 )
         return output
+
+
+def _remove_checkpoint(path: str) -> None:
+    """Hide the checkpoint under a staging name first (one rename), then delete it (a later save clears leftovers)."""
+    hidden = os.path.join(os.path.dirname(path), STAGING_PREFIX + os.path.basename(path))
+    shutil.rmtree(hidden, ignore_errors=True)
+    os.replace(path, hidden)
+    shutil.rmtree(hidden, ignore_errors=True)
 
 
 def _exact(names: list[str]) -> list[str]:
