@@ -304,3 +304,62 @@ def test_model_output_without_logits_is_a_clear_error(tmp_path):
     trainer = VariationalTrainer(model=NoLogits(), args=make_args(tmp_path, max_steps=1, **IVON), train_dataset=digits_dataset(32))
     with pytest.raises(ValueError, match=r"keys \['scores'\] but no 'logits'"):
         trainer.train()
+
+
+@pytest.mark.parametrize("field,value", [("hess_init", float("inf")), ("hess_init", float("nan")), ("ess", float("inf")),
+                                         ("prior_precision", float("nan")), ("prior_precision", float("inf")),
+                                         ("hessian_window", float("inf")), ("learning_rate", float("nan"))])
+def test_non_finite_ivon_settings_are_refused(tmp_path, field, value):
+    with pytest.raises(ValueError, match=f"{field} must be finite"):
+        make_args(tmp_path, **{field: value})
+
+
+@pytest.fixture(scope="module")
+def image_model_dir(tmp_path_factory):
+    from transformers import ViTImageProcessor
+
+    out = tmp_path_factory.mktemp("image_model")
+    model = _resnet()
+    model.config.id2label = {i: str(i) for i in range(10)}
+    model.config.label2id = {str(i): i for i in range(10)}
+    posterior = DiagonalGaussianPosterior(model, {n: torch.full_like(p, 0.02) for n, p in model.named_parameters()})
+    VariationalModel(model, posterior, num_samples=3).save_pretrained(out)
+    ViTImageProcessor(do_resize=False, image_mean=[0.5], image_std=[0.5], do_convert_rgb=False).save_pretrained(out)
+    return out
+
+
+def test_image_pipeline_takes_a_numpy_array_and_refuses_bad_calls(image_model_dir):
+    import PIL.Image
+
+    from varsmooth import pipeline
+
+    classify = pipeline("image-classification", model=str(image_model_dir))
+    array = (np.random.default_rng(0).random((8, 8)) * 255).astype("uint8")
+    from_pil = classify(PIL.Image.fromarray(array), top_k=10)
+    from_array = classify(array, top_k=10)
+    assert [r["label"] for r in from_array] == [r["label"] for r in from_pil]
+    np.testing.assert_allclose([r["score"] for r in from_array], [r["score"] for r in from_pil], rtol=1e-5)
+    with pytest.raises(ValueError, match="empty list of inputs"):
+        classify([])
+    with pytest.raises(ValueError, match="num_samples must be >= 0"):
+        pipeline("image-classification", model=str(image_model_dir), num_samples=-3)
+    with pytest.raises(ValueError, match="num_samples must be >= 0"):
+        VariationalModel.from_pretrained(image_model_dir, num_samples=-3)
+
+
+def test_text_pipeline_truncates_texts_longer_than_the_model_takes(tmp_path):
+    from varsmooth import pipeline
+    from varsmooth.models import create_text_classifier
+
+    words = ["good", "great", "bad", "awful"]
+    model, tokenizer = create_text_classifier(None, {0: "neg", 1: "pos"}, train_texts=[f"the film was {w} ." for w in words])
+    posterior = DiagonalGaussianPosterior(model, {n: torch.full_like(p, 0.01) for n, p in model.named_parameters()})
+    VariationalModel(model, posterior, num_samples=2).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    classify = pipeline("text-classification", model=str(tmp_path))
+    limit = model.config.max_position_embeddings
+    long_text = " ".join(["good"] * (3 * limit))
+    truncated = tokenizer.convert_tokens_to_string(tokenizer.tokenize(long_text)[: limit - 2])  # [CLS] ... [SEP]
+    got, expected = classify(long_text, top_k=2), classify(truncated, top_k=2)
+    assert [r["label"] for r in got] == [r["label"] for r in expected]
+    np.testing.assert_allclose([r["score"] for r in got], [r["score"] for r in expected], rtol=1e-5)

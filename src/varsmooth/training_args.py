@@ -148,7 +148,7 @@ class VariationalTrainingArguments(TrainingArguments):
             if self.ess is not None and not 0 < self.ess < math.inf:
                 raise ValueError(f"ess must be finite and > 0, got {self.ess}.")
             if self.hessian_window is not None and not 0 < self.hessian_window < math.inf:
-                raise ValueError(f"hessian_window must be > 0 (a fraction of the run's steps) or None, got {self.hessian_window}.")
+                raise ValueError(f"hessian_window must be finite and > 0 (a fraction of the run's steps) or None, got {self.hessian_window}.")
             if self.clip_radius is not None and not self.clip_radius > 0:
                 raise ValueError(f"clip_radius must be > 0 or None, got {self.clip_radius}.")
         if self.eval_mc_samples < 0:
