@@ -56,6 +56,8 @@ METHOD_STATE_FILE = "method_state.pt"
 #: a checkpoint is written under this prefix and renamed to `checkpoint-N` when complete; `get_last_checkpoint`
 #: and checkpoint rotation match only names that start with `checkpoint-`
 STAGING_PREFIX = ".partial-"
+#: an old checkpoint is renamed under this prefix, then deleted
+DELETING_PREFIX = ".deleting-"
 
 
 class VariationalTrainer(Trainer):
@@ -387,7 +389,7 @@ class VariationalTrainer(Trainer):
         staging, final = os.path.join(run_dir, STAGING_PREFIX + name), os.path.join(run_dir, name)
         if self.args.should_save:
             for leftover in os.listdir(run_dir) if os.path.isdir(run_dir) else ():
-                if leftover.startswith(STAGING_PREFIX + PREFIX_CHECKPOINT_DIR):  # of a killed run
+                if leftover.startswith((STAGING_PREFIX, DELETING_PREFIX)):  # of a killed run
                     shutil.rmtree(os.path.join(run_dir, leftover), ignore_errors=True)
         self.accelerator.wait_for_everyone()
         self._staging_dir = staging
@@ -548,7 +550,7 @@ class VariationalTrainer(Trainer):
 
 def _remove_checkpoint(path: str) -> None:
     """Hide the checkpoint under a staging name first (one rename), then delete it (a later save clears leftovers)."""
-    hidden = os.path.join(os.path.dirname(path), STAGING_PREFIX + os.path.basename(path))
+    hidden = os.path.join(os.path.dirname(path), DELETING_PREFIX + os.path.basename(path))
     shutil.rmtree(hidden, ignore_errors=True)
     os.replace(path, hidden)
     shutil.rmtree(hidden, ignore_errors=True)
