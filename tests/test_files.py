@@ -21,7 +21,7 @@ from transformers.trainer_utils import get_last_checkpoint
 from helpers import TinyClassifier, digits_dataset, make_args
 from varsmooth import POSTERIOR_FILE, DiagonalGaussianPosterior, LabelNoiseCallback, VariationalModel, VariationalTrainer
 from varsmooth.corruption import corrupt_labels
-from varsmooth.files import MANIFEST_FILE
+from varsmooth.files import MANIFEST_FILE, add_to_manifest
 
 IVON = dict(learning_rate=0.2, beta2=0.99, lr_scheduler_type="constant", train_sampling_strategy="sequential")
 
@@ -67,6 +67,19 @@ def test_erm_run_in_a_reused_folder_leaves_nothing_of_the_ivon_run(tmp_path):
     assert manifest["method"] == "erm" and "model.safetensors" in manifest["files"] and "my_notes.txt" not in manifest["files"]
     with pytest.warns(UserWarning, match="Predicting at the posterior mean"):
         VariationalModel.from_pretrained(out)
+
+
+def test_a_save_removes_earlier_files_it_did_not_write_unless_they_were_edited(tmp_path):
+    model = _resnet()
+    posterior = DiagonalGaussianPosterior(model, {n: torch.full_like(p, 0.01) for n, p in model.named_parameters()})
+    VariationalModel(model, posterior).save_pretrained(tmp_path)
+    for name in ("README.md", "tokenizer.json"):  # as if the earlier run had also written these
+        (tmp_path / name).write_text("{}")
+    add_to_manifest(tmp_path, ["README.md", "tokenizer.json"])
+    with open(tmp_path / "README.md", "a") as f:
+        f.write("edited by hand")
+    VariationalModel(model, DiagonalGaussianPosterior.zero(model)).save_pretrained(tmp_path)  # no posterior now
+    assert sorted(os.listdir(tmp_path)) == sorted(["README.md", "config.json", MANIFEST_FILE, "model.safetensors"])
 
 
 def test_posterior_of_replaced_weights_is_refused(tmp_path):

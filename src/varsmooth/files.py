@@ -112,9 +112,11 @@ class FolderSave:
         written = {name for name, stat in after.items() if self._before.get(name) != stat}
         written |= {name for name in also if name in after}
         written.discard(MANIFEST_FILE)
-        earlier = set((self.previous or {}).get("files", {}))
+        earlier = (self.previous or {}).get("files", {})
+        # an earlier run's file changed since its save (e.g. a card you edited) is yours now: kept
+        unchanged = {name for name, entry in earlier.items() if name in after and after[name][2] == entry.get("size")}
         stale = sorted(name for name in after if name not in written and name != MANIFEST_FILE
-                       and (name in earlier or is_owned(name)))
+                       and (name in unchanged or is_owned(name)))
         for name in stale:
             os.remove(os.path.join(self.folder, name))
         write_manifest(self.folder, sorted(written), **info)
