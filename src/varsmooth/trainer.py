@@ -284,12 +284,10 @@ class VariationalTrainer(Trainer):
                 f"{path} covers {len(posterior.names)} parameters but IVON trains {len(self._ivon_param_names)}: the "
                 "checkpoint was saved with other trainable parameters. Freeze the same parameters as in that run."
             )
-        offset = 0
+        names = iter(self._ivon_param_names)  # in param_groups order
         for group in opt.param_groups:
-            hess = torch.cat([posterior.std[self._ivon_param_names[offset + i]].flatten() for i in range(len(group["params"]))])
-            offset += len(group["params"])
-            hess = 1.0 / (group["ess"] * hess.to(group["hess"]).square()) - group["weight_decay"]
-            group["hess"] = hess.clamp_min(0.0)
+            std = torch.cat([posterior.std[next(names)].flatten() for _ in group["params"]]).to(group["hess"])
+            group["hess"] = (1.0 / (group["ess"] * std.square()) - group["weight_decay"]).clamp_min(0.0)
             group["momentum"] = torch.zeros_like(group["momentum"])
         opt.current_step = int(posterior.metadata.get("step", self.state.global_step))
 

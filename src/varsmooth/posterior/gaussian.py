@@ -35,7 +35,8 @@ DEFAULT_CACHE_BYTES = 256 * 2**20
 def weights_fingerprint(model: torch.nn.Module, names: Iterable[str]) -> str:
     """SHA-256 over the names, dtypes, shapes and raw bytes of `model`'s parameters `names` (sorted).
 
-    It binds a saved σ to the mean weights it was learned with; hashing runs at about 1 GB/s on a CPU.
+    It binds a saved σ to the mean weights it was learned with; it costs one pass over the weights (25M float32
+    parameters, 100 MB: 0.7 s on a shared CPU core), paid at each save and load.
     """
     params = dict(model.named_parameters())
     digest = hashlib.sha256()
