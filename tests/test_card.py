@@ -123,3 +123,13 @@ def test_both_predictions_and_the_better_one_named(run, nll, mean_nll):
     # the metadata lists both predictions, the better one first
     names = [m["name"] for r in meta["model-index"][0]["results"] for m in r["metrics"] if m["type"] == "nll"]
     assert names == (["Negative log-likelihood (posterior-averaged)", "Negative log-likelihood (posterior mean)"][::1 if bma < mean else -1])
+
+
+def test_the_card_lists_only_the_pictures_the_save_recorded(run):
+    trainer, out = run
+    trainer.save_model()
+    (out / "someone_elses_plot.png").write_bytes(b"\x89PNG")  # a stray file beside the model is neither pushed nor described
+    text, _ = _parts(build_model_card(trainer))
+    assert "someone_elses_plot.png" not in text
+    recorded = json.loads((out / "varsmooth_manifest.json").read_text())["files"]
+    assert "label_noise.parquet" in recorded and "per-example label noise of the training set" in text  # still described

@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Any
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
+from ..files import read_manifest
+
 if TYPE_CHECKING:
     from ..trainer import VariationalTrainer
 
@@ -205,8 +207,11 @@ def build_model_card(
         )
     else:
         label_noise_text = "No per-example label noise was exported for this model."
-    pictures = sorted(f for f in os.listdir(output_dir) if f.endswith(".png")) if os.path.isdir(output_dir) else []
-    present = sorted(f for f in os.listdir(output_dir)) if os.path.isdir(output_dir) else []
+    present = sorted(os.listdir(output_dir)) if os.path.isdir(output_dir) else []
+    manifest = read_manifest(output_dir) if present else None
+    if manifest is not None:  # the card describes what a push uploads: this run's files, not strays beside them
+        present = [f for f in present if f in manifest["files"]]
+    pictures = [f for f in present if f.endswith(".png")]
     files = {f: _FILE_DESCRIPTIONS[f] for f in present if f in _FILE_DESCRIPTIONS}
     files.update({p: "picture" for p in pictures})
 
