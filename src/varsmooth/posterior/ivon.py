@@ -1,25 +1,33 @@
-"""IVON (ivon-opt) made safe for `transformers.Trainer`.
+"""varsmooth's IVON optimizer: ivon-opt's update, in place, with per-parameter state.
 
-ivon-opt 0.1.3 is used as is for the update (seed 000, Alg. 1); this subclass only fixes what a
-Trainer integration needs (research notes ivon.md §0):
+The update is that of ivon-opt 0.1.3 (Shen et al. 2024, "Variational Learning is Effective for Large Deep
+Networks", Alg. 1 with the 'price' Hessian estimate, debiasing and `rescale_lr`); ivon-opt stays the reference the
+tests compare against. What differs is the machinery, which in ivon-opt concatenates every parameter into fresh flat
+vectors at every sample and step and reassigns `p.data`:
 
-* `current_step` (the momentum debiasing counter) travels in `state_dict()`, and `hess`/`momentum`
-  are moved back to the parameters' device and dtype on load, so checkpoint resume is exact;
-* the weight noise comes from a dedicated generator seeded by (seed, rank, step, draw), so training is
-  reproducible, resumes exactly without touching the global RNG, and DDP ranks draw independent
-  samples (scheme (i) of ivon.md §4.2);
-* `sampled_params` restores the mean weights if the body raises, and treats a trainable parameter
-  that got no gradient as a zero gradient instead of crashing (ivon-opt issue #2).
+* per-parameter state (`momentum`, `hess` in `self.state[p]`), so parameters may live on any mix of devices and
+  dtypes, param groups keep their own lr / weight decay (prior precision) / ess, and checkpoints are ordinary
+  per-parameter optimizer state dicts (ivon-opt's flat-vector checkpoints are converted on load);
+* in-place `torch._foreach_*` arithmetic per (device, dtype) bucket; the mean weights wait in a buffer while the
+  parameters hold the sample, and are copied back (the parameter tensors are never replaced);
+* counter-based noise: parameter i of draw d after optimizer step t on process r is a standard normal from a
+  generator seeded by `derive_seed(noise_seed, r, t, d, i)`, so training is reproducible, resumes exactly without
+  touching the global RNG, DDP ranks draw independent samples, and each parameter's draw can be regenerated alone;
+* `sampled_params` restores the mean weights if the body raises (the sample is then not recorded), and treats a
+  trainable parameter that got no gradient as a zero gradient instead of crashing (ivon-opt issue #2).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import math
+from collections import defaultdict
+from collections.abc import Callable, Iterator
 from typing import Any
 
-import ivon
 import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 __all__ = ["VariationalIVON", "derive_seed", "unwrap_ivon"]
 
@@ -37,123 +45,323 @@ def derive_seed(*keys: int) -> int:
     return state & _MASK
 
 
-class VariationalIVON(ivon.IVON):
-    """`ivon.IVON` with exact checkpointing, seeded noise and an exception-safe sampling context.
+def _buckets(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """`params` split by (device, dtype): `torch._foreach_*` fast paths need one of each per call."""
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
+    for p in params:
+        groups[(p.device, p.dtype)].append(p)
+    return list(groups.values())
+
+
+class VariationalIVON(torch.optim.Optimizer):
+    """IVON (Shen et al. 2024, Alg. 1) with per-parameter state, in-place updates and counter-based noise.
+
+    Use like ivon-opt: run forward and backward inside `with optimizer.sampled_params(train=True):` (once per MC
+    sample or micro-batch; the samples are averaged), then call `step()`.
 
     Args:
-        params: trainable parameters only (frozen ones would receive noise and weight decay).
-        noise_seed: base seed of the weight noise; `None` draws from the global torch RNG as ivon-opt does.
+        params: trainable parameters or param groups (a group may set its own lr, weight_decay, ess, hess_init,
+            beta1, beta2, clip_radius). Frozen parameters would receive noise and weight decay: leave them out.
+        lr, ess, hess_init, beta1, beta2, weight_decay, mc_samples, clip_radius, sync, debias, rescale_lr: as in
+            `ivon.IVON` (weight_decay is the prior precision δ; `sync` all-reduces the averaged gradient and the
+            Hessian estimate over the default process group in `step()`).
+        hess_approx: only 'price' (the reparameterisation estimate of ivon-opt's default) is implemented.
+        noise_seed: base seed of the weight noise; `None` draws from the global torch RNG.
         rank: process index, mixed into the noise seed so that DDP ranks are independent MC samples.
-        **kwargs: passed to `ivon.IVON` (lr, ess, hess_init, beta1, beta2, weight_decay, clip_radius, sync, ...).
     """
 
-    def __init__(self, params: Any, *, noise_seed: int | None = 0, rank: int = 0, **kwargs: Any) -> None:
-        super().__init__(params, **kwargs)
+    def __init__(
+        self,
+        params: Any,
+        lr: float,
+        ess: float,
+        hess_init: float = 1.0,
+        beta1: float = 0.9,
+        beta2: float = 0.99999,
+        weight_decay: float = 1e-4,
+        mc_samples: int = 1,
+        hess_approx: str = "price",
+        clip_radius: float = math.inf,
+        sync: bool = False,
+        debias: bool = True,
+        rescale_lr: bool = True,
+        *,
+        noise_seed: int | None = 0,
+        rank: int = 0,
+    ) -> None:
+        if hess_approx != "price":
+            raise ValueError(f"hess_approx={hess_approx!r} is not implemented; use 'price' (ivon-opt's default).")
+        if mc_samples < 1:
+            raise ValueError(f"mc_samples must be >= 1, got {mc_samples}.")
+        defaults = dict(lr=lr, mc_samples=mc_samples, beta1=beta1, beta2=beta2, weight_decay=weight_decay,
+                        hess_init=hess_init, ess=ess, clip_radius=clip_radius)
+        self.mc_samples = mc_samples
+        self.hess_approx = hess_approx
+        self.sync = sync
+        self.debias = debias
+        self.rescale_lr = rescale_lr
         self.noise_seed = noise_seed
         self.rank = rank
+        self.current_step = 0
         self._draws_since_step = 0
-        self._generator: torch.Generator | None = None
+        self._count = 0  # MC samples recorded since the last step
+        # while sampling: per parameter, the mean weights and the noise σ⊙e; between samples: the running averages
+        self._mean: dict[torch.Tensor, torch.Tensor] = {}
+        self._noise: dict[torch.Tensor, torch.Tensor] = {}
+        self._avg_grad: dict[torch.Tensor, torch.Tensor] = {}
+        self._avg_nxg: dict[torch.Tensor, torch.Tensor] = {}
+        self._generators: dict[torch.device, torch.Generator] = {}
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        for key, low, high in (("lr", 0.0, math.inf), ("weight_decay", 0.0, math.inf), ("beta1", 0.0, 1.0),
+                               ("beta2", 0.0, 1.0)):
+            if not low <= group[key] <= high:
+                raise ValueError(f"Invalid {key}: {group[key]} (must lie in [{low}, {high}]).")
+        for key in ("ess", "hess_init", "clip_radius"):
+            if not group[key] > 0:
+                raise ValueError(f"Invalid {key}: {group[key]} (must be > 0).")
+        for p in group["params"]:
+            if not p.is_floating_point():
+                raise ValueError(f"IVON needs floating-point parameters, got one of dtype {p.dtype}.")
+            self.state[p]["momentum"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            self.state[p]["hess"] = torch.full_like(p, group["hess_init"], memory_format=torch.preserve_format)
 
     # -- noise -------------------------------------------------------------------------------------
-    def _noise_generator(self) -> torch.Generator | None:
-        if self.noise_seed is None:
-            return None
-        if self._generator is None or self._generator.device != self._device:
-            self._generator = torch.Generator(device=self._device)
-        self._generator.manual_seed(
-            derive_seed(self.noise_seed, self.rank, self.current_step, self._draws_since_step)
-        )
-        return self._generator
+    def _draw_noise(self, params: list[torch.Tensor], indices: list[int]) -> list[torch.Tensor]:
+        """Standard normal e per parameter, counter-based: one seed per (seed, rank, step, draw, parameter index)."""
+        noises = []
+        for p, index in zip(params, indices):
+            e = torch.empty_like(p, memory_format=torch.contiguous_format)
+            if self.noise_seed is None:
+                e.normal_()
+            else:
+                gen = self._generators.get(p.device)
+                if gen is None:
+                    gen = self._generators[p.device] = torch.Generator(device=p.device)
+                gen.manual_seed(derive_seed(self.noise_seed, self.rank, self.current_step, self._draws_since_step, index))
+                e.normal_(generator=gen)
+            noises.append(e)
+        return noises
 
-    def _sample_params(self) -> tuple[torch.Tensor, torch.Tensor]:
-        generator = self._noise_generator()
-        self._draws_since_step += 1
-        if generator is None:
-            return super()._sample_params()
-        param_avgs, noises = [], []
+    def _scaled_denominator(self, group: dict[str, Any], hess: list[torch.Tensor]) -> list[torch.Tensor]:
+        """sqrt(ess·(h + δ)) = 1/σ, per parameter of a bucket."""
+        denom = torch._foreach_add(hess, group["weight_decay"])
+        torch._foreach_mul_(denom, group["ess"])
+        torch._foreach_sqrt_(denom)
+        return denom
+
+    @torch.no_grad()
+    def _sample_params(self) -> None:
+        index = 0
         for group in self.param_groups:
-            # same arithmetic as ivon-opt, so a run seeded like ours reproduces it bit for bit
-            noise = torch.randn(group["numel"], device=self._device, dtype=self._dtype, generator=generator) / (
-                group["ess"] * (group["hess"] + group["weight_decay"])
-            ).sqrt()
-            noises.append(noise)
-            offset = 0
-            for p in group["params"]:
-                flat = p.data.flatten()
-                param_avgs.append(flat)
-                p.data = (flat + noise[offset : offset + p.numel()]).view(p.shape)
-                offset += p.numel()
-        return torch.cat(param_avgs), torch.cat(noises)
+            indices = {p: index + i for i, p in enumerate(group["params"])}
+            index += len(group["params"])
+            for params in _buckets(group["params"]):
+                means = [torch.empty_like(p) for p in params]
+                torch._foreach_copy_(means, params)
+                noises = self._draw_noise(params, [indices[p] for p in params])
+                torch._foreach_div_(noises, self._scaled_denominator(group, [self.state[p]["hess"] for p in params]))
+                torch._foreach_add_(params, noises)  # θ = m + σ⊙e
+                self._mean.update(zip(params, means))
+                self._noise.update(zip(params, noises))
+        self._draws_since_step += 1
+
+    @torch.no_grad()
+    def _restore_param_average(self, train: bool) -> None:
+        """Mean weights back into the parameters; with `train`, the gradients folded into the running averages."""
+        params = list(self._mean)
+        torch._foreach_copy_(params, [self._mean[p] for p in params])
+        self._mean.clear()
+        noise, self._noise = self._noise, {}
+        if not train:
+            return
+        count = self._count + 1
+        for bucket in _buckets(params):
+            grads = []
+            for p in bucket:
+                if p.grad is not None and p.grad.is_sparse:
+                    raise RuntimeError("IVON does not support sparse gradients; use dense embeddings (sparse=False).")
+                # a trainable parameter the loss did not reach has gradient zero (ivon-opt issue #2)
+                grads.append(p.grad if p.grad is not None and p.requires_grad else torch.zeros_like(p))
+            nxg = [noise[p] for p in bucket]
+            torch._foreach_mul_(nxg, grads)  # σ⊙e⊙g, in the noise buffer
+            if count == 1:
+                self._avg_grad.update(zip(bucket, torch._foreach_mul(grads, 1.0)))
+                self._avg_nxg.update(zip(bucket, nxg))
+            else:  # Welford means over the samples of this step
+                avg_nxg = [self._avg_nxg[p] for p in bucket]
+                torch._foreach_sub_(nxg, avg_nxg)
+                torch._foreach_div_(nxg, count)
+                torch._foreach_add_(avg_nxg, nxg)
+                avg_grad = [self._avg_grad[p] for p in bucket]
+                delta = nxg  # reuse the buffer
+                torch._foreach_copy_(delta, grads)
+                torch._foreach_sub_(delta, avg_grad)
+                torch._foreach_div_(delta, count)
+                torch._foreach_add_(avg_grad, delta)
+        self._count = count
 
     @contextlib.contextmanager
     def sampled_params(self, train: bool = False) -> Iterator[None]:
         """Weights set to one posterior sample θ = m + σ⊙e for the body, then back to m.
 
-        With `train=True` the gradients present at exit are recorded as one MC sample (seed 000, Alg. 1
-        lines 2-4): forward and backward must both run inside the body.
+        With `train=True` the gradients present at exit are recorded as one MC sample (Alg. 1 lines 2-4): forward
+        and backward must both run inside the body. If the body raises, the mean weights are restored and the
+        sample is not recorded.
         """
-        param_avg, noise = self._sample_params()
+        if self._mean:
+            raise RuntimeError("sampled_params() is already active: IVON samples one set of weights at a time.")
+        self._sample_params()
         try:
             yield
         except BaseException:
-            self._restore_param_average(False, param_avg, noise)
+            self._restore_param_average(False)
             raise
-        if train:
-            for group in self.param_groups:
-                for p in group["params"]:
-                    if p.grad is None:
-                        p.grad = torch.zeros_like(p)
-        self._restore_param_average(train, param_avg, noise)
+        self._restore_param_average(train)
 
-    def step(self, closure: Any = None) -> torch.Tensor | None:
-        if self.state["count"] == 0:
+    # -- update ------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor | None:
+        loss = None
+        if closure is not None:  # ivon-opt's contract: the closure samples, runs forward/backward, returns the loss
+            losses = []
+            for _ in range(self.mc_samples):
+                with torch.enable_grad():
+                    losses.append(closure())
+            loss = sum(losses) / self.mc_samples
+        if self._count == 0:
             raise RuntimeError(
                 "IVON.step() was called without any gradient sample: run forward and backward inside "
                 "`optimizer.sampled_params(train=True)` first."
             )
-        loss = super().step(closure)
+        if self.sync and dist.is_available() and dist.is_initialized():
+            self._sync_samples()
+        self.current_step += 1
+        for group in self.param_groups:
+            for params in _buckets(group["params"]):
+                self._update(group, params)
+        self._avg_grad.clear()
+        self._avg_nxg.clear()
+        self._count = 0
         self._draws_since_step = 0
         return loss
 
+    def _sync_samples(self) -> None:
+        """Averages ḡ and mean(σ⊙e⊙g) over the ranks (one all-reduce per device and dtype)."""
+        world = dist.get_world_size()
+        for bucket in _buckets(list(self._avg_grad)):
+            tensors = [self._avg_grad[p] for p in bucket] + [self._avg_nxg[p] for p in bucket]
+            flat = _flatten_dense_tensors(tensors)
+            dist.all_reduce(flat)
+            flat.div_(world)
+            torch._foreach_copy_(tensors, _unflatten_dense_tensors(flat, tensors))
+
+    def _update(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
+        b1, b2, wd, ess = group["beta1"], group["beta2"], group["weight_decay"], group["ess"]
+        momentum = [self.state[p]["momentum"] for p in params]
+        hess = [self.state[p]["hess"] for p in params]
+        grad = [self._avg_grad[p] for p in params]
+        f = [self._avg_nxg[p] for p in params]
+        # m ← β1 m + (1-β1) ḡ
+        torch._foreach_lerp_(momentum, grad, 1.0 - b1)
+        # h ← β2 h + (1-β2) f + ½(1-β2)² (h-f)²/(h+δ), with f = ess (h+δ) mean(σ⊙e⊙g) (the 'price' estimate);
+        # written as h + (1-β2) d + ½(1-β2)² d²/(h+δ) with d = f - h, all in the buffer of the average
+        hess_wd = torch._foreach_add(hess, wd)
+        torch._foreach_mul_(f, hess_wd)
+        torch._foreach_mul_(f, ess)
+        torch._foreach_sub_(f, hess)
+        torch._foreach_add_(hess, f, alpha=1.0 - b2)
+        torch._foreach_mul_(f, f)
+        torch._foreach_div_(f, hess_wd)
+        torch._foreach_add_(hess, f, alpha=0.5 * (1.0 - b2) ** 2)
+        # m ← m - lr' clip((m̂ + δ m)/(h + δ), ±r), with m̂ the debiased momentum and lr' = lr (h0 + δ) if rescaled
+        debias = 1.0 - b1 ** self.current_step if self.debias else 1.0
+        lr = group["lr"] * (group["hess_init"] + wd) if self.rescale_lr else group["lr"]
+        hess_wd = torch._foreach_add(hess, wd)
+        if math.isinf(group["clip_radius"]):  # no clipping: two fused passes, p(1 - lr δ/(h+δ)) - (lr/debias) m/(h+δ)
+            if wd:
+                torch._foreach_addcdiv_(params, params, hess_wd, value=-lr * wd)
+            torch._foreach_addcdiv_(params, momentum, hess_wd, value=-lr / debias)
+            return
+        direction = grad  # ḡ is consumed: its buffer holds the step direction
+        torch._foreach_copy_(direction, momentum)
+        torch._foreach_div_(direction, debias)
+        if wd:
+            torch._foreach_add_(direction, params, alpha=wd)
+        torch._foreach_div_(direction, hess_wd)
+        torch._foreach_clamp_min_(direction, -group["clip_radius"])
+        torch._foreach_clamp_max_(direction, group["clip_radius"])
+        torch._foreach_add_(params, direction, alpha=-lr)
+
     # -- posterior ---------------------------------------------------------------------------------
     def posterior_std(self) -> list[torch.Tensor]:
-        """σ = 1/sqrt(ess·(h + δ)) for each parameter, in `param_groups` order (seed 000, Alg. 1 line 2)."""
-        stds = []
-        for group in self.param_groups:
-            std = (group["ess"] * (group["hess"] + group["weight_decay"])).rsqrt()
-            offset = 0
-            for p in group["params"]:
-                stds.append(std[offset : offset + p.numel()].view(p.shape).clone())
-                offset += p.numel()
-        return stds
+        """σ = 1/sqrt(ess·(h + δ)) for each parameter, in `param_groups` order (Alg. 1 line 2)."""
+        return [(g["ess"] * (self.state[p]["hess"] + g["weight_decay"])).rsqrt() for g in self.param_groups
+                for p in g["params"]]
 
     def hessian(self) -> torch.Tensor:
-        return torch.cat([group["hess"] for group in self.param_groups])
+        """All parameters' h, flattened in `param_groups` order, on the first parameter's device."""
+        hess = [self.state[p]["hess"].flatten() for g in self.param_groups for p in g["params"]]
+        return torch.cat([h.to(hess[0].device) for h in hess]) if hess else torch.zeros(0)
 
     # -- checkpointing -----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        sd = super().state_dict()
-        sd["state"] = dict(sd["state"], current_step=self.current_step)
-        return sd
+        if self._mean:
+            raise RuntimeError("state_dict() inside sampled_params(): the parameters hold a sample, not the mean.")
+        return {**super().state_dict(), "current_step": self.current_step}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Loads a checkpoint of this class, or of the earlier ivon-opt based one (flat `hess`/`momentum` per group)."""
         state_dict = dict(state_dict)
-        state = dict(state_dict["state"])
-        step = state.pop("current_step", None)
-        state_dict["state"] = state
+        step = state_dict.pop("current_step", None)
+        if "count" in state_dict["state"] or any("hess" in g for g in state_dict["param_groups"]):
+            state_dict, step = self._from_flat_checkpoint(state_dict)
         super().load_state_dict(state_dict)
-        self.state.pop("current_step", None)
+        # the engine updates its state in place: own copies, laid out like the parameters, leave the input untouched
+        for group in self.param_groups:
+            for p in group["params"]:
+                for key in ("momentum", "hess"):
+                    self.state[p][key] = torch.empty_like(p).copy_(self.state[p][key])
         if step is not None:
             self.current_step = int(step)
         self._draws_since_step = 0
-        # torch casts per-parameter state only; hess/momentum live in the param groups.
-        for group in self.param_groups:
-            for key in ("hess", "momentum"):
-                group[key] = group[key].to(device=self._device, dtype=self._dtype)
+        self._count = 0
+        self._avg_grad.clear()
+        self._avg_nxg.clear()
+
+    def _from_flat_checkpoint(self, state_dict: dict[str, Any]) -> tuple[dict[str, Any], int | None]:
+        """ivon-opt's layout (one flat hess/momentum vector per group) split into per-parameter state."""
+        old_state = state_dict["state"]
+        if old_state.get("count", 0):
+            raise ValueError("The IVON checkpoint holds gradient samples not yet used by a step; save after step().")
+        state, groups = {}, []
+        if len(state_dict["param_groups"]) != len(self.param_groups):
+            raise ValueError(f"The IVON checkpoint has {len(state_dict['param_groups'])} param groups, this optimizer "
+                             f"{len(self.param_groups)}: it was written for another model or parameter grouping.")
+        for saved, group in zip(state_dict["param_groups"], self.param_groups):
+            saved = dict(saved)
+            hess, momentum = saved.pop("hess"), saved.pop("momentum")
+            saved.pop("numel", None)
+            numel = sum(p.numel() for p in group["params"])
+            if len(saved["params"]) != len(group["params"]) or hess.numel() != numel or momentum.numel() != numel:
+                raise ValueError(
+                    f"The IVON checkpoint's param group holds {len(saved['params'])} parameters with {hess.numel()} "
+                    f"values, this optimizer's {len(group['params'])} with {numel}: it was written for another model."
+                )
+            offset = 0
+            for index, p in zip(saved["params"], group["params"]):
+                state[index] = {"momentum": momentum[offset:offset + p.numel()].view(p.shape),
+                                "hess": hess[offset:offset + p.numel()].view(p.shape)}
+                offset += p.numel()
+            groups.append(saved)
+        return {"state": state, "param_groups": groups}, old_state.get("current_step")
 
 
 def unwrap_ivon(optimizer: Any) -> VariationalIVON | None:
     """The IVON inside accelerate's `AcceleratedOptimizer` (which forwards no `sampled_params`), or None."""
-    while optimizer is not None and not isinstance(optimizer, ivon.IVON):
+    while optimizer is not None and not isinstance(optimizer, VariationalIVON):
         optimizer = getattr(optimizer, "optimizer", None)
     return optimizer
