@@ -72,8 +72,8 @@ class SeededIVON(ivon.IVON):
         for group in self.param_groups:
             e = []
             for p in group["params"]:
-                gen = torch.Generator().manual_seed(derive_seed(self.seed, self.rank, self.current_step, self.draws, index))
-                e.append(torch.randn(p.shape, generator=gen, dtype=p.dtype).flatten())
+                gen = torch.Generator(p.device).manual_seed(derive_seed(self.seed, self.rank, self.current_step, self.draws, index))
+                e.append(torch.randn(p.shape, generator=gen, dtype=p.dtype, device=p.device).flatten())
                 index += 1
             noise = torch.cat(e) / (group["ess"] * (group["hess"] + group["weight_decay"])).sqrt()
             noise_samples.append(noise)
