@@ -105,11 +105,14 @@ class VariationalIVON(torch.optim.Optimizer):
         self.current_step = 0
         self._draws_since_step = 0
         self._count = 0  # MC samples recorded since the last step
-        # while sampling: per parameter, the mean weights and the noise σ⊙e; between samples: the running averages
-        self._mean: dict[torch.Tensor, torch.Tensor] = {}
-        self._noise: dict[torch.Tensor, torch.Tensor] = {}
-        self._avg_grad: dict[torch.Tensor, torch.Tensor] = {}
-        self._avg_nxg: dict[torch.Tensor, torch.Tensor] = {}
+        self._sampling = False
+        self._perturbed: list[list[torch.Tensor]] = []  # buckets whose weights hold a sample (mean saved)
+        # Per-parameter scratch, allocated once and reused, since fresh parameter-sized tensors cost page faults
+        # on the CPU at every step: "mean" (m while the parameter holds θ), "noise" (e, then e⊙g), "avg_nxg"
+        # (mean of e⊙g; shares the noise buffer after the first sample), "avg_grad" (ḡ) and "std" (sqrt(h + δ),
+        # refreshed when h changes, so that a sample costs one draw and three passes).
+        self._buffers: dict[torch.Tensor, dict[str, torch.Tensor | None]] = {}
+        self._std_wd: dict[torch.Tensor, float] = {}  # the δ each "std" buffer was computed with
         self._generators: dict[torch.device, torch.Generator] = {}
         super().__init__(params, defaults)
 
@@ -129,29 +132,43 @@ class VariationalIVON(torch.optim.Optimizer):
             self.state[p]["momentum"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             self.state[p]["hess"] = torch.full_like(p, group["hess_init"], memory_format=torch.preserve_format)
 
-    # -- noise -------------------------------------------------------------------------------------
+    def _buffer(self, params: list[torch.Tensor], name: str) -> list[torch.Tensor]:
+        out = []
+        for p in params:
+            slots = self._buffers.setdefault(p, {})
+            if slots.get(name) is None:
+                # the noise buffer is filled by one draw per parameter: contiguous, so the draw is layout-independent
+                layout = torch.contiguous_format if name == "noise" else torch.preserve_format
+                slots[name] = torch.empty_like(p, memory_format=layout)
+            out.append(slots[name])
+        return out
+
+    def _std(self, group: dict[str, Any], params: list[torch.Tensor]) -> list[torch.Tensor]:
+        """sqrt(h + δ) per parameter (σ = that / sqrt(ess) inverted), recomputed only when h or δ changed."""
+        wd = group["weight_decay"]
+        stale = [p for p in params if self._std_wd.get(p) != wd or self._buffers.get(p, {}).get("std") is None]
+        if stale:
+            std = self._buffer(stale, "std")
+            torch._foreach_copy_(std, [self.state[p]["hess"] for p in stale])
+            torch._foreach_add_(std, wd)
+            torch._foreach_sqrt_(std)
+            self._std_wd.update((p, wd) for p in stale)
+        return self._buffer(params, "std")
+
+    # -- sampling ----------------------------------------------------------------------------------
     def _draw_noise(self, params: list[torch.Tensor], indices: list[int]) -> list[torch.Tensor]:
         """Standard normal e per parameter, counter-based: one seed per (seed, rank, step, draw, parameter index)."""
-        noises = []
-        for p, index in zip(params, indices):
-            e = torch.empty_like(p, memory_format=torch.contiguous_format)
+        noises = self._buffer(params, "noise")
+        for e, p, index in zip(noises, params, indices):
             if self.noise_seed is None:
                 e.normal_()
-            else:
-                gen = self._generators.get(p.device)
-                if gen is None:
-                    gen = self._generators[p.device] = torch.Generator(device=p.device)
-                gen.manual_seed(derive_seed(self.noise_seed, self.rank, self.current_step, self._draws_since_step, index))
-                e.normal_(generator=gen)
-            noises.append(e)
+                continue
+            gen = self._generators.get(p.device)
+            if gen is None:
+                gen = self._generators[p.device] = torch.Generator(device=p.device)
+            gen.manual_seed(derive_seed(self.noise_seed, self.rank, self.current_step, self._draws_since_step, index))
+            e.normal_(generator=gen)
         return noises
-
-    def _scaled_denominator(self, group: dict[str, Any], hess: list[torch.Tensor]) -> list[torch.Tensor]:
-        """sqrt(ess·(h + δ)) = 1/σ, per parameter of a bucket."""
-        denom = torch._foreach_add(hess, group["weight_decay"])
-        torch._foreach_mul_(denom, group["ess"])
-        torch._foreach_sqrt_(denom)
-        return denom
 
     @torch.no_grad()
     def _sample_params(self) -> None:
@@ -160,48 +177,45 @@ class VariationalIVON(torch.optim.Optimizer):
             indices = {p: index + i for i, p in enumerate(group["params"])}
             index += len(group["params"])
             for params in _buckets(group["params"]):
-                means = [torch.empty_like(p) for p in params]
-                torch._foreach_copy_(means, params)
-                noises = self._draw_noise(params, [indices[p] for p in params])
-                torch._foreach_div_(noises, self._scaled_denominator(group, [self.state[p]["hess"] for p in params]))
-                torch._foreach_add_(params, noises)  # θ = m + σ⊙e
-                self._mean.update(zip(params, means))
-                self._noise.update(zip(params, noises))
+                torch._foreach_copy_(self._buffer(params, "mean"), params)
+                self._perturbed.append(params)
+                noise = self._draw_noise(params, [indices[p] for p in params])
+                # θ = m + σ⊙e with σ = 1/sqrt(ess (h + δ))
+                torch._foreach_addcdiv_(params, noise, self._std(group, params), value=group["ess"] ** -0.5)
         self._draws_since_step += 1
 
     @torch.no_grad()
     def _restore_param_average(self, train: bool) -> None:
         """Mean weights back into the parameters; with `train`, the gradients folded into the running averages."""
-        params = list(self._mean)
-        torch._foreach_copy_(params, [self._mean[p] for p in params])
-        self._mean.clear()
-        noise, self._noise = self._noise, {}
+        perturbed, self._perturbed = self._perturbed, []
+        for bucket in perturbed:
+            torch._foreach_copy_(bucket, self._buffer(bucket, "mean"))
         if not train:
             return
+        if any(p.grad is not None and p.grad.is_sparse for bucket in perturbed for p in bucket):
+            raise RuntimeError("IVON does not support sparse gradients; use dense embeddings (sparse=False).")
         count = self._count + 1
-        for bucket in _buckets(params):
-            grads = []
-            for p in bucket:
-                if p.grad is not None and p.grad.is_sparse:
-                    raise RuntimeError("IVON does not support sparse gradients; use dense embeddings (sparse=False).")
-                # a trainable parameter the loss did not reach has gradient zero (ivon-opt issue #2)
-                grads.append(p.grad if p.grad is not None and p.requires_grad else torch.zeros_like(p))
-            nxg = [noise[p] for p in bucket]
-            torch._foreach_mul_(nxg, grads)  # σ⊙e⊙g, in the noise buffer
+        for bucket in perturbed:
+            # a trainable parameter the loss did not reach has gradient zero (ivon-opt issue #2)
+            grads = [p.grad if p.grad is not None and p.requires_grad else torch.zeros_like(p) for p in bucket]
+            nxg = self._buffer(bucket, "noise")
+            torch._foreach_mul_(nxg, grads)  # e⊙g
             if count == 1:
-                self._avg_grad.update(zip(bucket, torch._foreach_mul(grads, 1.0)))
-                self._avg_nxg.update(zip(bucket, nxg))
-            else:  # Welford means over the samples of this step
-                avg_nxg = [self._avg_nxg[p] for p in bucket]
-                torch._foreach_sub_(nxg, avg_nxg)
-                torch._foreach_div_(nxg, count)
-                torch._foreach_add_(avg_nxg, nxg)
-                avg_grad = [self._avg_grad[p] for p in bucket]
-                delta = nxg  # reuse the buffer
-                torch._foreach_copy_(delta, grads)
-                torch._foreach_sub_(delta, avg_grad)
-                torch._foreach_div_(delta, count)
-                torch._foreach_add_(avg_grad, delta)
+                torch._foreach_copy_(self._buffer(bucket, "avg_grad"), grads)
+                for p in bucket:  # the product is the average: its buffer changes role, no copy
+                    slots = self._buffers[p]
+                    slots["avg_nxg"], slots["noise"] = slots["noise"], slots.get("avg_nxg")
+                continue
+            # Welford means over the samples of this step, as ivon-opt averages them
+            avg_nxg = self._buffer(bucket, "avg_nxg")
+            torch._foreach_sub_(nxg, avg_nxg)
+            torch._foreach_div_(nxg, count)
+            torch._foreach_add_(avg_nxg, nxg)
+            delta, avg_grad = nxg, self._buffer(bucket, "avg_grad")  # the noise buffer is free again
+            torch._foreach_copy_(delta, grads)
+            torch._foreach_sub_(delta, avg_grad)
+            torch._foreach_div_(delta, count)
+            torch._foreach_add_(avg_grad, delta)
         self._count = count
 
     @contextlib.contextmanager
@@ -212,15 +226,19 @@ class VariationalIVON(torch.optim.Optimizer):
         and backward must both run inside the body. If the body raises, the mean weights are restored and the
         sample is not recorded.
         """
-        if self._mean:
+        if self._sampling:
             raise RuntimeError("sampled_params() is already active: IVON samples one set of weights at a time.")
-        self._sample_params()
+        self._sampling = True
         try:
-            yield
-        except BaseException:
-            self._restore_param_average(False)
-            raise
-        self._restore_param_average(train)
+            try:
+                self._sample_params()
+                yield
+            except BaseException:
+                self._restore_param_average(False)
+                raise
+            self._restore_param_average(train)
+        finally:
+            self._sampling = False
 
     # -- update ------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -243,17 +261,19 @@ class VariationalIVON(torch.optim.Optimizer):
         for group in self.param_groups:
             for params in _buckets(group["params"]):
                 self._update(group, params)
-        self._avg_grad.clear()
-        self._avg_nxg.clear()
+        for slots in self._buffers.values():  # the average's buffer becomes the next step's noise buffer
+            if slots.get("noise") is None:
+                slots["noise"], slots["avg_nxg"] = slots.get("avg_nxg"), None
         self._count = 0
         self._draws_since_step = 0
         return loss
 
     def _sync_samples(self) -> None:
-        """Averages ḡ and mean(σ⊙e⊙g) over the ranks (one all-reduce per device and dtype)."""
+        """Averages ḡ and mean(e⊙g) over the ranks (one all-reduce per device and dtype)."""
         world = dist.get_world_size()
-        for bucket in _buckets(list(self._avg_grad)):
-            tensors = [self._avg_grad[p] for p in bucket] + [self._avg_nxg[p] for p in bucket]
+        params = [p for g in self.param_groups for p in g["params"]]
+        for bucket in _buckets(params):
+            tensors = self._buffer(bucket, "avg_grad") + self._buffer(bucket, "avg_nxg")
             flat = _flatten_dense_tensors(tensors)
             dist.all_reduce(flat)
             flat.div_(world)
@@ -263,24 +283,34 @@ class VariationalIVON(torch.optim.Optimizer):
         b1, b2, wd, ess = group["beta1"], group["beta2"], group["weight_decay"], group["ess"]
         momentum = [self.state[p]["momentum"] for p in params]
         hess = [self.state[p]["hess"] for p in params]
-        grad = [self._avg_grad[p] for p in params]
-        f = [self._avg_nxg[p] for p in params]
+        grad, nxg, std = self._buffer(params, "avg_grad"), self._buffer(params, "avg_nxg"), self._std(group, params)
         # m ← β1 m + (1-β1) ḡ
         torch._foreach_lerp_(momentum, grad, 1.0 - b1)
-        # h ← β2 h + (1-β2) f + ½(1-β2)² (h-f)²/(h+δ), with f = ess (h+δ) mean(σ⊙e⊙g) (the 'price' estimate);
-        # written as h + (1-β2) d + ½(1-β2)² d²/(h+δ) with d = f - h, all in the buffer of the average
-        hess_wd = torch._foreach_add(hess, wd)
-        torch._foreach_mul_(f, hess_wd)
-        torch._foreach_mul_(f, ess)
-        torch._foreach_sub_(f, hess)
-        torch._foreach_add_(hess, f, alpha=1.0 - b2)
-        torch._foreach_mul_(f, f)
-        torch._foreach_div_(f, hess_wd)
-        torch._foreach_add_(hess, f, alpha=0.5 * (1.0 - b2) ** 2)
+        # h ← β2 h + (1-β2) f + ½(1-β2)² (h-f)²/(h+δ), with the 'price' estimate f = ess (h+δ) mean(σ⊙e⊙g)
+        # = sqrt(ess) s mean(e⊙g) where s = sqrt(h+δ): written as h + (1-β2) d + ½(1-β2)² d²/s² with d = f - h,
+        # computed in the buffer of mean(e⊙g) as d/sqrt(ess) and then d/(sqrt(ess) s)
+        root = math.sqrt(ess)
+        torch._foreach_mul_(nxg, std)
+        torch._foreach_add_(nxg, hess, alpha=-1.0 / root)
+        torch._foreach_add_(hess, nxg, alpha=(1.0 - b2) * root)
+        torch._foreach_div_(nxg, std)
+        torch._foreach_addcmul_(hess, nxg, nxg, value=0.5 * (1.0 - b2) ** 2 * ess)
+        # h + δ for the update, in the buffer of s, which becomes sqrt(h + δ) for the next samples at the end
+        hess_wd = std
+        for p in params:  # stale until the sqrt below
+            self._std_wd.pop(p, None)
+        torch._foreach_copy_(hess_wd, hess)
+        torch._foreach_add_(hess_wd, wd)
+        self._update_mean(group, params, momentum, grad, hess_wd)
+        torch._foreach_sqrt_(std)
+        self._std_wd.update((p, wd) for p in params)
+
+    def _update_mean(self, group: dict[str, Any], params: list[torch.Tensor], momentum: list[torch.Tensor],
+                     grad: list[torch.Tensor], hess_wd: list[torch.Tensor]) -> None:
+        wd = group["weight_decay"]
         # m ← m - lr' clip((m̂ + δ m)/(h + δ), ±r), with m̂ the debiased momentum and lr' = lr (h0 + δ) if rescaled
-        debias = 1.0 - b1 ** self.current_step if self.debias else 1.0
+        debias = 1.0 - group["beta1"] ** self.current_step if self.debias else 1.0
         lr = group["lr"] * (group["hess_init"] + wd) if self.rescale_lr else group["lr"]
-        hess_wd = torch._foreach_add(hess, wd)
         if math.isinf(group["clip_radius"]):  # no clipping: two fused passes, p(1 - lr δ/(h+δ)) - (lr/debias) m/(h+δ)
             if wd:
                 torch._foreach_addcdiv_(params, params, hess_wd, value=-lr * wd)
@@ -309,7 +339,7 @@ class VariationalIVON(torch.optim.Optimizer):
 
     # -- checkpointing -----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        if self._mean:
+        if self._sampling:
             raise RuntimeError("state_dict() inside sampled_params(): the parameters hold a sample, not the mean.")
         return {**super().state_dict(), "current_step": self.current_step}
 
@@ -329,8 +359,7 @@ class VariationalIVON(torch.optim.Optimizer):
             self.current_step = int(step)
         self._draws_since_step = 0
         self._count = 0
-        self._avg_grad.clear()
-        self._avg_nxg.clear()
+        self._std_wd.clear()  # s = sqrt(h + δ) is recomputed from the loaded h
 
     def _from_flat_checkpoint(self, state_dict: dict[str, Any]) -> tuple[dict[str, Any], int | None]:
         """ivon-opt's layout (one flat hess/momentum vector per group) split into per-parameter state."""
