@@ -15,6 +15,7 @@ from helpers import SeededIVON
 from varsmooth.posterior import VariationalIVON
 
 STEPS = 50
+FSDP_STEPS = 12
 
 
 class MLP(torch.nn.Module):
@@ -181,7 +182,7 @@ def test_resume_from_per_parameter_checkpoint_is_exact():
     full, _, _ = _run(make, model, 12, 2, **IVON_KW)
     _, half_model, half_opt = _run(make, model, 6, 2, **IVON_KW)
     sd = half_opt.state_dict()
-    assert set(sd["state"][0]) == {"momentum", "hess"} and sd["current_step"] == 6
+    assert set(sd["state"][0]) == {"momentum", "hess"} and sd["param_groups"][1]["current_step"] == 6
     resumed_model = copy.deepcopy(half_model)
     resumed = make(_groups(resumed_model, IVON_KW["weight_decay"]), **{k: v for k, v in IVON_KW.items() if k != "weight_decay"})
     resumed.load_state_dict(copy.deepcopy(sd))
@@ -256,3 +257,37 @@ def test_ddp_sync_matches_ivon_opt(tmp_path):
     _assert_same_trajectory(r0["ours"], r0["ref"])
     # the sync changes the result: rank 0 alone (its own samples only) would end elsewhere
     assert (r0["alone"][-1][0] - r0["ours"][-1][0]).abs().max() > 1e-3
+
+
+@pytest.mark.slow
+def test_fsdp2_shards_match_one_process_and_resume_from_dcp(tmp_path):
+    """FSDP2 (fully_shard, 2 processes, gloo): the engine samples and updates each rank's shard, the shards' noise is
+    one draw, so the run equals one process on the same global batches; a torch.distributed.checkpoint restore
+    continues it exactly."""
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    cmd = [torchrun, "--nproc_per_node", "2", "--master_port", str(29800 + os.getpid() % 1000),
+           os.path.join(os.path.dirname(__file__), "engine_fsdp_worker.py"), str(tmp_path)]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2))
+    assert all(torch.equal(a, b) for a, b in zip(r0["trajectory"][-1], r1["trajectory"][-1]))
+    # one process, whole global batches of 32, rank 0's noise
+    torch.manual_seed(0)
+    model = MLP()
+    kw = {k: v for k, v in IVON_KW.items() if k != "weight_decay"}
+    opt = VariationalIVON(_groups(model, IVON_KW["weight_decay"]), noise_seed=4, **kw)
+    x, y = _data(2 * FSDP_STEPS, batch=32)
+    for step in range(FSDP_STEPS):
+        for k in range(2):
+            with opt.sampled_params(train=True):
+                opt.zero_grad()
+                F.cross_entropy(model(x[2 * step + k]), y[2 * step + k]).backward()
+        opt.step()
+        params, hess = r0["trajectory"][step]
+        torch.testing.assert_close(params, _flat(model.parameters()), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(hess, opt.hessian(), atol=1e-5, rtol=1e-5)
+    assert (opt.hessian() - IVON_KW["hess_init"]).abs().max() > 1e-2
+    assert r0["resumed_step"] == FSDP_STEPS
+    for (p, h), (q, g) in zip(r0["resumed"], r0["trajectory"][FSDP_STEPS // 2:]):
+        assert torch.equal(p, q) and torch.equal(h, g)

@@ -98,7 +98,7 @@ def test_resume_is_exact(tmp_path):
     assert torch.equal(full.ivon.hessian(), resumed.ivon.hessian())
     assert resumed.ivon.current_step == full.ivon.current_step == 8
     ckpt = torch.load(tmp_path / "half" / "checkpoint-4" / "optimizer.pt", weights_only=True)
-    assert ckpt["current_step"] == 4
+    assert ckpt["param_groups"][0]["current_step"] == 4
     assert set(ckpt["state"]) == {0, 1, 2, 3} and set(ckpt["state"][0]) == {"momentum", "hess"}  # per parameter
 
 
@@ -212,7 +212,7 @@ def test_best_model_reload_brings_its_posterior(tmp_path):
     best = trainer.state.best_model_checkpoint
     saved = torch.load(os.path.join(best, "optimizer.pt"), weights_only=True)
     assert torch.equal(trainer.ivon.hessian(), torch.cat([saved["state"][i]["hess"].flatten() for i in range(4)]))
-    assert trainer.ivon.current_step == saved["current_step"]
+    assert trainer.ivon.current_step == saved["param_groups"][0]["current_step"]
 
 
 def test_hessian_diagnostics_logged_and_stuck_hessian_warned(tmp_path, caplog):

@@ -29,6 +29,12 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+try:
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+except ImportError:  # a torch build without distributed support has no sharded parameters
+    DTensor = ()
+
 __all__ = ["VariationalIVON", "derive_seed", "unwrap_ivon"]
 
 _MASK = (1 << 63) - 1
@@ -43,6 +49,11 @@ def derive_seed(*keys: int) -> int:
         state = state * 0x94D049BB133111EB & 0xFFFFFFFFFFFFFFFF
         state ^= state >> 29
     return state & _MASK
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor this process holds: a DTensor's (e.g. an FSDP2 parameter's) local shard, else the tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _buckets(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
@@ -129,6 +140,9 @@ class VariationalIVON(torch.optim.Optimizer):
         for p in group["params"]:
             if not p.is_floating_point():
                 raise ValueError(f"IVON needs floating-point parameters, got one of dtype {p.dtype}.")
+            if self.sync and isinstance(p, DTensor):
+                raise ValueError("sync=True averages whole gradients over the ranks, but this parameter is sharded "
+                                 "(a DTensor, e.g. under FSDP2), whose gradients are already averaged: use sync=False.")
             self.state[p]["momentum"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             self.state[p]["hess"] = torch.full_like(p, group["hess_init"], memory_format=torch.preserve_format)
 
@@ -139,7 +153,7 @@ class VariationalIVON(torch.optim.Optimizer):
             if slots.get(name) is None:
                 # the noise buffer is filled by one draw per parameter: contiguous, so the draw is layout-independent
                 layout = torch.contiguous_format if name == "noise" else torch.preserve_format
-                slots[name] = torch.empty_like(p, memory_format=layout)
+                slots[name] = torch.empty_like(_local(p), memory_format=layout)
             out.append(slots[name])
         return out
 
@@ -149,7 +163,7 @@ class VariationalIVON(torch.optim.Optimizer):
         stale = [p for p in params if self._std_wd.get(p) != wd or self._buffers.get(p, {}).get("std") is None]
         if stale:
             std = self._buffer(stale, "std")
-            torch._foreach_copy_(std, [self.state[p]["hess"] for p in stale])
+            torch._foreach_copy_(std, [_local(self.state[p]["hess"]) for p in stale])
             torch._foreach_add_(std, wd)
             torch._foreach_sqrt_(std)
             self._std_wd.update((p, wd) for p in stale)
@@ -157,17 +171,27 @@ class VariationalIVON(torch.optim.Optimizer):
 
     # -- sampling ----------------------------------------------------------------------------------
     def _draw_noise(self, params: list[torch.Tensor], indices: list[int]) -> list[torch.Tensor]:
-        """Standard normal e per parameter, counter-based: one seed per (seed, rank, step, draw, parameter index)."""
+        """Standard normal e per parameter, counter-based: one seed per (seed, rank, step, draw, parameter index).
+
+        A sharded (DTensor) parameter is drawn whole, with rank 0's seed on every rank, and each rank keeps its
+        shard: the shards form one global draw, as in a one-process run.
+        """
         noises = self._buffer(params, "noise")
         for e, p, index in zip(noises, params, indices):
             if self.noise_seed is None:
                 e.normal_()
                 continue
-            gen = self._generators.get(p.device)
+            gen = self._generators.get(e.device)
             if gen is None:
-                gen = self._generators[p.device] = torch.Generator(device=p.device)
-            gen.manual_seed(derive_seed(self.noise_seed, self.rank, self.current_step, self._draws_since_step, index))
-            e.normal_(generator=gen)
+                gen = self._generators[e.device] = torch.Generator(device=e.device)
+            rank = 0 if isinstance(p, DTensor) else self.rank
+            gen.manual_seed(derive_seed(self.noise_seed, rank, self.current_step, self._draws_since_step, index))
+            if isinstance(p, DTensor):
+                full = torch.empty(p.shape, dtype=e.dtype, device=e.device).normal_(generator=gen)
+                shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+                e.copy_(full[tuple(slice(o, o + n) for o, n in zip(offset, shape))])
+            else:
+                e.normal_(generator=gen)
         return noises
 
     @torch.no_grad()
@@ -177,11 +201,12 @@ class VariationalIVON(torch.optim.Optimizer):
             indices = {p: index + i for i, p in enumerate(group["params"])}
             index += len(group["params"])
             for params in _buckets(group["params"]):
-                torch._foreach_copy_(self._buffer(params, "mean"), params)
+                torch._foreach_copy_(self._buffer(params, "mean"), [_local(p) for p in params])
                 self._perturbed.append(params)
                 noise = self._draw_noise(params, [indices[p] for p in params])
                 # θ = m + σ⊙e with σ = 1/sqrt(ess (h + δ))
-                torch._foreach_addcdiv_(params, noise, self._std(group, params), value=group["ess"] ** -0.5)
+                torch._foreach_addcdiv_([_local(p) for p in params], noise, self._std(group, params),
+                                        value=group["ess"] ** -0.5)
         self._draws_since_step += 1
 
     @torch.no_grad()
@@ -189,7 +214,7 @@ class VariationalIVON(torch.optim.Optimizer):
         """Mean weights back into the parameters; with `train`, the gradients folded into the running averages."""
         perturbed, self._perturbed = self._perturbed, []
         for bucket in perturbed:
-            torch._foreach_copy_(bucket, self._buffer(bucket, "mean"))
+            torch._foreach_copy_([_local(p) for p in bucket], self._buffer(bucket, "mean"))
         if not train:
             return
         if any(p.grad is not None and p.grad.is_sparse for bucket in perturbed for p in bucket):
@@ -197,7 +222,8 @@ class VariationalIVON(torch.optim.Optimizer):
         count = self._count + 1
         for bucket in perturbed:
             # a trainable parameter the loss did not reach has gradient zero (ivon-opt issue #2)
-            grads = [p.grad if p.grad is not None and p.requires_grad else torch.zeros_like(p) for p in bucket]
+            grads = [_local(p.grad) if p.grad is not None and p.requires_grad else torch.zeros_like(_local(p))
+                     for p in bucket]
             nxg = self._buffer(bucket, "noise")
             torch._foreach_mul_(nxg, grads)  # e⊙g
             if count == 1:
@@ -281,8 +307,8 @@ class VariationalIVON(torch.optim.Optimizer):
 
     def _update(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
         b1, b2, wd, ess = group["beta1"], group["beta2"], group["weight_decay"], group["ess"]
-        momentum = [self.state[p]["momentum"] for p in params]
-        hess = [self.state[p]["hess"] for p in params]
+        momentum = [_local(self.state[p]["momentum"]) for p in params]
+        hess = [_local(self.state[p]["hess"]) for p in params]
         grad, nxg, std = self._buffer(params, "avg_grad"), self._buffer(params, "avg_nxg"), self._std(group, params)
         # m ← β1 m + (1-β1) ḡ
         torch._foreach_lerp_(momentum, grad, 1.0 - b1)
@@ -301,7 +327,7 @@ class VariationalIVON(torch.optim.Optimizer):
             self._std_wd.pop(p, None)
         torch._foreach_copy_(hess_wd, hess)
         torch._foreach_add_(hess_wd, wd)
-        self._update_mean(group, params, momentum, grad, hess_wd)
+        self._update_mean(group, [_local(p) for p in params], momentum, grad, hess_wd)
         torch._foreach_sqrt_(std)
         self._std_wd.update((p, wd) for p in params)
 
@@ -333,28 +359,38 @@ class VariationalIVON(torch.optim.Optimizer):
                 for p in g["params"]]
 
     def hessian(self) -> torch.Tensor:
-        """All parameters' h, flattened in `param_groups` order, on the first parameter's device."""
-        hess = [self.state[p]["hess"].flatten() for g in self.param_groups for p in g["params"]]
+        """All parameters' h, flattened in `param_groups` order, on the first parameter's device (sharded
+        parameters are gathered whole: a collective, which every rank must call)."""
+        hess = [self.state[p]["hess"] for g in self.param_groups for p in g["params"]]
+        hess = [(h.full_tensor() if isinstance(h, DTensor) else h).flatten() for h in hess]
         return torch.cat([h.to(hess[0].device) for h in hess]) if hess else torch.zeros(0)
 
     # -- checkpointing -----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         if self._sampling:
             raise RuntimeError("state_dict() inside sampled_params(): the parameters hold a sample, not the mean.")
-        return {**super().state_dict(), "current_step": self.current_step}
+        state_dict = super().state_dict()
+        # in every param group, since torch.distributed.checkpoint keeps only "state" and "param_groups"
+        for group in state_dict["param_groups"]:
+            group["current_step"] = self.current_step
+        return state_dict
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Loads a checkpoint of this class, or of the earlier ivon-opt based one (flat `hess`/`momentum` per group)."""
-        state_dict = dict(state_dict)
-        step = state_dict.pop("current_step", None)
         if "count" in state_dict["state"] or any("hess" in g for g in state_dict["param_groups"]):
             state_dict, step = self._from_flat_checkpoint(state_dict)
+        else:
+            step = state_dict["param_groups"][0].get("current_step") if state_dict["param_groups"] else None
         super().load_state_dict(state_dict)
+        for group in self.param_groups:
+            group.pop("current_step", None)
         # the engine updates its state in place: own copies, laid out like the parameters, leave the input untouched
         for group in self.param_groups:
             for p in group["params"]:
                 for key in ("momentum", "hess"):
-                    self.state[p][key] = torch.empty_like(p).copy_(self.state[p][key])
+                    own = torch.empty_like(p)
+                    _local(own).copy_(_local(self.state[p][key]))
+                    self.state[p][key] = own
         if step is not None:
             self.current_step = int(step)
         self._draws_since_step = 0
