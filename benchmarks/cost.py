@@ -82,6 +82,7 @@ def state_bytes(opt) -> int:
 
     inner = getattr(opt, "optimizer", opt)
     visit(inner.state)
+    visit(getattr(inner, "_buffers", {}))  # VariationalIVON's reused scratch: mean, noise, averages, sqrt(h + δ)
     for g in inner.param_groups:  # ivon-opt keeps hess/momentum/param averages in the param groups
         visit({k: v for k, v in g.items() if k != "params"})
     return total

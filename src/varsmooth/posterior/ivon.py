@@ -13,6 +13,9 @@ vectors at every sample and step and reassigns `p.data`:
 * counter-based noise: parameter i of draw d after optimizer step t on process r is a standard normal from a
   generator seeded by `derive_seed(noise_seed, r, t, d, i)`, so training is reproducible, resumes exactly without
   touching the global RNG, DDP ranks draw independent samples, and each parameter's draw can be regenerated alone;
+* parameters sharded as DTensors (FSDP2's `fully_shard`): each rank samples and updates its local shard, and a
+  parameter's noise is drawn whole and sliced, so the shards form one draw (FSDP2 has averaged the gradients:
+  `sync` stays off); the state is sharded like the parameters and saves through `torch.distributed.checkpoint`;
 * `sampled_params` restores the mean weights if the body raises (the sample is then not recorded), and treats a
   trainable parameter that got no gradient as a zero gradient instead of crashing (ivon-opt issue #2).
 """
@@ -377,6 +380,8 @@ class VariationalIVON(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Loads a checkpoint of this class, or of the earlier ivon-opt based one (flat `hess`/`momentum` per group)."""
+        if self._sampling:
+            raise RuntimeError("load_state_dict() inside sampled_params(): load between optimizer steps.")
         if "count" in state_dict["state"] or any("hess" in g for g in state_dict["param_groups"]):
             state_dict, step = self._from_flat_checkpoint(state_dict)
         else:
