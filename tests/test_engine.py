@@ -291,3 +291,4 @@ def test_fsdp2_shards_match_one_process_and_resume_from_dcp(tmp_path):
     assert r0["resumed_step"] == FSDP_STEPS
     for (p, h), (q, g) in zip(r0["resumed"], r0["trajectory"][FSDP_STEPS // 2:]):
         assert torch.equal(p, q) and torch.equal(h, g)
+

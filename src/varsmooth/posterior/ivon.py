@@ -123,8 +123,9 @@ class VariationalIVON(torch.optim.Optimizer):
         self._perturbed: list[list[torch.Tensor]] = []  # buckets whose weights hold a sample (mean saved)
         # Per-parameter scratch, allocated once and reused, since fresh parameter-sized tensors cost page faults
         # on the CPU at every step: "mean" (m while the parameter holds θ), "noise" (e, then e⊙g), "avg_nxg"
-        # (mean of e⊙g; shares the noise buffer after the first sample), "avg_grad" (ḡ) and "std" (sqrt(h + δ),
-        # refreshed when h changes, so that a sample costs one draw and three passes).
+        # (mean of e⊙g; shares the noise buffer after the first sample), "avg_grad" (ḡ; a copy, since the Trainer
+        # rescales gradients in place between the sample and the step, by 1.0 when it only measures their norm)
+        # and "std" (sqrt(h + δ), refreshed when h changes, so that a sample costs one draw and three passes).
         self._buffers: dict[torch.Tensor, dict[str, torch.Tensor | None]] = {}
         self._std_wd: dict[torch.Tensor, float] = {}  # the δ each "std" buffer was computed with
         self._generators: dict[torch.device, torch.Generator] = {}
@@ -166,8 +167,8 @@ class VariationalIVON(torch.optim.Optimizer):
         stale = [p for p in params if self._std_wd.get(p) != wd or self._buffers.get(p, {}).get("std") is None]
         if stale:
             std = self._buffer(stale, "std")
-            torch._foreach_copy_(std, [_local(self.state[p]["hess"]) for p in stale])
-            torch._foreach_add_(std, wd)
+            for out, p in zip(std, stale):
+                torch.add(_local(self.state[p]["hess"]), wd, out=out)
             torch._foreach_sqrt_(std)
             self._std_wd.update((p, wd) for p in stale)
         return self._buffer(params, "std")
@@ -328,29 +329,27 @@ class VariationalIVON(torch.optim.Optimizer):
         hess_wd = std
         for p in params:  # stale until the sqrt below
             self._std_wd.pop(p, None)
-        torch._foreach_copy_(hess_wd, hess)
-        torch._foreach_add_(hess_wd, wd)
-        self._update_mean(group, [_local(p) for p in params], momentum, grad, hess_wd)
+        for out, h in zip(hess_wd, hess):
+            torch.add(h, wd, out=out)
+        self._update_mean(group, [_local(p) for p in params], momentum, nxg, hess_wd)
         torch._foreach_sqrt_(std)
         self._std_wd.update((p, wd) for p in params)
 
     def _update_mean(self, group: dict[str, Any], params: list[torch.Tensor], momentum: list[torch.Tensor],
-                     grad: list[torch.Tensor], hess_wd: list[torch.Tensor]) -> None:
+                     scratch: list[torch.Tensor], hess_wd: list[torch.Tensor]) -> None:
         wd = group["weight_decay"]
         # m ← m - lr' clip((m̂ + δ m)/(h + δ), ±r), with m̂ the debiased momentum and lr' = lr (h0 + δ) if rescaled
         debias = 1.0 - group["beta1"] ** self.current_step if self.debias else 1.0
         lr = group["lr"] * (group["hess_init"] + wd) if self.rescale_lr else group["lr"]
-        if math.isinf(group["clip_radius"]):  # no clipping: two fused passes, p(1 - lr δ/(h+δ)) - (lr/debias) m/(h+δ)
-            if wd:
-                torch._foreach_addcdiv_(params, params, hess_wd, value=-lr * wd)
-            torch._foreach_addcdiv_(params, momentum, hess_wd, value=-lr / debias)
+        # (m̂ + δ m) debias = m + δ debias m, in a free buffer; one pass per parameter (foreach has no `out=`)
+        direction = scratch
+        for out, mom, p in zip(direction, momentum, params):
+            torch.add(mom, p, alpha=wd * debias, out=out)
+        if math.isinf(group["clip_radius"]):
+            torch._foreach_addcdiv_(params, direction, hess_wd, value=-lr / debias)
             return
-        direction = grad  # ḡ is consumed: its buffer holds the step direction
-        torch._foreach_copy_(direction, momentum)
-        torch._foreach_div_(direction, debias)
-        if wd:
-            torch._foreach_add_(direction, params, alpha=wd)
         torch._foreach_div_(direction, hess_wd)
+        torch._foreach_div_(direction, debias)
         torch._foreach_clamp_min_(direction, -group["clip_radius"])
         torch._foreach_clamp_max_(direction, group["clip_radius"])
         torch._foreach_add_(params, direction, alpha=-lr)
