@@ -12,11 +12,13 @@ Data: MNIST 9k subset, small CNN, batch 64 (random inputs of the same shape if M
 
     OMP_NUM_THREADS=1 python benchmarks/cost.py                 # ~6-8 min on one core
     OMP_NUM_THREADS=1 python benchmarks/cost.py --rounds 2 --steps 20 --eval-size 1000   # smoke
+    OMP_NUM_THREADS=1 python benchmarks/cost.py --engine --rounds 5 --steps 12 --skip 2  # IVON engine vs AdamW (engine.md)
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import random
 import resource
@@ -80,6 +82,7 @@ def state_bytes(opt) -> int:
 
     inner = getattr(opt, "optimizer", opt)
     visit(inner.state)
+    visit(getattr(inner, "_buffers", {}))  # VariationalIVON's reused scratch: mean, noise, averages, sqrt(h + δ)
     for g in inner.param_groups:  # ivon-opt keeps hess/momentum/param averages in the param groups
         visit({k: v for k, v in g.items() if k != "params"})
     return total
@@ -222,6 +225,201 @@ def memory(steps: int) -> dict:
     return out
 
 
+# -- the IVON engine against AdamW on larger models (`--engine`, issue 20) ------------------------------------------
+ENGINE_MODELS = ("mlp_8.4M", "vit_small")
+ENGINE_BATCH = {"mlp_8.4M": 128, "vit_small": 32}
+ENGINE_IVON_KW = dict(lr=0.1, ess=1e4, hess_init=0.5, beta1=0.9, beta2=0.99999, weight_decay=1e-4)
+
+
+class _MLP(torch.nn.Module):
+    """8 × Linear(1024, 1024) with ReLUs: 8.4 M parameters, 1024 classes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        layers = [m for _ in range(7) for m in (torch.nn.Linear(1024, 1024), torch.nn.ReLU())]
+        self.net = torch.nn.Sequential(*layers, torch.nn.Linear(1024, 1024))
+
+    def forward(self, pixel_values, labels=None):  # noqa: ANN001
+        from transformers.modeling_outputs import SequenceClassifierOutput
+
+        return SequenceClassifierOutput(logits=self.net(pixel_values))
+
+
+def engine_model(name: str) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
+    """A model and one fixed batch: the 8.4 M MLP, or ViT-small's shape (hidden 384, 12 layers, 6 heads, MLP 1536)
+    on 32×32 images in 8×8 patches (16 tokens, so that a step fits a shared core; the optimizer cost is that of
+    ViT-small's 21 M weights regardless of the image size)."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    batch = ENGINE_BATCH[name]
+    if name == "mlp_8.4M":
+        return _MLP(), torch.randn(batch, 1024, generator=g), torch.randint(0, 1024, (batch,), generator=g)
+    from transformers import ViTConfig, ViTForImageClassification
+
+    config = ViTConfig(hidden_size=384, num_hidden_layers=12, num_attention_heads=6, intermediate_size=1536,
+                       image_size=32, patch_size=8, num_labels=10)
+    return (ViTForImageClassification(config), torch.randn(batch, 3, 32, 32, generator=g),
+            torch.randint(0, 10, (batch,), generator=g))
+
+
+def _engine_optimizer(kind: str, params: list) -> torch.optim.Optimizer:
+    import ivon
+
+    from varsmooth import VariationalIVON
+
+    if kind == "adamw_foreach":
+        return torch.optim.AdamW(params, lr=1e-3, foreach=True)
+    if kind == "ivon_engine":
+        return VariationalIVON(params, noise_seed=0, **ENGINE_IVON_KW)
+    return ivon.IVON(params, **ENGINE_IVON_KW)  # ivon-opt 0.1.3, the engine's predecessor and reference
+
+
+def _optimizer_step_s(kind: str, opt, reps: int) -> float:
+    """Median time of one optimizer step (IVON: one sample with its restore, and the step) on fixed gradients."""
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        if kind != "adamw_foreach":
+            with opt.sampled_params(train=True):
+                pass
+        opt.step()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def engine_timing(rounds: int, steps: int, skip: int, reps: int) -> dict:
+    """Per model, interleaved rounds (random order per round) of (1) the optimizer alone and (2) whole training steps
+    in VariationalTrainer: IVON (the engine) vs AdamW(foreach=True) given to the same trainer."""
+    from varsmooth import VariationalTrainer, VariationalTrainingArguments
+
+    rng = random.Random(0)
+    out = {}
+    for name in ENGINE_MODELS:
+        model, x, y = engine_model(name)
+        ds = common.ArrayDataset(x.repeat(4, *[1] * (x.dim() - 1)).numpy(), y.repeat(4).numpy())
+        opt_models = {k: copy.deepcopy(model) for k in ("adamw_foreach", "ivon_engine", "ivon_opt")}
+        opts = {}
+        for k, m in opt_models.items():
+            for p in m.parameters():
+                p.grad = torch.randn_like(p) * 1e-3
+            opts[k] = _engine_optimizer(k, list(m.parameters()))
+            _optimizer_step_s(k, opts[k], 1)  # warm-up: state and buffers allocated
+        per_round = []
+        with tempfile.TemporaryDirectory() as tmp:
+            for r in range(rounds):
+                jobs = ["opt:adamw_foreach", "opt:ivon_engine", "opt:ivon_opt", "train:ivon", "train:adamw_foreach"]
+                rng.shuffle(jobs)
+                times = {}
+                for job in jobs:
+                    what, kind = job.split(":")
+                    if what == "opt":
+                        times[job] = _optimizer_step_s(kind, opts[kind], reps if kind != "ivon_opt" else 2)
+                        continue
+                    m = copy.deepcopy(model)
+                    cfg = dict(method="ivon", ess=1e4) if kind == "ivon" else dict(method="erm")
+                    args = VariationalTrainingArguments(
+                        output_dir=tmp, max_steps=steps, per_device_train_batch_size=ENGINE_BATCH[name], use_cpu=True,
+                        report_to=[], save_strategy="no", eval_strategy="no", logging_strategy="no", disable_tqdm=True,
+                        dataloader_num_workers=0, seed=r, max_grad_norm=0.0, **cfg)
+                    optimizers = (torch.optim.AdamW(m.parameters(), lr=1e-4, foreach=True), None) if kind != "ivon" else (None, None)
+                    clock = StepClock()
+                    trainer = VariationalTrainer(model=m, args=args, train_dataset=ds, callbacks=[clock], optimizers=optimizers)
+                    trainer.remove_callback(PrinterCallback)
+                    trainer.train()
+                    times[job] = block_time(clock.ends, skip)
+                per_round.append(times)
+                print(f"{name} round {r}: " + "  ".join(f"{k} {1e3 * v:.0f}ms" for k, v in sorted(times.items())), flush=True)
+        ratios = {}
+        for num, den in (("opt:ivon_engine", "opt:adamw_foreach"), ("opt:ivon_opt", "opt:adamw_foreach"),
+                         ("train:ivon", "train:adamw_foreach")):
+            v = [t[num] / t[den] for t in per_round]
+            ratios[f"{num} / {den}"] = {"median": statistics.median(v), "min": min(v), "max": max(v)}
+        out[name] = {"parameters": sum(p.numel() for p in model.parameters()), "batch_size": ENGINE_BATCH[name],
+                     "ms_median": {k: 1e3 * statistics.median([t[k] for t in per_round]) for k in per_round[0]},
+                     "ratios": ratios, "per_round_s": per_round}
+    return out
+
+
+def engine_memory_child(name: str, kind: str, steps: int) -> None:
+    """Fresh process: peak resident-memory growth of `steps` hand-written training steps (sampled every 0.5 ms),
+    from the model and its batch alone, so it holds gradients, activations, optimizer state and its temporaries."""
+    import threading
+
+    model, x, y = engine_model(name)
+    params = list(model.parameters())
+    before = _rss_bytes()
+    peak = [before]
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], _rss_bytes())
+            time.sleep(0.0005)
+
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    opt = _engine_optimizer(kind, params)
+    loss_fn = torch.nn.functional.cross_entropy
+    for _ in range(steps):
+        if kind == "adamw_foreach":
+            opt.zero_grad(set_to_none=True)
+            loss_fn(model(pixel_values=x).logits, y).backward()
+        else:
+            with opt.sampled_params(train=True):
+                opt.zero_grad(set_to_none=True)
+                loss_fn(model(pixel_values=x).logits, y).backward()
+        opt.step()
+    done.set()
+    thread.join()
+    print(json.dumps({"peak_rss_growth_bytes": peak[0] - before, "param_bytes": sum(p.numel() * p.element_size() for p in params)}))
+
+
+def engine_memory(steps: int) -> dict:
+    out = {}
+    for name in ENGINE_MODELS:
+        for kind in ("adamw_foreach", "ivon_engine"):
+            proc = subprocess.run([sys.executable, __file__, "--_engine-memory-child", f"{name}:{kind}", "--steps", str(steps)],
+                                  capture_output=True, text=True, check=True)
+            out[f"{name}:{kind}"] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return out
+
+
+def engine_report(rounds: int, steps: int, skip: int) -> dict:
+    """`--engine`: benchmarks/results/cost/engine.{json,md}."""
+    import platform
+
+    timing = engine_timing(rounds, steps, skip, reps=5)
+    mem = engine_memory(3)
+    result = {"device": "cpu", "threads": 1, "cpu": platform.processor() or platform.machine(), "rounds": rounds,
+              "trainer_steps_per_block": steps, "models": timing, "memory": mem, "ivon_settings": ENGINE_IVON_KW,
+              "versions": common._versions(),
+              "note": "Shared 2-core machine: rounds interleaved in random order; ratios within a round are the result."}
+    common.write_json(OUT_DIR / "engine.json", result)
+    L = ["# IVON engine vs AdamW (CPU, one thread)", "",
+         f"{rounds} interleaved rounds; ratios median [min–max] over rounds. Optimizer alone: 5 steps per round on fixed "
+         "gradients (IVON: one sample with its restore, then the step; ivon-opt: 2 steps). Whole step: "
+         f"VariationalTrainer, median step time of {steps} steps after {skip}, IVON vs AdamW(foreach=True) passed to "
+         "the same trainer.", "",
+         "| model | parameters | batch | IVON engine ÷ AdamW, optimizer | ivon-opt ÷ AdamW, optimizer | "
+         "IVON ÷ AdamW, whole training step | AdamW step ms | AdamW training step ms |", "|---|---|---|---|---|---|---|---|"]
+    for name, v in timing.items():
+        r = v["ratios"]
+        cell = lambda k: f"**{r[k]['median']:.2f}** [{r[k]['min']:.2f}–{r[k]['max']:.2f}]"  # noqa: E731
+        L.append(f"| {name} | {v['parameters'] / 1e6:.1f} M | {v['batch_size']} | {cell('opt:ivon_engine / opt:adamw_foreach')} | "
+                 f"{cell('opt:ivon_opt / opt:adamw_foreach')} | {cell('train:ivon / train:adamw_foreach')} | "
+                 f"{v['ms_median']['opt:adamw_foreach']:.0f} | {v['ms_median']['train:adamw_foreach']:.0f} |")
+    L += ["", "| peak memory growth, 3 hand-written steps (process RSS) | AdamW | IVON engine | IVON − AdamW, in parameter sizes |",
+          "|---|---|---|---|"]
+    for name in ENGINE_MODELS:
+        a, i = mem[f"{name}:adamw_foreach"], mem[f"{name}:ivon_engine"]
+        L.append(f"| {name} | {a['peak_rss_growth_bytes'] / 2**20:.0f} MiB | {i['peak_rss_growth_bytes'] / 2**20:.0f} MiB | "
+                 f"{(i['peak_rss_growth_bytes'] - a['peak_rss_growth_bytes']) / a['param_bytes']:+.1f} |")
+    L += ["", result["note"], "", "Rerun: `OMP_NUM_THREADS=1 python benchmarks/cost.py --engine`", ""]
+    (OUT_DIR / "engine.md").write_text("\n".join(L))
+    print("\n".join(L))
+    return result
+
+
 def main(argv: list[str] | None = None) -> dict | None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=6)
@@ -230,8 +428,15 @@ def main(argv: list[str] | None = None) -> dict | None:
     p.add_argument("--eval-size", type=int, default=2000)
     p.add_argument("--samples", default="8,32")
     p.add_argument("--_memory-child", dest="memory_child", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--engine", action="store_true", help="IVON engine vs AdamW on an 8.4 M MLP and ViT-small (engine.md)")
+    p.add_argument("--_engine-memory-child", dest="engine_memory_child", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     torch.set_num_threads(1)
+    if a.engine_memory_child:
+        engine_memory_child(*a.engine_memory_child.split(":"), a.steps)
+        return None
+    if a.engine:
+        return engine_report(a.rounds, a.steps, a.skip)
     if a.memory_child:
         memory_child(a.memory_child, a.steps)
         return None

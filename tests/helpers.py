@@ -59,21 +59,51 @@ def make_args(tmp_path, **kw) -> VariationalTrainingArguments:
     return VariationalTrainingArguments(**defaults)
 
 
+class SeededIVON(ivon.IVON):
+    """ivon-opt's `IVON`, unchanged except for its Gaussian draw: parameter i of draw d after step t on rank r is
+    `randn` from a generator seeded by derive_seed(seed, r, t, d, i), the noise VariationalIVON documents."""
+
+    def __init__(self, params, *, seed: int = 0, rank: int = 0, **kwargs):
+        super().__init__(params, **kwargs)
+        self.seed, self.rank, self.draws = seed, rank, 0
+
+    def _sample_params(self):
+        noise_samples, param_avgs, index = [], [], 0
+        for group in self.param_groups:
+            e = []
+            for p in group["params"]:
+                gen = torch.Generator(p.device).manual_seed(derive_seed(self.seed, self.rank, self.current_step, self.draws, index))
+                e.append(torch.randn(p.shape, generator=gen, dtype=p.dtype, device=p.device).flatten())
+                index += 1
+            noise = torch.cat(e) / (group["ess"] * (group["hess"] + group["weight_decay"])).sqrt()
+            noise_samples.append(noise)
+            offset = 0
+            for p in group["params"]:
+                param_avgs.append(p.data.flatten())
+                p.data = (p.data.flatten() + noise[offset:offset + p.numel()]).view(p.shape)
+                offset += p.numel()
+        self.draws += 1
+        return torch.cat(param_avgs), torch.cat(noise_samples)
+
+    def step(self, closure=None):
+        loss = super().step(closure)
+        self.draws = 0
+        return loss
+
+
 def reference_ivon_loop(model, batches_per_step, steps, *, lr, ess, hess_init, beta1, beta2, wd, seed, mc_samples=1,
                         clip_norm=0.0, rank=0, loss_scale=1.0):
-    """The ivon-opt README loop, written out by hand, with the noise seeded as VariationalIVON seeds it.
+    """The ivon-opt README loop, written out by hand, with the noise drawn as VariationalIVON draws it.
 
     `batches_per_step(step)` returns the micro-batches [(x, y), ...] of that optimizer step.
     """
     model = copy.deepcopy(model)
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = ivon.IVON(params, lr=lr, ess=ess, hess_init=hess_init, beta1=beta1, beta2=beta2, weight_decay=wd)
+    opt = SeededIVON(params, seed=seed, rank=rank, lr=lr, ess=ess, hess_init=hess_init, beta1=beta1, beta2=beta2,
+                     weight_decay=wd)
     for step in range(steps):
-        draw = 0
         for x, y in batches_per_step(step):
             for _ in range(mc_samples):
-                torch.manual_seed(derive_seed(seed, rank, step, draw))
-                draw += 1
                 with opt.sampled_params(train=True):
                     opt.zero_grad()
                     loss = F.cross_entropy(model(x).logits, y)  # micro-batch mean, no 1/GA

@@ -14,11 +14,9 @@ import sys
 import pytest
 import torch
 
-import ivon
 import torch.nn.functional as F
 
-from helpers import TinyClassifier, digits_dataset
-from varsmooth.posterior import derive_seed
+from helpers import SeededIVON, TinyClassifier, digits_dataset
 
 pytestmark = pytest.mark.slow
 
@@ -61,12 +59,12 @@ def test_ddp_replicas_identical_and_posterior_correct(tmp_path, grad_accum):
 def _reference_ddp(init, rank_batches, steps, grad_accum):
     """One process, one IVON: every (rank, micro-batch) is one MC sample with that rank's seeded noise."""
     model = copy.deepcopy(init)
-    opt = ivon.IVON(model.parameters(), lr=0.2, ess=256, hess_init=0.5, beta1=0.9, beta2=0.999, weight_decay=2e-4)
+    opt = SeededIVON(model.parameters(), seed=0, lr=0.2, ess=256, hess_init=0.5, beta1=0.9, beta2=0.999, weight_decay=2e-4)
     for step in range(steps):
         draws = {}
         for r, xb, yb in rank_batches(step):
-            torch.manual_seed(derive_seed(0, r, step, draws.get(r, 0)))
-            draws[r] = draws.get(r, 0) + 1
+            opt.rank, opt.draws = r, draws.get(r, 0)  # that rank's noise: its own counter of draws
+            draws[r] = opt.draws + 1
             with opt.sampled_params(train=True):
                 opt.zero_grad()
                 F.cross_entropy(model(xb).logits, yb).backward()

@@ -103,7 +103,7 @@ def test_posterior_std_is_ivon_formula(trained):
     trainer, _, _ = trained
     opt = trainer.ivon
     group = opt.param_groups[0]
-    expected = 1.0 / torch.sqrt(group["ess"] * (group["hess"] + group["weight_decay"]))
+    expected = 1.0 / torch.sqrt(group["ess"] * (opt.hessian() + group["weight_decay"]))
     got = torch.cat([s.flatten() for s in trainer.posterior().std.values()])
     torch.testing.assert_close(got, expected)
 

@@ -197,8 +197,9 @@ class VariationalTrainingArguments(TrainingArguments):
         super().__post_init__()
         if method_cls.uses_ivon and (self.fsdp or self.deepspeed):
             raise ValueError(
-                "IVON is not supported with FSDP or DeepSpeed (yet): it keeps all parameters in one flat vector and "
-                "replaces their storage, which clashes with sharded parameters. Use DDP (torchrun / accelerate launch "
+                "IVON is not supported with FSDP or DeepSpeed in VariationalTrainer (yet): the optimizer itself "
+                "(varsmooth.VariationalIVON) trains FSDP2-sharded parameters in a hand-written loop, but the trainer's "
+                "sampling, gradient sync and posterior export are not sharded. Use DDP (torchrun / accelerate launch "
                 "--multi_gpu) instead."
             )
 

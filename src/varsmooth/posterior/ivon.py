@@ -1,25 +1,42 @@
-"""IVON (ivon-opt) made safe for `transformers.Trainer`.
+"""varsmooth's IVON optimizer: ivon-opt's update, in place, with per-parameter state.
 
-ivon-opt 0.1.3 is used as is for the update (seed 000, Alg. 1); this subclass only fixes what a
-Trainer integration needs (research notes ivon.md §0):
+The update is that of ivon-opt 0.1.3 (Shen et al. 2024, "Variational Learning is Effective for Large Deep
+Networks", Alg. 1 with the 'price' Hessian estimate, debiasing and `rescale_lr`); ivon-opt stays the reference the
+tests compare against. What differs is the machinery, which in ivon-opt concatenates every parameter into fresh flat
+vectors at every sample and step and reassigns `p.data`:
 
-* `current_step` (the momentum debiasing counter) travels in `state_dict()`, and `hess`/`momentum`
-  are moved back to the parameters' device and dtype on load, so checkpoint resume is exact;
-* the weight noise comes from a dedicated generator seeded by (seed, rank, step, draw), so training is
-  reproducible, resumes exactly without touching the global RNG, and DDP ranks draw independent
-  samples (scheme (i) of ivon.md §4.2);
-* `sampled_params` restores the mean weights if the body raises, and treats a trainable parameter
-  that got no gradient as a zero gradient instead of crashing (ivon-opt issue #2).
+* per-parameter state (`momentum`, `hess` in `self.state[p]`), so parameters may live on any mix of devices and
+  dtypes, param groups keep their own lr / weight decay (prior precision) / ess, and checkpoints are ordinary
+  per-parameter optimizer state dicts (ivon-opt's flat-vector checkpoints are converted on load);
+* in-place `torch._foreach_*` arithmetic per (device, dtype) bucket; the mean weights wait in a buffer while the
+  parameters hold the sample, and are copied back (the parameter tensors are never replaced);
+* counter-based noise: parameter i of draw d after optimizer step t on process r is a standard normal from a
+  generator seeded by `derive_seed(noise_seed, r, t, d, i)`, so training is reproducible, resumes exactly without
+  touching the global RNG, DDP ranks draw independent samples, and each parameter's draw can be regenerated alone;
+* parameters sharded as DTensors (FSDP2's `fully_shard`): each rank samples and updates its local shard, and a
+  parameter's noise is drawn whole and sliced, so the shards form one draw (FSDP2 has averaged the gradients:
+  `sync` stays off); the state is sharded like the parameters and saves through `torch.distributed.checkpoint`;
+* `sampled_params` restores the mean weights if the body raises (the sample is then not recorded), and treats a
+  trainable parameter that got no gradient as a zero gradient instead of crashing (ivon-opt issue #2).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import math
+from collections import defaultdict
+from collections.abc import Callable, Iterator
 from typing import Any
 
-import ivon
 import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+try:
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+except ImportError:  # a torch build without distributed support has no sharded parameters
+    DTensor = ()
 
 __all__ = ["VariationalIVON", "derive_seed", "unwrap_ivon"]
 
@@ -37,123 +54,383 @@ def derive_seed(*keys: int) -> int:
     return state & _MASK
 
 
-class VariationalIVON(ivon.IVON):
-    """`ivon.IVON` with exact checkpointing, seeded noise and an exception-safe sampling context.
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor this process holds: a DTensor's (e.g. an FSDP2 parameter's) local shard, else the tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _buckets(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """`params` split by (device, dtype): `torch._foreach_*` fast paths need one of each per call."""
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
+    for p in params:
+        groups[(p.device, p.dtype)].append(p)
+    return list(groups.values())
+
+
+class VariationalIVON(torch.optim.Optimizer):
+    """IVON (Shen et al. 2024, Alg. 1) with per-parameter state, in-place updates and counter-based noise.
+
+    Use like ivon-opt: run forward and backward inside `with optimizer.sampled_params(train=True):` (once per MC
+    sample or micro-batch; the samples are averaged), then call `step()`.
 
     Args:
-        params: trainable parameters only (frozen ones would receive noise and weight decay).
-        noise_seed: base seed of the weight noise; `None` draws from the global torch RNG as ivon-opt does.
+        params: trainable parameters or param groups (a group may set its own lr, weight_decay, ess, hess_init,
+            beta1, beta2, clip_radius). Frozen parameters would receive noise and weight decay: leave them out.
+        lr, ess, hess_init, beta1, beta2, weight_decay, mc_samples, clip_radius, sync, debias, rescale_lr: as in
+            `ivon.IVON` (weight_decay is the prior precision δ; `sync` all-reduces the averaged gradient and the
+            Hessian estimate over the default process group in `step()`).
+        hess_approx: only 'price' (the reparameterisation estimate of ivon-opt's default) is implemented.
+        noise_seed: base seed of the weight noise; `None` draws from the global torch RNG.
         rank: process index, mixed into the noise seed so that DDP ranks are independent MC samples.
-        **kwargs: passed to `ivon.IVON` (lr, ess, hess_init, beta1, beta2, weight_decay, clip_radius, sync, ...).
     """
 
-    def __init__(self, params: Any, *, noise_seed: int | None = 0, rank: int = 0, **kwargs: Any) -> None:
-        super().__init__(params, **kwargs)
+    def __init__(
+        self,
+        params: Any,
+        lr: float,
+        ess: float,
+        hess_init: float = 1.0,
+        beta1: float = 0.9,
+        beta2: float = 0.99999,
+        weight_decay: float = 1e-4,
+        mc_samples: int = 1,
+        hess_approx: str = "price",
+        clip_radius: float = math.inf,
+        sync: bool = False,
+        debias: bool = True,
+        rescale_lr: bool = True,
+        *,
+        noise_seed: int | None = 0,
+        rank: int = 0,
+    ) -> None:
+        if hess_approx != "price":
+            raise ValueError(f"hess_approx={hess_approx!r} is not implemented; use 'price' (ivon-opt's default).")
+        if mc_samples < 1:
+            raise ValueError(f"mc_samples must be >= 1, got {mc_samples}.")
+        defaults = dict(lr=lr, mc_samples=mc_samples, beta1=beta1, beta2=beta2, weight_decay=weight_decay,
+                        hess_init=hess_init, ess=ess, clip_radius=clip_radius)
+        self.mc_samples = mc_samples
+        self.hess_approx = hess_approx
+        self.sync = sync
+        self.debias = debias
+        self.rescale_lr = rescale_lr
         self.noise_seed = noise_seed
         self.rank = rank
+        self.current_step = 0
         self._draws_since_step = 0
-        self._generator: torch.Generator | None = None
+        self._count = 0  # MC samples recorded since the last step
+        self._sampling = False
+        self._perturbed: list[list[torch.Tensor]] = []  # buckets whose weights hold a sample (mean saved)
+        # Per-parameter scratch, allocated once and reused, since fresh parameter-sized tensors cost page faults
+        # on the CPU at every step: "mean" (m while the parameter holds θ), "noise" (e, then e⊙g), "avg_nxg"
+        # (mean of e⊙g; shares the noise buffer after the first sample), "avg_grad" (ḡ; a copy, since the Trainer
+        # rescales gradients in place between the sample and the step, by 1.0 when it only measures their norm)
+        # and "std" (sqrt(h + δ), refreshed when h changes, so that a sample costs one draw and three passes).
+        self._buffers: dict[torch.Tensor, dict[str, torch.Tensor | None]] = {}
+        self._std_wd: dict[torch.Tensor, float] = {}  # the δ each "std" buffer was computed with
+        self._generators: dict[torch.device, torch.Generator] = {}
+        super().__init__(params, defaults)
 
-    # -- noise -------------------------------------------------------------------------------------
-    def _noise_generator(self) -> torch.Generator | None:
-        if self.noise_seed is None:
-            return None
-        if self._generator is None or self._generator.device != self._device:
-            self._generator = torch.Generator(device=self._device)
-        self._generator.manual_seed(
-            derive_seed(self.noise_seed, self.rank, self.current_step, self._draws_since_step)
-        )
-        return self._generator
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        for key, low, high in (("lr", 0.0, math.inf), ("weight_decay", 0.0, math.inf), ("beta1", 0.0, 1.0),
+                               ("beta2", 0.0, 1.0)):
+            if not low <= group[key] <= high:
+                raise ValueError(f"Invalid {key}: {group[key]} (must lie in [{low}, {high}]).")
+        for key in ("ess", "hess_init", "clip_radius"):
+            if not group[key] > 0:
+                raise ValueError(f"Invalid {key}: {group[key]} (must be > 0).")
+        for p in group["params"]:
+            if not p.is_floating_point():
+                raise ValueError(f"IVON needs floating-point parameters, got one of dtype {p.dtype}.")
+            if self.sync and isinstance(p, DTensor):
+                raise ValueError("sync=True averages whole gradients over the ranks, but this parameter is sharded "
+                                 "(a DTensor, e.g. under FSDP2), whose gradients are already averaged: use sync=False.")
+            self.state[p]["momentum"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            self.state[p]["hess"] = torch.full_like(p, group["hess_init"], memory_format=torch.preserve_format)
 
-    def _sample_params(self) -> tuple[torch.Tensor, torch.Tensor]:
-        generator = self._noise_generator()
-        self._draws_since_step += 1
-        if generator is None:
-            return super()._sample_params()
-        param_avgs, noises = [], []
+    def _buffer(self, params: list[torch.Tensor], name: str) -> list[torch.Tensor]:
+        out = []
+        for p in params:
+            slots = self._buffers.setdefault(p, {})
+            if slots.get(name) is None:
+                # the noise buffer is filled by one draw per parameter: contiguous, so the draw is layout-independent
+                layout = torch.contiguous_format if name == "noise" else torch.preserve_format
+                slots[name] = torch.empty_like(_local(p), memory_format=layout)
+            out.append(slots[name])
+        return out
+
+    def _std(self, group: dict[str, Any], params: list[torch.Tensor]) -> list[torch.Tensor]:
+        """sqrt(h + δ) per parameter (σ = that / sqrt(ess) inverted), recomputed only when h or δ changed."""
+        wd = group["weight_decay"]
+        stale = [p for p in params if self._std_wd.get(p) != wd or self._buffers.get(p, {}).get("std") is None]
+        if stale:
+            std = self._buffer(stale, "std")
+            for out, p in zip(std, stale):
+                torch.add(_local(self.state[p]["hess"]), wd, out=out)
+            torch._foreach_sqrt_(std)
+            self._std_wd.update((p, wd) for p in stale)
+        return self._buffer(params, "std")
+
+    # -- sampling ----------------------------------------------------------------------------------
+    def _draw_noise(self, params: list[torch.Tensor], indices: list[int]) -> list[torch.Tensor]:
+        """Standard normal e per parameter, counter-based: one seed per (seed, rank, step, draw, parameter index).
+
+        A sharded (DTensor) parameter is drawn whole, with rank 0's seed on every rank, and each rank keeps its
+        shard: the shards form one global draw, as in a one-process run.
+        """
+        noises = self._buffer(params, "noise")
+        for e, p, index in zip(noises, params, indices):
+            if self.noise_seed is None:
+                e.normal_()
+                continue
+            gen = self._generators.get(e.device)
+            if gen is None:
+                gen = self._generators[e.device] = torch.Generator(device=e.device)
+            rank = 0 if isinstance(p, DTensor) else self.rank
+            gen.manual_seed(derive_seed(self.noise_seed, rank, self.current_step, self._draws_since_step, index))
+            if isinstance(p, DTensor):
+                full = torch.empty(p.shape, dtype=e.dtype, device=e.device).normal_(generator=gen)
+                shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+                e.copy_(full[tuple(slice(o, o + n) for o, n in zip(offset, shape))])
+            else:
+                e.normal_(generator=gen)
+        return noises
+
+    @torch.no_grad()
+    def _sample_params(self) -> None:
+        index = 0
         for group in self.param_groups:
-            # same arithmetic as ivon-opt, so a run seeded like ours reproduces it bit for bit
-            noise = torch.randn(group["numel"], device=self._device, dtype=self._dtype, generator=generator) / (
-                group["ess"] * (group["hess"] + group["weight_decay"])
-            ).sqrt()
-            noises.append(noise)
-            offset = 0
-            for p in group["params"]:
-                flat = p.data.flatten()
-                param_avgs.append(flat)
-                p.data = (flat + noise[offset : offset + p.numel()]).view(p.shape)
-                offset += p.numel()
-        return torch.cat(param_avgs), torch.cat(noises)
+            indices = {p: index + i for i, p in enumerate(group["params"])}
+            index += len(group["params"])
+            for params in _buckets(group["params"]):
+                torch._foreach_copy_(self._buffer(params, "mean"), [_local(p) for p in params])
+                self._perturbed.append(params)
+                noise = self._draw_noise(params, [indices[p] for p in params])
+                # θ = m + σ⊙e with σ = 1/sqrt(ess (h + δ))
+                torch._foreach_addcdiv_([_local(p) for p in params], noise, self._std(group, params),
+                                        value=group["ess"] ** -0.5)
+        self._draws_since_step += 1
+
+    @torch.no_grad()
+    def _restore_param_average(self, train: bool) -> None:
+        """Mean weights back into the parameters; with `train`, the gradients folded into the running averages."""
+        perturbed, self._perturbed = self._perturbed, []
+        for bucket in perturbed:
+            torch._foreach_copy_([_local(p) for p in bucket], self._buffer(bucket, "mean"))
+        if not train:
+            return
+        if any(p.grad is not None and p.grad.is_sparse for bucket in perturbed for p in bucket):
+            raise RuntimeError("IVON does not support sparse gradients; use dense embeddings (sparse=False).")
+        count = self._count + 1
+        for bucket in perturbed:
+            # a trainable parameter the loss did not reach has gradient zero (ivon-opt issue #2)
+            grads = [_local(p.grad) if p.grad is not None and p.requires_grad else torch.zeros_like(_local(p))
+                     for p in bucket]
+            nxg = self._buffer(bucket, "noise")
+            torch._foreach_mul_(nxg, grads)  # e⊙g
+            if count == 1:
+                torch._foreach_copy_(self._buffer(bucket, "avg_grad"), grads)
+                for p in bucket:  # the product is the average: its buffer changes role, no copy
+                    slots = self._buffers[p]
+                    slots["avg_nxg"], slots["noise"] = slots["noise"], slots.get("avg_nxg")
+                continue
+            # Welford means over the samples of this step, as ivon-opt averages them
+            avg_nxg = self._buffer(bucket, "avg_nxg")
+            torch._foreach_sub_(nxg, avg_nxg)
+            torch._foreach_div_(nxg, count)
+            torch._foreach_add_(avg_nxg, nxg)
+            delta, avg_grad = nxg, self._buffer(bucket, "avg_grad")  # the noise buffer is free again
+            torch._foreach_copy_(delta, grads)
+            torch._foreach_sub_(delta, avg_grad)
+            torch._foreach_div_(delta, count)
+            torch._foreach_add_(avg_grad, delta)
+        self._count = count
 
     @contextlib.contextmanager
     def sampled_params(self, train: bool = False) -> Iterator[None]:
         """Weights set to one posterior sample θ = m + σ⊙e for the body, then back to m.
 
-        With `train=True` the gradients present at exit are recorded as one MC sample (seed 000, Alg. 1
-        lines 2-4): forward and backward must both run inside the body.
+        With `train=True` the gradients present at exit are recorded as one MC sample (Alg. 1 lines 2-4): forward
+        and backward must both run inside the body. If the body raises, the mean weights are restored and the
+        sample is not recorded.
         """
-        param_avg, noise = self._sample_params()
+        if self._sampling:
+            raise RuntimeError("sampled_params() is already active: IVON samples one set of weights at a time.")
+        self._sampling = True
         try:
-            yield
-        except BaseException:
-            self._restore_param_average(False, param_avg, noise)
-            raise
-        if train:
-            for group in self.param_groups:
-                for p in group["params"]:
-                    if p.grad is None:
-                        p.grad = torch.zeros_like(p)
-        self._restore_param_average(train, param_avg, noise)
+            try:
+                self._sample_params()
+                yield
+            except BaseException:
+                self._restore_param_average(False)
+                raise
+            self._restore_param_average(train)
+        finally:
+            self._sampling = False
 
-    def step(self, closure: Any = None) -> torch.Tensor | None:
-        if self.state["count"] == 0:
+    # -- update ------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor | None:
+        loss = None
+        if closure is not None:  # ivon-opt's contract: the closure samples, runs forward/backward, returns the loss
+            losses = []
+            for _ in range(self.mc_samples):
+                with torch.enable_grad():
+                    losses.append(closure())
+            loss = sum(losses) / self.mc_samples
+        if self._count == 0:
             raise RuntimeError(
                 "IVON.step() was called without any gradient sample: run forward and backward inside "
                 "`optimizer.sampled_params(train=True)` first."
             )
-        loss = super().step(closure)
+        if self.sync and dist.is_available() and dist.is_initialized():
+            self._sync_samples()
+        self.current_step += 1
+        for group in self.param_groups:
+            for params in _buckets(group["params"]):
+                self._update(group, params)
+        for slots in self._buffers.values():  # the average's buffer becomes the next step's noise buffer
+            if slots.get("noise") is None:
+                slots["noise"], slots["avg_nxg"] = slots.get("avg_nxg"), None
+        self._count = 0
         self._draws_since_step = 0
         return loss
 
+    def _sync_samples(self) -> None:
+        """Averages ḡ and mean(e⊙g) over the ranks (one all-reduce per device and dtype)."""
+        world = dist.get_world_size()
+        params = [p for g in self.param_groups for p in g["params"]]
+        for bucket in _buckets(params):
+            tensors = self._buffer(bucket, "avg_grad") + self._buffer(bucket, "avg_nxg")
+            flat = _flatten_dense_tensors(tensors)
+            dist.all_reduce(flat)
+            flat.div_(world)
+            torch._foreach_copy_(tensors, _unflatten_dense_tensors(flat, tensors))
+
+    def _update(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
+        b1, b2, wd, ess = group["beta1"], group["beta2"], group["weight_decay"], group["ess"]
+        momentum = [_local(self.state[p]["momentum"]) for p in params]
+        hess = [_local(self.state[p]["hess"]) for p in params]
+        grad, nxg, std = self._buffer(params, "avg_grad"), self._buffer(params, "avg_nxg"), self._std(group, params)
+        # m ← β1 m + (1-β1) ḡ
+        torch._foreach_lerp_(momentum, grad, 1.0 - b1)
+        # h ← β2 h + (1-β2) f + ½(1-β2)² (h-f)²/(h+δ), with the 'price' estimate f = ess (h+δ) mean(σ⊙e⊙g)
+        # = sqrt(ess) s mean(e⊙g) where s = sqrt(h+δ): written as h + (1-β2) d + ½(1-β2)² d²/s² with d = f - h,
+        # computed in the buffer of mean(e⊙g) as d/sqrt(ess) and then d/(sqrt(ess) s)
+        root = math.sqrt(ess)
+        torch._foreach_mul_(nxg, std)
+        torch._foreach_add_(nxg, hess, alpha=-1.0 / root)
+        torch._foreach_add_(hess, nxg, alpha=(1.0 - b2) * root)
+        torch._foreach_div_(nxg, std)
+        torch._foreach_addcmul_(hess, nxg, nxg, value=0.5 * (1.0 - b2) ** 2 * ess)
+        # h + δ for the update, in the buffer of s, which becomes sqrt(h + δ) for the next samples at the end
+        hess_wd = std
+        for p in params:  # stale until the sqrt below
+            self._std_wd.pop(p, None)
+        for out, h in zip(hess_wd, hess):
+            torch.add(h, wd, out=out)
+        self._update_mean(group, [_local(p) for p in params], momentum, nxg, hess_wd)
+        torch._foreach_sqrt_(std)
+        self._std_wd.update((p, wd) for p in params)
+
+    def _update_mean(self, group: dict[str, Any], params: list[torch.Tensor], momentum: list[torch.Tensor],
+                     scratch: list[torch.Tensor], hess_wd: list[torch.Tensor]) -> None:
+        wd = group["weight_decay"]
+        # m ← m - lr' clip((m̂ + δ m)/(h + δ), ±r), with m̂ the debiased momentum and lr' = lr (h0 + δ) if rescaled
+        debias = 1.0 - group["beta1"] ** self.current_step if self.debias else 1.0
+        lr = group["lr"] * (group["hess_init"] + wd) if self.rescale_lr else group["lr"]
+        # (m̂ + δ m) debias = m + δ debias m, in a free buffer; one pass per parameter (foreach has no `out=`)
+        direction = scratch
+        for out, mom, p in zip(direction, momentum, params):
+            torch.add(mom, p, alpha=wd * debias, out=out)
+        if math.isinf(group["clip_radius"]):
+            torch._foreach_addcdiv_(params, direction, hess_wd, value=-lr / debias)
+            return
+        torch._foreach_div_(direction, hess_wd)
+        torch._foreach_div_(direction, debias)
+        torch._foreach_clamp_min_(direction, -group["clip_radius"])
+        torch._foreach_clamp_max_(direction, group["clip_radius"])
+        torch._foreach_add_(params, direction, alpha=-lr)
+
     # -- posterior ---------------------------------------------------------------------------------
     def posterior_std(self) -> list[torch.Tensor]:
-        """σ = 1/sqrt(ess·(h + δ)) for each parameter, in `param_groups` order (seed 000, Alg. 1 line 2)."""
-        stds = []
-        for group in self.param_groups:
-            std = (group["ess"] * (group["hess"] + group["weight_decay"])).rsqrt()
-            offset = 0
-            for p in group["params"]:
-                stds.append(std[offset : offset + p.numel()].view(p.shape).clone())
-                offset += p.numel()
-        return stds
+        """σ = 1/sqrt(ess·(h + δ)) for each parameter, in `param_groups` order (Alg. 1 line 2)."""
+        return [(g["ess"] * (self.state[p]["hess"] + g["weight_decay"])).rsqrt() for g in self.param_groups
+                for p in g["params"]]
 
     def hessian(self) -> torch.Tensor:
-        return torch.cat([group["hess"] for group in self.param_groups])
+        """All parameters' h, flattened in `param_groups` order, on the first parameter's device (sharded
+        parameters are gathered whole: a collective, which every rank must call)."""
+        hess = [self.state[p]["hess"] for g in self.param_groups for p in g["params"]]
+        hess = [(h.full_tensor() if isinstance(h, DTensor) else h).flatten() for h in hess]
+        return torch.cat([h.to(hess[0].device) for h in hess]) if hess else torch.zeros(0)
 
     # -- checkpointing -----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        sd = super().state_dict()
-        sd["state"] = dict(sd["state"], current_step=self.current_step)
-        return sd
+        if self._sampling:
+            raise RuntimeError("state_dict() inside sampled_params(): the parameters hold a sample, not the mean.")
+        state_dict = super().state_dict()
+        # in every param group, since torch.distributed.checkpoint keeps only "state" and "param_groups"
+        for group in state_dict["param_groups"]:
+            group["current_step"] = self.current_step
+        return state_dict
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        state_dict = dict(state_dict)
-        state = dict(state_dict["state"])
-        step = state.pop("current_step", None)
-        state_dict["state"] = state
+        """Loads a checkpoint of this class, or of the earlier ivon-opt based one (flat `hess`/`momentum` per group)."""
+        if self._sampling:
+            raise RuntimeError("load_state_dict() inside sampled_params(): load between optimizer steps.")
+        if "count" in state_dict["state"] or any("hess" in g for g in state_dict["param_groups"]):
+            state_dict, step = self._from_flat_checkpoint(state_dict)
+        else:
+            step = state_dict["param_groups"][0].get("current_step") if state_dict["param_groups"] else None
         super().load_state_dict(state_dict)
-        self.state.pop("current_step", None)
+        for group in self.param_groups:
+            group.pop("current_step", None)
+        # the engine updates its state in place: own copies, laid out like the parameters, leave the input untouched
+        for group in self.param_groups:
+            for p in group["params"]:
+                for key in ("momentum", "hess"):
+                    own = torch.empty_like(p)
+                    _local(own).copy_(_local(self.state[p][key]))
+                    self.state[p][key] = own
         if step is not None:
             self.current_step = int(step)
         self._draws_since_step = 0
-        # torch casts per-parameter state only; hess/momentum live in the param groups.
-        for group in self.param_groups:
-            for key in ("hess", "momentum"):
-                group[key] = group[key].to(device=self._device, dtype=self._dtype)
+        self._count = 0
+        self._std_wd.clear()  # s = sqrt(h + δ) is recomputed from the loaded h
+
+    def _from_flat_checkpoint(self, state_dict: dict[str, Any]) -> tuple[dict[str, Any], int | None]:
+        """ivon-opt's layout (one flat hess/momentum vector per group) split into per-parameter state."""
+        old_state = state_dict["state"]
+        if old_state.get("count", 0):
+            raise ValueError("The IVON checkpoint holds gradient samples not yet used by a step; save after step().")
+        state, groups = {}, []
+        if len(state_dict["param_groups"]) != len(self.param_groups):
+            raise ValueError(f"The IVON checkpoint has {len(state_dict['param_groups'])} param groups, this optimizer "
+                             f"{len(self.param_groups)}: it was written for another model or parameter grouping.")
+        for saved, group in zip(state_dict["param_groups"], self.param_groups):
+            saved = dict(saved)
+            hess, momentum = saved.pop("hess"), saved.pop("momentum")
+            saved.pop("numel", None)
+            numel = sum(p.numel() for p in group["params"])
+            if len(saved["params"]) != len(group["params"]) or hess.numel() != numel or momentum.numel() != numel:
+                raise ValueError(
+                    f"The IVON checkpoint's param group holds {len(saved['params'])} parameters with {hess.numel()} "
+                    f"values, this optimizer's {len(group['params'])} with {numel}: it was written for another model."
+                )
+            offset = 0
+            for index, p in zip(saved["params"], group["params"]):
+                state[index] = {"momentum": momentum[offset:offset + p.numel()].view(p.shape),
+                                "hess": hess[offset:offset + p.numel()].view(p.shape)}
+                offset += p.numel()
+            groups.append(saved)
+        return {"state": state, "param_groups": groups}, old_state.get("current_step")
 
 
 def unwrap_ivon(optimizer: Any) -> VariationalIVON | None:
     """The IVON inside accelerate's `AcceleratedOptimizer` (which forwards no `sampled_params`), or None."""
-    while optimizer is not None and not isinstance(optimizer, ivon.IVON):
+    while optimizer is not None and not isinstance(optimizer, VariationalIVON):
         optimizer = getattr(optimizer, "optimizer", None)
     return optimizer
