@@ -197,6 +197,25 @@ def test_resume_from_per_parameter_checkpoint_is_exact():
     assert torch.equal(resumed.hessian(), full[-1][1])
 
 
+def test_restore_from_posterior_inverts_the_posterior_std():
+    torch.manual_seed(0)
+    model = MLP()
+    make = lambda g, **k: VariationalIVON(g, noise_seed=5, **k)  # noqa: E731
+    _, _, trained = _run(make, model, 6, 2, **IVON_KW)
+    fresh_model = copy.deepcopy(model)
+    fresh = make(_groups(fresh_model, IVON_KW["weight_decay"]), **{k: v for k, v in IVON_KW.items() if k != "weight_decay"})
+    stds = trained.posterior_std()
+    fresh.restore_from_posterior(stds, step=6)
+    # σ = 1/sqrt(ess (h + δ)) of the restored h is the σ it was restored from, and sampling draws with it
+    for restored, std in zip(fresh.posterior_std(), stds):
+        torch.testing.assert_close(restored, std, rtol=1e-5, atol=0)
+    torch.testing.assert_close(fresh.hessian(), trained.hessian(), rtol=1e-4, atol=1e-7)
+    assert fresh.current_step == 6
+    assert all(float(fresh.state[p]["momentum"].abs().sum()) == 0 for g in fresh.param_groups for p in g["params"])
+    with pytest.raises(ValueError, match="posterior stds"):
+        fresh.restore_from_posterior(stds[:-1], step=6)
+
+
 def test_flat_ivon_opt_checkpoint_loads_and_continues_the_trajectory():
     """A checkpoint of ivon-opt's layout (what VariationalIVON wrote before it had its own engine) still loads."""
     torch.manual_seed(0)

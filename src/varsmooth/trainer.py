@@ -328,12 +328,8 @@ class VariationalTrainer(Trainer):
                 f"{path} covers {len(posterior.names)} parameters but IVON trains {len(self._ivon_param_names)}: the "
                 "checkpoint was saved with other trainable parameters. Freeze the same parameters as in that run."
             )
-        names = iter(self._ivon_param_names)  # in param_groups order
-        for group in opt.param_groups:
-            std = torch.cat([posterior.std[next(names)].flatten() for _ in group["params"]]).to(group["hess"])
-            group["hess"] = (1.0 / (group["ess"] * std.square()) - group["weight_decay"]).clamp_min(0.0)
-            group["momentum"] = torch.zeros_like(group["momentum"])
-        opt.current_step = int(posterior.metadata.get("step", self.state.global_step))
+        opt.restore_from_posterior([posterior.std[name] for name in self._ivon_param_names],  # param_groups order
+                                   step=int(posterior.metadata.get("step", self.state.global_step)))
 
     # -- prediction --------------------------------------------------------------------------------
     def prediction_step(self, model: torch.nn.Module, inputs: dict[str, Any], prediction_loss_only: bool, ignore_keys: list[str] | None = None) -> tuple:

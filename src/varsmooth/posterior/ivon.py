@@ -367,6 +367,28 @@ class VariationalIVON(torch.optim.Optimizer):
         hess = [(h.full_tensor() if isinstance(h, DTensor) else h).flatten() for h in hess]
         return torch.cat([h.to(hess[0].device) for h in hess]) if hess else torch.zeros(0)
 
+    def restore_from_posterior(self, stds: list[torch.Tensor], step: int) -> None:
+        """Set each h to 1/(ess σ²) − δ, the inverse of σ = 1/sqrt(ess (h + δ)), with zero momentum and IVON's step
+        count `step`: a resume from a saved posterior when the optimizer state is missing. `stds` in `param_groups`
+        order, whole (unsharded) parameters."""
+        if self._sampling:
+            raise RuntimeError("restore_from_posterior() inside sampled_params(): restore between optimizer steps.")
+        params = [(g, p) for g in self.param_groups for p in g["params"]]
+        if len(stds) != len(params):
+            raise ValueError(f"Got {len(stds)} posterior stds for the {len(params)} parameters IVON trains.")
+        for (group, p), std in zip(params, stds):
+            hess = self.state[p]["hess"]
+            if isinstance(hess, DTensor) or tuple(std.shape) != tuple(hess.shape):
+                raise ValueError(f"A posterior std of shape {tuple(std.shape)} cannot restore IVON's Hessian of shape "
+                                 f"{tuple(hess.shape)}{' (sharded)' if isinstance(hess, DTensor) else ''}.")
+            std = std.to(hess)
+            hess.copy_((1.0 / (group["ess"] * std.square()) - group["weight_decay"]).clamp_min(0.0))
+            self.state[p]["momentum"].zero_()
+        self.current_step = int(step)
+        self._draws_since_step = 0
+        self._count = 0
+        self._std_wd.clear()  # sqrt(h + δ) is recomputed from the restored h
+
     # -- checkpointing -----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         if self._sampling:
