@@ -33,7 +33,9 @@ from .methods import EXAMPLE_INDEX_KEY, ExampleIndexDataset, TrainingMethod, get
 from .hub import SHAREABLE_PATTERNS, build_model_card
 from .metrics import classification_metrics
 from .posterior import DiagonalGaussianPosterior, VariationalIVON, predictive_distribution, unwrap_ivon
+from .posterior.gaussian import TEMPERATURE_KEY
 from .posterior.prediction import LABEL_KEYS
+from .posterior.temperature import PosteriorTemperatureCallback, select_trainer_temperature
 from .training_args import VariationalTrainingArguments
 from .utils import atomic_path
 
@@ -85,6 +87,10 @@ class VariationalTrainer(Trainer):
             _bind(callback, self)
         for callback in self.method.callbacks():  # `add_callback` binds these
             self.add_callback(callback)
+        # τ of every prediction; chosen on the eval dataset when training ends, before other train-end callbacks
+        self.posterior_temperature = 1.0 if args.posterior_temperature is None else args.posterior_temperature
+        self.posterior_temperature_report: dict[str, Any] | None = None
+        self.callback_handler.callbacks.insert(0, PosteriorTemperatureCallback().bind(self))
         self._ivon_param_names: list[str] | None = None
         self._last_grad_norm: torch.Tensor | None = None
         if self.method.uses_ivon and self.optimizer is not None and not isinstance(self.optimizer, VariationalIVON):
@@ -134,8 +140,17 @@ class VariationalTrainer(Trainer):
         model = self.accelerator.unwrap_model(self.model)
         if opt is None:
             return DiagonalGaussianPosterior.zero(model)
-        meta = {**self.method.hyperparameters(), "eval_seed": self.args.eval_seed, "step": opt.current_step}
+        meta = {**self.method.hyperparameters(), "eval_seed": self.args.eval_seed, "step": opt.current_step,
+                TEMPERATURE_KEY: self.posterior_temperature}
+        if self.posterior_temperature_report is not None:
+            meta["posterior_temperature_selection"] = self.posterior_temperature_report
         return DiagonalGaussianPosterior.from_ivon(model, opt, self._ivon_param_names, meta)
+
+    def select_posterior_temperature(self, eval_dataset: Any = None) -> dict[str, Any] | None:
+        """Choose the posterior temperature τ by validation NLL and predict with it from now on (done by `train()`
+        when `args.posterior_temperature` is None); returns the NLL at each τ tried, or None without validation data.
+        See `varsmooth.posterior.temperature`."""
+        return select_trainer_temperature(self, eval_dataset)
 
     # -- training ----------------------------------------------------------------------------------
     def compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch: Any = None) -> Any:
