@@ -69,9 +69,9 @@ def _temperature_text(trainer: "VariationalTrainer") -> str:
                else "no validation data to choose it by")
         return intro + f"τ = {tau:g} was {how}."
     rows = "".join(f"| {t}{' (chosen)' if float(t) == tau else ''} | {nll:.4f} |\n" for t, nll in report["nll"].items())
-    return (intro + f"τ was chosen after training by the negative log-likelihood on the evaluation set ({report['num_samples']} "
-            "posterior samples, the same draws for every τ); the metrics above are measured on the same set, so they "
-            "are slightly optimistic.\n\n| τ | validation NLL |\n|---|---|\n" + rows)
+    return (intro + f"τ was chosen after training by the negative log-likelihood on the eval dataset ({report['num_samples']} "
+            "posterior samples, the same draws for every τ); an evaluation on that same set is slightly optimistic."
+            "\n\n| τ | validation NLL |\n|---|---|\n" + rows)
 
 
 def build_model_card(
