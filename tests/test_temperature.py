@@ -82,6 +82,8 @@ def test_bad_temperatures_are_refused(tmp_path):
             posterior.temperature = bad
     with pytest.raises(ValueError, match="temperature"):
         DiagonalGaussianPosterior(model, std, {"posterior_temperature": -1})
+    with pytest.raises(ValueError, match="temperature"):
+        DiagonalGaussianPosterior(model, std, {"posterior_temperature": "auto"})
     with pytest.raises(ValueError, match="posterior_temperature"):
         make_args(tmp_path, posterior_temperature=-0.5)
     (args,) = HfArgumentParser(VariationalTrainingArguments).parse_args_into_dataclasses(

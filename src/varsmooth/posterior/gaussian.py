@@ -64,7 +64,7 @@ class DiagonalGaussianPosterior:
         self.names = [name for name in params if name in std]
         self.std = {name: std[name].detach().to(params[name].device, params[name].dtype) for name in self.names}
         self.metadata = dict(metadata or {})
-        _check_temperature(self.temperature)
+        _check_temperature(self.metadata.get(TEMPERATURE_KEY, 1.0))
         self.cache_bytes = cache_bytes
         self._cache: dict[int, list[torch.Tensor]] = {}
         self._cache_used = 0
