@@ -198,7 +198,11 @@ def report(settings: list[str], seeds: list[int]) -> None:
             md.append(f"| {LABELS[pred]} | {r['accuracy'][0] * 100:.2f} ± {r['accuracy'][1] * 100:.2f} | "
                       f"{r['nll'][0]:.4f} ± {r['nll'][1]:.4f} | {r['ece'][0] * 100:.2f} ± {r['ece'][1] * 100:.2f} | "
                       f"{r['brier'][0]:.4f} ± {r['brier'][1]:.4f} |")
-        md += ["", "Validation NLL over the grid (mean over seeds): "
+        wins = {other: sum(a["test"]["chosen"]["nll"] < a["test"][other]["nll"] for a in an) for other in PREDICTIONS if other != "chosen"}
+        summary[setting]["chosen_wins_test_nll"] = wins
+        md += ["", "Seeds where τ chosen has the lower clean-test NLL than: "
+               + ", ".join(f"{LABELS[k]} {v}/{len(an)}" for k, v in wins.items()) + ".",
+               "", "Validation NLL over the grid (mean over seeds): "
                + ", ".join(f"τ={k}: {v[0]:.4f}" for k, v in val_grid.items()) + ".", ""]
     common.write_json(OUT_DIR / "summary.json", {"settings": settings, "seeds": seeds, "table": summary})
     (OUT_DIR / "report.md").write_text("\n".join(md) + "\n")
