@@ -344,7 +344,8 @@ def cached(script: str, method: str, hyperparams: dict[str, Any] | None = None, 
 
 def run(method: str, hyperparams: dict[str, Any] | None = None, noise: str = "sym40", seed: int = 0, epochs: int = 20,
         *, dataset: str = "mnist", batch_size: int = 64, eval_mc_samples: int = 8, history_every: int = 1,
-        script: str = "adhoc", force: bool = False, verbose: bool = True) -> dict[str, Any]:
+        script: str = "adhoc", force: bool = False, verbose: bool = True,
+        analyze: Any = None) -> dict[str, Any]:
     """Train `method` (a name in `varsmooth.methods.METHODS`) with `hyperparams` (fields of
     `VariationalTrainingArguments`, plus ``warmup_epochs``) on `dataset` with `noise`, for `epochs` epochs.
 
@@ -352,7 +353,8 @@ def run(method: str, hyperparams: dict[str, Any] | None = None, noise: str = "sy
     Returns (and caches under benchmarks/results/<script>/runs/) clean-test accuracy/NLL/ECE/Brier — the BMA over
     `eval_mc_samples` posterior draws for IVON methods, plus ``test_mean_*`` at the posterior mean —, the same on the
     noisy validation split (``val_*``, the only numbers used for selection), the fraction of flipped training labels
-    the final model fits, the per-epoch history and the Hessian summary.
+    the final model fits, the per-epoch history and the Hessian summary. `analyze(trainer, val, test)`, if given,
+    runs on the trained model (noisy-validation and clean-test datasets) and its dict is kept as ``analysis``.
     """
     hyperparams = dict(hyperparams or {})
     config = dict(dataset=dataset, method=method, hyperparams=hyperparams, noise=noise, seed=seed, epochs=epochs,
@@ -411,6 +413,8 @@ def run(method: str, hyperparams: dict[str, Any] | None = None, noise: str = "sy
         test = trainer.evaluate(ArrayDataset(data.x_test, data.y_test), metric_key_prefix="test")
         val = trainer.evaluate(ArrayDataset(data.x_val, y_val), metric_key_prefix="val")
         eval_s = time.perf_counter() - t1
+        analysis = (analyze(trainer, ArrayDataset(data.x_val, y_val), ArrayDataset(data.x_test, data.y_test))
+                    if analyze is not None and diverged is None else None)
         log_history = trainer.state.log_history
     # memorisation: share of flipped training labels that the final (mean) model predicts as their noisy label
     pred_train = predict_probs(model, torch.as_tensor(data.x_train)).argmax(-1).numpy()
@@ -425,6 +429,7 @@ def run(method: str, hyperparams: dict[str, Any] | None = None, noise: str = "sy
         "hessian": hess, "history": history_cb.history,
         "log_history": [r for r in log_history if "loss" in r],
         "versions": _versions(), "threads": torch.get_num_threads(), "device": bench_device(),
+        **({"analysis": analysis} if analysis is not None else {}),
     }
     for prefix, metrics in (("test", test), ("val", val)):
         for name in ("accuracy", "nll", "ece", "brier", "mean_accuracy", "mean_nll", "mean_ece", "mean_brier"):

@@ -71,7 +71,8 @@ def _pixels_dataset(n):
 def trained(tmp_path_factory):
     out = tmp_path_factory.mktemp("trained")
     train, test = _pixels_dataset(256), _pixels_dataset(96)
-    args = make_args(out, max_steps=30, eval_mc_samples=8, beta2=0.999, eval_seed=3)
+    # τ fixed at 1: these tests are about the learned posterior's BMA (the temperature has tests of its own)
+    args = make_args(out, max_steps=30, eval_mc_samples=8, beta2=0.999, eval_seed=3, posterior_temperature=1.0)
     trainer = VariationalTrainer(model=_tiny_resnet(), args=args, train_dataset=train, eval_dataset=test)
     trainer.train()
     trainer.save_model(str(out))

@@ -28,7 +28,8 @@ class VariationalModel(torch.nn.Module):
 
     `forward(**inputs)` returns a `VariationalClassifierOutput` whose `logits` are log P̂, so argmax/softmax
     code written for ordinary logits gets the BMA prediction; `num_samples=0` predicts at the posterior mean.
-    For the same `seed` the draws are those of `VariationalTrainer.evaluate()` (common random numbers).
+    For the same `seed` the draws are those of `VariationalTrainer.evaluate()` (common random numbers), scaled by
+    the posterior temperature `posterior.temperature` chosen in training (saved with the posterior).
     """
 
     def __init__(self, model: torch.nn.Module, posterior: DiagonalGaussianPosterior, num_samples: int = 32, seed: int = 0) -> None:
@@ -51,6 +52,7 @@ class VariationalModel(torch.nn.Module):
         *,
         num_samples: int | None = None,
         seed: int | None = None,
+        temperature: float | None = None,
         model_class: type | None = None,
         revision: str | None = None,
         token: str | None = None,
@@ -58,9 +60,10 @@ class VariationalModel(torch.nn.Module):
     ) -> "VariationalModel":
         """Load weights (the posterior mean) and `posterior.safetensors` from a folder or a Hub repo.
 
-        Without a posterior file the model predicts at the mean, with a warning. Defaults for `num_samples` and
-        `seed` are those the model was evaluated with during training. A local folder must match its manifest, and
-        the posterior must belong to the weights (see `DiagonalGaussianPosterior.load`).
+        Without a posterior file the model predicts at the mean, with a warning. Defaults for `num_samples`, `seed`
+        and the posterior `temperature` are those the model was evaluated with during training (`temperature=1`: the
+        learned posterior, 0: the posterior mean). A local folder must match its manifest, and the posterior must
+        belong to the weights (see `DiagonalGaussianPosterior.load`).
         """
         path = os.fspath(pretrained_model_name_or_path)
         if model_class is None:
@@ -68,6 +71,8 @@ class VariationalModel(torch.nn.Module):
         model = model_class.from_pretrained(path, revision=revision, token=token, **model_kwargs)
         model.eval()
         posterior = load_posterior(model, path, revision=revision, token=token)
+        if temperature is not None:
+            posterior.temperature = temperature
         meta = posterior.metadata
         return cls(
             model,

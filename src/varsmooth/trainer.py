@@ -41,7 +41,9 @@ from .methods.base import IGNORE_INDEX
 from .hub import build_model_card
 from .metrics import classification_metrics
 from .posterior import POSTERIOR_FILE, DiagonalGaussianPosterior, VariationalIVON, predictive_distribution, unwrap_ivon
+from .posterior.gaussian import TEMPERATURE_KEY
 from .posterior.prediction import LABEL_KEYS, logits_of
+from .posterior.temperature import PosteriorTemperatureCallback, select_trainer_temperature
 from .training_args import VariationalTrainingArguments
 from .utils import atomic_path
 
@@ -117,6 +119,10 @@ class VariationalTrainer(Trainer):
             _bind(callback, self)
         for callback in self.method.callbacks():  # `add_callback` binds these
             self.add_callback(callback)
+        # τ of every prediction; chosen on the eval dataset when training ends, before other train-end callbacks
+        self.posterior_temperature = 1.0 if args.posterior_temperature is None else args.posterior_temperature
+        self.posterior_temperature_report: dict[str, Any] | None = None
+        self.callback_handler.callbacks.insert(0, PosteriorTemperatureCallback().bind(self))
         self._ivon_param_names: list[str] | None = None
         self._run_files: dict[str, set[str]] = {}  # folder -> files this trainer wrote there outside `_save`
         self._staging_dir: str | None = None
@@ -169,7 +175,10 @@ class VariationalTrainer(Trainer):
         model = self.accelerator.unwrap_model(self.model)
         if opt is None:
             return self._saved_posterior if self._saved_posterior is not None else DiagonalGaussianPosterior.zero(model)
-        meta = {**self.method.hyperparameters(), "eval_seed": self.args.eval_seed, "step": opt.current_step}
+        meta = {**self.method.hyperparameters(), "eval_seed": self.args.eval_seed, "step": opt.current_step,
+                TEMPERATURE_KEY: self.posterior_temperature}
+        if self.posterior_temperature_report is not None:
+            meta["posterior_temperature_selection"] = self.posterior_temperature_report
         return DiagonalGaussianPosterior.from_ivon(model, opt, self._ivon_param_names, meta)
 
     def _posterior_beside_model(self) -> DiagonalGaussianPosterior | None:
@@ -185,6 +194,12 @@ class VariationalTrainer(Trainer):
         logger.info("Loaded the posterior saved with the model (%s): evaluation before training predicts by BMA with it.",
                     os.path.join(folder, POSTERIOR_FILE))
         return posterior
+
+    def select_posterior_temperature(self, eval_dataset: Any = None) -> dict[str, Any] | None:
+        """Choose the posterior temperature τ by validation NLL and predict with it from now on (done by `train()`
+        when `args.posterior_temperature` is None); returns the NLL at each τ tried, or None without validation data.
+        See `varsmooth.posterior.temperature`."""
+        return select_trainer_temperature(self, eval_dataset)
 
     # -- training ----------------------------------------------------------------------------------
     def compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch: Any = None) -> Any:

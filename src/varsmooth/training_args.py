@@ -107,6 +107,13 @@ class VariationalTrainingArguments(TrainingArguments):
         metadata={"help": "Posterior samples averaged (BMA) by evaluate()/predict(); 0 predicts at the posterior mean."},
     )
     eval_seed: int = field(default=0, metadata={"help": "Seed of the posterior samples used for prediction (common across evaluations)."})
+    posterior_temperature: float | None = field(
+        default=None,
+        metadata={"help": "τ >= 0 scaling the posterior std σ at prediction time (0 = predict at the posterior mean, 1 = "
+                          "the learned posterior). None: chosen when training ends, by the eval dataset's NLL over "
+                          "varsmooth.posterior.temperature.TEMPERATURE_GRID (which holds 0 and 1); 1 without an eval "
+                          "dataset. A number fixes τ for every prediction; 1 turns the selection off."},
+    )
 
     # -- baselines (methods.md §9 lists the defaults) -----------------------------------------------
     smoothing: float = field(
@@ -192,6 +199,9 @@ class VariationalTrainingArguments(TrainingArguments):
                 raise ValueError(f"hessian_window must be finite and > 0 (a fraction of the run's steps) or None, got {self.hessian_window}.")
             if self.clip_radius is not None and not self.clip_radius > 0:
                 raise ValueError(f"clip_radius must be > 0 or None, got {self.clip_radius}.")
+        if self.posterior_temperature is not None and not 0 <= self.posterior_temperature < float("inf"):
+            raise ValueError(f"posterior_temperature must be a finite number >= 0 or None (choose it on the eval dataset), "
+                             f"got {self.posterior_temperature}.")
         if self.eval_mc_samples < 0:
             raise ValueError(f"eval_mc_samples must be >= 0 (0 = predict at the posterior mean), got {self.eval_mc_samples}.")
         super().__post_init__()

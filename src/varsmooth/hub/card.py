@@ -110,6 +110,22 @@ def _matrix_table(matrix: list[list[float]], names: list[str]) -> str:
     return header + rows
 
 
+def _temperature_text(trainer: "VariationalTrainer") -> str:
+    """The posterior temperature τ the model predicts with, and the validation NLL it was chosen by."""
+    tau = trainer.posterior_temperature
+    intro = (f"Predictions sample the weights with the posterior standard deviation scaled by **τ = {tau:g}** "
+             "(0: the prediction at the posterior mean, 1: the learned posterior). ")
+    report = trainer.posterior_temperature_report
+    if report is None:
+        how = ("fixed by `posterior_temperature`" if trainer.args.posterior_temperature is not None
+               else "no validation data to choose it by")
+        return intro + f"τ = {tau:g} was {how}."
+    rows = "".join(f"| {t}{' (chosen)' if float(t) == tau else ''} | {nll:.4f} |\n" for t, nll in report["nll"].items())
+    return (intro + f"τ was chosen after training by the negative log-likelihood on the eval dataset ({report['num_samples']} "
+            "posterior samples, the same draws for every τ); an evaluation on that same set is slightly optimistic."
+            "\n\n| τ | validation NLL |\n|---|---|\n" + rows)
+
+
 def build_model_card(
     trainer: "VariationalTrainer",
     *,
@@ -191,6 +207,8 @@ def build_model_card(
         metrics_text, metrics_table = "The model was not evaluated.", None
     better_text = _better_prediction_text(metrics)
 
+    temperature_text = _temperature_text(trainer) if is_ivon else None
+
     summary_path = os.path.join(output_dir, "label_noise_summary.json")
     if os.path.isfile(summary_path):
         with open(summary_path) as f:
@@ -240,6 +258,7 @@ def build_model_card(
         metrics_text=metrics_text,
         metrics_table=metrics_table,
         better_text=better_text,
+        temperature_text=temperature_text,
         label_noise_text=label_noise_text,
         pictures=pictures,
         files=files,

@@ -11,6 +11,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
 import os
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
@@ -28,6 +29,8 @@ __all__ = ["POSTERIOR_FILE", "DiagonalGaussianPosterior", "weights_fingerprint"]
 logger = logging.getLogger(__name__)
 
 POSTERIOR_FILE = "posterior.safetensors"
+#: metadata key of the posterior temperature τ (σ is scaled by τ when sampling; absent means 1)
+TEMPERATURE_KEY = "posterior_temperature"
 #: default memory for cached weight perturbations (a tiny CNN's 64 draws take a few MB; a ResNet-34's, 5 GB)
 DEFAULT_CACHE_BYTES = 256 * 2**20
 
@@ -53,7 +56,8 @@ class DiagonalGaussianPosterior:
     Args:
         model: the network; its current weights are the posterior mean m.
         std: parameter name -> σ (same shape as the parameter). Parameters not listed are deterministic.
-        metadata: JSON-safe facts about how σ was obtained (ess, prior precision, hess_init, ...).
+        metadata: JSON-safe facts about how σ was obtained (ess, prior precision, hess_init, ...). Its
+            `"posterior_temperature"` entry is the temperature τ (see `temperature`).
         cache_bytes: memory for keeping drawn perturbations σ⊙e (σ is fixed for the object's lifetime).
     """
 
@@ -77,6 +81,7 @@ class DiagonalGaussianPosterior:
         self.names = [name for name in params if name in std]
         self.std = {name: std[name].detach().to(params[name].device, params[name].dtype) for name in self.names}
         self.metadata = dict(metadata or {})
+        _check_temperature(self.metadata.get(TEMPERATURE_KEY, 1.0))
         self.cache_bytes = cache_bytes
         self._cache: dict[int, list[torch.Tensor]] = {}
         self._cache_used = 0
@@ -159,6 +164,19 @@ class DiagonalGaussianPosterior:
 
     # -- sampling ----------------------------------------------------------------------------------
     @property
+    def temperature(self) -> float:
+        """τ ≥ 0: draws are θ = m + τ·σ⊙e, so τ = 0 predicts at the mean and τ = 1 with the learned posterior.
+
+        Kept in `metadata`, so that it is saved and loaded with σ (`varsmooth.posterior.temperature` chooses it).
+        """
+        return float(self.metadata.get(TEMPERATURE_KEY, 1.0))
+
+    @temperature.setter
+    def temperature(self, value: float) -> None:
+        _check_temperature(value)
+        self.metadata[TEMPERATURE_KEY] = float(value)
+
+    @property
     def is_point_mass(self) -> bool:
         return not self.std
 
@@ -206,10 +224,12 @@ class DiagonalGaussianPosterior:
         saved: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
         try:
             with torch.no_grad():
+                temperature = self.temperature
                 for name, delta in zip(self.names, self._perturbation(seed, params)):
                     p = params[name]
                     saved.append((p, p.data))
-                    p.data = p.data + delta
+                    # the cache holds σ⊙e: τ is applied here, so changing τ reuses the same draws e
+                    p.data = p.data + (delta if temperature == 1.0 else temperature * delta)
             yield
         finally:
             for p, mean in saved:
@@ -219,7 +239,8 @@ class DiagonalGaussianPosterior:
         if self.is_point_mass:
             return {}
         flat = torch.cat([s.flatten().float() for s in self.std.values()])
-        return {"posterior_std_mean": flat.mean().item(), "posterior_std_median": flat.median().item()}
+        return {"posterior_std_mean": flat.mean().item(), "posterior_std_median": flat.median().item(),
+                TEMPERATURE_KEY: self.temperature}
 
 
 def _check_std(path: str, std: Mapping[str, torch.Tensor], metadata: Mapping[str, Any]) -> None:
@@ -244,3 +265,11 @@ def _check_std(path: str, std: Mapping[str, torch.Tensor], metadata: Mapping[str
                 f"{path} has a {bad} standard deviation for {name!r}: σ must be finite and > 0. Training diverged "
                 "before the save, or the file was edited. Save again from a healthy run."
             )
+
+
+def _check_temperature(value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(
+            f"The posterior temperature must be a finite number >= 0 (0 = the posterior mean, 1 = the learned "
+            f"posterior), got {value!r}."
+        )

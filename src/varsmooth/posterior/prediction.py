@@ -82,14 +82,15 @@ def predictive_distribution(
     """BMA over `num_samples` draws of `posterior` and the prediction at the mean, for one batch.
 
     Draw s uses the seed derive_seed(seed, s): the same S models for every batch and every call, so the
-    trainer's evaluation and a model reloaded from disk agree exactly. `num_samples=0` (or a point-mass
-    posterior) predicts at the mean.
+    trainer's evaluation and a model reloaded from disk agree exactly. The draws are scaled by the posterior's
+    temperature τ; `num_samples=0`, τ = 0 or a point-mass posterior predict at the mean.
     """
     if num_samples < 0:
         raise ValueError(f"num_samples must be >= 0 (0 = predict at the posterior mean), got {num_samples}.")
     mean_logits = model_logits(model, inputs)
     mean_probs = mean_logits.softmax(-1)
-    if num_samples <= 0 or posterior.is_point_mass:
+    # τ = 0 would average S copies of the mean prediction: the mean itself, exactly and without the S passes
+    if num_samples <= 0 or posterior.is_point_mass or posterior.temperature == 0:
         zeros = torch.zeros(mean_probs.shape[:-1], device=mean_probs.device)
         return VariationalClassifierOutput(
             logits=mean_logits.log_softmax(-1), probs=mean_probs, mean_logits=mean_logits, mean_probs=mean_probs,

@@ -1,0 +1,232 @@
+"""Posterior temperature τ: σ scaled by τ at prediction time, τ chosen by validation NLL after training."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+from transformers import HfArgumentParser, ResNetConfig, ResNetForImageClassification, ViTImageProcessor
+
+from helpers import TinyClassifier, digits_dataset, make_args
+from varsmooth import LabelNoiseCallback, VariationalModel, VariationalTrainer, VariationalTrainingArguments, pipeline
+from varsmooth.corruption import corrupt_labels
+from varsmooth.data import load_digits_dataset
+from varsmooth.posterior import DiagonalGaussianPosterior, derive_seed, predictive_distribution
+from varsmooth.posterior.temperature import TEMPERATURE_GRID, choose_temperature, temperature_nll
+
+
+def _model_and_posterior(scale=0.3):
+    torch.manual_seed(0)
+    model = TinyClassifier().eval()
+    gen = torch.Generator().manual_seed(1)
+    std = {n: scale * torch.rand(p.shape, generator=gen) for n, p in model.named_parameters()}
+    return model, std
+
+
+def _hand_bma(model, std, x, num_samples, seed, scale=1.0):
+    """BMA written out: draw s sets every weight to m + (scale·σ)⊙e with e seeded as the posterior seeds it."""
+    mean = {n: p.detach().clone() for n, p in model.named_parameters()}
+    total = 0
+    for s in range(num_samples):
+        with torch.no_grad():
+            for index, (name, p) in enumerate(model.named_parameters()):
+                gen = torch.Generator().manual_seed(derive_seed(derive_seed(seed, s), index))
+                p.data = mean[name] + torch.randn(p.shape, generator=gen) * (scale * std[name])
+            total = total + model(pixel_values=x).logits.float().softmax(-1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.data = mean[name]
+    return total / num_samples
+
+
+def test_temperature_zero_is_the_mean_prediction_exactly():
+    model, std = _model_and_posterior()
+    posterior = DiagonalGaussianPosterior(model, std)
+    posterior.temperature = 0.0
+    x = torch.rand(20, 8, 8)
+    out = predictive_distribution(model, posterior, {"pixel_values": x}, num_samples=16, seed=3)
+    with torch.no_grad():
+        mean_probs = model(pixel_values=x).logits.softmax(-1)
+    assert torch.equal(out.probs, mean_probs)
+    assert torch.equal(out.probs, out.mean_probs)
+    assert float(out.mutual_information.abs().max()) == 0.0
+    # sampling at τ = 0 leaves the weights at the mean
+    before = [p.detach().clone() for p in model.parameters()]
+    with posterior.sampled(seed=5):
+        assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
+def test_temperature_one_is_the_learned_bma_and_scales_the_draws():
+    model, std = _model_and_posterior()
+    posterior = DiagonalGaussianPosterior(model, std)
+    x = torch.rand(20, 8, 8)
+    expected = _hand_bma(model, std, x, num_samples=6, seed=3)
+    default = predictive_distribution(model, posterior, {"pixel_values": x}, num_samples=6, seed=3).probs
+    assert posterior.temperature == 1.0
+    torch.testing.assert_close(default, expected, rtol=0, atol=1e-7)
+    # a cooler posterior is the BMA of σ scaled by τ, with the same draws e (they come from the cache here)
+    posterior.temperature = 0.5
+    half = predictive_distribution(model, posterior, {"pixel_values": x}, num_samples=6, seed=3).probs
+    torch.testing.assert_close(half, _hand_bma(model, std, x, num_samples=6, seed=3, scale=0.5), rtol=0, atol=1e-6)
+    assert not torch.allclose(half, default, atol=1e-3)
+    posterior.temperature = 1.0  # back to 1: exactly the first prediction (the cached σ⊙e was not scaled in place)
+    assert torch.equal(predictive_distribution(model, posterior, {"pixel_values": x}, num_samples=6, seed=3).probs, default)
+
+
+def test_bad_temperatures_are_refused(tmp_path):
+    model, std = _model_and_posterior()
+    posterior = DiagonalGaussianPosterior(model, std)
+    for bad in (-0.1, float("nan"), float("inf"), "auto"):
+        with pytest.raises(ValueError, match="temperature"):
+            posterior.temperature = bad
+    with pytest.raises(ValueError, match="temperature"):
+        DiagonalGaussianPosterior(model, std, {"posterior_temperature": -1})
+    with pytest.raises(ValueError, match="temperature"):
+        DiagonalGaussianPosterior(model, std, {"posterior_temperature": "auto"})
+    with pytest.raises(ValueError, match="posterior_temperature"):
+        make_args(tmp_path, posterior_temperature=-0.5)
+    (args,) = HfArgumentParser(VariationalTrainingArguments).parse_args_into_dataclasses(
+        ["--output_dir", str(tmp_path), "--posterior_temperature", "0.25"])
+    assert args.posterior_temperature == 0.25
+    (args,) = HfArgumentParser(VariationalTrainingArguments).parse_args_into_dataclasses(["--output_dir", str(tmp_path)])
+    assert args.posterior_temperature is None  # auto
+
+
+def test_choose_temperature_takes_the_lowest_nll_and_prefers_one_on_ties():
+    assert choose_temperature({0.0: 0.5, 0.5: 0.4, 1.0: 0.6}) == 0.5
+    assert choose_temperature({0.0: 0.4, 0.5: 0.4, 1.0: 0.4}) == 1.0
+    assert choose_temperature({0.0: 0.4, 0.5: float("nan"), 1.0: 0.6}) == 0.0
+    assert 0.0 in TEMPERATURE_GRID and 1.0 in TEMPERATURE_GRID
+
+
+def test_temperature_nll_scores_each_bma_with_common_draws():
+    model, std = _model_and_posterior()
+    posterior = DiagonalGaussianPosterior(model, std)
+    x, y = torch.rand(30, 8, 8), torch.randint(0, 10, (30,))
+    batches = [{"pixel_values": x[:16], "labels": y[:16]}, {"pixel_values": x[16:], "labels": y[16:]}]
+    nll = temperature_nll(model, posterior, batches, (0.0, 0.5, 1.0), num_samples=6, seed=3)
+    rows = torch.arange(30)
+    for tau in (0.0, 0.5, 1.0):
+        probs = _hand_bma(model, std, x, num_samples=6, seed=3, scale=tau)
+        assert nll[tau] == pytest.approx(float(-probs[rows, y].log().mean()), rel=1e-5)
+    assert posterior.temperature == 1.0  # left as it was
+
+
+def _tiny_resnet():
+    torch.manual_seed(0)
+    return ResNetForImageClassification(ResNetConfig(
+        num_channels=1, embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], layer_type="basic", num_labels=10,
+        downsample_in_first_stage=False, id2label={i: str(i) for i in range(10)}, label2id={str(i): i for i in range(10)}))
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A short noisy digits run whose BMA is worse than its mean (σ still at its prior value), τ chosen automatically."""
+    out = tmp_path_factory.mktemp("temperature")
+    data = load_digits_dataset()
+    train = corrupt_labels(data["train"].select(range(256)), "symmetric", 0.4, seed=0)
+    val = data["test"].select(range(120))
+    processor = ViTImageProcessor(do_resize=False, image_mean=[0.5], image_std=[0.5], do_convert_rgb=False)
+
+    def transform(batch):
+        return {"pixel_values": processor(batch["image"], return_tensors="pt")["pixel_values"],
+                "labels": torch.as_tensor(batch["label"])}
+
+    args = make_args(out, max_steps=30, eval_mc_samples=8, beta2=0.999, eval_seed=3, remove_unused_columns=False)
+    callback = LabelNoiseCallback(num_samples=4)
+    trainer = VariationalTrainer(model=_tiny_resnet(), args=args, train_dataset=train.with_transform(transform),
+                                 eval_dataset=val.with_transform(transform), processing_class=processor, callbacks=[callback])
+    trainer.train()
+    return trainer, val, transform, out
+
+
+def test_chosen_temperature_is_never_worse_than_mean_or_learned_posterior(run):
+    trainer, _, _, _ = run
+    report = trainer.posterior_temperature_report
+    chosen = trainer.posterior_temperature
+    assert report is not None and report["temperature"] == chosen and f"{chosen:g}" in report["nll"]
+    measured = {}
+    for tau in (0.0, 1.0, chosen):
+        trainer.posterior_temperature = tau
+        measured[tau] = trainer.evaluate()
+    trainer.posterior_temperature = chosen
+    # evaluate() predicts with τ: its NLL is the one the selection measured, and τ = 0 is the posterior mean's
+    for tau in (0.0, 1.0):
+        assert measured[tau]["eval_nll"] == pytest.approx(report["nll"][f"{tau:g}"], rel=1e-5)
+    assert measured[0.0]["eval_nll"] == pytest.approx(measured[0.0]["eval_mean_nll"], rel=1e-6)
+    assert measured[chosen]["eval_nll"] <= min(measured[0.0]["eval_nll"], measured[1.0]["eval_nll"]) + 1e-6
+    assert report["nll"][f"{chosen:g}"] == min(report["nll"].values())  # the best of the grid, not just 0 and 1
+    assert trainer.posterior().temperature == chosen
+    assert any(entry.get("posterior_temperature") == chosen for entry in trainer.state.log_history)
+
+
+def test_saved_temperature_is_used_by_the_reloaded_model_and_pipeline(run, tmp_path):
+    trainer, val, transform, _ = run
+    chosen = trainer.posterior_temperature
+    try:
+        trainer.posterior_temperature = 0.25  # strictly between 0 and 1, so that losing it would show
+        trainer.save_model(str(tmp_path))
+        expected = np.exp(trainer.predict(val.with_transform(transform)).predictions)
+        trainer.posterior_temperature = 1.0
+        learned = np.exp(trainer.predict(val.with_transform(transform)).predictions)
+    finally:
+        trainer.posterior_temperature = chosen
+    assert not np.allclose(expected, learned, atol=1e-3)
+    loaded = VariationalModel.from_pretrained(tmp_path)
+    assert loaded.posterior.temperature == 0.25
+    pixels = transform(val[:])["pixel_values"]
+    with torch.no_grad():
+        np.testing.assert_allclose(loaded(pixel_values=pixels).probs.numpy(), expected, rtol=1e-5, atol=1e-6)
+    classify = pipeline("image-classification", model=str(tmp_path))
+    piped = classify(val[:6]["image"], top_k=10)
+    piped_probs = [[next(r["score"] for r in res if r["label"] == str(k)) for k in range(10)] for res in piped]
+    np.testing.assert_allclose(piped_probs, expected[:6], rtol=1e-5, atol=1e-6)
+    # the learned posterior stays one argument away
+    at_one = VariationalModel.from_pretrained(tmp_path, temperature=1.0)
+    with torch.no_grad():
+        np.testing.assert_allclose(at_one(pixel_values=pixels).probs.numpy(), learned, rtol=1e-5, atol=1e-6)
+
+
+def test_label_noise_export_uses_and_records_the_chosen_temperature(run):
+    import pyarrow.parquet as pq
+
+    trainer, _, _, out = run
+    summary = json.loads((out / "label_noise_summary.json").read_text())
+    chosen = trainer.posterior_temperature
+    # a run where the selection moved τ off 1, so an export made before the selection would show
+    assert chosen != 1.0
+    assert summary["posterior_temperature"] == chosen
+    exported = np.stack(pq.read_table(out / "label_noise.parquet").column("noise").to_pylist())
+    now = np.stack(trainer.label_noise(num_samples=4).with_format("numpy")[:]["noise"])
+    np.testing.assert_allclose(exported, now, atol=1e-6)
+    try:
+        trainer.posterior_temperature = 1.0
+        learned = np.stack(trainer.label_noise(num_samples=4).with_format("numpy")[:]["noise"])
+    finally:
+        trainer.posterior_temperature = chosen
+    assert not np.allclose(exported, learned, atol=1e-4)
+
+
+def test_model_card_shows_the_temperature_and_its_validation_nll(run):
+    trainer, _, _, out = run
+    trainer.create_model_card()
+    card = (out / "README.md").read_text()
+    assert "## Posterior temperature" in card
+    report = trainer.posterior_temperature_report
+    for tau in ("0", "1", f"{trainer.posterior_temperature:g}"):
+        assert f"{report['nll'][tau]:.4f}" in card
+    assert "(chosen)" in card
+
+
+def test_without_eval_data_the_learned_posterior_is_kept(tmp_path):
+    data = digits_dataset(96)
+    trainer = VariationalTrainer(model=TinyClassifier(), args=make_args(tmp_path, max_steps=4, eval_mc_samples=4),
+                                 train_dataset=data)
+    trainer.train()
+    assert trainer.posterior_temperature == 1.0 and trainer.posterior_temperature_report is None
+    fixed = VariationalTrainer(model=TinyClassifier(), train_dataset=data, eval_dataset=data,
+                               args=make_args(tmp_path, max_steps=4, eval_mc_samples=4, posterior_temperature=0.5))
+    fixed.train()
+    assert fixed.posterior_temperature == 0.5 and fixed.posterior_temperature_report is None
+    assert fixed.posterior().temperature == 0.5
