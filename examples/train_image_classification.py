@@ -31,7 +31,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import datasets
-import numpy as np
 import torch
 import yaml
 from transformers import AutoImageProcessor, HfArgumentParser, ViTImageProcessor, set_seed
@@ -41,9 +40,18 @@ from varsmooth.corruption import CorruptionArguments, NoiseReport
 from varsmooth.data import CIFAR10N_LABEL_SETS, load_cifar10n, load_digits_dataset, train_eval_splits
 from varsmooth.methods import get_method_class
 from varsmooth.models import WEIGHT_PACKAGES, count_parameters, create_image_classifier, is_timm_name
-from varsmooth.utils import checkpoint_to_resume
+from varsmooth.utils import checkpoint_to_resume, evaluate_validation_and_test
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ExampleCorruptionArguments(CorruptionArguments):
+    noise_splits: str = field(
+        default="train,validation",
+        metadata={"help": "Comma-separated splits to corrupt. The validation split too by default: whoever has noisy "
+                          "training labels has no clean validation set, and every choice is made on it."},
+    )
 
 
 @dataclass
@@ -90,11 +98,12 @@ class DataArguments:
     train_split: str = field(default="train", metadata={"help": "Split to train on."})
     eval_split: str | None = field(
         default=None,
-        metadata={"help": "Split to evaluate on (default: 'validation' if the dataset has one, else 'test', else "
-                          "--train_val_split of the training split)."},
+        metadata={"help": "Validation split: evaluated during and after training, and where the posterior temperature "
+                          "is chosen (default: 'validation' if the dataset has one, else --train_val_split of the "
+                          "training split). A 'test' split is scored once at the end (test_* metrics)."},
     )
     train_val_split: float = field(
-        default=0.2, metadata={"help": "Fraction of the training split held out for evaluation when the dataset has none."}
+        default=0.2, metadata={"help": "Fraction of the training split held out for validation when the dataset has none."}
     )
     image_column_name: str | None = field(
         default=None, metadata={"help": "Image column (default: the first Image feature).", "aliases": ["--image_column"]}
@@ -153,9 +162,12 @@ def _find_column(features: datasets.Features, kind: type, given: str | None, wha
 def load_data(data_args: DataArguments, seed: int) -> tuple[datasets.DatasetDict, bool, dict[str, NoiseReport] | None]:
     """The train/eval splits, whether they are the embedded default, and the report of labels that came noisy."""
     if data_args.dataset == "cifar10n":
-        data, report = load_cifar10n(data_args.data_dir, data_args.label_set, max_train=data_args.max_train_samples,
-                                     max_test=data_args.max_eval_samples, return_report=True)
-        return data, False, {"train": report}
+        # the validation split is held out of the (human-labelled) training images: its labels are as noisy as the
+        # training labels, and the noise report is recomputed for the rest from their `clean_label` column
+        data = load_cifar10n(data_args.data_dir, data_args.label_set, max_train=data_args.max_train_samples,
+                             max_test=data_args.max_eval_samples)
+        return train_eval_splits(data, train_val_split=data_args.train_val_split, seed=seed,
+                                 stratify_by_column="label"), False, None
     if data_args.dataset_name and (data_args.train_dir or data_args.validation_dir):
         raise ValueError("Give either --dataset_name or --train_dir/--validation_dir, not both.")
     if data_args.validation_dir and not data_args.train_dir:
@@ -166,7 +178,8 @@ def load_data(data_args: DataArguments, seed: int) -> tuple[datasets.DatasetDict
             files["validation"] = os.path.join(data_args.validation_dir, "**")
         raw = datasets.load_dataset("imagefolder", data_files=files)
     elif data_args.dataset_name is None:
-        return load_digits_dataset(seed=seed), True, None
+        return train_eval_splits(load_digits_dataset(seed=seed), train_val_split=data_args.train_val_split, seed=seed,
+                                 stratify_by_column="label"), True, None
     elif os.path.isdir(data_args.dataset_name):
         raw = datasets.load_dataset("imagefolder", data_dir=data_args.dataset_name)
     else:
@@ -192,7 +205,7 @@ def build_processor(model_args: ModelArguments, num_channels: int, image_size: i
 def parse_arguments(argv: list[str]) -> tuple[ModelArguments, DataArguments, CorruptionArguments, ExampleTrainingArguments]:
     """Command-line flags, or one JSON/YAML file as in the transformers examples. A pretrained model switches IVON to
     `ivon_preset="finetune"` unless the user chose a preset."""
-    parser = HfArgumentParser((ModelArguments, DataArguments, CorruptionArguments, ExampleTrainingArguments))
+    parser = HfArgumentParser((ModelArguments, DataArguments, ExampleCorruptionArguments, ExampleTrainingArguments))
 
     def parse(**overrides: str) -> tuple[tuple, set[str]]:  # the dataclasses, and the names of the arguments given
         if len(argv) == 1 and argv[0].endswith((".json", ".yaml", ".yml")):
@@ -232,7 +245,8 @@ def main() -> None:
     if data_args.max_train_samples:
         data["train"] = data["train"].select(range(min(data_args.max_train_samples, len(data["train"]))))
     if data_args.max_eval_samples:
-        data["test"] = data["test"].select(range(min(data_args.max_eval_samples, len(data["test"]))))
+        for split in ("validation", "test") if "test" in data else ("validation",):
+            data[split] = data[split].select(range(min(data_args.max_eval_samples, len(data[split]))))
 
     if embedded and noise_args.noise_type is None:
         noise_args.noise_type, noise_args.noise_rate = "symmetric", 0.4
@@ -265,9 +279,10 @@ def main() -> None:
         return {"pixel_values": torch.stack([e["pixel_values"] for e in examples]),
                 "labels": torch.stack([e["labels"] for e in examples])}
 
-    train, test = data["train"].with_transform(transform), data["test"].with_transform(transform)
+    train, validation = data["train"].with_transform(transform), data["validation"].with_transform(transform)
+    test = data["test"].with_transform(transform) if "test" in data else None
     export = training_args.label_noise_samples > 0 and get_method_class(training_args.method).uses_ivon
-    trainer = VariationalTrainer(model=model, args=training_args, train_dataset=train, eval_dataset=test,
+    trainer = VariationalTrainer(model=model, args=training_args, train_dataset=train, eval_dataset=validation,
                                  data_collator=collate, processing_class=processor,
                                  noise_report=reports["train"] if reports else None,
                                  callbacks=[LabelNoiseCallback(training_args.label_noise_samples, plots=True)] if export else None)
@@ -275,9 +290,7 @@ def main() -> None:
         trainer.train(resume_from_checkpoint=checkpoint)
         trainer.save_model()
     if training_args.do_eval:
-        metrics = trainer.evaluate()
-        trainer.log_metrics("eval", metrics)
-        trainer.save_metrics("eval", metrics)
+        metrics = evaluate_validation_and_test(trainer, test)
     if training_args.do_train:
         dataset_name = data_args.dataset_name or ("local image folders" if data_args.train_dir else "sklearn-digits")
         if training_args.push_to_hub:

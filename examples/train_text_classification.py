@@ -40,9 +40,18 @@ from varsmooth.corruption import CorruptionArguments
 from varsmooth.data import TEXT_DATASETS, load_text_classification_files, load_text_dataset, train_eval_splits
 from varsmooth.methods import get_method_class
 from varsmooth.models import count_parameters, create_text_classifier, minilm_path
-from varsmooth.utils import checkpoint_to_resume
+from varsmooth.utils import checkpoint_to_resume, evaluate_validation_and_test
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ExampleCorruptionArguments(CorruptionArguments):
+    noise_splits: str = field(
+        default="train,validation",
+        metadata={"help": "Comma-separated splits to corrupt. The validation split too by default: whoever has noisy "
+                          "training labels has no clean validation set, and every choice is made on it."},
+    )
 
 #: the AdamW rate of non-IVON methods, and IVON's rate in the fine-tuning preset (lr·clip_radius = the same 3e-4)
 ADAMW_LR = 3e-4
@@ -101,11 +110,12 @@ class DataArguments:
     train_split: str = field(default="train", metadata={"help": "Split to train on."})
     eval_split: str | None = field(
         default=None,
-        metadata={"help": "Split to evaluate on (default: 'validation' if the dataset has one, else 'test', else "
-                          "--train_val_split of the training split)."},
+        metadata={"help": "Validation split: evaluated during and after training, and where the posterior temperature "
+                          "is chosen (default: 'validation' if the dataset has one, else --train_val_split of the "
+                          "training split). A 'test' split is scored once at the end (test_* metrics)."},
     )
     train_val_split: float = field(
-        default=0.2, metadata={"help": "Fraction of the training split held out for evaluation when the dataset has none."}
+        default=0.2, metadata={"help": "Fraction of the training split held out for validation when the dataset has none."}
     )
     text_column_name: str = field(default="text", metadata={"help": "Text column.", "aliases": ["--text_column"]})
     label_column_name: str = field(
@@ -201,7 +211,7 @@ def default_model() -> str:
 
 
 def main() -> None:
-    parser = HfArgumentParser((ModelArguments, DataArguments, CorruptionArguments, ExampleTrainingArguments))
+    parser = HfArgumentParser((ModelArguments, DataArguments, ExampleCorruptionArguments, ExampleTrainingArguments))
     model_args, data_args, noise_args, training_args = parser.parse_args_into_dataclasses()
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     datasets.utils.logging.set_verbosity_warning()
@@ -214,7 +224,8 @@ def main() -> None:
     if data_args.max_train_samples:
         data["train"] = data["train"].shuffle(seed=training_args.seed).select(range(min(data_args.max_train_samples, len(data["train"]))))
     if data_args.max_eval_samples:
-        data["test"] = data["test"].select(range(min(data_args.max_eval_samples, len(data["test"]))))
+        for split in ("validation", "test") if "test" in data else ("validation",):
+            data[split] = data[split].select(range(min(data_args.max_eval_samples, len(data[split]))))
     shared_default = not (data_args.train_file or data_args.dataset_name)
     if shared_default and noise_args.noise_type is None:
         noise_args.noise_type, noise_args.noise_rate = "symmetric", 0.3
@@ -251,22 +262,22 @@ def main() -> None:
         return out
 
     keep = ("clean_label", "is_corrupted")  # trainer.label_noise() reports against them (batches never see them)
-    train, test = (
-        data[split].map(tokenize, batched=True, remove_columns=[c for c in data[split].column_names if c not in keep])
-        for split in ("train", "test")
-    )
+    tokenized = {
+        split: data[split].map(tokenize, batched=True, remove_columns=[c for c in data[split].column_names if c not in keep])
+        for split in data
+    }
     # evaluation pads each batch to its longest text: in order of length it pads little (SST-2: 2x faster)
-    test = test.add_column("length", [len(ids) for ids in test["input_ids"]]).sort("length").remove_columns("length")
-    trainer = VariationalTrainer(model=model, args=training_args, train_dataset=train, eval_dataset=test,
+    by_length = {split: tokenized[split].add_column("length", [len(ids) for ids in tokenized[split]["input_ids"]])
+                 .sort("length").remove_columns("length") for split in data if split != "train"}
+    train, validation, test = tokenized["train"], by_length["validation"], by_length.get("test")
+    trainer = VariationalTrainer(model=model, args=training_args, train_dataset=train, eval_dataset=validation,
                                  data_collator=DataCollatorWithPadding(tokenizer), processing_class=tokenizer,
                                  noise_report=reports["train"] if reports else None)
     if training_args.do_train:
         trainer.train(resume_from_checkpoint=checkpoint)
         trainer.save_model()
     if training_args.do_eval:
-        metrics = trainer.evaluate()
-        trainer.log_metrics("eval", metrics)
-        trainer.save_metrics("eval", metrics)
+        metrics = evaluate_validation_and_test(trainer, test)
     if training_args.do_train:
         dataset_name = data_args.dataset_name or ("local files" if data_args.train_file else data_args.dataset)
         if training_args.push_to_hub:

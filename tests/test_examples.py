@@ -140,7 +140,7 @@ def test_image_folders_column_names_and_the_validation_split(tmp_path):
     data_args = example.parse_arguments(["--train_dir", str(tmp_path / "train"), "--validation_dir", str(tmp_path / "val"),
                                          "--use_cpu", "true"])[1]
     data, embedded, _ = example.load_data(data_args, seed=0)
-    assert not embedded and (len(data["train"]), len(data["test"])) == (10, 4)
+    assert not embedded and (len(data["train"]), len(data["validation"])) == (10, 4) and "test" not in data
     assert data["train"].features["label"].names == ["cat", "dog"]
     # an image folder with a validation/ sub-folder (HF's layout) is evaluated on it, not on a part of train
     (tmp_path / "both").mkdir()
@@ -148,7 +148,7 @@ def test_image_folders_column_names_and_the_validation_split(tmp_path):
     shutil.copytree(tmp_path / "val", tmp_path / "both" / "validation")
     data_args = example.parse_arguments(["--dataset_name", str(tmp_path / "both"), "--use_cpu", "true"])[1]
     data, _, _ = example.load_data(data_args, seed=0)
-    assert (len(data["train"]), len(data["test"])) == (10, 4)
+    assert (len(data["train"]), len(data["validation"])) == (10, 4)
     # the old flag names stay as aliases of HF's
     data_args = example.parse_arguments(["--image_column", "img", "--label_column", "y", "--use_cpu", "true"])[1]
     assert (data_args.image_column_name, data_args.label_column_name) == ("img", "y")
@@ -161,16 +161,36 @@ def test_train_eval_splits_follow_hf_conventions():
     split = lambda n: datasets.Dataset.from_dict({"label": [i % 2 for i in range(n)]},  # noqa: E731
                                                  features=datasets.Features({"label": labels}))
     raw = datasets.DatasetDict(train=split(20), validation=split(6), test=split(8))
-    assert len(train_eval_splits(raw)["test"]) == 6  # validation first, as HF's examples evaluate
-    assert len(train_eval_splits(raw, eval_split="test")["test"]) == 8
-    assert len(train_eval_splits(datasets.DatasetDict(train=split(20), test=split(8)))["test"]) == 8
-    held_out = train_eval_splits(datasets.DatasetDict(train=split(20)), train_val_split=0.25, stratify_by_column="label")
-    assert (len(held_out["train"]), len(held_out["test"])) == (15, 5)
-    assert sorted(held_out["test"]["label"]) == [0, 0, 1, 1, 1] or sorted(held_out["test"]["label"]) == [0, 0, 0, 1, 1]
+    both = train_eval_splits(raw)  # the dataset's validation split, as HF's examples evaluate; test scored apart
+    assert (len(both["train"]), len(both["validation"]), len(both["test"])) == (20, 6, 8)
+    chosen = train_eval_splits(raw, eval_split="test")  # the user's choice: then no separate test split
+    assert len(chosen["validation"]) == 8 and "test" not in chosen
+    # no validation split: it is held out of train, never taken from test (choices made on it would score themselves)
+    held_out = train_eval_splits(datasets.DatasetDict(train=split(20), test=split(8)), train_val_split=0.25,
+                                 stratify_by_column="label")
+    assert (len(held_out["train"]), len(held_out["validation"]), len(held_out["test"])) == (15, 5, 8)
+    assert sorted(held_out["validation"]["label"]) in ([0, 0, 1, 1, 1], [0, 0, 0, 1, 1])
     with pytest.raises(ValueError, match="eval_split"):
         train_eval_splits(raw, eval_split="dev")
     with pytest.raises(ValueError, match="train_val_split"):
         train_eval_splits(datasets.DatasetDict(train=split(20)), train_val_split=0.0)
+
+
+def test_the_default_run_chooses_on_noisy_validation_and_scores_the_clean_test_split_apart(tmp_path):
+    example = load_example("train_image_classification")
+    data_args = example.parse_arguments(["--use_cpu", "true"])[1]
+    data, embedded, _ = example.load_data(data_args, seed=0)
+    assert embedded and set(data) == {"train", "validation", "test"}
+    assert abs(len(data["validation"]) - 0.2 * (len(data["train"]) + len(data["validation"]))) <= 1  # --train_val_split
+    result = _image("--output_dir", str(tmp_path / "out"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    (line,) = _metric_lines(result.stdout)
+    scores = {split: json.loads((tmp_path / "out" / f"{split}_results.json").read_text()) for split in ("eval", "test")}
+    assert line["test_accuracy"] == pytest.approx(scores["test"]["test_accuracy"], abs=1e-4)  # printed to 4 decimals
+    assert line["eval_accuracy"] == pytest.approx(scores["eval"]["eval_accuracy"], abs=1e-4)
+    # the validation labels carry the training noise (40 %): its accuracy is far below the clean test split's
+    assert line["eval_accuracy"] < line["test_accuracy"] - 0.1
+    assert "On the test set" in (tmp_path / "out" / "README.md").read_text()
 
 
 def test_text_example_column_names_files_and_train_val_split(tmp_path):
@@ -186,13 +206,13 @@ def test_text_example_column_names_files_and_train_val_split(tmp_path):
          "--text_column_name", "sentence", "--label_column", "y"])
     assert data_args.validation_file == str(tmp_path / "dev.csv")
     data = example.load_data(data_args, seed=0)
-    assert (len(data["train"]), len(data["test"])) == (20, 6)
+    assert (len(data["train"]), len(data["validation"])) == (20, 6)
     assert data["train"].features["y"].names == ["neg", "pos"]
     (data_args,) = parser.parse_args_into_dataclasses(
         ["--train_file", str(tmp_path / "train.csv"), "--text_column", "sentence", "--label_column_name", "y",
          "--train_val_split", "0.3"])
     data = example.load_data(data_args, seed=0)
-    assert (len(data["train"]), len(data["test"])) == (14, 6)
+    assert (len(data["train"]), len(data["validation"])) == (14, 6)
 
 
 # -- several processes -------------------------------------------------------------------------------------------

@@ -230,20 +230,28 @@ def train_eval_splits(
     seed: int = 0,
     stratify_by_column: str | None = None,
 ) -> datasets.DatasetDict:
-    """`train` and `test` (the split to evaluate on) in the convention of Hugging Face's example scripts.
+    """`train`, `validation` and, when the dataset has one, `test`, in the convention of Hugging Face's example scripts.
 
-    The evaluation split is `eval_split` when given, else the dataset's `validation` split, else its `test` split,
-    else a stratified `train_val_split` fraction held out of the training split.
+    `validation` is what the Trainer evaluates on and where every choice after training is made (the posterior
+    temperature, the best checkpoint): `eval_split` when given, else the dataset's `validation` split, else a
+    stratified `train_val_split` fraction held out of the training split. `test` is the dataset's `test` split unless
+    it serves as the validation split: it is scored once at the end, never chosen on.
     """
     if train_split not in raw:
         raise ValueError(f"Split {train_split!r} not found; the dataset has {list(raw)} (pass --train_split).")
     if eval_split is not None and eval_split not in raw:
         raise ValueError(f"Split {eval_split!r} not found; the dataset has {list(raw)} (pass --eval_split, or leave it "
-                         "out to evaluate on 'validation', 'test' or a part of the training split).")
-    found = eval_split or next((name for name in ("validation", "test") if name in raw and name != train_split), None)
-    if found is not None:
-        return datasets.DatasetDict(train=raw[train_split], test=raw[found])
-    if not 0.0 < train_val_split < 1.0:
-        raise ValueError(f"The dataset has no evaluation split ({list(raw)}) and --train_val_split is "
-                         f"{train_val_split}: pass a fraction in (0, 1) to hold out of the training split.")
-    return raw[train_split].train_test_split(test_size=train_val_split, seed=seed, stratify_by_column=stratify_by_column)
+                         "out to evaluate on 'validation' or a part of the training split).")
+    validation = eval_split or ("validation" if "validation" in raw and train_split != "validation" else None)
+    if validation is not None:
+        out = datasets.DatasetDict(train=raw[train_split], validation=raw[validation])
+    else:
+        if not 0.0 < train_val_split < 1.0:
+            raise ValueError(f"The dataset has no validation split ({list(raw)}) and --train_val_split is "
+                             f"{train_val_split}: pass a fraction in (0, 1) to hold out of the training split.")
+        held_out = raw[train_split].train_test_split(test_size=train_val_split, seed=seed,
+                                                     stratify_by_column=stratify_by_column)
+        out = datasets.DatasetDict(train=held_out["train"], validation=held_out["test"])
+    if "test" in raw and "test" not in (train_split, validation):
+        out["test"] = raw["test"]
+    return out

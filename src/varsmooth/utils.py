@@ -8,7 +8,7 @@ import tempfile
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["atomic_path", "checkpoint_to_resume"]
+__all__ = ["atomic_path", "checkpoint_to_resume", "evaluate_validation_and_test"]
 
 
 @contextlib.contextmanager
@@ -55,3 +55,18 @@ def checkpoint_to_resume(args: Any) -> str | None:
         raise ValueError(f"Output directory ({args.output_dir}) already exists and is not empty. Use "
                          "--overwrite_output_dir to train into it anyway, or choose another --output_dir.")
     return last
+
+
+def evaluate_validation_and_test(trainer: Any, test_dataset: Any = None) -> dict[str, float]:
+    """The example scripts' final scores: `eval_*` on the trainer's validation split (where the posterior temperature
+    and any other choice were made) and, when the dataset has one, `test_*` on its test split, scored once and never
+    chosen on. Both are logged and saved (`eval_results.json`, `test_results.json`) as in HF's examples."""
+    metrics = trainer.evaluate()
+    trainer.log_metrics("eval", metrics)
+    trainer.save_metrics("eval", metrics)
+    if test_dataset is not None:
+        test_metrics = trainer.evaluate(test_dataset, metric_key_prefix="test")
+        trainer.log_metrics("test", test_metrics)
+        trainer.save_metrics("test", test_metrics)
+        metrics = {**metrics, **test_metrics}
+    return metrics

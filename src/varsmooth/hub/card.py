@@ -97,11 +97,14 @@ def _better_prediction_text(metrics: dict[str, float]) -> str | None:
             f"num_samples=0)` predicts at the mean.")
 
 
-def _last_eval_metrics(trainer: "VariationalTrainer") -> dict[str, float]:
-    for entry in reversed(trainer.state.log_history):
-        if "eval_accuracy" in entry or "eval_mean_accuracy" in entry:
-            return {k.removeprefix("eval_"): v for k, v in entry.items() if k.startswith("eval_")}
-    return {}
+def _last_eval_metrics(trainer: "VariationalTrainer") -> tuple[dict[str, float], str]:
+    """The latest scores and where they come from: a test split when one was scored (`evaluate(...,
+    metric_key_prefix="test")`: nothing was chosen on it), else the evaluation set."""
+    for prefix, where in (("test_", "test set"), ("eval_", "evaluation set")):
+        for entry in reversed(trainer.state.log_history):
+            if prefix + "accuracy" in entry or prefix + "mean_accuracy" in entry:
+                return {k.removeprefix(prefix): v for k, v in entry.items() if k.startswith(prefix)}, where
+    return {}, "evaluation set"
 
 
 def _matrix_table(matrix: list[list[float]], names: list[str]) -> str:
@@ -149,7 +152,7 @@ def build_model_card(
     repo_id = trainer.args.hub_model_id or model_name or os.path.basename(os.path.abspath(output_dir))
     model_name = model_name or repo_id.split("/")[-1]
     base_model = _base_model(model)
-    metrics = _last_eval_metrics(trainer)
+    metrics, scored_on = _last_eval_metrics(trainer)
     method = trainer.method.name
     report = trainer.train_noise_report()
     is_ivon = trainer.method.uses_ivon
@@ -169,7 +172,7 @@ def build_model_card(
             if prefix + key in metrics:
                 eval_results.append(EvalResult(
                     task_type=task, dataset_type=hub_datasets[0] if hub_datasets else "custom",
-                    dataset_name=dataset_name or "evaluation set",
+                    dataset_name=dataset_name or scored_on,
                     metric_type=key, metric_value=float(metrics[prefix + key]),
                     metric_name=f"{pretty} ({label})" if label else pretty,
                 ))
@@ -199,7 +202,7 @@ def build_model_card(
         rows = [f"| {pretty} | " + " | ".join(
             f"{metrics[p + key]:.4f}" if p + key in metrics else "–" for p in ("", "mean_")) + " |"
             for key, pretty in _METRIC_NAMES.items() if key in metrics or "mean_" + key in metrics]
-        metrics_text = ("On the evaluation set" + (f" of `{dataset_name}`" if dataset_name else "") + ", "
+        metrics_text = (f"On the {scored_on}" + (f" of `{dataset_name}`" if dataset_name else "") + ", "
                         + (f"averaging {trainer.args.eval_mc_samples} posterior samples, and at the posterior mean:"
                            if is_ivon else "at the trained weights:"))
         metrics_table = "| metric | posterior-averaged | posterior mean |\n|---|---|---|\n" + "\n".join(rows) + "\n"
