@@ -23,6 +23,7 @@ run.yaml`).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -36,7 +37,7 @@ import yaml
 from transformers import AutoImageProcessor, HfArgumentParser, ViTImageProcessor, set_seed
 
 from varsmooth import LabelNoiseCallback, VariationalTrainer, VariationalTrainingArguments
-from varsmooth.corruption import CorruptionArguments, NoiseReport
+from varsmooth.corruption import CorruptionArguments, NoiseReport, noise_report
 from varsmooth.data import CIFAR10N_LABEL_SETS, load_cifar10n, load_digits_dataset, train_eval_splits
 from varsmooth.methods import get_method_class
 from varsmooth.models import WEIGHT_PACKAGES, count_parameters, create_image_classifier, is_timm_name
@@ -162,12 +163,14 @@ def _find_column(features: datasets.Features, kind: type, given: str | None, wha
 def load_data(data_args: DataArguments, seed: int) -> tuple[datasets.DatasetDict, bool, dict[str, NoiseReport] | None]:
     """The train/eval splits, whether they are the embedded default, and the report of labels that came noisy."""
     if data_args.dataset == "cifar10n":
-        # the validation split is held out of the (human-labelled) training images: its labels are as noisy as the
-        # training labels, and the noise report is recomputed for the rest from their `clean_label` column
-        data = load_cifar10n(data_args.data_dir, data_args.label_set, max_train=data_args.max_train_samples,
-                             max_test=data_args.max_eval_samples)
-        return train_eval_splits(data, train_val_split=data_args.train_val_split, seed=seed,
-                                 stratify_by_column="label"), False, None
+        # the validation split is held out of the (human-labelled) training images, so its labels are as noisy as
+        # the training labels; the report describes the images left to train on
+        data, report = load_cifar10n(data_args.data_dir, data_args.label_set, max_train=data_args.max_train_samples,
+                                     max_test=data_args.max_eval_samples, return_report=True)
+        data = train_eval_splits(data, train_val_split=data_args.train_val_split, seed=seed, stratify_by_column="label")
+        realized = noise_report(data["train"].with_format(None), label_column="label")
+        return data, False, {"train": dataclasses.replace(realized, noise_type=report.noise_type, params=report.params,
+                                                          seed=report.seed)}
     if data_args.dataset_name and (data_args.train_dir or data_args.validation_dir):
         raise ValueError("Give either --dataset_name or --train_dir/--validation_dir, not both.")
     if data_args.validation_dir and not data_args.train_dir:

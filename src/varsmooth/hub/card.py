@@ -86,7 +86,7 @@ def _better_prediction_text(metrics: dict[str, float]) -> str | None:
     """One sentence naming the better of the two predictions on this run, by NLL (a proper scoring rule)."""
     if "nll" not in metrics or "mean_nll" not in metrics:
         return None
-    bma, mean = metrics["nll"], metrics["mean_nll"]
+    bma, mean = round(metrics["nll"], 4), round(metrics["mean_nll"], 4)  # as the table shows them
     if bma == mean:
         return f"On this run both predictions have the same negative log-likelihood ({bma:.4f})."
     if bma < mean:
