@@ -12,7 +12,12 @@ Data: MNIST 9k subset, small CNN, batch 64 (random inputs of the same shape if M
 
     OMP_NUM_THREADS=1 python benchmarks/cost.py                 # ~6-8 min on one core
     OMP_NUM_THREADS=1 python benchmarks/cost.py --rounds 2 --steps 20 --eval-size 1000   # smoke
+    python benchmarks/cost.py --report                          # rewrite the .md files from the committed .json
     OMP_NUM_THREADS=1 python benchmarks/cost.py --engine --rounds 5 --steps 12 --skip 2  # IVON engine vs AdamW (engine.md)
+
+Every ratio is shown as its median over rounds with the min-max over rounds beside it; a ratio whose spread
+(max - min) / median exceeds `UNSTABLE_SPREAD` is marked "not stable": other jobs on the machine moved it more than
+the difference it measures, so it should not be read (rerun on a quiet machine).
 """
 
 from __future__ import annotations
@@ -32,7 +37,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from transformers.trainer_callback import PrinterCallback  # noqa: E402
 
@@ -43,6 +47,8 @@ logging.getLogger("varsmooth").setLevel(logging.ERROR)  # blocks of 50 steps: th
 from trainer_overhead import StepClock, block_time, load_xy  # noqa: E402
 
 OUT_DIR = common.RESULTS_DIR / "cost"
+#: (max - min) / median over rounds above which a ratio is reported as not stable enough to read
+UNSTABLE_SPREAD = 0.5
 STEP_CONFIGS = {
     "erm_adamw": dict(method="erm", optim="adamw_torch", learning_rate=1e-3, weight_decay=0.0),
     "ivon_mc1": dict(method="ivon", mc_samples=1),
@@ -108,11 +114,23 @@ def step_timing(x, y, rounds: int, steps: int, skip: int) -> tuple[dict, dict, l
             per_round.append(times)
             print(f"round {r}: " + "  ".join(f"{k} {1e3 * v:.1f}ms" for k, v in times.items()), flush=True)
     summary = {k: 1e3 * statistics.median([t[k] for t in per_round]) for k in STEP_CONFIGS}
-    ratios = {}
-    for k in STEP_CONFIGS:
-        v = [t[k] / t["erm_adamw"] for t in per_round]
-        ratios[f"{k} / erm_adamw"] = {"median": statistics.median(v), "min": min(v), "max": max(v)}
+    ratios = {f"{k} / erm_adamw": spread([t[k] / t["erm_adamw"] for t in per_round]) for k in STEP_CONFIGS}
     return summary, ratios, per_round
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    """Median and min-max of per-round ratios."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def fmt_ratio(r: dict[str, float], digits: int = 2) -> str:
+    """`median [min–max]`, flagged when the spread over rounds is too wide to read the median."""
+    text = f"{r['median']:.{digits}f} [{r['min']:.{digits}f}–{r['max']:.{digits}f}]"
+    return text + " (not stable)" if unstable(r) else text
+
+
+def unstable(r: dict[str, float]) -> bool:
+    return (r["max"] - r["min"]) / r["median"] > UNSTABLE_SPREAD
 
 
 def eval_timing(x_test, y_test, rounds: int, samples: list[int], eval_size: int) -> dict:
@@ -136,10 +154,13 @@ def eval_timing(x_test, y_test, rounds: int, samples: list[int], eval_size: int)
         # label-noise export vs (S + 1) forward sweeps
         export = label_noise_timing(trainer, x_test[:eval_size], y_test[:eval_size], rounds, samples)
     t0 = statistics.median(times[0])
-    out = {"eval_size": eval_size, "mean_eval_s": t0, "per_S": {}}
+    out = {"eval_size": eval_size, "mean_eval_s": t0, "per_round_mean_eval_s": times[0], "per_S": {}}
     for s in samples:
         ts = statistics.median(times[s])
-        out["per_S"][s] = {"bma_eval_s": ts, "ratio_vs_S_mean_evals": ts / (s * t0), "ratio_vs_S_plus_1_mean_evals": ts / ((s + 1) * t0)}
+        # per round: the S-sample evaluation against that round's evaluation at the mean
+        out["per_S"][s] = {"bma_eval_s": ts, "per_round_s": times[s], "ratio_vs_S_mean_evals": ts / (s * t0),
+                           "ratio_vs_S_plus_1_mean_evals": ts / ((s + 1) * t0),
+                           "ratio_vs_S_plus_1_per_round": spread([a / ((s + 1) * b) for a, b in zip(times[s], times[0])])}
     out["label_noise_export"] = export
     return out
 
@@ -172,7 +193,9 @@ def label_noise_timing(trainer, x, y, rounds: int, samples: list[int]) -> dict:
             sweep()
             t_sweep.append(time.perf_counter() - t0)
         te, tw = statistics.median(t_export), statistics.median(t_sweep)
-        out[s] = {"export_s": te, "one_sweep_s": tw, "ratio_vs_S_plus_1_sweeps": te / ((s + 1) * tw)}
+        out[s] = {"export_s": te, "one_sweep_s": tw, "ratio_vs_S_plus_1_sweeps": te / ((s + 1) * tw),
+                  "per_round_export_s": t_export, "per_round_sweep_s": t_sweep,
+                  "ratio_vs_S_plus_1_per_round": spread([a / ((s + 1) * b) for a, b in zip(t_export, t_sweep)])}
     return out
 
 
@@ -430,7 +453,13 @@ def main(argv: list[str] | None = None) -> dict | None:
     p.add_argument("--_memory-child", dest="memory_child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--engine", action="store_true", help="IVON engine vs AdamW on an 8.4 M MLP and ViT-small (engine.md)")
     p.add_argument("--_engine-memory-child", dest="engine_memory_child", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--report", action="store_true", help="Only rewrite every cost*.md from its cost*.json.")
     a = p.parse_args(argv)
+    if a.report:
+        for path in sorted(OUT_DIR.glob("cost*.json")):
+            path.with_suffix(".md").write_text(render(json.loads(path.read_text())))
+            print(path.with_suffix(".md").read_text())
+        return None
     torch.set_num_threads(1)
     if a.engine_memory_child:
         engine_memory_child(*a.engine_memory_child.split(":"), a.steps)
@@ -458,27 +487,47 @@ def main(argv: list[str] | None = None) -> dict | None:
               "per_round_s": per_round, "evaluation": ev, "memory": mem, "versions": common._versions(),
               "note": "Shared 2-core machine: ratios within a round are the result; absolute times are not."}
     common.write_json(OUT_DIR / "cost.json", result)
+    text = render(result)
+    (OUT_DIR / "cost.md").write_text(text)
+    print(text)
+    return result
+
+
+def render(result: dict) -> str:
+    """cost.md from a cost.json; runs written before the per-round evaluation times were kept show no spread there."""
+    step_ms, ev, mem = result["step_ms_median"], result["evaluation"], result["memory"]
+    # recomputed from the per-round times, so that old and new results read the same way
+    step_ratios = {k: spread([t[k] / t["erm_adamw"] for t in result["per_round_s"]]) for k in step_ms}
     L = ["# What IVON costs (CPU, one thread)", "",
-         f"{data_name}, small CNN, batch 64; {a.rounds} interleaved rounds × {a.steps} steps per configuration.", "",
+         f"{result['data']}, small CNN, batch 64; {result['rounds']} interleaved rounds × {result['steps_per_block']} steps "
+         "per configuration. Ratios: median over rounds [min–max over rounds]; \"(not stable)\": (max − min) / median > "
+         f"{UNSTABLE_SPREAD}, the load of other jobs moved the ratio more than it can be read to.", "",
          "| per optimizer step | ms (median) | ratio to ERM/AdamW, median [min–max] |", "|---|---|---|"]
-    for k in STEP_CONFIGS:
-        r = step_ratios[f"{k} / erm_adamw"]
-        L.append(f"| {k} | {step_ms[k]:.1f} | **{r['median']:.2f}** [{r['min']:.2f}–{r['max']:.2f}] |")
+    for k in step_ms:
+        L.append(f"| {k} | {step_ms[k]:.1f} | {fmt_ratio(step_ratios[k])} |")
     L += ["", f"Evaluation of {ev['eval_size']} images: at the posterior mean {ev['mean_eval_s']:.2f} s.", "",
-          "| S posterior samples | BMA evaluate() s | ÷ (S × mean eval) | ÷ ((S+1) × mean eval) |", "|---|---|---|---|"]
+          "| S posterior samples | BMA evaluate() s | ÷ (S × mean eval) | ÷ ((S+1) × mean eval), median [min–max] |",
+          "|---|---|---|---|"]
     for s, v in ev["per_S"].items():
-        L.append(f"| {s} | {v['bma_eval_s']:.2f} | {v['ratio_vs_S_mean_evals']:.2f} | {v['ratio_vs_S_plus_1_mean_evals']:.2f} |")
-    L += ["", "| label-noise export, S draws | export s | one forward sweep s | ÷ ((S+1) sweeps) |", "|---|---|---|---|"]
+        per_round = v.get("ratio_vs_S_plus_1_per_round")
+        cell = fmt_ratio(per_round) if per_round else f"{v['ratio_vs_S_plus_1_mean_evals']:.2f} (ratio of medians; rounds not recorded)"
+        L.append(f"| {s} | {v['bma_eval_s']:.2f} | {v['ratio_vs_S_mean_evals']:.2f} | {cell} |")
+    L += ["", "| label-noise export, S draws | export s | one forward sweep s | ÷ ((S+1) sweeps), median [min–max] |",
+          "|---|---|---|---|"]
     for s, v in ev["label_noise_export"].items():
-        L.append(f"| {s} | {v['export_s']:.2f} | {v['one_sweep_s']:.3f} | {v['ratio_vs_S_plus_1_sweeps']:.2f} |")
-    L += ["", "| memory | optimizer state | ÷ parameter bytes | peak RSS growth while training (process level, sampled) |", "|---|---|---|---|"]
+        per_round = v.get("ratio_vs_S_plus_1_per_round")
+        cell = fmt_ratio(per_round) if per_round else f"{v['ratio_vs_S_plus_1_sweeps']:.2f} (ratio of medians; rounds not recorded)"
+        L.append(f"| {s} | {v['export_s']:.2f} | {v['one_sweep_s']:.3f} | {cell} |")
+    # results of an earlier version of this script (they hold `peak_rss_kib`, not `rss_before_kib`) measured the
+    # peak without the sampling thread: they keep the header they were written with
+    sampled = all("rss_before_kib" in v for v in mem.values())
+    rss = "peak RSS growth while training (process level, sampled)" if sampled else "peak-RSS growth over training (process level)"
+    L += ["", f"| memory | optimizer state | ÷ parameter bytes | {rss} |", "|---|---|---|---|"]
     for k, v in mem.items():
         L.append(f"| {k} | {v['optimizer_state_bytes'] / 2**20:.2f} MiB | {v['optimizer_state_bytes'] / v['param_bytes']:.1f}× | "
                  f"{v['peak_rss_growth_kib'] / 1024:.1f} MiB |")
     L += ["", result["note"], "", "Rerun: `OMP_NUM_THREADS=1 python benchmarks/cost.py`", ""]
-    (OUT_DIR / "cost.md").write_text("\n".join(L))
-    print("\n".join(L))
-    return result
+    return "\n".join(L)
 
 
 if __name__ == "__main__":

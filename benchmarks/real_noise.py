@@ -19,8 +19,9 @@ all with the same AdamW base — and IVON with the fine-tuning preset of `IVON_F
 pretrained model"), each with ``--seeds`` seeds. Paired design: every method starts from the same weights (the
 pretrained ones and a zero head) and, within a seed, sees the same labels, batch order and dropout seed. Every run is cached as JSON in ``benchmarks/results/real_noise/runs/`` (resumable: rerun to continue).
 
+    OMP_NUM_THREADS=1 python benchmarks/real_noise.py --plan fair      # per task: learning rates tuned on noisy val, then all methods
     OMP_NUM_THREADS=1 python benchmarks/real_noise.py --plan core      # CIFAR-10N worse + aggre: ERM, IVON, LS grid
-    OMP_NUM_THREADS=1 python benchmarks/real_noise.py --plan tuning    # the single-seed checks behind the preset
+    OMP_NUM_THREADS=1 python benchmarks/real_noise.py --plan tuning    # the old single-seed checks on the clean test set
     OMP_NUM_THREADS=1 python benchmarks/real_noise.py --plan text      # SST-2 / TREC with 30 % noise: ERM, IVON
     OMP_NUM_THREADS=1 python benchmarks/real_noise.py --plan all       # + random1, SAM and the other baselines, text
     python benchmarks/real_noise.py --report                           # tables from the cached runs only
@@ -68,9 +69,8 @@ CIFAR = {"n_train": 4000, "n_test": 2000, "image_size": 64, "frozen_stages": 4, 
 #: optimizers on some seeds (the 45-72 % spread of the first text runs, see varsmooth.models.MeanPoolingBert...)
 TEXT = {"n_train": 2000, "n_test": 1000, "num_layers": 2, "max_length": 64, "batch_size": 32, "epochs": 3, "pooling": "mean"}
 
-#: AdamW base of every non-IVON method, cosine, 10 % warm-up. Rates from the checks of `TUNING` (seed 0): 1e-3 for
-#: the CNN (1e-4: 39.7 %, 3e-4: 56.7 %, 3e-3: 63.3 % against 64.6 % on cifar10n-worse), 3e-4 for MiniLM (1e-3:
-#: 60.1 % against 72.1 % on sst2-sym30; 1e-4 for 2 epochs stayed at chance)
+#: AdamW base of every non-IVON method, cosine, 10 % warm-up. The learning rate here is the middle of `LR_GRID`; the
+#: reported runs use the rate chosen on the noisy validation split (`chosen_rates`)
 ADAMW = {"image": {"optim": "adamw_torch", "learning_rate": 1e-3, "weight_decay": 0.01},
          "text": {"optim": "adamw_torch", "learning_rate": 3e-4, "weight_decay": 0.01}}
 #: IVON fine-tuning preset (README "Fine-tuning a pretrained model"): no lr rescaling and an element-wise clip, so
@@ -81,6 +81,8 @@ IVON_FINETUNE = {"image": {"learning_rate": 1.0, "clip_radius": 1e-3, "rescale_l
                            "ess": 1e8, "beta2": 0.999, "prior_precision": 0.0},
                  "text": {"learning_rate": 0.3, "clip_radius": 1e-3, "rescale_lr": False, "hess_init": 1e-3,
                           "ess": 1e8, "beta2": 0.999, "prior_precision": 0.0}}
+#: LS rates trained as `ls` runs; α = 0 is plain cross-entropy, i.e. the ERM run of the same seed, which joins the
+#: per-seed choice on noisy validation (`select_on_val`)
 LS_GRID = (0.1, 0.3, 0.5)
 SAM_GRID = (0.05, 0.2)
 #: noisy validation split of CIFAR-10N: other CIFAR-10 training images (none of the training subset) with the human
@@ -333,7 +335,7 @@ def run(task_name: str, method: str, hyperparams: dict[str, Any] | None = None, 
     path = OUT_DIR / "runs" / f"{key}.json"
     if path.is_file() and not force:
         cached = json.loads(path.read_text())
-        if (not export or "export" in cached) and not _needs_val_rerun(task, method, cached):
+        if (not export or "export" in cached) and not _needs_val_rerun(method, cached):
             return cached
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -466,8 +468,9 @@ def method_grid(task: Task, baselines: bool, ls_grid: bool = True) -> list[tuple
     return grid
 
 
-#: single-seed checks behind the fine-tuning preset: the step size of both optimizers, IVON's σ0 (through ess), and
-#: the library's from-scratch IVON defaults (the authors' CIFAR recipe) applied to a pretrained net
+#: the old single-seed checks behind the fine-tuning preset, scored on the clean test set: the step size of both
+#: optimizers, IVON's σ0 (through ess), and the library's from-scratch IVON defaults (the authors' CIFAR recipe) applied
+#: to a pretrained net. Kept as a record; the rates are now chosen by `--plan fair` on the noisy validation split
 TUNING = {
     "cifar10n-worse": [("erm", {"learning_rate": lr}) for lr in (1e-4, 3e-4, 3e-3)]
     + [("ivon", {"learning_rate": lr}) for lr in (0.3, 3.0)] + [("ivon", {"ess": ess}) for ess in (1e7, 1e9)]
@@ -477,10 +480,59 @@ TUNING = {
 }
 
 
+#: seed of the old single-seed checks above; they compared clean-test accuracies, so nothing is chosen on them now
 TUNING_SEED = 0
+#: every optimizer's learning rate is chosen on the noisy validation split from a grid of the same size (3 trainings
+#: each, on `LR_TUNING_SEED`, which is never reported), with every other setting at its preset value. The rate chosen
+#: for plain AdamW (ERM) is used by every AdamW method; the one chosen for the IVON preset by IVON with the rule too.
+LR_GRID = {"image": {"adamw": (3e-4, 1e-3, 3e-3), "ivon": (0.3, 1.0, 3.0)},
+           "text": {"adamw": (1e-4, 3e-4, 1e-3), "ivon": (0.1, 0.3, 1.0)}}
+LR_TUNING_SEED = 100
+#: the order of `--plan fair`: the headline task first
+FAIR_TASKS = ("cifar10n-worse", "cifar10n-random1", "cifar10n-aggre", "sst2-sym30", "trec-sym30")
 #: the longer CIFAR-10N budget (3x the default run) and what runs at it
 LONG_EPOCHS = 10
 LONG_METHODS = [("erm", {}), ("ivon", {}), IVON_RULE, ("ls", {"smoothing": 0.1})]
+
+
+def _optimizer(method: str) -> str:
+    from varsmooth.methods import get_method_class
+
+    return "ivon" if get_method_class(method).uses_ivon else "adamw"
+
+
+def _with_rate(task: Task, method: str, hp: dict[str, Any], rate: float) -> dict[str, Any]:
+    """`hp` trained at learning rate `rate`; the base rate is left out so that its runs keep their cached keys."""
+    return dict(hp) if rate == settings_for(task, method, {})["learning_rate"] else {**hp, "learning_rate": rate}
+
+
+def lr_tuning_jobs(task_name: str) -> list[dict[str, Any]]:
+    """The learning-rate grid of each optimizer on its plain method (ERM, the IVON preset), on `LR_TUNING_SEED`."""
+    task = Task.parse(task_name)
+    return [{"task_name": task_name, "method": method, "hyperparams": _with_rate(task, method, {}, rate), "seed": LR_TUNING_SEED,
+             "export": False} for method in ("erm", "ivon") for rate in LR_GRID[task.kind][_optimizer(method)]]
+
+
+def chosen_rates(task_name: str) -> dict[str, float] | None:
+    """Per optimizer, the grid rate with the best noisy-validation accuracy (ties: lower validation NLL); None until
+    every tuning run of the task is cached."""
+    best: dict[str, tuple[tuple[float, float], float]] = {}
+    for job in lr_tuning_jobs(task_name):
+        r = _cached(job)
+        if r is None:
+            return None
+        score, opt = (r["val_acc"], -r["val_nll"]), _optimizer(job["method"])
+        if opt not in best or score > best[opt][0]:
+            best[opt] = (score, r["settings"]["learning_rate"])
+    return {opt: rate for opt, (_, rate) in best.items()}
+
+
+def fair_jobs(task_name: str, seeds: list[int], rates: dict[str, float]) -> list[dict[str, Any]]:
+    """Every method of `--plan all` on the task at its optimizer's chosen rate, seed-major."""
+    task = Task.parse(task_name)
+    return [{"task_name": task_name, "method": method, "hyperparams": _with_rate(task, method, hp, rates[_optimizer(method)]),
+             "seed": seed, "export": seed == seeds[0] and (method, hp) in EXPORTED and task.kind == "image"}
+            for seed in seeds for method, hp in method_grid(task, True)]
 
 
 def plan(name: str, seeds: list[int]) -> list[dict[str, Any]]:
@@ -552,15 +604,44 @@ def _row(label: str, rs: list[dict[str, Any]], erm: dict[int, float]) -> str:
             f"{np.mean([r['train_s'] for r in rs]):.0f} |")
 
 
-def select_on_val(rows: dict[str, list[dict[str, Any]]], family: str) -> list[dict[str, Any]]:
-    """Per seed, the grid point of `family` with the best noisy-validation accuracy (ties: lower val NLL)."""
-    options = [r for label, rs in rows.items() if label.startswith(family + " (") for r in rs if "val_acc" in r]
-    picked = {}
-    for r in options:
-        seed = r["config"]["seed"]
-        if seed not in picked or (r["val_acc"], -r["val_nll"]) > (picked[seed]["val_acc"], -picked[seed]["val_nll"]):
-            picked[seed] = r
-    return [picked[s] for s in sorted(picked)]
+def select_on_val(rows: dict[str, list[dict[str, Any]]], family: str, also: list[dict[str, Any]] = ()) -> list[dict[str, Any]]:
+    """Per seed, the grid point of `family` (plus the runs `also`, e.g. ERM as LS's α = 0) with the best
+    noisy-validation accuracy (ties: lower val NLL); only seeds where every grid point has val metrics."""
+    by_seed: dict[int, list[dict[str, Any]]] = {}
+    for r in [r for label, rs in rows.items() if label.startswith(family + " (") for r in rs] + list(also):
+        by_seed.setdefault(r["config"]["seed"], []).append(r)
+    return [max(rs, key=lambda r: (r["val_acc"], -r["val_nll"])) for _, rs in sorted(by_seed.items())
+            if all("val_acc" in r for r in rs)]
+
+
+def _tuning_lines(task: str, rates: dict[str, float] | None) -> list[str]:
+    """The learning-rate tuning runs of a task: noisy-validation metrics only (their test metrics are not reported)."""
+    lines = ["", f"Learning rate of each optimizer, chosen on the noisy validation split (seed {LR_TUNING_SEED}, "
+             "not reported):", "", "| optimizer (tuned on) | learning rate | noisy-val acc % | noisy-val NLL | chosen |",
+             "|---|---|---|---|---|"]
+    for job in lr_tuning_jobs(task):
+        r = _cached(job)
+        rate = settings_for(Task.parse(task), job["method"], job["hyperparams"])["learning_rate"]
+        opt = _optimizer(job["method"])
+        cells = f"{100 * r['val_acc']:.1f} | {r['val_nll']:.3f}" if r else "(not run yet) | –"
+        lines.append(f"| {opt} ({job['method']}) | {rate:g} | {cells} | {'**yes**' if rates and rates[opt] == rate else ''} |")
+    return lines
+
+
+def _budget_lines(task: Task) -> list[str]:
+    """How many trainings stand behind each reported number (the selection rule of `--plan fair`)."""
+    grid = LR_GRID[task.kind]
+    return ["", "Selection rule and tuning budget (every choice on the noisy validation split): the learning rate of each "
+            f"optimizer from {len(grid['adamw'])} trainings on seed {LR_TUNING_SEED} (AdamW {'/'.join(f'{v:g}' for v in grid['adamw'])} "
+            "with ERM, used by every AdamW method; IVON "
+            f"{'/'.join(f'{v:g}' for v in grid['ivon'])} with the preset, used by IVON + rule too); then per reported seed LS's "
+            f"α from {{0, {', '.join(f'{a:g}' for a in LS_GRID)}}} ({len(LS_GRID) + 1} trainings, α = 0 being that seed's ERM run) "
+            f"and SAM's ρ from {{{', '.join(f'{r:g}' for r in SAM_GRID)}}} ({len(SAM_GRID)} trainings). Trainings behind a reported "
+            f"number: ERM {len(grid['adamw'])}; LS {len(grid['adamw'])} + {len(LS_GRID) + 1} per seed; SAM {len(grid['adamw'])} + "
+            f"{len(SAM_GRID)} per seed; GCE, OLS, logistic-normal {len(grid['adamw'])} (q = 0.7, α = 0.5: their papers' "
+            f"values, not tuned); IVON and IVON + rule {len(grid['ivon'])} (hessian_window = 0.1: the library's rule, not "
+            "tuned). IVON's other settings are the fine-tuning preset's (ess 1e8, h0 1e-3, clip 1e-3, β2 0.999); "
+            "its ess was picked earlier on the clean test set (old protocol) and is not re-tuned here."]
 
 
 def _task_label(run: dict[str, Any]) -> str:
@@ -599,25 +680,46 @@ def report() -> str:
              "training labels that the final (mean) model predicts, in-sample. mean ± sd over seeds; "
              "`Δacc vs ERM` = paired difference (same seed). ERM, LS: AdamW; IVON: the fine-tuning preset. "
              "CIFAR-10N labels: Wei et al. 2022, CC BY-NC 4.0 (non-commercial use only).", "",
-             "Reproduce: `OMP_NUM_THREADS=1 python benchmarks/real_noise.py --plan core` (then `--plan text`, "
-             "`--plan tuning`; `--plan all` adds CIFAR-10N random1, SAM, GCE, OLS, logistic-normal and the text LS grid).", ""]
+             "Reproduce: `OMP_NUM_THREADS=1 python benchmarks/real_noise.py --plan fair` (per task: the learning-rate "
+             "tuning on the noisy validation split, then every method at the chosen rates, 3 seeds; `--tasks` picks "
+             "tasks). A task without finished tuning is marked \"old protocol\".", ""]
     summary: dict[str, Any] = {}
     for task in sorted({_task_label(r) for r in runs}):
         rows: dict[str, list[dict[str, Any]]] = {}
         for r in runs:
-            if _task_label(r) == task:
+            if _task_label(r) == task and r["config"]["seed"] != LR_TUNING_SEED:
                 rows.setdefault(_label(r), []).append(r)
-        erm = {r["config"]["seed"]: r["test_acc"] for r in rows.get("erm", [])}
+        rates = chosen_rates(task) if task in FAIR_TASKS else None
+        erm_label = _spec_label(*next((j["method"], j["hyperparams"]) for j in fair_jobs(task, [0], rates))) if rates else "erm"
+        old_rows: dict[str, list[dict[str, Any]]] = {}
+        if rates:  # runs at a rate the tuning did not choose stay out of the table
+            protocol = {_spec_label(j["method"], j["hyperparams"]) for j in fair_jobs(task, [0], rates)}
+            old_rows = {label: rs for label, rs in rows.items() if label not in protocol and label not in tuning}
+            rows = {label: rs for label, rs in rows.items() if label not in old_rows}
+        erm = {r["config"]["seed"]: r["test_acc"] for r in rows.get(erm_label, [])}
         first = next(iter(rows.values()))[0]
         lines += [f"## {task}", "", f"{first['n_train']} training examples, realized label noise "
-                  f"{100 * first['realized_noise']:.1f} %, {first['steps']} optimizer steps.", ""] + header
+                  f"{100 * first['realized_noise']:.1f} %, {first['steps']} optimizer steps.", ""]
+        if rates:
+            lines += [f"Every hyperparameter chosen on the noisy validation split (`--plan fair`): learning rates "
+                      f"{', '.join(f'{k} {v:g}' for k, v in rates.items())}.", ""]
+        else:
+            kind = Task.parse(task.split(",")[0]).kind
+            lines += [f"**Old protocol**: the learning rates here (AdamW {ADAMW[kind]['learning_rate']:g}, IVON "
+                      f"{IVON_FINETUNE[kind]['learning_rate']:g}) come from single-seed checks on the clean test set (seed "
+                      f"{TUNING_SEED}, also a reported seed), not from the noisy-validation tuning of `--plan fair`"
+                      + (f" (`--tasks {task}` has not finished)." if task in FAIR_TASKS else "."), ""]
+        lines += header
         table = {}
         choices = {}
         for family in SELECTED_ON_VAL:
-            picked = select_on_val(rows, family)
+            # ERM runs cached before the validation split existed cannot stand in for α = 0 (said below the table)
+            also = [r for r in rows.get(erm_label, []) if "val_acc" in r] if family == "ls" else []
+            picked = select_on_val(rows, family, also)
             if picked:
                 rows[f"{family} (chosen on noisy val)"] = picked
-                choices[family] = ", ".join(f"seed {r['config']['seed']}: {_label(r)}" for r in picked)
+                choices[family] = ", ".join(f"seed {r['config']['seed']}: {'α = 0 (ERM)' if r['config']['method'] == 'erm' else _label(r)}"
+                                            for r in picked)
         ordered = sorted(rows.items(), key=lambda kv: -common.mean_std([r["test_acc"] for r in kv[1]])[0])
         for label, rs in ordered:
             if label not in tuning:
@@ -629,12 +731,25 @@ def report() -> str:
             best = max(ls, key=lambda k: ls[k]["test_acc"][0])
             lines += ["", f"Best-of-grid LS on the clean test accuracy (an oracle that favours LS): **{best}**."]
             table["ls (best of grid, oracle)"] = {**ls[best], "choice": best}
+        split = (f"{CIFAR_VAL} other training images with the same label set's human labels" if Task.parse(task.split(",")[0]).kind == "image"
+                 else f"{TEXT_VAL} other training sentences with the same noise")
         for family, text in choices.items():
-            lines.append(f"{family.upper()} chosen on the noisy validation split ({CIFAR_VAL} other training images with the "
-                         f"same label set's human labels): {text}.")
+            lines.append(f"{family.upper()} chosen on the noisy validation split ({split}): {text}.")
+        no_val = sorted(r["config"]["seed"] for r in rows.get(erm_label, []) if "val_acc" not in r)
+        if "ls" in choices and no_val:
+            lines.append(f"LS's α = 0 (the ERM run) is not among the choices on seed(s) {', '.join(map(str, no_val))}: "
+                         "those ERM runs predate the validation split (old protocol).")
+        if task in FAIR_TASKS:
+            lines += _tuning_lines(task, rates)
+            if rates:
+                lines += _budget_lines(Task.parse(task))
+        if old_rows:
+            lines += ["", "Runs at a learning rate that the noisy-validation tuning did not choose (not part of the results):",
+                      ""] + header + [_row(label, rs, erm) for label, rs in old_rows.items()]
         if tuning & set(rows):  # the preset's own rows (erm, ivon) are the reference of the checks
             checks = [(label, rs) for label, rs in ordered if label in tuning or label in ("erm", "ivon")]
-            lines += ["", f"Checks behind the fine-tuning preset (seed {TUNING_SEED} only; the preset's rows use the same seed):",
+            lines += ["", f"Old single-seed checks on the **clean test set** (seed {TUNING_SEED}, also a reported seed; before "
+                      "the noisy-validation tuning they chose the rates and IVON's ess, now nothing is chosen on them):",
                       ""] + header
             checks = [(label, [r for r in rs if r["config"]["seed"] == TUNING_SEED]) for label, rs in checks]
             lines += [_row(label, rs, erm) for label, rs in sorted(checks, key=lambda c: -c[1][0]["test_acc"])]
@@ -660,40 +775,56 @@ def report() -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--plan", default="core", help="core | tuning | baselines | text | long | rest | all")
+    parser.add_argument("--plan", default="fair", help="fair | core | tuning | baselines | text | long | rest | all")
+    parser.add_argument("--tasks", nargs="+", default=list(FAIR_TASKS), help="The tasks of --plan fair, in order.")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--report", action="store_true", help="Only write the tables from the cached runs.")
     parser.add_argument("--reverse", action="store_true", help="Run the plan from its end (a second worker on the same plan).")
     args = parser.parse_args()
+    if LR_TUNING_SEED in args.seeds:
+        parser.error(f"--seeds must not contain the learning-rate tuning seed {LR_TUNING_SEED}: it is never reported.")
     if not args.report:
         try:
-            jobs = plan(args.plan, args.seeds)
-            todo = [j for j in jobs if not _is_cached(j)]
-            print(f"{len(jobs)} runs, {len(jobs) - len(todo)} cached, {len(todo)} to train", flush=True)
-            for job in reversed(todo) if args.reverse else todo:
-                if not _is_cached(job):  # another worker may have run it meanwhile
-                    run(**job)
+            if args.plan == "fair":  # the reported runs need the rates that their task's tuning runs choose
+                for task in args.tasks:
+                    _train(lr_tuning_jobs(task), args.reverse)
+                    _train(fair_jobs(task, args.seeds, chosen_rates(task)), args.reverse)
+            else:
+                _train(plan(args.plan, args.seeds), args.reverse)
         except Unavailable as error:
             print(f"SKIPPED: {error}", flush=True)
             return
     print(report())
 
 
-def _needs_val_rerun(task: Task, method: str, cached: dict[str, Any]) -> bool:
-    """Runs cached before the noisy validation split existed lack val metrics; grid methods need them for selection."""
-    return method in SELECTED_ON_VAL and "val_acc" not in cached
+def _train(jobs: list[dict[str, Any]], reverse: bool) -> None:
+    todo = [j for j in jobs if not _is_cached(j)]
+    print(f"{len(jobs)} runs, {len(jobs) - len(todo)} cached, {len(todo)} to train", flush=True)
+    for job in reversed(todo) if reverse else todo:
+        if not _is_cached(job):  # another worker may have run it meanwhile
+            run(**job)
 
 
-def _is_cached(job: dict[str, Any]) -> bool:
+def _needs_val_rerun(method: str, cached: dict[str, Any]) -> bool:
+    """Runs cached before the noisy validation split existed lack val metrics. Those that a choice is made on are
+    trained again: the grid methods, and ERM (LS's α = 0). The learning-rate tuning runs are newer and have them."""
+    return method in ("erm", *SELECTED_ON_VAL) and "val_acc" not in cached
+
+
+def _cached(job: dict[str, Any]) -> dict[str, Any] | None:
     task = Task.parse(job["task_name"])
     cfg = setup_for(task, job.get("epochs"))
     key = common.run_key(dataset=task.name, noise="", method=job["method"], hyperparams=job["hyperparams"],
                          epochs=cfg["epochs"], seed=job["seed"], setup=cfg, version=VERSION)
     path = OUT_DIR / "runs" / f"{key}.json"
     if not path.is_file():
-        return False
+        return None
     cached = json.loads(path.read_text())
-    return (not job["export"] or "export" in cached) and not _needs_val_rerun(task, job["method"], cached)
+    return cached if (not job["export"] or "export" in cached) and not _needs_val_rerun(job["method"], cached) else None
+
+
+def _is_cached(job: dict[str, Any]) -> bool:
+    return _cached(job) is not None
 
 
 if __name__ == "__main__":

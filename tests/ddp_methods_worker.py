@@ -24,8 +24,10 @@ def main(out: str, method: str) -> None:
     data = [{**row, "labels": i % 2} for i, row in enumerate(image_data(12))]  # 3 steps per epoch on 2 ranks
     trainer = VariationalTrainer(model=model, args=args, train_dataset=data)
     trainer.train()
+    # this rank's own statistics, before state_dict() reduces them over the ranks
+    local = {k: getattr(trainer.method, k).clone() for k in ("accumulator", "counts") if hasattr(trainer.method, k)}
     state = {k: v for k, v in trainer.method.state_dict().items() if isinstance(v, torch.Tensor)}
-    torch.save({"params": [p.detach().clone() for p in model.parameters()], "state": state},
+    torch.save({"params": [p.detach().clone() for p in model.parameters()], "state": state, "local": local},
                os.path.join(out, f"rank{trainer.args.process_index}.pt"))
     trainer.accelerator.wait_for_everyone()
     trainer.end()  # destroys the process group; without it gloo can abort at exit (hf.md §3)

@@ -16,6 +16,7 @@ from transformers import ResNetConfig, ResNetForImageClassification, ViTImagePro
 from varsmooth import LabelNoiseCallback, VariationalModel, VariationalTrainer, VariationalTrainingArguments, pipeline
 from varsmooth.corruption import corrupt_labels
 from varsmooth.data import load_digits_dataset
+from varsmooth.posterior.ivon import derive_seed
 
 
 def main(out: str) -> None:
@@ -61,6 +62,14 @@ def main(out: str) -> None:
     piped = classify(images[:5], top_k=10)
     piped_probs = [[next(r["score"] for r in res if r["label"] == str(k)) for k in range(10)] for res in piped]
     uncertain = classify(images[0], return_uncertainty=True)
+    # the pipeline's posterior draws one by one (draw s uses the seed derive_seed(seed, s)), for the test to
+    # recompute the entropy and the mutual information by hand
+    with torch.no_grad():
+        first = processor(images[:1], return_tensors="pt")["pixel_values"]
+        draws = []
+        for s in range(loaded.num_samples):
+            with loaded.posterior.sampled(derive_seed(loaded.seed, s)):
+                draws.append(loaded.model(pixel_values=first).logits.softmax(-1)[0].tolist())
 
     plain = ResNetForImageClassification(config)
     plain.push_to_hub("offline-user/plain-model")
@@ -73,6 +82,8 @@ def main(out: str) -> None:
         "max_abs_diff_pipeline": float(np.abs(np.array(piped_probs) - expected[:5]).max()),
         "entropy_expected": float(-(expected[0] * np.log(expected[0])).sum()),
         "uncertain": uncertain,
+        "draws": draws,
+        "probs_expected": expected[0].tolist(),
         "no_posterior_warnings": [str(w.message) for w in caught],
         **extra,
     }, open(os.path.join(out, "results.json"), "w"))

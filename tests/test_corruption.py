@@ -169,15 +169,20 @@ def test_instance_noise_rate_and_expected_transition():
 
 def test_instance_noise_reads_images():
     rng = np.random.default_rng(0)
-    images = [PIL.Image.fromarray(rng.integers(0, 256, (8, 8), dtype=np.uint8)) for _ in range(300)]
+    n = 1000
+    pixels = rng.integers(0, 256, (n, 8, 8), dtype=np.uint8)
     ds = Dataset.from_dict(
-        {"image": images, "label": np.arange(300) % K},
+        {"image": [PIL.Image.fromarray(p) for p in pixels], "label": np.arange(n) % K},
         features=Features({"image": Image(), "label": ClassLabel(num_classes=K)}),
     )
     out, report = corrupt_labels(ds, "instance", 0.5, seed=0, return_report=True)  # image column auto-detected
     assert report.params["feature_column"] == "image"
-    assert 0.3 < report.realized_rate < 0.7
+    assert_rate_close(report.realized_rate, 0.5, n)
     assert out.features["image"] == Image()
+    # the flips are drawn from the pixels: the same pixels as a float column give the same labels
+    flat = Dataset.from_dict({"x": pixels.reshape(n, -1).astype(np.float32), "label": np.arange(n) % K},
+                             features=Features({"x": List(Value("float32")), "label": ClassLabel(num_classes=K)}))
+    np.testing.assert_array_equal(labels_of(out), labels_of(corrupt_labels(flat, "instance", 0.5, seed=0)))
 
 
 def test_column_noise_reproduces_human_labels():

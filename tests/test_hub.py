@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import yaml
 
@@ -82,7 +83,15 @@ def test_reloaded_model_and_pipeline_predict_like_the_trainer(pushed):
     assert results["max_abs_diff_model"] < 1e-5
     assert results["max_abs_diff_pipeline"] < 1e-5
     assert results["uncertain"]["entropy"] == pytest.approx(results["entropy_expected"], rel=1e-4)
-    assert results["uncertain"]["mutual_information"] >= 0
+    # BALD's mutual information H[mean_s p_s] − mean_s H[p_s] over the pipeline's draws, recomputed here; the
+    # draws average to the trainer's prediction, and they disagree (a posterior, not a point mass)
+    draws = np.asarray(results["draws"])
+    assert len(draws) == 4  # eval_mc_samples of the run
+    entropy = lambda p: -(p * np.log(p)).sum(-1)  # noqa: E731
+    np.testing.assert_allclose(draws.mean(0), results["probs_expected"], atol=1e-5)
+    mutual_information = entropy(draws.mean(0)) - entropy(draws).mean()
+    assert mutual_information > 1e-4
+    assert results["uncertain"]["mutual_information"] == pytest.approx(mutual_information, rel=1e-3)
     assert len(results["uncertain"]["predictions"]) == 5  # the pipeline's default top_k
 
 

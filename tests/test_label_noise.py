@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import signal
@@ -32,6 +33,7 @@ from varsmooth.label_noise import (
     summarize_label_noise,
     write_label_noise,
 )
+from varsmooth.posterior.ivon import derive_seed
 
 # methods.md §8: ε(m, v=1) by 64-node Gauss–Hermite, printed to 5 decimals
 REFERENCE_EPS = {0.0: 0.0, 0.5: 0.02043, 1.0: 0.03432, 1.5: 0.03905, 2.0: 0.03626, 4.0: 0.01012}
@@ -268,14 +270,33 @@ def test_write_is_atomic(tmp_path, monkeypatch):
 
 def test_summary_splits_by_corruption():
     model, data = TinyClassifier(), make_data(n=40)
-    summary = summarize_label_noise(compute_label_noise(model, random_posterior(model), data, num_samples=4))
+    noise = compute_label_noise(model, random_posterior(model), data, num_samples=4)
+    summary = summarize_label_noise(noise)
     corrupted = np.asarray(data["is_corrupted"])
     assert summary["num_examples"] == 40 and summary["num_classes"] == 3
     assert summary["num_corrupted"] == corrupted.sum()
     assert set(summary["all"]) == {"noise_at_label", "noise_l1", "noise_l2", "noise_rms", "confidence", "mean_confidence"}
-    assert summary["all"]["noise_l1"]["q00"] <= summary["all"]["noise_l1"]["q50"] <= summary["all"]["noise_l1"]["q100"]
     assert set(summary["detection"]["scores"]) == {
         "one_minus_confidence", "one_minus_mean_confidence", "noise_at_label", "noise_l1", "noise_rms"}
+    # every statistic recomputed from the per-example table, for all rows and for each side of the corruption split
+    noise = noise.with_format("numpy")[:]
+    for part, mask in (("all", np.ones(40, bool)), ("clean", ~corrupted), ("corrupted", corrupted)):
+        for name in ("noise_at_label", "noise_l1", "noise_l2", "noise_rms", "confidence", "mean_confidence"):
+            values = np.sort(noise[name][mask].astype(np.float64))
+            stats = summary[part][name]
+            assert stats["mean"] == pytest.approx(values.mean()) and stats["std"] == pytest.approx(values.std())
+            assert stats["q00"] == pytest.approx(values[0]) and stats["q100"] == pytest.approx(values[-1])
+            # the median of an even count is the mean of the two middle values
+            middle = len(values) // 2
+            median = values[middle] if len(values) % 2 else (values[middle - 1] + values[middle]) / 2
+            assert stats["q50"] == pytest.approx(median)
+    # AUROC = P(score of a wrong label > score of a right one), ties counting one half (Mann-Whitney)
+    for score, values in (("one_minus_confidence", 1 - noise["confidence"]), ("noise_l1", noise["noise_l1"])):
+        wrong, right = values[corrupted][:, None], values[~corrupted][None, :]
+        auroc = (wrong > right).mean() + 0.5 * (wrong == right).mean()
+        assert summary["detection"]["scores"][score]["auroc"] == pytest.approx(auroc)
+        top = np.argsort(-values, kind="stable")[: corrupted.sum()]
+        assert summary["detection"]["scores"][score]["precision_at_k"] == pytest.approx(corrupted[top].mean())
 
 
 # -- trainer end to end -------------------------------------------------------------------------------------------
@@ -317,9 +338,30 @@ def test_trainer_callback_exports_parquet(tmp_path):
         direct = model.net(torch.as_tensor(data.with_format("numpy")[:]["features"])).softmax(-1).numpy()
     np.testing.assert_allclose(table["mean_probs"], direct, atol=1e-5)
     assert np.abs(table["noise"]).max() > 0  # the learned posterior is not a point mass
-    # the file is what trainer.label_noise gives now (same seeded draws, the trainer's eval batches)
-    again = trainer.label_noise(num_samples=8).with_format("numpy")[:]
-    np.testing.assert_allclose(again["noise"], table["noise"], atol=1e-6)
+    # the file against the posterior written out here from IVON's state: draw s moves weight i to m + σ⊙e with
+    # σ = 1/sqrt(ess·(h + δ)) (seed 000, Alg. 1) and e ~ N(0, I) from the seed derive_seed(derive_seed(eval_seed, s), i)
+    names = {id(p): name for name, p in model.named_parameters()}
+    weights, stds = [], []
+    for group in trainer.ivon.param_groups:
+        std = 1.0 / torch.sqrt(group["ess"] * (group["hess"] + group["weight_decay"]))
+        for p in group["params"]:
+            weights.append(names[id(p)])
+            stds.append(std[: p.numel()].view(p.shape))
+            std = std[p.numel():]
+    x = torch.as_tensor(data.with_format("numpy")[:]["features"])
+    draws = []
+    for s in range(8):
+        sample = copy.deepcopy(model)
+        params = dict(sample.named_parameters())
+        with torch.no_grad():
+            for i, (name, std) in enumerate(zip(weights, stds)):
+                gen = torch.Generator().manual_seed(derive_seed(derive_seed(trainer.args.eval_seed, s), i))
+                params[name].add_(torch.randn(params[name].shape, generator=gen) * std)
+            draws.append(sample.net(x).softmax(-1))
+    predictive = torch.stack(draws).mean(0).numpy()
+    np.testing.assert_allclose(table["predictive_probs"], predictive, atol=1e-5)
+    np.testing.assert_allclose(table["noise"], direct - predictive, atol=1e-5)  # ε̄ = p̄ − P̂ (Eq. 15)
+    np.testing.assert_allclose(table["confidence"], predictive[np.arange(len(data)), data["label"]], atol=1e-5)
 
     summary = json.loads((tmp_path / "label_noise_summary.json").read_text())
     assert summary["num_examples"] == len(data) and summary["num_samples"] == 8

@@ -317,19 +317,44 @@ def test_alasca_positions_ema_confidence_and_targets(tmp_path):
 # -- inside the Trainer --------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", sorted(METHODS))
 def test_every_method_trains_and_the_saved_model_reloads_as_a_plain_model(tmp_path, name):
-    torch.manual_seed(0)
-    model = tiny_resnet()
-    args = make_args(tmp_path, method=name, max_steps=3, per_device_train_batch_size=4, logging_strategy="steps",
-                     logging_steps=1, eval_mc_samples=2, alasca_warmup_epochs=1)
-    trainer = VariationalTrainer(model=model, args=args, train_dataset=image_data(8))
-    result = trainer.train()
+    def train(folder, method_name):
+        torch.manual_seed(0)
+        model = tiny_resnet()
+        args = make_args(folder, method=method_name, max_steps=3, per_device_train_batch_size=4, logging_strategy="steps",
+                         logging_steps=1, eval_mc_samples=2, alasca_warmup_epochs=1)
+        trainer = VariationalTrainer(model=model, args=args, train_dataset=image_data(8))
+        initial = {k: v.detach().clone() for k, v in model.named_parameters()}  # with the method's heads, if any
+        return trainer, model, initial, trainer.train()
+
+    trainer, model, initial, result = train(tmp_path, name)
     assert math.isfinite(result.training_loss)
+    trained = {k: v.detach() for k, v in model.named_parameters()}
+    heads = {k for k in initial if AUX_MODULE_NAME in k.split(".")}
+    moved = {k for k in initial if not torch.equal(trained[k], initial[k])}
+    assert moved - heads, "the network's weights did not change"
+    # each method's own signature: it is not ERM under another name, its heads (if any) learn, IVON's Hessian
+    # moves except with the fixed-Hessian ablation, OLS's soft-label matrix leaves its initial value
+    if name != "erm":
+        erm = dict(train(tmp_path / "erm", "erm")[1].named_parameters())
+        assert any(not torch.equal(trained[k], erm[k]) for k in erm), f"{name} trained exactly like ERM"
+    assert bool(heads) == (name in ("alasca", "logistic_normal")) and heads <= moved
+    if get_method_class(name).uses_ivon:
+        hess, h0 = trainer.ivon.hessian(), trainer.args.hess_init
+        if name == "ivon_fixed_hessian":
+            assert torch.all(hess == h0)  # β2 = 1: h stays at h0 exactly
+        else:
+            assert (hess != h0).float().mean() > 0.9
+    if name == "ols":  # 2 steps per epoch: the matrix was swapped in after the first epoch
+        start = torch.full((K, K), 0.1 / (K - 1)).fill_diagonal_(0.9)
+        assert trainer.method.epoch >= 1 and not torch.allclose(trainer.method.soft_labels, start)
     trainer.save_model()
     saved = safetensors.torch.load_file(os.path.join(tmp_path, "model.safetensors"))
     assert set(saved) == set(tiny_resnet().state_dict())  # no auxiliary heads, nothing missing
     reloaded = ResNetForImageClassification.from_pretrained(tmp_path).eval()
     x = torch.randn(2, 1, 8, 8)
     assert torch.equal(reloaded(pixel_values=x).logits, model.eval()(pixel_values=x).logits)
+    for k in moved - heads:  # the trained weights, not the initial ones, were saved
+        assert torch.equal(saved[k], trained[k]) and not torch.equal(saved[k], initial[k])
 
 
 def test_alasca_on_a_transformer_uses_hidden_states_and_an_example_index(tmp_path):
@@ -365,16 +390,31 @@ def test_heads_on_a_timm_model(tmp_path, name):
 
     torch.manual_seed(0)
     model = create_image_classifier("resnet10t", {i: str(i) for i in range(3)}, num_channels=1)
+    plain_keys = set(model.state_dict())
     data = [{"pixel_values": torch.randn(1, 32, 32), "labels": i % 3} for i in range(8)]
     trainer = VariationalTrainer(model=model, args=make_args(tmp_path, method=name, max_steps=2, per_device_train_batch_size=4),
                                  train_dataset=data)
+    initial = {k: v.detach().clone() for k, v in model.named_parameters()}
+    x = torch.randn(2, 1, 32, 32)
+    with torch.no_grad():
+        before = model.eval()(pixel_values=x).logits
     assert math.isfinite(trainer.train().training_loss)
+    heads = {k for k in initial if AUX_MODULE_NAME in k.split(".")}
+    moved = {k for k, v in model.named_parameters() if not torch.equal(v.detach(), initial[k])}
+    # the method's heads hang on the timm model, take part in the loss (they learn) and the network learns too
+    assert heads and heads <= moved and moved - heads
     if name == "alasca":
         assert trainer.method.positions == [1, 2, 3]  # stem, layer1..layer4: ACs after layers 1-3
+        assert len({k.split(".")[1] for k in heads}) == 3  # one auxiliary classifier per position
+    else:
+        assert {k.split(".")[1] for k in heads} == {"covariance_factor"}
     trainer.save_model()
+    saved = safetensors.torch.load_file(os.path.join(tmp_path, "model.safetensors"))
+    assert set(saved) == plain_keys  # the heads are dropped at save
     reloaded = TimmWrapperForImageClassification.from_pretrained(tmp_path).eval()
-    x = torch.randn(2, 1, 32, 32)
-    assert torch.allclose(reloaded(pixel_values=x).logits, model.eval()(pixel_values=x).logits, atol=1e-6)
+    after = model.eval()(pixel_values=x).logits
+    assert torch.allclose(reloaded(pixel_values=x).logits, after, atol=1e-6)
+    assert not torch.allclose(after, before, atol=1e-4)  # the reload is the trained network, not the initial one
 
 
 def _state_equal(a, b) -> bool:

@@ -6,13 +6,17 @@ import os
 
 import datasets
 import matplotlib.image
+from matplotlib.collections import PathCollection
+from matplotlib.contour import ContourSet
 import numpy as np
 import PIL.Image
 import pytest
 import torch
+from numpy.polynomial.hermite import hermgauss
+from scipy.special import expit
 from transformers.utils import ModelOutput
 
-from varsmooth import VariationalTrainer, VariationalTrainingArguments
+from varsmooth import VariationalTrainer, VariationalTrainingArguments, plots
 from varsmooth.label_noise import LabelNoiseCallback
 from varsmooth.plots import (
     class_smoothed_labels,
@@ -36,6 +40,20 @@ def assert_png(path: str, folder) -> None:
     assert not [name for name in os.listdir(folder) if name.startswith(".tmp-")]
 
 
+@pytest.fixture
+def drawn(monkeypatch):
+    """The figures the plot functions save, in order: what is drawn, not only that a PNG exists."""
+    figures = []
+    save = plots._save
+
+    def keep(fig, output_dir, filename):
+        figures.append(fig)
+        return save(fig, output_dir, filename)
+
+    monkeypatch.setattr(plots, "_save", keep)
+    return figures
+
+
 def noise_table(n: int = 12, seed: int = 0) -> datasets.Dataset:
     """A hand-made label-noise result: smoothed labels y + ε with Σ_k ε_k = 0."""
     rng = np.random.default_rng(seed)
@@ -50,28 +68,66 @@ def noise_table(n: int = 12, seed: int = 0) -> datasets.Dataset:
     })
 
 
-def test_fig2_noise_vs_mean(tmp_path):
-    assert_png(plot_noise_vs_mean(tmp_path, variances=(0.25, 1.0, 4.0)), tmp_path)
+def test_fig2_noise_vs_mean(tmp_path, drawn):
+    variances = (0.25, 1.0, 4.0)
+    assert_png(plot_noise_vs_mean(tmp_path, variances=variances), tmp_path)
+    (ax,) = drawn[0].axes
+    curves, peaks = ax.lines[0::2], ax.lines[1::2]
+    assert len(curves) == len(peaks) == len(variances)
+    nodes, weights = hermgauss(80)
+    for curve, peak, v in zip(curves, peaks, variances):
+        m = np.asarray(curve.get_xdata())
+        # |σ(m) − E_{N(m, v)}[σ(f)]| by Gauss–Hermite written out here (seed 000, Eq. 12)
+        expected = expit(m[:, None] + np.sqrt(2 * v) * nodes) @ weights / np.sqrt(np.pi)
+        np.testing.assert_allclose(curve.get_ydata(), np.abs(expit(m) - expected), atol=1e-9)
+        # the two markers sit on the curve's maxima, at ±m*
+        top = np.argmax(curve.get_ydata())
+        np.testing.assert_allclose(peak.get_ydata(), curve.get_ydata()[top], rtol=1e-3)
+        np.testing.assert_allclose(np.abs(peak.get_xdata()), abs(m[top]), atol=0.02)
+        assert peak.get_xdata()[0] == -peak.get_xdata()[1]
 
 
-def test_fig3_extremes_from_pil_images_and_pixel_arrays(tmp_path):
+def test_fig3_extremes_from_pil_images_and_pixel_arrays(tmp_path, drawn):
     noise = noise_table()
+    table = noise.with_format("numpy")[:]
+
+    def assert_extremes(fig, pictures, score, k):
+        """Top row: the k highest `score`, bottom row: the k lowest, each the image of its example_index, min-max
+        scaled; wrong labels titled in red with the clean one."""
+        axes = np.asarray(fig.axes).reshape(2, -1)
+        order = np.argsort(-table[score], kind="stable")
+        for ax_row, rows in zip(axes, (order[:k], order[::-1][:k])):
+            assert len(ax_row) == k
+            for ax, row in zip(ax_row, rows):
+                picture = pictures[table["example_index"][row]].astype(np.float64)
+                picture = (picture - picture.min()) / (picture.max() - picture.min())
+                np.testing.assert_allclose(ax.images[0].get_array(), picture, atol=1e-12)
+                title = ax.title.get_text()
+                assert title.startswith(f"y={table['label'][row]}") and title.endswith(f"{table[score][row]:.3g}")
+                wrong = table["clean_label"][row] != table["label"][row]
+                assert (f"clean={table['clean_label'][row]}" in title) == wrong
+                assert ax.title.get_color() == ("red" if wrong else "black")
+
     rng = np.random.default_rng(0)
+    gray = rng.integers(0, 255, (12, 8, 8), dtype=np.uint8)
     pil = datasets.Dataset.from_dict(
-        {"img": [PIL.Image.fromarray(rng.integers(0, 255, (8, 8), dtype=np.uint8)) for _ in range(12)]},
+        {"img": [PIL.Image.fromarray(g) for g in gray]},
         features=datasets.Features({"img": datasets.Image()}),
     )
     assert find_image_column(pil) == "img"
     assert_png(plot_noise_extremes(noise, pil, tmp_path, num_examples=4, filename="pil.png"), tmp_path)
+    assert_extremes(drawn[-1], gray, "noise_l2", 4)
     flat = datasets.Dataset.from_dict({"pixel_values": rng.random((12, 64)).astype(np.float32)})
     assert_png(plot_noise_extremes(noise, flat, tmp_path, num_examples=20, score="noise_at_label", filename="flat.png"), tmp_path)
+    assert_extremes(drawn[-1], np.asarray(flat["pixel_values"]).reshape(12, 8, 8), "noise_at_label", 12)
     chw = datasets.Dataset.from_dict({"pixel_values": rng.random((12, 3, 6, 6)).astype(np.float32)})
     assert_png(plot_noise_extremes(noise, chw, tmp_path, num_examples=3, filename="chw.png"), tmp_path)
+    assert_extremes(drawn[-1], np.moveaxis(np.asarray(chw["pixel_values"]), 1, -1), "noise_l2", 3)
     with pytest.raises(ValueError, match="No image column"):
         plot_noise_extremes(noise, datasets.Dataset.from_dict({"x": list(range(12))}), tmp_path)
 
 
-def test_fig4_smoothed_labels(tmp_path):
+def test_fig4_smoothed_labels(tmp_path, drawn):
     noise = noise_table()
     targets = label_smoothing_targets(K, 0.3)
     np.testing.assert_allclose(targets.sum(1), 1.0)
@@ -83,15 +139,43 @@ def test_fig4_smoothed_labels(tmp_path):
         np.testing.assert_allclose(per_class[c], smoothed[np.arange(12) % K == c].mean(0), rtol=1e-6)
     ols = np.full((K, K), 1.0 / K)
     assert_png(plot_smoothed_labels(noise, tmp_path, others={"LS α=0.3": targets, "OLS": ols}), tmp_path)
+    # one panel per given label c; its bars are, per series, row c of: the mean smoothed label of the examples
+    # labelled c (computed here by hand), LS's targets, OLS's matrix; whiskers span IVON's 10th-90th percentile
+    axes = drawn[0].axes
+    assert [ax.get_title() for ax in axes] == [f"given label: {c}" for c in range(K)]
+    for c, ax in enumerate(axes):
+        members = smoothed[np.arange(12) % K == c]
+        heights = np.asarray([bar.get_height() for bar in ax.patches]).reshape(3, K)
+        np.testing.assert_allclose(heights[0], members.mean(0), rtol=1e-6)
+        np.testing.assert_allclose(heights[1], targets[c])
+        np.testing.assert_allclose(heights[2], ols[c])
+        (whiskers,) = [coll for coll in ax.collections if len(coll.get_segments()) == K]
+        spans = np.asarray([seg[:, 1] for seg in whiskers.get_segments()])
+        np.testing.assert_allclose(np.sort(spans, 1), np.quantile(members, [0.1, 0.9], axis=0).T, rtol=1e-6)
     with pytest.raises(ValueError, match="matrix"):
         plot_smoothed_labels(noise, tmp_path, others={"bad": np.eye(K + 1)})
 
 
-def test_moon_picture(tmp_path):
+def test_moon_picture(tmp_path, drawn):
     noise = noise_table()
     points = np.random.default_rng(1).normal(size=(12, 2))
     path = plot_noise_2d(noise, points, tmp_path, boundary=lambda xy: 1 / (1 + np.exp(-xy[:, 0])))
     assert_png(path, tmp_path)
+    table = noise.with_format("numpy")[:]
+    ax = drawn[0].axes[0]
+    scatters = [coll for coll in ax.collections if isinstance(coll, PathCollection)]
+    # one scatter per given label at the inputs of its examples (row i is example example_index[i]), coloured by
+    # |ε̄_y|, then red rings on the wrong labels
+    for label, scatter in zip(range(K), scatters):
+        rows = table["label"] == label
+        np.testing.assert_allclose(scatter.get_offsets(), points[table["example_index"][rows]])
+        np.testing.assert_allclose(scatter.get_array(), table["noise_at_label"][rows])
+    np.testing.assert_allclose(scatters[K].get_offsets(), points[table["example_index"][table["is_corrupted"]]])
+    # the boundary σ(x) = 0.5 is the line x = 0
+    assert len(scatters) == K + 1
+    (boundary,) = [coll for coll in ax.collections if isinstance(coll, ContourSet)]
+    vertices = np.concatenate([path.vertices for path in boundary.get_paths()])
+    assert len(vertices) and np.abs(vertices[:, 0]).max() < 0.02
     with pytest.raises(ValueError, match="shape"):
         plot_noise_2d(noise, points[:, :1], tmp_path)
 
@@ -105,7 +189,7 @@ class TinyImageClassifier(torch.nn.Module):
         return ModelOutput(logits=self.net(pixel_values.flatten(1)))
 
 
-def test_callback_draws_figures_for_images(tmp_path):
+def test_callback_draws_figures_for_images(tmp_path, drawn):
     """Images decoded on the fly by `with_transform` (the usual vision set-up): the Trainer's collator batches
     the transform's output, the figures read the raw images."""
     rng = np.random.default_rng(0)
@@ -136,6 +220,19 @@ def test_callback_draws_figures_for_images(tmp_path):
     assert_png(str(tmp_path / "label_noise_extremes.png"), tmp_path)
     noise = datasets.Dataset.from_parquet(str(tmp_path / "label_noise.parquet"))
     assert noise["label"][:] == list(label) and noise.features["clean_label"] == data.features["clean_label"]
+    # the pictures show the exported numbers: per class the mean smoothed label, and the raw images of the
+    # examples with the highest / lowest ‖ε̄‖₂
+    smoothed_figure, extremes_figure = drawn
+    table = noise.with_format("numpy")[:]
+    for c, ax in enumerate(smoothed_figure.axes):
+        heights = [bar.get_height() for bar in ax.patches]
+        np.testing.assert_allclose(heights, table["smoothed_label"][label == c].mean(0), rtol=1e-5)
+    order = np.argsort(-table["noise_l2"], kind="stable")
+    axes = np.asarray(extremes_figure.axes).reshape(2, -1)
+    for ax_row, rows in zip(axes, (order[:8], order[::-1][:8])):
+        for ax, row in zip(ax_row, rows):
+            picture = np.asarray(pictures[table["example_index"][row]], dtype=np.float64)
+            np.testing.assert_allclose(ax.images[0].get_array(), (picture - picture.min()) / np.ptp(picture))
 
 
 def _noise_from(smoothed: np.ndarray, label: np.ndarray) -> datasets.Dataset:

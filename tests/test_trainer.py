@@ -169,14 +169,31 @@ def test_fsdp_refused(tmp_path):
 
 
 def test_bf16_autocast_trains_and_hessian_moves(tmp_path):
+    """bf16 autocast on the CPU against the same run in fp32: the forward runs in bf16, the weights stay fp32, and
+    the weights and the Hessian end close to fp32's (bf16 keeps 8 bits of mantissa)."""
     ds = digits_dataset(64)
-    model = TinyClassifier()
-    trainer = VariationalTrainer(model=model, args=_trainer_args(tmp_path, max_steps=5, bf16=True), train_dataset=ds)
-    trainer.train()
+
+    def train(folder, **kw):
+        torch.manual_seed(0)
+        model = TinyClassifier()
+        initial = [p.detach().clone() for p in model.parameters()]
+        dtypes = set()
+        model.head.register_forward_hook(lambda module, args, out: dtypes.add(out.dtype))
+        trainer = VariationalTrainer(model=model, args=_trainer_args(folder, max_steps=5, **kw), train_dataset=ds)
+        trainer.train()
+        return model, initial, trainer.ivon.hessian(), dtypes
+
+    model, initial, hess, dtypes = train(tmp_path / "bf16", bf16=True)
+    ref, ref_initial, ref_hess, ref_dtypes = train(tmp_path / "fp32")
+    assert dtypes == {torch.bfloat16} and ref_dtypes == {torch.float32}  # autocast was on, and only there
     assert all(p.dtype == torch.float32 for p in model.parameters())
-    hess = trainer.ivon.hessian()
-    assert torch.isfinite(hess).all()
-    assert (hess != 0.5).float().mean() > 0.9
+    assert all(torch.equal(a, b) for a, b in zip(initial, ref_initial))
+    assert torch.isfinite(hess).all() and (hess != 0.5).float().mean() > 0.9
+    for p, q, p0 in zip(model.parameters(), ref.parameters(), initial):
+        step = (q - p0).norm()
+        assert step > 0 and (p - q).norm() < 0.02 * step, (float((p - q).norm()), float(step))
+    h0 = 0.5
+    assert (hess - ref_hess).norm() < 0.02 * (ref_hess - h0).norm()
 
 
 def test_args_parse_with_hf_argument_parser():
