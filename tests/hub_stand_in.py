@@ -116,6 +116,9 @@ class HubStandIn:
                     files = {line["value"]["path"]: base64.b64decode(line["value"]["content"])
                              for line in lines if line["key"] == "file"}
                     hub.repos.setdefault(repo, {}).update(files)
+                    for line in lines:
+                        if line["key"] == "deletedFile":
+                            hub.repos[repo].pop(line["value"]["path"], None)
                     oid = hashlib.sha1(body).hexdigest()
                     hub.commits.append({"repo": repo, "summary": header.get("summary"), "files": sorted(files), "oid": oid})
                     return self._reply(200, {"commitUrl": f"{hub.endpoint}/{repo}/commit/{oid}", "commitOid": oid,

@@ -45,6 +45,11 @@ def main(out: str) -> None:
                                  callbacks=[LabelNoiseCallback(num_samples=2, plots=True)])
     trainer.train()
     trainer.evaluate()
+    # files this training did not write must not go up, whatever their names
+    os.makedirs(os.path.join(out, "run", "drafts"), exist_ok=True)
+    for stray in ("model-private.safetensors", "drafts/sketch.png", "holiday.png"):
+        with open(os.path.join(out, "run", stray), "wb") as f:
+            f.write(b"not for upload")
     trainer.push_to_hub(dataset="sklearn-digits")
     expected = np.exp(trainer.predict(test.with_transform(transform)).predictions)
 
@@ -62,13 +67,64 @@ def main(out: str) -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         VariationalModel.from_pretrained("offline-user/plain-model")
+    extra = share_edge_cases(out, train.with_transform(transform), config)
     json.dump({
         "max_abs_diff_model": float(np.abs(got.probs.numpy() - expected).max()),
         "max_abs_diff_pipeline": float(np.abs(np.array(piped_probs) - expected[:5]).max()),
         "entropy_expected": float(-(expected[0] * np.log(expected[0])).sum()),
         "uncertain": uncertain,
         "no_posterior_warnings": [str(w.message) for w in caught],
+        **extra,
     }, open(os.path.join(out, "results.json"), "w"))
+
+
+def tiny_trainer(output_dir: str, hub_model_id: str, train, config, method: str = "ivon") -> VariationalTrainer:
+    args = VariationalTrainingArguments(output_dir=output_dir, report_to=[], use_cpu=True, max_steps=2, method=method,
+                                        per_device_train_batch_size=32, remove_unused_columns=False, disable_tqdm=True,
+                                        hub_model_id=hub_model_id, eval_mc_samples=2, beta2=0.999)
+    trainer = VariationalTrainer(model=ResNetForImageClassification(config), args=args, train_dataset=train)
+    trainer.train()
+    return trainer
+
+
+def share_edge_cases(out: str, train, config) -> dict:
+    """The user's own card, a repo reused by a run without posterior, and a PEFT model."""
+    import peft
+    from huggingface_hub import HfApi
+
+    results = {}
+    own = os.path.join(out, "own_card")
+    os.makedirs(own)
+    with open(os.path.join(own, "README.md"), "w") as f:
+        f.write("# My own card\n")
+    trainer = tiny_trainer(own, "offline-user/own-card", train, config)
+    try:
+        trainer.push_to_hub()
+        results["own_card_refusal"] = None
+    except FileExistsError as error:
+        results["own_card_refusal"] = str(error)
+    results["own_card_after_refusal"] = open(os.path.join(own, "README.md")).read()
+    results["own_card_repo_after_refusal"] = sorted(HfApi().list_repo_files("offline-user/own-card")) if \
+        HfApi().repo_exists("offline-user/own-card") else []
+    trainer.push_to_hub(replace_model_card=True)
+    results["own_card_replaced"] = open(os.path.join(own, "README.md")).read()
+
+    reused = os.path.join(out, "reused")
+    tiny_trainer(reused, "offline-user/reused", train, config).push_to_hub()
+    results["reused_after_ivon"] = sorted(HfApi().list_repo_files("offline-user/reused"))
+    tiny_trainer(reused, "offline-user/reused", train, config, method="erm").push_to_hub()
+    results["reused_after_erm"] = sorted(HfApi().list_repo_files("offline-user/reused"))
+
+    lora = peft.get_peft_model(ResNetForImageClassification(config), peft.LoraConfig(
+        r=2, target_modules=["convolution"], modules_to_save=["classifier.1"]))
+    args = VariationalTrainingArguments(output_dir=os.path.join(out, "peft"), report_to=[], use_cpu=True, max_steps=2,
+                                        per_device_train_batch_size=32, remove_unused_columns=False, disable_tqdm=True,
+                                        hub_model_id="offline-user/peft-ivon", eval_mc_samples=2, beta2=0.999)
+    peft_trainer = VariationalTrainer(model=lora, args=args, train_dataset=train)
+    peft_trainer.train()
+    peft_trainer.push_to_hub()
+    results["peft_files"] = sorted(HfApi().list_repo_files("offline-user/peft-ivon"))
+    return results
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from varsmooth.corruption import (
     corrupt_labels,
     noise_report,
 )
+from varsmooth.corruption.transition import asymmetric_transition, symmetric_transition, uniform_transition
 
 K = 10
 CIFAR10_NAMES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
@@ -405,3 +406,35 @@ def test_other_bad_inputs():
         corrupt_labels(corrupted, "symmetric", 0.2, seed=0)
     with pytest.raises(TypeError, match="expects a datasets.Dataset or DatasetDict"):
         corrupt_labels({"label": [0, 1]}, "symmetric", 0.2, seed=0)
+
+
+@pytest.mark.parametrize("kappa,beta", [(float("nan"), 0.05), (0.1, float("nan"))])
+def test_classwise_nan_parameters_refused(kappa, beta):
+    # NaN compared False with every bound, so the old check passed and 0 % of the labels were corrupted
+    with pytest.raises(ValueError, match="kappa >= 0, beta >= 0"):
+        corrupt_labels(balanced(100), "classwise", seed=0, kappa=kappa, beta=beta)
+
+
+def test_instance_noise_on_nan_features_refused():
+    ds = synthetic_features(200)
+    x = np.asarray(ds["x"], dtype=np.float64)
+    x[3, 0] = np.nan
+    ds = ds.remove_columns("x").add_column("x", x.tolist())
+    with pytest.raises(ValueError, match="finite features.*'x'"):
+        corrupt_labels(ds, "instance", 0.4, seed=0, feature_column="x")
+
+
+@pytest.mark.parametrize("build", [
+    lambda: symmetric_transition(4, 1.5), lambda: asymmetric_transition(4, 2.0, {0: 1}), lambda: uniform_transition(4, -0.5),
+])
+def test_public_transition_builders_refuse_invalid_rates(build):
+    with pytest.raises(ValueError, match=r"flip rate in \[0, 1\]"):
+        build()
+
+
+def test_empty_classlabel_dataset_gets_the_columns():
+    empty = balanced(0)
+    out, report = corrupt_labels(empty, "symmetric", 0.2, seed=0, return_report=True)
+    assert out.column_names == ["id", "label", "clean_label", "is_corrupted"]
+    assert out.features["clean_label"] == empty.features["label"] and out.features["is_corrupted"] == Value("bool")
+    assert len(out) == 0 and report.num_examples == 0

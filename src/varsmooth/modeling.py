@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForImageClassification, AutoModelForSequenceClassification, PreTrainedModel
 
+from .files import FolderSave, check_manifest
 from .posterior import POSTERIOR_FILE, DiagonalGaussianPosterior, VariationalClassifierOutput, predictive_distribution
 
 __all__ = ["VariationalModel", "load_posterior"]
@@ -32,6 +33,8 @@ class VariationalModel(torch.nn.Module):
 
     def __init__(self, model: torch.nn.Module, posterior: DiagonalGaussianPosterior, num_samples: int = 32, seed: int = 0) -> None:
         super().__init__()
+        if num_samples < 0:
+            raise ValueError(f"num_samples must be >= 0 (0 = predict at the posterior mean), got {num_samples}.")
         self.model = model
         self.posterior = posterior
         self.num_samples = num_samples
@@ -56,7 +59,8 @@ class VariationalModel(torch.nn.Module):
         """Load weights (the posterior mean) and `posterior.safetensors` from a folder or a Hub repo.
 
         Without a posterior file the model predicts at the mean, with a warning. Defaults for `num_samples` and
-        `seed` are those the model was evaluated with during training.
+        `seed` are those the model was evaluated with during training. A local folder must match its manifest, and
+        the posterior must belong to the weights (see `DiagonalGaussianPosterior.load`).
         """
         path = os.fspath(pretrained_model_name_or_path)
         if model_class is None:
@@ -78,14 +82,18 @@ class VariationalModel(torch.nn.Module):
     def save_pretrained(self, save_directory: str | os.PathLike, **kwargs: Any) -> None:
         if not isinstance(self.model, PreTrainedModel):
             raise TypeError(f"save_pretrained needs a transformers PreTrainedModel, got {type(self.model).__name__}.")
+        save = FolderSave(save_directory).begin()
         self.model.save_pretrained(save_directory, **kwargs)
         if not self.posterior.is_point_mass:
             self.posterior.metadata = {**self.posterior.metadata, "eval_mc_samples": self.num_samples, "eval_seed": self.seed}
             self.posterior.save(save_directory)
+        save.finish()
 
 
 def load_posterior(model: torch.nn.Module, path: str | os.PathLike, revision: str | None = None, token: str | None = None) -> DiagonalGaussianPosterior:
     """The posterior saved next to `model`'s weights (folder or Hub repo); a point mass, with a warning, if none."""
+    if os.path.isdir(path):
+        check_manifest(path)
     posterior_path = _resolve_posterior(os.fspath(path), revision, token)
     if posterior_path is None:
         warnings.warn(

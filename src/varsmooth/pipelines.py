@@ -34,9 +34,16 @@ class _VariationalMixin:
         if posterior is None:
             posterior = load_posterior(self.model, self.model.name_or_path)
         meta = posterior.metadata
+        if num_samples is not None and num_samples < 0:
+            raise ValueError(f"num_samples must be >= 0 (0 = predict at the posterior mean), got {num_samples}.")
         self.posterior = posterior
         self.num_samples = int(meta.get("eval_mc_samples", 32)) if num_samples is None else num_samples
         self.seed = int(meta.get("eval_seed", 0)) if seed is None else seed
+
+    def __call__(self, inputs: Any, **kwargs: Any) -> Any:
+        if isinstance(inputs, (list, tuple)) and len(inputs) == 0:  # the stock pipeline fails with an IndexError
+            raise ValueError("The pipeline got an empty list of inputs: pass one input or a non-empty list.")
+        return super().__call__(inputs, **kwargs)
 
     def _sanitize_parameters(self, return_uncertainty: bool | None = None, **kwargs: Any) -> tuple[dict, dict, dict]:
         preprocess, forward, postprocess = super()._sanitize_parameters(**kwargs)
@@ -71,15 +78,27 @@ class VariationalImageClassificationPipeline(_VariationalMixin, ImageClassificat
     """`ImageClassificationPipeline` with posterior-averaged scores; grayscale models get grayscale images."""
 
     def preprocess(self, image: Any, timeout: float | None = None) -> Any:
+        channels = _num_channels(self.model.config)
+        if isinstance(image, np.ndarray) and image.ndim == 2:
+            # a (height, width) array is a grayscale image; image processors take only arrays with a channel axis
+            image = np.repeat(image[..., None], channels, axis=-1)
         # `load_image` always converts to RGB, which a 1-channel model (e.g. trained on digits) cannot take
-        if _num_channels(self.model.config) != 1 or isinstance(image, (np.ndarray, torch.Tensor)):
+        if channels != 1 or isinstance(image, (np.ndarray, torch.Tensor)):
             return super().preprocess(image, timeout=timeout)
         image = load_image(image, timeout=timeout).convert("L")
         return self.image_processor(images=image, return_tensors="pt").to(self.dtype)
 
 
 class VariationalTextClassificationPipeline(_VariationalMixin, TextClassificationPipeline):
-    """`TextClassificationPipeline` with posterior-averaged scores."""
+    """`TextClassificationPipeline` with posterior-averaged scores; texts longer than the model takes are truncated."""
+
+    def preprocess(self, inputs: Any, **tokenizer_kwargs: Any) -> Any:
+        # a text longer than the position embeddings would fail inside the model with a tensor-size error
+        tokenizer_kwargs.setdefault("truncation", True)
+        limit = getattr(self.model.config, "max_position_embeddings", None)
+        if tokenizer_kwargs["truncation"] and limit and "max_length" not in tokenizer_kwargs and self.tokenizer.model_max_length > limit:
+            tokenizer_kwargs["max_length"] = limit  # the tokenizer does not know the model's limit
+        return super().preprocess(inputs, **tokenizer_kwargs)
 
 
 _PIPELINES = {"image-classification": VariationalImageClassificationPipeline,

@@ -10,17 +10,21 @@ What differs from the stock Trainer, and why (research notes ivon.md §0 and hf.
   sample, since IVON has consumed the gradients before the Trainer would clip; under DDP the gradient
   all-reduce is off and IVON all-reduces its averages in `step()` (scheme (i) of ivon.md §4.2);
 * `prediction_step`: BMA over `eval_mc_samples` posterior samples, plus the posterior-mean prediction;
-* `_save`: writes the posterior (σ per parameter) next to the weights, in checkpoints and final saves.
+* `_save`: writes the posterior (σ per parameter) next to the weights, in checkpoints and final saves, removes
+  the varsmooth files of earlier runs it did not write, and writes the folder's manifest last (`varsmooth.files`);
+* `_save_checkpoint`: a `checkpoint-N` appears (by one rename) only once complete;
+* resuming without optimizer state restores IVON's Hessian and step from the checkpoint's posterior.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fnmatch
+import glob
 import inspect
 import logging
 import os
 import shutil
+from pathlib import Path
 from typing import Any
 
 import datasets
@@ -28,14 +32,16 @@ import numpy as np
 import torch
 from transformers import Trainer, TrainerCallback
 from transformers.utils.hub import PushInProgress, hf_api
-from transformers.trainer_utils import EvalPrediction, PredictionOutput
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, EvalPrediction, PredictionOutput, sort_checkpoints
 from transformers.training_args import ParallelMode
 
+from .files import OWNED_PATTERNS, FolderSave, add_to_manifest, shareable_files, written_by_varsmooth
 from .methods import EXAMPLE_INDEX_KEY, ExampleIndexDataset, TrainingMethod, get_method_class
-from .hub import SHAREABLE_PATTERNS, build_model_card
+from .methods.base import IGNORE_INDEX
+from .hub import build_model_card
 from .metrics import classification_metrics
 from .posterior import POSTERIOR_FILE, DiagonalGaussianPosterior, VariationalIVON, predictive_distribution, unwrap_ivon
-from .posterior.prediction import LABEL_KEYS
+from .posterior.prediction import LABEL_KEYS, logits_of
 from .training_args import VariationalTrainingArguments
 from .utils import atomic_path
 
@@ -52,6 +58,11 @@ HESSIAN_STUCK_TOLERANCE = 0.1
 NOISE_REPORT_FILE = "noise_report.json"
 #: checkpoint file with the training method's own state (OLS soft labels, ALASCA EMAs, ...)
 METHOD_STATE_FILE = "method_state.pt"
+#: a checkpoint is written under this prefix and renamed to `checkpoint-N` when complete; `get_last_checkpoint`
+#: and checkpoint rotation match only names that start with `checkpoint-`
+STAGING_PREFIX = ".partial-"
+#: an old checkpoint is renamed under this prefix, then deleted
+DELETING_PREFIX = ".deleting-"
 
 
 class VariationalTrainer(Trainer):
@@ -107,6 +118,8 @@ class VariationalTrainer(Trainer):
         for callback in self.method.callbacks():  # `add_callback` binds these
             self.add_callback(callback)
         self._ivon_param_names: list[str] | None = None
+        self._run_files: dict[str, set[str]] = {}  # folder -> files this trainer wrote there outside `_save`
+        self._staging_dir: str | None = None
         self._last_grad_norm: torch.Tensor | None = None
         if self.method.uses_ivon and self.optimizer is not None and not isinstance(self.optimizer, VariationalIVON):
             raise ValueError(
@@ -186,8 +199,10 @@ class VariationalTrainer(Trainer):
         if labels is None:
             raise ValueError(f"The training batch has no 'labels' (keys: {sorted(inputs)}); name the label column 'label' or 'labels'.")
         outputs = model(**{k: v for k, v in inputs.items() if k not in LABEL_KEYS and k != EXAMPLE_INDEX_KEY})
-        logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
-        if self.compute_loss_func is not None:
+        logits = logits_of(outputs)
+        if labels.numel() and (labels == IGNORE_INDEX).all():
+            loss = logits.sum() * 0.0  # nothing to learn from: a zero-gradient step, for every method
+        elif self.compute_loss_func is not None:
             loss = self.compute_loss_func(outputs, labels, num_items_in_batch=None)
         else:
             loss = self.method.loss(logits, labels, self, inputs)
@@ -196,7 +211,9 @@ class VariationalTrainer(Trainer):
     def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
         if not self.method.uses_ivon:
             loss = self.method.training_step(self, model, inputs, num_items_in_batch)  # e.g. SAM's two passes
-            return loss if loss is not None else super().training_step(model, inputs, num_items_in_batch)
+            loss = loss if loss is not None else super().training_step(model, inputs, num_items_in_batch)
+            self._stop_if_non_finite(loss)
+            return loss
         model.train()
         inputs = self._prepare_inputs(inputs)
         opt = self.ivon
@@ -221,6 +238,15 @@ class VariationalTrainer(Trainer):
             total += loss.detach()
         # for logging only: the Trainer sums this over micro-batches and divides by the optimizer steps
         return total / self.args.mc_samples / self.current_gradient_accumulation_steps
+
+    def _stop_if_non_finite(self, loss: torch.Tensor) -> None:
+        # raised before the optimizer step, so the weights stay those of the last finite step
+        if not torch.isfinite(loss).all():
+            raise FloatingPointError(
+                f"Non-finite training loss ({loss.item()}) at step {self.state.global_step} with method="
+                f"{self.args.method!r}; the weights are those of the last finite step. Check the inputs for NaNs, or "
+                "lower learning_rate / set max_grad_norm."
+            )
 
     def _get_dataloader(self, dataset: Any, description: str, batch_size: int, sampler_fn: Any = None,
                         is_training: bool = False, dataloader_key: str | None = None) -> Any:
@@ -259,12 +285,55 @@ class VariationalTrainer(Trainer):
         best = self.state.best_model_checkpoint
         if self.ivon is not None and best and os.path.isfile(os.path.join(best, "optimizer.pt")):
             self.ivon.load_state_dict(torch.load(os.path.join(best, "optimizer.pt"), map_location="cpu", weights_only=True))
+        elif self.ivon is not None and best:  # save_only_model: the checkpoint's own posterior is σ of these weights
+            self._restore_ivon_from_posterior(best)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is not None and self.ivon is not None and not all(
+                os.path.isfile(os.path.join(checkpoint, name)) for name in ("optimizer.pt", "scheduler.pt")):
+            self._restore_ivon_without_optimizer_state(checkpoint)
         if checkpoint is not None and os.path.isfile(os.path.join(checkpoint, METHOD_STATE_FILE)):
             state = torch.load(os.path.join(checkpoint, METHOD_STATE_FILE), map_location="cpu", weights_only=True)
             self.method.load_state_dict(state)
+
+    def _restore_ivon_without_optimizer_state(self, checkpoint: str) -> None:
+        """The stock Trainer loads the optimizer only together with the scheduler, and silently starts afresh without
+        them; IVON would restart its Hessian and step count."""
+        if os.path.isfile(os.path.join(checkpoint, "optimizer.pt")):
+            self.ivon.load_state_dict(torch.load(os.path.join(checkpoint, "optimizer.pt"), map_location="cpu", weights_only=True))
+            logger.warning("%s has no scheduler.pt: IVON's state was restored, the learning-rate schedule restarts.", checkpoint)
+            return
+        self._restore_ivon_from_posterior(checkpoint)
+        logger.warning(
+            "%s has no optimizer state (save_only_model=True?): IVON's Hessian and step count were restored from its "
+            "%s; the gradient momentum restarts at zero and the learning-rate schedule from its start.", checkpoint, POSTERIOR_FILE,
+        )
+
+    def _restore_ivon_from_posterior(self, checkpoint: str) -> None:
+        """Set IVON's Hessian to h = 1/(ess σ²) − δ (the inverse of σ = 1/sqrt(ess (h + δ))) and its step count from
+        the posterior saved in `checkpoint` for the weights just loaded from it."""
+        path = os.path.join(checkpoint, POSTERIOR_FILE)
+        if not os.path.isfile(path):
+            raise ValueError(
+                f"Cannot resume IVON from {checkpoint}: it has neither optimizer.pt nor {POSTERIOR_FILE}, so the "
+                "posterior (IVON's Hessian) would silently restart from hess_init. Resume from a checkpoint saved with "
+                "save_only_model=False, or start a new run."
+            )
+        model = self.accelerator.unwrap_model(self.model)
+        posterior = DiagonalGaussianPosterior.load(model, path)
+        opt = self.ivon
+        if set(posterior.names) != set(self._ivon_param_names):
+            raise ValueError(
+                f"{path} covers {len(posterior.names)} parameters but IVON trains {len(self._ivon_param_names)}: the "
+                "checkpoint was saved with other trainable parameters. Freeze the same parameters as in that run."
+            )
+        names = iter(self._ivon_param_names)  # in param_groups order
+        for group in opt.param_groups:
+            std = torch.cat([posterior.std[next(names)].flatten() for _ in group["params"]]).to(group["hess"])
+            group["hess"] = (1.0 / (group["ess"] * std.square()) - group["weight_decay"]).clamp_min(0.0)
+            group["momentum"] = torch.zeros_like(group["momentum"])
+        opt.current_step = int(posterior.metadata.get("step", self.state.global_step))
 
     # -- prediction --------------------------------------------------------------------------------
     def prediction_step(self, model: torch.nn.Module, inputs: dict[str, Any], prediction_loss_only: bool, ignore_keys: list[str] | None = None) -> tuple:
@@ -358,14 +427,77 @@ class VariationalTrainer(Trainer):
 
     # -- saving ------------------------------------------------------------------------------------
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
-        super()._save(output_dir, state_dict)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
+        folder = FolderSave(output_dir).begin() if self.args.should_save else None
+        super()._save(output_dir, state_dict)
         if self.ivon is not None and self.args.should_save:
             self.posterior().save(output_dir)
         report = self.train_noise_report() if self.args.should_save else None
         if report is not None:
             with atomic_path(os.path.join(output_dir, NOISE_REPORT_FILE)) as tmp, open(tmp, "w") as f:
                 f.write(report.to_json())
+        if folder is not None:
+            stale = folder.finish(also=self._run_files.get(os.path.abspath(output_dir), ()), method=self.method.name,
+                                  global_step=self.state.global_step)
+            if stale:
+                logger.warning("Removed files of an earlier run from %s that this run did not write: %s", output_dir, stale)
+
+    def record_output(self, path: str) -> None:
+        """Note a file this run wrote next to its saves (label noise, pictures): the next save keeps it and lists it
+        in the folder's manifest, so that it is uploaded; files of earlier runs are removed instead."""
+        folder, name = os.path.split(os.path.abspath(path))
+        self._run_files.setdefault(folder, set()).add(name)
+
+    def _get_output_dir(self, trial: Any) -> str:
+        # while a checkpoint is being written, the stock `_save_checkpoint` writes into the staging folder
+        return self._staging_dir if self._staging_dir is not None else super()._get_output_dir(trial)
+
+    def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
+        """The stock checkpoint, written into `.partial-checkpoint-N/` and renamed to `checkpoint-N` when complete:
+        a kill leaves either the whole checkpoint or none (`get_last_checkpoint` ignores the staging names)."""
+        run_dir = super()._get_output_dir(trial)
+        name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        staging, final = os.path.join(run_dir, STAGING_PREFIX + name), os.path.join(run_dir, name)
+        if self.args.should_save:
+            for leftover in os.listdir(run_dir) if os.path.isdir(run_dir) else ():
+                if leftover.startswith((STAGING_PREFIX, DELETING_PREFIX)):  # of a killed run
+                    shutil.rmtree(os.path.join(run_dir, leftover), ignore_errors=True)
+        self.accelerator.wait_for_everyone()
+        self._staging_dir = staging
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self._staging_dir = None
+        self.accelerator.wait_for_everyone()  # every rank's files (rng states) are in
+        if not self.args.should_save:
+            return
+        written = os.path.join(staging, name)
+        if self.state.best_model_checkpoint == written:  # the stock code recorded the staging path
+            self.state.best_model_checkpoint = final
+            self.state.save_to_json(os.path.join(written, "trainer_state.json"))
+        if os.path.isdir(final):  # a checkpoint of the same step from an earlier run: replace it whole
+            _remove_checkpoint(final)
+        os.replace(written, final)
+        shutil.rmtree(staging, ignore_errors=True)
+        self._rotate_checkpoints_atomically(run_dir)
+
+    def _rotate_checkpoints_atomically(self, run_dir: str) -> None:
+        """`transformers.trainer_utils.rotate_checkpoints`, but each old checkpoint disappears by one rename before
+        it is deleted: a kill inside `rmtree` would leave a visible half-deleted checkpoint that resume picks up."""
+        limit = self.args.save_total_limit
+        if limit is None or limit <= 0:
+            return
+        checkpoints = sort_checkpoints(run_dir, use_mtime=True)
+        protected = {checkpoints[-1]} if checkpoints else set()  # the newest, to resume from
+        if self.state.best_model_checkpoint is not None:
+            protected.add(str(Path(self.state.best_model_checkpoint)))
+        remaining = len(checkpoints)
+        for checkpoint in checkpoints:
+            if remaining <= max(limit, len(protected)):
+                break
+            if checkpoint not in protected:
+                _remove_checkpoint(checkpoint)
+                remaining -= 1
 
     def train_noise_report(self) -> Any:
         """The label corruption of the training set: the report given at construction, else the realized one
@@ -381,17 +513,40 @@ class VariationalTrainer(Trainer):
         return None
 
     # -- sharing -----------------------------------------------------------------------------------
-    def create_model_card(self, model_name: str | None = None, **kwargs: Any) -> None:
-        """Replaces the stock card (which would report the Trainer's `optim` for IVON runs) with varsmooth's."""
+    def create_model_card(self, model_name: str | None = None, replace_model_card: bool = False, **kwargs: Any) -> None:
+        """Replaces the stock card (which would report the Trainer's `optim` for IVON runs) with varsmooth's.
+
+        A README.md in output_dir that a varsmooth save did not write (your own card) is kept: this raises unless
+        `replace_model_card=True`.
+        """
         if not self.is_world_process_zero():
             return
+        self._refuse_to_replace_own_card(replace_model_card)
+        path = os.path.join(self.args.output_dir, "README.md")
         card = build_model_card(self, model_name=model_name, **kwargs)
-        with atomic_path(os.path.join(self.args.output_dir, "README.md")) as tmp:
+        with atomic_path(path) as tmp:
             card.save(tmp)
+        self.record_output(path)
+        add_to_manifest(self.args.output_dir, ["README.md"])
+
+    def _refuse_to_replace_own_card(self, replace_model_card: bool) -> None:
+        path = os.path.join(self.args.output_dir, "README.md")
+        if os.path.isfile(path) and not replace_model_card and not written_by_varsmooth(self.args.output_dir, "README.md"):
+            raise FileExistsError(
+                f"{path} was not written by varsmooth (your own model card?) and would be replaced by the generated "
+                "card. Move it away, or pass replace_model_card=True (to push_to_hub or create_model_card) to replace it."
+            )
 
     def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True, token: str | None = None,
                     revision: str | None = None, private: bool | None = None, **kwargs: Any) -> Any:
-        """Save, write the card, and upload only the shareable files of output_dir (`hub.SHAREABLE_PATTERNS`)."""
+        """Save, write the card, and upload exactly the files this training wrote (the manifest, less
+        `files.PRIVATE_FILES`); varsmooth files of earlier pushes that this run did not write are deleted from the repo.
+
+        A README.md of your own in output_dir makes this refuse, unless `replace_model_card=True`.
+        """
+        replace_card = kwargs.pop("replace_model_card", False)
+        if self.is_world_process_zero():
+            self._refuse_to_replace_own_card(replace_card)  # before anything is saved or uploaded
         self.callback_handler.on_push_begin(self.args, self.state, self.control)
         token = token if token is not None else self.args.hub_token
         if self.hub_model_id is None:
@@ -400,31 +555,34 @@ class VariationalTrainer(Trainer):
         if not self.is_world_process_zero():
             return None
         model_name = kwargs.pop("model_name", None) or (self.args.hub_model_id or self.args.output_dir).rstrip("/").split("/")[-1]
-        self.create_model_card(model_name=model_name, **kwargs)
+        self.create_model_card(model_name=model_name, replace_model_card=replace_card, **kwargs)
         self._finish_current_push()
         return hf_api().upload_folder(
             repo_id=self.hub_model_id, folder_path=self.args.output_dir, commit_message=commit_message, token=token,
-            run_as_future=not blocking, allow_patterns=SHAREABLE_PATTERNS,
-            revision=revision if revision is not None else self.args.hub_revision,
+            run_as_future=not blocking, allow_patterns=_exact(shareable_files(self.args.output_dir)),
+            delete_patterns=list(OWNED_PATTERNS), revision=revision if revision is not None else self.args.hub_revision,
         )
 
     def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
         """Intermediate pushes: the stock version copies only config and weights from the checkpoint (and uploads
-        the rest of output_dir); here the posterior travels with the weights and only shareable files go up."""
+        the rest of output_dir); here the checkpoint's shareable files (its manifest: weights, posterior, processor)
+        are copied into output_dir as one save, and exactly those go up."""
         if not self.is_world_process_zero() or self.args.hub_strategy == "end":
             return
         if not self.args.hub_always_push and self.push_in_progress is not None and not self.push_in_progress.is_done():
             return
         self.callback_handler.on_push_begin(self.args, self.state, self.control)
-        for name in os.listdir(checkpoint_folder):
-            if any(fnmatch.fnmatch(name, pattern) for pattern in SHAREABLE_PATTERNS):
-                shutil.copy(os.path.join(checkpoint_folder, name), os.path.join(self.args.output_dir, name))
-        if self.processing_class is not None:
-            self.processing_class.save_pretrained(self.args.output_dir)
+        output_dir = self.args.output_dir
+        folder = FolderSave(output_dir).begin()
+        for name in shareable_files(checkpoint_folder):
+            with atomic_path(os.path.join(output_dir, name)) as tmp:
+                shutil.copyfile(os.path.join(checkpoint_folder, name), tmp)
+        folder.finish(also=self._run_files.get(os.path.abspath(output_dir), ()), method=self.method.name,
+                      global_step=self.state.global_step)
         job = hf_api().upload_folder(
-            repo_id=self.hub_model_id, folder_path=self.args.output_dir, token=self.args.hub_token,
+            repo_id=self.hub_model_id, folder_path=output_dir, token=self.args.hub_token,
             commit_message=f"Training in progress, step {self.state.global_step}", run_as_future=True,
-            allow_patterns=SHAREABLE_PATTERNS, revision=self.args.hub_revision,
+            allow_patterns=_exact(shareable_files(output_dir)), revision=self.args.hub_revision,
         )
         self.push_in_progress = PushInProgress([job])
 
@@ -477,6 +635,19 @@ def _refuse_undistributed_process_group(args: VariationalTrainingArguments) -> N
             "launch one DDP job over CPU processes (gloo); on GPUs launch one process per visible GPU "
             "(accelerate launch --multi_gpu --num_processes N, or torchrun --nproc_per_node N)."
         )
+
+
+def _remove_checkpoint(path: str) -> None:
+    """Hide the checkpoint under a staging name first (one rename), then delete it (a later save clears leftovers)."""
+    hidden = os.path.join(os.path.dirname(path), DELETING_PREFIX + os.path.basename(path))
+    shutil.rmtree(hidden, ignore_errors=True)
+    os.replace(path, hidden)
+    shutil.rmtree(hidden, ignore_errors=True)
+
+
+def _exact(names: list[str]) -> list[str]:
+    """`upload_folder` patterns that match exactly these names (fnmatch would expand `*`, `?` and `[...]`)."""
+    return [glob.escape(name) for name in names]
 
 
 def _bind(callback: TrainerCallback, trainer: VariationalTrainer) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
@@ -182,18 +183,20 @@ class VariationalTrainingArguments(TrainingArguments):
                     "sample ends, before the scaler unscales them, so every update would be ~65536x too large. "
                     "Use bf16=True (autocast with fp32 weights) or full precision."
                 )
+            if not 0 <= self.learning_rate < math.inf:
+                raise ValueError(f"learning_rate must be finite and >= 0, got {self.learning_rate}.")
             if self.mc_samples < 1:
                 raise ValueError(f"mc_samples must be >= 1, got {self.mc_samples}.")
-            if self.hess_init <= 0:
-                raise ValueError(f"hess_init must be > 0 (IVON's posterior std is 1/sqrt(ess (h + δ))), got {self.hess_init}.")
+            if not 0 < self.hess_init < math.inf:
+                raise ValueError(f"hess_init must be finite and > 0 (IVON's posterior std is 1/sqrt(ess (h + δ))), got {self.hess_init}.")
             if not 0.0 <= self.beta2 <= 1.0 or not 0.0 <= self.beta1 < 1.0:
                 raise ValueError(f"Need 0 <= beta1 < 1 and 0 <= beta2 <= 1, got beta1={self.beta1}, beta2={self.beta2}.")
-            if self.prior_precision < 0:
-                raise ValueError(f"prior_precision must be >= 0, got {self.prior_precision}.")
-            if self.ess is not None and not self.ess > 0:
-                raise ValueError(f"ess must be > 0, got {self.ess}.")
-            if self.hessian_window is not None and not self.hessian_window > 0:
-                raise ValueError(f"hessian_window must be > 0 (a fraction of the run's steps) or None, got {self.hessian_window}.")
+            if not 0 <= self.prior_precision < math.inf:
+                raise ValueError(f"prior_precision must be finite and >= 0, got {self.prior_precision}.")
+            if self.ess is not None and not 0 < self.ess < math.inf:
+                raise ValueError(f"ess must be finite and > 0, got {self.ess}.")
+            if self.hessian_window is not None and not 0 < self.hessian_window < math.inf:
+                raise ValueError(f"hessian_window must be finite and > 0 (a fraction of the run's steps) or None, got {self.hessian_window}.")
             if self.clip_radius is not None and not self.clip_radius > 0:
                 raise ValueError(f"clip_radius must be > 0 or None, got {self.clip_radius}.")
         if self.eval_mc_samples < 0:

@@ -249,17 +249,21 @@ def _corrupt_split(
     features = dataset.features.copy()
     features[CLEAN_COLUMN] = dataset.features[label_column]  # keeps a ClassLabel a ClassLabel
     features[CORRUPTED_COLUMN] = Value("bool")
-    corrupted = dataset.map(
-        _apply_noise,
-        with_indices=True,
-        batched=True,
-        batch_size=batch_size,
-        num_proc=num_proc,
-        input_columns=[label_column],  # the label only: image columns are not decoded
-        features=features,
-        fn_kwargs={"noisy_labels": noisy, "label_column": label_column},
-        desc=f"Corrupting {label_column!r} ({noise_type} noise)",
-    )
+    if len(dataset) == 0:  # `map` calls nothing on zero rows and would add no columns
+        corrupted = dataset.add_column(CLEAN_COLUMN, [], feature=features[CLEAN_COLUMN]).add_column(
+            CORRUPTED_COLUMN, [], feature=features[CORRUPTED_COLUMN])
+    else:
+        corrupted = dataset.map(
+            _apply_noise,
+            with_indices=True,
+            batched=True,
+            batch_size=batch_size,
+            num_proc=num_proc,
+            input_columns=[label_column],  # the label only: image columns are not decoded
+            features=features,
+            fn_kwargs={"noisy_labels": noisy, "label_column": label_column},
+            desc=f"Corrupting {label_column!r} ({noise_type} noise)",
+        )
     report = NoiseReport.from_labels(
         clean,
         noisy,

@@ -107,6 +107,11 @@ def instance_noise_rows(
             x = _as_matrix(subset[start : start + batch_size][feature_column], feature_column)
             if dim is None:
                 dim = x.shape[1]
+            if not np.isfinite(x).all():
+                raise ValueError(
+                    f"instance noise needs finite features, but column {feature_column!r} holds NaN or infinite values "
+                    "(the noise of such an example would be silently zero); fill or drop those examples first."
+                )
             if x.shape[1] != dim:
                 raise ValueError(
                     f"instance noise needs features of one size, but column {feature_column!r} holds vectors of "

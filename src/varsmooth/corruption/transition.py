@@ -34,6 +34,7 @@ def symmetric_transition(num_classes: int, rate: float) -> np.ndarray:
     ``T_ij = r/(K-1)``."""
     if num_classes < 2:
         raise ValueError("symmetric noise needs at least 2 classes to flip between.")
+    _check_probability(rate, "symmetric")
     T = np.full((num_classes, num_classes), rate / (num_classes - 1))
     np.fill_diagonal(T, 1.0 - rate)
     return T
@@ -42,6 +43,7 @@ def symmetric_transition(num_classes: int, rate: float) -> np.ndarray:
 def uniform_transition(num_classes: int, rate: float) -> np.ndarray:
     """Resample uniformly over all K classes with probability r (LN, ALASCA, Patrini et al. 2017):
     ``T_ii = 1-r+r/K``, ``T_ij = r/K``; the expected fraction of changed labels is r(K-1)/K."""
+    _check_probability(rate, "uniform")
     T = np.full((num_classes, num_classes), rate / num_classes)
     np.fill_diagonal(T, 1.0 - rate + rate / num_classes)
     return T
@@ -56,6 +58,7 @@ def pairflip_transition(num_classes: int, rate: float) -> np.ndarray:
 def asymmetric_transition(num_classes: int, rate: float, class_map: Mapping[int, int]) -> np.ndarray:
     """Class-conditional flips: each source class of ``class_map`` goes to its target with probability
     r; unmapped classes are never corrupted. ``class_map`` must already be resolved to integers."""
+    _check_probability(rate, "asymmetric")
     T = np.eye(num_classes)
     for source, target in class_map.items():
         T[source, source] = 1.0 - rate
@@ -73,7 +76,7 @@ def classwise_transition(num_classes: int, kappa: float, beta: float) -> np.ndar
     if num_classes < 2:
         raise ValueError("classwise noise needs at least 2 classes to flip between.")
     flip = kappa + beta * np.arange(1, num_classes + 1)
-    if kappa < 0 or beta < 0 or flip[-1] > 1.0 + 1e-12:
+    if not (kappa >= 0 and beta >= 0 and flip[-1] <= 1.0 + 1e-12):  # also refuses NaN, which compares False
         raise ValueError(
             f"classwise noise (seed 000, Eq. 20-21) needs kappa >= 0, beta >= 0 and kappa + beta*K <= 1 so that "
             f"every flip probability is valid; got kappa={kappa}, beta={beta}, K={num_classes} "
@@ -83,6 +86,12 @@ def classwise_transition(num_classes: int, kappa: float, beta: float) -> np.ndar
     T = np.repeat((flip / (num_classes - 1))[:, None], num_classes, axis=1)
     np.fill_diagonal(T, 1.0 - flip)
     return T
+
+
+def _check_probability(rate: float, noise_type: str) -> None:
+    # a rate outside [0, 1] (or NaN) gives negative or NaN "probabilities" that sampling would silently misread
+    if not 0.0 <= rate <= 1.0:
+        raise ValueError(f"{noise_type} noise needs a flip rate in [0, 1]; got {rate}. For a percentage, divide by 100.")
 
 
 def resolve_class_map(

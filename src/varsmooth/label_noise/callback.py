@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from typing import TYPE_CHECKING, Any
 
 import datasets
@@ -95,9 +96,14 @@ class LabelNoiseCallback(TrainerCallback):
             return None
         metadata = {"epoch": state.epoch, "global_step": state.global_step, "num_samples": self.num_samples,
                     "seed": seed, **trainer.posterior().summary()}
-        path, _ = write_label_noise(noise, args.output_dir, name, metadata)
+        path, summary_path = write_label_noise(noise, args.output_dir, name, metadata)
         if self.plots:
             self._draw(noise, dataset, args.output_dir, name)
+        # the next save keeps these files and lists them in the folder's manifest (they are this run's)
+        for written in (path, summary_path, *(os.path.join(args.output_dir, f"{name}_{kind}.png")
+                                                for kind in ("smoothed_labels", "extremes"))):
+            if os.path.isfile(written):
+                trainer.record_output(written)
         logger.info("Wrote the label noise of %d examples to %s", len(noise), path)
         return path
 

@@ -18,7 +18,7 @@ from transformers.utils import ModelOutput
 from .gaussian import DiagonalGaussianPosterior
 from .ivon import derive_seed
 
-__all__ = ["VariationalClassifierOutput", "predictive_distribution", "model_logits", "LABEL_KEYS"]
+__all__ = ["VariationalClassifierOutput", "predictive_distribution", "model_logits", "logits_of", "LABEL_KEYS"]
 
 LABEL_KEYS = ("labels", "label", "label_ids")
 
@@ -43,11 +43,28 @@ class VariationalClassifierOutput(ModelOutput):
     noise_rms: torch.Tensor | None = None
 
 
+def logits_of(outputs: Any) -> torch.Tensor:
+    """The logits in a model's output: the `logits` entry of a `ModelOutput`/dict, else the first element."""
+    if isinstance(outputs, Mapping):
+        if "logits" not in outputs:
+            raise ValueError(
+                f"The model returned {type(outputs).__name__} with keys {sorted(outputs)} but no 'logits': varsmooth "
+                "needs a classifier that returns its class scores as `logits` (e.g. an AutoModelFor*Classification, "
+                "or wrap the model so that forward returns SequenceClassifierOutput(logits=...))."
+            )
+        return outputs["logits"]
+    if isinstance(outputs, torch.Tensor):
+        return outputs
+    if isinstance(outputs, (tuple, list)) and outputs and isinstance(outputs[0], torch.Tensor):
+        return outputs[0]
+    raise ValueError(f"Cannot find logits in a model output of type {type(outputs).__name__}: return a ModelOutput "
+                     "with `logits`, a tensor, or a tuple whose first element is the logits.")
+
+
 def model_logits(model: torch.nn.Module, inputs: Mapping[str, Any]) -> torch.Tensor:
     """Logits of `model` on `inputs` (labels are not passed, so no loss is computed)."""
     outputs = model(**{k: v for k, v in inputs.items() if k not in LABEL_KEYS})
-    logits = outputs["logits"] if isinstance(outputs, Mapping) else outputs[0]
-    return logits.float()
+    return logits_of(outputs).float()
 
 
 def _entropy(probs: torch.Tensor) -> torch.Tensor:
@@ -68,6 +85,8 @@ def predictive_distribution(
     trainer's evaluation and a model reloaded from disk agree exactly. `num_samples=0` (or a point-mass
     posterior) predicts at the mean.
     """
+    if num_samples < 0:
+        raise ValueError(f"num_samples must be >= 0 (0 = predict at the posterior mean), got {num_samples}.")
     mean_logits = model_logits(model, inputs)
     mean_probs = mean_logits.softmax(-1)
     if num_samples <= 0 or posterior.is_point_mass:

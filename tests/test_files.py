@@ -1,0 +1,378 @@
+"""Nothing lost, nothing stale: saves, loads, resumes and checkpoints keep weights and posterior together."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import random
+import re
+import signal
+
+import datasets
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from transformers import ResNetConfig, ResNetForImageClassification, TrainerCallback
+from transformers.trainer_utils import get_last_checkpoint
+
+from helpers import TinyClassifier, digits_dataset, make_args
+from varsmooth import POSTERIOR_FILE, DiagonalGaussianPosterior, LabelNoiseCallback, VariationalModel, VariationalTrainer
+from varsmooth.corruption import corrupt_labels
+from varsmooth.files import MANIFEST_FILE, add_to_manifest
+
+IVON = dict(learning_rate=0.2, beta2=0.99, lr_scheduler_type="constant", train_sampling_strategy="sequential")
+
+
+def _resnet(seed: int = 0) -> ResNetForImageClassification:
+    torch.manual_seed(seed)
+    return ResNetForImageClassification(ResNetConfig(num_channels=1, embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1],
+                                                     layer_type="basic", num_labels=10, downsample_in_first_stage=False))
+
+
+def _pixels(n: int) -> datasets.Dataset:
+    ds = digits_dataset(n).with_format(None)
+    return ds.map(lambda b: {"pixel_values": np.asarray(b["pixel_values"], "float32")[:, None]}, batched=True).with_format("torch")
+
+
+def _train_ivon(out, model=None, steps: int = 3, **kw) -> VariationalTrainer:
+    args = make_args(out, max_steps=steps, eval_mc_samples=2, **{**IVON, **kw})
+    trainer = VariationalTrainer(model=model if model is not None else _resnet(), args=args, train_dataset=_pixels(64))
+    trainer.train()
+    return trainer
+
+
+# -- 1. a posterior is bound to its weights; a save removes the earlier run's files; a folder is whole ---------------
+def test_erm_run_in_a_reused_folder_leaves_nothing_of_the_ivon_run(tmp_path):
+    out = tmp_path / "model"
+    train, report = corrupt_labels(_pixels(64).with_format(None), "symmetric", 0.2, seed=0, return_report=True)
+    train = train.with_format("torch")
+    ivon_args = make_args(out, max_steps=2, eval_mc_samples=2, **IVON)
+    ivon = VariationalTrainer(model=_resnet(), args=ivon_args, train_dataset=train, noise_report=report,
+                              callbacks=[LabelNoiseCallback(num_samples=2)])
+    ivon.train()
+    ivon.save_model()
+    stale = {POSTERIOR_FILE, "label_noise.parquet", "label_noise_summary.json", "noise_report.json"}
+    assert stale <= set(os.listdir(out))
+    (out / "my_notes.txt").write_text("the user's own file")
+
+    erm = VariationalTrainer(model=_resnet(1), args=make_args(out, method="erm", max_steps=2), train_dataset=_pixels(64))
+    erm.train()
+    erm.save_model()
+    assert not stale & set(os.listdir(out))
+    assert (out / "my_notes.txt").read_text() == "the user's own file"  # not varsmooth's: kept, and not in the manifest
+    manifest = json.loads((out / MANIFEST_FILE).read_text())
+    assert manifest["method"] == "erm" and "model.safetensors" in manifest["files"] and "my_notes.txt" not in manifest["files"]
+    with pytest.warns(UserWarning, match="Predicting at the posterior mean"):
+        VariationalModel.from_pretrained(out)
+
+
+def test_a_save_removes_earlier_files_it_did_not_write_unless_they_were_edited(tmp_path):
+    model = _resnet()
+    posterior = DiagonalGaussianPosterior(model, {n: torch.full_like(p, 0.01) for n, p in model.named_parameters()})
+    VariationalModel(model, posterior).save_pretrained(tmp_path)
+    for name in ("README.md", "tokenizer.json"):  # as if the earlier run had also written these
+        (tmp_path / name).write_text("{}")
+    add_to_manifest(tmp_path, ["README.md", "tokenizer.json"])
+    with open(tmp_path / "README.md", "a") as f:
+        f.write("edited by hand")
+    VariationalModel(model, DiagonalGaussianPosterior.zero(model)).save_pretrained(tmp_path)  # no posterior now
+    assert sorted(os.listdir(tmp_path)) == sorted(["README.md", "config.json", MANIFEST_FILE, "model.safetensors"])
+
+
+def test_posterior_of_replaced_weights_is_refused(tmp_path):
+    trainer = _train_ivon(tmp_path / "run")
+    trainer.save_model(str(tmp_path / "model"))
+    VariationalModel.from_pretrained(tmp_path / "model")  # the pair as saved loads
+    _resnet(5).save_pretrained(tmp_path / "model")  # new weights of the same size, beside the old σ
+    with pytest.raises(ValueError, match="truncated or replaced after the save"):  # the manifest notices first
+        VariationalModel.from_pretrained(tmp_path / "model")
+    os.remove(tmp_path / "model" / MANIFEST_FILE)  # the fingerprint alone is enough
+    with pytest.raises(ValueError, match=r"posterior.safetensors belongs to other weights"):
+        VariationalModel.from_pretrained(tmp_path / "model")
+    with pytest.raises(ValueError, match="fingerprint"):
+        DiagonalGaussianPosterior.load(_resnet(5), tmp_path / "model")
+
+
+def test_save_interrupted_between_weights_and_posterior_is_detected(tmp_path, monkeypatch):
+    trainer = _train_ivon(tmp_path, steps=2)
+    trainer.save_model()
+    trainer.args.max_steps = 4
+    trainer.train(resume_from_checkpoint=None)  # the weights move on
+    monkeypatch.setattr(DiagonalGaussianPosterior, "save", lambda self, path: (_ for _ in ()).throw(OSError("killed")))
+    with pytest.raises(OSError, match="killed"):
+        trainer.save_model()
+    assert not (tmp_path / MANIFEST_FILE).exists()  # the folder says it is incomplete
+    with pytest.raises(ValueError, match="belongs to other weights"):
+        VariationalModel.from_pretrained(tmp_path)
+
+
+def test_file_changed_after_the_save_is_refused(tmp_path):
+    train, report = corrupt_labels(_pixels(64).with_format(None), "symmetric", 0.2, seed=0, return_report=True)
+    args = make_args(tmp_path, max_steps=2, eval_mc_samples=2, **IVON)
+    trainer = VariationalTrainer(model=_resnet(), args=args, train_dataset=train.with_format("torch"), noise_report=report)
+    trainer.train()
+    trainer.save_model()
+    with open(tmp_path / "noise_report.json", "a") as f:
+        f.write(" ")
+    with pytest.raises(ValueError, match=r"noise_report.json has \d+ bytes but varsmooth_manifest.json records"):
+        VariationalModel.from_pretrained(tmp_path)
+    os.remove(tmp_path / "noise_report.json")
+    with pytest.raises(ValueError, match="noise_report.json is missing"):
+        VariationalModel.from_pretrained(tmp_path)
+
+
+# -- 2. incomplete posteriors refuse to load ----------------------------------------------------------------------
+@pytest.fixture
+def saved_posterior(tmp_path):
+    model = TinyClassifier()
+    std = {name: torch.full_like(p, 0.05) for name, p in model.named_parameters()}
+    path = DiagonalGaussianPosterior(model, std, {"step": 3}).save(tmp_path / POSTERIOR_FILE)
+    with safe_open(path, framework="pt") as f:
+        tensors, metadata = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+    return model, path, tensors, metadata
+
+
+def test_a_complete_posterior_loads(saved_posterior):
+    model, path, tensors, _ = saved_posterior
+    loaded = DiagonalGaussianPosterior.load(model, path)
+    assert set(loaded.std) == set(tensors) and loaded.metadata["step"] == 3
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda t: {k: v for i, (k, v) in enumerate(sorted(t.items())) if i % 2}, "does not cover the parameters"),
+    (lambda t: {}, "holds no standard deviations"),
+    (lambda t: {**t, "head.bias": torch.full_like(t["head.bias"], float("nan"))}, "non-finite standard deviation for 'head.bias'"),
+    (lambda t: {**t, "body.bias": torch.zeros_like(t["body.bias"])}, "zero or negative standard deviation for 'body.bias'"),
+])
+def test_incomplete_or_broken_posterior_is_refused(saved_posterior, edit, message):
+    model, path, tensors, metadata = saved_posterior
+    save_file(edit(tensors), path, metadata=metadata)
+    with pytest.raises(ValueError, match=re.escape(path) + ".*" + re.escape(message)):
+        DiagonalGaussianPosterior.load(model, path)
+
+
+def test_truncated_posterior_file_is_named(saved_posterior):
+    model, path, _, _ = saved_posterior
+    data = open(path, "rb").read()
+    with open(path, "wb") as f:
+        f.write(data[: len(data) // 2])
+    with pytest.raises(ValueError, match=re.escape(path) + ".*truncated or corrupted"):
+        DiagonalGaussianPosterior.load(model, path)
+
+
+# -- 3. resume without optimizer state ----------------------------------------------------------------------------
+def _std_in(folder) -> torch.Tensor:
+    with safe_open(os.path.join(folder, POSTERIOR_FILE), framework="pt") as f:
+        return torch.cat([f.get_tensor(k).flatten() for k in sorted(f.keys())])
+
+
+def _std_of(trainer) -> torch.Tensor:
+    std = trainer.posterior().std
+    return torch.cat([std[k].flatten() for k in sorted(std)])
+
+
+def test_resume_without_optimizer_state_restores_the_posterior(tmp_path):
+    args = dict(save_strategy="steps", save_steps=4, save_only_model=True)
+    _train_ivon(tmp_path, model=TinyClassifier(), steps=4, **args)
+    ckpt = tmp_path / "checkpoint-4"
+    assert not (ckpt / "optimizer.pt").exists()
+    resumed = VariationalTrainer(model=TinyClassifier(), args=make_args(tmp_path, max_steps=4, **IVON, **args),
+                                 train_dataset=_pixels(64))
+    resumed.train(resume_from_checkpoint=str(ckpt))
+    assert resumed.ivon.current_step == 4  # not restarted at 0
+    # h = 1/(ess σ²) − δ inverts σ: the restored IVON gives back the checkpoint's σ (not σ0 from hess_init)
+    torch.testing.assert_close(_std_of(resumed), _std_in(ckpt), rtol=1e-5, atol=0)
+    assert (_std_in(ckpt) - _std_in(ckpt)[0]).abs().max() > 1e-4  # σ moved away from the uniform σ0
+
+    os.remove(ckpt / POSTERIOR_FILE)
+    again = VariationalTrainer(model=TinyClassifier(), args=make_args(tmp_path, max_steps=4, **IVON, **args),
+                               train_dataset=_pixels(64))
+    with pytest.raises(ValueError, match="neither optimizer.pt nor posterior.safetensors"):
+        again.train(resume_from_checkpoint=str(ckpt))
+
+
+def test_best_model_reload_brings_its_own_posterior(tmp_path):
+    data = _pixels(64)
+    args = make_args(tmp_path, max_steps=6, eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=2,
+                     save_only_model=True, load_best_model_at_end=True, metric_for_best_model="loss",
+                     greater_is_better=True, eval_mc_samples=2, **IVON)  # "greater loss is better": the first is best
+    trainer = VariationalTrainer(model=TinyClassifier(), args=args, train_dataset=data, eval_dataset=data)
+    trainer.train()
+    best = trainer.state.best_model_checkpoint
+    assert best.endswith("checkpoint-2")
+    torch.testing.assert_close(_std_of(trainer), _std_in(best), rtol=1e-5, atol=0)
+    assert (_std_in(best) - _std_in(tmp_path / "checkpoint-6")).abs().max() > 1e-4  # the last step's σ differs
+
+
+# -- 4. a checkpoint is visible only when complete: real SIGKILLs -------------------------------------------------
+CHECKPOINT_FILES = ("model.safetensors", POSTERIOR_FILE, "optimizer.pt", "scheduler.pt", "trainer_state.json", "rng_state.pth")
+
+
+class _Started(TrainerCallback):
+    def __init__(self, event):
+        self.event = event
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.event.set()
+
+
+def _train_until_killed(out: str, steps: int, ds: datasets.Dataset, started=None) -> None:
+    torch.set_num_threads(1)
+    args = make_args(out, max_steps=steps, save_strategy="steps", save_steps=1, save_total_limit=3, **IVON)
+    trainer = VariationalTrainer(model=TinyClassifier(hidden=1024), args=args, train_dataset=ds,
+                                 callbacks=[_Started(started)] if started is not None else None)
+    trainer.train(resume_from_checkpoint=get_last_checkpoint(out) is not None)
+
+
+def _assert_complete(checkpoint: str) -> None:
+    for name in CHECKPOINT_FILES:
+        assert os.path.isfile(os.path.join(checkpoint, name)), f"{checkpoint} lacks {name}: {os.listdir(checkpoint)}"
+    torch.load(os.path.join(checkpoint, "optimizer.pt"), weights_only=True)
+    with open(os.path.join(checkpoint, "trainer_state.json")) as f:
+        assert json.load(f)["global_step"] == int(checkpoint.rsplit("-", 1)[1])
+
+
+def test_sigkill_never_leaves_a_visible_half_checkpoint(tmp_path):
+    out, steps, rng, ds = str(tmp_path), 400, random.Random(0), digits_dataset(256)
+    context = multiprocessing.get_context("fork")  # no re-import per round: each round is a training process
+    kills = 0
+    for _ in range(8):
+        started = context.Event()
+        child = context.Process(target=_train_until_killed, args=(out, steps, ds, started))
+        child.start()
+        assert started.wait(60), "the training process did not start"
+        child.join(rng.uniform(0.05, 1.0))  # about 5 to 40 checkpoint saves in
+        if child.is_alive():
+            os.kill(child.pid, signal.SIGKILL)
+            kills += 1
+        child.join()
+        visible = [os.path.join(out, d) for d in os.listdir(out) if re.fullmatch(r"checkpoint-\d+", d)]
+        for checkpoint in visible:
+            _assert_complete(checkpoint)
+    assert kills >= 6
+    last = get_last_checkpoint(out)
+    assert last is not None and not os.path.basename(last).startswith(".")
+    resume_to = int(last.rsplit("-", 1)[1]) + 2  # resume from the newest (complete) checkpoint and finish
+    final = context.Process(target=_train_until_killed, args=(out, resume_to, ds))
+    final.start()
+    final.join(120)
+    assert final.exitcode == 0
+    _assert_complete(os.path.join(out, f"checkpoint-{resume_to}"))
+
+
+# -- 6. non-finite training ---------------------------------------------------------------------------------------
+def _with_nan_in_second_batch() -> datasets.Dataset:
+    clean = digits_dataset(64)
+    pixels = clean[:]["pixel_values"].numpy().copy()
+    pixels[20] = np.nan
+    return datasets.Dataset.from_dict({"pixel_values": pixels, "label": clean[:]["label"].numpy()}).with_format("torch")
+
+
+@pytest.mark.parametrize("method", ["erm", "sam"])
+def test_non_finite_loss_stops_erm_and_sam_with_the_last_finite_weights(tmp_path, method):
+    common = dict(method=method, learning_rate=1e-2, train_sampling_strategy="sequential")
+    torch.manual_seed(0)
+    init = TinyClassifier()
+    one_step = VariationalTrainer(model=TinyClassifier(), args=make_args(tmp_path / "a", max_steps=1, **common),
+                                  train_dataset=_with_nan_in_second_batch())
+    one_step.model.load_state_dict(init.state_dict())
+    one_step.train()
+    broken = VariationalTrainer(model=TinyClassifier(), args=make_args(tmp_path / "b", max_steps=4, **common),
+                                train_dataset=_with_nan_in_second_batch())
+    broken.model.load_state_dict(init.state_dict())
+    with pytest.raises(FloatingPointError, match=f"Non-finite training loss .* at step 1 with method='{method}'"):
+        broken.train()
+    for (name, p), q in zip(broken.model.named_parameters(), one_step.model.parameters()):
+        assert torch.isfinite(p).all() and torch.equal(p, q), name
+
+
+def test_micro_batch_without_labels_is_a_zero_gradient_ivon_step(tmp_path):
+    clean = digits_dataset(32)
+    labels = clean[:]["label"].numpy().copy()
+    labels[:16] = -100  # the whole first micro-batch
+    ds = datasets.Dataset.from_dict({"pixel_values": clean[:]["pixel_values"].numpy(), "label": labels}).with_format("torch")
+    torch.manual_seed(0)
+    trainer = VariationalTrainer(model=TinyClassifier(), args=make_args(tmp_path, max_steps=2, **IVON), train_dataset=ds)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    assert trainer.ivon.current_step == 2
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+    assert any(not torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())
+
+
+# -- 8. errors that say what is wrong -----------------------------------------------------------------------------
+class NoLogits(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(64, 10)
+
+    def forward(self, pixel_values, labels=None):
+        return {"scores": self.linear(pixel_values.flatten(1))}
+
+
+def test_model_output_without_logits_is_a_clear_error(tmp_path):
+    trainer = VariationalTrainer(model=NoLogits(), args=make_args(tmp_path, max_steps=1, **IVON), train_dataset=digits_dataset(32))
+    with pytest.raises(ValueError, match=r"keys \['scores'\] but no 'logits'"):
+        trainer.train()
+
+
+@pytest.mark.parametrize("field,value", [("hess_init", float("inf")), ("hess_init", float("nan")), ("ess", float("inf")),
+                                         ("prior_precision", float("nan")), ("prior_precision", float("inf")),
+                                         ("hessian_window", float("inf")), ("learning_rate", float("nan"))])
+def test_non_finite_ivon_settings_are_refused(tmp_path, field, value):
+    with pytest.raises(ValueError, match=f"{field} must be finite"):
+        make_args(tmp_path, **{field: value})
+
+
+@pytest.fixture(scope="module")
+def image_model_dir(tmp_path_factory):
+    from transformers import ViTImageProcessor
+
+    out = tmp_path_factory.mktemp("image_model")
+    model = _resnet()
+    model.config.id2label = {i: str(i) for i in range(10)}
+    model.config.label2id = {str(i): i for i in range(10)}
+    posterior = DiagonalGaussianPosterior(model, {n: torch.full_like(p, 0.02) for n, p in model.named_parameters()})
+    VariationalModel(model, posterior, num_samples=3).save_pretrained(out)
+    ViTImageProcessor(do_resize=False, image_mean=[0.5], image_std=[0.5], do_convert_rgb=False).save_pretrained(out)
+    return out
+
+
+def test_image_pipeline_takes_a_numpy_array_and_refuses_bad_calls(image_model_dir):
+    import PIL.Image
+
+    from varsmooth import pipeline
+
+    classify = pipeline("image-classification", model=str(image_model_dir))
+    array = (np.random.default_rng(0).random((8, 8)) * 255).astype("uint8")
+    from_pil = classify(PIL.Image.fromarray(array), top_k=10)
+    from_array = classify(array, top_k=10)
+    assert [r["label"] for r in from_array] == [r["label"] for r in from_pil]
+    np.testing.assert_allclose([r["score"] for r in from_array], [r["score"] for r in from_pil], rtol=1e-5)
+    with pytest.raises(ValueError, match="empty list of inputs"):
+        classify([])
+    with pytest.raises(ValueError, match="num_samples must be >= 0"):
+        pipeline("image-classification", model=str(image_model_dir), num_samples=-3)
+    with pytest.raises(ValueError, match="num_samples must be >= 0"):
+        VariationalModel.from_pretrained(image_model_dir, num_samples=-3)
+
+
+def test_text_pipeline_truncates_texts_longer_than_the_model_takes(tmp_path):
+    from varsmooth import pipeline
+    from varsmooth.models import create_text_classifier
+
+    words = ["good", "great", "bad", "awful"]
+    model, tokenizer = create_text_classifier(None, {0: "neg", 1: "pos"}, train_texts=[f"the film was {w} ." for w in words])
+    posterior = DiagonalGaussianPosterior(model, {n: torch.full_like(p, 0.01) for n, p in model.named_parameters()})
+    VariationalModel(model, posterior, num_samples=2).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    classify = pipeline("text-classification", model=str(tmp_path))
+    limit = model.config.max_position_embeddings
+    long_text = " ".join(["good"] * (3 * limit))
+    truncated = tokenizer.convert_tokens_to_string(tokenizer.tokenize(long_text)[: limit - 2])  # [CLS] ... [SEP]
+    got, expected = classify(long_text, top_k=2), classify(truncated, top_k=2)
+    assert [r["label"] for r in got] == [r["label"] for r in expected]
+    np.testing.assert_allclose([r["score"] for r in got], [r["score"] for r in expected], rtol=1e-5)
