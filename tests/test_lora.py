@@ -283,3 +283,109 @@ def test_examples_switch_to_the_lora_preset(name):
     chosen = example.parse_arguments(["--lora_r", "8", "--ivon_preset", "finetune", "--use_cpu", "true"])[-1]
     assert chosen.ivon_preset == "finetune"
     assert not example.parse_arguments(["--use_cpu", "true"])[0].lora_enabled
+
+
+# -- saving, loading, serving ------------------------------------------------------------------------------------
+def tiny_tokenizer(folder) -> "BertTokenizer":
+    from transformers import BertTokenizer
+
+    os.makedirs(folder, exist_ok=True)
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(5, VOCAB)]
+    path = os.path.join(folder, "vocab.txt")
+    with open(path, "w") as f:
+        f.write("\n".join(vocab) + "\n")
+    return BertTokenizer(path, do_lower_case=True)
+
+
+def trained_adapter(tmp_path, layers_kept: int = 2):
+    """A LoRA classifier on a saved "pretrained" BERT of 3 layers cut to `layers_kept`, trained and saved with IVON."""
+    base_dir = tmp_path / "base"
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=3, num_attention_heads=2, intermediate_size=32,
+                        max_position_embeddings=LENGTH + 2, num_labels=CLASSES, hidden_dropout_prob=0.0,
+                        attention_probs_dropout_prob=0.0, id2label={k: f"class{k}" for k in range(CLASSES)},
+                        label2id={f"class{k}": k for k in range(CLASSES)})
+    BertForSequenceClassification(config).save_pretrained(base_dir)
+    tokenizer = tiny_tokenizer(tmp_path / "vocab")
+    model = BertForSequenceClassification.from_pretrained(base_dir, num_hidden_layers=layers_kept)
+    model = add_lora_adapters(model, r=4, alpha=8)
+    args = _args(tmp_path / "run", max_steps=4, per_device_train_batch_size=8, eval_mc_samples=4, eval_seed=3)
+    trainer = VariationalTrainer(model=model, args=args, train_dataset=_train_rows(token_dataset(64)),
+                                 processing_class=tokenizer)
+    trainer.train()
+    trainer.save_model()
+    return trainer, tokenizer
+
+
+def test_adapter_folder_saves_the_posterior_under_peft_names_and_loads_back(tmp_path):
+    from safetensors import safe_open
+
+    from varsmooth import VariationalModel
+
+    trainer, _ = trained_adapter(tmp_path)
+    out = tmp_path / "run"
+    assert {"adapter_model.safetensors", "adapter_config.json", "config.json", "posterior.safetensors"} <= set(os.listdir(out))
+    with safe_open(out / "adapter_model.safetensors", "pt") as a, safe_open(out / "posterior.safetensors", "pt") as p:
+        assert set(p.keys()) == set(a.keys())  # one σ beside every saved adapter weight, under the same name
+        for key in a.keys():
+            assert p.get_tensor(key).shape == a.get_tensor(key).shape
+
+    loaded = VariationalModel.from_pretrained(out)
+    assert len(loaded.model.get_base_model().bert.encoder.layer) == 2  # the cut recorded in config.json
+    assert loaded.num_samples == 4 and loaded.seed == 3
+    assert set(loaded.posterior.std) == {n for n, p in trainer.model.named_parameters() if p.requires_grad}
+    ds = _train_rows(token_dataset(16, seed=1))
+    expected = torch.as_tensor(trainer.predict(ds).predictions).exp()
+    with torch.no_grad():
+        got = loaded(input_ids=ds[:]["input_ids"]).probs
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    with torch.no_grad():  # BMA over adapter samples differs from the mean adapter's prediction
+        mean = VariationalModel.from_pretrained(out, num_samples=0)(input_ids=ds[:]["input_ids"]).probs
+    assert (mean - got).abs().max() > 1e-6
+
+
+def test_pipeline_serves_the_adapter_with_its_posterior(tmp_path):
+    from varsmooth import VariationalModel, pipeline
+
+    _, tokenizer = trained_adapter(tmp_path)
+    out = tmp_path / "run"
+    texts = ["w5 w9 w12", "w30 w7", "w21 w22 w23 w24"]
+    classify = pipeline("text-classification", model=str(out))
+    results = classify(texts, top_k=None)
+    loaded = VariationalModel.from_pretrained(out)
+    with torch.no_grad():
+        expected = loaded(**tokenizer(texts, return_tensors="pt", padding=True)).probs
+    for row, probs in zip(results, expected):
+        scores = {r["label"]: r["score"] for r in row}
+        assert set(scores) == {f"class{k}" for k in range(CLASSES)}
+        assert [scores[f"class{k}"] for k in range(CLASSES)] == pytest.approx(probs.tolist(), abs=1e-5)
+
+
+@pytest.mark.slow
+def test_push_to_hub_shares_adapter_config_posterior_and_card(tmp_path):
+    from hub_stand_in import HubStandIn
+
+    hub = HubStandIn()
+    env = {**os.environ, "HF_ENDPOINT": hub.endpoint, "HF_HUB_DISABLE_XET": "1", "HF_TOKEN": "hf_offline_dummy_token",
+           "HF_HOME": str(tmp_path / "hf_home"), "OMP_NUM_THREADS": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
+    env.pop("HF_HUB_OFFLINE", None)
+    result = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "lora_hub_worker.py"), str(tmp_path)],
+                            env=env, capture_output=True, text=True, timeout=600)
+    hub.close()
+    assert result.returncode == 0, result.stderr[-4000:]
+    import json
+
+    import yaml
+
+    results = json.load(open(tmp_path / "results.json"))
+    files = set(hub.repos["offline-user/tiny-lora"])
+    assert {"adapter_model.safetensors", "adapter_config.json", "config.json", "posterior.safetensors", "README.md",
+            "tokenizer_config.json"} <= files
+    assert not files & {"training_args.bin", "varsmooth_manifest.json"}
+    card = hub.repos["offline-user/tiny-lora"]["README.md"].decode()
+    meta = yaml.safe_load(card.split("---")[1])
+    assert meta["base_model"] == "offline-user/tiny-bert" and meta["library_name"] == "peft"
+    assert {"lora", "base_model:adapter:offline-user/tiny-bert", "ivon"} <= set(meta["tags"])
+    assert "PEFT adapter" in card and "r=4" in card and "lora_alpha=8" in card and "query" in card
+    assert results["max_abs_diff_model"] < 1e-5 and results["max_abs_diff_pipeline"] < 1e-5
+    assert results["loaded_is_peft"]

@@ -320,21 +320,17 @@ def add_lora_adapters(model: torch.nn.Module, r: int = 8, alpha: float = 16, dro
     made float32 (IVON's Hessian needs them: varsmooth.VariationalTrainer refuses others), so a base model loaded in
     bfloat16 stays there, frozen, with fp32 adapters.
     """
-    try:
-        from peft import LoraConfig, get_peft_model
-    except ImportError:
-        raise ImportError(
-            "LoRA adapters need the peft package, which is not installed: pip install 'varsmooth[lora]' (or pip "
-            "install peft)."
-        ) from None
+    from .adapters import import_peft
+
+    peft = import_peft()
     if r <= 0 or alpha <= 0 or not 0.0 <= dropout < 1.0:
         raise ValueError(f"Need LoRA r > 0, alpha > 0 and 0 <= dropout < 1, got r={r}, alpha={alpha}, dropout={dropout}.")
     if isinstance(target_modules, str):
         target_modules = [name.strip() for name in target_modules.split(",") if name.strip()]
     targets = list(target_modules) if target_modules else _lora_target_modules(model)
     heads = list(modules_to_save) if modules_to_save is not None else _classifier_names(model)
-    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, modules_to_save=heads or None)
-    peft_model = get_peft_model(model, config)
+    config = peft.LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, modules_to_save=heads or None)
+    peft_model = peft.get_peft_model(model, config)
     for param in peft_model.parameters():
         if param.requires_grad and param.dtype != torch.float32:
             param.data = param.data.float()
