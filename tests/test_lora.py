@@ -7,6 +7,7 @@ reference loop sees the same forward passes as the trainer.
 from __future__ import annotations
 
 import copy
+import json
 import os
 import shutil
 import subprocess
@@ -373,8 +374,6 @@ def test_push_to_hub_shares_adapter_config_posterior_and_card(tmp_path):
                             env=env, capture_output=True, text=True, timeout=600)
     hub.close()
     assert result.returncode == 0, result.stderr[-4000:]
-    import json
-
     import yaml
 
     results = json.load(open(tmp_path / "results.json"))
@@ -389,3 +388,31 @@ def test_push_to_hub_shares_adapter_config_posterior_and_card(tmp_path):
     assert "PEFT adapter" in card and "r=4" in card and "lora_alpha=8" in card and "query" in card
     assert results["max_abs_diff_model"] < 1e-5 and results["max_abs_diff_pipeline"] < 1e-5
     assert results["loaded_is_peft"]
+
+
+@pytest.mark.slow
+def test_text_example_trains_minilm_adapters_that_reload(tmp_path):
+    """The example end to end on the MiniLM wheel cut to one layer: adapters, posterior, reload with the cut."""
+    from test_text_example import _run_example, _write_sentiment_files, needs_minilm
+
+    from varsmooth import VariationalModel
+    from varsmooth.models import MeanPoolingBertForSequenceClassification
+
+    if needs_minilm.args[0]:
+        pytest.skip(needs_minilm.kwargs["reason"])
+    train, test = _write_sentiment_files(tmp_path)
+    out = tmp_path / "out"
+    result = _run_example("--train_file", str(train), "--test_file", str(test), "--noise_type", "none", "--max_steps", "3",
+                          "--num_hidden_layers", "1", "--lora_r", "4", "--per_device_train_batch_size", "8",
+                          "--output_dir", str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads((out / "adapter_config.json").read_text())["r"] == 4
+    loaded = VariationalModel.from_pretrained(out)
+    meta = loaded.posterior.metadata  # the settings IVON trained with: the lora preset
+    assert (meta["lr"], meta["ess"], meta["clip_radius"], meta["eval_mc_samples"]) == (
+        LORA_PRESET["learning_rate"], LORA_PRESET["ess"], LORA_PRESET["clip_radius"], 10)
+    assert loaded.num_samples == 10
+    base = loaded.model.get_base_model()
+    assert isinstance(base, MeanPoolingBertForSequenceClassification) and len(base.bert.encoder.layer) == 1
+    metrics = json.loads((out / "eval_results.json").read_text())
+    assert 0.0 <= metrics["eval_accuracy"] <= 1.0
