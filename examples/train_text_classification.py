@@ -21,7 +21,14 @@ the pretrained weights with a small std σ0 = 1/sqrt(ess·(hess_init + prior_pre
 clipped element-wise so that learning_rate·clip_radius = 3e-4, the AdamW rate of the other methods here, is the
 largest step of a weight (benchmarks/real_noise.py: both optimizers checked at this step size on SST-2).
 
-Every field of ModelArguments, DataArguments, CorruptionArguments and VariationalTrainingArguments is a flag.
+LoRA (`--lora_r 8`, with `--lora_alpha`, `--lora_dropout`, `--lora_target_modules`; the `lora` extra installs peft)
+trains adapters on the query/value projections and the new head only, with IVON's `lora` preset (Cong et al. 2024,
+"Variational Low-Rank Adaptation Using IVON"; varsmooth.defaults.LORA_PRESET) unless `--ivon_preset` is given:
+
+    accelerate launch examples/train_text_classification.py --lora_r 8 --lora_alpha 16
+
+Every field of ModelArguments (with LoraArguments), DataArguments, CorruptionArguments and VariationalTrainingArguments
+is a flag.
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ from varsmooth import VariationalTrainer, VariationalTrainingArguments
 from varsmooth.corruption import CorruptionArguments
 from varsmooth.data import TEXT_DATASETS, load_text_classification_files, load_text_dataset, train_eval_splits
 from varsmooth.methods import get_method_class
-from varsmooth.models import count_parameters, create_text_classifier, minilm_path
+from varsmooth.models import LoraArguments, count_parameters, create_text_classifier, minilm_path
 from varsmooth.utils import checkpoint_to_resume, evaluate_validation_and_test
 
 logger = logging.getLogger(__name__)
@@ -61,7 +68,7 @@ OFFLINE_MINILM_LAYERS = 2
 
 
 @dataclass
-class ModelArguments:
+class ModelArguments(LoraArguments):
     model_name_or_path: str | None = field(
         default=None,
         metadata={"help": "Any AutoModelForSequenceClassification id or path. Empty: all-MiniLM-L6-v2 from the "
@@ -149,12 +156,16 @@ class ExampleTrainingArguments(VariationalTrainingArguments):
     warmup_steps: float = field(default=0.1, metadata={"help": "Warm-up (fraction of the steps if < 1)."})
     lr_scheduler_type: str = field(default="cosine", metadata={"help": "Learning-rate schedule."})
     report_to: str | None = field(default="none", metadata={"help": "Experiment trackers."})
-    eval_mc_samples: int = field(default=8, metadata={"help": "Posterior samples averaged (BMA) by evaluate()."})
+    eval_mc_samples: int | None = field(
+        default=None,
+        metadata={"help": "Posterior samples averaged (BMA) by evaluate(). Default: 8, 10 with ivon_preset lora."},
+    )
     ivon_preset: str = field(
         default="finetune",
-        metadata={"help": "IVON defaults: 'finetune' (varsmooth.defaults.FINETUNE_PRESET, for the pretrained MiniLM) or "
-                          "'scratch' (the authors' recipe, e.g. for the small BERT built from a config).",
-                  "choices": ["scratch", "finetune"]},
+        metadata={"help": "IVON defaults: 'finetune' (varsmooth.defaults.FINETUNE_PRESET, for the pretrained MiniLM), "
+                          "'scratch' (the authors' recipe, e.g. for the small BERT built from a config) or 'lora' "
+                          "(varsmooth.defaults.LORA_PRESET; the default when --lora_r > 0).",
+                  "choices": ["scratch", "finetune", "lora"]},
     )
 
     def __post_init__(self) -> None:
@@ -163,6 +174,8 @@ class ExampleTrainingArguments(VariationalTrainingArguments):
             self.do_train = self.do_eval = True
         if self.learning_rate is None and not get_method_class(self.method).uses_ivon:
             self.learning_rate = ADAMW_LR  # IVON's rate comes from ivon_preset
+        if self.eval_mc_samples is None and self.ivon_preset != "lora":  # the lora preset brings its own 10
+            self.eval_mc_samples = 8
         super().__post_init__()
 
 
@@ -210,9 +223,18 @@ def default_model() -> str:
     return str(path)
 
 
-def main() -> None:
+def parse_arguments(argv: list[str]) -> tuple:
+    """The flags' dataclasses; LoRA (--lora_r > 0) switches IVON to `ivon_preset="lora"` unless a preset is given."""
     parser = HfArgumentParser((ModelArguments, DataArguments, ExampleCorruptionArguments, ExampleTrainingArguments))
-    model_args, data_args, noise_args, training_args = parser.parse_args_into_dataclasses()
+    parsed = parser.parse_args_into_dataclasses(args=argv)
+    given = {a[2:].split("=")[0].replace("-", "_") for a in argv if a.startswith("--")}
+    if parsed[0].lora_enabled and "ivon_preset" not in given:
+        parsed = parser.parse_args_into_dataclasses(args=argv + ["--ivon_preset=lora"])
+    return parsed
+
+
+def main() -> None:
+    model_args, data_args, noise_args, training_args = parse_arguments(sys.argv[1:])
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     datasets.utils.logging.set_verbosity_warning()
     checkpoint = checkpoint_to_resume(training_args) if training_args.do_train else None
@@ -253,6 +275,7 @@ def main() -> None:
     )
     if name_or_path is not None and model_args.freeze_word_embeddings:
         model.get_input_embeddings().weight.requires_grad_(False)
+    model = model_args.apply_lora(model)
     logger.info("Model: %s (%s, %s pooling) with %d trainable parameters", type(model).__name__,
                 name_or_path or "from a config", pooling, count_parameters(model))
 

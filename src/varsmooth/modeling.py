@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForImageClassification, AutoModelForSequenceClassification, PreTrainedModel
 
+from .adapters import has_adapter, is_peft_model, load_adapter_model, save_classifier_config
 from .files import FolderSave, check_manifest
 from .posterior import POSTERIOR_FILE, DiagonalGaussianPosterior, VariationalClassifierOutput, predictive_distribution
 
@@ -60,15 +61,22 @@ class VariationalModel(torch.nn.Module):
     ) -> "VariationalModel":
         """Load weights (the posterior mean) and `posterior.safetensors` from a folder or a Hub repo.
 
+        A folder or repo with a peft adapter (`adapter_config.json`) loads as its base model
+        (`base_model_name_or_path`) + the adapter, and the posterior over the adapter weights; BMA then averages over
+        adapter samples. `model_kwargs` go to the base model's `from_pretrained` (e.g. `dtype=torch.bfloat16`).
+
         Without a posterior file the model predicts at the mean, with a warning. Defaults for `num_samples`, `seed`
         and the posterior `temperature` are those the model was evaluated with during training (`temperature=1`: the
         learned posterior, 0: the posterior mean). A local folder must match its manifest, and the posterior must
         belong to the weights (see `DiagonalGaussianPosterior.load`).
         """
         path = os.fspath(pretrained_model_name_or_path)
-        if model_class is None:
-            model_class = _auto_class(AutoConfig.from_pretrained(path, revision=revision, token=token))
-        model = model_class.from_pretrained(path, revision=revision, token=token, **model_kwargs)
+        if has_adapter(path, revision, token):
+            model = load_adapter_model(path, model_class, _auto_class, revision, token, **model_kwargs)
+        else:
+            if model_class is None:
+                model_class = _auto_class(AutoConfig.from_pretrained(path, revision=revision, token=token))
+            model = model_class.from_pretrained(path, revision=revision, token=token, **model_kwargs)
         model.eval()
         posterior = load_posterior(model, path, revision=revision, token=token)
         if temperature is not None:
@@ -85,10 +93,13 @@ class VariationalModel(torch.nn.Module):
         return predictive_distribution(self.model, self.posterior, inputs, self.num_samples, self.seed)
 
     def save_pretrained(self, save_directory: str | os.PathLike, **kwargs: Any) -> None:
-        if not isinstance(self.model, PreTrainedModel):
-            raise TypeError(f"save_pretrained needs a transformers PreTrainedModel, got {type(self.model).__name__}.")
+        adapter = is_peft_model(self.model)
+        if not isinstance(self.model, PreTrainedModel) and not adapter:
+            raise TypeError(f"save_pretrained needs a transformers PreTrainedModel or a peft model, got {type(self.model).__name__}.")
         save = FolderSave(save_directory).begin()
         self.model.save_pretrained(save_directory, **kwargs)
+        if adapter:
+            save_classifier_config(self.model, os.fspath(save_directory))
         if not self.posterior.is_point_mass:
             self.posterior.metadata = {**self.posterior.metadata, "eval_mc_samples": self.num_samples, "eval_seed": self.seed}
             self.posterior.save(save_directory)

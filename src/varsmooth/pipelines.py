@@ -19,6 +19,7 @@ import transformers
 from transformers import ImageClassificationPipeline, TextClassificationPipeline
 from transformers.image_utils import load_image
 
+from .adapters import is_peft_model
 from .modeling import VariationalModel, load_posterior
 from .posterior import DiagonalGaussianPosterior, predictive_distribution
 
@@ -111,7 +112,10 @@ def pipeline(task: str, model: str | os.PathLike, *, num_samples: int | None = N
         raise ValueError(f"varsmooth pipelines support {sorted(_PIPELINES)}, got {task!r}.")
     loaded = VariationalModel.from_pretrained(model, num_samples=num_samples, seed=seed,
                                               **{k: kwargs.pop(k) for k in ("revision", "token") if k in kwargs})
-    return transformers.pipeline(task, model=loaded.model, pipeline_class=_PIPELINES[task], posterior=loaded.posterior,
+    # an adapter model runs as its base with the adapters injected (the pipeline knows only transformers classes);
+    # the posterior still samples the adapter weights, which are the same tensors
+    network = loaded.model.get_base_model() if is_peft_model(loaded.model) else loaded.model
+    return transformers.pipeline(task, model=network, pipeline_class=_PIPELINES[task], posterior=loaded.posterior,
                                  num_samples=loaded.num_samples, seed=loaded.seed,
                                  **({"tokenizer": os.fspath(model)} if task == "text-classification" else {"image_processor": os.fspath(model)}),
                                  **kwargs)

@@ -35,6 +35,7 @@ from transformers.utils.hub import PushInProgress, hf_api
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, EvalPrediction, PredictionOutput, sort_checkpoints
 from transformers.training_args import ParallelMode
 
+from .adapters import is_peft_model, save_classifier_config
 from .files import OWNED_PATTERNS, FolderSave, add_to_manifest, shareable_files, written_by_varsmooth
 from .methods import EXAMPLE_INDEX_KEY, ExampleIndexDataset, TrainingMethod, get_method_class
 from .methods.base import IGNORE_INDEX
@@ -441,6 +442,8 @@ class VariationalTrainer(Trainer):
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         folder = FolderSave(output_dir).begin() if self.args.should_save else None
         super()._save(output_dir, state_dict)
+        if self.args.should_save and is_peft_model(self.accelerator.unwrap_model(self.model)):
+            save_classifier_config(self.accelerator.unwrap_model(self.model), output_dir)
         if self.ivon is not None and self.args.should_save:
             self.posterior().save(output_dir)
         report = self.train_noise_report() if self.args.should_save else None

@@ -7,14 +7,19 @@ from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
-from .defaults import FINETUNE_PRESET, SCRATCH_PRESET
+from .defaults import FINETUNE_PRESET, LORA_PRESET, SCRATCH_PRESET
 from .methods import METHODS, get_method_class
 
 __all__ = ["VariationalTrainingArguments"]
 
 
 def _preset_default(name: str) -> str:
-    return f"Default (None): {SCRATCH_PRESET[name]} with ivon_preset scratch, {FINETUNE_PRESET[name]} with finetune."
+    return (f"Default (None): {SCRATCH_PRESET[name]} with ivon_preset scratch, {FINETUNE_PRESET[name]} with finetune, "
+            f"{LORA_PRESET[name]} with lora.")
+
+
+#: `ivon_preset` name -> the settings it fills on top of SCRATCH_PRESET (varsmooth.defaults says where each comes from)
+IVON_PRESETS: dict[str, dict[str, float | bool]] = {"scratch": {}, "finetune": FINETUNE_PRESET, "lora": LORA_PRESET}
 
 
 @dataclass
@@ -45,9 +50,10 @@ class VariationalTrainingArguments(TrainingArguments):
     )
     ivon_preset: str = field(
         default="scratch",
-        metadata={"help": "IVON defaults: 'scratch' (the authors' recipe) or 'finetune' (a pretrained model: posterior "
-                          "around the pretrained weights, bounded steps; see varsmooth.defaults.FINETUNE_PRESET). Fields "
-                          "you set to a non-default value keep it.", "choices": ["scratch", "finetune"]},
+        metadata={"help": "IVON defaults: 'scratch' (the authors' recipe), 'finetune' (a pretrained model: posterior "
+                          "around the pretrained weights, bounded steps; see varsmooth.defaults.FINETUNE_PRESET) or "
+                          "'lora' (LoRA adapters: Cong et al. 2024's IVON-LoRA recipe, varsmooth.defaults.LORA_PRESET). "
+                          "Fields you set keep their value.", "choices": list(IVON_PRESETS)},
     )
     # -- TrainingArguments defaults overridden by varsmooth (the class docstring says why) -----------------
     learning_rate: float | None = field(
@@ -102,9 +108,10 @@ class VariationalTrainingArguments(TrainingArguments):
         metadata={"help": "Multiply lr by (hess_init + prior_precision), ivon-opt's default (`--rescale_lr false` to "
                           "turn it off). " + _preset_default("rescale_lr")},
     )
-    eval_mc_samples: int = field(
-        default=32,
-        metadata={"help": "Posterior samples averaged (BMA) by evaluate()/predict(); 0 predicts at the posterior mean."},
+    eval_mc_samples: int | None = field(
+        default=None,
+        metadata={"help": "Posterior samples averaged (BMA) by evaluate()/predict(); 0 predicts at the posterior mean. "
+                          "Default (None): 32, 10 with ivon_preset lora (IVON-LoRA's test-time samples)."},
     )
     eval_seed: int = field(default=0, metadata={"help": "Seed of the posterior samples used for prediction (common across evaluations)."})
     posterior_temperature: float | None = field(
@@ -166,11 +173,11 @@ class VariationalTrainingArguments(TrainingArguments):
 
     def __post_init__(self) -> None:
         method_cls = get_method_class(self.method)
-        if self.ivon_preset not in ("scratch", "finetune"):
-            raise ValueError(f"ivon_preset must be 'scratch' or 'finetune', got {self.ivon_preset!r}.")
-        # None = not set by the user: the preset fills it (the finetune preset only for IVON methods, others keep
+        if self.ivon_preset not in IVON_PRESETS:
+            raise ValueError(f"ivon_preset must be one of {list(IVON_PRESETS)}, got {self.ivon_preset!r}.")
+        # None = not set by the user: the preset fills it (finetune and lora only for IVON methods, others keep
         # their own learning rate); ess and clip_radius stay None in the scratch preset (training-set size, no clip)
-        preset = {**SCRATCH_PRESET, **(FINETUNE_PRESET if self.ivon_preset == "finetune" and method_cls.uses_ivon else {})}
+        preset = {**SCRATCH_PRESET, **(IVON_PRESETS[self.ivon_preset] if method_cls.uses_ivon else {})}
         for name, value in preset.items():
             if getattr(self, name) is None:
                 setattr(self, name, value)

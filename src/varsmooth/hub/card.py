@@ -29,6 +29,8 @@ _FILE_DESCRIPTIONS = {
     "noise_report.json": "the label corruption: intended and realized transition matrices",
     "preprocessor_config.json": "image processor",
     "tokenizer.json": "tokenizer",
+    "adapter_model.safetensors": "PEFT adapter weights (the posterior mean of the adapters)",
+    "adapter_config.json": "PEFT adapter configuration",
 }
 #: the card's `license:` when the user names none: varsmooth cannot know the terms of the data or the base model, and
 #: "unknown" is the Hub's identifier for that ("other" would need a license_name and license_link)
@@ -44,9 +46,35 @@ def _task(model: Any) -> tuple[str, str]:
     return "text-classification", "AutoModelForSequenceClassification"
 
 
+def _adapter(model: Any) -> Any:
+    """The active peft configuration of an adapter model, else None."""
+    from ..adapters import is_peft_model
+
+    return model.peft_config[model.active_adapter] if is_peft_model(model) else None
+
+
+def _adapter_text(adapter: Any, is_ivon: bool) -> str | None:
+    if adapter is None:
+        return None
+    kind = str(getattr(adapter.peft_type, "value", adapter.peft_type))
+    targets = getattr(adapter, "target_modules", None)
+    fields = {"r": getattr(adapter, "r", None), "lora_alpha": getattr(adapter, "lora_alpha", None),
+              "lora_dropout": getattr(adapter, "lora_dropout", None),
+              "target_modules": sorted(targets) if isinstance(targets, (set, list)) else targets,
+              "modules_to_save": getattr(adapter, "modules_to_save", None)}
+    shown = ", ".join(f"{k}={v}" for k, v in fields.items() if v is not None)
+    return (f"{kind} ({shown}); only the adapter weights and `modules_to_save` were trained"
+            + (", and the posterior is over them" if is_ivon else "") + ". `peft.PeftModel.from_pretrained` loads the "
+            "adapter into the base model; `VariationalModel.from_pretrained` loads both, and the posterior.")
+
+
 def _base_model(model: Any) -> str | None:
     config = getattr(model, "config", None)
-    name = getattr(config, "_name_or_path", "") or ""
+    return _hub_id(getattr(config, "_name_or_path", "") or "")
+
+
+def _hub_id(name: str) -> str | None:
+    """`name` if it can be a Hub model id, None for a local path (which means nothing to the card's readers)."""
     if name and not os.path.isabs(name) and not name.startswith(".") and name.count("/") <= 1 and not os.path.isdir(name):
         return name
     return None
@@ -148,10 +176,13 @@ def build_model_card(
     """
     output_dir = trainer.args.output_dir
     model = trainer.accelerator.unwrap_model(trainer.model)
+    adapter = _adapter(model)
+    if adapter is not None:  # the card describes the base with its adapters, as peft's own cards do
+        model = model.get_base_model()
     task, auto_class = _task(model)
     repo_id = trainer.args.hub_model_id or model_name or os.path.basename(os.path.abspath(output_dir))
     model_name = model_name or repo_id.split("/")[-1]
-    base_model = _base_model(model)
+    base_model = _base_model(model) if adapter is None else _hub_id(adapter.base_model_name_or_path or "")
     metrics, scored_on = _last_eval_metrics(trainer)
     method = trainer.method.name
     report = trainer.train_noise_report()
@@ -177,9 +208,11 @@ def build_model_card(
                     metric_name=f"{pretty} ({label})" if label else pretty,
                 ))
     card_data = ModelCardData(
-        language=language, license=license, library_name="transformers", base_model=base_model,
+        language=language, license=license, library_name="transformers" if adapter is None else "peft", base_model=base_model,
         datasets=hub_datasets or None, pipeline_tag=task, model_name=model_name,
-        tags=sorted({"varsmooth", "noisy-labels", task, *(["ivon", "variational-learning"] if is_ivon else [method]), *(tags or [])}),
+        tags=sorted({"varsmooth", "noisy-labels", task, *(["ivon", "variational-learning"] if is_ivon else [method]), *(tags or []),
+                     *([str(getattr(adapter.peft_type, "value", adapter.peft_type)).lower()]
+                       + ([f"base_model:adapter:{base_model}"] if base_model else []) if adapter is not None else [])}),
         eval_results=eval_results or None,
     )
 
@@ -246,7 +279,10 @@ def build_model_card(
         task_name=task,
         auto_class=auto_class,
         method=method,
-        base_model_text=f"[{base_model}](https://huggingface.co/{base_model})" if base_model else "none (trained from a configuration)",
+        base_model_text=(f"[{base_model}](https://huggingface.co/{base_model})" if base_model else
+                         "none (trained from a configuration)" if adapter is None else
+                         f"`{os.path.basename(os.path.normpath(adapter.base_model_name_or_path or '')) or 'not recorded'}` (local)"),
+        adapter_text=_adapter_text(adapter, is_ivon),
         dataset_text=", ".join(f"[`{name}`](https://huggingface.co/datasets/{name})" if on_hub else f"`{name}` (local data)"
                                for name, on_hub in shown) if shown else "not recorded",
         license=license,

@@ -123,6 +123,11 @@ class DiagonalGaussianPosterior:
                 "Save the model again (trainer.save_model()), or delete the file to predict at the weights."
             ) from error
         _check_std(path, std, metadata)
+        from ..adapters import saved_names
+
+        # an adapter's posterior is keyed as peft keys the adapter weights (`saved_names`): back to the model's names
+        model_name = {saved: name for name, saved in saved_names(model, dict(model.named_parameters())).items()}
+        std = {model_name.get(key, key): s for key, s in std.items()}
         posterior = cls(model, std, metadata)
         posterior._check_weights(path)
         return posterior
@@ -153,10 +158,14 @@ class DiagonalGaussianPosterior:
         """Write σ as safetensors (whole file or nothing) with the metadata as JSON."""
         if os.path.isdir(path):
             path = os.path.join(path, POSTERIOR_FILE)
+        from ..adapters import saved_names
+
+        # an adapter's σ under the keys of the adapter weights in peft's adapter_model.safetensors
+        key = saved_names(self.model, self.names)
         # IVON's parameters are views of one flat storage: clone so safetensors accepts them.
-        tensors = {name: s.detach().to("cpu").clone().contiguous() for name, s in self.std.items()}
+        tensors = {key[name]: s.detach().to("cpu").clone().contiguous() for name, s in self.std.items()}
         params = dict(self.model.named_parameters())
-        binding = {"parameters": list(self.names), "weights_sha256": weights_fingerprint(self.model, self.names),
+        binding = {"parameters": [key[name] for name in self.names], "weights_sha256": weights_fingerprint(self.model, self.names),
                    "weights_dtype": str(params[self.names[0]].dtype) if self.names else None}
         with atomic_path(path) as tmp:
             save_file(tensors, tmp, metadata={"format": "pt", "varsmooth": json.dumps({**self.metadata, **binding})})
