@@ -39,6 +39,7 @@ def main(out: str) -> None:
         eval_strategy="steps", eval_steps=10, save_strategy="steps", save_steps=10, push_to_hub=True,
         hub_model_id="offline-user/digits-ivon", hub_strategy="every_save", remove_unused_columns=False,
         eval_mc_samples=4, eval_seed=7, beta2=0.999, disable_tqdm=True,
+        posterior_temperature=1.0,  # the learned posterior: the pipeline's draws must disagree (mutual information > 0)
     )
     trainer = VariationalTrainer(model=ResNetForImageClassification(config), args=args,
                                  train_dataset=train.with_transform(transform), eval_dataset=test.with_transform(transform),

@@ -343,11 +343,9 @@ def test_trainer_callback_exports_parquet(tmp_path):
     names = {id(p): name for name, p in model.named_parameters()}
     weights, stds = [], []
     for group in trainer.ivon.param_groups:
-        std = 1.0 / torch.sqrt(group["ess"] * (group["hess"] + group["weight_decay"]))
         for p in group["params"]:
             weights.append(names[id(p)])
-            stds.append(std[: p.numel()].view(p.shape))
-            std = std[p.numel():]
+            stds.append(1.0 / torch.sqrt(group["ess"] * (trainer.ivon.state[p]["hess"] + group["weight_decay"])))
     x = torch.as_tensor(data.with_format("numpy")[:]["features"])
     draws = []
     for s in range(8):

@@ -83,7 +83,7 @@ def test_example_trains_a_small_bert_on_local_files(tmp_path):
     train, test = _write_sentiment_files(tmp_path)
     out = tmp_path / "out"
     result = _run_example("--model_name_or_path", "none", "--train_file", str(train), "--test_file", str(test),
-                          "--noise_type", "symmetric", "--noise_rate", "0.2", "--max_steps", "4",
+                          "--noise_type", "symmetric", "--noise_rate", "0.2", "--noise_splits", "train", "--max_steps", "4",
                           "--per_device_train_batch_size", "8", "--eval_mc_samples", "2", "--output_dir", str(out))
     assert result.returncode == 0, result.stderr[-3000:]
     metrics = json.loads((out / "eval_results.json").read_text())
