@@ -333,6 +333,16 @@ def _json_default(o: Any) -> Any:
     return str(o)
 
 
+def train_timed(trainer: Any) -> tuple[float, str | None, float]:
+    """`trainer.train()` as a benchmark runs it: (training loss, why it diverged or None, seconds). A diverged run
+    (FloatingPointError, e.g. an unclipped small beta2) is a result with a NaN loss, not a crash."""
+    t0 = time.perf_counter()
+    try:
+        return float(trainer.train().training_loss), None, time.perf_counter() - t0
+    except FloatingPointError as error:
+        return float("nan"), f"{error}"[:300], time.perf_counter() - t0
+
+
 def cached(script: str, method: str, hyperparams: dict[str, Any] | None = None, noise: str = "sym40", seed: int = 0,
            epochs: int = 20, *, dataset: str = "mnist", batch_size: int = 64, eval_mc_samples: int = 8) -> dict | None:
     """The cached result of a run, or None (no training)."""
@@ -399,15 +409,7 @@ def run(method: str, hyperparams: dict[str, Any] | None = None, noise: str = "sy
                                      callbacks=[history_cb])
         history_cb.trainer = trainer
         trainer.remove_callback(PrinterCallback)  # the per-epoch log dicts are kept in the result instead
-        t0 = time.perf_counter()
-        diverged = None
-        try:
-            train_out = trainer.train()
-            training_loss = float(train_out.training_loss)
-        except FloatingPointError as error:  # a diverged run is a result (e.g. an unclipped small beta2), not a crash
-            diverged = f"{error}"[:300]
-            training_loss = float("nan")
-        train_s = time.perf_counter() - t0
+        training_loss, diverged, train_s = train_timed(trainer)
         hess = trainer.hessian_summary()
         t1 = time.perf_counter()
         test = trainer.evaluate(ArrayDataset(data.x_test, data.y_test), metric_key_prefix="test")

@@ -23,7 +23,9 @@ the difference it measures, so it should not be read (rerun on a quiet machine).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
+import gc
 import json
 import random
 import resource
@@ -31,7 +33,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -204,37 +208,46 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * resource.getpagesize()
 
 
+@contextlib.contextmanager
+def peak_rss_growth() -> Iterator[list[int]]:
+    """Sample this process's resident memory every 0.5 ms while the body runs; yields a one-element list that holds
+    the peak growth in bytes over the resident memory at entry once the body has finished."""
+    gc.collect()
+    before = _rss_bytes()
+    peak = [before]
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], _rss_bytes())
+            time.sleep(0.0005)
+
+    growth = [0]
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    try:
+        yield growth
+    finally:
+        done.set()
+        thread.join()
+        growth[0] = peak[0] - before
+
+
 def memory_child(cfg_name: str, steps: int) -> None:
     """Runs in a fresh process: peak growth of the resident memory while training `steps` steps (sampled every
     0.5 ms by a thread, so transient peaks inside a step are seen), and the optimizer state bytes."""
-    import threading
-
     x, y, _ = load_xy()
     torch.manual_seed(0)
     model = common.SmallCNN((1, 28, 28), 10)
     ds = common.ArrayDataset(x.numpy(), y.numpy())
     with tempfile.TemporaryDirectory() as tmp:
         trainer = make_trainer(STEP_CONFIGS[cfg_name], model, ds, steps, tmp)
-        import gc
-
-        gc.collect()
         before = _rss_bytes()
-        peak = [before]
-        done = threading.Event()
-
-        def sample() -> None:
-            while not done.is_set():
-                peak[0] = max(peak[0], _rss_bytes())
-                time.sleep(0.0005)
-
-        thread = threading.Thread(target=sample, daemon=True)
-        thread.start()
-        trainer.train()
-        done.set()
-        thread.join()
+        with peak_rss_growth() as growth:
+            trainer.train()
         opt = trainer.optimizer
         n_params = sum(p.numel() for p in model.parameters())
-        print(json.dumps({"config": cfg_name, "peak_rss_growth_kib": (peak[0] - before) / 1024,
+        print(json.dumps({"config": cfg_name, "peak_rss_growth_kib": growth[0] / 1024,
                           "rss_before_kib": before / 1024, "optimizer_state_bytes": state_bytes(opt),
                           "param_bytes": 4 * n_params}))
 
@@ -366,35 +379,21 @@ def engine_timing(rounds: int, steps: int, skip: int, reps: int) -> dict:
 def engine_memory_child(name: str, kind: str, steps: int) -> None:
     """Fresh process: peak resident-memory growth of `steps` hand-written training steps (sampled every 0.5 ms),
     from the model and its batch alone, so it holds gradients, activations, optimizer state and its temporaries."""
-    import threading
-
     model, x, y = engine_model(name)
     params = list(model.parameters())
-    before = _rss_bytes()
-    peak = [before]
-    done = threading.Event()
-
-    def sample() -> None:
-        while not done.is_set():
-            peak[0] = max(peak[0], _rss_bytes())
-            time.sleep(0.0005)
-
-    thread = threading.Thread(target=sample, daemon=True)
-    thread.start()
-    opt = _engine_optimizer(kind, params)
     loss_fn = torch.nn.functional.cross_entropy
-    for _ in range(steps):
-        if kind == "adamw_foreach":
-            opt.zero_grad(set_to_none=True)
-            loss_fn(model(pixel_values=x).logits, y).backward()
-        else:
-            with opt.sampled_params(train=True):
+    with peak_rss_growth() as growth:
+        opt = _engine_optimizer(kind, params)
+        for _ in range(steps):
+            if kind == "adamw_foreach":
                 opt.zero_grad(set_to_none=True)
                 loss_fn(model(pixel_values=x).logits, y).backward()
-        opt.step()
-    done.set()
-    thread.join()
-    print(json.dumps({"peak_rss_growth_bytes": peak[0] - before, "param_bytes": sum(p.numel() * p.element_size() for p in params)}))
+            else:
+                with opt.sampled_params(train=True):
+                    opt.zero_grad(set_to_none=True)
+                    loss_fn(model(pixel_values=x).logits, y).backward()
+            opt.step()
+    print(json.dumps({"peak_rss_growth_bytes": growth[0], "param_bytes": sum(p.numel() * p.element_size() for p in params)}))
 
 
 def engine_memory(steps: int) -> dict:

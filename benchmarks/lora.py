@@ -105,13 +105,7 @@ def run(task: str, name: str, seed: int) -> dict[str, Any]:
         trainer = VariationalTrainer(model=model, args=args, train_dataset=train,
                                      data_collator=DataCollatorWithPadding(data["tokenizer"]))
         trainer.remove_callback(PrinterCallback)
-        t0 = time.perf_counter()
-        diverged = None
-        try:
-            training_loss = float(trainer.train().training_loss)
-        except FloatingPointError as error:  # a diverged run is a result, not a crash
-            diverged, training_loss = str(error)[:300], float("nan")
-        train_s = time.perf_counter() - t0
+        training_loss, diverged, train_s = common.train_timed(trainer)
         t1 = time.perf_counter()
         metrics = trainer.evaluate(test, metric_key_prefix="test")
         eval_s = time.perf_counter() - t1
