@@ -58,6 +58,7 @@ hf_logging.set_verbosity_error()
 __all__ = [
     "DATA_DIR", "RESULTS_DIR", "REPO_ROOT", "DataUnavailable", "ImageData", "SmallCNN", "load_data", "noisy_labels",
     "parse_noise", "run", "method_available", "mean_std", "write_json", "steps_per_epoch", "beta2_window",
+    "write_readme_section",
 ]
 
 
@@ -323,6 +324,25 @@ def write_json(path: Path, obj: Any) -> None:
     tmp = path.with_suffix(path.suffix + f".tmp{os.getpid()}")
     tmp.write_text(json.dumps(obj, indent=1, sort_keys=False, default=_json_default) + "\n")
     os.replace(tmp, path)
+
+
+def write_readme_section(name: str, markdown: str, readme: Path | None = None) -> Path:
+    """Replace the block between ``<!-- generated:NAME -->`` and ``<!-- /generated:NAME -->`` in benchmarks/README.md
+    with ``markdown`` (appended at the end when the markers are missing), so that every table there is written by the
+    script that computes it, never copied by hand. The file is replaced whole (no half-written README)."""
+    readme = readme or REPO_ROOT / "benchmarks" / "README.md"
+    begin, end = f"<!-- generated:{name} -->", f"<!-- /generated:{name} -->"
+    text = readme.read_text() if readme.exists() else ""
+    block = f"{begin}\n{markdown.strip()}\n{end}"
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        text = head + block + rest.split(end, 1)[1]
+    else:
+        text = text.rstrip("\n") + "\n\n" + block + "\n"
+    tmp = readme.with_suffix(f".md.tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, readme)
+    return readme
 
 
 def _json_default(o: Any) -> Any:
