@@ -48,6 +48,8 @@ from transformers.utils import logging as hf_logging
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DATA_DIR = Path(os.environ.get("VARSMOOTH_DATA_DIR", REPO_ROOT.parent / "shared" / "data"))
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
+# the examples' data/model helpers (example_utils) live beside the example scripts, outside the library
+sys.path.insert(0, str(REPO_ROOT / "examples"))
 #: bump when a change makes old cached runs incomparable (part of every cache key)
 CACHE_VERSION = 1
 #: size of the fixed clean-test subset behind the per-epoch curves (final metrics use the whole test set)

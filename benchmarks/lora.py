@@ -9,7 +9,7 @@ reports +2.8 points of accuracy and -4.6 points of ECE for IVON-LoRA against Ada
 * methods, all with the same budget (3 epochs at batch 32 = 189 optimizer steps, cosine, 10 % warm-up) and, within a
   seed, the same initial weights, labels and batch order:
   - ``ivon-lora``: LoRA r = 8, α = 16 on query/value (+ the new head, trained in full) with IVON's `lora` preset
-    (varsmooth.defaults.LORA_PRESET, the anchor's recipe: lr 0.03, clip 1e-3, so every weight moves at most 3e-5
+    (varsmooth.presets.LORA_PRESET, the anchor's recipe: lr 0.03, clip 1e-3, so every weight moves at most 3e-5
     a step), BMA over 10 posterior samples;
   - ``ivon-lora-lr1``: the same with lr 1.0, so that lr·clip_radius = 1e-3 equals AdamW-LoRA's rate (the step-size
     matching behind the `finetune` preset): the anchor's lr is set for 10k steps, and 189 steps at ≤ 3e-5 move a
@@ -69,7 +69,8 @@ def run(task: str, name: str, seed: int) -> dict[str, Any]:
     from transformers import DataCollatorWithPadding
 
     from varsmooth import VariationalTrainer, VariationalTrainingArguments
-    from varsmooth.models import add_lora_adapters, count_parameters
+    from varsmooth.adapters import add_lora_adapters
+    from example_utils.models import count_parameters
 
     lora, settings = METHODS[name]
     key = common.run_key(dataset=task, noise="", method=name, hyperparams=settings, epochs=SETUP["epochs"], seed=seed,

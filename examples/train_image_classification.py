@@ -45,10 +45,14 @@ from transformers import AutoImageProcessor, HfArgumentParser, ViTImageProcessor
 
 from varsmooth import LabelNoiseCallback, VariationalTrainer, VariationalTrainingArguments
 from varsmooth.corruption import CorruptionArguments, NoiseReport, noise_report
-from varsmooth.data import CIFAR10N_LABEL_SETS, load_cifar10n, load_digits_dataset, train_eval_splits
 from varsmooth.methods import get_method_class
-from varsmooth.models import WEIGHT_PACKAGES, LoraArguments, count_parameters, create_image_classifier, is_timm_name
+from varsmooth.adapters import LoraArguments
 from varsmooth.utils import checkpoint_to_resume, evaluate_validation_and_test
+
+# the data/model helpers beside this script (also when it is imported or launched from another folder)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from example_utils.data import CIFAR10N_LABEL_SETS, load_cifar10n, load_digits_dataset, train_eval_splits  # noqa: E402
+from example_utils.models import WEIGHT_PACKAGES, count_parameters, create_image_classifier, is_timm_name  # noqa: E402
 
 logger = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ largest step of a weight (benchmarks/real_noise.py: both optimizers checked at t
 
 LoRA (`--lora_r 8`, with `--lora_alpha`, `--lora_dropout`, `--lora_target_modules`; the `lora` extra installs peft)
 trains adapters on the query/value projections and the new head only, with IVON's `lora` preset (Cong et al. 2024,
-"Variational Low-Rank Adaptation Using IVON"; varsmooth.defaults.LORA_PRESET) unless `--ivon_preset` is given:
+"Variational Low-Rank Adaptation Using IVON"; varsmooth.presets.LORA_PRESET) unless `--ivon_preset` is given:
 
     accelerate launch examples/train_text_classification.py --lora_r 8 --lora_alpha 16
 
@@ -44,10 +44,14 @@ from transformers import DataCollatorWithPadding, HfArgumentParser, set_seed
 
 from varsmooth import VariationalTrainer, VariationalTrainingArguments
 from varsmooth.corruption import CorruptionArguments
-from varsmooth.data import TEXT_DATASETS, load_text_classification_files, load_text_dataset, train_eval_splits
 from varsmooth.methods import get_method_class
-from varsmooth.models import LoraArguments, count_parameters, create_text_classifier, minilm_path
+from varsmooth.adapters import LoraArguments
 from varsmooth.utils import checkpoint_to_resume, evaluate_validation_and_test
+
+# the data/model helpers beside this script (also when it is imported or launched from another folder)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from example_utils.data import TEXT_DATASETS, load_text_classification_files, load_text_dataset, train_eval_splits  # noqa: E402
+from example_utils.models import count_parameters, create_text_classifier, minilm_path  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -162,9 +166,9 @@ class ExampleTrainingArguments(VariationalTrainingArguments):
     )
     ivon_preset: str = field(
         default="finetune",
-        metadata={"help": "IVON defaults: 'finetune' (varsmooth.defaults.FINETUNE_PRESET, for the pretrained MiniLM), "
+        metadata={"help": "IVON defaults: 'finetune' (varsmooth.presets.FINETUNE_PRESET, for the pretrained MiniLM), "
                           "'scratch' (the authors' recipe, e.g. for the small BERT built from a config) or 'lora' "
-                          "(varsmooth.defaults.LORA_PRESET; the default when --lora_r > 0).",
+                          "(varsmooth.presets.LORA_PRESET; the default when --lora_r > 0).",
                   "choices": ["scratch", "finetune", "lora"]},
     )
 

@@ -11,7 +11,7 @@ from transformers import BertConfig, BertForSequenceClassification
 sys.path.insert(0, os.path.dirname(__file__))
 from test_lora import CLASSES, LENGTH, VOCAB, _args, _train_rows, tiny_tokenizer, token_dataset  # noqa: E402
 from varsmooth import VariationalModel, VariationalTrainer, pipeline  # noqa: E402
-from varsmooth.models import add_lora_adapters  # noqa: E402
+from varsmooth.adapters import add_lora_adapters  # noqa: E402
 
 
 def main(out: str) -> None:

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from varsmooth import POSTERIOR_FILE
-from varsmooth.data import (
+from example_utils.data import (
     CIFAR10_CLASSES,
     CIFAR10N_LABEL_SETS,
     cifar10n_labels,
@@ -31,7 +31,7 @@ from varsmooth.data import (
     load_text_classification_files,
     load_text_dataset,
 )
-from varsmooth.models import create_image_classifier, load_state_dict_in_order, resolve_pretrained_weights
+from example_utils.models import create_image_classifier, load_state_dict_in_order, resolve_pretrained_weights
 
 DATA = default_data_dir()
 needs_cifar10n = pytest.mark.skipif(

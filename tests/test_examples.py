@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from varsmooth.corruption import CorruptionArguments
-from varsmooth.data import train_eval_splits
+from example_utils.data import train_eval_splits
 from varsmooth.utils import checkpoint_to_resume
 
 from helpers import load_example, make_args

@@ -78,7 +78,7 @@ def test_a_save_removes_earlier_files_it_did_not_write_unless_they_were_edited(t
     add_to_manifest(tmp_path, ["README.md", "tokenizer.json"])
     with open(tmp_path / "README.md", "a") as f:
         f.write("edited by hand")
-    VariationalModel(model, DiagonalGaussianPosterior.zero(model)).save_pretrained(tmp_path)  # no posterior now
+    VariationalModel(model, DiagonalGaussianPosterior.point_mass(model)).save_pretrained(tmp_path)  # no posterior now
     assert sorted(os.listdir(tmp_path)) == sorted(["README.md", "config.json", MANIFEST_FILE, "model.safetensors"])
 
 
@@ -362,7 +362,7 @@ def test_image_pipeline_takes_a_numpy_array_and_refuses_bad_calls(image_model_di
 
 def test_text_pipeline_truncates_texts_longer_than_the_model_takes(tmp_path):
     from varsmooth import pipeline
-    from varsmooth.models import create_text_classifier
+    from example_utils.models import create_text_classifier
 
     words = ["good", "great", "bad", "awful"]
     model, tokenizer = create_text_classifier(None, {0: "neg", 1: "pos"}, train_texts=[f"the film was {w} ." for w in words])

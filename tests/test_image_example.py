@@ -7,7 +7,7 @@ import json
 import pytest
 import yaml
 
-from varsmooth.defaults import FINETUNE_PRESET
+from varsmooth.presets import FINETUNE_PRESET
 
 from helpers import load_example
 

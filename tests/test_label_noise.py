@@ -33,7 +33,7 @@ from varsmooth.label_noise import (
     summarize_label_noise,
     write_label_noise,
 )
-from varsmooth.posterior.ivon import derive_seed
+from varsmooth.posterior.optimizer import derive_seed
 
 # methods.md §8: ε(m, v=1) by 64-node Gauss–Hermite, printed to 5 decimals
 REFERENCE_EPS = {0.0: 0.0, 0.5: 0.02043, 1.0: 0.03432, 1.5: 0.03905, 2.0: 0.03626, 4.0: 0.01012}
@@ -186,7 +186,7 @@ def test_noise_columns_are_consistent_and_batch_independent():
 
 def test_point_mass_posterior_gives_zero_noise():
     model, data = TinyClassifier(), make_data(n=20)
-    noise = compute_label_noise(model, DiagonalGaussianPosterior.zero(model), data, num_samples=8).with_format("numpy")[:]
+    noise = compute_label_noise(model, DiagonalGaussianPosterior.point_mass(model), data, num_samples=8).with_format("numpy")[:]
     assert np.all(noise["noise"] == 0.0)
     assert np.all(noise["noise_rms"] == 0.0)
     np.testing.assert_array_equal(noise["confidence"], noise["mean_confidence"])
@@ -213,7 +213,7 @@ def test_many_classes_keep_magnitudes_and_top_k():
 def test_input_errors():
     model = TinyClassifier()
     with pytest.raises(ValueError, match="argument of"):
-        compute_label_noise(model, DiagonalGaussianPosterior.zero(model), datasets.Dataset.from_dict({"x": [1.0], "label": [0]}))
+        compute_label_noise(model, DiagonalGaussianPosterior.point_mass(model), datasets.Dataset.from_dict({"x": [1.0], "label": [0]}))
     other = TinyClassifier()
     with pytest.raises(ValueError, match="another model"):
         compute_label_noise(model, random_posterior(other), make_data(n=4))
@@ -223,10 +223,10 @@ def test_input_errors():
     shuffled = torch.utils.data.DataLoader(rows, batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(0),
                                            collate_fn=default_data_collator)
     with pytest.raises(RuntimeError, match="reorders"):
-        compute_label_noise(model, DiagonalGaussianPosterior.zero(model), data, dataloader=shuffled)
+        compute_label_noise(model, DiagonalGaussianPosterior.point_mass(model), data, dataloader=shuffled)
     truncated = torch.utils.data.DataLoader(rows, batch_size=8, drop_last=True, collate_fn=default_data_collator)
     with pytest.raises(RuntimeError, match="24 examples but the dataset has 30"):
-        compute_label_noise(model, DiagonalGaussianPosterior.zero(model), data, dataloader=truncated)
+        compute_label_noise(model, DiagonalGaussianPosterior.point_mass(model), data, dataloader=truncated)
 
 
 # -- detection metrics --------------------------------------------------------------------------------------------

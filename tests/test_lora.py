@@ -20,9 +20,10 @@ from transformers import BertConfig, BertForSequenceClassification
 
 from helpers import load_example, make_args, reference_ivon_loop
 from varsmooth import LabelNoiseCallback, VariationalTrainer, VariationalTrainingArguments
-from varsmooth.defaults import LORA_PRESET
+from varsmooth.presets import LORA_PRESET
 from varsmooth.methods import METHODS
-from varsmooth.models import add_lora_adapters, create_image_classifier
+from varsmooth.adapters import add_lora_adapters
+from example_utils.models import create_image_classifier
 
 pytest.importorskip("peft")
 
@@ -396,7 +397,7 @@ def test_text_example_trains_minilm_adapters_that_reload(tmp_path):
     from test_text_example import _run_example, _write_sentiment_files, needs_minilm
 
     from varsmooth import VariationalModel
-    from varsmooth.models import MeanPoolingBertForSequenceClassification
+    from varsmooth.mean_pooling_bert import MeanPoolingBertForSequenceClassification
 
     if needs_minilm.args[0]:
         pytest.skip(needs_minilm.kwargs["reason"])

@@ -386,7 +386,7 @@ def test_heads_on_a_timm_model(tmp_path, name):
     """timm through TimmWrapperForImageClassification: hidden states from `forward_intermediates`, head from `get_classifier`."""
     from transformers import TimmWrapperForImageClassification
 
-    from varsmooth.models import create_image_classifier
+    from example_utils.models import create_image_classifier
 
     torch.manual_seed(0)
     model = create_image_classifier("resnet10t", {i: str(i) for i in range(3)}, num_channels=1)

@@ -11,7 +11,7 @@ from transformers import HfArgumentParser, ResNetConfig, ResNetForImageClassific
 from helpers import TinyClassifier, digits_dataset, make_args
 from varsmooth import LabelNoiseCallback, VariationalModel, VariationalTrainer, VariationalTrainingArguments, pipeline
 from varsmooth.corruption import corrupt_labels
-from varsmooth.data import load_digits_dataset
+from example_utils.data import load_digits_dataset
 from varsmooth.posterior import DiagonalGaussianPosterior, derive_seed, predictive_distribution
 from varsmooth.posterior.temperature import TEMPERATURE_GRID, choose_temperature, temperature_nll
 

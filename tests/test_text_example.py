@@ -19,8 +19,8 @@ import torch
 from transformers import BertForSequenceClassification, HfArgumentParser
 
 from varsmooth import POSTERIOR_FILE
-from varsmooth.data import default_data_dir
-from varsmooth.models import create_text_classifier, minilm_path
+from example_utils.data import default_data_dir
+from example_utils.models import create_text_classifier, minilm_path
 
 from helpers import load_example
 
@@ -119,7 +119,7 @@ def test_minilm_wheel_loads_pretrained_layers():
 def test_mean_pooling_minilm_loads_pools_real_tokens_and_reloads(tmp_path):
     from transformers import AutoModelForSequenceClassification
 
-    from varsmooth.models import MeanPoolingBertForSequenceClassification
+    from varsmooth.mean_pooling_bert import MeanPoolingBertForSequenceClassification
 
     model, tokenizer = create_text_classifier(minilm_path(), {0: "neg", 1: "pos"}, num_hidden_layers=2, pooling="mean")
     from safetensors.torch import load_file

@@ -266,7 +266,7 @@ def test_prior_precision_is_not_overridden_by_weight_decay(tmp_path):
 
 def test_with_transform_dataset_needs_no_flags(tmp_path):
     """`with_transform` reads raw columns at fetch time; the trainer keeps them without remove_unused_columns=False."""
-    from varsmooth.data import load_digits_dataset
+    from example_utils.data import load_digits_dataset
 
     raw = load_digits_dataset()["train"].select(range(64))
 
@@ -283,7 +283,7 @@ def test_with_transform_dataset_needs_no_flags(tmp_path):
 
 def test_timm_model_keeps_timm_initialisation():
     """transformers would re-initialise a TimmWrapper from a config with N(0, 0.02) (hf.md §7)."""
-    from varsmooth.models import create_image_classifier
+    from example_utils.models import create_image_classifier
 
     model = create_image_classifier("test_resnet", {i: str(i) for i in range(10)}, num_channels=1)
     conv = next(p for p in model.timm_model.parameters() if p.dim() == 4)
@@ -291,7 +291,7 @@ def test_timm_model_keeps_timm_initialisation():
 
 
 def test_finetune_preset_fills_only_untouched_ivon_fields():
-    from varsmooth.defaults import FINETUNE_PRESET
+    from varsmooth.presets import FINETUNE_PRESET
 
     parser = HfArgumentParser(VariationalTrainingArguments)
     (args,) = parser.parse_args_into_dataclasses(["--output_dir", "/tmp/x", "--use_cpu", "--ivon_preset", "finetune", "--beta2", "0.99"])

@@ -11,7 +11,7 @@ from transformers import HfArgumentParser, TrainingArguments
 
 from helpers import TinyClassifier, digits_dataset, make_args, reference_ivon_loop
 from varsmooth import VariationalTrainer, VariationalTrainingArguments
-from varsmooth.defaults import FINETUNE_PRESET, SCRATCH_PRESET
+from varsmooth.presets import FINETUNE_PRESET, SCRATCH_PRESET
 
 PRESET_FIELDS = ("hess_init", "beta2", "prior_precision", "rescale_lr")
 

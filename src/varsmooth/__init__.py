@@ -1,5 +1,7 @@
 """varsmooth: variational learning (IVON) as adaptive label smoothing for noisy labels, in `transformers.Trainer`."""
 
+from . import mean_pooling_bert  # noqa: F401  (registers the mean-pooling BERT with the Auto classes)
+from .adapters import LoraArguments, add_lora_adapters
 from .label_noise import LabelNoiseCallback, compute_label_noise
 from .metrics import classification_metrics
 from .modeling import VariationalModel
@@ -14,11 +16,13 @@ __all__ = [
     "POSTERIOR_FILE",
     "DiagonalGaussianPosterior",
     "LabelNoiseCallback",
+    "LoraArguments",
     "VariationalClassifierOutput",
     "VariationalIVON",
     "VariationalModel",
     "VariationalTrainer",
     "VariationalTrainingArguments",
+    "add_lora_adapters",
     "classification_metrics",
     "compute_label_noise",
     "pipeline",

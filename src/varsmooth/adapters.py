@@ -8,12 +8,14 @@ the classifier's `config.json` (labels, and e.g. how many layers of the base wer
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from transformers import BertConfig
 
-__all__ = ["ADAPTER_CONFIG_FILE", "has_adapter", "import_peft", "is_peft_model", "load_adapter_model", "save_classifier_config",
+__all__ = ["ADAPTER_CONFIG_FILE", "LoraArguments", "add_lora_adapters", "has_adapter", "import_peft", "is_peft_model", "load_adapter_model", "save_classifier_config",
            "saved_names"]
 
 ADAPTER_CONFIG_FILE = "adapter_config.json"
@@ -109,3 +111,86 @@ def load_adapter_model(path: str, model_class: type | None, auto_class: Any, rev
     model_class = model_class or auto_class(config)
     base = model_class.from_pretrained(base_path, config=config, **model_kwargs)
     return peft.PeftModel.from_pretrained(base, path, revision=revision, token=token)
+
+
+def _lora_target_modules(model: torch.nn.Module) -> list[str]:
+    """peft's default LoRA targets of the model's type (query/value for BERT-like), or a timm ViT's fused qkv."""
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as DEFAULTS
+
+    config = getattr(model, "config", None)
+    model_type = "bert" if isinstance(config, BertConfig) else getattr(config, "model_type", None)
+    if model_type in DEFAULTS:
+        return list(DEFAULTS[model_type])
+    leaves = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    if {"query", "value"} <= leaves:  # HF attention (ViT, DeiT, ...) of a type peft has no default for
+        return ["query", "value"]
+    if any(name.endswith(".qkv") for name, _ in model.named_modules()):  # timm attention: one fused projection
+        return ["qkv"]
+    raise ValueError(
+        f"No default LoRA target modules for {type(model).__name__} (model_type {model_type!r}): pass target_modules "
+        "(--lora_target_modules), the names of the linear layers to adapt, e.g. 'query,value' or 'qkv'."
+    )
+
+
+def _classifier_names(model: torch.nn.Module) -> list[str]:
+    """The new classification head, which trains in full beside the adapters (peft's `modules_to_save`)."""
+    timm_model = getattr(model, "timm_model", None)
+    if timm_model is not None:
+        return [timm_model.pretrained_cfg.get("classifier", "classifier")]
+    return [name for name in ("classifier", "score") if isinstance(getattr(model, name, None), torch.nn.Module)]
+
+
+def add_lora_adapters(model: torch.nn.Module, r: int = 8, alpha: float = 16, dropout: float = 0.0,
+                      target_modules: Sequence[str] | str | None = None,
+                      modules_to_save: Sequence[str] | None = None) -> torch.nn.Module:
+    """`model` as a peft `PeftModel` whose only trainable weights are LoRA adapters and the classification head.
+
+    Defaults: r = 8, α = 16 as in Cong et al. 2024 ("Variational Low-Rank Adaptation Using IVON"); the target modules
+    are peft's defaults for the model type (query/value for BERT-like models) or the fused qkv projection of a timm
+    ViT; the head (`classifier`/`score`, timm's classifier) trains in full, as it is new. The trainable weights are
+    made float32 (IVON's Hessian needs them: varsmooth.VariationalTrainer refuses others), so a base model loaded in
+    bfloat16 stays there, frozen, with fp32 adapters.
+    """
+    peft = import_peft()
+    if r <= 0 or alpha <= 0 or not 0.0 <= dropout < 1.0:
+        raise ValueError(f"Need LoRA r > 0, alpha > 0 and 0 <= dropout < 1, got r={r}, alpha={alpha}, dropout={dropout}.")
+    if isinstance(target_modules, str):
+        target_modules = [name.strip() for name in target_modules.split(",") if name.strip()]
+    targets = list(target_modules) if target_modules else _lora_target_modules(model)
+    heads = list(modules_to_save) if modules_to_save is not None else _classifier_names(model)
+    config = peft.LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, modules_to_save=heads or None)
+    peft_model = peft.get_peft_model(model, config)
+    for param in peft_model.parameters():
+        if param.requires_grad and param.dtype != torch.float32:
+            param.data = param.data.float()
+    return peft_model
+
+
+@dataclass
+class LoraArguments:
+    """LoRA flags (`HfArgumentParser`; the examples' ModelArguments inherit them): `--lora_r 8` trains adapters
+    instead of the whole model."""
+
+    lora_r: int = field(
+        default=0,
+        metadata={"help": "LoRA rank r; 0 (default) fine-tunes the whole model. With r > 0 only LoRA adapters and the "
+                          "new head train (peft), and IVON takes ivon_preset 'lora' unless a preset is given."},
+    )
+    lora_alpha: float = field(default=16, metadata={"help": "LoRA scaling α (the update is α/r · B A)."})
+    lora_dropout: float = field(default=0.0, metadata={"help": "Dropout on the LoRA branch's input."})
+    lora_target_modules: str | None = field(
+        default=None,
+        metadata={"help": "Comma-separated names of the layers to adapt (peft's target_modules, e.g. 'query,value'). "
+                          "Default: peft's for the model type (query,value for BERT-like and HF ViT), 'qkv' for timm ViTs."},
+    )
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.lora_r > 0
+
+    def apply_lora(self, model: torch.nn.Module) -> torch.nn.Module:
+        """`model` with LoRA adapters (`add_lora_adapters`), or unchanged when `lora_r` is 0."""
+        if not self.lora_enabled:
+            return model
+        return add_lora_adapters(model, r=self.lora_r, alpha=self.lora_alpha, dropout=self.lora_dropout,
+                                 target_modules=self.lora_target_modules)

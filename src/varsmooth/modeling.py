@@ -116,7 +116,7 @@ def load_posterior(model: torch.nn.Module, path: str | os.PathLike, revision: st
             f"No {POSTERIOR_FILE} in {os.fspath(path)!r}: the model was not trained with IVON (or the file was not "
             "uploaded). Predicting at the posterior mean (a point estimate).", UserWarning, stacklevel=3,
         )
-        return DiagonalGaussianPosterior.zero(model)
+        return DiagonalGaussianPosterior.point_mass(model)
     return DiagonalGaussianPosterior.load(model, posterior_path)
 
 

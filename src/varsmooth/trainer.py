@@ -72,7 +72,7 @@ class VariationalTrainer(Trainer):
     """A `Trainer` for single-label classifiers that trains with `args.method` (IVON by default).
 
     Models may be any module returning logits in a `ModelOutput` or tuple (HF `AutoModelFor*Classification`,
-    timm through `varsmooth.models.create_image_classifier`, ...); the loss is computed here from the logits.
+    timm through `example_utils.models.create_image_classifier` in the examples, ...); the loss is computed here from the logits.
     """
 
     #: `compute_loss` returns the micro-batch mean (it ignores `num_items_in_batch`), so the stock
@@ -158,7 +158,7 @@ class VariationalTrainer(Trainer):
                     "Hessian never updates. Load the model in float32 and use bf16=True for mixed precision."
                 )
             self._ivon_param_names = [names[id(p)] for p in params]
-            # the run's length (set by train() before the optimizer), for the run-length β2 rule (varsmooth.defaults)
+            # the run's length (set by train() before the optimizer), for the run-length β2 rule (varsmooth.presets)
             self.method.total_steps = self.state.max_steps or None
             self.optimizer = VariationalIVON(
                 params, noise_seed=self.args.seed, rank=self.args.process_index,
@@ -175,7 +175,7 @@ class VariationalTrainer(Trainer):
         opt = self.ivon
         model = self.accelerator.unwrap_model(self.model)
         if opt is None:
-            return self._saved_posterior if self._saved_posterior is not None else DiagonalGaussianPosterior.zero(model)
+            return self._saved_posterior if self._saved_posterior is not None else DiagonalGaussianPosterior.point_mass(model)
         meta = {**self.method.hyperparameters(), "eval_seed": self.args.eval_seed, "step": opt.current_step,
                 TEMPERATURE_KEY: self.posterior_temperature}
         if self.posterior_temperature_report is not None:

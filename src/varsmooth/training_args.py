@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
-from .defaults import FINETUNE_PRESET, LORA_PRESET, SCRATCH_PRESET
+from .presets import FINETUNE_PRESET, LORA_PRESET, SCRATCH_PRESET
 from .methods import METHODS, get_method_class
 
 __all__ = ["VariationalTrainingArguments"]
@@ -18,7 +18,7 @@ def _preset_default(name: str) -> str:
             f"{LORA_PRESET[name]} with lora.")
 
 
-#: `ivon_preset` name -> the settings it fills on top of SCRATCH_PRESET (varsmooth.defaults says where each comes from)
+#: `ivon_preset` name -> the settings it fills on top of SCRATCH_PRESET (varsmooth.presets says where each comes from)
 IVON_PRESETS: dict[str, dict[str, float | bool]] = {"scratch": {}, "finetune": FINETUNE_PRESET, "lora": LORA_PRESET}
 
 
@@ -27,9 +27,9 @@ class VariationalTrainingArguments(TrainingArguments):
     """Arguments of `VariationalTrainer`; every field parses with `HfArgumentParser` (`--ess 1e4`, ...).
 
     IVON defaults are the authors' CIFAR recipe for training from scratch (`ivon_preset="scratch"`,
-    varsmooth.defaults.SCRATCH_PRESET): lr 0.2, hess_init 0.5, β1 0.9, β2 0.99999, prior precision 2e-4, ess =
+    varsmooth.presets.SCRATCH_PRESET): lr 0.2, hess_init 0.5, β1 0.9, β2 0.99999, prior precision 2e-4, ess =
     training-set size, one MC sample per micro-batch. For a pretrained model, `ivon_preset="finetune"`
-    (varsmooth.defaults.FINETUNE_PRESET) fills them instead. The preset-controlled fields default to `None` ("not set")
+    (varsmooth.presets.FINETUNE_PRESET) fills them instead. The preset-controlled fields default to `None` ("not set")
     and `__post_init__` resolves them, so a value the user gives is kept even when it equals the other preset's.
 
     Defaults of `TrainingArguments` that varsmooth overrides (the fields are redefined below, in one block):
@@ -51,8 +51,8 @@ class VariationalTrainingArguments(TrainingArguments):
     ivon_preset: str = field(
         default="scratch",
         metadata={"help": "IVON defaults: 'scratch' (the authors' recipe), 'finetune' (a pretrained model: posterior "
-                          "around the pretrained weights, bounded steps; see varsmooth.defaults.FINETUNE_PRESET) or "
-                          "'lora' (LoRA adapters: Cong et al. 2024's IVON-LoRA recipe, varsmooth.defaults.LORA_PRESET). "
+                          "around the pretrained weights, bounded steps; see varsmooth.presets.FINETUNE_PRESET) or "
+                          "'lora' (LoRA adapters: Cong et al. 2024's IVON-LoRA recipe, varsmooth.presets.LORA_PRESET). "
                           "Fields you set keep their value.", "choices": list(IVON_PRESETS)},
     )
     # -- TrainingArguments defaults overridden by varsmooth (the class docstring says why) -----------------
@@ -88,7 +88,7 @@ class VariationalTrainingArguments(TrainingArguments):
     hessian_window: float | None = field(
         default=None,
         metadata={"help": "Run-length rule instead of beta2: β2 = 1 - 1/max(hessian_window * T, 300), T = the run's "
-                          "optimizer steps (varsmooth.defaults), with clip_radius defaulting to 0.05. 0.1 let the posterior "
+                          "optimizer steps (varsmooth.presets), with clip_radius defaulting to 0.05. 0.1 let the posterior "
                           "adapt and beat the authors' β2 on MNIST at 20 epochs, but hurt on the 1.4k-image digits "
                           "(benchmarks/training_length.py, README 'Does it work?'). None: beta2 as given."},
     )

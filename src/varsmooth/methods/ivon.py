@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any, ClassVar
 
-from ..defaults import HESSIAN_WINDOW_CLIP_RADIUS, beta2_for_window
+from ..presets import HESSIAN_WINDOW_CLIP_RADIUS, beta2_for_window
 from .base import TrainingMethod, register_method
 
 __all__ = ["IVONMethod", "IVONFixedHessianMethod"]
@@ -23,7 +23,7 @@ class IVONMethod(TrainingMethod):
 
     def beta2(self) -> float:
         """`beta2`, or with `hessian_window` = c: 1 − 1/max(c·T, 300) for a run of T optimizer steps
-        (varsmooth.defaults; the run-length rule of benchmarks/training_length.py)."""
+        (varsmooth.presets; the run-length rule of benchmarks/training_length.py)."""
         if self.args.hessian_window is None:
             return self.args.beta2
         if not self.total_steps:

@@ -1,7 +1,7 @@
 """The weight posterior: IVON's optimizer state, its detached Gaussian, and prediction with it."""
 
 from .gaussian import POSTERIOR_FILE, DiagonalGaussianPosterior
-from .ivon import VariationalIVON, derive_seed, unwrap_ivon
+from .optimizer import VariationalIVON, derive_seed, unwrap_ivon
 from .prediction import VariationalClassifierOutput, model_logits, predictive_distribution
 
 __all__ = [

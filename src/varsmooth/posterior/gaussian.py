@@ -22,7 +22,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..utils import atomic_path
-from .ivon import derive_seed
+from .optimizer import derive_seed
 
 __all__ = ["POSTERIOR_FILE", "DiagonalGaussianPosterior", "weights_fingerprint"]
 
@@ -96,7 +96,7 @@ class DiagonalGaussianPosterior:
         return cls(model, dict(zip(names, stds)), metadata)
 
     @classmethod
-    def zero(cls, model: torch.nn.Module) -> "DiagonalGaussianPosterior":
+    def point_mass(cls, model: torch.nn.Module) -> "DiagonalGaussianPosterior":
         """A point mass at the current weights: sampling returns the mean (used when no posterior exists)."""
         return cls(model, {}, {"kind": "point_mass"})
 

@@ -16,7 +16,7 @@ import torch
 from transformers.utils import ModelOutput
 
 from .gaussian import DiagonalGaussianPosterior
-from .ivon import derive_seed
+from .optimizer import derive_seed
 
 __all__ = ["VariationalClassifierOutput", "predictive_distribution", "model_logits", "logits_of", "LABEL_KEYS"]
 

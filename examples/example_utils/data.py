@@ -18,7 +18,7 @@ from pathlib import Path
 import datasets
 import numpy as np
 
-from .corruption import NoiseReport, corrupt_labels
+from varsmooth.corruption import NoiseReport, corrupt_labels
 
 __all__ = [
     "CIFAR10N_LABEL_SETS",

