@@ -50,7 +50,9 @@ from transformers.trainer_callback import PrinterCallback  # noqa: E402
 import real_noise  # noqa: E402
 
 SCRIPT = "lora"
-OUT_DIR = common.RESULTS_DIR / SCRIPT
+DEVICE = common.bench_device()
+#: CPU runs (the first table) and GPU runs ($VARSMOOTH_BENCH_DEVICE=cuda) are kept apart: timings and rounding differ
+OUT_DIR = common.RESULTS_DIR / (SCRIPT if DEVICE == "cpu" else f"{SCRIPT}_{DEVICE}")
 VERSION = 1
 TASKS = ("sst2-clean", "sst2-sym30", "trec-clean", "trec-sym30")
 SETUP = {**real_noise.TEXT, "lora_r": 8, "lora_alpha": 16, "lora_dropout": 0.0, "target_modules": ["query", "value"]}
@@ -98,7 +100,7 @@ def run(task: str, name: str, seed: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="varsmooth-lora-") as tmp:
         args = VariationalTrainingArguments(
             output_dir=tmp, num_train_epochs=SETUP["epochs"], per_device_train_batch_size=SETUP["batch_size"],
-            per_device_eval_batch_size=256, seed=seed, data_seed=seed, use_cpu=True, report_to=[], save_strategy="no",
+            per_device_eval_batch_size=256, seed=seed, data_seed=seed, use_cpu=DEVICE == "cpu", report_to=[], save_strategy="no",
             eval_strategy="no", logging_strategy="steps", logging_steps=max(1, steps // 8), disable_tqdm=True,
             dataloader_num_workers=0, lr_scheduler_type="cosine", warmup_steps=int(0.1 * steps), eval_seed=0,
             **settings,
@@ -112,6 +114,7 @@ def run(task: str, name: str, seed: int) -> dict[str, Any]:
         eval_s = time.perf_counter() - t1
     result: dict[str, Any] = {
         "key": key, "config": {"task": task, "method": name, "seed": seed, "setup": SETUP, "version": VERSION},
+        "device": DEVICE,
         "settings": {k: getattr(args, k) for k in ("learning_rate", "ess", "hess_init", "beta2", "clip_radius",
                                                    "rescale_lr", "eval_mc_samples", "weight_decay")},
         "trainable_parameters": count_parameters(model), "n_train": len(train), "steps": trainer.state.global_step,
@@ -141,7 +144,8 @@ def report() -> str:
              "Written by `benchmarks/lora.py --report` from the cached runs; the set-up is in the script's docstring. "
              "Clean test labels (1000 sentences); mean ± sd over seeds; IVON: BMA over the preset's 10 posterior "
              "samples (`mean acc`: at the posterior mean); `Δ vs AdamW-LoRA`: paired (same seed) difference of "
-             "accuracy / ECE in points; s/step: training seconds per optimizer step on one shared CPU thread.", "",
+             "accuracy / ECE in points; s/step: training seconds per optimizer step "
+             + ("on one shared CPU thread." if DEVICE == "cpu" else f"on {torch.cuda.get_device_name()} (fp32)."), "",
              "Reproduce: `OMP_NUM_THREADS=1 python benchmarks/lora.py`.", "",
              "| task | method | seeds | trainable | acc % | NLL | ECE % | mean acc % | Δacc vs AdamW-LoRA | ΔECE vs AdamW-LoRA | s/step |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
