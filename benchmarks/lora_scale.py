@@ -43,7 +43,7 @@ METHODS = {"ivon-lora": {"method": "ivon", "ivon_preset": "lora"},
 
 def sync() -> None:
     if torch.cuda.is_available():
-        sync()
+        torch.cuda.synchronize()
 
 
 class StepTimer(TrainerCallback):
