@@ -14,6 +14,8 @@ reports +2.8 points of accuracy and -4.6 points of ECE for IVON-LoRA against Ada
   - ``ivon-lora-lr1``: the same with lr 1.0, so that lr·clip_radius = 1e-3 equals AdamW-LoRA's rate (the step-size
     matching behind the `finetune` preset): the anchor's lr is set for 10k steps, and 189 steps at ≤ 3e-5 move a
     weight by at most 6e-3;
+  - ``ivon-lora-lr1-window``: the same with the run-length β2 rule (`hessian_window=0.1`: β2 = 1 - 1/300 here), so
+    that the Hessian, and with it σ, can move in so short a run (with the preset's β2 = 0.99999 it stays at h0);
   - ``adamw-lora``: the same adapters with AdamW, lr 1e-3 (LoRA's usual order: Hu et al. 2021 fine-tuned
     RoBERTa-base with 4e-4-5e-4 over far more steps), weight decay 0.01;
   - ``adamw-full``: every weight but the frozen word embeddings with AdamW at 3e-4 (real_noise.py's tuned rate);
@@ -63,6 +65,9 @@ METHODS: dict[str, tuple[bool, dict[str, Any]]] = {
     "adamw-lora": (True, {"method": "erm", "optim": "adamw_torch", "learning_rate": ADAMW_LORA_LR, "weight_decay": 0.01}),
     "adamw-full": (False, {"method": "erm", **real_noise.ADAMW["text"]}),
     "ivon-lora-lr1": (True, {"method": "ivon", "ivon_preset": "lora", "learning_rate": 1.0}),
+    # the run-length β2 rule, so that the Hessian (and σ) can move within 189 steps; the step cap stays lr·clip = 1e-3
+    "ivon-lora-lr1-window": (True, {"method": "ivon", "ivon_preset": "lora", "learning_rate": 1.0, "hessian_window": 0.1,
+                                    "clip_radius": 1e-3}),
 }
 
 
