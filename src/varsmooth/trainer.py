@@ -42,8 +42,9 @@ from .methods.base import IGNORE_INDEX
 from .hub import build_model_card
 from .metrics import classification_metrics
 from .posterior import POSTERIOR_FILE, DiagonalGaussianPosterior, VariationalIVON, predictive_distribution, unwrap_ivon
+from .posterior.diagnostics import HessianDiagnosticsCallback, hessian_summary
 from .posterior.gaussian import TEMPERATURE_KEY
-from .posterior.prediction import LABEL_KEYS, logits_of
+from .posterior.prediction import logits_of, model_outputs
 from .posterior.temperature import PosteriorTemperatureCallback, select_trainer_temperature
 from .training_args import VariationalTrainingArguments
 from .utils import atomic_path
@@ -52,11 +53,6 @@ __all__ = ["VariationalTrainer"]
 
 logger = logging.getLogger(__name__)
 
-#: the Hessian "has hardly moved" when the median of |h − h0|/h0 over the weights is below this (README "Usage"): under
-#: the EMA h_T = β2^T h0 + (1 − β2^T) ĥ the change is about (1 − β2^T)·|1 − ĥ/h0|, so below 10 % the learned curvature
-#: makes up at most a tenth of h. The authors' β2 = 0.99999 stays below it for ~10k steps (MNIST, 2,820 steps: 0.5 →
-#: 0.486; scikit-learn digits, the image example's ~1.3k steps: 0.5 → 0.493).
-HESSIAN_STUCK_TOLERANCE = 0.1
 #: the label corruption of the training set, next to the model (read by the model card)
 NOISE_REPORT_FILE = "noise_report.json"
 #: checkpoint file with the training method's own state (OLS soft labels, ALASCA EMAs, ...)
@@ -124,6 +120,8 @@ class VariationalTrainer(Trainer):
         self.posterior_temperature = 1.0 if args.posterior_temperature is None else args.posterior_temperature
         self.posterior_temperature_report: dict[str, Any] | None = None
         self.callback_handler.callbacks.insert(0, PosteriorTemperatureCallback().bind(self))
+        # before the reporting callbacks, which then report the Hessian summary it adds to the training logs
+        self.callback_handler.callbacks.insert(1, HessianDiagnosticsCallback().bind(self))
         self._ivon_param_names: list[str] | None = None
         self._run_files: dict[str, set[str]] = {}  # folder -> files this trainer wrote there outside `_save`
         self._staging_dir: str | None = None
@@ -214,7 +212,7 @@ class VariationalTrainer(Trainer):
         labels = inputs.get("labels")
         if labels is None:
             raise ValueError(f"The training batch has no 'labels' (keys: {sorted(inputs)}); name the label column 'label' or 'labels'.")
-        outputs = model(**{k: v for k, v in inputs.items() if k not in LABEL_KEYS and k != EXAMPLE_INDEX_KEY})
+        outputs = model_outputs(model, inputs, exclude=(EXAMPLE_INDEX_KEY,))
         logits = logits_of(outputs)
         if labels.numel() and (labels == IGNORE_INDEX).all():
             loss = logits.sum() * 0.0  # nothing to learn from: a zero-gradient step, for every method
@@ -600,37 +598,9 @@ class VariationalTrainer(Trainer):
         )
         self.push_in_progress = PushInProgress([job])
 
-    # -- diagnostics -------------------------------------------------------------------------------
     def hessian_summary(self) -> dict[str, float]:
-        """Mean/median of IVON's Hessian h and of the posterior std σ (seed 000, Alg. 1)."""
-        opt = self.ivon
-        if opt is None:
-            return {}
-        hess = opt.hessian().float()
-        std = torch.cat([s.flatten() for s in opt.posterior_std()]).float()
-        return {"hess_mean": hess.mean().item(), "hess_median": hess.median().item(),
-                "posterior_std_mean": std.mean().item(), "posterior_std_median": std.median().item()}
-
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        if "loss" in logs:  # training logs: show whether the posterior is learning
-            logs = {**logs, **self.hessian_summary()}
-        super().log(logs, start_time)
-
-    def train(self, *args: Any, **kwargs: Any) -> Any:
-        output = super().train(*args, **kwargs)
-        opt = self.ivon
-        if opt is not None and opt.param_groups[0]["beta2"] < 1.0:
-            h0 = opt.param_groups[0]["hess_init"]
-            moved = (opt.hessian().float() - h0).abs().median().item() / h0
-            if moved < HESSIAN_STUCK_TOLERANCE:
-                logger.warning(
-                    "IVON's Hessian hardly moved during training (median relative change %.2g < %g after %d steps "
-                    "with beta2=%s): the posterior std is still set by the prior settings (ess, hess_init), not learned. "
-                    "Try hessian_window=0.1 (beta2 = 1 - 1/max(0.1 x the run's steps, 300), clip_radius 0.05), which let "
-                    "the posterior adapt in benchmarks/training_length.py.", moved, HESSIAN_STUCK_TOLERANCE, opt.current_step,
-                    opt.param_groups[0]["beta2"],
-                )
-        return output
+        """Mean/median of IVON's Hessian h and of the posterior std σ (`varsmooth.posterior.diagnostics`)."""
+        return hessian_summary(self.ivon)
 
 
 def _refuse_undistributed_process_group(args: VariationalTrainingArguments) -> None:

@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 from ..utils import atomic_path
 from .optimizer import derive_seed
 
-__all__ = ["POSTERIOR_FILE", "DiagonalGaussianPosterior", "weights_fingerprint"]
+__all__ = ["POSTERIOR_FILE", "DiagonalGaussianPosterior", "std_summary", "weights_fingerprint"]
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +48,13 @@ def weights_fingerprint(model: torch.nn.Module, names: Iterable[str]) -> str:
         digest.update(f"{name}|{t.dtype}|{tuple(params[name].shape)}|".encode())
         digest.update(t.view(torch.uint8).numpy())
     return digest.hexdigest()
+
+
+def std_summary(stds: Iterable[torch.Tensor]) -> dict[str, float]:
+    """Mean and median of every entry of the posterior standard deviations `stds` (the σ numbers of training logs
+    and label-noise summaries)."""
+    flat = torch.cat([s.flatten().float() for s in stds])
+    return {"posterior_std_mean": flat.mean().item(), "posterior_std_median": flat.median().item()}
 
 
 class DiagonalGaussianPosterior:
@@ -247,9 +254,7 @@ class DiagonalGaussianPosterior:
     def summary(self) -> dict[str, float]:
         if self.is_point_mass:
             return {}
-        flat = torch.cat([s.flatten().float() for s in self.std.values()])
-        return {"posterior_std_mean": flat.mean().item(), "posterior_std_median": flat.median().item(),
-                TEMPERATURE_KEY: self.temperature}
+        return {**std_summary(self.std.values()), TEMPERATURE_KEY: self.temperature}
 
 
 def _check_std(path: str, std: Mapping[str, torch.Tensor], metadata: Mapping[str, Any]) -> None:
