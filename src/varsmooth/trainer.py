@@ -1,6 +1,6 @@
 """`VariationalTrainer`: `transformers.Trainer` that trains with IVON and predicts by Bayesian model averaging.
 
-What differs from the stock Trainer, and why (research notes ivon.md §0 and hf.md §0 list the pitfalls):
+What differs from the stock Trainer, and why (each item avoids a pitfall of a naive IVON subclass):
 
 * optimizer: `VariationalIVON` over the trainable parameters only, with IVON's own weight decay (the prior
   precision) instead of the Trainer's two decay groups;
@@ -8,18 +8,22 @@ What differs from the stock Trainer, and why (research notes ivon.md §0 and hf.
   weight-sampling context, with the gradients zeroed first and the micro-batch *mean* loss (no division by
   the accumulation count: IVON averages its samples itself); gradient-norm clipping happens inside the
   sample, since IVON has consumed the gradients before the Trainer would clip; under DDP the gradient
-  all-reduce is off and IVON all-reduces its averages in `step()` (scheme (i) of ivon.md §4.2);
+  all-reduce is off and IVON all-reduces its averages in `step()`: IVON's Hessian estimate ε⊙g is unbiased only
+  when g was computed at the same ε, and DDP's all-reduce would average g over the other ranks' draws;
 * `prediction_step`: BMA over `eval_mc_samples` posterior samples, plus the posterior-mean prediction;
 * `_save`: writes the posterior (σ per parameter) next to the weights, in checkpoints and final saves, removes
   the varsmooth files of earlier runs it did not write, and writes the folder's manifest last (`varsmooth.files`);
 * `_save_checkpoint`: a `checkpoint-N` appears (by one rename) only once complete;
 * resuming without optimizer state restores IVON's Hessian and step from the checkpoint's posterior.
+
+The trainer's other jobs live beside it: the model card and Hub pushes in `varsmooth.hub` (`VariationalHubMixin`),
+`label_noise()` in `varsmooth.label_noise` (`LabelNoiseMixin`), the training set's `NoiseReport` in
+`varsmooth.corruption`, and the Hessian diagnostics in `varsmooth.posterior.diagnostics` (a callback it adds).
 """
 
 from __future__ import annotations
 
 import contextlib
-import glob
 import inspect
 import logging
 import os
@@ -31,15 +35,16 @@ import datasets
 import numpy as np
 import torch
 from transformers import Trainer, TrainerCallback
-from transformers.utils.hub import PushInProgress, hf_api
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, EvalPrediction, PredictionOutput, sort_checkpoints
 from transformers.training_args import ParallelMode
 
 from .adapters import is_peft_model, save_classifier_config
-from .files import OWNED_PATTERNS, FolderSave, add_to_manifest, shareable_files, written_by_varsmooth
+from .corruption import realized_noise_report
+from .files import FolderSave
 from .methods import EXAMPLE_INDEX_KEY, ExampleIndexDataset, TrainingMethod, get_method_class
 from .methods.base import IGNORE_INDEX
-from .hub import build_model_card
+from .hub import VariationalHubMixin
+from .label_noise import LabelNoiseMixin
 from .metrics import classification_metrics
 from .posterior import POSTERIOR_FILE, DiagonalGaussianPosterior, VariationalIVON, predictive_distribution, unwrap_ivon
 from .posterior.diagnostics import HessianDiagnosticsCallback, hessian_summary
@@ -53,8 +58,6 @@ __all__ = ["VariationalTrainer"]
 
 logger = logging.getLogger(__name__)
 
-#: the label corruption of the training set, next to the model (read by the model card)
-NOISE_REPORT_FILE = "noise_report.json"
 #: checkpoint file with the training method's own state (OLS soft labels, ALASCA EMAs, ...)
 METHOD_STATE_FILE = "method_state.pt"
 #: a checkpoint is written under this prefix and renamed to `checkpoint-N` when complete; `get_last_checkpoint`
@@ -64,7 +67,7 @@ STAGING_PREFIX = ".partial-"
 DELETING_PREFIX = ".deleting-"
 
 
-class VariationalTrainer(Trainer):
+class VariationalTrainer(VariationalHubMixin, LabelNoiseMixin, Trainer):
     """A `Trainer` for single-label classifiers that trains with `args.method` (IVON by default).
 
     Models may be any module returning logits in a `ModelOutput` or tuple (HF `AutoModelFor*Classification`,
@@ -287,7 +290,7 @@ class VariationalTrainer(Trainer):
 
     def _remove_unused_columns(self, dataset: Any, description: str | None = None) -> Any:
         # a `with_transform` dataset reads its raw columns (e.g. "image") when an item is fetched: removing them
-        # would break the transform (hf.md §5), and its output is already what the model takes
+        # would break the transform, and its output is already what the model takes
         if isinstance(dataset, datasets.Dataset) and dataset.format.get("type") == "custom":
             return dataset
         return super()._remove_unused_columns(dataset, description)
@@ -414,27 +417,6 @@ class VariationalTrainer(Trainer):
         predictions = output.predictions[0] if isinstance(output.predictions, tuple) else output.predictions
         return PredictionOutput(predictions=predictions, label_ids=output.label_ids, metrics=output.metrics)
 
-    def label_noise(self, dataset: Any = None, num_samples: int = 64, **kwargs: Any) -> Any:
-        """Per-example label noise ε̄ = p̄ − P̂ of the current posterior (seed 000, Eq. 15) as a `datasets.Dataset`.
-
-        One row per example of `dataset` (default: the training set), in dataset order, with its `clean_label` and
-        `is_corrupted` columns carried over; the columns and `kwargs` are those of
-        `varsmooth.label_noise.compute_label_noise` (`seed` defaults to `args.eval_seed`). The batches come from the
-        Trainer's own machinery (column removal, collator, device, DDP sharding); every process must call this.
-        """
-        from torch.utils.data import SequentialSampler
-
-        from .label_noise import compute_label_noise
-
-        dataset = self.train_dataset if dataset is None else dataset
-        # not get_eval_dataloader(): it may group rows by length or return the cached loader of eval_dataset
-        loader = self._get_dataloader(dataset, "Label noise", self.args.eval_batch_size, sampler_fn=SequentialSampler)
-        kwargs.setdefault("seed", self.args.eval_seed)
-        return compute_label_noise(
-            self.accelerator.unwrap_model(self.model), self.posterior(), dataset, num_samples=num_samples,
-            dataloader=loader, accelerator=self.accelerator, device=self.args.device, **kwargs,
-        )
-
     # -- saving ------------------------------------------------------------------------------------
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         output_dir = output_dir if output_dir is not None else self.args.output_dir
@@ -446,8 +428,7 @@ class VariationalTrainer(Trainer):
             self.posterior().save(output_dir)
         report = self.train_noise_report() if self.args.should_save else None
         if report is not None:
-            with atomic_path(os.path.join(output_dir, NOISE_REPORT_FILE)) as tmp, open(tmp, "w") as f:
-                f.write(report.to_json())
+            report.save(output_dir)
         if folder is not None:
             stale = folder.finish(also=self._run_files.get(os.path.abspath(output_dir), ()), method=self.method.name,
                                   global_step=self.state.global_step)
@@ -514,89 +495,7 @@ class VariationalTrainer(Trainer):
     def train_noise_report(self) -> Any:
         """The label corruption of the training set: the report given at construction, else the realized one
         recomputed from a `clean_label` column (None when the labels are the dataset's own)."""
-        if self._noise_report is not None:
-            return self._noise_report
-        dataset = self.train_dataset
-        if isinstance(dataset, datasets.Dataset) and "clean_label" in dataset.column_names:
-            from .corruption import noise_report
-
-            label_column = "label" if "label" in dataset.column_names else "labels"
-            return noise_report(dataset.with_format(None), label_column=label_column)
-        return None
-
-    # -- sharing -----------------------------------------------------------------------------------
-    def create_model_card(self, model_name: str | None = None, replace_model_card: bool = False, **kwargs: Any) -> None:
-        """Replaces the stock card (which would report the Trainer's `optim` for IVON runs) with varsmooth's.
-
-        A README.md in output_dir that a varsmooth save did not write (your own card) is kept: this raises unless
-        `replace_model_card=True`.
-        """
-        if not self.is_world_process_zero():
-            return
-        self._refuse_to_replace_own_card(replace_model_card)
-        path = os.path.join(self.args.output_dir, "README.md")
-        card = build_model_card(self, model_name=model_name, **kwargs)
-        with atomic_path(path) as tmp:
-            card.save(tmp)
-        self.record_output(path)
-        add_to_manifest(self.args.output_dir, ["README.md"])
-
-    def _refuse_to_replace_own_card(self, replace_model_card: bool) -> None:
-        path = os.path.join(self.args.output_dir, "README.md")
-        if os.path.isfile(path) and not replace_model_card and not written_by_varsmooth(self.args.output_dir, "README.md"):
-            raise FileExistsError(
-                f"{path} was not written by varsmooth (your own model card?) and would be replaced by the generated "
-                "card. Move it away, or pass replace_model_card=True (to push_to_hub or create_model_card) to replace it."
-            )
-
-    def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True, token: str | None = None,
-                    revision: str | None = None, private: bool | None = None, **kwargs: Any) -> Any:
-        """Save, write the card, and upload exactly the files this training wrote (the manifest, less
-        `files.PRIVATE_FILES`); varsmooth files of earlier pushes that this run did not write are deleted from the repo.
-
-        A README.md of your own in output_dir makes this refuse, unless `replace_model_card=True`.
-        """
-        replace_card = kwargs.pop("replace_model_card", False)
-        if self.is_world_process_zero():
-            self._refuse_to_replace_own_card(replace_card)  # before anything is saved or uploaded
-        self.callback_handler.on_push_begin(self.args, self.state, self.control)
-        token = token if token is not None else self.args.hub_token
-        if self.hub_model_id is None:
-            self.init_hf_repo(token=token, private=private)
-        self.save_model(_internal_call=True)
-        if not self.is_world_process_zero():
-            return None
-        model_name = kwargs.pop("model_name", None) or (self.args.hub_model_id or self.args.output_dir).rstrip("/").split("/")[-1]
-        self.create_model_card(model_name=model_name, replace_model_card=replace_card, **kwargs)
-        self._finish_current_push()
-        return hf_api().upload_folder(
-            repo_id=self.hub_model_id, folder_path=self.args.output_dir, commit_message=commit_message, token=token,
-            run_as_future=not blocking, allow_patterns=_exact(shareable_files(self.args.output_dir)),
-            delete_patterns=list(OWNED_PATTERNS), revision=revision if revision is not None else self.args.hub_revision,
-        )
-
-    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
-        """Intermediate pushes: the stock version copies only config and weights from the checkpoint (and uploads
-        the rest of output_dir); here the checkpoint's shareable files (its manifest: weights, posterior, processor)
-        are copied into output_dir as one save, and exactly those go up."""
-        if not self.is_world_process_zero() or self.args.hub_strategy == "end":
-            return
-        if not self.args.hub_always_push and self.push_in_progress is not None and not self.push_in_progress.is_done():
-            return
-        self.callback_handler.on_push_begin(self.args, self.state, self.control)
-        output_dir = self.args.output_dir
-        folder = FolderSave(output_dir).begin()
-        for name in shareable_files(checkpoint_folder):
-            with atomic_path(os.path.join(output_dir, name)) as tmp:
-                shutil.copyfile(os.path.join(checkpoint_folder, name), tmp)
-        folder.finish(also=self._run_files.get(os.path.abspath(output_dir), ()), method=self.method.name,
-                      global_step=self.state.global_step)
-        job = hf_api().upload_folder(
-            repo_id=self.hub_model_id, folder_path=output_dir, token=self.args.hub_token,
-            commit_message=f"Training in progress, step {self.state.global_step}", run_as_future=True,
-            allow_patterns=_exact(shareable_files(output_dir)), revision=self.args.hub_revision,
-        )
-        self.push_in_progress = PushInProgress([job])
+        return self._noise_report if self._noise_report is not None else realized_noise_report(self.train_dataset)
 
     def hessian_summary(self) -> dict[str, float]:
         """Mean/median of IVON's Hessian h and of the posterior std σ (`varsmooth.posterior.diagnostics`)."""
@@ -627,11 +526,6 @@ def _remove_checkpoint(path: str) -> None:
     shutil.rmtree(hidden, ignore_errors=True)
     os.replace(path, hidden)
     shutil.rmtree(hidden, ignore_errors=True)
-
-
-def _exact(names: list[str]) -> list[str]:
-    """`upload_folder` patterns that match exactly these names (fnmatch would expand `*`, `?` and `[...]`)."""
-    return [glob.escape(name) for name in names]
 
 
 def _bind(callback: TrainerCallback, trainer: VariationalTrainer) -> None:
