@@ -58,7 +58,8 @@ def std_summary(stds: Iterable[torch.Tensor]) -> dict[str, float]:
 
 
 class DiagonalGaussianPosterior:
-    """q(θ) = N(m, diag σ²) over the named parameters of `model` (seed 000, Eq. 6 with IVON's q).
+    """q(θ) = N(m, diag σ²) over the named parameters of `model` (Variational Learning Induces Adaptive Label
+    Smoothing (2025), Eq. 6, with IVON's q).
 
     Args:
         model: the network; its current weights are the posterior mean m.

@@ -1,9 +1,10 @@
 """Variational prediction: Bayesian model averaging over posterior samples.
 
-P̂(y|x) = (1/S) Σ_s softmax(f(x; θ_s)), θ_s ~ q — probabilities are averaged, not logits (ivon.md §2;
-the authors' `do_evalbatch_ivon`). The same sweep gives the posterior-mean prediction p̄ = softmax(f(x; m)),
-the predictive entropy and mutual information, and the per-draw label noise p̄ − softmax(f(x; θ_s))
-(seed 000, Eq. 19) that the label-noise export needs.
+P̂(y|x) = (1/S) Σ_s softmax(f(x; θ_s)), θ_s ~ q — probabilities are averaged, not logits (as in
+`do_evalbatch_ivon` of the IVON authors' code, Shen et al. 2024). The same sweep gives the posterior-mean prediction
+p̄ = softmax(f(x; m)), the predictive entropy and mutual information, and the per-draw label noise
+p̄ − softmax(f(x; θ_s)) (Variational Learning Induces Adaptive Label Smoothing (2025), Eq. 19) that the label-noise
+export needs.
 """
 
 from __future__ import annotations
