@@ -140,3 +140,24 @@ def test_the_card_lists_only_the_pictures_the_save_recorded(run):
     assert "someone_elses_plot.png" not in text
     recorded = json.loads((out / "varsmooth_manifest.json").read_text())["files"]
     assert "label_noise.parquet" in recorded and "per-example label noise of the training set" in text  # still described
+
+
+def test_the_card_names_the_task_and_auto_class_the_model_reloads_with(tmp_path):
+    """One rule tells image from text classifiers: the card's pipeline task and Auto class are those
+    `VariationalModel.from_pretrained` loads the saved model with, also for a class whose name does not say it."""
+    from transformers import ResNetConfig, ResNetForImageClassification
+
+    from varsmooth import VariationalModel
+
+    class Digits(ResNetForImageClassification):  # an image classifier by its configuration only
+        pass
+
+    model = Digits(ResNetConfig(num_channels=1, embedding_size=8, hidden_sizes=[8], depths=[1], num_labels=3))
+    record = RunRecord(method="erm", uses_ivon=False, hyperparameters={}, repo_id="user/digits", model_name="digits")
+    text, meta = _parts(build_model_card(record, model, tmp_path))
+    assert meta["pipeline_tag"] == "image-classification"
+    assert "AutoModelForImageClassification.from_pretrained" in text
+    model.save_pretrained(tmp_path)
+    with pytest.warns(UserWarning, match="No posterior.safetensors"):
+        reloaded = VariationalModel.from_pretrained(tmp_path)
+    assert isinstance(reloaded.model, ResNetForImageClassification)

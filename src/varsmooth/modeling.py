@@ -13,15 +13,27 @@ from .adapters import has_adapter, is_peft_model, load_adapter_model, save_class
 from .files import FolderSave, check_manifest
 from .posterior import POSTERIOR_FILE, DiagonalGaussianPosterior, VariationalClassifierOutput, predictive_distribution
 
-__all__ = ["VariationalModel", "load_posterior"]
+__all__ = ["AUTO_CLASSES", "VariationalModel", "classification_task", "load_posterior"]
 
+#: the Auto class that loads a classifier of each task varsmooth serves
+AUTO_CLASSES = {"image-classification": AutoModelForImageClassification,
+                "text-classification": AutoModelForSequenceClassification}
+
+
+def classification_task(model_or_config: Any) -> str:
+    """The pipeline task of a classifier or of its configuration: `image-classification` when the model's class name,
+    the architectures its configuration records (set by `save_pretrained`) or, for a configuration never saved, the
+    configuration's class say so; else `text-classification`."""
+    is_model = isinstance(model_or_config, torch.nn.Module)
+    config = getattr(model_or_config, "config", None) if is_model else model_or_config
+    names = [*([type(model_or_config).__name__] if is_model else []), *(getattr(config, "architectures", None) or [])]
+    if any("ImageClassification" in name for name in names) or type(config) in AutoModelForImageClassification._model_mapping:
+        return "image-classification"
+    return "text-classification"
 
 
 def _auto_class(config: Any) -> type:
-    architectures = " ".join(getattr(config, "architectures", None) or [])
-    if "ImageClassification" in architectures or type(config) in AutoModelForImageClassification._model_mapping:
-        return AutoModelForImageClassification
-    return AutoModelForSequenceClassification
+    return AUTO_CLASSES[classification_task(config)]
 
 
 class VariationalModel(torch.nn.Module):

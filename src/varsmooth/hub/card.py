@@ -13,6 +13,7 @@ from huggingface_hub.utils import HFValidationError, validate_repo_id
 
 from ..corruption import NOISE_REPORT_FILE
 from ..files import read_manifest
+from ..modeling import AUTO_CLASSES, classification_task
 from .record import RunRecord
 
 __all__ = ["DEFAULT_LICENSE", "MODEL_CARD_TEMPLATE", "build_model_card", "is_hub_dataset_id"]
@@ -36,13 +37,6 @@ _FILE_DESCRIPTIONS = {
 DEFAULT_LICENSE = "unknown"
 _METRIC_NAMES = {"accuracy": "Accuracy", "nll": "Negative log-likelihood", "ece": "Expected calibration error (15 bins)",
                  "brier": "Brier score"}
-
-
-def _task(model: Any) -> tuple[str, str]:
-    name = type(model).__name__
-    if "ImageClassification" in name:
-        return "image-classification", "AutoModelForImageClassification"
-    return "text-classification", "AutoModelForSequenceClassification"
 
 
 def _adapter(model: Any) -> Any:
@@ -153,7 +147,8 @@ def build_model_card(record: RunRecord, model: Any, folder: str | os.PathLike) -
     adapter = _adapter(model)
     if adapter is not None:  # the card describes the base with its adapters, as peft's own cards do
         model = model.get_base_model()
-    task, auto_class = _task(model)
+    task = classification_task(model)
+    auto_class = AUTO_CLASSES[task].__name__
     repo_id, model_name = record.repo_id, record.model_name
     base_model = _base_model(model) if adapter is None else _hub_id(adapter.base_model_name_or_path or "")
     metrics, scored_on = record.metrics, record.scored_on
