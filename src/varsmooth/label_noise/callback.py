@@ -23,9 +23,8 @@ class LabelNoiseCallback(TrainerCallback):
     """Writes `label_noise.parquet` and `label_noise_summary.json` into `output_dir` when training ends.
 
     The rows are `compute_label_noise` results (Variational Learning Induces Adaptive Label Smoothing (2025),
-    Eq. 15 and Eq. 19) for every example of `dataset`
-    (default: the training set, with its `clean_label`/`is_corrupted` columns when present), in dataset order;
-    under DDP each process measures its shard and the main process writes one file. Both files are written to a
+    Eq. 15 and Eq. 19) for every example of `dataset` (default: the training set, with its `clean_label`/
+    `is_corrupted` columns when present), in dataset order; under DDP each process measures its shard and the main process writes one file. Both files are written to a
     temporary name and renamed, so a crash never leaves half a file.
 
     `VariationalTrainer(callbacks=[...])` and `VariationalTrainer.add_callback` bind it to the trainer; with a plain
