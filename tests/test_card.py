@@ -11,7 +11,7 @@ import yaml
 from helpers import TinyClassifier, digits_dataset, make_args
 from varsmooth import LabelNoiseCallback, VariationalTrainer
 from varsmooth.corruption import corrupt_labels
-from varsmooth.hub import build_model_card
+from varsmooth.hub import RunRecord, build_model_card
 from varsmooth.hub.card import is_hub_dataset_id
 
 
@@ -34,6 +34,10 @@ def run(tmp_path_factory):
     return trainer, out
 
 
+def _card(trainer, **kwargs):
+    return build_model_card(RunRecord.from_trainer(trainer, **kwargs), trainer.model, trainer.args.output_dir)
+
+
 def _parts(card):
     text = str(card)
     meta = yaml.safe_load(text.split("---")[1])
@@ -44,7 +48,7 @@ def test_every_json_block_parses_and_keeps_the_detection_section(run):
     trainer, out = run
     summary_text = (out / "label_noise_summary.json").read_text()
     assert len(json.dumps(json.loads(summary_text), indent=2)) > 3000  # longer than the old cut
-    text, _ = _parts(build_model_card(trainer))
+    text, _ = _parts(_card(trainer))
     blocks = re.findall(r"```json\n(.*?)\n```", text, flags=re.S)
     assert len(blocks) == 2
     parsed = [_strict_json(block) for block in blocks]
@@ -61,7 +65,7 @@ def test_non_finite_summary_values_become_null(run, tmp_path):
     original = trainer.args.output_dir
     trainer.args.output_dir = str(tmp_path)
     try:
-        text, _ = _parts(build_model_card(trainer))
+        text, _ = _parts(_card(trainer))
     finally:
         trainer.args.output_dir = original
     detection = _strict_json(re.findall(r"```json\n(.*?)\n```", text, flags=re.S)[0])
@@ -73,15 +77,15 @@ def test_only_hub_dataset_ids_go_into_the_metadata(run, tmp_path):
     folder = tmp_path / "my_digits"
     folder.mkdir()
     for local in (str(folder), "/tmp/does/not/exist", "./data"):
-        text, meta = _parts(build_model_card(trainer, dataset=local))
+        text, meta = _parts(_card(trainer, dataset=local))
         assert "datasets" not in meta, local
         assert local not in text, local  # the path of the training machine is not published
-    assert "`my_digits` (local data)" in _parts(build_model_card(trainer, dataset=str(folder)))[0]
-    text, meta = _parts(build_model_card(trainer, dataset="user/noisy-digits"))
+    assert "`my_digits` (local data)" in _parts(_card(trainer, dataset=str(folder)))[0]
+    text, meta = _parts(_card(trainer, dataset="user/noisy-digits"))
     assert meta["datasets"] == ["user/noisy-digits"]
     assert "https://huggingface.co/datasets/user/noisy-digits" in text
     # dataset_tags (transformers' name for the metadata ids) win over the display name, and are filtered too
-    _, meta = _parts(build_model_card(trainer, dataset=str(folder), dataset_tags=["user/noisy-digits", str(folder)]))
+    _, meta = _parts(_card(trainer, dataset=str(folder), dataset_tags=["user/noisy-digits", str(folder)]))
     assert meta["datasets"] == ["user/noisy-digits"]
 
 
@@ -92,9 +96,9 @@ def test_hub_dataset_id_rule():
 
 def test_license_defaults_to_unknown_and_follows_the_user(run):
     trainer, _ = run
-    text, meta = _parts(build_model_card(trainer))
+    text, meta = _parts(_card(trainer))
     assert meta["license"] == "unknown" and "pass `license=`" in text
-    text, meta = _parts(build_model_card(trainer, license="apache-2.0"))
+    text, meta = _parts(_card(trainer, license="apache-2.0"))
     assert meta["license"] == "apache-2.0" and "pass `license=`" not in text
 
 
@@ -110,7 +114,7 @@ def test_both_predictions_and_the_better_one_named(run, nll, mean_nll):
     if nll is not None:  # the issue's default run (BMA NLL 0.91 vs 0.57 at the mean), and the other way round
         trainer.state.log_history.append({**entry, "eval_nll": nll, "eval_mean_nll": mean_nll})
     try:
-        text, meta = _parts(build_model_card(trainer))
+        text, meta = _parts(_card(trainer))
     finally:
         if nll is not None:
             trainer.state.log_history.pop()
@@ -132,7 +136,28 @@ def test_the_card_lists_only_the_pictures_the_save_recorded(run):
     trainer, out = run
     trainer.save_model()
     (out / "someone_elses_plot.png").write_bytes(b"\x89PNG")  # a stray file beside the model is neither pushed nor described
-    text, _ = _parts(build_model_card(trainer))
+    text, _ = _parts(_card(trainer))
     assert "someone_elses_plot.png" not in text
     recorded = json.loads((out / "varsmooth_manifest.json").read_text())["files"]
     assert "label_noise.parquet" in recorded and "per-example label noise of the training set" in text  # still described
+
+
+def test_the_card_names_the_task_and_auto_class_the_model_reloads_with(tmp_path):
+    """One rule tells image from text classifiers: the card's pipeline task and Auto class are those
+    `VariationalModel.from_pretrained` loads the saved model with, also for a class whose name does not say it."""
+    from transformers import ResNetConfig, ResNetForImageClassification
+
+    from varsmooth import VariationalModel
+
+    class Digits(ResNetForImageClassification):  # an image classifier by its configuration only
+        pass
+
+    model = Digits(ResNetConfig(num_channels=1, embedding_size=8, hidden_sizes=[8], depths=[1], num_labels=3))
+    record = RunRecord(method="erm", uses_ivon=False, hyperparameters={}, repo_id="user/digits", model_name="digits")
+    text, meta = _parts(build_model_card(record, model, tmp_path))
+    assert meta["pipeline_tag"] == "image-classification"
+    assert "AutoModelForImageClassification.from_pretrained" in text
+    model.save_pretrained(tmp_path)
+    with pytest.warns(UserWarning, match="No posterior.safetensors"):
+        reloaded = VariationalModel.from_pretrained(tmp_path)
+    assert isinstance(reloaded.model, ResNetForImageClassification)

@@ -236,7 +236,7 @@ def test_hessian_diagnostics_logged_and_stuck_hessian_warned(tmp_path, caplog):
     ds = digits_dataset(64)
     args = _trainer_args(tmp_path, max_steps=4, logging_strategy="steps", logging_steps=2, beta2=0.99999)
     trainer = VariationalTrainer(model=TinyClassifier(), args=args, train_dataset=ds)
-    with caplog.at_level("WARNING", logger="varsmooth.trainer"):
+    with caplog.at_level("WARNING", logger="varsmooth.posterior.diagnostics"):
         trainer.train()
     logged = [e for e in trainer.state.log_history if "loss" in e]
     assert logged and all({"hess_mean", "hess_median", "posterior_std_mean", "posterior_std_median"} <= set(e) for e in logged)
@@ -246,7 +246,7 @@ def test_hessian_diagnostics_logged_and_stuck_hessian_warned(tmp_path, caplog):
     # with β2 = 0.9 the Hessian moves and there is no warning
     caplog.clear()
     moving = VariationalTrainer(model=TinyClassifier(), args=_trainer_args(tmp_path / "b", max_steps=4, beta2=0.9), train_dataset=ds)
-    with caplog.at_level("WARNING", logger="varsmooth.trainer"):
+    with caplog.at_level("WARNING", logger="varsmooth.posterior.diagnostics"):
         moving.train()
     assert "Hessian hardly moved" not in caplog.text
 

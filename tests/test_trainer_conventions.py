@@ -16,7 +16,7 @@ from transformers import ResNetConfig, ResNetForImageClassification
 
 from helpers import TinyClassifier, digits_dataset, make_args, reference_ivon_loop
 from varsmooth import POSTERIOR_FILE, DiagonalGaussianPosterior, VariationalModel, VariationalTrainer
-from varsmooth.trainer import HESSIAN_STUCK_TOLERANCE
+from varsmooth.posterior.diagnostics import HESSIAN_STUCK_TOLERANCE
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -229,7 +229,7 @@ def test_hessian_warning_fires_on_a_run_like_the_default_digits_example(tmp_path
     assert 1 - beta2 ** steps == pytest.approx(1 - 0.99999 ** 1350, rel=0.05)
     trainer = VariationalTrainer(model=TinyClassifier(), args=make_args(tmp_path, max_steps=steps, beta2=beta2),
                                  train_dataset=digits_dataset(224))
-    with caplog.at_level("WARNING", logger="varsmooth.trainer"):
+    with caplog.at_level("WARNING", logger="varsmooth.posterior.diagnostics"):
         trainer.train()
     assert "Hessian hardly moved" in caplog.text
     moved = ((trainer.ivon.hessian() - 0.5).abs().median() / 0.5).item()

@@ -13,15 +13,27 @@ from .adapters import has_adapter, is_peft_model, load_adapter_model, save_class
 from .files import FolderSave, check_manifest
 from .posterior import POSTERIOR_FILE, DiagonalGaussianPosterior, VariationalClassifierOutput, predictive_distribution
 
-__all__ = ["VariationalModel", "load_posterior"]
+__all__ = ["AUTO_CLASSES", "VariationalModel", "classification_task", "load_posterior", "prediction_settings"]
 
+#: the Auto class that loads a classifier of each task varsmooth serves
+AUTO_CLASSES = {"image-classification": AutoModelForImageClassification,
+                "text-classification": AutoModelForSequenceClassification}
+
+
+def classification_task(model_or_config: Any) -> str:
+    """The pipeline task of a classifier or of its configuration: `image-classification` when the model's class name,
+    the architectures its configuration records (set by `save_pretrained`) or, for a configuration never saved, the
+    configuration's class say so; else `text-classification`."""
+    is_model = isinstance(model_or_config, torch.nn.Module)
+    config = getattr(model_or_config, "config", None) if is_model else model_or_config
+    names = [*([type(model_or_config).__name__] if is_model else []), *(getattr(config, "architectures", None) or [])]
+    if any("ImageClassification" in name for name in names) or type(config) in AutoModelForImageClassification._model_mapping:
+        return "image-classification"
+    return "text-classification"
 
 
 def _auto_class(config: Any) -> type:
-    architectures = " ".join(getattr(config, "architectures", None) or [])
-    if "ImageClassification" in architectures or type(config) in AutoModelForImageClassification._model_mapping:
-        return AutoModelForImageClassification
-    return AutoModelForSequenceClassification
+    return AUTO_CLASSES[classification_task(config)]
 
 
 class VariationalModel(torch.nn.Module):
@@ -35,12 +47,9 @@ class VariationalModel(torch.nn.Module):
 
     def __init__(self, model: torch.nn.Module, posterior: DiagonalGaussianPosterior, num_samples: int = 32, seed: int = 0) -> None:
         super().__init__()
-        if num_samples < 0:
-            raise ValueError(f"num_samples must be >= 0 (0 = predict at the posterior mean), got {num_samples}.")
         self.model = model
         self.posterior = posterior
-        self.num_samples = num_samples
-        self.seed = seed
+        self.num_samples, self.seed = prediction_settings(posterior, num_samples, seed)
 
     @property
     def config(self) -> Any:
@@ -81,13 +90,8 @@ class VariationalModel(torch.nn.Module):
         posterior = load_posterior(model, path, revision=revision, token=token)
         if temperature is not None:
             posterior.temperature = temperature
-        meta = posterior.metadata
-        return cls(
-            model,
-            posterior,
-            num_samples=int(meta.get("eval_mc_samples", 32)) if num_samples is None else num_samples,
-            seed=int(meta.get("eval_seed", 0)) if seed is None else seed,
-        )
+        num_samples, seed = prediction_settings(posterior, num_samples, seed)
+        return cls(model, posterior, num_samples=num_samples, seed=seed)
 
     def forward(self, **inputs: Any) -> VariationalClassifierOutput:
         return predictive_distribution(self.model, self.posterior, inputs, self.num_samples, self.seed)
@@ -104,6 +108,17 @@ class VariationalModel(torch.nn.Module):
             self.posterior.metadata = {**self.posterior.metadata, "eval_mc_samples": self.num_samples, "eval_seed": self.seed}
             self.posterior.save(save_directory)
         save.finish()
+
+
+def prediction_settings(posterior: DiagonalGaussianPosterior, num_samples: int | None = None,
+                        seed: int | None = None) -> tuple[int, int]:
+    """The posterior samples and seed of predictions: those given, else those the model was evaluated with in training
+    (saved with the posterior), else 32 samples and seed 0."""
+    meta = posterior.metadata
+    num_samples = int(meta.get("eval_mc_samples", 32)) if num_samples is None else num_samples
+    if num_samples < 0:
+        raise ValueError(f"num_samples must be >= 0 (0 = predict at the posterior mean), got {num_samples}.")
+    return num_samples, int(meta.get("eval_seed", 0)) if seed is None else seed
 
 
 def load_posterior(model: torch.nn.Module, path: str | os.PathLike, revision: str | None = None, token: str | None = None) -> DiagonalGaussianPosterior:

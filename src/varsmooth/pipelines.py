@@ -20,7 +20,7 @@ from transformers import ImageClassificationPipeline, TextClassificationPipeline
 from transformers.image_utils import load_image
 
 from .adapters import is_peft_model
-from .modeling import VariationalModel, load_posterior
+from .modeling import VariationalModel, load_posterior, prediction_settings
 from .posterior import DiagonalGaussianPosterior, predictive_distribution
 
 __all__ = ["VariationalImageClassificationPipeline", "VariationalTextClassificationPipeline", "pipeline"]
@@ -34,12 +34,8 @@ class _VariationalMixin:
         super().__init__(*args, **kwargs)
         if posterior is None:
             posterior = load_posterior(self.model, self.model.name_or_path)
-        meta = posterior.metadata
-        if num_samples is not None and num_samples < 0:
-            raise ValueError(f"num_samples must be >= 0 (0 = predict at the posterior mean), got {num_samples}.")
         self.posterior = posterior
-        self.num_samples = int(meta.get("eval_mc_samples", 32)) if num_samples is None else num_samples
-        self.seed = int(meta.get("eval_seed", 0)) if seed is None else seed
+        self.num_samples, self.seed = prediction_settings(posterior, num_samples, seed)
 
     def __call__(self, inputs: Any, **kwargs: Any) -> Any:
         if isinstance(inputs, (list, tuple)) and len(inputs) == 0:  # the stock pipeline fails with an IndexError

@@ -1,6 +1,6 @@
 """`VariationalTrainer`: `transformers.Trainer` that trains with IVON and predicts by Bayesian model averaging.
 
-What differs from the stock Trainer, and why (research notes ivon.md §0 and hf.md §0 list the pitfalls):
+What differs from the stock Trainer, and why (each item avoids a pitfall of a naive IVON subclass):
 
 * optimizer: `VariationalIVON` over the trainable parameters only, with IVON's own weight decay (the prior
   precision) instead of the Trainer's two decay groups;
@@ -8,18 +8,22 @@ What differs from the stock Trainer, and why (research notes ivon.md §0 and hf.
   weight-sampling context, with the gradients zeroed first and the micro-batch *mean* loss (no division by
   the accumulation count: IVON averages its samples itself); gradient-norm clipping happens inside the
   sample, since IVON has consumed the gradients before the Trainer would clip; under DDP the gradient
-  all-reduce is off and IVON all-reduces its averages in `step()` (scheme (i) of ivon.md §4.2);
+  all-reduce is off and IVON all-reduces its averages in `step()`: IVON's Hessian estimate ε⊙g is unbiased only
+  when g was computed at the same ε, and DDP's all-reduce would average g over the other ranks' draws;
 * `prediction_step`: BMA over `eval_mc_samples` posterior samples, plus the posterior-mean prediction;
 * `_save`: writes the posterior (σ per parameter) next to the weights, in checkpoints and final saves, removes
   the varsmooth files of earlier runs it did not write, and writes the folder's manifest last (`varsmooth.files`);
 * `_save_checkpoint`: a `checkpoint-N` appears (by one rename) only once complete;
 * resuming without optimizer state restores IVON's Hessian and step from the checkpoint's posterior.
+
+The trainer's other jobs live beside it: the model card and Hub pushes in `varsmooth.hub` (`VariationalHubMixin`),
+`label_noise()` in `varsmooth.label_noise` (`LabelNoiseMixin`), the training set's `NoiseReport` in
+`varsmooth.corruption`, and the Hessian diagnostics in `varsmooth.posterior.diagnostics` (a callback it adds).
 """
 
 from __future__ import annotations
 
 import contextlib
-import glob
 import inspect
 import logging
 import os
@@ -31,19 +35,21 @@ import datasets
 import numpy as np
 import torch
 from transformers import Trainer, TrainerCallback
-from transformers.utils.hub import PushInProgress, hf_api
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, EvalPrediction, PredictionOutput, sort_checkpoints
 from transformers.training_args import ParallelMode
 
 from .adapters import is_peft_model, save_classifier_config
-from .files import OWNED_PATTERNS, FolderSave, add_to_manifest, shareable_files, written_by_varsmooth
+from .corruption import realized_noise_report
+from .files import FolderSave
 from .methods import EXAMPLE_INDEX_KEY, ExampleIndexDataset, TrainingMethod, get_method_class
 from .methods.base import IGNORE_INDEX
-from .hub import build_model_card
+from .hub import VariationalHubMixin
+from .label_noise import LabelNoiseMixin
 from .metrics import classification_metrics
 from .posterior import POSTERIOR_FILE, DiagonalGaussianPosterior, VariationalIVON, predictive_distribution, unwrap_ivon
+from .posterior.diagnostics import HessianDiagnosticsCallback, hessian_summary
 from .posterior.gaussian import TEMPERATURE_KEY
-from .posterior.prediction import LABEL_KEYS, logits_of
+from .posterior.prediction import logits_of, model_outputs
 from .posterior.temperature import PosteriorTemperatureCallback, select_trainer_temperature
 from .training_args import VariationalTrainingArguments
 from .utils import atomic_path
@@ -52,13 +58,6 @@ __all__ = ["VariationalTrainer"]
 
 logger = logging.getLogger(__name__)
 
-#: the Hessian "has hardly moved" when the median of |h − h0|/h0 over the weights is below this (README "Usage"): under
-#: the EMA h_T = β2^T h0 + (1 − β2^T) ĥ the change is about (1 − β2^T)·|1 − ĥ/h0|, so below 10 % the learned curvature
-#: makes up at most a tenth of h. The authors' β2 = 0.99999 stays below it for ~10k steps (MNIST, 2,820 steps: 0.5 →
-#: 0.486; scikit-learn digits, the image example's ~1.3k steps: 0.5 → 0.493).
-HESSIAN_STUCK_TOLERANCE = 0.1
-#: the label corruption of the training set, next to the model (read by the model card)
-NOISE_REPORT_FILE = "noise_report.json"
 #: checkpoint file with the training method's own state (OLS soft labels, ALASCA EMAs, ...)
 METHOD_STATE_FILE = "method_state.pt"
 #: a checkpoint is written under this prefix and renamed to `checkpoint-N` when complete; `get_last_checkpoint`
@@ -68,7 +67,7 @@ STAGING_PREFIX = ".partial-"
 DELETING_PREFIX = ".deleting-"
 
 
-class VariationalTrainer(Trainer):
+class VariationalTrainer(VariationalHubMixin, LabelNoiseMixin, Trainer):
     """A `Trainer` for single-label classifiers that trains with `args.method` (IVON by default).
 
     Models may be any module returning logits in a `ModelOutput` or tuple (HF `AutoModelFor*Classification`,
@@ -124,6 +123,8 @@ class VariationalTrainer(Trainer):
         self.posterior_temperature = 1.0 if args.posterior_temperature is None else args.posterior_temperature
         self.posterior_temperature_report: dict[str, Any] | None = None
         self.callback_handler.callbacks.insert(0, PosteriorTemperatureCallback().bind(self))
+        # before the reporting callbacks, which then report the Hessian summary it adds to the training logs
+        self.callback_handler.callbacks.insert(1, HessianDiagnosticsCallback().bind(self))
         self._ivon_param_names: list[str] | None = None
         self._run_files: dict[str, set[str]] = {}  # folder -> files this trainer wrote there outside `_save`
         self._staging_dir: str | None = None
@@ -214,7 +215,7 @@ class VariationalTrainer(Trainer):
         labels = inputs.get("labels")
         if labels is None:
             raise ValueError(f"The training batch has no 'labels' (keys: {sorted(inputs)}); name the label column 'label' or 'labels'.")
-        outputs = model(**{k: v for k, v in inputs.items() if k not in LABEL_KEYS and k != EXAMPLE_INDEX_KEY})
+        outputs = model_outputs(model, inputs, exclude=(EXAMPLE_INDEX_KEY,))
         logits = logits_of(outputs)
         if labels.numel() and (labels == IGNORE_INDEX).all():
             loss = logits.sum() * 0.0  # nothing to learn from: a zero-gradient step, for every method
@@ -289,7 +290,7 @@ class VariationalTrainer(Trainer):
 
     def _remove_unused_columns(self, dataset: Any, description: str | None = None) -> Any:
         # a `with_transform` dataset reads its raw columns (e.g. "image") when an item is fetched: removing them
-        # would break the transform (hf.md §5), and its output is already what the model takes
+        # would break the transform, and its output is already what the model takes
         if isinstance(dataset, datasets.Dataset) and dataset.format.get("type") == "custom":
             return dataset
         return super()._remove_unused_columns(dataset, description)
@@ -416,27 +417,6 @@ class VariationalTrainer(Trainer):
         predictions = output.predictions[0] if isinstance(output.predictions, tuple) else output.predictions
         return PredictionOutput(predictions=predictions, label_ids=output.label_ids, metrics=output.metrics)
 
-    def label_noise(self, dataset: Any = None, num_samples: int = 64, **kwargs: Any) -> Any:
-        """Per-example label noise ε̄ = p̄ − P̂ of the current posterior (seed 000, Eq. 15) as a `datasets.Dataset`.
-
-        One row per example of `dataset` (default: the training set), in dataset order, with its `clean_label` and
-        `is_corrupted` columns carried over; the columns and `kwargs` are those of
-        `varsmooth.label_noise.compute_label_noise` (`seed` defaults to `args.eval_seed`). The batches come from the
-        Trainer's own machinery (column removal, collator, device, DDP sharding); every process must call this.
-        """
-        from torch.utils.data import SequentialSampler
-
-        from .label_noise import compute_label_noise
-
-        dataset = self.train_dataset if dataset is None else dataset
-        # not get_eval_dataloader(): it may group rows by length or return the cached loader of eval_dataset
-        loader = self._get_dataloader(dataset, "Label noise", self.args.eval_batch_size, sampler_fn=SequentialSampler)
-        kwargs.setdefault("seed", self.args.eval_seed)
-        return compute_label_noise(
-            self.accelerator.unwrap_model(self.model), self.posterior(), dataset, num_samples=num_samples,
-            dataloader=loader, accelerator=self.accelerator, device=self.args.device, **kwargs,
-        )
-
     # -- saving ------------------------------------------------------------------------------------
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         output_dir = output_dir if output_dir is not None else self.args.output_dir
@@ -448,8 +428,7 @@ class VariationalTrainer(Trainer):
             self.posterior().save(output_dir)
         report = self.train_noise_report() if self.args.should_save else None
         if report is not None:
-            with atomic_path(os.path.join(output_dir, NOISE_REPORT_FILE)) as tmp, open(tmp, "w") as f:
-                f.write(report.to_json())
+            report.save(output_dir)
         if folder is not None:
             stale = folder.finish(also=self._run_files.get(os.path.abspath(output_dir), ()), method=self.method.name,
                                   global_step=self.state.global_step)
@@ -516,121 +495,11 @@ class VariationalTrainer(Trainer):
     def train_noise_report(self) -> Any:
         """The label corruption of the training set: the report given at construction, else the realized one
         recomputed from a `clean_label` column (None when the labels are the dataset's own)."""
-        if self._noise_report is not None:
-            return self._noise_report
-        dataset = self.train_dataset
-        if isinstance(dataset, datasets.Dataset) and "clean_label" in dataset.column_names:
-            from .corruption import noise_report
+        return self._noise_report if self._noise_report is not None else realized_noise_report(self.train_dataset)
 
-            label_column = "label" if "label" in dataset.column_names else "labels"
-            return noise_report(dataset.with_format(None), label_column=label_column)
-        return None
-
-    # -- sharing -----------------------------------------------------------------------------------
-    def create_model_card(self, model_name: str | None = None, replace_model_card: bool = False, **kwargs: Any) -> None:
-        """Replaces the stock card (which would report the Trainer's `optim` for IVON runs) with varsmooth's.
-
-        A README.md in output_dir that a varsmooth save did not write (your own card) is kept: this raises unless
-        `replace_model_card=True`.
-        """
-        if not self.is_world_process_zero():
-            return
-        self._refuse_to_replace_own_card(replace_model_card)
-        path = os.path.join(self.args.output_dir, "README.md")
-        card = build_model_card(self, model_name=model_name, **kwargs)
-        with atomic_path(path) as tmp:
-            card.save(tmp)
-        self.record_output(path)
-        add_to_manifest(self.args.output_dir, ["README.md"])
-
-    def _refuse_to_replace_own_card(self, replace_model_card: bool) -> None:
-        path = os.path.join(self.args.output_dir, "README.md")
-        if os.path.isfile(path) and not replace_model_card and not written_by_varsmooth(self.args.output_dir, "README.md"):
-            raise FileExistsError(
-                f"{path} was not written by varsmooth (your own model card?) and would be replaced by the generated "
-                "card. Move it away, or pass replace_model_card=True (to push_to_hub or create_model_card) to replace it."
-            )
-
-    def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True, token: str | None = None,
-                    revision: str | None = None, private: bool | None = None, **kwargs: Any) -> Any:
-        """Save, write the card, and upload exactly the files this training wrote (the manifest, less
-        `files.PRIVATE_FILES`); varsmooth files of earlier pushes that this run did not write are deleted from the repo.
-
-        A README.md of your own in output_dir makes this refuse, unless `replace_model_card=True`.
-        """
-        replace_card = kwargs.pop("replace_model_card", False)
-        if self.is_world_process_zero():
-            self._refuse_to_replace_own_card(replace_card)  # before anything is saved or uploaded
-        self.callback_handler.on_push_begin(self.args, self.state, self.control)
-        token = token if token is not None else self.args.hub_token
-        if self.hub_model_id is None:
-            self.init_hf_repo(token=token, private=private)
-        self.save_model(_internal_call=True)
-        if not self.is_world_process_zero():
-            return None
-        model_name = kwargs.pop("model_name", None) or (self.args.hub_model_id or self.args.output_dir).rstrip("/").split("/")[-1]
-        self.create_model_card(model_name=model_name, replace_model_card=replace_card, **kwargs)
-        self._finish_current_push()
-        return hf_api().upload_folder(
-            repo_id=self.hub_model_id, folder_path=self.args.output_dir, commit_message=commit_message, token=token,
-            run_as_future=not blocking, allow_patterns=_exact(shareable_files(self.args.output_dir)),
-            delete_patterns=list(OWNED_PATTERNS), revision=revision if revision is not None else self.args.hub_revision,
-        )
-
-    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
-        """Intermediate pushes: the stock version copies only config and weights from the checkpoint (and uploads
-        the rest of output_dir); here the checkpoint's shareable files (its manifest: weights, posterior, processor)
-        are copied into output_dir as one save, and exactly those go up."""
-        if not self.is_world_process_zero() or self.args.hub_strategy == "end":
-            return
-        if not self.args.hub_always_push and self.push_in_progress is not None and not self.push_in_progress.is_done():
-            return
-        self.callback_handler.on_push_begin(self.args, self.state, self.control)
-        output_dir = self.args.output_dir
-        folder = FolderSave(output_dir).begin()
-        for name in shareable_files(checkpoint_folder):
-            with atomic_path(os.path.join(output_dir, name)) as tmp:
-                shutil.copyfile(os.path.join(checkpoint_folder, name), tmp)
-        folder.finish(also=self._run_files.get(os.path.abspath(output_dir), ()), method=self.method.name,
-                      global_step=self.state.global_step)
-        job = hf_api().upload_folder(
-            repo_id=self.hub_model_id, folder_path=output_dir, token=self.args.hub_token,
-            commit_message=f"Training in progress, step {self.state.global_step}", run_as_future=True,
-            allow_patterns=_exact(shareable_files(output_dir)), revision=self.args.hub_revision,
-        )
-        self.push_in_progress = PushInProgress([job])
-
-    # -- diagnostics -------------------------------------------------------------------------------
     def hessian_summary(self) -> dict[str, float]:
-        """Mean/median of IVON's Hessian h and of the posterior std σ (seed 000, Alg. 1)."""
-        opt = self.ivon
-        if opt is None:
-            return {}
-        hess = opt.hessian().float()
-        std = torch.cat([s.flatten() for s in opt.posterior_std()]).float()
-        return {"hess_mean": hess.mean().item(), "hess_median": hess.median().item(),
-                "posterior_std_mean": std.mean().item(), "posterior_std_median": std.median().item()}
-
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        if "loss" in logs:  # training logs: show whether the posterior is learning
-            logs = {**logs, **self.hessian_summary()}
-        super().log(logs, start_time)
-
-    def train(self, *args: Any, **kwargs: Any) -> Any:
-        output = super().train(*args, **kwargs)
-        opt = self.ivon
-        if opt is not None and opt.param_groups[0]["beta2"] < 1.0:
-            h0 = opt.param_groups[0]["hess_init"]
-            moved = (opt.hessian().float() - h0).abs().median().item() / h0
-            if moved < HESSIAN_STUCK_TOLERANCE:
-                logger.warning(
-                    "IVON's Hessian hardly moved during training (median relative change %.2g < %g after %d steps "
-                    "with beta2=%s): the posterior std is still set by the prior settings (ess, hess_init), not learned. "
-                    "Try hessian_window=0.1 (beta2 = 1 - 1/max(0.1 x the run's steps, 300), clip_radius 0.05), which let "
-                    "the posterior adapt in benchmarks/training_length.py.", moved, HESSIAN_STUCK_TOLERANCE, opt.current_step,
-                    opt.param_groups[0]["beta2"],
-                )
-        return output
+        """Mean/median of IVON's Hessian h and of the posterior std σ (`varsmooth.posterior.diagnostics`)."""
+        return hessian_summary(self.ivon)
 
 
 def _refuse_undistributed_process_group(args: VariationalTrainingArguments) -> None:
@@ -657,11 +526,6 @@ def _remove_checkpoint(path: str) -> None:
     shutil.rmtree(hidden, ignore_errors=True)
     os.replace(path, hidden)
     shutil.rmtree(hidden, ignore_errors=True)
-
-
-def _exact(names: list[str]) -> list[str]:
-    """`upload_folder` patterns that match exactly these names (fnmatch would expand `*`, `?` and `[...]`)."""
-    return [glob.escape(name) for name in names]
 
 
 def _bind(callback: TrainerCallback, trainer: VariationalTrainer) -> None:

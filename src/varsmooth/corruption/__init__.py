@@ -2,9 +2,10 @@
 human noise from a column, and a JSON-safe :class:`NoiseReport` of what was intended and realized."""
 
 from .arguments import CorruptionArguments
-from .corrupt import corrupt_labels, noise_report
+from .corrupt import corrupt_labels, noise_report, realized_noise_report
 from .transition import (
     ASYMMETRIC_CLASS_MAPS,
+    NOISE_REPORT_FILE,
     NOISE_TYPES,
     NoiseReport,
     asymmetric_transition,
@@ -17,11 +18,13 @@ from .transition import (
 
 __all__ = [
     "ASYMMETRIC_CLASS_MAPS",
+    "NOISE_REPORT_FILE",
     "NOISE_TYPES",
     "CorruptionArguments",
     "NoiseReport",
     "corrupt_labels",
     "noise_report",
+    "realized_noise_report",
     "asymmetric_transition",
     "classwise_transition",
     "pairflip_transition",

@@ -166,6 +166,15 @@ def noise_report(
     return NoiseReport.from_labels(clean, noisy, K, label_column=label_column, class_names=names)
 
 
+def realized_noise_report(dataset: Any) -> NoiseReport | None:
+    """The realized noise of a training set recomputed from its ``clean_label`` column (`noise_report`), or None when
+    it has no such column (its labels are the dataset's own) or is no ``datasets.Dataset``."""
+    if isinstance(dataset, Dataset) and CLEAN_COLUMN in dataset.column_names:
+        label_column = "label" if "label" in dataset.column_names else "labels"
+        return noise_report(dataset.with_format(None), label_column=label_column)
+    return None
+
+
 def _apply_noise(
     labels: list[int], indices: list[int], *, noisy_labels: np.ndarray, label_column: str
 ) -> dict[str, np.ndarray]:

@@ -7,12 +7,17 @@ convention; cleanlab's ``noise_matrix`` is the transpose).
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 
+from ..utils import atomic_path
+
+#: the file a trainer's save writes the training set's `NoiseReport` into, next to the model (the model card reads it)
+NOISE_REPORT_FILE = "noise_report.json"
 NOISE_TYPES: tuple[str, ...] = ("symmetric", "uniform", "pairflip", "asymmetric", "classwise", "instance", "column")
 
 # Published asymmetric ("class-conditional") maps, source class -> target class.
@@ -222,6 +227,13 @@ class NoiseReport:
 
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent)
+
+    def save(self, folder: str | os.PathLike) -> str:
+        """Write the report as `NOISE_REPORT_FILE` into `folder`, whole or not at all; returns the file's path."""
+        path = os.path.join(os.fspath(folder), NOISE_REPORT_FILE)
+        with atomic_path(path) as tmp, open(tmp, "w") as f:
+            f.write(self.to_json())
+        return path
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> NoiseReport:

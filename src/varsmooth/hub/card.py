@@ -6,15 +6,15 @@ import json
 import math
 import os
 from importlib import resources
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
+from ..corruption import NOISE_REPORT_FILE
 from ..files import read_manifest
-
-if TYPE_CHECKING:
-    from ..trainer import VariationalTrainer
+from ..modeling import AUTO_CLASSES, classification_task
+from .record import RunRecord
 
 __all__ = ["DEFAULT_LICENSE", "MODEL_CARD_TEMPLATE", "build_model_card", "is_hub_dataset_id"]
 
@@ -26,7 +26,7 @@ _FILE_DESCRIPTIONS = {
     "posterior.safetensors": "posterior standard deviation of every trainable weight (varsmooth)",
     "label_noise.parquet": "per-example label noise of the training set (load with `datasets.load_dataset('parquet', ...)`)",
     "label_noise_summary.json": "summary of the label noise and mislabel-detection scores",
-    "noise_report.json": "the label corruption: intended and realized transition matrices",
+    NOISE_REPORT_FILE: "the label corruption: intended and realized transition matrices",
     "preprocessor_config.json": "image processor",
     "tokenizer.json": "tokenizer",
     "adapter_model.safetensors": "PEFT adapter weights (the posterior mean of the adapters)",
@@ -37,13 +37,6 @@ _FILE_DESCRIPTIONS = {
 DEFAULT_LICENSE = "unknown"
 _METRIC_NAMES = {"accuracy": "Accuracy", "nll": "Negative log-likelihood", "ece": "Expected calibration error (15 bins)",
                  "brier": "Brier score"}
-
-
-def _task(model: Any) -> tuple[str, str]:
-    name = type(model).__name__
-    if "ImageClassification" in name:
-        return "image-classification", "AutoModelForImageClassification"
-    return "text-classification", "AutoModelForSequenceClassification"
 
 
 def _adapter(model: Any) -> Any:
@@ -92,10 +85,6 @@ def is_hub_dataset_id(name: str) -> bool:
     return True
 
 
-def _as_list(value: str | list[str] | None) -> list[str]:
-    return [] if value is None else [value] if isinstance(value, str) else list(value)
-
-
 def _json_block(value: Any) -> str:
     """A ```json block that any JSON parser reads: non-finite numbers (e.g. an AUROC without corrupted examples) as null."""
     def finite(v: Any) -> Any:
@@ -125,31 +114,20 @@ def _better_prediction_text(metrics: dict[str, float]) -> str | None:
             f"num_samples=0)` predicts at the mean.")
 
 
-def _last_eval_metrics(trainer: "VariationalTrainer") -> tuple[dict[str, float], str]:
-    """The latest scores and where they come from: a test split when one was scored (`evaluate(...,
-    metric_key_prefix="test")`: nothing was chosen on it), else the evaluation set."""
-    for prefix, where in (("test_", "test set"), ("eval_", "evaluation set")):
-        for entry in reversed(trainer.state.log_history):
-            if prefix + "accuracy" in entry or prefix + "mean_accuracy" in entry:
-                return {k.removeprefix(prefix): v for k, v in entry.items() if k.startswith(prefix)}, where
-    return {}, "evaluation set"
-
-
 def _matrix_table(matrix: list[list[float]], names: list[str]) -> str:
     header = "| clean \\ label | " + " | ".join(names) + " |\n|---|" + "---|" * len(names) + "\n"
     rows = "".join(f"| {names[i]} | " + " | ".join(f"{v:.3f}" for v in row) + " |\n" for i, row in enumerate(matrix))
     return header + rows
 
 
-def _temperature_text(trainer: "VariationalTrainer") -> str:
+def _temperature_text(record: RunRecord) -> str:
     """The posterior temperature τ the model predicts with, and the validation NLL it was chosen by."""
-    tau = trainer.posterior_temperature
+    tau = record.posterior_temperature
     intro = (f"Predictions sample the weights with the posterior standard deviation scaled by **τ = {tau:g}** "
              "(0: the prediction at the posterior mean, 1: the learned posterior). ")
-    report = trainer.posterior_temperature_report
+    report = record.temperature_selection
     if report is None:
-        how = ("fixed by `posterior_temperature`" if trainer.args.posterior_temperature is not None
-               else "no validation data to choose it by")
+        how = "fixed by `posterior_temperature`" if record.temperature_fixed else "no validation data to choose it by"
         return intro + f"τ = {tau:g} was {how}."
     rows = "".join(f"| {t}{' (chosen)' if float(t) == tau else ''} | {nll:.4f} |\n" for t, nll in report["nll"].items())
     return (intro + f"τ was chosen after training by the negative log-likelihood on the eval dataset ({report['num_samples']} "
@@ -157,42 +135,33 @@ def _temperature_text(trainer: "VariationalTrainer") -> str:
             "\n\n| τ | validation NLL |\n|---|---|\n" + rows)
 
 
-def build_model_card(
-    trainer: "VariationalTrainer",
-    *,
-    model_name: str | None = None,
-    dataset: str | list[str] | None = None,
-    dataset_tags: str | list[str] | None = None,
-    license: str | None = None,
-    tags: list[str] | None = None,
-    language: str | None = None,
-    **_: Any,
-) -> ModelCard:
-    """The card of `trainer`'s model: base model, data, injected label noise, method, metrics, label noise, usage.
+def build_model_card(record: RunRecord, model: Any, folder: str | os.PathLike) -> ModelCard:
+    """The card of `model` trained by the run `record` and saved in `folder`: base model, data, injected label noise,
+    method, metrics, label noise, usage.
 
-    Keywords as in `Trainer.create_model_card`: `dataset` names the data in the text; the `datasets:` metadata lists
-    `dataset_tags` (default: `dataset`) that are Hub dataset ids, never local paths (`is_hub_dataset_id`); `license`
-    defaults to `DEFAULT_LICENSE`.
+    `record.datasets` names the data in the text; the `datasets:` metadata lists `record.dataset_tags` (default:
+    `record.datasets`) that are Hub dataset ids, never local paths (`is_hub_dataset_id`); the license defaults to
+    `DEFAULT_LICENSE`. The files listed are those of `folder`'s manifest, and its label-noise summary is shown.
     """
-    output_dir = trainer.args.output_dir
-    model = trainer.accelerator.unwrap_model(trainer.model)
+    output_dir = os.fspath(folder)
     adapter = _adapter(model)
     if adapter is not None:  # the card describes the base with its adapters, as peft's own cards do
         model = model.get_base_model()
-    task, auto_class = _task(model)
-    repo_id = trainer.args.hub_model_id or model_name or os.path.basename(os.path.abspath(output_dir))
-    model_name = model_name or repo_id.split("/")[-1]
+    task = classification_task(model)
+    auto_class = AUTO_CLASSES[task].__name__
+    repo_id, model_name = record.repo_id, record.model_name
     base_model = _base_model(model) if adapter is None else _hub_id(adapter.base_model_name_or_path or "")
-    metrics, scored_on = _last_eval_metrics(trainer)
-    method = trainer.method.name
-    report = trainer.train_noise_report()
-    is_ivon = trainer.method.uses_ivon
-    datasets = _as_list(dataset)
-    hub_datasets = [d for d in _as_list(dataset_tags) or datasets if is_hub_dataset_id(d)]
+    metrics, scored_on = record.metrics, record.scored_on
+    method = record.method
+    report = record.noise_report
+    is_ivon = record.uses_ivon
+    datasets = record.datasets
+    hub_datasets = [d for d in record.dataset_tags or datasets if is_hub_dataset_id(d)]
     # a local folder is named by its last component: its path on the training machine means nothing to readers
     shown = [(d, True) if is_hub_dataset_id(d) else (os.path.basename(os.path.normpath(d)), False) for d in datasets]
     dataset_name = ", ".join(name for name, _ in shown) if shown else None
-    license = license or DEFAULT_LICENSE
+    license = record.license or DEFAULT_LICENSE
+    tags, language = record.tags, record.language
 
     eval_results = []
     predictions = (("", "posterior-averaged" if is_ivon else ""), ("mean_", "posterior mean"))
@@ -236,14 +205,14 @@ def build_model_card(
             f"{metrics[p + key]:.4f}" if p + key in metrics else "–" for p in ("", "mean_")) + " |"
             for key, pretty in _METRIC_NAMES.items() if key in metrics or "mean_" + key in metrics]
         metrics_text = (f"On the {scored_on}" + (f" of `{dataset_name}`" if dataset_name else "") + ", "
-                        + (f"averaging {trainer.args.eval_mc_samples} posterior samples, and at the posterior mean:"
+                        + (f"averaging {record.eval_mc_samples} posterior samples, and at the posterior mean:"
                            if is_ivon else "at the trained weights:"))
         metrics_table = "| metric | posterior-averaged | posterior mean |\n|---|---|---|\n" + "\n".join(rows) + "\n"
     else:
         metrics_text, metrics_table = "The model was not evaluated.", None
     better_text = _better_prediction_text(metrics)
 
-    temperature_text = _temperature_text(trainer) if is_ivon else None
+    temperature_text = _temperature_text(record) if is_ivon else None
 
     summary_path = os.path.join(output_dir, "label_noise_summary.json")
     if os.path.isfile(summary_path):
@@ -289,11 +258,7 @@ def build_model_card(
         labels_text=", ".join(names) if names else "see config.json",
         corruption_text=corruption_text,
         transition_table=transition_table,
-        hyperparameters={**trainer.method.hyperparameters(), "epochs": trainer.args.num_train_epochs,
-                         "per_device_train_batch_size": trainer.args.per_device_train_batch_size,
-                         "gradient_accumulation_steps": trainer.args.gradient_accumulation_steps,
-                         "lr_scheduler_type": str(getattr(trainer.args.lr_scheduler_type, "value", trainer.args.lr_scheduler_type)),
-                         "seed": trainer.args.seed},
+        hyperparameters=record.hyperparameters,
         metrics_text=metrics_text,
         metrics_table=metrics_table,
         better_text=better_text,

@@ -22,9 +22,9 @@ logger = logging.getLogger(__name__)
 class LabelNoiseCallback(TrainerCallback):
     """Writes `label_noise.parquet` and `label_noise_summary.json` into `output_dir` when training ends.
 
-    The rows are `compute_label_noise` results (seed 000, Eq. 15 and Eq. 19) for every example of `dataset`
-    (default: the training set, with its `clean_label`/`is_corrupted` columns when present), in dataset order;
-    under DDP each process measures its shard and the main process writes one file. Both files are written to a
+    The rows are `compute_label_noise` results (Variational Learning Induces Adaptive Label Smoothing (2025),
+    Eq. 15 and Eq. 19) for every example of `dataset` (default: the training set, with its `clean_label`/
+    `is_corrupted` columns when present), in dataset order; under DDP each process measures its shard and the main process writes one file. Both files are written to a
     temporary name and renamed, so a crash never leaves half a file.
 
     `VariationalTrainer(callbacks=[...])` and `VariationalTrainer.add_callback` bind it to the trainer; with a plain
@@ -35,7 +35,7 @@ class LabelNoiseCallback(TrainerCallback):
         every_n_epochs: also export after every n-th epoch, as `label_noise_epoch<n>.parquet` (+ summary).
         dataset: the examples to measure (a `datasets.Dataset` the trainer's collator can batch).
         seed: seed of the posterior draws (default `args.eval_seed`, the draws evaluation uses).
-        plots: also draw seed 000's Fig. 4 (smoothed labels per class) and, when the dataset holds images,
+        plots: also draw Fig. 4 of that paper (smoothed labels per class) and, when the dataset holds images,
             Fig. 3 (highest- and lowest-noise examples) into `output_dir`.
     """
 

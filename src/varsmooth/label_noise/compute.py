@@ -1,6 +1,7 @@
 """Per-example label noise that variational learning adds, measured on a trained model.
 
-Training with IVON equals training on smoothed labels y + ε with, for every example (seed 000, Eq. 15),
+Training with IVON equals training on smoothed labels y + ε with, for every example
+(Variational Learning Induces Adaptive Label Smoothing (2025), Eq. 15),
 
     ε̄_i = p̄_i − P̂_i,   p̄_i = softmax(f(x_i; m)),   P̂_i = E_q[softmax(f(x_i; θ))] ≈ (1/S) Σ_s softmax(f(x_i; θ_s)),
 
@@ -8,8 +9,8 @@ where m is the posterior mean and θ_s ~ q = N(m, diag σ²). A single weight sa
 ε_{i,s} = p̄_i − softmax(f(x_i; θ_s)) (Eq. 19 is its linearisation); its RMS size is reported too. The entries of
 ε̄_i sum to 0, so the smoothed label y_i + ε̄_i still sums to 1 (its entries may leave [0, 1]).
 
-What the numbers mean (research notes methods.md §8): ε̄ is large where the posterior-mean prediction sits on the
-steep part of the softmax *and* the posterior is uncertain — ambiguous or atypical examples (seed 000, Fig. 3).
+What the numbers mean: ε̄ is large where the posterior-mean prediction sits on the steep part of the softmax *and*
+the posterior is uncertain — ambiguous or atypical examples (same paper, Fig. 3).
 A confidently *wrong* label usually gets a tiny |ε̄_y|, because p_y ≈ 0 where the softmax is flat; wrong labels are
 found by a low posterior-predictive confidence P̂_y instead (see `varsmooth.label_noise.detection`).
 """
@@ -70,7 +71,7 @@ def _batch_label_noise(
     num_classes = out.probs.shape[-1]
     if labels.min() < 0 or labels.max() >= num_classes:
         raise ValueError(f"Labels must lie in [0, {num_classes}); got values in [{labels.min().item()}, {labels.max().item()}].")
-    noise = out.mean_probs - out.probs  # seed 000, Eq. 15 with the expectation replaced by S posterior samples
+    noise = out.mean_probs - out.probs  # Eq. 15 of the paper above, the expectation taken over S posterior samples
     at_label = labels[:, None]
     result = {
         "label": labels,
@@ -157,7 +158,8 @@ def compute_label_noise(
     accelerator: Any = None,
     keep_columns: Sequence[str] = METADATA_COLUMNS,
 ) -> datasets.Dataset:
-    """The label noise IVON adds to every example of `dataset` (seed 000, Eq. 15 and Eq. 19), one row per example.
+    """The label noise IVON adds to every example of `dataset` (Variational Learning Induces
+    Adaptive Label Smoothing, 2025, Eq. 15 and Eq. 19), one row per example.
 
     Each batch costs `num_samples + 1` forward passes: one at the posterior mean m and one per draw θ_s ~ q
     (the draws are the same S models for every batch, see `predictive_distribution`).

@@ -3,11 +3,12 @@
 Every score is oriented so that *higher = more suspicious* and reported as it is, never flipped after looking at
 the answer; an AUROC below 0.5 therefore means the score ranks wrong labels as *less* suspicious than right ones.
 
-What to expect (research notes methods.md §8, digits with 20 % symmetric noise): the posterior-predictive
-self-confidence is the detector — `one_minus_confidence` = 1 − P̂_y reaches AUROC ≈ 0.999 once IVON has not
-memorised the noise. IVON's label noise is *not* a mislabel detector: it marks ambiguous and atypical examples
-(seed 000, Fig. 3), and a confidently rejected wrong label has p̄_y ≈ 0 on the flat part of the softmax, so its
-`noise_at_label` |ε̄_y| is tiny (AUROC ≈ 0.06 in that raw orientation) and ‖ε̄‖₁ is uninformative (≈ 0.5).
+What to expect (benchmarks/mislabel_detection.py: scikit-learn digits with 20 % symmetric noise): the
+posterior-predictive self-confidence is the detector — `one_minus_confidence` = 1 − P̂_y reaches AUROC ≈ 0.999 once
+IVON has not memorised the noise. IVON's label noise is *not* a mislabel detector: it marks ambiguous and atypical
+examples (Variational Learning Induces Adaptive Label Smoothing (2025), Fig. 3), and a confidently rejected wrong
+label has p̄_y ≈ 0 on the flat part of the softmax, so its `noise_at_label` |ε̄_y| is tiny (AUROC ≈ 0.01–0.02 in
+that raw orientation) and ‖ε̄‖₁ is uninformative (≈ 0.5).
 These scores are computed on the training data the model was fitted to (in-sample): say so when comparing them
 with detectors fed out-of-sample (cross-validated) probabilities such as cleanlab's.
 """
@@ -27,7 +28,7 @@ __all__ = ["SUSPICION_SCORES", "detection_metrics", "mislabel_detection_report",
 SUSPICION_SCORES: dict[str, Callable[[Mapping[str, np.ndarray]], np.ndarray]] = {
     "one_minus_confidence": lambda c: 1.0 - c["confidence"],  # 1 − P̂_y, posterior-predictive
     "one_minus_mean_confidence": lambda c: 1.0 - c["mean_confidence"],  # 1 − p̄_y, at the posterior mean
-    "noise_at_label": lambda c: c["noise_at_label"],  # |ε̄_y|, seed 000 Eq. 15
+    "noise_at_label": lambda c: c["noise_at_label"],  # |ε̄_y|, Eq. 15 of the paper above
     "noise_l1": lambda c: c["noise_l1"],  # ‖ε̄‖₁
     "noise_rms": lambda c: c["noise_rms"],  # RMS of the per-sample noise, Eq. 19
 }

@@ -1,8 +1,9 @@
-"""Closed-form label noise of Bayesian logistic regression (seed 000, Eq. 12 and Fig. 2).
+"""Closed-form label noise of Bayesian logistic regression
+(Variational Learning Induces Adaptive Label Smoothing (2025), Eq. 12 and Fig. 2).
 
 For a logit with Gaussian posterior q(f) = N(m, v) the *expected* label noise that variational learning adds is
 
-    ε(m, v) = σ(m) − E_{f~N(m, v)}[σ(f)]                                   (seed 000, Eq. 12)
+    ε(m, v) = σ(m) − E_{f~N(m, v)}[σ(f)]                                   (Eq. 12)
 
 and one weight sample adds the *per-step* noise ε_s = σ(m) − σ(m + √v e), e ~ N(0, 1) (Eq. 13; Eq. 19 is its
 network analogue). Both expectations are one-dimensional Gaussian integrals, computed here by Gauss–Hermite
@@ -33,12 +34,12 @@ def _gauss_hermite(m: np.ndarray | float, v: float, fn: Callable[[np.ndarray, np
 
 
 def expected_sigmoid(m: np.ndarray | float, v: float = 1.0, num_nodes: int = 64) -> np.ndarray:
-    """E_{f~N(m, v)}[σ(f)], the posterior-averaged probability of the positive class (seed 000, Eq. 12)."""
+    """E_{f~N(m, v)}[σ(f)], the posterior-averaged probability of the positive class (the paper's Eq. 12)."""
     return _gauss_hermite(m, v, lambda _, f: expit(f), num_nodes)
 
 
 def logistic_label_noise(m: np.ndarray | float, v: float = 1.0, num_nodes: int = 64) -> np.ndarray:
-    """ε(m, v) = σ(m) − E_{N(m, v)}[σ(f)] (seed 000, Eq. 12): odd in m, 0 at m = 0, peaks at |m| ≈ 1.53 for v = 1.
+    """ε(m, v) = σ(m) − E_{N(m, v)}[σ(f)] (the paper's Eq. 12): odd in m, 0 at m = 0, peaks at |m| ≈ 1.53 for v = 1.
 
     This is the label noise of the positive class; for a 2-class softmax the noise vector is (−ε, ε).
     """
@@ -46,7 +47,7 @@ def logistic_label_noise(m: np.ndarray | float, v: float = 1.0, num_nodes: int =
 
 
 def logistic_label_noise_rms(m: np.ndarray | float, v: float = 1.0, num_nodes: int = 64) -> np.ndarray:
-    """sqrt(E_e[(σ(m) − σ(m + √v e))²]): RMS of the per-step noise one weight sample adds (seed 000, Eq. 13).
+    """sqrt(E_e[(σ(m) − σ(m + √v e))²]): RMS of the per-step noise one weight sample adds (the paper's Eq. 13).
 
     Unlike the expected noise of Eq. 12 it is largest *at* m = 0 (0.2083 for v = 1). For a 2-class softmax the
     per-draw noise vector has Euclidean norm √2·|ε_s|, so `noise_rms` of `compute_label_noise` is √2 times this.

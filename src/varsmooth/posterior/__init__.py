@@ -1,16 +1,22 @@
-"""The weight posterior: IVON's optimizer state, its detached Gaussian, and prediction with it."""
+"""The weight posterior: IVON's optimizer state, its detached Gaussian, prediction with it, and whether it learns."""
 
-from .gaussian import POSTERIOR_FILE, DiagonalGaussianPosterior
+from .diagnostics import HESSIAN_STUCK_TOLERANCE, HessianDiagnosticsCallback, hessian_summary
+from .gaussian import POSTERIOR_FILE, DiagonalGaussianPosterior, std_summary
 from .optimizer import VariationalIVON, derive_seed, unwrap_ivon
-from .prediction import VariationalClassifierOutput, model_logits, predictive_distribution
+from .prediction import VariationalClassifierOutput, model_logits, model_outputs, predictive_distribution
 
 __all__ = [
+    "HESSIAN_STUCK_TOLERANCE",
     "POSTERIOR_FILE",
     "DiagonalGaussianPosterior",
+    "HessianDiagnosticsCallback",
     "VariationalClassifierOutput",
     "VariationalIVON",
     "derive_seed",
+    "hessian_summary",
     "model_logits",
+    "model_outputs",
     "predictive_distribution",
+    "std_summary",
     "unwrap_ivon",
 ]

@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 from ..utils import atomic_path
 from .optimizer import derive_seed
 
-__all__ = ["POSTERIOR_FILE", "DiagonalGaussianPosterior", "weights_fingerprint"]
+__all__ = ["POSTERIOR_FILE", "DiagonalGaussianPosterior", "std_summary", "weights_fingerprint"]
 
 logger = logging.getLogger(__name__)
 
@@ -50,8 +50,16 @@ def weights_fingerprint(model: torch.nn.Module, names: Iterable[str]) -> str:
     return digest.hexdigest()
 
 
+def std_summary(stds: Iterable[torch.Tensor]) -> dict[str, float]:
+    """Mean and median of every entry of the posterior standard deviations `stds` (the σ numbers of training logs
+    and label-noise summaries)."""
+    flat = torch.cat([s.flatten().float() for s in stds])
+    return {"posterior_std_mean": flat.mean().item(), "posterior_std_median": flat.median().item()}
+
+
 class DiagonalGaussianPosterior:
-    """q(θ) = N(m, diag σ²) over the named parameters of `model` (seed 000, Eq. 6 with IVON's q).
+    """q(θ) = N(m, diag σ²) over the named parameters of `model` (Variational Learning Induces Adaptive Label
+    Smoothing (2025), Eq. 6, with IVON's q).
 
     Args:
         model: the network; its current weights are the posterior mean m.
@@ -247,9 +255,7 @@ class DiagonalGaussianPosterior:
     def summary(self) -> dict[str, float]:
         if self.is_point_mass:
             return {}
-        flat = torch.cat([s.flatten().float() for s in self.std.values()])
-        return {"posterior_std_mean": flat.mean().item(), "posterior_std_median": flat.median().item(),
-                TEMPERATURE_KEY: self.temperature}
+        return {**std_summary(self.std.values()), TEMPERATURE_KEY: self.temperature}
 
 
 def _check_std(path: str, std: Mapping[str, torch.Tensor], metadata: Mapping[str, Any]) -> None:

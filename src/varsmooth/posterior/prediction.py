@@ -1,14 +1,15 @@
 """Variational prediction: Bayesian model averaging over posterior samples.
 
-P̂(y|x) = (1/S) Σ_s softmax(f(x; θ_s)), θ_s ~ q — probabilities are averaged, not logits (ivon.md §2;
-the authors' `do_evalbatch_ivon`). The same sweep gives the posterior-mean prediction p̄ = softmax(f(x; m)),
-the predictive entropy and mutual information, and the per-draw label noise p̄ − softmax(f(x; θ_s))
-(seed 000, Eq. 19) that the label-noise export needs.
+P̂(y|x) = (1/S) Σ_s softmax(f(x; θ_s)), θ_s ~ q — probabilities are averaged, not logits (as in
+`do_evalbatch_ivon` of the IVON authors' code, Shen et al. 2024). The same sweep gives the posterior-mean prediction
+p̄ = softmax(f(x; m)), the predictive entropy and mutual information, and the per-draw label noise
+p̄ − softmax(f(x; θ_s)) (Variational Learning Induces Adaptive Label Smoothing (2025), Eq. 19) that the label-noise
+export needs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +19,7 @@ from transformers.utils import ModelOutput
 from .gaussian import DiagonalGaussianPosterior
 from .optimizer import derive_seed
 
-__all__ = ["VariationalClassifierOutput", "predictive_distribution", "model_logits", "logits_of", "LABEL_KEYS"]
+__all__ = ["VariationalClassifierOutput", "predictive_distribution", "model_logits", "model_outputs", "logits_of", "LABEL_KEYS"]
 
 LABEL_KEYS = ("labels", "label", "label_ids")
 
@@ -61,10 +62,15 @@ def logits_of(outputs: Any) -> torch.Tensor:
                      "with `logits`, a tensor, or a tuple whose first element is the logits.")
 
 
+def model_outputs(model: torch.nn.Module, inputs: Mapping[str, Any], exclude: Collection[str] = ()) -> Any:
+    """The output of `model` on `inputs` without their labels (and the keys `exclude`): varsmooth computes every loss
+    from the logits itself, so the model must not compute its own."""
+    return model(**{k: v for k, v in inputs.items() if k not in LABEL_KEYS and k not in exclude})
+
+
 def model_logits(model: torch.nn.Module, inputs: Mapping[str, Any]) -> torch.Tensor:
-    """Logits of `model` on `inputs` (labels are not passed, so no loss is computed)."""
-    outputs = model(**{k: v for k, v in inputs.items() if k not in LABEL_KEYS})
-    return logits_of(outputs).float()
+    """Logits of `model` on `inputs`, in float32 (labels are not passed, so no loss is computed)."""
+    return logits_of(model_outputs(model, inputs)).float()
 
 
 def _entropy(probs: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,105 @@
+"""`VariationalHubMixin`: the model card and the Hub pushes of `VariationalTrainer`.
+
+What goes up is the folder's manifest (`varsmooth.files`): exactly the files the training wrote, less the private ones;
+the stock Trainer uploads the whole output_dir and writes a card that reports its `optim` (not IVON).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+from typing import Any
+
+from transformers.utils.hub import PushInProgress, hf_api
+
+from ..files import OWNED_PATTERNS, FolderSave, add_to_manifest, shareable_files, written_by_varsmooth
+from ..utils import atomic_path
+from .card import build_model_card
+from .record import RunRecord
+
+__all__ = ["VariationalHubMixin"]
+
+
+class VariationalHubMixin:
+    """For `VariationalTrainer` (a `transformers.Trainer` with a training `method`, `record_output` and the save
+    bookkeeping of `_save`): replaces `create_model_card`, `push_to_hub` and the intermediate pushes."""
+
+    def create_model_card(self, model_name: str | None = None, replace_model_card: bool = False, **kwargs: Any) -> None:
+        """Replaces the stock card (which would report the Trainer's `optim` for IVON runs) with varsmooth's.
+
+        A README.md in output_dir that a varsmooth save did not write (your own card) is kept: this raises unless
+        `replace_model_card=True`.
+        """
+        if not self.is_world_process_zero():
+            return
+        self._refuse_to_replace_own_card(replace_model_card)
+        path = os.path.join(self.args.output_dir, "README.md")
+        record = RunRecord.from_trainer(self, model_name=model_name, **kwargs)
+        card = build_model_card(record, self.accelerator.unwrap_model(self.model), self.args.output_dir)
+        with atomic_path(path) as tmp:
+            card.save(tmp)
+        self.record_output(path)
+        add_to_manifest(self.args.output_dir, ["README.md"])
+
+    def _refuse_to_replace_own_card(self, replace_model_card: bool) -> None:
+        path = os.path.join(self.args.output_dir, "README.md")
+        if os.path.isfile(path) and not replace_model_card and not written_by_varsmooth(self.args.output_dir, "README.md"):
+            raise FileExistsError(
+                f"{path} was not written by varsmooth (your own model card?) and would be replaced by the generated "
+                "card. Move it away, or pass replace_model_card=True (to push_to_hub or create_model_card) to replace it."
+            )
+
+    def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True, token: str | None = None,
+                    revision: str | None = None, private: bool | None = None, **kwargs: Any) -> Any:
+        """Save, write the card, and upload exactly the files this training wrote (the manifest, less
+        `files.PRIVATE_FILES`); varsmooth files of earlier pushes that this run did not write are deleted from the repo.
+
+        A README.md of your own in output_dir makes this refuse, unless `replace_model_card=True`.
+        """
+        replace_card = kwargs.pop("replace_model_card", False)
+        if self.is_world_process_zero():
+            self._refuse_to_replace_own_card(replace_card)  # before anything is saved or uploaded
+        self.callback_handler.on_push_begin(self.args, self.state, self.control)
+        token = token if token is not None else self.args.hub_token
+        if self.hub_model_id is None:
+            self.init_hf_repo(token=token, private=private)
+        self.save_model(_internal_call=True)
+        if not self.is_world_process_zero():
+            return None
+        model_name = kwargs.pop("model_name", None) or (self.args.hub_model_id or self.args.output_dir).rstrip("/").split("/")[-1]
+        self.create_model_card(model_name=model_name, replace_model_card=replace_card, **kwargs)
+        self._finish_current_push()
+        return hf_api().upload_folder(
+            repo_id=self.hub_model_id, folder_path=self.args.output_dir, commit_message=commit_message, token=token,
+            run_as_future=not blocking, allow_patterns=_exact(shareable_files(self.args.output_dir)),
+            delete_patterns=list(OWNED_PATTERNS), revision=revision if revision is not None else self.args.hub_revision,
+        )
+
+    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
+        """Intermediate pushes: the stock version copies only config and weights from the checkpoint (and uploads
+        the rest of output_dir); here the checkpoint's shareable files (its manifest: weights, posterior, processor)
+        are copied into output_dir as one save, and exactly those go up."""
+        if not self.is_world_process_zero() or self.args.hub_strategy == "end":
+            return
+        if not self.args.hub_always_push and self.push_in_progress is not None and not self.push_in_progress.is_done():
+            return
+        self.callback_handler.on_push_begin(self.args, self.state, self.control)
+        output_dir = self.args.output_dir
+        folder = FolderSave(output_dir).begin()
+        for name in shareable_files(checkpoint_folder):
+            with atomic_path(os.path.join(output_dir, name)) as tmp:
+                shutil.copyfile(os.path.join(checkpoint_folder, name), tmp)
+        folder.finish(also=self._run_files.get(os.path.abspath(output_dir), ()), method=self.method.name,
+                      global_step=self.state.global_step)
+        job = hf_api().upload_folder(
+            repo_id=self.hub_model_id, folder_path=output_dir, token=self.args.hub_token,
+            commit_message=f"Training in progress, step {self.state.global_step}", run_as_future=True,
+            allow_patterns=_exact(shareable_files(output_dir)), revision=self.args.hub_revision,
+        )
+        self.push_in_progress = PushInProgress([job])
+
+
+def _exact(names: list[str]) -> list[str]:
+    """`upload_folder` patterns that match exactly these names (fnmatch would expand `*`, `?` and `[...]`)."""
+    return [glob.escape(name) for name in names]
