@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import math
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,6 +53,12 @@ class VariationalTrainingArguments(TrainingArguments):
     method: str = field(
         default="ivon",
         metadata={"help": "Training method: " + ", ".join(sorted(METHODS)) + ". 'ivon' trains by variational learning."},
+    )
+    method_config: dict | str | MethodConfig | None = field(
+        default=None,
+        metadata={"help": "Settings of the chosen method: its config (e.g. varsmooth.methods.SAMConfig), a dict or a "
+                          "JSON object of its fields (e.g. '{\"sam_rho\": 0.1}'); None: the method's defaults. "
+                          "varsmooth.methods.list_methods() lists each method's config class."},
     )
     ivon_preset: str = field(
         default="scratch",
@@ -127,13 +133,6 @@ class VariationalTrainingArguments(TrainingArguments):
                           "the learned posterior). None: chosen when training ends, by the eval dataset's NLL over "
                           "varsmooth.posterior.temperature.TEMPERATURE_GRID (which holds 0 and 1); 1 without an eval "
                           "dataset. A number fixes τ for every prediction; 1 turns the selection off."},
-    )
-
-    method_config: dict | str | MethodConfig | None = field(
-        default=None,
-        metadata={"help": "Settings of the chosen method: its config (e.g. varsmooth.methods.SAMConfig), a dict or a "
-                          "JSON object of its fields (e.g. '{\"sam_rho\": 0.1}'); None: the method's defaults. "
-                          "varsmooth.methods.list_methods() lists each method's config class."},
     )
 
     def __post_init__(self) -> None:

@@ -75,10 +75,6 @@ class MethodContext:
     #: for `training_step` only: the trainer's loss of (model, inputs) under its autocast context
     compute_loss: Callable[[torch.nn.Module, dict[str, Any]], torch.Tensor] | None = None
 
-    @property
-    def num_processes(self) -> int:
-        return self.accelerator.num_processes if self.accelerator is not None else 1
-
     def backward(self, loss: torch.Tensor) -> None:
         """`accelerator.backward` (gradient scaling, DeepSpeed, ...) or plain `loss.backward()` without one."""
         if self.accelerator is not None:
