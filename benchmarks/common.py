@@ -251,6 +251,20 @@ def uses_ivon(method: str) -> bool:
     return bool(get_method_class(method).uses_ivon)
 
 
+def training_arguments(method: str, **fields: Any) -> Any:
+    """`VariationalTrainingArguments(method=method, ...)` from flat keyword arguments as the hyperparameter dicts
+    here hold them (and as the run caches are keyed): the fields of the method's config (e.g. ``sam_rho``) go into
+    `method_config`."""
+    import dataclasses
+
+    from varsmooth import VariationalTrainingArguments
+    from varsmooth.methods import get_method_config_class
+
+    own = {f.name for f in dataclasses.fields(get_method_config_class(method))}
+    config = {name: fields.pop(name) for name in list(fields) if name in own}
+    return VariationalTrainingArguments(method=method, method_config=config or None, **fields)
+
+
 def steps_per_epoch(n_train: int, batch_size: int) -> int:
     return math.ceil(n_train / batch_size)
 
@@ -400,7 +414,7 @@ def run(method: str, hyperparams: dict[str, Any] | None = None, noise: str = "sy
 
         raise KeyError(f"Method {method!r} is not in varsmooth.methods.METHODS ({sorted(METHODS)}).")
 
-    from varsmooth import VariationalTrainer, VariationalTrainingArguments
+    from varsmooth import VariationalTrainer
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     data = load_data(dataset)
@@ -420,8 +434,8 @@ def run(method: str, hyperparams: dict[str, Any] | None = None, noise: str = "sy
     x_val, y_val_t = torch.as_tensor(data.x_val), torch.as_tensor(y_val)
     history_cb = HistoryCallback(x_test, y_test, x_val, y_val_t, every=history_every)
     with tempfile.TemporaryDirectory(prefix="varsmooth-bench-") as tmp:
-        args = VariationalTrainingArguments(
-            output_dir=tmp, method=method, num_train_epochs=epochs, per_device_train_batch_size=batch_size,
+        args = training_arguments(
+            method, output_dir=tmp, num_train_epochs=epochs, per_device_train_batch_size=batch_size,
             per_device_eval_batch_size=1000, seed=seed, data_seed=seed, use_cpu=bench_device() == "cpu", report_to=[],
             save_strategy="no", eval_strategy="no", logging_strategy="steps", logging_steps=spe, disable_tqdm=True,
             dataloader_num_workers=0, eval_mc_samples=eval_mc_samples if ivon_method else 0, eval_seed=0,

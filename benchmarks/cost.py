@@ -62,9 +62,9 @@ STEP_CONFIGS = {
 
 
 def make_trainer(cfg: dict, model, ds, steps: int, tmp: str, seed: int = 0, callbacks=None):
-    from varsmooth import VariationalTrainer, VariationalTrainingArguments
+    from varsmooth import VariationalTrainer
 
-    args = VariationalTrainingArguments(
+    args = common.training_arguments(
         output_dir=tmp, max_steps=steps, per_device_train_batch_size=64, per_device_eval_batch_size=1000,
         use_cpu=True, report_to=[], save_strategy="no", eval_strategy="no", logging_strategy="no",
         disable_tqdm=True, dataloader_num_workers=0, seed=seed, lr_scheduler_type="cosine", max_grad_norm=0.0,

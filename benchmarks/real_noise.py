@@ -323,7 +323,7 @@ class CleanTestCurve(TrainerCallback):
 def run(task_name: str, method: str, hyperparams: dict[str, Any] | None = None, seed: int = 0, *,
         export: bool = False, force: bool = False, epochs: int | None = None) -> dict[str, Any]:
     """Train one (task, method, hyperparameters, seed); cached as JSON. `export` also writes the label noise."""
-    from varsmooth import VariationalTrainer, VariationalTrainingArguments
+    from varsmooth import VariationalTrainer
     from varsmooth.methods import get_method_class
 
     task = Task.parse(task_name)
@@ -365,8 +365,8 @@ def run(task_name: str, method: str, hyperparams: dict[str, Any] | None = None, 
     settings = settings_for(task, method, hyperparams)
     steps = math.ceil(len(y_train) / cfg["batch_size"]) * cfg["epochs"]
     with tempfile.TemporaryDirectory(prefix="varsmooth-real-noise-") as tmp:
-        args = VariationalTrainingArguments(
-            output_dir=tmp, method=method, num_train_epochs=cfg["epochs"], per_device_train_batch_size=cfg["batch_size"],
+        args = common.training_arguments(
+            method, output_dir=tmp, num_train_epochs=cfg["epochs"], per_device_train_batch_size=cfg["batch_size"],
             per_device_eval_batch_size=256, seed=seed, data_seed=seed, use_cpu=True, report_to=[], save_strategy="no",
             eval_strategy="no", logging_strategy="steps", logging_steps=max(1, steps // 8), disable_tqdm=True,
             dataloader_num_workers=0, lr_scheduler_type="cosine", warmup_steps=int(0.1 * steps),

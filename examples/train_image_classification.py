@@ -25,7 +25,9 @@ projection of a timm ViT, on query/value of an HF ViT:
 
 Every field of ModelArguments (with LoraArguments), DataArguments, CorruptionArguments and VariationalTrainingArguments
 is a flag, or a key of a single JSON/YAML file given instead of the flags (`accelerate launch
-examples/train_image_classification.py run.yaml`).
+examples/train_image_classification.py run.yaml`). So is every field of the methods' configs (`--method sam --sam_rho
+0.1`, `--method ls --smoothing 0.3`; varsmooth.methods.list_methods()): a flag of another method than --method is an
+error.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from transformers import AutoImageProcessor, HfArgumentParser, ViTImageProcessor
 
 from varsmooth import LabelNoiseCallback, VariationalTrainer, VariationalTrainingArguments
 from varsmooth.corruption import CorruptionArguments, NoiseReport, noise_report
-from varsmooth.methods import get_method_class
+from varsmooth.methods import get_method_class, method_config_classes, method_config_from_flags
 from varsmooth.adapters import LoraArguments
 from varsmooth.utils import checkpoint_to_resume, evaluate_validation_and_test
 
@@ -219,16 +221,23 @@ def build_processor(model_args: ModelArguments, num_channels: int, image_size: i
 def parse_arguments(argv: list[str]) -> tuple[ModelArguments, DataArguments, CorruptionArguments, ExampleTrainingArguments]:
     """Command-line flags, or one JSON/YAML file as in the transformers examples. LoRA switches IVON to
     `ivon_preset="lora"`, else a pretrained model to `ivon_preset="finetune"`, unless the user chose a preset."""
-    parser = HfArgumentParser((ModelArguments, DataArguments, ExampleCorruptionArguments, ExampleTrainingArguments))
+    parser = HfArgumentParser((ModelArguments, DataArguments, ExampleCorruptionArguments, ExampleTrainingArguments,
+                               *method_config_classes()))
 
     def parse(**overrides: str) -> tuple[tuple, set[str]]:  # the dataclasses, and the names of the arguments given
         if len(argv) == 1 and argv[0].endswith((".json", ".yaml", ".yml")):
             text = Path(argv[0]).read_text()
             config = json.loads(text) if argv[0].endswith(".json") else yaml.safe_load(text)
-            return parser.parse_dict({**config, **overrides}), set(config)
-        flags = argv + [f"--{name}={value}" for name, value in overrides.items()]
-        return (parser.parse_args_into_dataclasses(args=flags),
-                {a[2:].split("=")[0].replace("-", "_") for a in argv if a.startswith("--")})
+            parsed, given = parser.parse_dict({**config, **overrides}), set(config)
+        else:
+            flags = argv + [f"--{name}={value}" for name, value in overrides.items()]
+            parsed = parser.parse_args_into_dataclasses(args=flags)
+            given = {a[2:].split("=")[0].replace("-", "_") for a in argv if a.startswith("--")}
+        *arguments, training_args = parsed[:4]
+        method_config = method_config_from_flags(training_args.method, parsed[4:], given)
+        if method_config is not None:
+            training_args = dataclasses.replace(training_args, method_config=method_config)
+        return (*arguments, training_args), given
 
     parsed, given = parse()
     model_args = parsed[0]

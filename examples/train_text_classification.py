@@ -28,11 +28,13 @@ trains adapters on the query/value projections and the new head only, with IVON'
     accelerate launch examples/train_text_classification.py --lora_r 8 --lora_alpha 16
 
 Every field of ModelArguments (with LoraArguments), DataArguments, CorruptionArguments and VariationalTrainingArguments
-is a flag.
+is a flag, and so is every field of the methods' configs (`--method gce --gce_q 0.5`; varsmooth.methods.list_methods()):
+a flag of another method than --method is an error.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -44,7 +46,7 @@ from transformers import DataCollatorWithPadding, HfArgumentParser, set_seed
 
 from varsmooth import VariationalTrainer, VariationalTrainingArguments
 from varsmooth.corruption import CorruptionArguments
-from varsmooth.methods import get_method_class
+from varsmooth.methods import get_method_class, method_config_classes, method_config_from_flags
 from varsmooth.adapters import LoraArguments
 from varsmooth.utils import checkpoint_to_resume, evaluate_validation_and_test
 
@@ -229,12 +231,17 @@ def default_model() -> str:
 
 def parse_arguments(argv: list[str]) -> tuple:
     """The flags' dataclasses; LoRA (--lora_r > 0) switches IVON to `ivon_preset="lora"` unless a preset is given."""
-    parser = HfArgumentParser((ModelArguments, DataArguments, ExampleCorruptionArguments, ExampleTrainingArguments))
+    parser = HfArgumentParser((ModelArguments, DataArguments, ExampleCorruptionArguments, ExampleTrainingArguments,
+                               *method_config_classes()))
     parsed = parser.parse_args_into_dataclasses(args=argv)
     given = {a[2:].split("=")[0].replace("-", "_") for a in argv if a.startswith("--")}
     if parsed[0].lora_enabled and "ivon_preset" not in given:
         parsed = parser.parse_args_into_dataclasses(args=argv + ["--ivon_preset=lora"])
-    return parsed
+    *arguments, training_args = parsed[:4]
+    method_config = method_config_from_flags(training_args.method, parsed[4:], given)
+    if method_config is not None:
+        training_args = dataclasses.replace(training_args, method_config=method_config)
+    return (*arguments, training_args)
 
 
 def main() -> None:

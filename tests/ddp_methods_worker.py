@@ -19,7 +19,8 @@ def main(out: str, method: str) -> None:
     model = tiny_resnet(2)
     args = VariationalTrainingArguments(
         output_dir=out, method=method, max_steps=6, per_device_train_batch_size=2, report_to=[], use_cpu=True,
-        save_strategy="no", disable_tqdm=True, optim="sgd", learning_rate=0.1, alasca_warmup_epochs=1, seed=0,
+        save_strategy="no", disable_tqdm=True, optim="sgd", learning_rate=0.1, seed=0,
+        method_config={"alasca_warmup_epochs": 1} if method == "alasca" else None,
         ddp_backend="gloo")
     data = [{**row, "labels": i % 2} for i, row in enumerate(image_data(12))]  # 3 steps per epoch on 2 ranks
     trainer = VariationalTrainer(model=model, args=args, train_dataset=data)

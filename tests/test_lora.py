@@ -242,7 +242,7 @@ def test_every_method_trains_only_the_adapters(tmp_path, method):
         pytest.importorskip("pytorch_optimizer")
     model = lora_bert()
     frozen, before = _frozen(model), _trainable(model)
-    extra = {"alasca_num_classifiers": 1, "alasca_warmup_epochs": 1.0} if method == "alasca" else {}
+    extra = {"method_config": {"alasca_num_classifiers": 1, "alasca_warmup_epochs": 1.0}} if method == "alasca" else {}
     args = make_args(tmp_path, method=method, max_steps=2, per_device_train_batch_size=8, remove_unused_columns=False,
                      learning_rate=1e-2 if method not in ("ivon", "ivon_fixed_hessian") else None, **extra)
     trainer = VariationalTrainer(model=model, args=args, train_dataset=_train_rows(token_dataset(32)))

@@ -1,7 +1,8 @@
 """The baselines (LS, GLS/NLS, GCE, OLS, SAM, Logistic-Normal, ALASCA) against independent numbers, and inside the Trainer.
 
-Reference values: methods.md §1 (r_opt for AGNews, NLS unboundedness), §2 (ankandrew OLS update example),
-§3 (SAM closed form on a quadratic; pytorch-optimizer's SAM), §4 (ALASCA), §5 (dense MVN), §6 (GCE limits).
+Reference values: Wei et al. 2022 Table 3 (r_opt for AGNews) and NLS unboundedness by hand, the update example of
+ankandrew/online-label-smoothing-pt (OLS), SAM's closed form on a quadratic and pytorch-optimizer's SAM, ALASCA's
+reference targets (Ko et al. 2023), a dense multivariate normal (Logistic-Normal), GCE's limits q → 0 and q = 1.
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ import copy
 import logging
 import math
 import os
-from types import SimpleNamespace
 
 import datasets
 import pytest
@@ -24,7 +24,7 @@ from transformers.trainer_pt_utils import LabelSmoother
 
 from helpers import make_args
 from varsmooth import VariationalTrainer, VariationalTrainingArguments
-from varsmooth.methods import DEFAULT_GRIDS, METHODS, get_method_class, grid_points, optimal_smoothing_rate
+from varsmooth.methods import DEFAULT_GRIDS, METHODS, MethodContext, get_method_class, grid_points, optimal_smoothing_rate
 from varsmooth.methods.alasca import _pool, alasca_targets, auxiliary_positions
 from varsmooth.methods.gce import generalized_cross_entropy
 from varsmooth.methods.heads import AUX_MODULE_NAME
@@ -64,13 +64,8 @@ def vector_data(n: int = 8, d: int = 6, k: int = 3) -> list[dict]:
     return [{"pixel_values": x[i], "labels": i % k} for i in range(n)]
 
 
-def stub_trainer(epoch: float = 0.0, training: bool = True) -> SimpleNamespace:
-    return SimpleNamespace(state=SimpleNamespace(epoch=epoch, global_step=0), model=SimpleNamespace(training=training),
-                           accelerator=SimpleNamespace(num_processes=1))
-
-
 def method(name: str, tmp_path, **kw):
-    args = VariationalTrainingArguments(output_dir=str(tmp_path), method=name, report_to=[], use_cpu=True, **kw)
+    args = VariationalTrainingArguments(output_dir=str(tmp_path), method=name, report_to=[], use_cpu=True, method_config=kw)
     return get_method_class(name)(args)
 
 
@@ -91,14 +86,14 @@ def test_smoothed_ce_is_ce_against_the_uniform_over_k_target(rate):
 
 
 def test_nls_is_unbounded_below_as_in_the_spec():
-    # methods.md §1: r = -0.5, K = 5, logits s * e_y -> 0.505, -4, -40, -400
+    # r = -0.5, K = 5, logits s * e_y -> 0.505, -4, -40, -400: the loss tends to r·(K-1)/K·s = -0.4·s
     labels = torch.tensor([2])
     values = [smoothed_cross_entropy(s * F.one_hot(labels, 5).float(), labels, -0.5).item() for s in (1, 10, 100, 1000)]
     assert values == pytest.approx([0.505, -4.0, -40.0, -400.0], abs=1e-3)
 
 
 def test_optimal_smoothing_rate_reproduces_agnews_rates():
-    # seed 003, Table 3 (AGNews, K = 4, r* = 0): ε = 0, .1, .2, .3, .4 -> r = 0, -0.15, -0.36, -0.67, -1.14
+    # Wei et al. 2022, Table 3 (AGNews, K = 4, r* = 0): ε = 0, .1, .2, .3, .4 -> r = 0, -0.15, -0.36, -0.67, -1.14
     rates = [round(optimal_smoothing_rate(eps, 4), 2) for eps in (0.0, 0.1, 0.2, 0.3, 0.4)]
     assert rates == [0.0, -0.15, -0.36, -0.67, -1.14]
     assert optimal_smoothing_rate(0.2, 10, clean_rate=0.4) > 0  # low noise vs (K-1) r*/K = 0.36: keep LS
@@ -109,9 +104,9 @@ def test_optimal_smoothing_rate_reproduces_agnews_rates():
 def test_gls_warms_up_with_ce_then_switches_and_warns_on_negative_loss(tmp_path, caplog):
     m = method("gls", tmp_path, gls_rate=-0.5, gls_warmup_epochs=1.0)
     logits, labels = 20 * F.one_hot(torch.tensor([1, 2]), 3).float(), torch.tensor([1, 2])
-    assert m.loss(logits, labels, stub_trainer(0.5), {}).item() == pytest.approx(F.cross_entropy(logits, labels).item())
+    assert m.loss(logits, labels, MethodContext(epoch=0.5)).item() == pytest.approx(F.cross_entropy(logits, labels).item())
     with caplog.at_level(logging.INFO, logger="varsmooth.methods.label_smoothing"):
-        after = m.loss(logits, labels, stub_trainer(1.0), {})
+        after = m.loss(logits, labels, MethodContext(epoch=1.0))
     assert after.item() == pytest.approx(smoothed_cross_entropy(logits, labels, -0.5).item()) and after.item() < 0
     assert "warm-up over" in caplog.text and "NLS loss is negative" in caplog.text
 
@@ -139,11 +134,11 @@ def test_gce_limits_and_gradient():
 
 # -- OLS -----------------------------------------------------------------------------------------------
 def test_ols_update_matches_the_reference_example(tmp_path):
-    # methods.md §2 (ankandrew test_update.py): accumulated column-major [[.7,.5,0],[.2,1.3,0],[.1,.2,0]], counts [1,2,0]
+    # ankandrew/online-label-smoothing-pt test_update.py: accumulated column-major [[.7,.5,0],[.2,1.3,0],[.1,.2,0]], counts [1,2,0]
     m = method("ols", tmp_path)
     probs = torch.tensor([[0.3, 0.6, 0.1], [0.7, 0.2, 0.1], [0.3, 0.3, 0.4], [0.2, 0.7, 0.1]])
     labels = torch.tensor([1, 0, 0, 1])
-    loss = m.loss(probs.log(), labels, stub_trainer(), {})
+    loss = m.loss(probs.log(), labels, MethodContext())
     assert torch.allclose(m.accumulator.T, torch.tensor([[0.7, 0.5, 0.0], [0.2, 1.3, 0.0], [0.1, 0.2, 0.0]]))
     assert m.counts.tolist() == [1.0, 2.0, 0.0]
     # epoch 0 uses the LS matrix with 0.1 on the other classes; α = 0.5
@@ -153,7 +148,7 @@ def test_ols_update_matches_the_reference_example(tmp_path):
     m.next_epoch()
     assert torch.allclose(m.soft_labels, torch.tensor([[0.7, 0.2, 0.1], [0.25, 0.65, 0.1], [0.0, 0.0, 0.0]]))
     assert m.counts.sum() == 0 and m.accumulator.abs().sum() == 0
-    m.loss(probs.log(), labels, stub_trainer(training=False), {})  # evaluation passes do not collect statistics
+    m.loss(probs.log(), labels, MethodContext(is_training=False))  # evaluation passes do not collect statistics
     assert m.counts.sum() == 0
 
 
@@ -181,7 +176,7 @@ class QuadraticTrainer(VariationalTrainer):
 def test_sam_step_on_a_quadratic_matches_closed_form_and_updates_bn_once(tmp_path, adaptive):
     rho, lr = 0.3, 0.1
     data = [{"pixel_values": torch.tensor([float(i), 2.0 * i]), "labels": 0} for i in range(4)]
-    args = make_args(tmp_path, method="sam", sam_rho=rho, sam_adaptive=adaptive, optim="sgd", learning_rate=lr,
+    args = make_args(tmp_path, method="sam", method_config={"sam_rho": rho, "sam_adaptive": adaptive}, optim="sgd", learning_rate=lr,
                      lr_scheduler_type="constant", max_grad_norm=0.0, max_steps=1, per_device_train_batch_size=4)
     model = Quadratic()
     QuadraticTrainer(model=model, args=args, train_dataset=data).train()
@@ -203,7 +198,7 @@ def test_sam_equals_pytorch_optimizer_sam(tmp_path, adaptive):
     torch.manual_seed(0)
     model = MLP()
     reference = copy.deepcopy(model)
-    args = make_args(tmp_path, method="sam", sam_rho=0.2, sam_adaptive=adaptive, optim="sgd", learning_rate=0.5,
+    args = make_args(tmp_path, method="sam", method_config={"sam_rho": 0.2, "sam_adaptive": adaptive}, optim="sgd", learning_rate=0.5,
                      lr_scheduler_type="constant", max_grad_norm=0.0, max_steps=3, per_device_train_batch_size=8)
     VariationalTrainer(model=model, args=args, train_dataset=data).train()
     x, y = torch.stack([d["pixel_values"] for d in data]), torch.tensor([d["labels"] for d in data])
@@ -219,12 +214,12 @@ def test_sam_equals_pytorch_optimizer_sam(tmp_path, adaptive):
 
 
 def test_sam_accumulation_perturbs_each_micro_batch(tmp_path):
-    """GA = 2: the step uses mean_k ∇L_k(w + ε̂_k), each ε̂_k from micro-batch k's own gradient (methods.md §3 (B))."""
+    """GA = 2: the step uses mean_k ∇L_k(w + ε̂_k), each ε̂_k from micro-batch k's own gradient (m-sharpness)."""
     data = vector_data()
     torch.manual_seed(0)
     model = MLP()
     w0 = copy.deepcopy(model)
-    args = make_args(tmp_path, method="sam", sam_rho=0.2, optim="sgd", learning_rate=0.5, lr_scheduler_type="constant",
+    args = make_args(tmp_path, method="sam", method_config={"sam_rho": 0.2}, optim="sgd", learning_rate=0.5, lr_scheduler_type="constant",
                      max_grad_norm=0.0, max_steps=1, per_device_train_batch_size=4, gradient_accumulation_steps=2,
                      train_sampling_strategy="sequential")
     VariationalTrainer(model=model, args=args, train_dataset=data).train()
@@ -262,7 +257,7 @@ def test_non_ivon_accumulation_divides_by_the_accumulation_steps(tmp_path):
 
 # -- Logistic-Normal -----------------------------------------------------------------------------------
 def test_logistic_normal_target_constant():
-    # methods.md §5: C = τ log(((1-t)(K+1) + t)/t) = 6.9939 for K = 10, τ = 1, t = 0.01
+    # by hand: C = τ log(((1-t)(K+1) + t)/t) = 6.9939 for K = 10, τ = 1, t = 0.01
     target = logistic_normal_targets(torch.tensor([3]), 10, 1.0, 0.01)
     assert target[0, 3].item() == pytest.approx(6.9939, abs=1e-4)
     assert torch.count_nonzero(target).item() == 1
@@ -292,15 +287,15 @@ def test_alasca_positions_ema_confidence_and_targets(tmp_path):
     m = method("alasca", tmp_path, alasca_warmup_epochs=30)
     m.ema = torch.zeros(4, 3)
     f1, f2 = torch.tensor([[1.0, 2.0, 0.0], [0.0, 0.0, 3.0]]), torch.tensor([[2.0, -1.0, 1.0]])
-    m.update_ema(stub_trainer(), torch.tensor([0, 2]), f1)
-    m.update_ema(stub_trainer(), torch.tensor([2]), f2)
+    m.update_ema(torch.tensor([0, 2]), f1)
+    m.update_ema(torch.tensor([2]), f2)
     assert torch.allclose(m.ema[2], 0.7 * 0.3 * f1[1] + 0.3 * f2[0]) and m.ema[1].abs().sum() == 0
     labels = torch.tensor([1, 2])
     sharpened = F.softmax(m.ema[[0, 2]] * 3, -1)[torch.arange(2), labels]  # τ = 1/3
     conf = m.confidence(torch.tensor([0, 2]), labels, epoch=15)
     assert torch.allclose(conf, 0.5 * sharpened + 0.5)
     assert torch.allclose(m.confidence(torch.tensor([0, 2]), labels, epoch=0), torch.ones(2))
-    # the reference target = (1 - α̃)·CE + α̃/(K-1)·Σ_{j≠y} CE_j with α̃ = 1 - conf (methods.md §4)
+    # the reference target = (1 - α̃)·CE + α̃/(K-1)·Σ_{j≠y} CE_j with α̃ = 1 - conf (Ko et al. 2023's code)
     logits = torch.randn(2, 3)
     soft_ce = -(alasca_targets(conf, labels, 3) * F.log_softmax(logits, -1)).sum(-1)
     nll = -F.log_softmax(logits, -1)
@@ -321,7 +316,8 @@ def test_every_method_trains_and_the_saved_model_reloads_as_a_plain_model(tmp_pa
         torch.manual_seed(0)
         model = tiny_resnet()
         args = make_args(folder, method=method_name, max_steps=3, per_device_train_batch_size=4, logging_strategy="steps",
-                         logging_steps=1, eval_mc_samples=2, alasca_warmup_epochs=1)
+                         logging_steps=1, eval_mc_samples=2,
+                         method_config={"alasca_warmup_epochs": 1} if method_name == "alasca" else None)
         trainer = VariationalTrainer(model=model, args=args, train_dataset=image_data(8))
         initial = {k: v.detach().clone() for k, v in model.named_parameters()}  # with the method's heads, if any
         return trainer, model, initial, trainer.train()
@@ -369,7 +365,8 @@ def test_alasca_on_a_transformer_uses_hidden_states_and_an_example_index(tmp_pat
         "label": [i % 3 for i in range(12)],
         "text": [f"row {i}" for i in range(12)],  # unused column: removed, the index is kept
     })
-    args = make_args(tmp_path, method="alasca", max_steps=6, per_device_train_batch_size=4, alasca_warmup_epochs=1)
+    args = make_args(tmp_path, method="alasca", max_steps=6, per_device_train_batch_size=4,
+                     method_config={"alasca_warmup_epochs": 1})
     trainer = VariationalTrainer(model=model, args=args, train_dataset=ds)
     trainer.train()
     assert trainer.method.positions == [1]
@@ -432,7 +429,8 @@ def test_resume_reproduces_weights_and_method_state(tmp_path, name):
         torch.manual_seed(0)
         model = tiny_resnet()
         args = make_args(folder, method=name, max_steps=6, per_device_train_batch_size=4, save_strategy="steps",
-                         save_steps=1, optim="sgd", learning_rate=0.1, alasca_warmup_epochs=1)
+                         save_steps=1, optim="sgd", learning_rate=0.1,
+                         method_config={"alasca_warmup_epochs": 1} if name == "alasca" else None)
         trainer = VariationalTrainer(model=model, args=args, train_dataset=image_data(12))
         trainer.train(resume_from_checkpoint=resume)
         return model, trainer.method.state_dict()
@@ -451,8 +449,8 @@ def test_resume_reproduces_weights_and_method_state(tmp_path, name):
 
 # -- sweeps --------------------------------------------------------------------------------------------
 def test_default_grids_are_the_seed_grids_and_valid_arguments(tmp_path):
-    assert [p["smoothing"] for p in grid_points("ls")] == [0.0, 0.1, 0.3, 0.5, 0.7, 0.9]
-    assert [p["sam_rho"] for p in grid_points("sam")] == [0.01, 0.05, 0.1, 0.2, 0.5]
+    assert [p["method_config"]["smoothing"] for p in grid_points("ls")] == [0.0, 0.1, 0.3, 0.5, 0.7, 0.9]
+    assert [p["method_config"]["sam_rho"] for p in grid_points("sam")] == [0.01, 0.05, 0.1, 0.2, 0.5]
     for grid in DEFAULT_GRIDS:
         for point in grid_points(grid):
             VariationalTrainingArguments(output_dir=str(tmp_path), report_to=[], **point)

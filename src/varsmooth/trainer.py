@@ -41,7 +41,7 @@ from transformers.training_args import ParallelMode
 from .adapters import is_peft_model, save_classifier_config
 from .corruption import realized_noise_report
 from .files import FolderSave
-from .methods import EXAMPLE_INDEX_KEY, ExampleIndexDataset, TrainingMethod, get_method_class
+from .methods import EXAMPLE_INDEX_KEY, ExampleIndexDataset, MethodContext, TrainingMethod, get_method_class
 from .methods.base import IGNORE_INDEX
 from .hub import VariationalHubMixin
 from .label_noise import LabelNoiseMixin
@@ -88,8 +88,8 @@ class VariationalTrainer(VariationalHubMixin, LabelNoiseMixin, Trainer):
             )
         if args.label_smoothing_factor:
             raise ValueError(
-                "label_smoothing_factor is not used by VariationalTrainer: choose method='ls' and set its smoothing "
-                "instead, so that the method is recorded and compared fairly."
+                "label_smoothing_factor is not used by VariationalTrainer: choose method='ls' with "
+                "method_config={'smoothing': ...} instead, so that the method is recorded and compared fairly."
             )
         _refuse_undistributed_process_group(args)
         user_metrics = kwargs.pop("compute_metrics", None)
@@ -222,13 +222,30 @@ class VariationalTrainer(VariationalHubMixin, LabelNoiseMixin, Trainer):
         elif self.compute_loss_func is not None:
             loss = self.compute_loss_func(outputs, labels, num_items_in_batch=None)
         else:
-            loss = self.method.loss(logits, labels, self, inputs)
+            loss = self.method.loss(logits, labels, self.method_context(model, example_index=inputs.get(EXAMPLE_INDEX_KEY)))
         return (loss, outputs) if return_outputs else loss
+
+    def method_context(self, model: torch.nn.Module, **kwargs: Any) -> MethodContext:
+        """What `self.method` may know of the run at this micro-batch (it never sees the trainer itself)."""
+        return MethodContext(step=self.state.global_step, epoch=float(self.state.epoch or 0.0), is_training=model.training,
+                             accelerator=self.accelerator, **kwargs)
+
+    def _method_compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
+        with self.compute_loss_context_manager():
+            return self.compute_loss(model, inputs)
 
     def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
         if not self.method.uses_ivon:
-            loss = self.method.training_step(self, model, inputs, num_items_in_batch)  # e.g. SAM's two passes
-            loss = loss if loss is not None else super().training_step(model, inputs, num_items_in_batch)
+            if type(self.method).training_step is TrainingMethod.training_step:
+                loss = super().training_step(model, inputs, num_items_in_batch)
+            else:  # the method schedules its own passes, e.g. SAM's two
+                model.train()
+                if callable(getattr(self.optimizer, "train", None)):  # schedule-free optimizers (as the stock step)
+                    self.optimizer.train()
+                context = self.method_context(
+                    model, num_items_in_batch=num_items_in_batch, compute_loss=self._method_compute_loss,
+                    gradient_accumulation_steps=self.current_gradient_accumulation_steps)
+                loss = self.method.training_step(model, self._prepare_inputs(inputs), context)
             self._stop_if_non_finite(loss)
             return loss
         model.train()

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from transformers import TrainingArguments
 
 from .presets import FINETUNE_PRESET, LORA_PRESET, SCRATCH_PRESET
-from .methods import METHODS, get_method_class
+from .methods import METHODS, MethodConfig, build_method_config, get_method_class
 
 __all__ = ["VariationalTrainingArguments"]
 
@@ -32,6 +34,10 @@ class VariationalTrainingArguments(TrainingArguments):
     (varsmooth.presets.FINETUNE_PRESET) fills them instead. The preset-controlled fields default to `None` ("not set")
     and `__post_init__` resolves them, so a value the user gives is kept even when it equals the other preset's.
 
+    The other methods' settings are not fields here: `method_config` holds the chosen method's own config
+    (`VariationalTrainingArguments(method="sam", method_config={"sam_rho": 0.1})`, or a `SAMConfig`); after
+    `__post_init__` it is always an instance of that method's config class.
+
     Defaults of `TrainingArguments` that varsmooth overrides (the fields are redefined below, in one block):
 
     - `learning_rate` (`float` or `None`, default `None`): the method's own rate (IVON 0.2, whose first step is an
@@ -47,6 +53,12 @@ class VariationalTrainingArguments(TrainingArguments):
     method: str = field(
         default="ivon",
         metadata={"help": "Training method: " + ", ".join(sorted(METHODS)) + ". 'ivon' trains by variational learning."},
+    )
+    method_config: dict | str | MethodConfig | None = field(
+        default=None,
+        metadata={"help": "Settings of the chosen method: its config (e.g. varsmooth.methods.SAMConfig), a dict or a "
+                          "JSON object of its fields (e.g. '{\"sam_rho\": 0.1}'); None: the method's defaults. "
+                          "varsmooth.methods.list_methods() lists each method's config class."},
     )
     ivon_preset: str = field(
         default="scratch",
@@ -72,7 +84,8 @@ class VariationalTrainingArguments(TrainingArguments):
     # -- varsmooth's own fields -------------------------------------------------------------------------
     ess: float | None = field(
         default=None,
-        metadata={"help": "IVON effective sample size λ (seed 000, Eq. 6). Default: the number of training examples."},
+        metadata={"help": "IVON effective sample size λ (Eq. 6 of 'Variational Learning Induces Adaptive Label "
+                          "Smoothing'). Default: the number of training examples."},
     )
     hess_init: float | None = field(
         default=None,
@@ -122,57 +135,10 @@ class VariationalTrainingArguments(TrainingArguments):
                           "dataset. A number fixes τ for every prediction; 1 turns the selection off."},
     )
 
-    # -- baselines (methods.md §9 lists the defaults) -----------------------------------------------
-    smoothing: float = field(
-        default=0.1,
-        metadata={"help": "method='ls': smoothing rate α in [0, 1]; target (1-α)·onehot + α/K (uniform over all K classes)."},
-    )
-    gls_rate: float = field(
-        default=0.1,
-        metadata={"help": "method='gls': smoothing rate r < 1 of (1-r)·onehot + r/K; r < 0 is negative label smoothing "
-                          "(seed 003). Default 0.1 as in the reference code; varsmooth.methods.optimal_smoothing_rate "
-                          "gives r_opt for a known symmetric noise rate."},
-    )
-    gls_warmup_epochs: float = field(
-        default=0.0,
-        metadata={"help": "method='gls': epochs of plain cross-entropy before switching to gls_rate (the reference "
-                          "warms up with CE before NLS, whose loss is unbounded below)."},
-    )
-    ols_alpha: float = field(
-        default=0.5,
-        metadata={"help": "method='ols': weight α of the hard-label CE in α·CE + (1-α)·soft-label CE (Zhang et al. 2021)."},
-    )
-    sam_rho: float = field(default=0.05, metadata={"help": "method='sam': neighbourhood radius ρ (Foret et al. 2020)."})
-    sam_adaptive: bool = field(
-        default=False,
-        metadata={"help": "method='sam': adaptive SAM (ASAM), perturbation scaled by |w|; use a ~10x larger sam_rho."},
-    )
-    gce_q: float = field(default=0.7, metadata={"help": "method='gce': q in (0, 1] of the generalized cross-entropy (1 - p_y^q)/q."})
-    ln_temperature: float = field(
-        default=1.0, metadata={"help": "method='logistic_normal': temperature τ of the softmax-centred link (seed 004)."}
-    )
-    ln_min_scale: float = field(
-        default=1.0, metadata={"help": "method='logistic_normal': λ > 0 in Σ^{1/2} = c cᵀ + λI (reference flag `min_scale`)."}
-    )
-    ln_target_smoothing: float = field(
-        default=0.01, metadata={"help": "method='logistic_normal': t in the observed target (1-t)·onehot + t/(K+1)."}
-    )
-    alasca_lambda: float = field(default=2.0, metadata={"help": "method='alasca': weight λ of the auxiliary classifiers' loss (seed 002)."})
-    alasca_ema: float = field(default=0.7, metadata={"help": "method='alasca': EMA coefficient β of the per-example logits."})
-    alasca_temperature: float = field(
-        default=1 / 3, metadata={"help": "method='alasca': sharpening temperature τ of the EMA logits (softmax(t/τ))."}
-    )
-    alasca_warmup_epochs: float = field(
-        default=30.0,
-        metadata={"help": "method='alasca': epochs over which the AC targets move linearly from hard to adaptive (reference code)."},
-    )
-    alasca_num_classifiers: int = field(
-        default=3,
-        metadata={"help": "method='alasca': auxiliary classifiers on evenly spaced intermediate blocks (ResNet-34: layers 1-3)."},
-    )
-
     def __post_init__(self) -> None:
         method_cls = get_method_class(self.method)
+        # always the method's own config class from here on (a copy: the caller's object is not changed)
+        self.method_config = build_method_config(self.method, self.method_config)
         if self.ivon_preset not in IVON_PRESETS:
             raise ValueError(f"ivon_preset must be one of {list(IVON_PRESETS)}, got {self.ivon_preset!r}.")
         # None = not set by the user: the preset fills it (finetune and lora only for IVON methods, others keep
@@ -220,3 +186,10 @@ class VariationalTrainingArguments(TrainingArguments):
                 "--multi_gpu) instead."
             )
 
+    def to_dict(self) -> dict[str, Any]:
+        """`TrainingArguments.to_dict` with `method_config` as a dict of its fields, so that `to_json_string`, the
+        model card and `HfArgumentParser.parse_dict` round-trip it."""
+        d = super().to_dict()
+        if isinstance(self.method_config, MethodConfig):
+            d["method_config"] = dataclasses.asdict(self.method_config)
+        return d

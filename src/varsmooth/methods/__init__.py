@@ -1,32 +1,57 @@
-"""Training methods behind one interface: IVON and the baselines of the seed papers."""
+"""Training methods behind one interface: IVON and the baselines it is compared with, each with its own config.
 
-from .alasca import ALASCAMethod
-from .base import EXAMPLE_INDEX_KEY, METHODS, ExampleIndexDataset, TrainingMethod, get_method_class, register_method
-from .gce import GCEMethod
+`list_methods()` describes them; `register_method(name, config_cls, method_cls)` adds one.
+"""
+
+from .alasca import ALASCAConfig, ALASCAMethod
+from .base import (
+    EXAMPLE_INDEX_KEY, METHODS, ExampleIndexDataset, MethodConfig, MethodContext, MethodInfo, TrainingMethod,
+    build_method_config, get_method_class, get_method_config_class, list_methods, method_config_classes,
+    method_config_from_flags, register_method,
+)
+from .gce import GCEConfig, GCEMethod
 from .grids import DEFAULT_GRIDS, grid_points
 from .ivon import IVONFixedHessianMethod, IVONMethod
-from .label_smoothing import GeneralizedLabelSmoothingMethod, LabelSmoothingMethod, optimal_smoothing_rate
-from .logistic_normal import LogisticNormalMethod
-from .ols import OnlineLabelSmoothingMethod
-from .sam import SAMMethod
+from .label_smoothing import (
+    GeneralizedLabelSmoothingConfig, GeneralizedLabelSmoothingMethod, LabelSmoothingConfig, LabelSmoothingMethod,
+    optimal_smoothing_rate,
+)
+from .logistic_normal import LogisticNormalConfig, LogisticNormalMethod
+from .ols import OnlineLabelSmoothingConfig, OnlineLabelSmoothingMethod
+from .sam import SAMConfig, SAMMethod
 
 __all__ = [
+    "ALASCAConfig",
     "ALASCAMethod",
     "DEFAULT_GRIDS",
     "EXAMPLE_INDEX_KEY",
     "ExampleIndexDataset",
+    "GCEConfig",
     "GCEMethod",
+    "GeneralizedLabelSmoothingConfig",
     "GeneralizedLabelSmoothingMethod",
     "IVONFixedHessianMethod",
     "IVONMethod",
+    "LabelSmoothingConfig",
     "LabelSmoothingMethod",
+    "LogisticNormalConfig",
     "LogisticNormalMethod",
     "METHODS",
+    "MethodConfig",
+    "MethodContext",
+    "MethodInfo",
+    "OnlineLabelSmoothingConfig",
     "OnlineLabelSmoothingMethod",
+    "SAMConfig",
     "SAMMethod",
     "TrainingMethod",
+    "build_method_config",
     "get_method_class",
+    "get_method_config_class",
     "grid_points",
+    "list_methods",
+    "method_config_classes",
+    "method_config_from_flags",
     "optimal_smoothing_rate",
     "register_method",
 ]

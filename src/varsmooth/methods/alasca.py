@@ -1,8 +1,9 @@
-"""ALASCA (seed 002; Ko et al., AAAI-23; jongwooko/ALASCA): adaptive label smoothing on auxiliary classifiers.
+"""ALASCA (Ko et al. 2023, "A Gift from Label Smoothing: Robust Training with Adaptive Label Smoothing via Auxiliary
+Classifier under Label Noise", AAAI-23; jongwooko/ALASCA): adaptive label smoothing on auxiliary classifiers.
 
 Auxiliary classifiers (ACs) on intermediate features are trained with adaptively smoothed labels whose
 confidence comes from an exponential moving average of the main head's logits per training example; the main
-head keeps the plain loss (CE) on the given labels. Per micro-batch (seed 002 Alg. 1 as the reference code
+head keeps the plain loss (CE) on the given labels. Per micro-batch (Ko et al. 2023, Alg. 1, as the reference code
 runs it, `losses/ALASCA.py`):
 
     t_i ← β·t_i + (1 − β)·f(x_i)                  EMA of the main logits (t_i = 0 at the start), before use
@@ -14,7 +15,7 @@ Defaults β = 0.7, τ = 1/3, λ = 2 (paper §4.1), warm-up 30 epochs (hard-coded
 Setting `alasca_ema=0, alasca_temperature=1, alasca_lambda=1, alasca_warmup_epochs=3` gives the code's Clothing1M
 variant (instantaneous softmax, no sharpening).
 
-Where the reference code and the paper differ, the code is implemented (methods.md §4, §10.1):
+Where the reference code and the paper differ, the code is implemented:
 * AC target: the code's s_i spreads 1 − conf over the *other* classes, i.e. (1 − α̃)·CE + α̃/(K−1)·Σ_{j≠y} CE_j
   with α̃ = 1 − conf; the paper's Eq. 2 uses Ω(f) = K·CE(f, u), about K times stronger smoothing.
 * the warm-up r above is in the code only.
@@ -35,20 +36,22 @@ Adaptations to the Trainer's models (the paper is CNN-only):
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import EXAMPLE_INDEX_KEY, IGNORE_INDEX, TrainingMethod, register_method
+from .base import IGNORE_INDEX, MethodConfig, MethodContext, TrainingMethod, register_method
 from .heads import AuxiliaryHeads, attach_heads, output_layer, tie_to_logits
 
 if TYPE_CHECKING:
-    from ..trainer import VariationalTrainer
+    from accelerate import Accelerator
+
     from ..training_args import VariationalTrainingArguments
 
-__all__ = ["ALASCAMethod", "alasca_targets", "auxiliary_positions"]
+__all__ = ["ALASCAConfig", "ALASCAMethod", "alasca_targets", "auxiliary_positions"]
 
 
 def auxiliary_positions(num_blocks: int, num_classifiers: int) -> list[int]:
@@ -95,21 +98,43 @@ def _pool(hidden: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Te
     raise ValueError(f"ALASCA expects hidden states of shape (B, C, H, W) or (B, T, H), got {tuple(hidden.shape)}.")
 
 
-@register_method
-class ALASCAMethod(TrainingMethod):
-    """CE on the main head plus adaptive label smoothing on auxiliary classifiers (seed 002, Alg. 1)."""
+@dataclass
+class ALASCAConfig(MethodConfig):
+    """Settings of method='alasca' (defaults: the paper's §4.1 and the reference code's warm-up)."""
 
-    name: ClassVar[str] = "alasca"
+    alasca_lambda: float = field(default=2.0, metadata={"help": "method='alasca': weight λ of the auxiliary classifiers' loss (Ko et al. 2023)."})
+    alasca_ema: float = field(default=0.7, metadata={"help": "method='alasca': EMA coefficient β of the per-example logits."})
+    alasca_temperature: float = field(
+        default=1 / 3, metadata={"help": "method='alasca': sharpening temperature τ of the EMA logits (softmax(t/τ))."}
+    )
+    alasca_warmup_epochs: float = field(
+        default=30.0,
+        metadata={"help": "method='alasca': epochs over which the AC targets move linearly from hard to adaptive (reference code)."},
+    )
+    alasca_num_classifiers: int = field(
+        default=3,
+        metadata={"help": "method='alasca': auxiliary classifiers on evenly spaced intermediate blocks (ResNet-34: layers 1-3)."},
+    )
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.alasca_ema < 1.0:
+            raise ValueError(f"alasca_ema (β) must be in [0, 1), got {self.alasca_ema}.")
+        if not self.alasca_temperature > 0 or self.alasca_lambda < 0 or self.alasca_warmup_epochs < 0:
+            raise ValueError("alasca_temperature must be > 0, alasca_lambda and alasca_warmup_epochs >= 0.")
+        if self.alasca_num_classifiers < 1:
+            raise ValueError(f"alasca_num_classifiers must be >= 1, got {self.alasca_num_classifiers}.")
+
+
+class ALASCAMethod(TrainingMethod):
+    """CE on the main head plus adaptive label smoothing on auxiliary classifiers (Ko et al. 2023, Alg. 1)."""
+
+    paper: ClassVar[str] = ("Ko et al. 2023 (ALASCA), A Gift from Label Smoothing: Robust Training with Adaptive Label "
+                            "Smoothing via Auxiliary Classifier under Label Noise")
     needs_example_index: ClassVar[bool] = True
+    config: ALASCAConfig
 
     def __init__(self, args: "VariationalTrainingArguments", num_train_examples: int | None = None) -> None:
         super().__init__(args, num_train_examples)
-        if not 0.0 <= args.alasca_ema < 1.0:
-            raise ValueError(f"alasca_ema (β) must be in [0, 1), got {args.alasca_ema}.")
-        if not args.alasca_temperature > 0 or args.alasca_lambda < 0 or args.alasca_warmup_epochs < 0:
-            raise ValueError("alasca_temperature must be > 0, alasca_lambda and alasca_warmup_epochs >= 0.")
-        if args.alasca_num_classifiers < 1:
-            raise ValueError(f"alasca_num_classifiers must be >= 1, got {args.alasca_num_classifiers}.")
         self.heads: AuxiliaryHeads | None = None
         self.positions: list[int] = []
         self.ema: torch.Tensor | None = None
@@ -122,7 +147,7 @@ class ALASCAMethod(TrainingMethod):
             raise ValueError("ALASCA keeps an EMA per training example and needs a training dataset with a length.")
         channels = hidden_state_channels(model)
         num_classes = output_layer(model).out_features
-        self.positions = auxiliary_positions(len(channels) - 1, self.args.alasca_num_classifiers)
+        self.positions = auxiliary_positions(len(channels) - 1, self.config.alasca_num_classifiers)
         self.heads = attach_heads(model, {f"classifier_{i}": nn.Linear(channels[i], num_classes) for i in self.positions})
         device = next(model.parameters()).device
         self.ema = torch.zeros(self.num_train_examples, num_classes, device=device)
@@ -150,42 +175,43 @@ class ALASCAMethod(TrainingMethod):
 
     # -- loss --------------------------------------------------------------------------------------
     @torch.no_grad()
-    def update_ema(self, trainer: "VariationalTrainer", index: torch.Tensor, logits: torch.Tensor) -> None:
-        """t_i ← β·t_i + (1 − β)·f(x_i) for the examples of this micro-batch on every process."""
-        accelerator = trainer.accelerator
-        if accelerator.num_processes > 1:
+    def update_ema(self, index: torch.Tensor, logits: torch.Tensor, accelerator: "Accelerator | None" = None) -> None:
+        """t_i ← β·t_i + (1 − β)·f(x_i) for the examples of this micro-batch on every process (gathered through
+        `accelerator` under DDP)."""
+        if accelerator is not None and accelerator.num_processes > 1:
             index = accelerator.gather(accelerator.pad_across_processes(index, pad_index=-1))
             logits = accelerator.gather(accelerator.pad_across_processes(logits))
             index, logits = index[index >= 0], logits[index >= 0]
-        beta = self.args.alasca_ema
+        beta = self.config.alasca_ema
         self.ema[index] = beta * self.ema[index] + (1.0 - beta) * logits
 
     def confidence(self, index: torch.Tensor, labels: torch.Tensor, epoch: int) -> torch.Tensor:
         """conf = r·softmax(t/τ)_y + (1 − r), r = min(1, epoch/warm-up) (reference `ALASCA.forward`)."""
-        conf = F.softmax(self.ema[index] / self.args.alasca_temperature, dim=-1).gather(1, labels.unsqueeze(1)).squeeze(1)
-        warmup = self.args.alasca_warmup_epochs
+        conf = F.softmax(self.ema[index] / self.config.alasca_temperature, dim=-1).gather(1, labels.unsqueeze(1)).squeeze(1)
+        warmup = self.config.alasca_warmup_epochs
         ramp = min(1.0, epoch / warmup) if warmup > 0 else 1.0
         return ramp * conf + (1.0 - ramp)
 
-    def loss(self, logits: torch.Tensor, labels: torch.Tensor, trainer: "VariationalTrainer", inputs: dict[str, Any]) -> torch.Tensor:
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor, context: MethodContext) -> torch.Tensor:
         if self._aux_logits is None:
             raise RuntimeError(
                 "alasca: the auxiliary classifiers are not attached; build the trainer with `model=` (not `model_init`)."
             )
-        if EXAMPLE_INDEX_KEY not in inputs:
-            raise KeyError(f"alasca needs {EXAMPLE_INDEX_KEY!r} in the training batch; VariationalTrainer adds it to train_dataset.")
+        if context.example_index is None:
+            raise KeyError("alasca needs the example index of the training batch (MethodContext.example_index); "
+                           "VariationalTrainer adds it to train_dataset.")
         aux_logits, self._aux_logits = self._aux_logits, None
         keep = labels != IGNORE_INDEX
-        index, labels = inputs[EXAMPLE_INDEX_KEY][keep].to(self.ema.device), labels[keep]
+        index, labels = context.example_index[keep].to(self.ema.device), labels[keep]
         logits = logits[keep].float()
         if self.ema.device != logits.device:  # restored from a checkpoint on the CPU
             self.ema = self.ema.to(logits.device)
         loss = F.cross_entropy(logits, labels)
-        if trainer.model.training:
-            self.update_ema(trainer, index, logits.detach())
-        target = alasca_targets(self.confidence(index, labels, int(trainer.state.epoch or 0)), labels, logits.shape[-1])
+        if context.is_training:
+            self.update_ema(index, logits.detach(), context.accelerator)
+        target = alasca_targets(self.confidence(index, labels, int(context.epoch)), labels, logits.shape[-1])
         for aux in aux_logits:
-            loss = loss + self.args.alasca_lambda * -(target * F.log_softmax(aux[keep].float(), dim=-1)).sum(-1).mean()
+            loss = loss + self.config.alasca_lambda * -(target * F.log_softmax(aux[keep].float(), dim=-1)).sum(-1).mean()
         return loss
 
     # -- state -------------------------------------------------------------------------------------
@@ -205,7 +231,7 @@ class ALASCAMethod(TrainingMethod):
         self.heads.load_heads_state_dict(state["heads"])
 
     def hyperparameters(self) -> dict[str, Any]:
-        a = self.args
-        return {"method": self.name, "alasca_lambda": a.alasca_lambda, "alasca_ema": a.alasca_ema,
-                "alasca_temperature": a.alasca_temperature, "alasca_warmup_epochs": a.alasca_warmup_epochs,
-                "auxiliary_positions": self.positions}
+        return {**super().hyperparameters(), "auxiliary_positions": self.positions}
+
+
+register_method("alasca", ALASCAConfig, ALASCAMethod)

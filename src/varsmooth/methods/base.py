@@ -1,14 +1,22 @@
-"""The one small interface every training method implements (peft-style: one module per method).
+"""The one small interface every training method implements, and the registry of methods (peft-style).
 
 A method decides three things for `VariationalTrainer`: whether IVON is the optimizer (and with which
 settings), the training loss computed from the model's logits, and any extra state it must checkpoint.
 Optional hooks: `attach` (extra heads trained with the model, see `heads.py`), `training_step` (methods with
 their own forward/backward schedule, e.g. SAM's two passes) and `needs_example_index` (per-example state).
+
+A method never sees the trainer: each call gets a `MethodContext` (step, epoch, training or not, the accelerator,
+the batch's example indices) built by the trainer, so that a method can be run and tested without one.
+Its settings are its own config dataclass (`MethodConfig` subclass), registered together with it by
+`register_method(name, config_cls, method_cls)`; `VariationalTrainingArguments.method_config` holds one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import dataclasses
+import json
+from collections.abc import Callable, Collection, Iterable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -16,40 +24,213 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 if TYPE_CHECKING:
-    from ..trainer import VariationalTrainer
+    from accelerate import Accelerator
+
     from ..training_args import VariationalTrainingArguments
 
 __all__ = [
-    "EXAMPLE_INDEX_KEY", "IGNORE_INDEX", "METHODS", "ExampleIndexDataset", "TrainingMethod", "get_method_class",
-    "register_method",
+    "EXAMPLE_INDEX_KEY", "IGNORE_INDEX", "METHODS", "ExampleIndexDataset", "MethodConfig", "MethodContext", "MethodInfo",
+    "TrainingMethod", "build_method_config", "get_method_class", "get_method_config_class", "list_methods",
+    "method_config_classes", "method_config_from_flags", "register_method",
 ]
 
-METHODS: dict[str, type["TrainingMethod"]] = {}
 #: batch key holding each example's position in the training set (added by the trainer, never seen by the model)
 EXAMPLE_INDEX_KEY = "example_index"
 #: label value that every loss skips, as in `F.cross_entropy`
 IGNORE_INDEX = -100
 
 
-def register_method(cls: type["TrainingMethod"]) -> type["TrainingMethod"]:
-    METHODS[cls.name] = cls
-    return cls
+@dataclass
+class MethodConfig:
+    """Settings of a method that has none (ERM, IVON: IVON's settings are `VariationalTrainingArguments` fields).
+
+    Subclasses are dataclasses whose field names carry the method's prefix (`sam_rho`, `gce_q`, ...): they are the
+    command-line flags of the examples, which parse every method's config with one `HfArgumentParser`. Values are
+    checked in `__post_init__`.
+    """
 
 
-def get_method_class(name: str) -> type["TrainingMethod"]:
+@dataclass(frozen=True)
+class MethodContext:
+    """What a method may know about the run when the trainer calls it on one micro-batch.
+
+    The defaults describe a single-process training pass at step 0, so a method's loss can be called directly:
+    `method.loss(logits, labels, MethodContext())`.
+    """
+
+    #: optimizer steps done so far (`TrainerState.global_step`)
+    step: int = 0
+    #: fractional epoch (`TrainerState.epoch`; 0 before training)
+    epoch: float = 0.0
+    #: whether the model runs in training mode (False in evaluation passes: collect no statistics then)
+    is_training: bool = True
+    #: the run's `accelerate.Accelerator` (gather / backward / no_sync under DDP); None: one process, plain autograd
+    accelerator: Accelerator | None = None
+    #: position of each example of the batch in the training set (only for methods with `needs_example_index`)
+    example_index: torch.Tensor | None = None
+    #: the Trainer's count of labels in the whole accumulated batch (the losses here are micro-batch means)
+    num_items_in_batch: Any = None
+    #: micro-batches per optimizer step: a `training_step` returns and backpropagates its loss divided by this
+    gradient_accumulation_steps: int = 1
+    #: for `training_step` only: the trainer's loss of (model, inputs) under its autocast context
+    compute_loss: Callable[[torch.nn.Module, dict[str, Any]], torch.Tensor] | None = None
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """`accelerator.backward` (gradient scaling, DeepSpeed, ...) or plain `loss.backward()` without one."""
+        if self.accelerator is not None:
+            self.accelerator.backward(loss)
+        else:
+            loss.backward()
+
+
+@dataclass(frozen=True)
+class MethodInfo:
+    """One registered method, as `list_methods()` describes it."""
+
+    name: str
+    config_class: type[MethodConfig]
+    method_class: type["TrainingMethod"]
+
+    @property
+    def summary(self) -> str:
+        """The first paragraph of the method class's docstring, on one line."""
+        return " ".join((self.method_class.__doc__ or "").strip().split("\n\n")[0].split())
+
+    @property
+    def paper(self) -> str | None:
+        return self.method_class.paper
+
+
+#: method name -> its registration, in the order of registration
+METHODS: dict[str, MethodInfo] = {}
+
+
+def register_method(name: str, config_cls: type[MethodConfig], method_cls: type["TrainingMethod"]) -> type["TrainingMethod"]:
+    """Make `method_cls` the training method `name` (`VariationalTrainingArguments(method=name)`), configured by
+    `config_cls`. Sets `method_cls.name`; returns `method_cls`.
+
+    Raises if `name` is taken, if `method_cls` is already registered under another name, or if a field of
+    `config_cls` is also a field of another method's config (the examples parse all of them as flags at once).
+    """
+    if name in METHODS:
+        existing = METHODS[name]
+        raise ValueError(f"A training method named {name!r} is already registered ({existing.method_class.__name__} with "
+                         f"{existing.config_class.__name__}); choose another name.")
+    if not (isinstance(method_cls, type) and issubclass(method_cls, TrainingMethod)):
+        raise TypeError(f"method_cls must be a subclass of TrainingMethod, got {method_cls!r}.")
+    if not (isinstance(config_cls, type) and issubclass(config_cls, MethodConfig) and dataclasses.is_dataclass(config_cls)):
+        raise TypeError(f"config_cls must be a dataclass subclassing MethodConfig, got {config_cls!r}.")
+    for info in METHODS.values():
+        if info.method_class is method_cls:
+            raise ValueError(f"{method_cls.__name__} is already registered as {info.name!r}; subclass it to register it again.")
+        if info.config_class is not config_cls:
+            shared = _field_names(info.config_class) & _field_names(config_cls)
+            if shared:
+                raise ValueError(f"{config_cls.__name__} and {info.config_class.__name__} (method {info.name!r}) both have "
+                                 f"the fields {sorted(shared)}: prefix them with the method's name.")
+    method_cls.name = name
+    METHODS[name] = MethodInfo(name, config_cls, method_cls)
+    return method_cls
+
+
+def list_methods() -> list[MethodInfo]:
+    """Every registered method (name, config class, method class, one-line summary, paper), sorted by name."""
+    return [METHODS[name] for name in sorted(METHODS)]
+
+
+def _info(name: str) -> MethodInfo:
     if name not in METHODS:
         raise ValueError(f"Unknown method {name!r}. Choose one of: {', '.join(sorted(METHODS))}.")
     return METHODS[name]
 
 
+def get_method_class(name: str) -> type["TrainingMethod"]:
+    return _info(name).method_class
+
+
+def get_method_config_class(name: str) -> type[MethodConfig]:
+    return _info(name).config_class
+
+
+def _field_names(config_cls: type[MethodConfig]) -> set[str]:
+    return {f.name for f in dataclasses.fields(config_cls) if f.init}
+
+
+def build_method_config(method: str, config: MethodConfig | Mapping[str, Any] | str | None) -> MethodConfig:
+    """The config of `method` from None (its defaults), a dict or JSON object string of its fields, or a config
+    instance of its class (copied, so that the caller's object is never changed)."""
+    config_cls = get_method_config_class(method)
+    if config is None:
+        return config_cls()
+    if isinstance(config, MethodConfig):
+        if type(config) is not config_cls:
+            raise TypeError(f"method_config is a {type(config).__name__}, but method={method!r} is configured by "
+                            f"{config_cls.__name__}.")
+        return dataclasses.replace(config)
+    if isinstance(config, str):
+        try:
+            config = json.loads(config)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"method_config must be a JSON object of {config_cls.__name__}'s fields, got {config!r} "
+                             f"({error}).") from None
+    if not isinstance(config, Mapping):
+        raise TypeError(f"method_config must be a {config_cls.__name__}, a dict or a JSON object string, got "
+                        f"{type(config).__name__}.")
+    valid = _field_names(config_cls)
+    unknown = sorted(set(config) - valid)
+    if unknown:
+        raise ValueError(f"method_config has {unknown}, which method={method!r} ({config_cls.__name__}) does not know; "
+                         f"its fields are: {', '.join(sorted(valid)) or 'none'}.")
+    return config_cls(**config)
+
+
+def method_config_classes() -> list[type[MethodConfig]]:
+    """The registered config classes that have fields, once each: add them to an `HfArgumentParser` to get every
+    method's settings as flags (`--sam_rho 0.1`), then pick the chosen method's with `method_config_from_flags`."""
+    classes = []
+    for info in METHODS.values():
+        if _field_names(info.config_class) and info.config_class not in classes:
+            classes.append(info.config_class)
+    return classes
+
+
+def method_config_from_flags(method: str, configs: Iterable[MethodConfig], given: Collection[str]) -> MethodConfig | None:
+    """The parsed config of `method` among `configs` (what `HfArgumentParser` built from `method_config_classes()`),
+    or None when none of its flags was given (then `method_config` itself, or the defaults, apply).
+
+    `given` names the flags on the command line (or keys of the config file). A flag of another method's config
+    is an error, not silently ignored: with `--method ls --sam_rho 0.1` the user expects a SAM run.
+    """
+    config_cls = get_method_config_class(method)
+    own = _field_names(config_cls)
+    foreign = {}
+    for other in METHODS.values():
+        if other.config_class is not config_cls:
+            for flag in _field_names(other.config_class) & set(given):
+                foreign.setdefault(flag, other.name)
+    if foreign:
+        listed = ", ".join(f"--{flag} (method {name!r})" for flag, name in sorted(foreign.items()))
+        raise ValueError(f"{listed} given, but --method is {method!r}, whose flags are: "
+                         f"{', '.join('--' + f for f in sorted(own)) or 'none'}.")
+    if not own & set(given):
+        return None
+    if "method_config" in given:
+        raise ValueError(f"Give the settings of method {method!r} either as flags ({', '.join('--' + f for f in sorted(own & set(given)))}) "
+                         "or in --method_config, not both.")
+    return next(c for c in configs if type(c) is config_cls)
+
+
 class TrainingMethod:
-    """Base class: plain cross-entropy with whatever optimizer the Trainer's `optim` names.
+    """Empirical risk minimisation: plain cross-entropy with whatever optimizer the Trainer's `optim` names.
 
     Subclasses override `loss` (and `ivon_settings` when IVON is the optimizer), and may keep state that is
-    saved in checkpoints through `state_dict`/`load_state_dict`.
+    saved in checkpoints through `state_dict`/`load_state_dict`. `self.config` is the method's `MethodConfig`.
     """
 
-    name: ClassVar[str] = "erm"
+    #: the registered name (set by `register_method`)
+    name: ClassVar[str]
+    #: the paper the method comes from (authors, year, title), shown by `list_methods()`
+    paper: ClassVar[str | None] = None
     uses_ivon: ClassVar[bool] = False
     #: per-example state (e.g. ALASCA's EMA): the trainer adds `EXAMPLE_INDEX_KEY` to every training batch
     needs_example_index: ClassVar[bool] = False
@@ -58,24 +239,26 @@ class TrainingMethod:
 
     def __init__(self, args: "VariationalTrainingArguments", num_train_examples: int | None = None) -> None:
         self.args = args
+        self.config = build_method_config(self.name, args.method_config)
         self.num_train_examples = num_train_examples
 
     def ivon_settings(self) -> dict[str, Any]:
         """Keyword arguments for `VariationalIVON` (only called when `uses_ivon`)."""
         raise NotImplementedError(f"{self.name} does not train with IVON")
 
-    def loss(self, logits: torch.Tensor, labels: torch.Tensor, trainer: "VariationalTrainer", inputs: dict[str, Any]) -> torch.Tensor:
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor, context: MethodContext) -> torch.Tensor:
         """Mean training loss of one micro-batch (labels equal to -100 are ignored)."""
         return F.cross_entropy(logits.float(), labels)
 
     def attach(self, model: torch.nn.Module) -> None:
         """Called once by the trainer before the optimizer exists: add extra heads or hooks to `model`."""
 
-    def training_step(
-        self, trainer: "VariationalTrainer", model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None
-    ) -> torch.Tensor | None:
-        """Forward/backward of one micro-batch if the method schedules its own (return the loss to log); None = stock."""
-        return None
+    def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], context: MethodContext) -> torch.Tensor:
+        """Override to schedule the forward/backward passes of one micro-batch yourself (the Trainer's own
+        `training_step` runs otherwise). `model` is in training mode and `inputs` are on its device; compute losses
+        with `context.compute_loss`, backpropagate `loss / context.gradient_accumulation_steps` and return the
+        detached loss to log, divided the same way."""
+        raise NotImplementedError(f"{self.name} uses the Trainer's training_step")
 
     def state_dict(self) -> dict[str, Any]:
         return {}
@@ -88,11 +271,11 @@ class TrainingMethod:
         return []
 
     def hyperparameters(self) -> dict[str, Any]:
-        """What the model card reports about this method."""
-        return {"method": self.name}
+        """What the model card reports about this method: its name and config."""
+        return {"method": self.name, **dataclasses.asdict(self.config)}
 
 
-register_method(TrainingMethod)
+register_method("erm", MethodConfig, TrainingMethod)
 
 
 class ExampleIndexDataset(Dataset):

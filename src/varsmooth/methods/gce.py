@@ -2,22 +2,19 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar
+from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 
-from .base import IGNORE_INDEX, TrainingMethod, register_method
+from .base import IGNORE_INDEX, MethodConfig, MethodContext, TrainingMethod, register_method
 
-if TYPE_CHECKING:
-    from ..trainer import VariationalTrainer
-    from ..training_args import VariationalTrainingArguments
-
-__all__ = ["GCEMethod", "generalized_cross_entropy"]
+__all__ = ["GCEConfig", "GCEMethod", "generalized_cross_entropy"]
 
 
 def generalized_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, q: float) -> torch.Tensor:
-    """Mean L_q = (1 − p_y^q)/q (methods.md §6); q → 0 gives CE, q = 1 gives 1 − p_y.
+    """Mean L_q = (1 − p_y^q)/q (the L_q loss of Zhang & Sabuncu 2018); q → 0 gives CE, q = 1 gives 1 − p_y.
 
     Computed as −expm1(q·log p_y)/q, which needs no clamping of p_y and stays accurate for small q.
     """
@@ -26,19 +23,26 @@ def generalized_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, q: flo
     return (-torch.expm1(q * log_p) / q).mean()
 
 
-@register_method
+@dataclass
+class GCEConfig(MethodConfig):
+    """Settings of method='gce'."""
+
+    gce_q: float = field(default=0.7, metadata={"help": "method='gce': q in (0, 1] of the generalized cross-entropy (1 - p_y^q)/q."})
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.gce_q <= 1.0:
+            raise ValueError(f"gce_q must be in (0, 1], got {self.gce_q} (q -> 0 is CE: use method='erm').")
+
+
 class GCEMethod(TrainingMethod):
     """Generalized cross-entropy L_q with q = `gce_q` (0.7 in the paper)."""
 
-    name: ClassVar[str] = "gce"
+    paper: ClassVar[str] = ("Zhang & Sabuncu 2018, Generalized Cross Entropy Loss for Training Deep Neural Networks "
+                            "with Noisy Labels")
+    config: GCEConfig
 
-    def __init__(self, args: "VariationalTrainingArguments", num_train_examples: int | None = None) -> None:
-        super().__init__(args, num_train_examples)
-        if not 0.0 < args.gce_q <= 1.0:
-            raise ValueError(f"gce_q must be in (0, 1], got {args.gce_q} (q -> 0 is CE: use method='erm').")
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor, context: MethodContext) -> torch.Tensor:
+        return generalized_cross_entropy(logits, labels, self.config.gce_q)
 
-    def loss(self, logits: torch.Tensor, labels: torch.Tensor, trainer: "VariationalTrainer", inputs: dict[str, Any]) -> torch.Tensor:
-        return generalized_cross_entropy(logits, labels, self.args.gce_q)
 
-    def hyperparameters(self) -> dict[str, Any]:
-        return {"method": self.name, "gce_q": self.args.gce_q}
+register_method("gce", GCEConfig, GCEMethod)

@@ -1,4 +1,8 @@
-"""IVON (Shen et al. 2024) — training by variational learning, seed 000's method, and its fixed-Hessian ablation."""
+"""IVON (Shen et al. 2024, Variational Learning is Effective for Large Deep Networks) — training by variational
+learning, the method of "Variational Learning Induces Adaptive Label Smoothing" (2025) — and its fixed-Hessian ablation.
+
+IVON's settings are `VariationalTrainingArguments` fields (ess, hess_init, beta2, ...), so its config is empty.
+"""
 
 from __future__ import annotations
 
@@ -6,16 +10,20 @@ import math
 from typing import Any, ClassVar
 
 from ..presets import HESSIAN_WINDOW_CLIP_RADIUS, beta2_for_window
-from .base import TrainingMethod, register_method
+from .base import MethodConfig, TrainingMethod, register_method
 
 __all__ = ["IVONMethod", "IVONFixedHessianMethod"]
 
 
-@register_method
 class IVONMethod(TrainingMethod):
-    """Cross-entropy minimised in expectation over q = N(m, diag σ²) by IVON (seed 000, Eq. 6; Alg. 1)."""
+    """Cross-entropy minimised in expectation over q = N(m, diag σ²) by IVON (variational learning).
 
-    name: ClassVar[str] = "ivon"
+    The objective is Eq. 6 of "Variational Learning Induces Adaptive Label Smoothing" with λ = `ess`; the update is
+    Shen et al. 2024, Alg. 1.
+    """
+
+    paper: ClassVar[str] = ("Shen et al. 2024, Variational Learning is Effective for Large Deep Networks; Variational "
+                            "Learning Induces Adaptive Label Smoothing (2025)")
     uses_ivon: ClassVar[bool] = True
     default_learning_rate: ClassVar[float] = 0.2
     #: optimizer steps of the run, set by the trainer before it builds IVON (for `hessian_window`)
@@ -35,13 +43,14 @@ class IVONMethod(TrainingMethod):
 
     def clip_radius(self) -> float:
         """`clip_radius` if given; 0.05 under the run-length rule (the Hessian may fall far below h0, which would
-        blow up the step lr·(h0+δ)/(h+δ), fidelity_long.md); else no clipping."""
+        blow up the step lr·(h0+δ)/(h+δ), as the run-length β2 did in 100-epoch runs without it); else no clipping."""
         if self.args.clip_radius is not None:
             return self.args.clip_radius
         return HESSIAN_WINDOW_CLIP_RADIUS if self.args.hessian_window is not None else math.inf
 
     def ess(self) -> float:
-        """λ in seed 000 Eq. 6: the user's `ess`, else the training-set size N (the authors' choice)."""
+        """λ in Eq. 6 of the adaptive-label-smoothing paper: the user's `ess`, else the training-set size N (the authors'
+        choice)."""
         if self.args.ess is not None:
             return float(self.args.ess)
         if not self.num_train_examples:
@@ -74,11 +83,14 @@ class IVONMethod(TrainingMethod):
                 "mc_samples": self.args.mc_samples, "eval_mc_samples": self.args.eval_mc_samples}
 
 
-@register_method
 class IVONFixedHessianMethod(IVONMethod):
-    """The seed 000 ablation (Fig. 6): β2 = 1, so h stays at hess_init and σ never adapts."""
+    """IVON with β2 = 1: h stays at hess_init and σ never adapts (the ablation of Fig. 6 of the adaptive-label-smoothing paper)."""
 
-    name: ClassVar[str] = "ivon_fixed_hessian"
+    paper: ClassVar[str] = "Variational Learning Induces Adaptive Label Smoothing (2025), Fig. 6 and App. C.2"
 
     def beta2(self) -> float:
         return 1.0
+
+
+register_method("ivon", MethodConfig, IVONMethod)
+register_method("ivon_fixed_hessian", MethodConfig, IVONFixedHessianMethod)

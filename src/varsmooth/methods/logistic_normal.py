@@ -1,4 +1,4 @@
-"""Logistic-Normal likelihood for heteroscedastic label noise (seed 004; ErikEnglesson/Logistic-Normal), methods.md §5.
+"""Logistic-Normal likelihood for heteroscedastic label noise (Englesson et al. 2023; ErikEnglesson/Logistic-Normal).
 
 The model's own classifier is the mean head μ ∈ R^K; the method adds a covariance-factor head c ∈ R^K on the
 same penultimate features (the input of the model's output layer, captured by a forward pre-hook; the head
@@ -22,20 +22,20 @@ without the dummy class (D = K − 1) is not offered: the paper's ablation shows
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import IGNORE_INDEX, TrainingMethod, register_method
+from .base import IGNORE_INDEX, MethodConfig, MethodContext, TrainingMethod, register_method
 from .heads import AuxiliaryHeads, attach_heads, output_layer, tie_to_logits
 
 if TYPE_CHECKING:
-    from ..trainer import VariationalTrainer
     from ..training_args import VariationalTrainingArguments
 
-__all__ = ["LogisticNormalMethod", "logistic_normal_nll", "logistic_normal_targets"]
+__all__ = ["LogisticNormalConfig", "LogisticNormalMethod", "logistic_normal_nll", "logistic_normal_targets"]
 
 
 def logistic_normal_targets(labels: torch.Tensor, num_classes: int, temperature: float, target_smoothing: float) -> torch.Tensor:
@@ -54,20 +54,37 @@ def logistic_normal_nll(mean: torch.Tensor, factor: torch.Tensor, target: torch.
     return 0.5 * ((whitened * whitened).sum(-1) + log_det + dim * math.log(2.0 * math.pi))
 
 
-@register_method
+@dataclass
+class LogisticNormalConfig(MethodConfig):
+    """Settings of method='logistic_normal'."""
+
+    ln_temperature: float = field(
+        default=1.0, metadata={"help": "method='logistic_normal': temperature τ of the softmax-centred link (Englesson et al. 2023)."}
+    )
+    ln_min_scale: float = field(
+        default=1.0, metadata={"help": "method='logistic_normal': λ > 0 in Σ^{1/2} = c cᵀ + λI (reference flag `min_scale`)."}
+    )
+    ln_target_smoothing: float = field(
+        default=0.01, metadata={"help": "method='logistic_normal': t in the observed target (1-t)·onehot + t/(K+1)."}
+    )
+
+    def __post_init__(self) -> None:
+        if not self.ln_temperature > 0 or not self.ln_min_scale > 0:
+            raise ValueError(f"ln_temperature and ln_min_scale must be > 0, got {self.ln_temperature}, {self.ln_min_scale}.")
+        if not 0.0 < self.ln_target_smoothing < 1.0:
+            raise ValueError(
+                f"ln_target_smoothing t must be in (0, 1) (t = 0 puts the target at infinity), got {self.ln_target_smoothing}."
+            )
+
+
 class LogisticNormalMethod(TrainingMethod):
     """Logistic-Normal likelihood with dummy class, temperature τ = `ln_temperature`, λ = `ln_min_scale`, t = `ln_target_smoothing`."""
 
-    name: ClassVar[str] = "logistic_normal"
+    paper: ClassVar[str] = "Englesson et al. 2023, Logistic-Normal Likelihoods for Heteroscedastic Label Noise"
+    config: LogisticNormalConfig
 
     def __init__(self, args: "VariationalTrainingArguments", num_train_examples: int | None = None) -> None:
         super().__init__(args, num_train_examples)
-        if not args.ln_temperature > 0 or not args.ln_min_scale > 0:
-            raise ValueError(f"ln_temperature and ln_min_scale must be > 0, got {args.ln_temperature}, {args.ln_min_scale}.")
-        if not 0.0 < args.ln_target_smoothing < 1.0:
-            raise ValueError(
-                f"ln_target_smoothing t must be in (0, 1) (t = 0 puts the target at infinity), got {args.ln_target_smoothing}."
-            )
         self.heads: AuxiliaryHeads | None = None
         self._features: torch.Tensor | None = None
         self._factor: torch.Tensor | None = None
@@ -90,15 +107,16 @@ class LogisticNormalMethod(TrainingMethod):
         self._factor = self.heads["covariance_factor"](features)
         return tie_to_logits(output, [self._factor])
 
-    def loss(self, logits: torch.Tensor, labels: torch.Tensor, trainer: "VariationalTrainer", inputs: dict[str, Any]) -> torch.Tensor:
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor, context: MethodContext) -> torch.Tensor:
         if self._factor is None:
             raise RuntimeError(
                 "logistic_normal: the covariance head is not attached; build the trainer with `model=` (not `model_init`)."
             )
         factor, self._factor = self._factor, None
         keep = labels != IGNORE_INDEX
-        target = logistic_normal_targets(labels[keep], logits.shape[-1], self.args.ln_temperature, self.args.ln_target_smoothing)
-        return logistic_normal_nll(logits[keep].float(), factor[keep].float(), target, self.args.ln_min_scale).mean()
+        c = self.config
+        target = logistic_normal_targets(labels[keep], logits.shape[-1], c.ln_temperature, c.ln_target_smoothing)
+        return logistic_normal_nll(logits[keep].float(), factor[keep].float(), target, c.ln_min_scale).mean()
 
     def state_dict(self) -> dict[str, Any]:
         return {"heads": self.heads.heads_state_dict()} if self.heads is not None else {}
@@ -110,6 +128,7 @@ class LogisticNormalMethod(TrainingMethod):
             self.heads.load_heads_state_dict(state["heads"])
 
     def hyperparameters(self) -> dict[str, Any]:
-        a = self.args
-        return {"method": self.name, "ln_temperature": a.ln_temperature, "ln_min_scale": a.ln_min_scale,
-                "ln_target_smoothing": a.ln_target_smoothing, "dummy_class": True}
+        return {**super().hyperparameters(), "dummy_class": True}
+
+
+register_method("logistic_normal", LogisticNormalConfig, LogisticNormalMethod)

@@ -1,6 +1,7 @@
-"""Online Label Smoothing (OLS; Zhang et al. 2021, "Delving Deep into Label Smoothing"), methods.md §2.
+"""Online Label Smoothing (OLS; Zhang et al. 2021, "Delving Deep into Label Smoothing").
 
-Follows ankandrew/online-label-smoothing-pt, the implementation seed 000 used (App. C.1): the soft labels of
+Follows ankandrew/online-label-smoothing-pt, the implementation that "Variational Learning Induces Adaptive Label
+Smoothing" (2025) used (its App. C.1): the soft labels of
 epoch 0 are the label-smoothing matrix with `smoothing = 0.1` spread over the *other* classes (1 − s on the
 diagonal, s/(K−1) elsewhere), and a class with no correctly classified example in an epoch gets an all-zero soft
 label for the next epoch (no soft term for it). The official code differs on both points (zeros or 1/K at
@@ -9,6 +10,7 @@ epoch 0; 1/K for empty classes).
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -16,13 +18,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from transformers import TrainerCallback
 
-from .base import IGNORE_INDEX, TrainingMethod, register_method
+from .base import IGNORE_INDEX, MethodConfig, MethodContext, TrainingMethod, register_method
 
 if TYPE_CHECKING:
-    from ..trainer import VariationalTrainer
     from ..training_args import VariationalTrainingArguments
 
-__all__ = ["OnlineLabelSmoothingMethod"]
+__all__ = ["OnlineLabelSmoothingConfig", "OnlineLabelSmoothingMethod"]
 
 #: smoothing of the epoch-0 soft labels (ankandrew's default)
 INITIAL_SMOOTHING = 0.1
@@ -48,7 +49,20 @@ class _EpochSwap(TrainerCallback):
             self.method.next_epoch()
 
 
-@register_method
+@dataclass
+class OnlineLabelSmoothingConfig(MethodConfig):
+    """Settings of method='ols'."""
+
+    ols_alpha: float = field(
+        default=0.5,
+        metadata={"help": "method='ols': weight α of the hard-label CE in α·CE + (1-α)·soft-label CE (Zhang et al. 2021)."},
+    )
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.ols_alpha <= 1.0:
+            raise ValueError(f"ols_alpha must be in [0, 1], got {self.ols_alpha}.")
+
+
 class OnlineLabelSmoothingMethod(TrainingMethod):
     """L = α·CE(f, y) + (1 − α)·CE(f, S[y]), S[c] = mean softmax of the correctly classified class-c examples of the
     previous epoch ("correct" = agreeing with the given, possibly noisy, label).
@@ -57,12 +71,11 @@ class OnlineLabelSmoothingMethod(TrainingMethod):
     and the epoch counter; U and n are summed over processes (DDP) before they replace S.
     """
 
-    name: ClassVar[str] = "ols"
+    paper: ClassVar[str] = "Zhang et al. 2021, Delving Deep into Label Smoothing"
+    config: OnlineLabelSmoothingConfig
 
     def __init__(self, args: "VariationalTrainingArguments", num_train_examples: int | None = None) -> None:
         super().__init__(args, num_train_examples)
-        if not 0.0 <= args.ols_alpha <= 1.0:
-            raise ValueError(f"ols_alpha must be in [0, 1], got {args.ols_alpha}.")
         self.soft_labels: torch.Tensor | None = None
         self.accumulator: torch.Tensor | None = None
         self.counts: torch.Tensor | None = None
@@ -75,7 +88,7 @@ class OnlineLabelSmoothingMethod(TrainingMethod):
         self.accumulator = torch.zeros(num_classes, num_classes, device=device)
         self.counts = torch.zeros(num_classes, device=device)
 
-    def loss(self, logits: torch.Tensor, labels: torch.Tensor, trainer: "VariationalTrainer", inputs: dict[str, Any]) -> torch.Tensor:
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor, context: MethodContext) -> torch.Tensor:
         keep = labels != IGNORE_INDEX
         logits, labels = logits[keep].float(), labels[keep]
         if self.soft_labels is None:
@@ -84,11 +97,11 @@ class OnlineLabelSmoothingMethod(TrainingMethod):
             device = logits.device
             self.soft_labels, self.accumulator, self.counts = (t.to(device) for t in (self.soft_labels, self.accumulator, self.counts))
         log_probs = F.log_softmax(logits, dim=-1)
-        if trainer.model.training:
+        if context.is_training:
             self.update(log_probs.detach().exp(), labels)
         hard = F.nll_loss(log_probs, labels)
         soft = -(self.soft_labels[labels] * log_probs).sum(-1).mean()
-        alpha = self.args.ols_alpha
+        alpha = self.config.ols_alpha
         return alpha * hard + (1.0 - alpha) * soft
 
     @torch.no_grad()
@@ -136,4 +149,7 @@ class OnlineLabelSmoothingMethod(TrainingMethod):
             self.counts.zero_()
 
     def hyperparameters(self) -> dict[str, Any]:
-        return {"method": self.name, "ols_alpha": self.args.ols_alpha, "ols_initial_smoothing": INITIAL_SMOOTHING}
+        return {**super().hyperparameters(), "ols_initial_smoothing": INITIAL_SMOOTHING}
+
+
+register_method("ols", OnlineLabelSmoothingConfig, OnlineLabelSmoothingMethod)

@@ -2,17 +2,17 @@
 
 SAM runs as a `training_step` around whatever optimizer the Trainer's `optim` builds (the "base optimizer"),
 so learning-rate schedules, weight decay, gradient clipping and mixed precision stay the Trainer's own. Per
-micro-batch (methods.md §3; the update of davda54/sam and `pytorch_optimizer.SAM`, verified against the latter
-in the tests):
+micro-batch (Foret et al. 2020, Eq. 2 and Alg. 1; Kwon et al. 2021 for ASAM; the update of davda54/sam and
+`pytorch_optimizer.SAM`, verified against the latter in the tests):
 
     g   = ∇L_B(w)                                    pass 1 (no DDP all-reduce)
     ε̂   = ρ·T²g / (‖Tg‖₂ + 1e-12)                    T = I, or T = diag(|w|) with `sam_adaptive`
     g_B = ∇L_B(w + ε̂)                                pass 2, accumulated like any micro-batch gradient
     w is restored bit-exactly from a copy; the Trainer then clips and calls the base optimizer once per step.
 
-Gradient accumulation is option (B) of methods.md §3: every micro-batch gets its own ε̂ from its own gradient
-("m-sharpness" with m = micro-batch size, also what the paper does across accelerators), not one ε̂ from the
-full accumulated batch. Under DDP each process likewise perturbs with its own gradient; pass 2 is all-reduced
+Under gradient accumulation every micro-batch gets its own ε̂ from its own gradient ("m-sharpness" with m =
+micro-batch size, Foret et al. 2020 §4.1, also what the paper does across accelerators), not one ε̂ from the full
+accumulated batch. Under DDP each process likewise perturbs with its own gradient; pass 2 is all-reduced
 as usual. Cost: two forward/backward passes per micro-batch and one copy of the weights.
 
 BatchNorm running statistics are updated once per micro-batch, by pass 1 at the unperturbed weights: pass 2
@@ -27,19 +27,16 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, ClassVar
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from .base import TrainingMethod, register_method
+from .base import MethodConfig, MethodContext, TrainingMethod, register_method
 
-if TYPE_CHECKING:
-    from ..trainer import VariationalTrainer
-    from ..training_args import VariationalTrainingArguments
-
-__all__ = ["SAMMethod", "sam_perturbation"]
+__all__ = ["SAMConfig", "SAMMethod", "sam_perturbation"]
 
 #: added to the gradient norm in ε̂'s denominator (davda54, pytorch-optimizer)
 PERTURB_EPS = 1e-12
@@ -83,35 +80,40 @@ def batchnorm_stats_frozen(model: nn.Module) -> Iterator[None]:
                 module.num_batches_tracked.copy_(tracked)
 
 
-@register_method
+@dataclass
+class SAMConfig(MethodConfig):
+    """Settings of method='sam'."""
+
+    sam_rho: float = field(default=0.05, metadata={"help": "method='sam': neighbourhood radius ρ (Foret et al. 2020)."})
+    sam_adaptive: bool = field(
+        default=False,
+        metadata={"help": "method='sam': adaptive SAM (ASAM), perturbation scaled by |w|; use a ~10x larger sam_rho."},
+    )
+
+    def __post_init__(self) -> None:
+        if not self.sam_rho >= 0:
+            raise ValueError(f"sam_rho must be >= 0, got {self.sam_rho}.")
+
+
 class SAMMethod(TrainingMethod):
     """Cross-entropy minimised by SAM (ρ = `sam_rho`) or ASAM (`sam_adaptive`, T = |w|) around the Trainer's optimizer."""
 
-    name: ClassVar[str] = "sam"
+    paper: ClassVar[str] = ("Foret et al. 2020, Sharpness-Aware Minimization for Efficiently Improving Generalization; "
+                            "ASAM: Kwon et al. 2021")
+    config: SAMConfig
 
-    def __init__(self, args: "VariationalTrainingArguments", num_train_examples: int | None = None) -> None:
-        super().__init__(args, num_train_examples)
-        if not args.sam_rho >= 0:
-            raise ValueError(f"sam_rho must be >= 0, got {args.sam_rho}.")
-
-    def training_step(
-        self, trainer: "VariationalTrainer", model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None
-    ) -> torch.Tensor:
-        model.train()
-        if hasattr(trainer.optimizer, "train") and callable(trainer.optimizer.train):
-            trainer.optimizer.train()
-        inputs = trainer._prepare_inputs(inputs)
+    def training_step(self, model: nn.Module, inputs: dict[str, Any], context: MethodContext) -> torch.Tensor:
         params = [p for p in model.parameters() if p.requires_grad]
         # SAM gradients of the earlier micro-batches of this step: pass 2 accumulates onto them, so that DDP
         # all-reduces the complete sum on the last micro-batch.
         accumulated = [p.grad for p in params]
         for p in params:
             p.grad = None
-        with trainer.accelerator.no_sync(model):
-            with trainer.compute_loss_context_manager():
-                loss = trainer.compute_loss(model, dict(inputs))
-            trainer.accelerator.backward(loss)
-        perturbations = sam_perturbation(params, self.args.sam_rho, self.args.sam_adaptive)
+        no_sync = context.accelerator.no_sync(model) if context.accelerator is not None else contextlib.nullcontext()
+        with no_sync:
+            loss = context.compute_loss(model, dict(inputs))
+            context.backward(loss)
+        perturbations = sam_perturbation(params, self.config.sam_rho, self.config.sam_adaptive)
         originals = []
         with torch.no_grad():
             for p, e, g in zip(params, perturbations, accumulated):
@@ -120,17 +122,19 @@ class SAMMethod(TrainingMethod):
                     p.add_(e)
                 p.grad = g
         try:
-            with batchnorm_stats_frozen(model), trainer.compute_loss_context_manager():
-                perturbed_loss = trainer.compute_loss(model, dict(inputs))
-            trainer.accelerator.backward(perturbed_loss / trainer.current_gradient_accumulation_steps)
+            with batchnorm_stats_frozen(model):
+                perturbed_loss = context.compute_loss(model, dict(inputs))
+            context.backward(perturbed_loss / context.gradient_accumulation_steps)
         finally:
             with torch.no_grad():
                 for p, original in zip(params, originals):
                     if original is not None:
                         p.copy_(original)
         # what the Trainer logs: the loss at w, the usual training loss
-        return loss.detach() / trainer.current_gradient_accumulation_steps
+        return loss.detach() / context.gradient_accumulation_steps
 
     def hyperparameters(self) -> dict[str, Any]:
-        return {"method": self.name, "sam_rho": self.args.sam_rho, "sam_adaptive": self.args.sam_adaptive,
-                "micro_batch_perturbation": True}
+        return {**super().hyperparameters(), "micro_batch_perturbation": True}
+
+
+register_method("sam", SAMConfig, SAMMethod)
