@@ -115,6 +115,22 @@ def test_same_trajectory_as_ivon_opt(case):
         assert (unclipped[-1][0] - ours[-1][0]).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("case", [dict(), dict(samples_per_step=3), dict(clip_radius=0.02, clip_norm=1.0)],
+                         ids=["base", "accumulate3", "clip"])
+def test_accelerator_code_path_same_trajectory_as_ivon_opt(case, monkeypatch):
+    """The foreach formulation used on GPUs (no `out=` ops, 1/sqrt(h + δ) while sampling), run on the CPU."""
+    import varsmooth.posterior.ivon as engine
+
+    monkeypatch.setattr(engine, "_per_tensor", lambda t: False)
+    torch.manual_seed(0)
+    model = MLP()
+    kw = {**IVON_KW, **case}
+    run_kw = dict(samples_per_step=kw.pop("samples_per_step", 1), clip_norm=kw.pop("clip_norm", 0.0))
+    ours, _, _ = _run(lambda g, **k: VariationalIVON(g, noise_seed=3, **k), model, STEPS, **run_kw, **kw)
+    ref, _, _ = _run(lambda g, **k: SeededIVON(g, seed=3, **k), model, STEPS, **run_kw, **kw)
+    _assert_same_trajectory(ours, ref)
+
+
 def test_mixed_dtypes_one_step_matches_ivon_opt_formulas():
     """Parameters of two dtypes in one optimizer (ivon-opt refuses): each is updated by ivon-opt's own formulas."""
     torch.manual_seed(0)

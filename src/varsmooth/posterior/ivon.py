@@ -70,10 +70,16 @@ def _local_slice(t: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
     return whole[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
 
 
+def _per_tensor(t: torch.Tensor) -> bool:
+    """Whether ops with `out=` go tensor by tensor (the CPU, whose foreach ops loop over the tensors anyway, so that
+    one pass writes the result) rather than as a few foreach launches (accelerators, where one launch per tensor
+    would cost more than the extra memory traffic)."""
+    return t.device.type == "cpu"
+
+
 def _add_scalar_into(out: list[torch.Tensor], tensors: list[torch.Tensor], scalar: float) -> None:
-    """out ← tensors + scalar: one pass per tensor on the CPU (whose foreach ops loop over tensors anyway), two
-    foreach launches elsewhere (one launch per tensor would cost more than the memory traffic)."""
-    if out[0].device.type == "cpu":
+    """out ← tensors + scalar (see `_per_tensor`)."""
+    if _per_tensor(out[0]):
         for o, t in zip(out, tensors):
             torch.add(t, scalar, out=o)
     else:
@@ -247,7 +253,7 @@ class VariationalIVON(torch.optim.Optimizer):
                 noise = self._draw_noise(params, [indices[p] for p in params])
                 # θ = m + σ⊙e with σ = 1/sqrt(ess (h + δ)), computed in the parameter itself (no σ buffer)
                 _add_scalar_into(weights, [_local(self.state[p]["hess"]) for p in params], group["weight_decay"])
-                if weights[0].device.type == "cpu":
+                if _per_tensor(weights[0]):
                     torch._foreach_sqrt_(weights)
                     for w, m, e in zip(weights, means, noise):
                         torch.addcdiv(m, e, w, value=group["ess"] ** -0.5, out=w)
@@ -390,7 +396,7 @@ class VariationalIVON(torch.optim.Optimizer):
         lr = group["lr"] * (group["hess_init"] + wd) if self.rescale_lr else group["lr"]
         # (m̂ + δ m) debias = m + δ debias m, in a free buffer
         direction = scratch
-        if direction[0].device.type == "cpu":  # one pass per parameter (foreach has no `out=`)
+        if _per_tensor(direction[0]):
             for out, mom, p in zip(direction, momentum, params):
                 torch.add(mom, p, alpha=wd * debias, out=out)
         else:
