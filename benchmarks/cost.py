@@ -14,6 +14,7 @@ Data: MNIST 9k subset, small CNN, batch 64 (random inputs of the same shape if M
     OMP_NUM_THREADS=1 python benchmarks/cost.py --rounds 2 --steps 20 --eval-size 1000   # smoke
     python benchmarks/cost.py --report                          # rewrite the .md files from the committed .json
     OMP_NUM_THREADS=1 python benchmarks/cost.py --engine --rounds 5 --steps 12 --skip 2  # IVON engine vs AdamW (engine.md)
+    python benchmarks/cost.py --gpu --rounds 3 --steps 40 --skip 10    # on a GPU: bf16, vs AdamW(fused) (engine_gpu.md)
 
 Every ratio is shown as its median over rounds with the min-max over rounds beside it; a ratio whose spread
 (max - min) / median exceeds `UNSTABLE_SPREAD` is marked "not stable": other jobs on the machine moved it more than
@@ -442,6 +443,93 @@ def engine_report(rounds: int, steps: int, skip: int) -> dict:
     return result
 
 
+# -- the same on a GPU (`--gpu`, issue 20): bf16 autocast, IVON vs AdamW(fused) in the same trainer ------------------
+class _DeviceStepClock(StepClock):
+    """Step ends once the device has finished the step's kernels (the host runs ahead of a GPU otherwise)."""
+
+    def on_step_end(self, args, state, control, **kwargs):  # noqa: ANN001
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        super().on_step_end(args, state, control, **kwargs)
+
+
+def gpu_vit_small(image_size: int) -> torch.nn.Module:
+    """ViT-small (hidden 384, 12 layers, 6 heads, MLP 1536, 16×16 patches: 21.7 M weights at 224²) from a config."""
+    from transformers import ViTConfig, ViTForImageClassification
+
+    config = ViTConfig(hidden_size=384, num_hidden_layers=12, num_attention_heads=6, intermediate_size=1536,
+                       image_size=image_size, patch_size=16, num_labels=100)
+    torch.manual_seed(0)
+    return ViTForImageClassification(config)
+
+
+def engine_gpu_report(rounds: int, steps: int, skip: int, batch: int, image_size: int, out_dir: Path) -> dict:
+    """`--gpu`: whole VariationalTrainer steps with bf16 autocast, IVON vs AdamW(fused=True) given to the same trainer,
+    in interleaved rounds; peak device memory of each (torch.cuda.max_memory_allocated). Without CUDA it runs the
+    same code on the CPU (for checking the script with tiny sizes; CPU numbers are not the result)."""
+    import platform
+
+    from varsmooth import VariationalTrainer, VariationalTrainingArguments
+
+    cuda = torch.cuda.is_available()
+    model = gpu_vit_small(image_size)
+    g = torch.Generator().manual_seed(0)
+    n = batch * 4  # epochs repeat it: enough to shuffle, small in host memory
+    ds = common.ArrayDataset(torch.randn(n, 3, image_size, image_size, generator=g).numpy(),
+                             torch.randint(0, 100, (n,), generator=g).numpy())
+    rng = random.Random(0)
+    per_round, peaks = [], {"ivon": [], "adamw_fused": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(rounds):
+            order = list(peaks)
+            rng.shuffle(order)
+            times = {}
+            for kind in order:
+                m = copy.deepcopy(model).to("cuda" if cuda else "cpu")
+                cfg = dict(method="ivon", ess=1e4) if kind == "ivon" else dict(method="erm")
+                args = VariationalTrainingArguments(
+                    output_dir=tmp, max_steps=steps, per_device_train_batch_size=batch, use_cpu=not cuda, bf16=True,
+                    report_to=[], save_strategy="no", eval_strategy="no", logging_strategy="no", disable_tqdm=True,
+                    dataloader_num_workers=4 if cuda else 0, seed=r, max_grad_norm=0.0, **cfg)
+                optimizers = (torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True), None) if kind != "ivon" else (None, None)
+                clock = _DeviceStepClock()
+                trainer = VariationalTrainer(model=m, args=args, train_dataset=ds, callbacks=[clock], optimizers=optimizers)
+                trainer.remove_callback(PrinterCallback)
+                if cuda:
+                    torch.cuda.empty_cache()
+                    torch.cuda.reset_peak_memory_stats()
+                trainer.train()
+                times[kind] = block_time(clock.ends, skip)
+                peaks[kind].append(torch.cuda.max_memory_allocated() if cuda else 0)
+                del trainer, m
+                gc.collect()
+            per_round.append(times)
+            print(f"vit_small gpu round {r}: " + "  ".join(f"{k} {1e3 * v:.1f}ms" for k, v in sorted(times.items())), flush=True)
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    ratio = spread([t["ivon"] / t["adamw_fused"] for t in per_round])
+    result = {"device": torch.cuda.get_device_name() if cuda else "cpu (script check, not a result)",
+              "model": "ViT-small from a config", "parameters": sum(p.numel() for p in model.parameters()),
+              "image_size": image_size, "batch_size": batch, "bf16": True, "rounds": rounds, "steps_per_block": steps,
+              "skip": skip, "ms_median": {k: 1e3 * statistics.median([t[k] for t in per_round]) for k in per_round[0]},
+              "ratio_ivon_over_adamw_fused": ratio, "per_round_s": per_round,
+              "peak_memory_bytes": {k: max(v) for k, v in peaks.items()},
+              "peak_memory_ivon_minus_adamw_in_parameter_sizes": (max(peaks["ivon"]) - max(peaks["adamw_fused"])) / param_bytes,
+              "versions": common._versions(), "cpu": platform.processor() or platform.machine()}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    common.write_json(out_dir / "engine_gpu.json", result)
+    L = [f"# IVON engine vs AdamW(fused) on {result['device']}", "",
+         f"ViT-small ({result['parameters'] / 1e6:.1f} M weights), {image_size}² images, batch {batch}, bf16 autocast; "
+         f"{rounds} interleaved rounds, median step time of {steps} VariationalTrainer steps after {skip}.", "",
+         "| IVON ÷ AdamW(fused), whole training step | IVON step ms | AdamW step ms | peak memory IVON − AdamW |",
+         "|---|---|---|---|",
+         f"| **{fmt_ratio(ratio)}** | {result['ms_median']['ivon']:.1f} | {result['ms_median']['adamw_fused']:.1f} | "
+         f"{result['peak_memory_ivon_minus_adamw_in_parameter_sizes']:+.2f} parameter sizes |", "",
+         "Rerun: `python benchmarks/cost.py --gpu`", ""]
+    (out_dir / "engine_gpu.md").write_text("\n".join(L))
+    print("\n".join(L))
+    return result
+
+
 def main(argv: list[str] | None = None) -> dict | None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=6)
@@ -453,7 +541,13 @@ def main(argv: list[str] | None = None) -> dict | None:
     p.add_argument("--engine", action="store_true", help="IVON engine vs AdamW on an 8.4 M MLP and ViT-small (engine.md)")
     p.add_argument("--_engine-memory-child", dest="engine_memory_child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--report", action="store_true", help="Only rewrite every cost*.md from its cost*.json.")
+    p.add_argument("--gpu", action="store_true", help="IVON vs AdamW(fused), bf16, ViT-small on a GPU (engine_gpu.md)")
+    p.add_argument("--batch", type=int, default=128, help="--gpu: batch size")
+    p.add_argument("--image-size", type=int, default=224, help="--gpu: image size (a multiple of the 16-pixel patch)")
+    p.add_argument("--out", type=Path, default=OUT_DIR, help="--gpu: folder of engine_gpu.{json,md}")
     a = p.parse_args(argv)
+    if a.gpu:
+        return engine_gpu_report(a.rounds, a.steps, a.skip, a.batch, a.image_size, a.out)
     if a.report:
         for path in sorted(OUT_DIR.glob("cost*.json")):
             path.with_suffix(".md").write_text(render(json.loads(path.read_text())))

@@ -115,6 +115,22 @@ def test_same_trajectory_as_ivon_opt(case):
         assert (unclipped[-1][0] - ours[-1][0]).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("case", [dict(), dict(samples_per_step=3), dict(clip_radius=0.02, clip_norm=1.0)],
+                         ids=["base", "accumulate3", "clip"])
+def test_accelerator_code_path_same_trajectory_as_ivon_opt(case, monkeypatch):
+    """The foreach formulation used on GPUs (no `out=` ops, 1/sqrt(h + δ) while sampling), run on the CPU."""
+    import varsmooth.posterior.optimizer as engine
+
+    monkeypatch.setattr(engine, "_per_tensor", lambda t: False)
+    torch.manual_seed(0)
+    model = MLP()
+    kw = {**IVON_KW, **case}
+    run_kw = dict(samples_per_step=kw.pop("samples_per_step", 1), clip_norm=kw.pop("clip_norm", 0.0))
+    ours, _, _ = _run(lambda g, **k: VariationalIVON(g, noise_seed=3, **k), model, STEPS, **run_kw, **kw)
+    ref, _, _ = _run(lambda g, **k: SeededIVON(g, seed=3, **k), model, STEPS, **run_kw, **kw)
+    _assert_same_trajectory(ours, ref)
+
+
 def test_mixed_dtypes_one_step_matches_ivon_opt_formulas():
     """Parameters of two dtypes in one optimizer (ivon-opt refuses): each is updated by ivon-opt's own formulas."""
     torch.manual_seed(0)
@@ -311,3 +327,35 @@ def test_fsdp2_shards_match_one_process_and_resume_from_dcp(tmp_path):
     for (p, h), (q, g) in zip(r0["resumed"], r0["trajectory"][FSDP_STEPS // 2:]):
         assert torch.equal(p, q) and torch.equal(h, g)
 
+
+
+@pytest.mark.slow
+def test_fsdp2_params_swapped_in_after_construction_train_predict_and_save(tmp_path):
+    """The Trainer's FSDP2 path without a GPU: IVON is handed the sharded parameters after construction (accelerate's
+    `prepare`), trains them like an unsharded run on the whole batches, and the posterior of the sharded model
+    predicts by BMA as the unsharded one (the samples reach FSDP2's gathered weights) and saves the same file."""
+    from safetensors import safe_open
+
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    cmd = [torchrun, "--nproc_per_node", "2", "--master_port", str(29900 + os.getpid() % 1000),
+           os.path.join(os.path.dirname(__file__), "posterior_fsdp_worker.py"), str(tmp_path)]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    r0, r1 = (torch.load(tmp_path / f"posterior_rank{r}.pt", weights_only=True) for r in range(2))
+    sharded, plain = r0["sharded"], r0["plain"]
+    torch.testing.assert_close(sharded["weights"], plain["weights"], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(sharded["hessian"], plain["hessian"], atol=1e-5, rtol=1e-5)
+    assert (plain["hessian"] - IVON_KW["hess_init"]).abs().max() > 1e-2
+    for key in ("probs", "mean_probs"):
+        torch.testing.assert_close(sharded[key], plain[key], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(r1["sharded"][key], plain[key], atol=1e-5, rtol=1e-5)
+    assert (plain["probs"] - plain["mean_probs"]).abs().max() > 1e-3  # the samples moved the prediction
+    assert sharded["restored"] and plain["restored"]
+    files = {}
+    for kind in ("sharded", "plain"):
+        with safe_open(tmp_path / kind / "posterior.safetensors", framework="pt") as f:
+            files[kind] = ({k: f.get_tensor(k) for k in f.keys()}, f.metadata()["varsmooth"])
+    assert files["sharded"][0].keys() == files["plain"][0].keys()
+    for k, v in files["plain"][0].items():
+        torch.testing.assert_close(files["sharded"][0][k], v, atol=1e-6, rtol=1e-5)

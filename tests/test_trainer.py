@@ -14,6 +14,7 @@ from transformers import HfArgumentParser
 from helpers import TinyClassifier, digits_dataset, make_args, reference_ivon_loop
 from varsmooth import VariationalTrainer, VariationalTrainingArguments
 from varsmooth.posterior import VariationalIVON
+from varsmooth.training_args import check_ivon_sharding
 
 IVON_KW = dict(lr=0.2, hess_init=0.5, beta1=0.9, beta2=0.999, wd=2e-4)
 
@@ -163,9 +164,16 @@ def test_low_precision_weights_refused(tmp_path):
         trainer.train()
 
 
-def test_fsdp_refused(tmp_path):
-    with pytest.raises(ValueError, match="not supported with FSDP or DeepSpeed"):
-        make_args(tmp_path, fsdp="full_shard")
+def test_ivon_accepts_fsdp2_and_refuses_fsdp1_and_deepspeed(tmp_path):
+    """FSDP2 (DTensor parameters) is what IVON trains sharded; FSDP1 and DeepSpeed are refused naming the fix."""
+    args = make_args(tmp_path, fsdp=True, fsdp_config={"version": 2})
+    assert args.fsdp_plugin_args["fsdp_version"] == 2
+    with pytest.raises(ValueError, match=r"IVON needs FSDP2 .* got FSDP version 1.*fsdp_config=\{'version': 2\}"):
+        make_args(tmp_path, fsdp=True, fsdp_config={"version": 1})
+    assert make_args(tmp_path, method="erm", fsdp=True, fsdp_config={"version": 1}).fsdp  # not IVON: the Trainer's affair
+    with pytest.raises(ValueError, match="not supported with DeepSpeed.*FSDP2"):
+        check_ivon_sharding(None, deepspeed=True)  # building DeepSpeed arguments needs deepspeed installed
+    check_ivon_sharding(None, deepspeed=False)
 
 
 def test_bf16_autocast_trains_and_hessian_moves(tmp_path):

@@ -48,10 +48,10 @@ from .label_noise import LabelNoiseMixin
 from .metrics import classification_metrics
 from .posterior import POSTERIOR_FILE, DiagonalGaussianPosterior, VariationalIVON, predictive_distribution, unwrap_ivon
 from .posterior.diagnostics import HessianDiagnosticsCallback, hessian_summary
-from .posterior.gaussian import TEMPERATURE_KEY
+from .posterior.gaussian import TEMPERATURE_KEY, _reshard
 from .posterior.prediction import logits_of, model_outputs
 from .posterior.temperature import PosteriorTemperatureCallback, select_trainer_temperature
-from .training_args import VariationalTrainingArguments
+from .training_args import VariationalTrainingArguments, check_ivon_sharding
 from .utils import atomic_path
 
 __all__ = ["VariationalTrainer"]
@@ -104,6 +104,9 @@ class VariationalTrainer(VariationalHubMixin, LabelNoiseMixin, Trainer):
         self.user_compute_metrics = user_metrics
         train_size = _length(self.train_dataset)
         self.method: TrainingMethod = get_method_class(args.method)(args, num_train_examples=train_size)
+        if self.method.uses_ivon:  # FSDP or DeepSpeed set up by `accelerate launch` rather than by the arguments
+            fsdp = getattr(self.accelerator.state, "fsdp_plugin", None)
+            check_ivon_sharding(getattr(fsdp, "fsdp_version", 1) if fsdp is not None else None, self.is_deepspeed_enabled)
         if self.compute_loss_func is not None and type(self.method).loss is not TrainingMethod.loss:
             raise ValueError(
                 f"compute_loss_func would replace the training loss of method={args.method!r}, which is the method "
@@ -129,6 +132,7 @@ class VariationalTrainer(VariationalHubMixin, LabelNoiseMixin, Trainer):
         self._run_files: dict[str, set[str]] = {}  # folder -> files this trainer wrote there outside `_save`
         self._staging_dir: str | None = None
         self._last_grad_norm: torch.Tensor | None = None
+        self._gathered_posterior: DiagonalGaussianPosterior | None = None  # σ gathered by save_model under FSDP
         if self.method.uses_ivon and self.optimizer is not None and not isinstance(self.optimizer, VariationalIVON):
             raise ValueError(
                 f"method={args.method!r} trains with IVON, which the trainer builds itself; got a "
@@ -161,9 +165,10 @@ class VariationalTrainer(VariationalHubMixin, LabelNoiseMixin, Trainer):
             self._ivon_param_names = [names[id(p)] for p in params]
             # the run's length (set by train() before the optimizer), for the run-length β2 rule (varsmooth.presets)
             self.method.total_steps = self.state.max_steps or None
+            # FSDP2 averages the gradients of the sharded parameters, and all ranks draw one sample (IVON's sync off)
             self.optimizer = VariationalIVON(
                 params, noise_seed=self.args.seed, rank=self.args.process_index,
-                sync=self.args.world_size > 1, **self.method.ivon_settings(),
+                sync=self.args.world_size > 1 and not self.is_fsdp_enabled, **self.method.ivon_settings(),
             )
         elif self._ivon_param_names is None:
             names = {id(p): n for n, p in self.model.named_parameters()}
@@ -254,19 +259,24 @@ class VariationalTrainer(VariationalHubMixin, LabelNoiseMixin, Trainer):
         params = [p for g in opt.param_groups for p in g["params"]]
         total = torch.zeros((), device=self.args.device)
         for _ in range(self.args.mc_samples):
-            # DDP all-reduce off for every sample: IVON(sync=True) averages g and ε⊙g over ranks in step().
-            no_sync = self.accelerator.no_sync(model) if self.args.world_size > 1 else contextlib.nullcontext()
+            # DDP all-reduce off for every sample: IVON(sync=True) averages g and ε⊙g over ranks in step(); FSDP2
+            # reduce-scatters each sample's gradient onto the shards IVON updates
+            ddp = self.args.world_size > 1 and not self.is_fsdp_enabled
+            no_sync = self.accelerator.no_sync(model) if ddp else contextlib.nullcontext()
+            if self.is_fsdp_enabled:  # IVON writes the sample into the shards: no forward may reuse gathered weights
+                _reshard(model)
             with opt.sampled_params(train=True), no_sync:
                 model.zero_grad(set_to_none=True)  # the Trainer zeroes only after step(); each sample needs its own g
                 with self.compute_loss_context_manager():
                     loss = self.compute_loss(model, dict(inputs))
+                self.accelerator.backward(loss)
+                # checked after the backward, which an accelerator then need not wait for (the check synchronizes)
                 if not torch.isfinite(loss):
                     raise FloatingPointError(
                         f"Non-finite training loss ({loss.item()}) at step {self.state.global_step}. The mean weights "
                         "were restored. Lower learning_rate, set clip_radius (e.g. 0.05) or max_grad_norm, or check "
                         "the inputs for NaNs."
                     )
-                self.accelerator.backward(loss)
                 if self.args.max_grad_norm and self.args.max_grad_norm > 0:
                     self._last_grad_norm = torch.nn.utils.clip_grad_norm_(params, self.args.max_grad_norm)
             total += loss.detach()
@@ -324,8 +334,8 @@ class VariationalTrainer(VariationalHubMixin, LabelNoiseMixin, Trainer):
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         super()._load_optimizer_and_scheduler(checkpoint)
-        if checkpoint is not None and self.ivon is not None and not all(
-                os.path.isfile(os.path.join(checkpoint, name)) for name in ("optimizer.pt", "scheduler.pt")):
+        if checkpoint is not None and self.ivon is not None and not (
+                _has_optimizer_state(checkpoint) and os.path.isfile(os.path.join(checkpoint, "scheduler.pt"))):
             self._restore_ivon_without_optimizer_state(checkpoint)
         if checkpoint is not None and os.path.isfile(os.path.join(checkpoint, METHOD_STATE_FILE)):
             state = torch.load(os.path.join(checkpoint, METHOD_STATE_FILE), map_location="cpu", weights_only=True)
@@ -435,6 +445,15 @@ class VariationalTrainer(VariationalHubMixin, LabelNoiseMixin, Trainer):
         return PredictionOutput(predictions=predictions, label_ids=output.label_ids, metrics=output.metrics)
 
     # -- saving ------------------------------------------------------------------------------------
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        # under FSDP σ and the weights are sharded: every process gathers them here, since the stock save_model
+        # may leave the writing (`_save`) to the main process alone
+        self._gathered_posterior = self.posterior().gathered() if self.is_fsdp_enabled and self.ivon is not None else None
+        try:
+            super().save_model(output_dir, _internal_call)
+        finally:
+            self._gathered_posterior = None
+
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         folder = FolderSave(output_dir).begin() if self.args.should_save else None
@@ -442,7 +461,7 @@ class VariationalTrainer(VariationalHubMixin, LabelNoiseMixin, Trainer):
         if self.args.should_save and is_peft_model(self.accelerator.unwrap_model(self.model)):
             save_classifier_config(self.accelerator.unwrap_model(self.model), output_dir)
         if self.ivon is not None and self.args.should_save:
-            self.posterior().save(output_dir)
+            (self._gathered_posterior or self.posterior()).save(output_dir)
         report = self.train_noise_report() if self.args.should_save else None
         if report is not None:
             report.save(output_dir)
@@ -535,6 +554,14 @@ def _refuse_undistributed_process_group(args: VariationalTrainingArguments) -> N
             "launch one DDP job over CPU processes (gloo); on GPUs launch one process per visible GPU "
             "(accelerate launch --multi_gpu --num_processes N, or torchrun --nproc_per_node N)."
         )
+
+
+def _has_optimizer_state(checkpoint: str) -> bool:
+    """Whether the stock Trainer finds optimizer state in `checkpoint`: optimizer.pt, or FSDP's optimizer.bin or
+    sharded optimizer folder."""
+    if any(os.path.isfile(os.path.join(checkpoint, name)) for name in ("optimizer.pt", "optimizer.bin")):
+        return True
+    return any(name.startswith("optimizer") and os.path.isdir(os.path.join(checkpoint, name)) for name in os.listdir(checkpoint))
 
 
 def _remove_checkpoint(path: str) -> None:

@@ -178,13 +178,9 @@ class VariationalTrainingArguments(TrainingArguments):
         if self.eval_mc_samples < 0:
             raise ValueError(f"eval_mc_samples must be >= 0 (0 = predict at the posterior mean), got {self.eval_mc_samples}.")
         super().__post_init__()
-        if method_cls.uses_ivon and (self.fsdp or self.deepspeed):
-            raise ValueError(
-                "IVON is not supported with FSDP or DeepSpeed in VariationalTrainer (yet): the optimizer itself "
-                "(varsmooth.VariationalIVON) trains FSDP2-sharded parameters in a hand-written loop, but the trainer's "
-                "sampling, gradient sync and posterior export are not sharded. Use DDP (torchrun / accelerate launch "
-                "--multi_gpu) instead."
-            )
+        if method_cls.uses_ivon:
+            fsdp_version = (getattr(self, "fsdp_plugin_args", None) or {}).get("fsdp_version") if self.fsdp else None
+            check_ivon_sharding(fsdp_version, bool(self.deepspeed))
 
     def to_dict(self) -> dict[str, Any]:
         """`TrainingArguments.to_dict` with `method_config` as a dict of its fields, so that `to_json_string`, the
@@ -193,3 +189,20 @@ class VariationalTrainingArguments(TrainingArguments):
         if isinstance(self.method_config, MethodConfig):
             d["method_config"] = dataclasses.asdict(self.method_config)
         return d
+
+def check_ivon_sharding(fsdp_version: int | None, deepspeed: bool) -> None:
+    """Refuse what IVON cannot train under: FSDP1 (its FlatParameters hide the per-parameter weights IVON samples
+    and keeps state for) and DeepSpeed (ZeRO steps the optimizer itself, outside IVON's weight sampling); FSDP2
+    (`fully_shard`, DTensor parameters) is supported. `fsdp_version` is None without FSDP."""
+    if deepspeed:
+        raise ValueError(
+            "IVON is not supported with DeepSpeed: ZeRO partitions and steps the optimizer itself, outside IVON's "
+            "weight sampling. Shard with FSDP2 instead (fsdp='full_shard', fsdp_config={'version': 2}; or "
+            "`accelerate launch` with fsdp_version: 2), or use DDP (accelerate launch --multi_gpu)."
+        )
+    if fsdp_version is not None and int(fsdp_version) != 2:
+        raise ValueError(
+            f"IVON needs FSDP2 (fully_shard, DTensor parameters), got FSDP version {fsdp_version}: FSDP1 flattens the "
+            "weights into FlatParameters that IVON cannot sample per parameter. Set fsdp_config={'version': 2} "
+            "(--fsdp_config '{\"version\": 2}', or fsdp_version: 2 in the accelerate config), or use DDP."
+        )

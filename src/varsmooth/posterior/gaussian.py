@@ -8,6 +8,7 @@ model reloaded from disk all sample the *same* weights for the same seed.
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import json
 import logging
@@ -22,7 +23,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..utils import atomic_path
-from .optimizer import derive_seed
+from .optimizer import DTensor, _local, _local_slice, _whole, derive_seed
 
 __all__ = ["POSTERIOR_FILE", "DiagonalGaussianPosterior", "std_summary", "weights_fingerprint"]
 
@@ -39,12 +40,13 @@ def weights_fingerprint(model: torch.nn.Module, names: Iterable[str]) -> str:
     """SHA-256 over the names, dtypes, shapes and raw bytes of `model`'s parameters `names` (sorted).
 
     It binds a saved σ to the mean weights it was learned with; it costs one pass over the weights (25M float32
-    parameters, 100 MB: 0.7 s on a shared CPU core), paid at each save and load.
+    parameters, 100 MB: 0.7 s on a shared CPU core), paid at each save and load. Sharded (FSDP2 DTensor) parameters
+    are gathered: every process must call it then.
     """
     params = dict(model.named_parameters())
     digest = hashlib.sha256()
     for name in sorted(names):
-        t = params[name].detach().to("cpu").contiguous().reshape(-1)
+        t = _whole(params[name].detach()).to("cpu").contiguous().reshape(-1)
         digest.update(f"{name}|{t.dtype}|{tuple(params[name].shape)}|".encode())
         digest.update(t.view(torch.uint8).numpy())
     return digest.hexdigest()
@@ -52,8 +54,8 @@ def weights_fingerprint(model: torch.nn.Module, names: Iterable[str]) -> str:
 
 def std_summary(stds: Iterable[torch.Tensor]) -> dict[str, float]:
     """Mean and median of every entry of the posterior standard deviations `stds` (the σ numbers of training logs
-    and label-noise summaries)."""
-    flat = torch.cat([s.flatten().float() for s in stds])
+    and label-noise summaries); FSDP2-sharded (DTensor) ones are gathered whole first."""
+    flat = torch.cat([_whole(s).flatten().float() for s in stds])
     return {"posterior_std_mean": flat.mean().item(), "posterior_std_median": flat.median().item()}
 
 
@@ -93,6 +95,7 @@ class DiagonalGaussianPosterior:
         self.cache_bytes = cache_bytes
         self._cache: dict[int, list[torch.Tensor]] = {}
         self._cache_used = 0
+        self._fingerprint: str | None = None  # set by `gathered`
 
     # -- construction ------------------------------------------------------------------------------
     @classmethod
@@ -162,8 +165,18 @@ class DiagonalGaussianPosterior:
                 f"{POSTERIOR_FILE} to predict at the weights."
             )
 
+    def gathered(self) -> "DiagonalGaussianPosterior":
+        """This posterior with whole σ and the weights' fingerprint taken now, for one process to `save` alone: for
+        sharded (FSDP2 DTensor) parameters this gathers, and every process must call it. (Sample from the original.)"""
+        out = copy.copy(self)
+        out.std = {name: _whole(s.detach()) for name, s in self.std.items()}
+        out._fingerprint = weights_fingerprint(self.model, self.names)
+        out._cache, out._cache_used = {}, 0
+        return out
+
     def save(self, path: str | os.PathLike) -> str:
-        """Write σ as safetensors (whole file or nothing) with the metadata as JSON."""
+        """Write σ as safetensors (whole file or nothing) with the metadata as JSON. Sharded σ and weights are
+        gathered (a collective): in an FSDP run, every process calls `gathered()` and the main one saves that."""
         if os.path.isdir(path):
             path = os.path.join(path, POSTERIOR_FILE)
         from ..adapters import saved_names
@@ -171,9 +184,10 @@ class DiagonalGaussianPosterior:
         # an adapter's σ under the keys of the adapter weights in peft's adapter_model.safetensors
         key = saved_names(self.model, self.names)
         # IVON's parameters are views of one flat storage: clone so safetensors accepts them.
-        tensors = {key[name]: s.detach().to("cpu").clone().contiguous() for name, s in self.std.items()}
+        tensors = {key[name]: _whole(s.detach()).to("cpu").clone().contiguous() for name, s in self.std.items()}
         params = dict(self.model.named_parameters())
-        binding = {"parameters": [key[name] for name in self.names], "weights_sha256": weights_fingerprint(self.model, self.names),
+        fingerprint = self._fingerprint if self._fingerprint is not None else weights_fingerprint(self.model, self.names)
+        binding = {"parameters": [key[name] for name in self.names], "weights_sha256": fingerprint,
                    "weights_dtype": str(params[self.names[0]].dtype) if self.names else None}
         with atomic_path(path) as tmp:
             save_file(tensors, tmp, metadata={"format": "pt", "varsmooth": json.dumps({**self.metadata, **binding})})
@@ -210,7 +224,11 @@ class DiagonalGaussianPosterior:
             p = params[name]
             gen = generators.setdefault(p.device, torch.Generator(device=p.device))
             gen.manual_seed(derive_seed(seed, index))
-            perturbation.append(torch.randn(p.shape, generator=gen, device=p.device, dtype=p.dtype) * self.std[name])
+            e = torch.randn(p.shape, generator=gen, device=p.device, dtype=p.dtype)
+            if isinstance(p, DTensor):  # every rank draws e whole and keeps its shard of σ⊙e: one global draw
+                perturbation.append(_local_slice(p, e) * _local(self.std[name]))
+            else:
+                perturbation.append(e * self.std[name])
         size = sum(t.numel() * t.element_size() for t in perturbation)
         if self._cache_used + size <= self.cache_bytes:
             self._cache[seed] = perturbation
@@ -237,6 +255,9 @@ class DiagonalGaussianPosterior:
         The draw depends on the seed, the parameter order and the device only — not on batch size or on
         the global RNG — so the s-th sample of an evaluation is the same model on every batch.
         """
+        sharded = any(isinstance(s, DTensor) for s in self.std.values())
+        if sharded:  # after a forward FSDP2 registers its gathered weights as the parameters, until it reshards
+            _reshard(self.model)
         params = dict(self.model.named_parameters())
         saved: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
         try:
@@ -244,18 +265,39 @@ class DiagonalGaussianPosterior:
                 temperature = self.temperature
                 for name, delta in zip(self.names, self._perturbation(seed, params)):
                     p = params[name]
+                    delta = delta if temperature == 1.0 else temperature * delta
+                    if isinstance(p, DTensor):  # FSDP2 gathers from the shard's storage: change it in place
+                        saved.append((p, _local(p).clone()))
+                        _local(p).add_(delta)
+                        continue
                     saved.append((p, p.data))
                     # the cache holds σ⊙e: τ is applied here, so changing τ reuses the same draws e
-                    p.data = p.data + (delta if temperature == 1.0 else temperature * delta)
+                    p.data = p.data + delta
             yield
         finally:
-            for p, mean in saved:
-                p.data = mean
+            with torch.no_grad():
+                for p, mean in saved:
+                    if isinstance(p, DTensor):
+                        _local(p).copy_(mean)
+                    else:
+                        p.data = mean
+            if sharded:  # the forwards gathered the sample: the next one must gather the mean
+                _reshard(self.model)
 
     def summary(self) -> dict[str, float]:
         if self.is_point_mass:
             return {}
         return {**std_summary(self.std.values()), TEMPERATURE_KEY: self.temperature}
+
+
+def _reshard(model: torch.nn.Module) -> None:
+    """Drop the gathered weights FSDP2 keeps after a forward without backward (the root module's, always), so the
+    next forward gathers the shards again: after their weights changed in place it would use the old ones."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def _check_std(path: str, std: Mapping[str, torch.Tensor], metadata: Mapping[str, Any]) -> None:

@@ -59,6 +59,34 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor gathered into one plain tensor on every rank (a collective), else the tensor itself."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _local_slice(t: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
+    """This rank's part of `whole`, a tensor of the global shape of `t` (a DTensor) that every rank holds."""
+    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return whole[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
+
+
+def _per_tensor(t: torch.Tensor) -> bool:
+    """Whether ops with `out=` go tensor by tensor (the CPU, whose foreach ops loop over the tensors anyway, so that
+    one pass writes the result) rather than as a few foreach launches (accelerators, where one launch per tensor
+    would cost more than the extra memory traffic)."""
+    return t.device.type == "cpu"
+
+
+def _add_scalar_into(out: list[torch.Tensor], tensors: list[torch.Tensor], scalar: float) -> None:
+    """out ← tensors + scalar (see `_per_tensor`)."""
+    if _per_tensor(out[0]):
+        for o, t in zip(out, tensors):
+            torch.add(t, scalar, out=o)
+    else:
+        torch._foreach_copy_(out, tensors)
+        torch._foreach_add_(out, scalar)
+
+
 def _buckets(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     """`params` split by (device, dtype): `torch._foreach_*` fast paths need one of each per call."""
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
@@ -121,13 +149,13 @@ class VariationalIVON(torch.optim.Optimizer):
         self._count = 0  # MC samples recorded since the last step
         self._sampling = False
         self._perturbed: list[list[torch.Tensor]] = []  # buckets whose weights hold a sample (mean saved)
-        # Per-parameter scratch, allocated once and reused, since fresh parameter-sized tensors cost page faults
-        # on the CPU at every step: "mean" (m while the parameter holds θ), "noise" (e, then e⊙g), "avg_nxg"
-        # (mean of e⊙g; shares the noise buffer after the first sample), "avg_grad" (ḡ; a copy, since the Trainer
-        # rescales gradients in place between the sample and the step, by 1.0 when it only measures their norm)
-        # and "std" (sqrt(h + δ), refreshed when h changes, so that a sample costs one draw and three passes).
+        # Per-parameter scratch, allocated once and reused (fresh parameter-sized tensors cost page faults on the CPU
+        # at every step): "mean" (m while the parameter holds θ; the step's scratch afterwards), "noise" (e, then
+        # e⊙g, which is mean(e⊙g) after one sample) and, with several samples per step, "avg_nxg" (the running mean
+        # of e⊙g) and "avg_grad" (the running ḡ). With one sample ḡ is the gradient tensor itself, read at step():
+        # besides momentum and Hessian, IVON then holds two parameter-sized buffers, one more than AdamW's peak.
         self._buffers: dict[torch.Tensor, dict[str, torch.Tensor | None]] = {}
-        self._std_wd: dict[torch.Tensor, float] = {}  # the δ each "std" buffer was computed with
+        self._avg_grad: dict[torch.Tensor, torch.Tensor] = {}  # ḡ per parameter: p.grad of the sample, or "avg_grad"
         self._generators: dict[torch.device, torch.Generator] = {}
         super().__init__(params, defaults)
 
@@ -147,8 +175,32 @@ class VariationalIVON(torch.optim.Optimizer):
             if self.sync and isinstance(p, DTensor):
                 raise ValueError("sync=True averages whole gradients over the ranks, but this parameter is sharded "
                                  "(a DTensor, e.g. under FSDP2), whose gradients are already averaged: use sync=False.")
-            self.state[p]["momentum"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            self.state[p]["hess"] = torch.full_like(p, group["hess_init"], memory_format=torch.preserve_format)
+            self._init_state(group, p)
+
+    def _init_state(self, group: dict[str, Any], p: torch.Tensor) -> None:
+        self.state[p]["momentum"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        self.state[p]["hess"] = torch.full_like(p, group["hess_init"], memory_format=torch.preserve_format)
+
+    def _follow_replaced_params(self) -> None:
+        """Fresh state for parameters that replaced those IVON was built with, whose state is dropped: accelerate's
+        FSDP2 `prepare` swaps the sharded DTensor parameters into `param_groups` of an optimizer built before it."""
+        params = [(g, p) for g in self.param_groups for p in g["params"]]
+        if len(self.state) == len(params) and all(p in self.state for _, p in params):
+            return
+        if self._count:
+            raise RuntimeError("IVON's parameters were replaced between a gradient sample and step(): replace them "
+                               "(e.g. accelerator.prepare) before training starts.")
+        current = {p for _, p in params}
+        for p in [p for p in self.state if p not in current]:
+            del self.state[p]
+            self._buffers.pop(p, None)
+        for group, p in params:
+            if "hess" not in self.state.get(p, {}):
+                if self.sync and isinstance(p, DTensor):
+                    raise ValueError("sync=True averages whole gradients over the ranks, but the parameters are now "
+                                     "sharded (DTensors, e.g. under FSDP2), whose gradients are already averaged: "
+                                     "use sync=False.")
+                self._init_state(group, p)
 
     def _buffer(self, params: list[torch.Tensor], name: str) -> list[torch.Tensor]:
         out = []
@@ -160,18 +212,6 @@ class VariationalIVON(torch.optim.Optimizer):
                 slots[name] = torch.empty_like(_local(p), memory_format=layout)
             out.append(slots[name])
         return out
-
-    def _std(self, group: dict[str, Any], params: list[torch.Tensor]) -> list[torch.Tensor]:
-        """sqrt(h + δ) per parameter (σ = that / sqrt(ess) inverted), recomputed only when h or δ changed."""
-        wd = group["weight_decay"]
-        stale = [p for p in params if self._std_wd.get(p) != wd or self._buffers.get(p, {}).get("std") is None]
-        if stale:
-            std = self._buffer(stale, "std")
-            for out, p in zip(std, stale):
-                torch.add(_local(self.state[p]["hess"]), wd, out=out)
-            torch._foreach_sqrt_(std)
-            self._std_wd.update((p, wd) for p in stale)
-        return self._buffer(params, "std")
 
     # -- sampling ----------------------------------------------------------------------------------
     def _draw_noise(self, params: list[torch.Tensor], indices: list[int]) -> list[torch.Tensor]:
@@ -191,27 +231,46 @@ class VariationalIVON(torch.optim.Optimizer):
             rank = 0 if isinstance(p, DTensor) else self.rank
             gen.manual_seed(derive_seed(self.noise_seed, rank, self.current_step, self._draws_since_step, index))
             if isinstance(p, DTensor):
-                full = torch.empty(p.shape, dtype=e.dtype, device=e.device).normal_(generator=gen)
-                shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
-                e.copy_(full[tuple(slice(o, o + n) for o, n in zip(offset, shape))])
+                e.copy_(_local_slice(p, torch.empty(p.shape, dtype=e.dtype, device=e.device).normal_(generator=gen)))
             else:
                 e.normal_(generator=gen)
         return noises
 
     @torch.no_grad()
     def _sample_params(self) -> None:
+        self._follow_replaced_params()
+        if self._count:  # a further sample of this step: its backward may zero the gradient that holds ḡ so far
+            self._own_avg_grad()
         index = 0
         for group in self.param_groups:
             indices = {p: index + i for i, p in enumerate(group["params"])}
             index += len(group["params"])
             for params in _buckets(group["params"]):
-                torch._foreach_copy_(self._buffer(params, "mean"), [_local(p) for p in params])
+                weights = [_local(p) for p in params]
+                means = self._buffer(params, "mean")
+                torch._foreach_copy_(means, weights)
                 self._perturbed.append(params)
                 noise = self._draw_noise(params, [indices[p] for p in params])
-                # θ = m + σ⊙e with σ = 1/sqrt(ess (h + δ))
-                torch._foreach_addcdiv_([_local(p) for p in params], noise, self._std(group, params),
-                                        value=group["ess"] ** -0.5)
+                # θ = m + σ⊙e with σ = 1/sqrt(ess (h + δ)), computed in the parameter itself (no σ buffer)
+                _add_scalar_into(weights, [_local(self.state[p]["hess"]) for p in params], group["weight_decay"])
+                if _per_tensor(weights[0]):
+                    torch._foreach_sqrt_(weights)
+                    for w, m, e in zip(weights, means, noise):
+                        torch.addcdiv(m, e, w, value=group["ess"] ** -0.5, out=w)
+                else:  # few kernel launches: the same value through 1/sqrt(h + δ)
+                    torch._foreach_rsqrt_(weights)
+                    torch._foreach_mul_(weights, noise)
+                    torch._foreach_mul_(weights, group["ess"] ** -0.5)
+                    torch._foreach_add_(weights, means)
         self._draws_since_step += 1
+
+    def _own_avg_grad(self) -> None:
+        """ḡ of the samples so far into the "avg_grad" buffers (with one sample it is the gradient tensor itself)."""
+        for p, grad in list(self._avg_grad.items()):
+            own = self._buffer([p], "avg_grad")[0]
+            if grad is not own:
+                own.copy_(grad)
+                self._avg_grad[p] = own
 
     @torch.no_grad()
     def _restore_param_average(self, train: bool) -> None:
@@ -231,21 +290,15 @@ class VariationalIVON(torch.optim.Optimizer):
             nxg = self._buffer(bucket, "noise")
             torch._foreach_mul_(nxg, grads)  # e⊙g
             if count == 1:
-                torch._foreach_copy_(self._buffer(bucket, "avg_grad"), grads)
+                # ḡ is the gradient itself until a further sample (or step) needs it: no copy
+                self._avg_grad.update(zip(bucket, grads))
                 for p in bucket:  # the product is the average: its buffer changes role, no copy
                     slots = self._buffers[p]
                     slots["avg_nxg"], slots["noise"] = slots["noise"], slots.get("avg_nxg")
                 continue
-            # Welford means over the samples of this step, as ivon-opt averages them
-            avg_nxg = self._buffer(bucket, "avg_nxg")
-            torch._foreach_sub_(nxg, avg_nxg)
-            torch._foreach_div_(nxg, count)
-            torch._foreach_add_(avg_nxg, nxg)
-            delta, avg_grad = nxg, self._buffer(bucket, "avg_grad")  # the noise buffer is free again
-            torch._foreach_copy_(delta, grads)
-            torch._foreach_sub_(delta, avg_grad)
-            torch._foreach_div_(delta, count)
-            torch._foreach_add_(avg_grad, delta)
+            # running means over the samples of this step, a + (x - a)/count as ivon-opt's Welford mean
+            torch._foreach_lerp_(self._buffer(bucket, "avg_nxg"), nxg, 1.0 / count)
+            torch._foreach_lerp_([self._avg_grad[p] for p in bucket], grads, 1.0 / count)
         self._count = count
 
     @contextlib.contextmanager
@@ -254,7 +307,8 @@ class VariationalIVON(torch.optim.Optimizer):
 
         With `train=True` the gradients present at exit are recorded as one MC sample (Alg. 1 lines 2-4): forward
         and backward must both run inside the body. If the body raises, the mean weights are restored and the
-        sample is not recorded.
+        sample is not recorded. With one sample per step, `step()` reads ḡ from the gradient tensors (no copy):
+        change them in place (e.g. clip) inside the body, not between the body and `step()`.
         """
         if self._sampling:
             raise RuntimeError("sampled_params() is already active: IVON samples one set of weights at a time.")
@@ -294,6 +348,7 @@ class VariationalIVON(torch.optim.Optimizer):
         for slots in self._buffers.values():  # the average's buffer becomes the next step's noise buffer
             if slots.get("noise") is None:
                 slots["noise"], slots["avg_nxg"] = slots.get("avg_nxg"), None
+        self._avg_grad.clear()
         self._count = 0
         self._draws_since_step = 0
         return loss
@@ -303,37 +358,35 @@ class VariationalIVON(torch.optim.Optimizer):
         world = dist.get_world_size()
         params = [p for g in self.param_groups for p in g["params"]]
         for bucket in _buckets(params):
-            tensors = self._buffer(bucket, "avg_grad") + self._buffer(bucket, "avg_nxg")
+            tensors = [self._avg_grad[p] for p in bucket] + self._buffer(bucket, "avg_nxg")
             flat = _flatten_dense_tensors(tensors)
             dist.all_reduce(flat)
             flat.div_(world)
             torch._foreach_copy_(tensors, _unflatten_dense_tensors(flat, tensors))
 
     def _update(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
+        """One IVON step of a bucket in 9 in-place passes (the CPU's memory traffic is the cost), with the buffer of
+        the mean weights (free until the next sample) and that of mean(e⊙g) as scratch."""
         b1, b2, wd, ess = group["beta1"], group["beta2"], group["weight_decay"], group["ess"]
+        weights = [_local(p) for p in params]
         momentum = [_local(self.state[p]["momentum"]) for p in params]
         hess = [_local(self.state[p]["hess"]) for p in params]
-        grad, nxg, std = self._buffer(params, "avg_grad"), self._buffer(params, "avg_nxg"), self._std(group, params)
+        grad = [self._avg_grad[p] for p in params]
+        nxg, scratch = self._buffer(params, "avg_nxg"), self._buffer(params, "mean")
         # m ← β1 m + (1-β1) ḡ
         torch._foreach_lerp_(momentum, grad, 1.0 - b1)
-        # h ← β2 h + (1-β2) f + ½(1-β2)² (h-f)²/(h+δ), with the 'price' estimate f = ess (h+δ) mean(σ⊙e⊙g)
-        # = sqrt(ess) s mean(e⊙g) where s = sqrt(h+δ): written as h + (1-β2) d + ½(1-β2)² d²/s² with d = f - h,
-        # computed in the buffer of mean(e⊙g) as d/sqrt(ess) and then d/(sqrt(ess) s)
-        root = math.sqrt(ess)
-        torch._foreach_mul_(nxg, std)
-        torch._foreach_add_(nxg, hess, alpha=-1.0 / root)
-        torch._foreach_add_(hess, nxg, alpha=(1.0 - b2) * root)
-        torch._foreach_div_(nxg, std)
-        torch._foreach_addcmul_(hess, nxg, nxg, value=0.5 * (1.0 - b2) ** 2 * ess)
-        # h + δ for the update, in the buffer of s, which becomes sqrt(h + δ) for the next samples at the end
-        hess_wd = std
-        for p in params:  # stale until the sqrt below
-            self._std_wd.pop(p, None)
-        for out, h in zip(hess_wd, hess):
-            torch.add(h, wd, out=out)
-        self._update_mean(group, [_local(p) for p in params], momentum, nxg, hess_wd)
-        torch._foreach_sqrt_(std)
-        self._std_wd.update((p, wd) for p in params)
+        if b2 < 1.0:  # with β2 = 1 the Hessian stays h
+            # h ← β2 h + (1-β2) f + ½(1-β2)² (h-f)²/(h+δ), with the 'price' estimate f = ess (h+δ) mean(σ⊙e⊙g)
+            # = r s n (r = sqrt(ess), s = sqrt(h+δ), n = mean(e⊙g)). With q = n - h/(r s), f - h = r s q, so
+            # h ← h + (1-β2) r s q + ½(1-β2)² r² q² = h + (1-β2) r q (s + ½(1-β2) r q)
+            root = math.sqrt(ess)
+            _add_scalar_into(scratch, hess, wd)
+            torch._foreach_sqrt_(scratch)
+            torch._foreach_addcdiv_(nxg, hess, scratch, value=-1.0 / root)
+            torch._foreach_add_(scratch, nxg, alpha=0.5 * (1.0 - b2) * root)
+            torch._foreach_addcmul_(hess, nxg, scratch, value=(1.0 - b2) * root)
+        _add_scalar_into(scratch, hess, wd)
+        self._update_mean(group, weights, momentum, nxg, scratch)
 
     def _update_mean(self, group: dict[str, Any], params: list[torch.Tensor], momentum: list[torch.Tensor],
                      scratch: list[torch.Tensor], hess_wd: list[torch.Tensor]) -> None:
@@ -341,30 +394,36 @@ class VariationalIVON(torch.optim.Optimizer):
         # m ← m - lr' clip((m̂ + δ m)/(h + δ), ±r), with m̂ the debiased momentum and lr' = lr (h0 + δ) if rescaled
         debias = 1.0 - group["beta1"] ** self.current_step if self.debias else 1.0
         lr = group["lr"] * (group["hess_init"] + wd) if self.rescale_lr else group["lr"]
-        # (m̂ + δ m) debias = m + δ debias m, in a free buffer; one pass per parameter (foreach has no `out=`)
+        # (m̂ + δ m) debias = m + δ debias m, in a free buffer
         direction = scratch
-        for out, mom, p in zip(direction, momentum, params):
-            torch.add(mom, p, alpha=wd * debias, out=out)
+        if _per_tensor(direction[0]):
+            for out, mom, p in zip(direction, momentum, params):
+                torch.add(mom, p, alpha=wd * debias, out=out)
+        else:
+            torch._foreach_copy_(direction, momentum)
+            torch._foreach_add_(direction, params, alpha=wd * debias)
         if math.isinf(group["clip_radius"]):
             torch._foreach_addcdiv_(params, direction, hess_wd, value=-lr / debias)
             return
+        # clip(x / debias, ±r) = clip(x, ±r debias) / debias
         torch._foreach_div_(direction, hess_wd)
-        torch._foreach_div_(direction, debias)
-        torch._foreach_clamp_min_(direction, -group["clip_radius"])
-        torch._foreach_clamp_max_(direction, group["clip_radius"])
-        torch._foreach_add_(params, direction, alpha=-lr)
+        torch._foreach_clamp_min_(direction, -group["clip_radius"] * debias)
+        torch._foreach_clamp_max_(direction, group["clip_radius"] * debias)
+        torch._foreach_add_(params, direction, alpha=-lr / debias)
 
     # -- posterior ---------------------------------------------------------------------------------
     def posterior_std(self) -> list[torch.Tensor]:
         """σ = 1/sqrt(ess·(h + δ)) for each parameter, in `param_groups` order (Alg. 1 line 2)."""
+        self._follow_replaced_params()
         return [(g["ess"] * (self.state[p]["hess"] + g["weight_decay"])).rsqrt() for g in self.param_groups
                 for p in g["params"]]
 
     def hessian(self) -> torch.Tensor:
         """All parameters' h, flattened in `param_groups` order, on the first parameter's device (sharded
         parameters are gathered whole: a collective, which every rank must call)."""
+        self._follow_replaced_params()
         hess = [self.state[p]["hess"] for g in self.param_groups for p in g["params"]]
-        hess = [(h.full_tensor() if isinstance(h, DTensor) else h).flatten() for h in hess]
+        hess = [_whole(h).flatten() for h in hess]
         return torch.cat([h.to(hess[0].device) for h in hess]) if hess else torch.zeros(0)
 
     def restore_from_posterior(self, stds: list[torch.Tensor], step: int) -> None:
@@ -373,6 +432,7 @@ class VariationalIVON(torch.optim.Optimizer):
         order, whole (unsharded) parameters."""
         if self._sampling:
             raise RuntimeError("restore_from_posterior() inside sampled_params(): restore between optimizer steps.")
+        self._follow_replaced_params()
         params = [(g, p) for g in self.param_groups for p in g["params"]]
         if len(stds) != len(params):
             raise ValueError(f"Got {len(stds)} posterior stds for the {len(params)} parameters IVON trains.")
@@ -387,12 +447,13 @@ class VariationalIVON(torch.optim.Optimizer):
         self.current_step = int(step)
         self._draws_since_step = 0
         self._count = 0
-        self._std_wd.clear()  # sqrt(h + δ) is recomputed from the restored h
+        self._avg_grad.clear()
 
     # -- checkpointing -----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         if self._sampling:
             raise RuntimeError("state_dict() inside sampled_params(): the parameters hold a sample, not the mean.")
+        self._follow_replaced_params()
         state_dict = super().state_dict()
         # in every param group, since torch.distributed.checkpoint keeps only "state" and "param_groups"
         for group in state_dict["param_groups"]:
@@ -403,6 +464,7 @@ class VariationalIVON(torch.optim.Optimizer):
         """Loads a checkpoint of this class, or of the earlier ivon-opt based one (flat `hess`/`momentum` per group)."""
         if self._sampling:
             raise RuntimeError("load_state_dict() inside sampled_params(): load between optimizer steps.")
+        self._follow_replaced_params()
         if "count" in state_dict["state"] or any("hess" in g for g in state_dict["param_groups"]):
             state_dict, step = self._from_flat_checkpoint(state_dict)
         else:
@@ -421,7 +483,7 @@ class VariationalIVON(torch.optim.Optimizer):
             self.current_step = int(step)
         self._draws_since_step = 0
         self._count = 0
-        self._std_wd.clear()  # s = sqrt(h + δ) is recomputed from the loaded h
+        self._avg_grad.clear()
 
     def _from_flat_checkpoint(self, state_dict: dict[str, Any]) -> tuple[dict[str, Any], int | None]:
         """ivon-opt's layout (one flat hess/momentum vector per group) split into per-parameter state."""

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# GPU checks of issue 20 in one go (about 4 minutes on one H200/H100): the CUDA tests (tests/test_cuda.py, with the
+# one-GPU FSDP2 training through VariationalTrainer) and the GPU cost of IVON against AdamW(fused) with bf16
+# autocast (benchmarks/cost.py --gpu). Needs no network. Logs and results go to $OUT.
+#
+#   PYTHONPATH=src OUT=/some/folder bash benchmarks/gpu_check.sh
+#   DRY=1 PYTHONPATH=src bash benchmarks/gpu_check.sh     # without a GPU: tiny sizes, checks that the script runs
+set -u
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python}
+DRY=${DRY:-0}
+OUT=${OUT:-$(mktemp -d)}
+mkdir -p "$OUT"
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+status=0
+
+step() {  # step NAME SECONDS CMD...: run with a time limit, log to $OUT/NAME.log, record the exit status
+  local name=$1 limit=$2; shift 2
+  local start=$SECONDS
+  timeout --kill-after=10 "$limit" "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "$name: exit $rc after $((SECONDS - start)) s (limit $limit s)" | tee -a "$OUT/summary.txt"
+  [ $rc -eq 0 ] || status=1
+}
+
+{
+  date -u
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null || echo "nvidia-smi: none"
+  $PY - <<'PY'
+import importlib
+for name in ("torch", "transformers", "accelerate", "datasets", "ivon", "sklearn", "safetensors", "varsmooth"):
+    try:
+        module = importlib.import_module(name)
+        print(name, getattr(module, "__version__", "?"), getattr(module, "__file__", ""))
+    except Exception as error:  # a missing package is reported, the checks then fail with its name
+        print(name, "MISSING:", error)
+import torch
+print("cuda", torch.cuda.is_available(), torch.cuda.get_device_name() if torch.cuda.is_available() else "")
+PY
+} >"$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+
+if [ "$DRY" = 1 ]; then
+  step test_cuda 150 $PY -m pytest -q -rs tests/test_cuda.py
+  step cost_gpu 300 $PY benchmarks/cost.py --gpu --rounds 2 --steps 3 --skip 1 --batch 2 --image-size 32 --out "$OUT/cost"
+else
+  step test_cuda 140 $PY -m pytest -q -rs --junitxml="$OUT/test_cuda.xml" tests/test_cuda.py
+  step cost_gpu 95 $PY benchmarks/cost.py --gpu --rounds 3 --steps 30 --skip 8 --batch 128 --image-size 224 --out "$OUT/cost"
+fi
+tail -n 3 "$OUT/test_cuda.log"
+cat "$OUT/cost/engine_gpu.md" 2>/dev/null || tail -n 20 "$OUT/cost_gpu.log"
+cat "$OUT/summary.txt"
+exit $status

@@ -1,0 +1,50 @@
+"""Run by tests/test_cuda.py under `torchrun --nproc_per_node 1`: VariationalTrainer with FSDP2 on one GPU.
+
+Trains the model of `fsdp_setup()` (the test builds the same one without FSDP), evaluates by BMA and saves model and
+posterior with `save_model`; writes the weights, the Hessian and the metrics for the test to compare.
+"""
+
+import os
+import sys
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from helpers import digits_dataset, make_args  # noqa: E402
+from varsmooth import VariationalTrainer  # noqa: E402
+
+FSDP_STEPS = 8
+
+
+def fsdp_setup(out: str, **kw):
+    """(model, dataset, args) of the FSDP comparison: a tiny ResNet on the digits, fp32, without TF32."""
+    from transformers import ResNetConfig, ResNetForImageClassification
+
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cudnn.deterministic = True
+    config = ResNetConfig(num_channels=1, embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], layer_type="basic",
+                          downsample_in_first_stage=False, num_labels=10)
+    ds = digits_dataset(256).map(lambda b: {"pixel_values": np.asarray(b["pixel_values"])[:, None]}, batched=True)
+    torch.manual_seed(0)
+    args = make_args(out, use_cpu=False, max_steps=FSDP_STEPS, per_device_train_batch_size=16, mc_samples=2,
+                     eval_mc_samples=4, lr_scheduler_type="constant", train_sampling_strategy="sequential", **kw)
+    return ResNetForImageClassification(config), ds.with_format("torch"), args
+
+
+def main(out: str) -> None:
+    # the string form of `fsdp` works in every transformers 5.x (`fsdp=True` only in later ones)
+    model, ds, args = fsdp_setup(os.path.join(out, "run"), fsdp="full_shard", fsdp_config={"version": 2})
+    trainer = VariationalTrainer(model=model, args=args, train_dataset=ds, eval_dataset=ds)
+    trainer.train()
+    assert trainer.is_fsdp_enabled and type(next(trainer.model.parameters())).__name__ == "DTensor"
+    metrics = trainer.evaluate()
+    trainer.save_model(os.path.join(out, "model"))
+    weights = {n: p.full_tensor().cpu() for n, p in trainer.model.named_parameters()}
+    torch.save({"weights": weights, "hessian": trainer.ivon.hessian().cpu(), "metrics": metrics,
+                "step": trainer.ivon.current_step}, os.path.join(out, "fsdp.pt"))
+    trainer.accelerator.end_training()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
