@@ -184,14 +184,20 @@ def test_fsdp2_training_matches_unsharded_run_and_saves(tmp_path):
         torch.testing.assert_close(fsdp["weights"][name], p.detach().cpu(), atol=1e-5, rtol=1e-5, msg=name)
     torch.testing.assert_close(fsdp["hessian"], trainer.ivon.hessian().cpu(), atol=1e-5, rtol=1e-5)
     assert (trainer.ivon.hessian() - trainer.ivon.param_groups[0]["hess_init"]).abs().max() > 1e-4
-    assert abs(fsdp["metrics"]["eval_loss"] - metrics["eval_loss"]) < 1e-4
+    assert abs(fsdp["metrics"]["eval_loss"] - metrics["eval_loss"]) < 1e-4  # BMA: posterior_temperature 1
 
-    loaded = {kind: VariationalModel.from_pretrained(tmp_path / folder, num_samples=0)
-              for kind, folder in (("fsdp", "fsdp/model"), ("plain", "plain_model"))}
-    for (name, a), (_, b) in zip(loaded["fsdp"].model.named_parameters(), loaded["plain"].model.named_parameters()):
+    from safetensors.torch import load_file
+
+    from helpers import TinyClassifier
+
+    loaded = {}
+    for kind, folder in (("fsdp", "fsdp/model"), ("plain", "plain_model")):
+        model = TinyClassifier(hidden=32)
+        model.load_state_dict(load_file(str(tmp_path / folder / "model.safetensors")))
+        loaded[kind] = (model, load_posterior(model, tmp_path / folder).std)  # checks the weights' fingerprint too
+    for (name, a), (_, b) in zip(loaded["fsdp"][0].named_parameters(), loaded["plain"][0].named_parameters()):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=name)
-    stds = {kind: load_posterior(m.model, tmp_path / folder).std
-            for (kind, m), folder in zip(loaded.items(), ("fsdp/model", "plain_model"))}
+    stds = {kind: std for kind, (_, std) in loaded.items()}
     assert stds["fsdp"].keys() == stds["plain"].keys() and stds["plain"]
     for name, s in stds["plain"].items():
         torch.testing.assert_close(stds["fsdp"][name], s, atol=1e-6, rtol=1e-5, msg=name)

@@ -11,25 +11,28 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from helpers import digits_dataset, make_args  # noqa: E402
+from helpers import TinyClassifier, digits_dataset, make_args  # noqa: E402
 from varsmooth import VariationalTrainer  # noqa: E402
 
 FSDP_STEPS = 8
 
 
 def fsdp_setup(out: str, **kw):
-    """(model, dataset, args) of the FSDP comparison: a tiny ResNet on the digits, fp32, without TF32."""
-    from transformers import ResNetConfig, ResNetForImageClassification
+    """(model, dataset, args) of the FSDP comparison: a small MLP on the digits, fp32, without TF32.
+
+    A plain `nn.Module`: with torch 2.11, transformers 5.17 and accelerate 1.15 (an H200, 2026-11), accelerate's FSDP2
+    preparation fails before training on HF image models — it calls `get_input_embeddings()`, which HF's ResNet
+    raises on, and shards a ViT's patch embeddings a second time (torch: "value was None" in DeviceMesh._concatenate).
+    Neither involves varsmooth; with a plain module the same Trainer path trains, evaluates and saves."""
 
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     torch.backends.cudnn.deterministic = True
-    config = ResNetConfig(num_channels=1, embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], layer_type="basic",
-                          downsample_in_first_stage=False, num_labels=10)
     ds = digits_dataset(256).map(lambda b: {"pixel_values": np.asarray(b["pixel_values"])[:, None]}, batched=True)
     torch.manual_seed(0)
     args = make_args(out, use_cpu=False, max_steps=FSDP_STEPS, per_device_train_batch_size=16, mc_samples=2,
-                     eval_mc_samples=4, lr_scheduler_type="constant", train_sampling_strategy="sequential", **kw)
-    return ResNetForImageClassification(config), ds.with_format("torch"), args
+                     eval_mc_samples=4, lr_scheduler_type="constant", train_sampling_strategy="sequential", beta2=0.99,
+                     posterior_temperature=1.0, **kw)
+    return TinyClassifier(hidden=32), ds.with_format("torch"), args
 
 
 def main(out: str) -> None:
