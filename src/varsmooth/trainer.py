@@ -40,7 +40,8 @@ from .files import OWNED_PATTERNS, FolderSave, add_to_manifest, shareable_files,
 from .methods import EXAMPLE_INDEX_KEY, ExampleIndexDataset, TrainingMethod, get_method_class
 from .methods.base import IGNORE_INDEX
 from .hub import build_model_card
-from .metrics import classification_metrics
+from .hub.card import write_reliability_diagram
+from .metrics import classification_metrics, reliability_diagram
 from .posterior import POSTERIOR_FILE, DiagonalGaussianPosterior, VariationalIVON, predictive_distribution, unwrap_ivon
 from .posterior.gaussian import TEMPERATURE_KEY
 from .posterior.prediction import LABEL_KEYS, logits_of
@@ -123,6 +124,8 @@ class VariationalTrainer(Trainer):
         # τ of every prediction; chosen on the eval dataset when training ends, before other train-end callbacks
         self.posterior_temperature = 1.0 if args.posterior_temperature is None else args.posterior_temperature
         self.posterior_temperature_report: dict[str, Any] | None = None
+        #: per-bin confidence/accuracy/count of the last evaluation (`varsmooth.metrics.reliability_diagram`)
+        self.reliability_diagram: dict[str, np.ndarray] | None = None
         self.callback_handler.callbacks.insert(0, PosteriorTemperatureCallback().bind(self))
         self._ivon_param_names: list[str] | None = None
         self._run_files: dict[str, set[str]] = {}  # folder -> files this trainer wrote there outside `_save`
@@ -401,6 +404,8 @@ class VariationalTrainer(Trainer):
             log_probs, mean_logits, labels = (np.concatenate(parts) for parts in zip(*self._metric_batches))
             self._metric_batches = []
         mean_probs = torch.as_tensor(mean_logits).float().softmax(-1).numpy()
+        # the bins of the prediction just scored, for the card's reliability diagram (`write_reliability_diagram`)
+        self.reliability_diagram = reliability_diagram(mean_probs if self._bma_without_posterior() else np.exp(log_probs), labels)
         if self._bma_without_posterior():  # no posterior: name the metrics after the prediction they measure
             metrics = {f"mean_{k}": v for k, v in classification_metrics(mean_probs, labels).items()}
         else:
@@ -536,6 +541,10 @@ class VariationalTrainer(Trainer):
         if not self.is_world_process_zero():
             return
         self._refuse_to_replace_own_card(replace_model_card)
+        picture = write_reliability_diagram(self)
+        if picture is not None:  # beside the model, in the manifest (uploaded) and so embedded by the card
+            self.record_output(picture)
+            add_to_manifest(self.args.output_dir, [os.path.basename(picture)])
         path = os.path.join(self.args.output_dir, "README.md")
         card = build_model_card(self, model_name=model_name, **kwargs)
         with atomic_path(path) as tmp:

@@ -157,6 +157,23 @@ def _temperature_text(trainer: "VariationalTrainer") -> str:
             "\n\n| τ | validation NLL |\n|---|---|\n" + rows)
 
 
+RELIABILITY_DIAGRAM_FILE = "reliability_diagram.png"
+
+
+def write_reliability_diagram(trainer: "VariationalTrainer") -> str | None:
+    """Draw the reliability diagram of `trainer`'s last evaluation into `output_dir/reliability_diagram.png` (the
+    card embeds every picture of the run) and return its path; None when the trainer has not evaluated yet."""
+    diagram = trainer.reliability_diagram
+    if diagram is None or diagram["count"].sum() == 0:
+        return None
+    from ..plots import plot_reliability_diagram  # matplotlib only when there is something to draw
+
+    os.makedirs(trainer.args.output_dir, exist_ok=True)
+    prediction = "posterior-averaged prediction" if trainer.method.uses_ivon and trainer.args.eval_mc_samples > 0 else "prediction"
+    return plot_reliability_diagram(diagram, trainer.args.output_dir, RELIABILITY_DIAGRAM_FILE,
+                                    title=f"Reliability of the {prediction}")
+
+
 def build_model_card(
     trainer: "VariationalTrainer",
     *,
