@@ -1,10 +1,13 @@
 """varsmooth: variational learning (IVON) as adaptive label smoothing for noisy labels, in `transformers.Trainer`."""
 
+from .calibration import TemperatureScaling
+from .ensemble import DeepEnsemble
 from .label_noise import LabelNoiseCallback, compute_label_noise
 from .metrics import classification_metrics
 from .modeling import VariationalModel
 from .pipelines import pipeline
-from .posterior import POSTERIOR_FILE, DiagonalGaussianPosterior, VariationalClassifierOutput, VariationalIVON
+from .posterior import (POSTERIOR_FILE, DiagonalGaussianPosterior, VariationalClassifierOutput, VariationalIVON,
+                        mc_dropout_predictive)
 from .trainer import VariationalTrainer
 from .training_args import VariationalTrainingArguments
 
@@ -12,8 +15,10 @@ __version__ = "0.1.0"
 
 __all__ = [
     "POSTERIOR_FILE",
+    "DeepEnsemble",
     "DiagonalGaussianPosterior",
     "LabelNoiseCallback",
+    "TemperatureScaling",
     "VariationalClassifierOutput",
     "VariationalIVON",
     "VariationalModel",
@@ -21,5 +26,6 @@ __all__ = [
     "VariationalTrainingArguments",
     "classification_metrics",
     "compute_label_noise",
+    "mc_dropout_predictive",
     "pipeline",
 ]

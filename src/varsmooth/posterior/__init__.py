@@ -2,14 +2,19 @@
 
 from .gaussian import POSTERIOR_FILE, DiagonalGaussianPosterior
 from .ivon import VariationalIVON, derive_seed, unwrap_ivon
-from .prediction import VariationalClassifierOutput, model_logits, predictive_distribution
+from .mc_dropout import dropout_modules, dropout_sampling, mc_dropout_predictive
+from .prediction import VariationalClassifierOutput, average_predictions, model_logits, predictive_distribution
 
 __all__ = [
     "POSTERIOR_FILE",
     "DiagonalGaussianPosterior",
     "VariationalClassifierOutput",
     "VariationalIVON",
+    "average_predictions",
     "derive_seed",
+    "dropout_modules",
+    "dropout_sampling",
+    "mc_dropout_predictive",
     "model_logits",
     "predictive_distribution",
     "unwrap_ivon",
