@@ -232,7 +232,7 @@ def test_evaluate_reports_the_new_metrics_and_the_card_shows_the_diagram(tmp_pat
 
 # -- how many posterior samples ---------------------------------------------------------------------------------
 def test_posterior_samples_curve_matches_the_bma_of_each_s(tmp_path):
-    from varsmooth.metrics import posterior_samples_curve
+    from varsmooth.metrics import ood_evaluation, posterior_samples_curve
     from varsmooth.posterior import predictive_distribution
 
     train, test = digits_dataset(160), digits_dataset(64, seed=1)
@@ -250,6 +250,18 @@ def test_posterior_samples_curve_matches_the_bma_of_each_s(tmp_path):
         for key in ("accuracy", "nll", "ece", "aurc"):
             assert row[key] == pytest.approx(expected[key], abs=1e-5)
     assert rows[0]["nll"] != pytest.approx(rows[1]["nll"], abs=1e-6)  # the samples change the prediction
+    # OOD detection of the trainer's BMA (3 draws), digits against uniform noise images
+    noise = test.with_format(None).map(lambda row, i: {"pixel_values": np.random.default_rng(i).uniform(0, 1, (8, 8))},
+                                       with_indices=True).with_format("torch")
+    metrics = ood_evaluation(trainer, test, noise)
+    outs = [predictive_distribution(trainer.model, posterior, {"pixel_values": d[:]["pixel_values"]}, 3, trainer.args.eval_seed)
+            for d in (test, noise)]
+    expected = ood_metrics(outs[0].probs.numpy(), outs[1].probs.numpy(), logits_in=outs[0].mean_logits.numpy(),
+                           logits_out=outs[1].mean_logits.numpy(), mutual_information_in=outs[0].mutual_information.numpy(),
+                           mutual_information_out=outs[1].mutual_information.numpy())
+    assert metrics.keys() == expected.keys() and len(metrics) == 8
+    for key, value in expected.items():
+        assert metrics[key] == pytest.approx(value, abs=1e-3), key
     with pytest.raises(ValueError, match="positive integers"):
         posterior_samples_curve(trainer, test, sample_counts=(0, 2))
     erm = VariationalTrainer(model=TinyClassifier(), args=make_args(tmp_path / "erm", method="erm", max_steps=2),
@@ -257,3 +269,24 @@ def test_posterior_samples_curve_matches_the_bma_of_each_s(tmp_path):
     erm.train()
     with pytest.raises(ValueError, match="no posterior to sample"):
         posterior_samples_curve(erm, test)
+
+
+def test_reliability_picture_draws_the_bins(tmp_path, monkeypatch):
+    from varsmooth import plots
+
+    figures = []
+    save = plots._save
+    monkeypatch.setattr(plots, "_save", lambda fig, out, name: figures.append(fig) or save(fig, out, name))
+    probs, labels = _random_probs(200, 3, seed=4)
+    diagram = reliability_diagram(probs, labels, n_bins=10)
+    path = plots.plot_reliability_diagram(diagram, tmp_path)
+    assert path == str(tmp_path / "reliability_diagram.png") and open(path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    top, bottom = figures[0].axes
+    filled = diagram["count"] > 0
+    accuracy_bars = top.containers[0]
+    np.testing.assert_allclose([bar.get_height() for bar in accuracy_bars], diagram["accuracy"][filled])
+    np.testing.assert_allclose([bar.get_x() for bar in accuracy_bars], diagram["edges"][:-1][filled])
+    np.testing.assert_allclose(sum(bar.get_height() for bar in bottom.containers[0]), 1.0)
+    assert f"ECE {100 * expected_calibration_error(probs, labels, 10):.2f} %" in top.get_title()
+    with pytest.raises(ValueError, match="no examples"):
+        plots.plot_reliability_diagram({**diagram, "count": np.zeros(10, int)}, tmp_path)

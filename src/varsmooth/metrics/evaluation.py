@@ -1,4 +1,5 @@
-"""How many posterior samples to predict with: the metrics and the time of the Bayesian model average against S."""
+"""Metrics that need a trainer's predictions: OOD detection against an out-of-distribution dataset, and how many
+posterior samples to predict with (the metrics and the time of the Bayesian model average against S)."""
 
 from __future__ import annotations
 
@@ -6,10 +7,15 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+import torch
+
+from .ood import ood_metrics
+
 if TYPE_CHECKING:
     from ..trainer import VariationalTrainer
 
-__all__ = ["DEFAULT_SAMPLE_COUNTS", "posterior_samples_curve"]
+__all__ = ["DEFAULT_SAMPLE_COUNTS", "ood_evaluation", "posterior_samples_curve", "predictive_outputs"]
 
 DEFAULT_SAMPLE_COUNTS = (1, 2, 4, 8, 16, 32, 64)
 
@@ -48,3 +54,35 @@ def posterior_samples_curve(trainer: "VariationalTrainer", eval_dataset: Any = N
     finally:
         trainer.args.eval_mc_samples = original
     return rows
+
+
+@torch.no_grad()
+def predictive_outputs(trainer: "VariationalTrainer", dataset: Any) -> dict[str, np.ndarray]:
+    """What `trainer.evaluate()` predicts on `dataset` (BMA, MC dropout or an ensemble, then the temperature scaling
+    if fitted), as arrays: `probs` (N, K), `logits` (the logits at the weights / posterior mean, for the energy score)
+    and `mutual_information` (N,). Labels are not needed."""
+    model = trainer.model
+    was_training = model.training
+    model.eval()
+    posterior = trainer.posterior()
+    parts: dict[str, list[np.ndarray]] = {"probs": [], "logits": [], "mutual_information": []}
+    try:
+        for batch in trainer.get_test_dataloader(dataset):
+            out = trainer.predictive(model, trainer._prepare_inputs(batch), posterior)
+            parts["probs"].append(out.probs.float().cpu().numpy())
+            parts["logits"].append(out.mean_logits.float().cpu().numpy())
+            parts["mutual_information"].append(out.mutual_information.float().cpu().numpy())
+    finally:
+        model.train(was_training)
+    return {k: np.concatenate(v) for k, v in parts.items()}
+
+
+def ood_evaluation(trainer: "VariationalTrainer", in_dataset: Any, ood_dataset: Any) -> dict[str, float]:
+    """`ood_metrics` (AUROC and FPR95 of the maximum probability, entropy, mutual information and energy) of what
+    `trainer` predicts, with `in_dataset` as the in-distribution (positive) set and `ood_dataset` as the
+    out-of-distribution one; the mutual information only where the prediction has several draws."""
+    inside, outside = predictive_outputs(trainer, in_dataset), predictive_outputs(trainer, ood_dataset)
+    with_mi = bool(inside["mutual_information"].any() or outside["mutual_information"].any())
+    return ood_metrics(inside["probs"], outside["probs"], logits_in=inside["logits"], logits_out=outside["logits"],
+                       **({"mutual_information_in": inside["mutual_information"],
+                           "mutual_information_out": outside["mutual_information"]} if with_mi else {}))
