@@ -421,7 +421,6 @@ def evaluate_cell(task: str, noise: str, seed: int, train: bool) -> dict[str, di
 def cached_job(task: str, job: dict[str, Any]) -> dict[str, Any] | None:
     """The cached run of `job` whose predictions are on disk, or None (nothing is trained)."""
     if task == "mnist":
-        job = {k: v for k, v in job.items() if k != "role"}
         config = dict(dataset=job["dataset"], method=job["method"], hyperparams=job["hyperparams"], noise=job["noise"],
                       seed=job["seed"], epochs=job["epochs"], batch_size=64, eval_mc_samples=job["eval_mc_samples"],
                       version=common.CACHE_VERSION)
@@ -523,6 +522,17 @@ def reading(cells: dict[int, dict[str, dict[str, Any]]], seeds: list[int]) -> li
                          f"(mean difference {scale * np.mean(diff):+.2f})")
         cost = cells[paired[0]][rival]["trainings"]
         out.append(f"- IVON vs {rival} ({cost} training{'s' if cost > 1 else ''} against IVON's 1): " + "; ".join(parts) + ".")
+    means = {m: {k: np.mean([cells[s][m][k] for s in seeds if m in cells[s]]) for k in
+                 ("ood_max_prob_auroc", "ood_mutual_information_auroc")
+                 if all(k in cells[s][m] for s in seeds if m in cells[s])}
+             for m in METHOD_ORDER if any(m in cells[s] for s in seeds)}
+    if means and min(v["ood_max_prob_auroc"] for v in means.values()) >= 0.99:
+        out.append("- Every method detects this OOD set by its maximum probability with AUROC ≥ 99 %: the OOD column "
+                   "cannot tell the methods apart here.")
+    inverted = [m for m, v in means.items() if v.get("ood_mutual_information_auroc", 1.0) < 0.5]
+    if inverted:
+        out.append(f"- The mutual information ranks the OOD inputs as *more* certain than the test inputs for "
+                   f"{', '.join(inverted)} (AUROC below 50 %): their draws agree on the OOD inputs.")
     return out + [""] if out else []
 
 
