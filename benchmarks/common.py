@@ -178,9 +178,12 @@ class ArrayDataset(torch.utils.data.Dataset):
 class SmallCNN(nn.Module):
     """conv(1→16,3,p1)-ReLU-maxpool-conv(16→32,3,p1)-ReLU-maxpool-fc(32·H/4·W/4→128)-ReLU-fc(128→K), no BatchNorm."""
 
-    def __init__(self, image_shape: tuple[int, int, int] = (1, 28, 28), num_classes: int = 10, width: int = 16, hidden: int = 128) -> None:
+    def __init__(self, image_shape: tuple[int, int, int] = (1, 28, 28), num_classes: int = 10, width: int = 16, hidden: int = 128,
+                 dropout: float = 0.0) -> None:
         super().__init__()
         c, h, w = image_shape
+        # dropout > 0: on the fc1 features, for MC-dropout prediction (uncertainty.py); 0 keeps the reference CNN
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else None
         self.conv1 = nn.Conv2d(c, width, 3, padding=1)
         self.conv2 = nn.Conv2d(width, 2 * width, 3, padding=1)
         self.fc1 = nn.Linear(2 * width * (h // 4) * (w // 4), hidden)
@@ -196,7 +199,7 @@ class SmallCNN(nn.Module):
         h1 = F.max_pool2d(F.relu(self.conv1(pixel_values)), 2)
         h2 = F.max_pool2d(F.relu(self.conv2(h1)), 2)
         h3 = F.relu(self.fc1(h2.flatten(1)))
-        logits = self.fc2(h3)
+        logits = self.fc2(h3 if self.dropout is None else self.dropout(h3))
         loss = F.cross_entropy(logits, labels) if labels is not None else None
         hidden = (h1, h2, h3[:, :, None, None]) if output_hidden_states else None
         return ImageClassifierOutput(loss=loss, logits=logits, hidden_states=hidden)
@@ -391,7 +394,7 @@ def cached(script: str, method: str, hyperparams: dict[str, Any] | None = None, 
 def run(method: str, hyperparams: dict[str, Any] | None = None, noise: str = "sym40", seed: int = 0, epochs: int = 20,
         *, dataset: str = "mnist", batch_size: int = 64, eval_mc_samples: int = 8, history_every: int = 1,
         script: str = "adhoc", force: bool = False, verbose: bool = True,
-        analyze: Any = None) -> dict[str, Any]:
+        analyze: Any = None, init_seed: int | None = None, dropout: float = 0.0) -> dict[str, Any]:
     """Train `method` (a name in `varsmooth.methods.METHODS`) with `hyperparams` (fields of
     `VariationalTrainingArguments`, plus ``warmup_epochs``) on `dataset` with `noise`, for `epochs` epochs.
 
@@ -401,10 +404,15 @@ def run(method: str, hyperparams: dict[str, Any] | None = None, noise: str = "sy
     noisy validation split (``val_*``, the only numbers used for selection), the fraction of flipped training labels
     the final model fits, the per-epoch history and the Hessian summary. `analyze(trainer, val, test)`, if given,
     runs on the trained model (noisy-validation and clean-test datasets) and its dict is kept as ``analysis``.
+    `init_seed` (default `seed`) seeds the initial weights alone, e.g. for the members of a deep ensemble on the same
+    noisy labels; `dropout` > 0 builds the CNN with dropout on its hidden features.
     """
     hyperparams = dict(hyperparams or {})
     config = dict(dataset=dataset, method=method, hyperparams=hyperparams, noise=noise, seed=seed, epochs=epochs,
                   batch_size=batch_size, eval_mc_samples=eval_mc_samples, version=CACHE_VERSION)
+    # only when set, so that the keys of the runs cached before these options existed stay valid
+    config.update({"init_seed": init_seed} if init_seed is not None else {})
+    config.update({"dropout": dropout} if dropout else {})
     key = run_key(**config)
     path = _result_path(script, key)
     if path.is_file() and not force:
@@ -426,8 +434,8 @@ def run(method: str, hyperparams: dict[str, Any] | None = None, noise: str = "sy
     warmup_epochs = settings.pop("warmup_epochs", 0)
     settings["warmup_steps"] = int(round(warmup_epochs * spe))
 
-    torch.manual_seed(seed)
-    model = SmallCNN(data.image_shape, data.num_classes)
+    torch.manual_seed(seed if init_seed is None else init_seed)
+    model = SmallCNN(data.image_shape, data.num_classes, dropout=dropout)
     # per-epoch history on a fixed 2,000-image subset of the clean test set (cost; final metrics use all of it)
     sub = np.random.RandomState(0).permutation(len(data.y_test))[:HISTORY_TEST_SIZE]
     x_test, y_test = torch.as_tensor(data.x_test[sub]), torch.as_tensor(data.y_test[sub])

@@ -2,11 +2,14 @@
 
 from . import mean_pooling_bert  # noqa: F401  (registers the mean-pooling BERT with the Auto classes)
 from .adapters import LoraArguments, add_lora_adapters
+from .calibration import TemperatureScaling
+from .ensemble import DeepEnsemble
 from .label_noise import LabelNoiseCallback, compute_label_noise
 from .metrics import classification_metrics
 from .modeling import VariationalModel
 from .pipelines import pipeline
-from .posterior import POSTERIOR_FILE, DiagonalGaussianPosterior, VariationalClassifierOutput, VariationalIVON
+from .posterior import (POSTERIOR_FILE, DiagonalGaussianPosterior, VariationalClassifierOutput, VariationalIVON,
+                        mc_dropout_predictive)
 from .trainer import VariationalTrainer
 from .training_args import VariationalTrainingArguments
 
@@ -14,9 +17,11 @@ __version__ = "0.1.0"
 
 __all__ = [
     "POSTERIOR_FILE",
+    "DeepEnsemble",
     "DiagonalGaussianPosterior",
     "LabelNoiseCallback",
     "LoraArguments",
+    "TemperatureScaling",
     "VariationalClassifierOutput",
     "VariationalIVON",
     "VariationalModel",
@@ -25,5 +30,6 @@ __all__ = [
     "add_lora_adapters",
     "classification_metrics",
     "compute_label_noise",
+    "mc_dropout_predictive",
     "pipeline",
 ]

@@ -23,7 +23,7 @@ __all__ = ["MANIFEST_FILE", "OWNED_PATTERNS", "PRIVATE_FILES", "FolderSave", "ad
 MANIFEST_FILE = "varsmooth_manifest.json"
 #: files only varsmooth writes: a save removes those of earlier runs that it did not write itself
 OWNED_PATTERNS = ("posterior.safetensors", "noise_report.json", "label_noise*.parquet", "label_noise*_summary.json",
-                  "label_noise*.png", MANIFEST_FILE)
+                  "label_noise*.png", "temperature_scaling.json", "ensemble_config.json", MANIFEST_FILE)
 #: written by a save but never shared: the Trainer's pickled arguments may hold paths and tokens
 PRIVATE_FILES = frozenset({"training_args.bin", MANIFEST_FILE})
 

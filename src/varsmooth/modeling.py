@@ -4,16 +4,22 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import AutoConfig, AutoModelForImageClassification, AutoModelForSequenceClassification, PreTrainedModel
 
 from .adapters import has_adapter, is_peft_model, load_adapter_model, save_classifier_config
+from .calibration import TEMPERATURE_SCALING_FILE, TemperatureScaling, describe_prediction
 from .files import FolderSave, check_manifest
-from .posterior import POSTERIOR_FILE, DiagonalGaussianPosterior, VariationalClassifierOutput, predictive_distribution
+from .posterior import (POSTERIOR_FILE, DiagonalGaussianPosterior, VariationalClassifierOutput, mc_dropout_predictive,
+                        predictive_distribution)
 
-__all__ = ["AUTO_CLASSES", "VariationalModel", "classification_task", "load_posterior", "prediction_settings"]
+if TYPE_CHECKING:
+    from .ensemble import DeepEnsemble
+
+__all__ = ["AUTO_CLASSES", "VariationalModel", "classification_task", "load_posterior", "load_temperature_scaling",
+           "sampling_settings"]
 
 #: the Auto class that loads a classifier of each task varsmooth serves
 AUTO_CLASSES = {"image-classification": AutoModelForImageClassification,
@@ -43,13 +49,30 @@ class VariationalModel(torch.nn.Module):
     code written for ordinary logits gets the BMA prediction; `num_samples=0` predicts at the posterior mean.
     For the same `seed` the draws are those of `VariationalTrainer.evaluate()` (common random numbers), scaled by
     the posterior temperature `posterior.temperature` chosen in training (saved with the posterior).
+
+    `mc_dropout_samples > 0` predicts by MC dropout instead (`varsmooth.posterior.mc_dropout`), for models trained
+    without a posterior. A `temperature_scaling` (`varsmooth.calibration.TemperatureScaling`) rescales the final
+    prediction: `logits`, `probs` and `entropy` are then the calibrated ones.
     """
 
-    def __init__(self, model: torch.nn.Module, posterior: DiagonalGaussianPosterior, num_samples: int = 32, seed: int = 0) -> None:
+    def __init__(self, model: torch.nn.Module, posterior: DiagonalGaussianPosterior, num_samples: int = 32, seed: int = 0,
+                 temperature_scaling: TemperatureScaling | None = None, mc_dropout_samples: int = 0) -> None:
         super().__init__()
+        if mc_dropout_samples < 0:
+            raise ValueError(f"mc_dropout_samples must be >= 0 (0 = no MC dropout), got {mc_dropout_samples}.")
+        if mc_dropout_samples and not posterior.is_point_mass:
+            raise ValueError("mc_dropout_samples is for models without a posterior: this one predicts by Bayesian model "
+                             "averaging over its posterior (num_samples). Set mc_dropout_samples=0.")
         self.model = model
         self.posterior = posterior
-        self.num_samples, self.seed = prediction_settings(posterior, num_samples, seed)
+        self.num_samples, self.seed = sampling_settings(posterior, num_samples, seed)
+        self.temperature_scaling = temperature_scaling
+        self.mc_dropout_samples = mc_dropout_samples
+
+    @property
+    def prediction_settings(self) -> dict[str, Any]:
+        """What `forward` predicts (recorded with a fitted temperature; see `describe_prediction`)."""
+        return describe_prediction(self.posterior, self.num_samples, self.mc_dropout_samples)
 
     @property
     def config(self) -> Any:
@@ -63,11 +86,13 @@ class VariationalModel(torch.nn.Module):
         num_samples: int | None = None,
         seed: int | None = None,
         temperature: float | None = None,
+        temperature_scaling: bool = True,
+        mc_dropout_samples: int = 0,
         model_class: type | None = None,
         revision: str | None = None,
         token: str | None = None,
         **model_kwargs: Any,
-    ) -> "VariationalModel":
+    ) -> "VariationalModel | DeepEnsemble":
         """Load weights (the posterior mean) and `posterior.safetensors` from a folder or a Hub repo.
 
         A folder or repo with a peft adapter (`adapter_config.json`) loads as its base model
@@ -78,8 +103,19 @@ class VariationalModel(torch.nn.Module):
         and the posterior `temperature` are those the model was evaluated with during training (`temperature=1`: the
         learned posterior, 0: the posterior mean). A local folder must match its manifest, and the posterior must
         belong to the weights (see `DiagonalGaussianPosterior.load`).
+
+        The temperature fitted by temperature scaling (`temperature_scaling.json`) is applied when the folder has one
+        (`temperature_scaling=False`: the uncalibrated prediction); a file fitted for other weights is refused.
+        `mc_dropout_samples > 0` predicts by MC dropout. A deep-ensemble folder (`ensemble_config.json`, written by
+        `varsmooth.DeepEnsemble.save_pretrained`) loads as a `DeepEnsemble`, its members with these settings.
         """
         path = os.fspath(pretrained_model_name_or_path)
+        from .ensemble import ENSEMBLE_CONFIG_FILE, DeepEnsemble  # the ensemble is made of VariationalModels
+
+        if os.path.isfile(os.path.join(path, ENSEMBLE_CONFIG_FILE)):
+            return DeepEnsemble.from_pretrained(path, num_samples=num_samples, seed=seed, temperature=temperature,
+                                                temperature_scaling=temperature_scaling, mc_dropout_samples=mc_dropout_samples,
+                                                model_class=model_class, **model_kwargs)
         if has_adapter(path, revision, token):
             model = load_adapter_model(path, model_class, _auto_class, revision, token, **model_kwargs)
         else:
@@ -90,11 +126,20 @@ class VariationalModel(torch.nn.Module):
         posterior = load_posterior(model, path, revision=revision, token=token)
         if temperature is not None:
             posterior.temperature = temperature
-        num_samples, seed = prediction_settings(posterior, num_samples, seed)
-        return cls(model, posterior, num_samples=num_samples, seed=seed)
+        num_samples, seed = sampling_settings(posterior, num_samples, seed)
+        loaded = cls(model, posterior, num_samples=num_samples, seed=seed, mc_dropout_samples=mc_dropout_samples)
+        if temperature_scaling:
+            loaded.temperature_scaling = load_temperature_scaling(model, path, revision=revision, token=token)
+            if loaded.temperature_scaling is not None:
+                loaded.temperature_scaling.check_prediction(loaded.prediction_settings, path)
+        return loaded
 
     def forward(self, **inputs: Any) -> VariationalClassifierOutput:
-        return predictive_distribution(self.model, self.posterior, inputs, self.num_samples, self.seed)
+        if self.mc_dropout_samples:
+            out = mc_dropout_predictive(self.model, inputs, self.mc_dropout_samples, self.seed)
+        else:
+            out = predictive_distribution(self.model, self.posterior, inputs, self.num_samples, self.seed)
+        return out if self.temperature_scaling is None else self.temperature_scaling.calibrate(out)
 
     def save_pretrained(self, save_directory: str | os.PathLike, **kwargs: Any) -> None:
         adapter = is_peft_model(self.model)
@@ -107,11 +152,13 @@ class VariationalModel(torch.nn.Module):
         if not self.posterior.is_point_mass:
             self.posterior.metadata = {**self.posterior.metadata, "eval_mc_samples": self.num_samples, "eval_seed": self.seed}
             self.posterior.save(save_directory)
+        if self.temperature_scaling is not None:
+            self.temperature_scaling.save(save_directory, self.model)
         save.finish()
 
 
-def prediction_settings(posterior: DiagonalGaussianPosterior, num_samples: int | None = None,
-                        seed: int | None = None) -> tuple[int, int]:
+def sampling_settings(posterior: DiagonalGaussianPosterior, num_samples: int | None = None,
+                      seed: int | None = None) -> tuple[int, int]:
     """The posterior samples and seed of predictions: those given, else those the model was evaluated with in training
     (saved with the posterior), else 32 samples and seed 0."""
     meta = posterior.metadata
@@ -125,7 +172,7 @@ def load_posterior(model: torch.nn.Module, path: str | os.PathLike, revision: st
     """The posterior saved next to `model`'s weights (folder or Hub repo); a point mass, with a warning, if none."""
     if os.path.isdir(path):
         check_manifest(path)
-    posterior_path = _resolve_posterior(os.fspath(path), revision, token)
+    posterior_path = _resolve_file(os.fspath(path), POSTERIOR_FILE, revision, token)
     if posterior_path is None:
         warnings.warn(
             f"No {POSTERIOR_FILE} in {os.fspath(path)!r}: the model was not trained with IVON (or the file was not "
@@ -135,14 +182,21 @@ def load_posterior(model: torch.nn.Module, path: str | os.PathLike, revision: st
     return DiagonalGaussianPosterior.load(model, posterior_path)
 
 
-def _resolve_posterior(path: str, revision: str | None, token: str | None) -> str | None:
+def load_temperature_scaling(model: torch.nn.Module, path: str | os.PathLike, revision: str | None = None,
+                             token: str | None = None) -> TemperatureScaling | None:
+    """The temperature fitted for `model`'s weights and saved next to them (folder or Hub repo), or None if none."""
+    found = _resolve_file(os.fspath(path), TEMPERATURE_SCALING_FILE, revision, token)
+    return None if found is None else TemperatureScaling.load(found, model)
+
+
+def _resolve_file(path: str, name: str, revision: str | None, token: str | None) -> str | None:
     if os.path.isdir(path):
-        candidate = os.path.join(path, POSTERIOR_FILE)
+        candidate = os.path.join(path, name)
         return candidate if os.path.isfile(candidate) else None
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import EntryNotFoundError
 
     try:
-        return hf_hub_download(path, POSTERIOR_FILE, revision=revision, token=token)
+        return hf_hub_download(path, name, revision=revision, token=token)
     except EntryNotFoundError:
         return None

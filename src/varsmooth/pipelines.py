@@ -4,8 +4,10 @@
     classify(image)                               # [{"label": ..., "score": P̂(label | image)}, ...]
     classify(image, return_uncertainty=True)      # {"predictions": [...], "entropy": H[P̂], "mutual_information": ...}
 
-The pipeline classes can also be passed to `transformers.pipeline(..., pipeline_class=...)`; they then read the
-posterior from the model's folder or repo.
+The model may also be a deep-ensemble folder (`varsmooth.DeepEnsemble`), and a temperature fitted by temperature
+scaling and saved with the model is applied. The pipeline classes can also be passed to
+`transformers.pipeline(..., pipeline_class=...)`; they then read the posterior and the temperature from the model's
+folder or repo.
 """
 
 from __future__ import annotations
@@ -20,22 +22,28 @@ from transformers import ImageClassificationPipeline, TextClassificationPipeline
 from transformers.image_utils import load_image
 
 from .adapters import is_peft_model
-from .modeling import VariationalModel, load_posterior, prediction_settings
-from .posterior import DiagonalGaussianPosterior, predictive_distribution
+from .ensemble import DeepEnsemble
+from .modeling import VariationalModel, load_posterior, load_temperature_scaling, sampling_settings
+from .posterior import DiagonalGaussianPosterior
 
 __all__ = ["VariationalImageClassificationPipeline", "VariationalTextClassificationPipeline", "pipeline"]
 
 
 class _VariationalMixin:
-    """Replaces the pipeline's forward pass by BMA over `num_samples` posterior draws (the trainer's draws for the same seed)."""
+    """Replaces the pipeline's forward pass by `predictor`: a `VariationalModel` around the pipeline's model (BMA over
+    `num_samples` posterior draws, the trainer's draws for the same seed) or a `DeepEnsemble` of which it is member 0."""
 
     def __init__(self, *args: Any, posterior: DiagonalGaussianPosterior | None = None, num_samples: int | None = None,
-                 seed: int | None = None, **kwargs: Any) -> None:
+                 seed: int | None = None, predictor: VariationalModel | DeepEnsemble | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        if posterior is None:
-            posterior = load_posterior(self.model, self.model.name_or_path)
-        self.posterior = posterior
-        self.num_samples, self.seed = prediction_settings(posterior, num_samples, seed)
+        if predictor is None:
+            if posterior is None:
+                posterior = load_posterior(self.model, self.model.name_or_path)
+            num_samples, seed = sampling_settings(posterior, num_samples, seed)
+            predictor = VariationalModel(self.model, posterior, num_samples=num_samples, seed=seed,
+                                         temperature_scaling=load_temperature_scaling(self.model, self.model.name_or_path))
+        # the pipeline has moved its model (member 0 of an ensemble) to its device: the other members follow
+        self.predictor = predictor.to(self.model.device)
 
     def __call__(self, inputs: Any, **kwargs: Any) -> Any:
         if isinstance(inputs, (list, tuple)) and len(inputs) == 0:  # the stock pipeline fails with an IndexError
@@ -49,7 +57,7 @@ class _VariationalMixin:
         return preprocess, forward, postprocess
 
     def _forward(self, model_inputs: dict[str, Any]) -> dict[str, Any]:
-        out = predictive_distribution(self.model, self.posterior, model_inputs, self.num_samples, self.seed)
+        out = self.predictor(**model_inputs)
         # log P̂ as "logits": the pipeline's softmax turns them back into P̂
         return {"logits": out.logits, "entropy": out.entropy, "mutual_information": out.mutual_information}
 
@@ -102,16 +110,20 @@ _PIPELINES = {"image-classification": VariationalImageClassificationPipeline,
               "text-classification": VariationalTextClassificationPipeline}
 
 
-def pipeline(task: str, model: str | os.PathLike, *, num_samples: int | None = None, seed: int | None = None, **kwargs: Any) -> Any:
-    """`transformers.pipeline` for a varsmooth model (folder or Hub repo) that predicts with its posterior."""
+def pipeline(task: str, model: str | os.PathLike, *, num_samples: int | None = None, seed: int | None = None,
+             mc_dropout_samples: int = 0, temperature_scaling: bool = True, **kwargs: Any) -> Any:
+    """`transformers.pipeline` for a varsmooth model or deep-ensemble folder (or Hub repo) that predicts with its
+    posterior (or by MC dropout with `mc_dropout_samples > 0`), calibrated by the temperature saved with it unless
+    `temperature_scaling=False`."""
     if task not in _PIPELINES:
         raise ValueError(f"varsmooth pipelines support {sorted(_PIPELINES)}, got {task!r}.")
-    loaded = VariationalModel.from_pretrained(model, num_samples=num_samples, seed=seed,
+    loaded = VariationalModel.from_pretrained(model, num_samples=num_samples, seed=seed, mc_dropout_samples=mc_dropout_samples,
+                                              temperature_scaling=temperature_scaling,
                                               **{k: kwargs.pop(k) for k in ("revision", "token") if k in kwargs})
+    first = loaded.members[0] if isinstance(loaded, DeepEnsemble) else loaded
     # an adapter model runs as its base with the adapters injected (the pipeline knows only transformers classes);
     # the posterior still samples the adapter weights, which are the same tensors
-    network = loaded.model.get_base_model() if is_peft_model(loaded.model) else loaded.model
-    return transformers.pipeline(task, model=network, pipeline_class=_PIPELINES[task], posterior=loaded.posterior,
-                                 num_samples=loaded.num_samples, seed=loaded.seed,
+    network = first.model.get_base_model() if is_peft_model(first.model) else first.model
+    return transformers.pipeline(task, model=network, pipeline_class=_PIPELINES[task], predictor=loaded,
                                  **({"tokenizer": os.fspath(model)} if task == "text-classification" else {"image_processor": os.fspath(model)}),
                                  **kwargs)

@@ -27,6 +27,7 @@ __all__ = [
     "plot_noise_2d",
     "plot_noise_extremes",
     "plot_noise_vs_mean",
+    "plot_reliability_diagram",
     "plot_smoothed_labels",
 ]
 
@@ -265,4 +266,40 @@ def plot_noise_2d(
     fig.colorbar(scatter, ax=ax, label=score)
     ax.legend(fontsize=7, frameon=False, loc="upper right")
     ax.set_title("Per-example label noise of variational learning")
+    return _save(fig, output_dir, filename)
+
+
+# -- calibration ---------------------------------------------------------------------------------------
+def plot_reliability_diagram(
+    diagram: Mapping[str, np.ndarray],
+    output_dir: str | os.PathLike,
+    filename: str = "reliability_diagram.png",
+    title: str = "Reliability diagram",
+) -> str:
+    """Accuracy against confidence per bin (Guo et al. 2017, Fig. 1) from `varsmooth.metrics.reliability_diagram`
+    data: a bar per non-empty bin at its mean confidence, the diagonal of perfect calibration, and the share of
+    examples per bin below. The ECE of the bins is in the title."""
+    count = np.asarray(diagram["count"], dtype=np.float64)
+    if count.sum() == 0:
+        raise ValueError("The reliability diagram has no examples (all bins are empty): evaluate on labelled data first.")
+    edges = np.asarray(diagram["edges"], dtype=np.float64)
+    conf, acc = np.asarray(diagram["confidence"]), np.asarray(diagram["accuracy"])
+    filled = count > 0
+    widths = np.diff(edges)
+    ece = float((count[filled] * np.abs(acc[filled] - conf[filled])).sum() / count.sum())
+    fig = _figure(4.2, 4.8)
+    top, bottom = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [3, 1]})
+    top.bar(edges[:-1][filled], acc[filled], width=widths[filled], align="edge", color="tab:blue", edgecolor="white",
+            label="accuracy")
+    top.bar(edges[:-1][filled], conf[filled] - acc[filled], bottom=acc[filled], width=widths[filled], align="edge",
+            color="tab:red", alpha=0.35, label="gap to confidence")
+    top.plot([0, 1], [0, 1], "k--", lw=1, label="perfect calibration")
+    top.set_ylim(0, 1)
+    top.set_ylabel("accuracy")
+    top.legend(fontsize=7, frameon=False, loc="upper left")
+    top.set_title(f"{title} (ECE {100 * ece:.2f} %)")
+    bottom.bar(edges[:-1][filled], count[filled] / count.sum(), width=widths[filled], align="edge", color="gray")
+    bottom.set_xlim(0, 1)
+    bottom.set_xlabel("confidence (maximum probability)")
+    bottom.set_ylabel("share")
     return _save(fig, output_dir, filename)

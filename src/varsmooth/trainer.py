@@ -39,14 +39,17 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, EvalPrediction, Pr
 from transformers.training_args import ParallelMode
 
 from .adapters import is_peft_model, save_classifier_config
+from .calibration import TemperatureScaling, TemperatureScalingCallback, describe_prediction, fit_trainer_temperature_scaling
 from .corruption import realized_noise_report
+from .ensemble import DeepEnsemble
 from .files import FolderSave
 from .methods import EXAMPLE_INDEX_KEY, ExampleIndexDataset, MethodContext, TrainingMethod, get_method_class
 from .methods.base import IGNORE_INDEX
 from .hub import VariationalHubMixin
 from .label_noise import LabelNoiseMixin
-from .metrics import classification_metrics
-from .posterior import POSTERIOR_FILE, DiagonalGaussianPosterior, VariationalIVON, predictive_distribution, unwrap_ivon
+from .metrics import classification_metrics, reliability_diagram
+from .posterior import (POSTERIOR_FILE, DiagonalGaussianPosterior, VariationalClassifierOutput, VariationalIVON,
+                        mc_dropout_predictive, predictive_distribution, unwrap_ivon)
 from .posterior.diagnostics import HessianDiagnosticsCallback, hessian_summary
 from .posterior.gaussian import TEMPERATURE_KEY, _reshard
 from .posterior.prediction import logits_of, model_outputs
@@ -125,9 +128,14 @@ class VariationalTrainer(VariationalHubMixin, LabelNoiseMixin, Trainer):
         # τ of every prediction; chosen on the eval dataset when training ends, before other train-end callbacks
         self.posterior_temperature = 1.0 if args.posterior_temperature is None else args.posterior_temperature
         self.posterior_temperature_report: dict[str, Any] | None = None
+        #: per-bin confidence/accuracy/count of the last evaluation (`varsmooth.metrics.reliability_diagram`)
+        self.reliability_diagram: dict[str, np.ndarray] | None = None
         self.callback_handler.callbacks.insert(0, PosteriorTemperatureCallback().bind(self))
+        # post-hoc temperature of every prediction (None: uncalibrated); fitted right after τ, which it calibrates
+        self.temperature_scaling: TemperatureScaling | None = None
+        self.callback_handler.callbacks.insert(1, TemperatureScalingCallback().bind(self))
         # before the reporting callbacks, which then report the Hessian summary it adds to the training logs
-        self.callback_handler.callbacks.insert(1, HessianDiagnosticsCallback().bind(self))
+        self.callback_handler.callbacks.insert(2, HessianDiagnosticsCallback().bind(self))
         self._ivon_param_names: list[str] | None = None
         self._run_files: dict[str, set[str]] = {}  # folder -> files this trainer wrote there outside `_save`
         self._staging_dir: str | None = None
@@ -207,6 +215,34 @@ class VariationalTrainer(VariationalHubMixin, LabelNoiseMixin, Trainer):
         when `args.posterior_temperature` is None); returns the NLL at each τ tried, or None without validation data.
         See `varsmooth.posterior.temperature`."""
         return select_trainer_temperature(self, eval_dataset)
+
+    def fit_temperature_scaling(self, eval_dataset: Any = None) -> TemperatureScaling:
+        """Fit the post-hoc temperature T on `eval_dataset` (default: the eval datasets) by NLL and predict with it from
+        now on; done when training ends with `args.temperature_scaling`. `trainer.temperature_scaling = None` goes back
+        to the uncalibrated prediction. See `varsmooth.calibration`."""
+        return fit_trainer_temperature_scaling(self, eval_dataset)
+
+    def predictive(self, model: torch.nn.Module, inputs: dict[str, Any], posterior: DiagonalGaussianPosterior | None = None,
+                   calibrated: bool = True) -> VariationalClassifierOutput:
+        """The prediction `evaluate()`/`predict()` score on one prepared batch: a `DeepEnsemble` model's pooled
+        prediction, MC dropout (`args.mc_dropout_samples`), or BMA over `posterior` (default: `self.posterior()`; a
+        point mass predicts at the weights); then the temperature scaling, if fitted and `calibrated`."""
+        if isinstance(self.accelerator.unwrap_model(model), DeepEnsemble):
+            out = model(**inputs)
+        elif self.args.mc_dropout_samples:
+            out = mc_dropout_predictive(model, inputs, self.args.mc_dropout_samples, self.args.eval_seed)
+        else:
+            posterior = self.posterior() if posterior is None else posterior
+            out = predictive_distribution(model, posterior, inputs, self.args.eval_mc_samples, self.args.eval_seed)
+        return self.temperature_scaling.calibrate(out) if calibrated and self.temperature_scaling is not None else out
+
+    def prediction_settings(self, posterior: DiagonalGaussianPosterior | None = None) -> dict[str, Any]:
+        """What `predictive` predicts (recorded with a fitted temperature, compared when the model is loaded)."""
+        network = self.accelerator.unwrap_model(self.model)
+        if isinstance(network, DeepEnsemble):
+            return network.prediction_settings
+        posterior = self.posterior() if posterior is None else posterior
+        return describe_prediction(posterior, self.args.eval_mc_samples, self.args.mc_dropout_samples)
 
     # -- training ----------------------------------------------------------------------------------
     def compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch: Any = None) -> Any:
@@ -299,6 +335,11 @@ class VariationalTrainer(VariationalHubMixin, LabelNoiseMixin, Trainer):
         return super()._get_dataloader(dataset, description, batch_size, sampler_fn, is_training, dataloader_key)
 
     def _set_signature_columns_if_needed(self) -> None:
+        network = self.accelerator.unwrap_model(self.model)
+        if self._signature_columns is None and isinstance(network, DeepEnsemble):  # forward(**inputs): ask a member
+            member = network.members[0].model
+            member = member.get_base_model() if is_peft_model(member) else member
+            self._signature_columns = [*inspect.signature(member.forward).parameters, "label", "label_ids", *self.label_names]
         super()._set_signature_columns_if_needed()
         if self.method.needs_example_index and EXAMPLE_INDEX_KEY not in self._signature_columns:
             self._signature_columns.append(EXAMPLE_INDEX_KEY)  # or the column removal would drop the index
@@ -381,7 +422,7 @@ class VariationalTrainer(VariationalHubMixin, LabelNoiseMixin, Trainer):
         inputs = self._prepare_inputs(inputs)
         labels = inputs.get("labels")
         # a point-mass posterior (no IVON state, none loaded) predicts at the weights
-        out = predictive_distribution(model, self._eval_posterior, inputs, self.args.eval_mc_samples, self.args.eval_seed)
+        out = self.predictive(model, inputs, self._eval_posterior)
         loss = None
         if labels is not None:
             loss = torch.nn.functional.nll_loss(out.logits, labels)
@@ -429,6 +470,8 @@ class VariationalTrainer(VariationalHubMixin, LabelNoiseMixin, Trainer):
             log_probs, mean_logits, labels = (np.concatenate(parts) for parts in zip(*self._metric_batches))
             self._metric_batches = []
         mean_probs = torch.as_tensor(mean_logits).float().softmax(-1).numpy()
+        # the bins of the prediction just scored, for the card's reliability diagram (`write_reliability_diagram`)
+        self.reliability_diagram = reliability_diagram(mean_probs if self._bma_without_posterior() else np.exp(log_probs), labels)
         if self._bma_without_posterior():  # no posterior: name the metrics after the prediction they measure
             metrics = {f"mean_{k}": v for k, v in classification_metrics(mean_probs, labels).items()}
         else:
@@ -462,6 +505,8 @@ class VariationalTrainer(VariationalHubMixin, LabelNoiseMixin, Trainer):
             save_classifier_config(self.accelerator.unwrap_model(self.model), output_dir)
         if self.ivon is not None and self.args.should_save:
             (self._gathered_posterior or self.posterior()).save(output_dir)
+        if self.temperature_scaling is not None and self.args.should_save:
+            self.temperature_scaling.save(output_dir, self.accelerator.unwrap_model(self.model))
         report = self.train_noise_report() if self.args.should_save else None
         if report is not None:
             report.save(output_dir)

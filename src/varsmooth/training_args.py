@@ -134,6 +134,19 @@ class VariationalTrainingArguments(TrainingArguments):
                           "varsmooth.posterior.temperature.TEMPERATURE_GRID (which holds 0 and 1); 1 without an eval "
                           "dataset. A number fixes τ for every prediction; 1 turns the selection off."},
     )
+    temperature_scaling: bool = field(
+        default=False,
+        metadata={"help": "Post-hoc temperature scaling (Guo et al. 2017): when training ends, fit one temperature T on "
+                          "the eval dataset by NLL and predict softmax(log P / T) from then on, for any method (after the "
+                          "posterior temperature of IVON); saved with the model (temperature_scaling.json). Off by "
+                          "default: it changes every reported metric and needs a validation split."},
+    )
+    mc_dropout_samples: int = field(
+        default=0,
+        metadata={"help": "MC-dropout prediction (Gal & Ghahramani 2016): evaluate()/predict() average this many softmax "
+                          "predictions with the model's dropout layers on (0 = off). For methods without a posterior (not "
+                          "IVON, which predicts by BMA)."},
+    )
 
     def __post_init__(self) -> None:
         method_cls = get_method_class(self.method)
@@ -175,6 +188,14 @@ class VariationalTrainingArguments(TrainingArguments):
         if self.posterior_temperature is not None and not 0 <= self.posterior_temperature < float("inf"):
             raise ValueError(f"posterior_temperature must be a finite number >= 0 or None (choose it on the eval dataset), "
                              f"got {self.posterior_temperature}.")
+        if self.mc_dropout_samples < 0:
+            raise ValueError(f"mc_dropout_samples must be >= 0 (0 = no MC dropout), got {self.mc_dropout_samples}.")
+        if self.mc_dropout_samples and method_cls.uses_ivon:
+            raise ValueError(
+                f"mc_dropout_samples={self.mc_dropout_samples} with method={self.method!r}: IVON methods predict by "
+                "Bayesian model averaging over their posterior (eval_mc_samples). Use MC dropout with a method without "
+                "a posterior (e.g. method='erm'), or set mc_dropout_samples=0."
+            )
         if self.eval_mc_samples < 0:
             raise ValueError(f"eval_mc_samples must be >= 0 (0 = predict at the posterior mean), got {self.eval_mc_samples}.")
         super().__post_init__()

@@ -135,6 +135,23 @@ def _temperature_text(record: RunRecord) -> str:
             "\n\n| τ | validation NLL |\n|---|---|\n" + rows)
 
 
+RELIABILITY_DIAGRAM_FILE = "reliability_diagram.png"
+
+
+def write_reliability_diagram(diagram: dict[str, Any] | None, folder: str | os.PathLike, bma: bool) -> str | None:
+    """Draw `diagram` (`varsmooth.metrics.reliability_diagram` of the last evaluation) into
+    `folder/reliability_diagram.png` (the card embeds every picture of the run) and return its path; None when there
+    is nothing to draw (no evaluation yet)."""
+    if diagram is None or diagram["count"].sum() == 0:
+        return None
+    from ..plots import plot_reliability_diagram  # matplotlib only when there is something to draw
+
+    os.makedirs(folder, exist_ok=True)
+    prediction = "posterior-averaged prediction" if bma else "prediction"
+    return plot_reliability_diagram(diagram, os.fspath(folder), RELIABILITY_DIAGRAM_FILE,
+                                    title=f"Reliability of the {prediction}")
+
+
 def build_model_card(record: RunRecord, model: Any, folder: str | os.PathLike) -> ModelCard:
     """The card of `model` trained by the run `record` and saved in `folder`: base model, data, injected label noise,
     method, metrics, label noise, usage.

@@ -15,7 +15,7 @@ from transformers.utils.hub import PushInProgress, hf_api
 
 from ..files import OWNED_PATTERNS, FolderSave, add_to_manifest, shareable_files, written_by_varsmooth
 from ..utils import atomic_path
-from .card import build_model_card
+from .card import build_model_card, write_reliability_diagram
 from .record import RunRecord
 
 __all__ = ["VariationalHubMixin"]
@@ -34,6 +34,11 @@ class VariationalHubMixin:
         if not self.is_world_process_zero():
             return
         self._refuse_to_replace_own_card(replace_model_card)
+        picture = write_reliability_diagram(self.reliability_diagram, self.args.output_dir,
+                                            bma=self.method.uses_ivon and self.args.eval_mc_samples > 0)
+        if picture is not None:  # beside the model, in the manifest (uploaded) and so embedded by the card
+            self.record_output(picture)
+            add_to_manifest(self.args.output_dir, [os.path.basename(picture)])
         path = os.path.join(self.args.output_dir, "README.md")
         record = RunRecord.from_trainer(self, model_name=model_name, **kwargs)
         card = build_model_card(record, self.accelerator.unwrap_model(self.model), self.args.output_dir)

@@ -3,7 +3,8 @@
 from .diagnostics import HESSIAN_STUCK_TOLERANCE, HessianDiagnosticsCallback, hessian_summary
 from .gaussian import POSTERIOR_FILE, DiagonalGaussianPosterior, std_summary
 from .optimizer import VariationalIVON, derive_seed, unwrap_ivon
-from .prediction import VariationalClassifierOutput, model_logits, model_outputs, predictive_distribution
+from .mc_dropout import dropout_modules, dropout_sampling, mc_dropout_predictive
+from .prediction import VariationalClassifierOutput, average_predictions, model_logits, model_outputs, predictive_distribution
 
 __all__ = [
     "HESSIAN_STUCK_TOLERANCE",
@@ -12,8 +13,12 @@ __all__ = [
     "HessianDiagnosticsCallback",
     "VariationalClassifierOutput",
     "VariationalIVON",
+    "average_predictions",
     "derive_seed",
     "hessian_summary",
+    "dropout_modules",
+    "dropout_sampling",
+    "mc_dropout_predictive",
     "model_logits",
     "model_outputs",
     "predictive_distribution",

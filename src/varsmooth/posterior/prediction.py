@@ -9,7 +9,7 @@ export needs.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +19,8 @@ from transformers.utils import ModelOutput
 from .gaussian import DiagonalGaussianPosterior
 from .optimizer import derive_seed
 
-__all__ = ["VariationalClassifierOutput", "predictive_distribution", "model_logits", "model_outputs", "logits_of", "LABEL_KEYS"]
+__all__ = ["VariationalClassifierOutput", "average_predictions", "predictive_distribution", "model_logits", "model_outputs", "logits_of",
+           "LABEL_KEYS"]
 
 LABEL_KEYS = ("labels", "label", "label_ids")
 
@@ -94,23 +95,37 @@ def predictive_distribution(
     if num_samples < 0:
         raise ValueError(f"num_samples must be >= 0 (0 = predict at the posterior mean), got {num_samples}.")
     mean_logits = model_logits(model, inputs)
-    mean_probs = mean_logits.softmax(-1)
     # τ = 0 would average S copies of the mean prediction: the mean itself, exactly and without the S passes
     if num_samples <= 0 or posterior.is_point_mass or posterior.temperature == 0:
-        zeros = torch.zeros(mean_probs.shape[:-1], device=mean_probs.device)
-        return VariationalClassifierOutput(
-            logits=mean_logits.log_softmax(-1), probs=mean_probs, mean_logits=mean_logits, mean_probs=mean_probs,
-            entropy=_entropy(mean_probs), mutual_information=zeros, noise_rms=zeros,
-        )
+        return average_predictions(mean_logits, ())
+
+    def draws() -> Iterator[torch.Tensor]:
+        for s in range(num_samples):
+            with posterior.sampled(derive_seed(seed, s)):
+                yield model_logits(model, inputs).softmax(-1)
+
+    return average_predictions(mean_logits, draws())
+
+
+def average_predictions(mean_logits: torch.Tensor, sample_probs: Iterable[torch.Tensor]) -> VariationalClassifierOutput:
+    """The output for the prediction `mean_logits` at the weights and the probabilities of S stochastic draws
+    (posterior samples, dropout masks): P̂ their average, its entropy and mutual information; no draws: the prediction
+    at the weights."""
+    mean_probs = mean_logits.softmax(-1)
     probs = torch.zeros_like(mean_probs)
     expected_entropy = torch.zeros(mean_probs.shape[:-1], device=mean_probs.device)
     noise_sq = torch.zeros_like(expected_entropy)
-    for s in range(num_samples):
-        with posterior.sampled(derive_seed(seed, s)):
-            sample_probs = model_logits(model, inputs).softmax(-1)
-        probs += sample_probs
-        expected_entropy += _entropy(sample_probs)
-        noise_sq += (mean_probs - sample_probs).square().sum(-1)
+    num_samples = 0
+    for sample in sample_probs:
+        probs += sample
+        expected_entropy += _entropy(sample)
+        noise_sq += (mean_probs - sample).square().sum(-1)
+        num_samples += 1
+    if num_samples == 0:
+        return VariationalClassifierOutput(
+            logits=mean_logits.log_softmax(-1), probs=mean_probs, mean_logits=mean_logits, mean_probs=mean_probs,
+            entropy=_entropy(mean_probs), mutual_information=torch.zeros_like(noise_sq), noise_rms=noise_sq,
+        )
     probs /= num_samples
     entropy = _entropy(probs)
     return VariationalClassifierOutput(

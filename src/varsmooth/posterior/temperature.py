@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -31,7 +31,7 @@ from .prediction import LABEL_KEYS, predictive_distribution
 if TYPE_CHECKING:
     from ..trainer import VariationalTrainer
 
-__all__ = ["TEMPERATURE_GRID", "choose_temperature", "select_trainer_temperature", "temperature_nll"]
+__all__ = ["TEMPERATURE_GRID", "choose_temperature", "select_trainer_temperature", "temperature_nll", "validation_batches"]
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +93,16 @@ def choose_temperature(nll: Mapping[float, float]) -> float:
     return min((t for t, v in finite.items() if v == best), key=lambda t: (abs(t - 1.0), t))
 
 
+def validation_batches(trainer: "VariationalTrainer", eval_dataset: Any) -> Iterator[Mapping[str, Any]]:
+    """The prepared batches of `eval_dataset` (a dataset or a dict of them, pooled), from the loaders of evaluate()."""
+    # a dict of the trainer's own eval datasets by name: evaluate()'s cached loaders are reused
+    named = eval_dataset if isinstance(eval_dataset, Mapping) else {None: eval_dataset}
+    sources = [name if eval_dataset is trainer.eval_dataset and name is not None else dataset for name, dataset in named.items()]
+    for source in sources:
+        for batch in trainer.get_eval_dataloader(source):
+            yield trainer._prepare_inputs(batch)
+
+
 def select_trainer_temperature(trainer: "VariationalTrainer", eval_dataset: Any = None) -> dict[str, Any] | None:
     """Choose τ for `trainer` on `eval_dataset` (default: its eval datasets, pooled) and make it the trainer's.
 
@@ -111,19 +121,10 @@ def select_trainer_temperature(trainer: "VariationalTrainer", eval_dataset: Any 
             "(a validation split) to choose the temperature by validation NLL, or set posterior_temperature."
         )
         return None
-    # the loaders of evaluate(): a dict of the trainer's own eval datasets by name, so cached loaders are reused
-    named = eval_dataset if isinstance(eval_dataset, Mapping) else {None: eval_dataset}
-    sources = [name if eval_dataset is trainer.eval_dataset and name is not None else dataset for name, dataset in named.items()]
     model = trainer.model
     model.eval()
     posterior = trainer.posterior()
-
-    def batches() -> Iterable[Mapping[str, Any]]:
-        for source in sources:
-            for batch in trainer.get_eval_dataloader(source):
-                yield trainer._prepare_inputs(batch)
-
-    nll = temperature_nll(model, posterior, batches(), TEMPERATURE_GRID, args.eval_mc_samples, args.eval_seed,
+    nll = temperature_nll(model, posterior, validation_batches(trainer, eval_dataset), TEMPERATURE_GRID, args.eval_mc_samples, args.eval_seed,
                           gather=trainer.accelerator.gather_for_metrics)
     chosen = choose_temperature(nll)
     trainer.posterior_temperature = chosen
