@@ -118,7 +118,7 @@ _OOD: dict[str, Any] = {}
 def mnist_ood() -> common.ArrayDataset:
     """CIFAR-10 test images (a fixed random MNIST_OOD of them) in grayscale, 28×28, normalised as MNIST."""
     if "mnist" not in _OOD:
-        from varsmooth.data import load_cifar10n
+        from example_utils.data import load_cifar10n
 
         try:
             test = load_cifar10n(common.DATA_DIR, max_train=1, max_test=MNIST_OOD, seed=0)["test"]

@@ -45,7 +45,7 @@ def with_posterior(network: torch.nn.Module, scale: float, num_samples: int) -> 
 
 
 def point(network: torch.nn.Module) -> VariationalModel:
-    return VariationalModel(network, DiagonalGaussianPosterior.zero(network), num_samples=0)
+    return VariationalModel(network, DiagonalGaussianPosterior.point_mass(network), num_samples=0)
 
 
 def _entropy(p: torch.Tensor) -> torch.Tensor:

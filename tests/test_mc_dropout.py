@@ -133,8 +133,8 @@ def test_trainer_evaluates_by_mc_dropout(tmp_path):
     np.testing.assert_allclose(np.exp(log_probs), expected.probs.numpy(), rtol=1e-5, atol=1e-6)
     labels = val[:]["label"].numpy()
     assert metrics["eval_nll"] == pytest.approx(float(-expected.logits[np.arange(64), labels].mean()), rel=1e-5)
-    deterministic = predictive_distribution(model, DiagonalGaussianPosterior.zero(model), batch, 0)
+    deterministic = predictive_distribution(model, DiagonalGaussianPosterior.point_mass(model), batch, 0)
     assert not np.allclose(np.exp(log_probs), deterministic.probs.numpy(), atol=1e-3)
     # a VariationalModel predicts the same with mc_dropout_samples
-    wrapped = VariationalModel(model, DiagonalGaussianPosterior.zero(model), seed=trainer.args.eval_seed, mc_dropout_samples=16)
+    wrapped = VariationalModel(model, DiagonalGaussianPosterior.point_mass(model), seed=trainer.args.eval_seed, mc_dropout_samples=16)
     torch.testing.assert_close(wrapped(**batch).probs, expected.probs)

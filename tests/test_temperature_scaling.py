@@ -13,7 +13,7 @@ from helpers import TinyClassifier, make_args
 from varsmooth import TemperatureScaling, VariationalModel, VariationalTrainer, pipeline
 from varsmooth.calibration import TEMPERATURE_SCALING_FILE
 from varsmooth.corruption import corrupt_labels
-from varsmooth.data import load_digits_dataset
+from example_utils.data import load_digits_dataset
 from varsmooth.files import read_manifest
 from varsmooth.posterior import VariationalClassifierOutput
 

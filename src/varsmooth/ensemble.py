@@ -62,7 +62,7 @@ class DeepEnsemble(torch.nn.Module):
             if not isinstance(member, VariationalModel):
                 raise TypeError(f"Member {index} is a {type(member).__name__}: members are varsmooth.VariationalModel "
                                 "(load trained folders with DeepEnsemble.from_members, or wrap a network as "
-                                "VariationalModel(network, DiagonalGaussianPosterior.zero(network))).")
+                                "VariationalModel(network, DiagonalGaussianPosterior.point_mass(network))).")
         reference = _labels(members[0])
         for index, member in enumerate(members[1:], start=1):
             labels = _labels(member)

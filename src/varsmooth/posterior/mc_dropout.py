@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .ivon import derive_seed
+from .optimizer import derive_seed
 from .prediction import VariationalClassifierOutput, average_predictions, model_logits
 
 __all__ = ["dropout_modules", "dropout_sampling", "mc_dropout_predictive"]
