@@ -50,10 +50,21 @@ def add_output_dropout(model: torch.nn.Module, p: float) -> torch.nn.Module:
     layer = output_layer(model)
     dropout = torch.nn.Dropout(p).train(model.training)  # a new module starts in training mode
     model.add_module(OUTPUT_DROPOUT_KEY, dropout)  # a submodule: train()/eval() and dropout_sampling reach it
-    layer.register_forward_pre_hook(lambda module, args: (dropout(args[0]), *args[1:]))
+    layer.register_forward_pre_hook(_DropInput(dropout))
     if getattr(model, "config", None) is not None:
         setattr(model.config, OUTPUT_DROPOUT_KEY, float(p))
     return model
+
+
+class _DropInput:
+    """Forward pre-hook applying `dropout` to a layer's input (an object, not a closure, so that a deep copy of the
+    model applies the copy's dropout module)."""
+
+    def __init__(self, dropout: torch.nn.Dropout) -> None:
+        self.dropout = dropout
+
+    def __call__(self, module: torch.nn.Module, args: tuple) -> tuple:
+        return (self.dropout(args[0]), *args[1:])
 
 
 def dropout_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -68,8 +79,9 @@ def dropout_sampling(model: torch.nn.Module) -> Iterator[None]:
     if not layers:
         raise ValueError(
             f"{type(model).__name__} has no dropout layers (torch.nn.Dropout or its relatives): MC dropout would "
-            "average copies of the deterministic prediction. Use a model with dropout (e.g. hidden_dropout_prob > 0 "
-            "in a transformers config, drop_rate > 0 in timm), or set mc_dropout_samples=0."
+            "average copies of the deterministic prediction. Use a model with dropout layers (e.g. hidden_dropout_prob "
+            "> 0 in a BERT config; timm's drop_rate is applied without a layer and is not sampled), give it one with "
+            "varsmooth.add_output_dropout(model, p) before training, or set mc_dropout_samples=0."
         )
     modes = [m.training for m in layers]
     try:
