@@ -5,11 +5,12 @@ import itertools
 import numpy as np
 import pytest
 import torch
+from transformers import ResNetConfig, ResNetForImageClassification
 from transformers.modeling_outputs import SequenceClassifierOutput
 
 from helpers import digits_dataset, make_args
 from varsmooth import VariationalModel, VariationalTrainer, VariationalTrainingArguments, mc_dropout_predictive
-from varsmooth.posterior import DiagonalGaussianPosterior, predictive_distribution
+from varsmooth.posterior import OUTPUT_DROPOUT_KEY, DiagonalGaussianPosterior, add_output_dropout, predictive_distribution
 
 
 class DropoutLinear(torch.nn.Module):
@@ -36,6 +37,13 @@ class NormDropoutClassifier(torch.nn.Module):
 
     def forward(self, pixel_values, labels=None):
         return SequenceClassifierOutput(logits=self.head(self.dropout(torch.tanh(self.norm(self.body(pixel_values.flatten(1)))))))
+
+
+def resnet() -> ResNetForImageClassification:
+    """A small ResNet, which has no dropout layers."""
+    torch.manual_seed(0)
+    return ResNetForImageClassification(ResNetConfig(num_channels=1, embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1],
+                                                     layer_type="basic", num_labels=10)).eval()
 
 
 def _exact_dropout_expectation(model: DropoutLinear, x: torch.Tensor) -> torch.Tensor:
@@ -138,3 +146,47 @@ def test_trainer_evaluates_by_mc_dropout(tmp_path):
     # a VariationalModel predicts the same with mc_dropout_samples
     wrapped = VariationalModel(model, DiagonalGaussianPosterior.point_mass(model), seed=trainer.args.eval_seed, mc_dropout_samples=16)
     torch.testing.assert_close(wrapped(**batch).probs, expected.probs)
+
+
+def test_output_dropout_gives_a_network_without_dropout_an_mc_dropout_prediction_that_survives_a_reload(tmp_path):
+    plain, model = resnet(), add_output_dropout(resnet(), 0.5)
+    assert model.state_dict().keys() == plain.state_dict().keys()  # no weights: the saved model is the plain network
+    x = torch.rand(6, 1, 8, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x).logits, plain(x).logits, rtol=0, atol=0)  # evaluation mode: no dropout
+        features = []
+        plain.classifier[-1].register_forward_pre_hook(lambda module, args: features.append(args[0]))
+        plain(x)
+        torch.manual_seed(4)
+        with_dropout = model.classifier[-1](torch.nn.functional.dropout(features[0], 0.5, training=True))
+        model.get_submodule(OUTPUT_DROPOUT_KEY).train()
+        torch.manual_seed(4)
+        torch.testing.assert_close(model(x).logits, with_dropout, rtol=1e-6, atol=1e-6)  # dropout on the output layer's input
+        model.eval()
+    with pytest.raises(ValueError, match="only once"):
+        add_output_dropout(model, 0.1)
+    with pytest.raises(ValueError, match=r"in \[0, 1\)"):
+        add_output_dropout(resnet(), 1.0)
+    expected = VariationalModel(model, DiagonalGaussianPosterior.point_mass(model), seed=2, mc_dropout_samples=8)(pixel_values=x)
+    assert (expected.mutual_information > 0).all()
+    model.save_pretrained(tmp_path)
+    with pytest.warns(UserWarning, match="No posterior"):
+        loaded = VariationalModel.from_pretrained(tmp_path, mc_dropout_samples=8, seed=2)
+    torch.testing.assert_close(loaded(pixel_values=x).probs, expected.probs, rtol=1e-6, atol=1e-7)
+
+
+def test_a_deep_copy_of_a_model_with_output_dropout_uses_its_own_dropout():
+    import copy
+
+    original = add_output_dropout(resnet(), 0.5)
+    clone = copy.deepcopy(original)
+    clone.get_submodule(OUTPUT_DROPOUT_KEY).train()  # only the copy's dropout is on
+    x = torch.rand(4, 1, 8, 8)
+    with torch.no_grad():
+        assert not torch.allclose(clone(x).logits, original(x).logits)
+        original.get_submodule(OUTPUT_DROPOUT_KEY).train()
+        clone.eval()
+        torch.manual_seed(1)
+        a = original(x).logits
+        torch.manual_seed(1)
+        assert not torch.equal(a, clone(x).logits)  # the clone's hook does not reach the original's dropout

@@ -9,7 +9,7 @@ from .metrics import classification_metrics
 from .modeling import VariationalModel
 from .pipelines import pipeline
 from .posterior import (POSTERIOR_FILE, DiagonalGaussianPosterior, VariationalClassifierOutput, VariationalIVON,
-                        mc_dropout_predictive)
+                        add_output_dropout, mc_dropout_predictive)
 from .trainer import VariationalTrainer
 from .training_args import VariationalTrainingArguments
 
@@ -28,6 +28,7 @@ __all__ = [
     "VariationalTrainer",
     "VariationalTrainingArguments",
     "add_lora_adapters",
+    "add_output_dropout",
     "classification_metrics",
     "compute_label_noise",
     "mc_dropout_predictive",

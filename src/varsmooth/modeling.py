@@ -12,8 +12,8 @@ from transformers import AutoConfig, AutoModelForImageClassification, AutoModelF
 from .adapters import has_adapter, is_peft_model, load_adapter_model, save_classifier_config
 from .calibration import TEMPERATURE_SCALING_FILE, TemperatureScaling, describe_prediction
 from .files import FolderSave, check_manifest
-from .posterior import (POSTERIOR_FILE, DiagonalGaussianPosterior, VariationalClassifierOutput, mc_dropout_predictive,
-                        predictive_distribution)
+from .posterior import (OUTPUT_DROPOUT_KEY, POSTERIOR_FILE, DiagonalGaussianPosterior, VariationalClassifierOutput,
+                        add_output_dropout, mc_dropout_predictive, predictive_distribution)
 
 if TYPE_CHECKING:
     from .ensemble import DeepEnsemble
@@ -122,6 +122,8 @@ class VariationalModel(torch.nn.Module):
             if model_class is None:
                 model_class = _auto_class(AutoConfig.from_pretrained(path, revision=revision, token=token))
             model = model_class.from_pretrained(path, revision=revision, token=token, **model_kwargs)
+        if getattr(model.config, OUTPUT_DROPOUT_KEY, None) is not None:  # trained with `add_output_dropout`
+            add_output_dropout(model, getattr(model.config, OUTPUT_DROPOUT_KEY))
         model.eval()
         posterior = load_posterior(model, path, revision=revision, token=token)
         if temperature is not None:

@@ -3,16 +3,18 @@
 from .diagnostics import HESSIAN_STUCK_TOLERANCE, HessianDiagnosticsCallback, hessian_summary
 from .gaussian import POSTERIOR_FILE, DiagonalGaussianPosterior, std_summary
 from .optimizer import VariationalIVON, derive_seed, unwrap_ivon
-from .mc_dropout import dropout_modules, dropout_sampling, mc_dropout_predictive
+from .mc_dropout import OUTPUT_DROPOUT_KEY, add_output_dropout, dropout_modules, dropout_sampling, mc_dropout_predictive
 from .prediction import VariationalClassifierOutput, average_predictions, model_logits, model_outputs, predictive_distribution
 
 __all__ = [
     "HESSIAN_STUCK_TOLERANCE",
+    "OUTPUT_DROPOUT_KEY",
     "POSTERIOR_FILE",
     "DiagonalGaussianPosterior",
     "HessianDiagnosticsCallback",
     "VariationalClassifierOutput",
     "VariationalIVON",
+    "add_output_dropout",
     "average_predictions",
     "derive_seed",
     "hessian_summary",

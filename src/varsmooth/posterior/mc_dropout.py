@@ -10,7 +10,9 @@ the global RNG (e.g. of a training run in progress) is left as it was.
 
 Only dropout *modules* (`torch.nn.Dropout` and its relatives) are switched on. Dropout that a layer applies itself
 according to its own `training` flag (e.g. the attention-probability dropout of transformers' attention layers, which
-reads the attention module's flag) stays off, as does stochastic depth.
+reads the attention module's flag) stays off, as does stochastic depth. A network without dropout layers (e.g. a
+ResNet) gets one before its output layer from `add_output_dropout`, the placement of Gal & Ghahramani's convolutional
+networks' last dropout layer; it must then be trained with it.
 """
 
 from __future__ import annotations
@@ -24,7 +26,45 @@ import torch
 from .optimizer import derive_seed
 from .prediction import VariationalClassifierOutput, average_predictions, model_logits
 
-__all__ = ["dropout_modules", "dropout_sampling", "mc_dropout_predictive"]
+__all__ = ["OUTPUT_DROPOUT_KEY", "add_output_dropout", "dropout_modules", "dropout_sampling", "mc_dropout_predictive"]
+
+#: model-config entry recording the rate of the dropout `add_output_dropout` put before the output layer, and the
+#: name of that dropout module (`VariationalModel.from_pretrained` puts it back)
+OUTPUT_DROPOUT_KEY = "varsmooth_output_dropout"
+
+
+def add_output_dropout(model: torch.nn.Module, p: float) -> torch.nn.Module:
+    """Give `model` a dropout layer of rate `p` on the input of its output layer (the penultimate features) and
+    return it, for MC dropout on a network that has no dropout layers. Train the model with it.
+
+    The dropout has no weights: `state_dict`, `save_pretrained` and the posterior are those of the plain network. The
+    rate is recorded in `model.config` (as `varsmooth_output_dropout`), so `VariationalModel.from_pretrained` puts the
+    layer back when it loads the saved model.
+    """
+    from ..methods.heads import output_layer  # methods import the posterior package
+
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p < 1.0:
+        raise ValueError(f"The dropout rate must be a number in [0, 1), got {p!r}.")
+    if hasattr(model, OUTPUT_DROPOUT_KEY):
+        raise ValueError(f"{type(model).__name__} already has an output dropout ({OUTPUT_DROPOUT_KEY}); add it only once.")
+    layer = output_layer(model)
+    dropout = torch.nn.Dropout(p).train(model.training)  # a new module starts in training mode
+    model.add_module(OUTPUT_DROPOUT_KEY, dropout)  # a submodule: train()/eval() and dropout_sampling reach it
+    layer.register_forward_pre_hook(_DropInput(dropout))
+    if getattr(model, "config", None) is not None:
+        setattr(model.config, OUTPUT_DROPOUT_KEY, float(p))
+    return model
+
+
+class _DropInput:
+    """Forward pre-hook applying `dropout` to a layer's input (an object, not a closure, so that a deep copy of the
+    model applies the copy's dropout module)."""
+
+    def __init__(self, dropout: torch.nn.Dropout) -> None:
+        self.dropout = dropout
+
+    def __call__(self, module: torch.nn.Module, args: tuple) -> tuple:
+        return (self.dropout(args[0]), *args[1:])
 
 
 def dropout_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -39,8 +79,9 @@ def dropout_sampling(model: torch.nn.Module) -> Iterator[None]:
     if not layers:
         raise ValueError(
             f"{type(model).__name__} has no dropout layers (torch.nn.Dropout or its relatives): MC dropout would "
-            "average copies of the deterministic prediction. Use a model with dropout (e.g. hidden_dropout_prob > 0 "
-            "in a transformers config, drop_rate > 0 in timm), or set mc_dropout_samples=0."
+            "average copies of the deterministic prediction. Use a model with dropout layers (e.g. hidden_dropout_prob "
+            "> 0 in a BERT config; timm's drop_rate is applied without a layer and is not sampled), give it one with "
+            "varsmooth.add_output_dropout(model, p) before training, or set mc_dropout_samples=0."
         )
     modes = [m.training for m in layers]
     try:
