@@ -59,7 +59,7 @@ hf_logging.set_verbosity_error()
 
 __all__ = [
     "DATA_DIR", "RESULTS_DIR", "REPO_ROOT", "DataUnavailable", "ImageData", "SmallCNN", "load_data", "noisy_labels",
-    "parse_noise", "run", "method_available", "mean_std", "write_json", "steps_per_epoch", "beta2_window",
+    "parse_noise", "run", "method_available", "mean_std", "write_json", "steps_per_epoch",
     "write_readme_section",
 ]
 
@@ -253,11 +253,6 @@ def uses_ivon(method: str) -> bool:
 
 def steps_per_epoch(n_train: int, batch_size: int) -> int:
     return math.ceil(n_train / batch_size)
-
-
-def beta2_window(c: float, total_steps: int) -> float:
-    """β2 = 1 − 1/(c·T): the Hessian EMA averages over a window of a fraction c of the run's T optimizer steps."""
-    return 1.0 - 1.0 / (c * total_steps)
 
 
 def _slug(hp: dict[str, Any]) -> str:

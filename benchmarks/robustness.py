@@ -81,7 +81,7 @@ def plan(a: argparse.Namespace) -> tuple[str, int, list[str], list[int], list[tu
         import training_length as tl
 
         T = epochs * common.steps_per_epoch(n_train, 64)
-        window = {"beta2": round(common.beta2_window(tl.SELECTED_WINDOW, T), 9), "clip_radius": tl.CLIP}
+        window = {"beta2": tl.window_beta2(tl.SELECTED_WINDOW, T), "clip_radius": tl.CLIP}
         specs.append(("ivon_S1", "ivon", {}))
         for sigma_p in (None, 1.0, 1 / 3):  # None: library prior precision 2e-4
             hp = dict(window) if sigma_p is None else {**window, "prior_precision": round(1 / (n_train * sigma_p ** 2), 8)}
