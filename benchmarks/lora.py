@@ -170,6 +170,7 @@ def report() -> str:
     common.write_json(OUT_DIR / "summary.json", summary)
     text = "\n".join(lines)
     (OUT_DIR / "README.md").write_text(text + "\n")
+    common.write_readme_section("lora", "\n".join(lines[lines.index("") + 1:]))  # without the file's title
     return text
 
 
