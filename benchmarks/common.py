@@ -1,6 +1,6 @@
 """Shared data, model and run code of the benchmarks (real data that fits a CPU).
 
-* Data: MNIST as in the plain-PyTorch reference study (../shared/research/fidelity_mnist.md): a fixed 10k subset of the
+* Data: MNIST (``mnist.npz`` in ``$VARSMOOTH_DATA_DIR``): a fixed 10k subset of the
   training images (``RandomState(12345).permutation(60000)[:10000]``), the first 1,000 are a *noisy* validation
   split and the other 9,000 the training set, test = the full clean 10k; scikit-learn's 8x8 digits for quick runs.
   Label noise comes from the library (``varsmooth.corruption.corrupt_labels``), applied to train + validation

@@ -74,7 +74,7 @@ class MLP(torch.nn.Module):
 
 
 def corrupt(data: datasets.Dataset, rate: float, seed: int) -> tuple[datasets.Dataset, str]:
-    """Symmetric flips to a different class with probability `rate` (Yu et al. 2019, seed 000's noise)."""
+    """Symmetric flips to a different class with probability `rate` (Yu et al. 2019, as in Yang et al. 2025)."""
     try:
         from varsmooth.corruption import corrupt_labels
     except ImportError:

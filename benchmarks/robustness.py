@@ -1,4 +1,4 @@
-"""Label-noise robustness on real data (issue 7.1, 7.2): IVON with ONE fixed setting vs the best-tuned baselines.
+"""Label-noise robustness on real data: IVON with ONE fixed setting vs the best-tuned baselines.
 
 For every noise and seed: IVON (one setting for all noise levels, no tuning), label smoothing best of its α grid,
 SAM best of its ρ grid (grids: `varsmooth.methods.grids.DEFAULT_GRIDS`), ERM, and the other baselines of the

@@ -1,4 +1,4 @@
-"""Training length and Hessian adaptivity (issue 9.1, 9.2, 9.4): when does each method memorise the noisy labels,
+"""Training length and Hessian adaptivity: when does each method memorise the noisy labels,
 and which IVON setting, stated as a rule from the run's size, reaches the best label smoothing without tuning?
 
 MNIST (9k noisy train / 1k noisy val / 10k clean test, the reference study's split), small CNN, batch 64,
@@ -10,7 +10,7 @@ IVON candidates are rules of T = epochs·ceil(N/B), the run's optimizer steps (N
 
   S1         the library default / authors' recipe: β2 = 0.99999 (window 1e5 steps, the Hessian does not move)
   W<c>c      β2 = 1 − 1/(c·T) (the Hessian EMA window is a fraction c of the run) with clip_radius = 0.05
-  fixed      β2 = 1 (seed 000 Fig. 6 ablation)
+  fixed      β2 = 1 (the fixed-Hessian ablation of Yang et al. 2025, Fig. 6)
 
 The selected rule is the library option `hessian_window=0.1` (varsmooth.presets), which adds a floor: the window
 is max(0.1·T, 300) steps (300 instead of 282 for these 20-epoch runs; the floor comes from the digits check in
