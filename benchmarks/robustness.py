@@ -146,7 +146,8 @@ LABELS = {"ivon": "IVON, hessian_window=0.1 rule (one setting)", "ivon_S1": "IVO
           "logistic_normal": "Logistic-normal (lr 0.01)", "alasca": "ALASCA"}
 
 
-def report(dataset: str, epochs: int, noises: list[str], seeds: list[int], specs: list, tag: str) -> dict:
+def collect(dataset: str, epochs: int, noises: list[str], seeds: list[int], specs: list) -> dict:
+    """family -> noise -> [the chosen run of each seed] from the cached runs (baselines chosen on noisy validation)."""
     table: dict = {}
     for noise in noises:
         for seed in seeds:
@@ -163,6 +164,11 @@ def report(dataset: str, epochs: int, noises: list[str], seeds: list[int], specs
                     continue
                 table.setdefault(fam, {}).setdefault(noise, []).append({"seed": seed, "hp": hp, **{
                     k: r[k] for k in ("test_acc", "test_nll", "test_ece", "test_bma_acc", "val_acc", "fit_flipped")}})
+    return table
+
+
+def report(dataset: str, epochs: int, noises: list[str], seeds: list[int], specs: list, tag: str) -> dict:
+    table = collect(dataset, epochs, noises, seeds, specs)
     fams = [f for f in dict.fromkeys(s[0] for s in specs)] + (["ls"] if any(s[0] == "erm" for s in specs) and not any(s[0] == "ls" for s in specs) else [])
     fams = [f for f in fams if f in table]
     md = [f"# Robustness to label noise: {dataset}, small CNN, {epochs} epochs ({tag})", "",
