@@ -1,6 +1,6 @@
 """Shared data, model and run code of the benchmarks (real data that fits a CPU).
 
-* Data: MNIST as in the plain-PyTorch reference study (../shared/research/fidelity_mnist.md): a fixed 10k subset of the
+* Data: MNIST (``mnist.npz`` in ``$VARSMOOTH_DATA_DIR``): a fixed 10k subset of the
   training images (``RandomState(12345).permutation(60000)[:10000]``), the first 1,000 are a *noisy* validation
   split and the other 9,000 the training set, test = the full clean 10k; scikit-learn's 8x8 digits for quick runs.
   Label noise comes from the library (``varsmooth.corruption.corrupt_labels``), applied to train + validation
@@ -59,7 +59,7 @@ hf_logging.set_verbosity_error()
 
 __all__ = [
     "DATA_DIR", "RESULTS_DIR", "REPO_ROOT", "DataUnavailable", "ImageData", "SmallCNN", "load_data", "noisy_labels",
-    "parse_noise", "run", "method_available", "mean_std", "write_json", "steps_per_epoch", "beta2_window",
+    "parse_noise", "run", "method_available", "mean_std", "write_json", "steps_per_epoch",
     "write_readme_section",
 ]
 
@@ -270,11 +270,6 @@ def training_arguments(method: str, **fields: Any) -> Any:
 
 def steps_per_epoch(n_train: int, batch_size: int) -> int:
     return math.ceil(n_train / batch_size)
-
-
-def beta2_window(c: float, total_steps: int) -> float:
-    """β2 = 1 − 1/(c·T): the Hessian EMA averages over a window of a fraction c of the run's T optimizer steps."""
-    return 1.0 - 1.0 / (c * total_steps)
 
 
 def _slug(hp: dict[str, Any]) -> str:

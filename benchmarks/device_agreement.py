@@ -8,6 +8,7 @@ point differs between devices, so runs are not bit-identical; agreement means di
 seed-to-seed spread, not larger.
 
     OMP_NUM_THREADS=1 python benchmarks/device_agreement.py --runs 6 --workers 2
+    python benchmarks/device_agreement.py --runs 6 --report      # the table from the cached runs only
 """
 
 from __future__ import annotations
@@ -54,20 +55,9 @@ def seed_runs(config: dict) -> list[dict]:
     return runs
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--runs", type=int, default=6, help="how many GPU runs to retrain on the CPU")
-    p.add_argument("--workers", type=int, default=2)
-    a = p.parse_args()
-    if common.bench_device() != "cpu":
-        sys.exit("device_agreement.py retrains on the CPU: unset VARSMOOTH_BENCH_DEVICE.")
-    gpu = gpu_runs(a.runs)
-    if not gpu:
-        sys.exit(f"No GPU runs in {SOURCE}: nothing to compare.")
-    jobs = [{**{k: r["config"][k] for k in _JOB_KEYS}, "script": SCRIPT, "verbose": False} for r in gpu]
-    cpu = common.run_parallel(jobs, workers=a.workers)
-    lines = ["# GPU vs CPU: the same sweep runs on both devices", "",
-             "Clean-test accuracy and NLL, and noisy-validation accuracy (the selection metric). GPU: the committed "
+def report(gpu: list[dict], cpu: list[dict]) -> str:
+    """report.md and the `device_agreement` section of benchmarks/README.md: each GPU run beside its CPU rerun."""
+    lines = ["Clean-test accuracy and NLL, and noisy-validation accuracy (the selection metric). GPU: the committed "
              "sweep run; CPU: retrained by `device_agreement.py`. Same data, labels, initialisation and batch order; "
              "the devices round differently and IVON draws its weight noise from the device's own generator. The "
              "yardstick is the seed-to-seed spread of the same configuration in the sweep (std of clean-test accuracy "
@@ -89,9 +79,32 @@ def main() -> None:
     lines += ["", f"GPU − CPU test accuracy: mean {common.mean_std(diffs)[0]:+.2f} pp, mean |difference| "
               f"{common.mean_std(abs_diffs)[0]:.2f} pp, largest {max(abs_diffs):.2f} pp; |difference| / seed std: mean "
               f"{common.mean_std(ratios)[0]:.2f}, largest {max(ratios, default=float('nan')):.2f}."]
+    text = "\n".join(lines)
     OUT_DIR.mkdir(parents=True, exist_ok=True)
-    (OUT_DIR / "report.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    (OUT_DIR / "report.md").write_text("# GPU vs CPU: the same sweep runs on both devices\n\n" + text + "\n")
+    common.write_readme_section("device_agreement", text)
+    return text
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--runs", type=int, default=6, help="how many GPU runs to retrain on the CPU")
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--report", action="store_true", help="only the table, from the cached CPU reruns (no training)")
+    a = p.parse_args()
+    if common.bench_device() != "cpu" and not a.report:
+        sys.exit("device_agreement.py retrains on the CPU: unset VARSMOOTH_BENCH_DEVICE.")
+    gpu = gpu_runs(a.runs)
+    if not gpu:
+        sys.exit(f"No GPU runs in {SOURCE}: nothing to compare.")
+    jobs = [{**{k: r["config"][k] for k in _JOB_KEYS}, "script": SCRIPT, "verbose": False} for r in gpu]
+    if a.report:
+        cpu = [common.cached(**{k: v for k, v in job.items() if k != "verbose"}) for job in jobs]
+        if any(c is None for c in cpu):
+            sys.exit(f"Not every CPU rerun is cached in {OUT_DIR / 'runs'}: run without --report first.")
+    else:
+        cpu = common.run_parallel(jobs, workers=a.workers)
+    print(report(gpu, cpu))
 
 
 if __name__ == "__main__":

@@ -11,9 +11,11 @@ the weight draws and the per-example arithmetic. This script times, in one run a
 and reports export / ((S + 1) × evaluation pass), the target being ≤ 1.15, and export / ((S + 1) × forward pass):
 with a small model the evaluation pass is mostly data loading, which the export does once, not S + 1 times, so
 the second ratio is the one that shows the overhead of the weight draws and the bookkeeping. Each timing is the median of `--repeats`
-runs after a warm-up, alternating the two. Results go to `benchmarks/results/label_noise_cost.json`.
+runs after a warm-up, alternating the two. Results go to `benchmarks/results/label_noise_cost.json` and the
+`label_noise_cost` section of benchmarks/README.md.
 
     OMP_NUM_THREADS=1 python benchmarks/label_noise_cost.py
+    python benchmarks/label_noise_cost.py --report       # the table from the saved JSON only
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import datasets
 import numpy as np
@@ -35,6 +39,9 @@ from transformers.utils import ModelOutput
 
 from varsmooth.label_noise import compute_label_noise
 from varsmooth.posterior import DiagonalGaussianPosterior, model_logits
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "label_noise_cost.json")
 
@@ -51,6 +58,28 @@ class MLP(torch.nn.Module):
         return ModelOutput(logits=self.net(pixel_values))
 
 
+def report(path: str = RESULTS) -> str:
+    """The `label_noise_cost` section of benchmarks/README.md from the saved JSON."""
+    with open(path) as f:
+        r = json.load(f)
+    s1 = r["num_samples"] + 1
+    text = "\n".join([
+        f"Digits repeated to {r['num_examples']:,} examples, an MLP of {r['num_parameters']:,} weights, S = "
+        f"{r['num_samples']} posterior samples, batch {r['batch_size']}, {r['device']} ({r['torch_threads']} thread), "
+        f"median of {len(r['export_s_all'])} timings each.", "",
+        "| | seconds | export / ((S + 1) × this) |", "|---|---|---|",
+        f"| label-noise export (`compute_label_noise`) | {r['export_s']:.3f} | – |",
+        f"| one evaluation pass at the mean (data loading + forward) | {r['eval_pass_s']:.4f} | "
+        f"**{r['ratio_export_over_S_plus_1_eval_passes']:.2f}** (target ≤ {r['target']}) |",
+        f"| one forward pass over batches in memory | {r['forward_pass_s']:.4f} | "
+        f"{r['ratio_export_over_S_plus_1_forward_passes']:.2f} |", "",
+        f"(S + 1) evaluation passes would take {s1 * r['eval_pass_s']:.2f} s: the export loads each batch once, not "
+        f"S + 1 times; against in-memory forward passes it pays for the weight draws and the per-example arithmetic.",
+    ])
+    common.write_readme_section("label_noise_cost", text)
+    return text
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num_samples", type=int, default=64)
@@ -60,7 +89,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--output", default=RESULTS)
+    parser.add_argument("--report", action="store_true", help="only rewrite the table from the saved JSON (no timing)")
     cli = parser.parse_args()
+    if cli.report:
+        print(report(cli.output))
+        return
 
     x, y = load_digits(return_X_y=True)
     x = np.tile((x / 16.0).astype(np.float32), (cli.copies, 1))
@@ -135,6 +168,7 @@ def main() -> None:
           f"(eval pass {eval_s * 1e3:.1f} ms, S = {cli.num_samples}): ratio {ratio:.3f} (target <= 1.15)")
     print(f"export vs (S+1) x forward pass over in-memory batches ({forward_s * 1e3:.1f} ms): ratio {ratio_forward:.3f}")
     print(f"wrote {cli.output}")
+    print(report(cli.output))
 
 
 if __name__ == "__main__":

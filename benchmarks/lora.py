@@ -86,8 +86,7 @@ def run(task: str, name: str, seed: int) -> dict[str, Any]:
     if path.is_file():
         return json.loads(path.read_text())
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    dataset, noise = task.split("-")
-    data = real_noise.text_data(dataset, noise, seed)
+    data = real_noise.text_task_data(task, seed)
     model = real_noise._minilm(len(data["names"]), seed)  # pretrained encoder, new head drawn from the seed
     if lora:
         try:
@@ -180,6 +179,7 @@ def report() -> str:
     common.write_json(OUT_DIR / "summary.json", summary)
     text = "\n".join(lines)
     (OUT_DIR / "README.md").write_text(text + "\n")
+    common.write_readme_section("lora", "\n".join(lines[lines.index("") + 1:]))  # without the file's title
     return text
 
 

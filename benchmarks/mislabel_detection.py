@@ -1,6 +1,6 @@
 """Finding wrong labels: IVON's per-example scores against cleanlab, on digits with 20 % symmetric label noise.
 
-Protocol (research notes methods.md §7): the same seeded corrupted labels for every detector (the realized rate is
+Protocol: the same seeded corrupted labels for every detector (the realized rate is
 reported), ground truth `is_corrupted = noisy != clean`, every score oriented higher = more suspicious and never
 flipped afterwards, AUROC / average precision / precision at k = #corrupted, mean ± std over noise seeds.
 
@@ -8,7 +8,8 @@ Detectors, all on the same MLP 64-256-10 trained by `VariationalTrainer` with IV
 
 * `ivon in-sample`: one model trained on all noisy labels scores its own training data — the label noise
   (noise_at_label |ε̄_y|, noise_l1, noise_rms) and the confidences (1 − P̂_y, 1 − p̄_y). In-sample, as the
-  label noise is by definition (seed 000, Eq. 15 is the noise on the examples being trained on).
+  label noise is by definition (Variational Learning Induces Adaptive Label Smoothing, 2025, Eq. 15: the noise on the
+  examples being trained on).
 * `ivon cross-fitted`: the same scores for each example from the model trained on the other K − 1 folds.
 * `cleanlab`: `cleanlab.rank.get_label_quality_scores` (self_confidence, normalized_margin; score = 1 − quality)
   and `cleanlab.filter.find_label_issues` (precision / recall / F1 of the flagged set), fed out-of-sample
@@ -16,9 +17,11 @@ Detectors, all on the same MLP 64-256-10 trained by `VariationalTrainer` with IV
   scikit-learn logistic regression.
 
 cleanlab is optional: without it those rows are skipped with a message. Writes
-`benchmarks/results/mislabel_detection.{json,md}`. Default run: 3 noise seeds, about 2-4 minutes on 2 CPU cores.
+`benchmarks/results/mislabel_detection.{json,md}` and its section of benchmarks/README.md. Default run: 3 noise seeds,
+about 2-4 minutes on 2 CPU cores.
 
     OMP_NUM_THREADS=1 python benchmarks/mislabel_detection.py
+    python benchmarks/mislabel_detection.py --report     # the tables from the saved JSON only
 """
 
 from __future__ import annotations
@@ -28,8 +31,10 @@ import json
 import logging
 import os
 import platform
+import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import datasets
@@ -43,6 +48,9 @@ from transformers.utils import ModelOutput
 
 from varsmooth import VariationalTrainer, VariationalTrainingArguments
 from varsmooth.label_noise import detection_metrics, suspicion_scores
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
 
 try:
     import cleanlab
@@ -66,7 +74,7 @@ class MLP(torch.nn.Module):
 
 
 def corrupt(data: datasets.Dataset, rate: float, seed: int) -> tuple[datasets.Dataset, str]:
-    """Symmetric flips to a different class with probability `rate` (Yu et al. 2019, seed 000's noise)."""
+    """Symmetric flips to a different class with probability `rate` (Yu et al. 2019, as in Yang et al. 2025)."""
     try:
         from varsmooth.corruption import corrupt_labels
     except ImportError:
@@ -217,6 +225,16 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def report(output_dir: str = RESULTS) -> str:
+    """mislabel_detection.md and the `mislabel_detection` section of benchmarks/README.md from the saved JSON."""
+    with open(os.path.join(output_dir, "mislabel_detection.json")) as f:
+        text = markdown(json.load(f))
+    with open(os.path.join(output_dir, "mislabel_detection.md"), "w") as f:
+        f.write(text)
+    common.write_readme_section("mislabel_detection", text.split("\n", 2)[2])  # without the file's title
+    return text
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -229,7 +247,11 @@ def main() -> None:
     parser.add_argument("--num_samples", type=int, default=64)
     parser.add_argument("--folds", type=int, default=5)
     parser.add_argument("--output_dir", default=RESULTS)
+    parser.add_argument("--report", action="store_true", help="only rewrite the tables from the saved JSON (no training)")
     cli = parser.parse_args()
+    if cli.report:
+        print(report(cli.output_dir))
+        return
     logging.getLogger("varsmooth").setLevel(logging.ERROR)
     if cleanlab is None:
         print("cleanlab is not installed (pip install 'varsmooth[cleanlab]'): skipping the cleanlab detectors.")
@@ -251,10 +273,7 @@ def main() -> None:
     os.makedirs(cli.output_dir, exist_ok=True)
     with open(os.path.join(cli.output_dir, "mislabel_detection.json"), "w") as f:
         json.dump(result, f, indent=2)
-    text = markdown(result)
-    with open(os.path.join(cli.output_dir, "mislabel_detection.md"), "w") as f:
-        f.write(text)
-    print(text)
+    print(report(cli.output_dir))
 
 
 if __name__ == "__main__":

@@ -267,6 +267,12 @@ def text_data(name: str, noise: str, seed: int) -> dict[str, Any]:
     return {"train": train, "val": val, "test": test, "tokenizer": tokenizer, "names": raw["train"].features["label"].names}
 
 
+def text_task_data(task_name: str, seed: int) -> dict[str, Any]:
+    """The data of a text task named ``<dataset>-<noise>`` (``sst2-sym30``, ``trec-clean``), its noise drawn with `seed`."""
+    dataset, noise = task_name.split("-")
+    return text_data(dataset, noise, seed)
+
+
 def _minilm(num_labels: int, seed: int) -> nn.Module:
     from example_utils.models import create_text_classifier, minilm_path
 
@@ -350,8 +356,7 @@ def run(task_name: str, method: str, hyperparams: dict[str, Any] | None = None, 
         model = EfficientNetTop(_pretrained_efficientnet(seed), CIFAR["frozen_stages"])
         collator, y_clean = None, data["y_clean"]
     else:
-        dataset, noise = task.name.split("-")
-        data = text_data(dataset, noise, seed)
+        data = text_task_data(task.name, seed)
         from transformers import DataCollatorWithPadding
 
         train, test = data["train"], data["test"]

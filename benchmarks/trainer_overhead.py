@@ -147,6 +147,25 @@ def hand_block(kind: str, model, x, y, steps: int, seed: int) -> list[float]:
     return ends
 
 
+def report(out: Path = OUT_DIR) -> dict:
+    """trainer_overhead.md and the `trainer_overhead` section of benchmarks/README.md from the saved JSON."""
+    result = json.loads((out / "trainer_overhead.json").read_text())
+    summary, ratios = result["per_config"], result["ratios"]
+    table = ["| configuration | ms / step, median over rounds [min–max] |", "|---|---|"]
+    table += [f"| {k} | {s['median_ms']:.2f} [{s['min_ms']:.2f}–{s['max_ms']:.2f}] |" for k, s in summary.items()]
+    table += ["", "| ratio | median [min–max] |", "|---|---|"]
+    table += [f"| {name} | **{s['median']:.3f}** [{s['min']:.3f}–{s['max']:.3f}] |" for name, s in ratios.items()]
+    setup = (f"{result['data']}, {result['model']}, batch {result['batch_size']}, CPU, {result['threads']} thread; "
+             f"{result['rounds']} interleaved rounds × {result['steps_per_block']} steps per configuration (first "
+             f"{result['skip']} gaps dropped). Ratios are per round; median [min–max] over rounds.")
+    lines = ["# Trainer integration overhead (time per optimizer step)", "", setup, "", *table, "", result["note"], "",
+             "Rerun: `OMP_NUM_THREADS=1 python benchmarks/trainer_overhead.py`", ""]
+    (out / "trainer_overhead.md").write_text("\n".join(lines))
+    common.write_readme_section("trainer_overhead", "\n".join([setup, "", *table]))
+    print("\n".join(lines))
+    return result
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=10)
@@ -154,7 +173,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--skip", type=int, default=5, help="step gaps dropped at the start of each block (warm-up)")
     p.add_argument("--configs", default=",".join(CONFIGS))
     p.add_argument("--out", default=str(OUT_DIR))
+    p.add_argument("--report", action="store_true", help="only rewrite the tables from the saved JSON (no timing)")
     a = p.parse_args(argv)
+    if a.report:
+        return report(Path(a.out))
     torch.set_num_threads(1)
     x, y, data_name = load_xy()
     configs = a.configs.split(",")
@@ -198,23 +220,8 @@ def main(argv: list[str] | None = None) -> dict:
         "note": "Logging off in all configurations (with logging on, VariationalTrainer adds one Hessian/σ median per "
                 "logging step). The machine is shared by other processes: trust ratios within a round, not absolute ms.",
     }
-    out = Path(a.out)
-    common.write_json(out / "trainer_overhead.json", result)
-    lines = [
-        "# Trainer integration overhead (time per optimizer step)", "",
-        f"{data_name}, {result['model']}, batch 64, CPU, {result['threads']} thread; {a.rounds} interleaved rounds × "
-        f"{a.steps} steps per configuration (first {a.skip} gaps dropped). Ratios are per round; median [min–max] over rounds.",
-        "", "| configuration | ms / step, median over rounds [min–max] |", "|---|---|",
-    ]
-    for k in configs:
-        s = summary[k]
-        lines.append(f"| {k} | {s['median_ms']:.2f} [{s['min_ms']:.2f}–{s['max_ms']:.2f}] |")
-    lines += ["", "| ratio | median [min–max] |", "|---|---|"]
-    for name, s in ratios.items():
-        lines.append(f"| {name} | **{s['median']:.3f}** [{s['min']:.3f}–{s['max']:.3f}] |")
-    lines += ["", result["note"], "", "Rerun: `OMP_NUM_THREADS=1 python benchmarks/trainer_overhead.py`", ""]
-    (out / "trainer_overhead.md").write_text("\n".join(lines))
-    print("\n".join(lines))
+    common.write_json(Path(a.out) / "trainer_overhead.json", result)
+    report(Path(a.out))
     return result
 
 

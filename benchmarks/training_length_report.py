@@ -1,6 +1,7 @@
 """Tables, selection and plot of benchmarks/training_length.py from the cached runs (no training here).
 
-Writes benchmarks/results/training_length/{summary.json, report.md, curves.png}.
+Writes benchmarks/results/training_length/{summary.json, report.md, curves_e*.png} and the `training_length_e20` /
+`training_length_e60` sections of benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -197,6 +198,7 @@ def report(epochs_list: tuple[int, ...] = (20, 60)) -> dict:
                     "fit_flipped": common.mean_std([r["fit_flipped"] for r in rs])}
                 for l, rs in rows.items()}
             summary[epochs]["rows"][noise]["LS val-selected"] = {s: c[0] for s, c in chosen.items()}
+        common.write_readme_section(f"training_length_e{epochs}", readme_table(runs, epochs))
         _plot(runs, epochs, out_dir / f"curves_e{epochs}.png")
         md += [f"![clean-test accuracy vs epoch]({f'curves_e{epochs}.png'})", ""]
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -204,6 +206,47 @@ def report(epochs_list: tuple[int, ...] = (20, 60)) -> dict:
     (out_dir / "report.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
     return summary
+
+
+def readme_table(runs: dict, epochs: int) -> str:
+    """The study's summary for benchmarks/README.md: clean-test accuracy, NLL, ECE and flipped labels fitted of ERM, LS
+    chosen on noisy validation, the library's default IVON and the `hessian_window=0.1` rule, with the paired gaps."""
+    chosen = {n: {s: c for s in SEEDS if (c := ls_val_selected(runs, n, s)) is not None} for n in tl.NOISES}
+    window = 1 / (1 - tl.ivon_candidates(epochs)["W0.1c"][1]["beta2"])
+    floor = "" if window >= 300 else "; the library's 300-step floor makes it 300"
+    alphas = sorted({c[0] for per in chosen.values() for c in per.values()})
+    rows = [("ERM (SGD)", {n: list(runs.get("ERM", {}).get(n, {}).values()) for n in tl.NOISES}, "")]
+    if epochs != 20 and "LS0.7" in runs:
+        rows.append(("LS 0.7 (the α chosen at 20 epochs)", {n: list(runs["LS0.7"].get(n, {}).values()) for n in tl.NOISES}, ""))
+    rows += [(f"LS, α chosen per seed on noisy val (chosen: {', '.join(alphas)})",
+              {n: [c[1] for c in chosen[n].values()] for n in tl.NOISES}, ""),
+             ("IVON, library defaults (β2 0.99999), BMA", {n: list(runs.get("S1", {}).get(n, {}).values()) for n in tl.NOISES}, ""),
+             (f"IVON, `hessian_window=0.1` rule (run with a {window:.0f}-step window{floor}), posterior mean",
+              {n: list(runs.get("W0.1c", {}).get(n, {}).values()) for n in tl.NOISES}, "mean_"),
+             ("IVON, same rule, BMA of 8 draws", {n: list(runs.get("W0.1c", {}).get(n, {}).values()) for n in tl.NOISES}, "")]
+    best = {n: max(range(len(rows)), key=lambda i: common.mean_std([r[f"test_{rows[i][2]}acc"] for r in rows[i][1][n]])[0]
+                   if rows[i][1][n] else -1) for n in tl.NOISES}
+    names = " / ".join(n.replace("40", "") for n in tl.NOISES)
+    lines = ["| method | " + " | ".join(f"{n.replace('40', '-40')} %" for n in tl.NOISES)
+             + f" | NLL {names} | ECE % {names} | wrong labels fitted % {names} |", "|---|" + "---|" * (len(tl.NOISES) + 3)]
+    for i, (label, per, mode) in enumerate(rows):
+        acc = [common.fmt_pm([r[f"test_{mode}acc"] for r in per[n]]) for n in tl.NOISES]
+        acc = [f"**{a}**" if best[n] == i else a for a, n in zip(acc, tl.NOISES)]
+        stat = lambda key, scale, d: " / ".join(  # noqa: E731
+            f"{scale * common.mean_std([r[key] for r in per[n]])[0]:.{d}f}" for n in tl.NOISES)
+        lines.append(f"| {label} | " + " | ".join(acc) + f" | {stat(f'test_{mode}nll', 1, 2)} | "
+                     f"{stat(f'test_{mode}ece', 100, 1)} | {stat('fit_flipped', 100, 0)} |")
+    gaps = []
+    for label, name, key in (("library defaults", "S1", "test_acc"), ("rule at the mean", "W0.1c", "test_mean_acc"),
+                             ("rule, BMA", "W0.1c", "test_acc")):
+        per_noise = []
+        for n in tl.NOISES:
+            d = [100 * (runs[name][n][s][key] - c[1]["test_acc"]) for s, c in chosen[n].items() if s in runs.get(name, {}).get(n, {})]
+            shown = f"{'/'.join(f'{x:+.1f}' for x in d)} ({n.replace('40', '')}, {common.fmt_pm([x / 100 for x in d], 100, 1)})"
+            per_noise.append(shown.replace("-", "−"))
+        gaps.append(f"{label} " + ", ".join(per_noise))
+    lines += ["", "Paired gaps (pp, IVON − LS chosen on noisy val, per seed, then mean ± std): " + "; ".join(gaps) + "."]
+    return "\n".join(lines)
 
 
 def _plot(runs: dict, epochs: int, path: Path) -> None:

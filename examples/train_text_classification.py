@@ -1,6 +1,6 @@
 """Fine-tune a text classifier on (possibly noisy) labels with IVON, and predict by Bayesian model averaging.
 
-    accelerate launch examples/train_text_classification.py             # SST-2 from ../shared/data, 30 % symmetric noise
+    accelerate launch examples/train_text_classification.py             # SST-2 from $VARSMOOTH_DATA_DIR, 30 % symmetric noise
     accelerate launch examples/train_text_classification.py --dataset trec --noise_type pairflip --noise_rate 0.2
     accelerate launch examples/train_text_classification.py \
         --dataset_name stanfordnlp/sst2 --text_column_name sentence \
@@ -16,7 +16,7 @@ symmetric noise, 3 epochs) takes about 4 minutes on one CPU core and evaluates o
 `--eval_split test` it reached 73-74 % on the clean test set (seeds 0-2; a linear probe of the frozen mean features
 trained on 2000 clean labels: 80 %).
 
-IVON's defaults here are the fine-tuning preset (README "Fine-tuning a pretrained model"): the posterior starts at
+IVON's defaults here are the fine-tuning preset (benchmarks/README.md, "Fine-tuning a pretrained model"): the posterior starts at
 the pretrained weights with a small std σ0 = 1/sqrt(ess·(hess_init + prior_precision)) ≈ 3e-3, and the update is
 clipped element-wise so that learning_rate·clip_radius = 3e-4, the AdamW rate of the other methods here, is the
 largest step of a weight (benchmarks/real_noise.py: both optimizers checked at this step size on SST-2).
@@ -35,7 +35,6 @@ a flag of another method than --method is an error.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import sys
@@ -45,26 +44,18 @@ import datasets
 from transformers import DataCollatorWithPadding, HfArgumentParser, set_seed
 
 from varsmooth import VariationalTrainer, VariationalTrainingArguments
-from varsmooth.corruption import CorruptionArguments
 from varsmooth.methods import get_method_class, method_config_classes, method_config_from_flags
 from varsmooth.adapters import LoraArguments
-from varsmooth.utils import checkpoint_to_resume, evaluate_validation_and_test
+from varsmooth.utils import checkpoint_to_resume
 
 # the data/model helpers beside this script (also when it is imported or launched from another folder)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from example_utils.data import TEXT_DATASETS, load_text_classification_files, load_text_dataset, train_eval_splits  # noqa: E402
 from example_utils.models import count_parameters, create_text_classifier, minilm_path  # noqa: E402
+from example_utils.script import ExampleCorruptionArguments, SplitArguments, train_evaluate_and_share  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
-
-@dataclass
-class ExampleCorruptionArguments(CorruptionArguments):
-    noise_splits: str = field(
-        default="train,validation",
-        metadata={"help": "Comma-separated splits to corrupt. The validation split too by default: whoever has noisy "
-                          "training labels has no clean validation set, and every choice is made on it."},
-    )
 
 #: the AdamW rate of non-IVON methods, and IVON's rate in the fine-tuning preset (lr·clip_radius = the same 3e-4)
 ADAMW_LR = 3e-4
@@ -100,7 +91,7 @@ class ModelArguments(LoraArguments):
 
 
 @dataclass
-class DataArguments:
+class DataArguments(SplitArguments):
     dataset: str | None = field(
         default="sst2",
         metadata={"help": "A dataset from the project's shared data folder: 'sst2' or 'trec'. Ignored when "
@@ -120,16 +111,6 @@ class DataArguments:
         default=None,
         metadata={"help": "Local evaluation file, in the format of --train_file.", "aliases": ["--test_file"]},
     )
-    train_split: str = field(default="train", metadata={"help": "Split to train on."})
-    eval_split: str | None = field(
-        default=None,
-        metadata={"help": "Validation split: evaluated during and after training, and where the posterior temperature "
-                          "is chosen (default: 'validation' if the dataset has one, else --train_val_split of the "
-                          "training split). A 'test' split is scored once at the end (test_* metrics)."},
-    )
-    train_val_split: float = field(
-        default=0.2, metadata={"help": "Fraction of the training split held out for validation when the dataset has none."}
-    )
     text_column_name: str = field(default="text", metadata={"help": "Text column.", "aliases": ["--text_column"]})
     label_column_name: str = field(
         default="label", metadata={"help": "Label column (a ClassLabel or integers).", "aliases": ["--label_column"]}
@@ -139,7 +120,6 @@ class DataArguments:
         default=3000,
         metadata={"help": "Train on a random subset of this size (default 3000: about 4 minutes on one core; 0 = all)."},
     )
-    max_eval_samples: int | None = field(default=None, metadata={"help": "Truncate the evaluation set."})
 
 
 @dataclass
@@ -307,21 +287,8 @@ def main() -> None:
     trainer = VariationalTrainer(model=model, args=training_args, train_dataset=train, eval_dataset=validation,
                                  data_collator=DataCollatorWithPadding(tokenizer), processing_class=tokenizer,
                                  noise_report=reports["train"] if reports else None)
-    if training_args.do_train:
-        trainer.train(resume_from_checkpoint=checkpoint)
-        trainer.save_model()
-    if training_args.do_eval:
-        metrics = evaluate_validation_and_test(trainer, test)
-    if training_args.do_train:
-        dataset_name = data_args.dataset_name or ("local files" if data_args.train_file else data_args.dataset)
-        if training_args.push_to_hub:
-            trainer.push_to_hub(dataset=dataset_name)
-        else:
-            trainer.create_model_card(dataset=dataset_name)
-    if training_args.do_eval and trainer.is_world_process_zero():  # one line of metrics per run, not per process
-        print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items()}))
-    trainer.accelerator.wait_for_everyone()
-    trainer.end()
+    dataset_name = data_args.dataset_name or ("local files" if data_args.train_file else data_args.dataset)
+    train_evaluate_and_share(trainer, checkpoint, test, dataset_name)
 
 
 if __name__ == "__main__":

@@ -31,11 +31,11 @@ def main(out: str, method: str) -> None:
     torch.save({"params": [p.detach().clone() for p in model.parameters()], "state": state, "local": local},
                os.path.join(out, f"rank{trainer.args.process_index}.pt"))
     trainer.accelerator.wait_for_everyone()
-    trainer.end()  # destroys the process group; without it gloo can abort at exit (hf.md §3)
+    trainer.end()  # destroys the process group; without it gloo can abort at interpreter exit
 
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
     # gloo's worker threads can abort the interpreter's teardown (SIGABRT) after all work is done and the results
-    # are on disk (hf.md §3): leave without it
+    # are on disk: leave without it
     os._exit(0)

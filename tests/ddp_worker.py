@@ -23,11 +23,11 @@ def main(out: str, steps: int, grad_accum: int) -> None:
                 "hess": trainer.ivon.hessian().clone(), "world_size": trainer.args.world_size,
                 "sync": trainer.ivon.sync}, os.path.join(out, f"rank{rank}.pt"))
     trainer.accelerator.wait_for_everyone()
-    trainer.end()  # destroys the process group; without it gloo can abort at exit (hf.md §3)
+    trainer.end()  # destroys the process group; without it gloo can abort at interpreter exit
 
 
 if __name__ == "__main__":
     main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
     # gloo's worker threads can abort the interpreter's teardown (SIGABRT) after all work is done and the results
-    # are on disk (hf.md §3): leave without it
+    # are on disk: leave without it
     os._exit(0)

@@ -1,4 +1,4 @@
-"""Statistical and API tests of varsmooth.corruption (reference values: methods.md §7)."""
+"""Statistical and API tests of varsmooth.corruption (reference values: the noise models' definitions, computed here)."""
 
 from __future__ import annotations
 
@@ -100,7 +100,7 @@ def test_asymmetric_cifar10_map():
             assert_rate_close((noisy[members] != c).mean(), rate, members.sum())
         else:
             np.testing.assert_array_equal(noisy[members], c)
-    # five of ten classes flip: overall 0.20 (methods.md §0.5)
+    # five of ten classes flip: overall 0.20
     assert report.intended_rate == pytest.approx(rate / 2)
     assert_rate_close(report.realized_rate, rate / 2, len(out))
     assert_rows_close(report)
@@ -141,7 +141,7 @@ def test_classwise_seed000_eq20_21():
 
 def test_classwise_boundary_fully_flips_last_class():
     out, report = corrupt_labels(balanced(1000), "classwise", seed=0, kappa=0.5, return_report=True)
-    assert report.per_class_rate[-1] == 1.0  # kappa + beta K = 1 is allowed (seed 000, Fig. 7)
+    assert report.per_class_rate[-1] == 1.0  # kappa + beta K = 1 is allowed (Yang et al. 2025, Fig. 7)
 
 
 def synthetic_features(n: int = 5000, dim: int = 20, seed: int = 0) -> Dataset:

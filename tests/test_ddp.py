@@ -1,6 +1,6 @@
 """DDP on CPU (gloo, 2 processes): replicas stay identical and the posterior is IVON's unbiased estimate.
 
-Scheme (i) of ivon.md §4.2: each rank draws its own weight sample, computes its local gradient (no DDP
+The data-parallel scheme of Shen et al. 2024 (Variational Learning is Effective for Large Deep Networks): each rank draws its own weight sample, computes its local gradient (no DDP
 all-reduce), and IVON averages g and ε⊙g over ranks. The reference is a single-process loop that takes the
 two ranks' samples in turn and lets IVON's Welford mean average them.
 """

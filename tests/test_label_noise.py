@@ -1,5 +1,5 @@
-"""Per-example label noise (seed 000, Eq. 12, 15, 19) against closed-form theory and the research reference numbers
-(methods.md §8), plus the export path: trainer, callback, parquet, summary, atomic writes."""
+"""Per-example label noise (Variational Learning Induces Adaptive Label Smoothing (Yang et al. 2025), Eq. 12, 15, 19) against closed-form theory and
+numbers computed by Gauss–Hermite quadrature, plus the export path: trainer, callback, parquet, summary, atomic writes."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ from varsmooth.label_noise import (
 )
 from varsmooth.posterior.optimizer import derive_seed
 
-# methods.md §8: ε(m, v=1) by 64-node Gauss–Hermite, printed to 5 decimals
+# ε(m, v=1) by 64-node Gauss–Hermite quadrature, computed separately and printed to 5 decimals
 REFERENCE_EPS = {0.0: 0.0, 0.5: 0.02043, 1.0: 0.03432, 1.5: 0.03905, 2.0: 0.03626, 4.0: 0.01012}
 REFERENCE_PEAK = (1.529, 0.039061)
 
@@ -48,7 +48,7 @@ def test_gauss_hermite_matches_reference_table():
     peak_m, peak = logistic_label_noise_peak(1.0)
     assert peak_m == pytest.approx(REFERENCE_PEAK[0], abs=5e-4)
     assert peak == pytest.approx(REFERENCE_PEAK[1], abs=5e-7)
-    # methods.md §8: the peak grows and moves out with the variance
+    # the peak grows and moves out with the variance (Yang et al. 2025, Fig. 2)
     assert logistic_label_noise_peak(0.25) == pytest.approx((1.38, 0.0113), abs=5e-3)
     assert logistic_label_noise_peak(4.0) == pytest.approx((1.85, 0.1062), abs=5e-3)
     # the per-step noise is largest at m = 0 instead (0.2083 for v = 1)
@@ -61,7 +61,7 @@ class ShiftedLogit(torch.nn.Module):
     """Two-class softmax with logit difference f = mean + offset[replicate].
 
     With q(offset_r) = N(0, 1) every row sees f ~ N(mean, 1) exactly — Bayesian logistic regression with φᵀφ = 1
-    (seed 000, Eq. 11) — and the R replicates are R independent draws per posterior sample, so S samples give
+    (Yang et al. 2025, Eq. 11) — and the R replicates are R independent draws per posterior sample, so S samples give
     R·S draws per mean in S forward passes.
     """
 
@@ -339,7 +339,7 @@ def test_trainer_callback_exports_parquet(tmp_path):
     np.testing.assert_allclose(table["mean_probs"], direct, atol=1e-5)
     assert np.abs(table["noise"]).max() > 0  # the learned posterior is not a point mass
     # the file against the posterior written out here from IVON's state: draw s moves weight i to m + σ⊙e with
-    # σ = 1/sqrt(ess·(h + δ)) (seed 000, Alg. 1) and e ~ N(0, I) from the seed derive_seed(derive_seed(eval_seed, s), i)
+    # σ = 1/sqrt(ess·(h + δ)) (Yang et al. 2025, Alg. 1) and e ~ N(0, I) from the seed derive_seed(derive_seed(eval_seed, s), i)
     names = {id(p): name for name, p in model.named_parameters()}
     weights, stds = [], []
     for group in trainer.ivon.param_groups:
@@ -407,7 +407,7 @@ if trainer.args.process_index == 0:
     single.to_parquet(os.path.join(out, "single_process.parquet"))
 trainer.accelerator.wait_for_everyone()
 trainer.end()
-os._exit(0)  # gloo's threads can abort interpreter teardown after all work is done (hf.md §3)
+os._exit(0)  # gloo's threads can abort interpreter teardown after all work is done
 '''
 
 

@@ -1,4 +1,4 @@
-"""IVON over peft LoRA adapters: the trainer's guarantees for full models hold for adapters (issue 21).
+"""IVON over peft LoRA adapters: the trainer's guarantees for full models hold for adapters.
 
 The "pretrained" model is a tiny BERT built from a config (no network); dropout is off so that the hand-written
 reference loop sees the same forward passes as the trainer.

@@ -1,8 +1,9 @@
 """The baselines (LS, GLS/NLS, GCE, OLS, SAM, Logistic-Normal, ALASCA) against independent numbers, and inside the Trainer.
 
-Reference values: Wei et al. 2022 Table 3 (r_opt for AGNews) and NLS unboundedness by hand, the update example of
-ankandrew/online-label-smoothing-pt (OLS), SAM's closed form on a quadratic and pytorch-optimizer's SAM, ALASCA's
-reference targets (Ko et al. 2023), a dense multivariate normal (Logistic-Normal), GCE's limits q → 0 and q = 1.
+Reference values, worked out from each paper's definitions: Wei et al. 2022, To Smooth or Not? (r_opt for AGNews,
+NLS unboundedness); Zhang et al. 2021, Delving Deep into Label Smoothing (OLS; the update example of ankandrew's public
+OLS implementation); Foret et al. 2020 (SAM's closed form on a quadratic; pytorch-optimizer's SAM); Ko et al. 2023
+(ALASCA); Englesson et al. 2023 (logistic-normal, a dense MVN); Zhang & Sabuncu 2018 (GCE's limits).
 """
 
 from __future__ import annotations
@@ -86,14 +87,14 @@ def test_smoothed_ce_is_ce_against_the_uniform_over_k_target(rate):
 
 
 def test_nls_is_unbounded_below_as_in_the_spec():
-    # r = -0.5, K = 5, logits s * e_y -> 0.505, -4, -40, -400: the loss tends to r·(K-1)/K·s = -0.4·s
+    # Wei et al. 2022 (NLS is unbounded below): r = -0.5, K = 5, logits s * e_y -> 0.505, -4, -40, -400
     labels = torch.tensor([2])
     values = [smoothed_cross_entropy(s * F.one_hot(labels, 5).float(), labels, -0.5).item() for s in (1, 10, 100, 1000)]
     assert values == pytest.approx([0.505, -4.0, -40.0, -400.0], abs=1e-3)
 
 
 def test_optimal_smoothing_rate_reproduces_agnews_rates():
-    # Wei et al. 2022, Table 3 (AGNews, K = 4, r* = 0): ε = 0, .1, .2, .3, .4 -> r = 0, -0.15, -0.36, -0.67, -1.14
+    # Wei et al. 2022, To Smooth or Not?, Table 3 (AGNews, K = 4, r* = 0): ε = 0, .1, .2, .3, .4 -> r = 0, -0.15, -0.36, -0.67, -1.14
     rates = [round(optimal_smoothing_rate(eps, 4), 2) for eps in (0.0, 0.1, 0.2, 0.3, 0.4)]
     assert rates == [0.0, -0.15, -0.36, -0.67, -1.14]
     assert optimal_smoothing_rate(0.2, 10, clean_rate=0.4) > 0  # low noise vs (K-1) r*/K = 0.36: keep LS
@@ -134,7 +135,7 @@ def test_gce_limits_and_gradient():
 
 # -- OLS -----------------------------------------------------------------------------------------------
 def test_ols_update_matches_the_reference_example(tmp_path):
-    # ankandrew/online-label-smoothing-pt test_update.py: accumulated column-major [[.7,.5,0],[.2,1.3,0],[.1,.2,0]], counts [1,2,0]
+    # ankandrew's OLS implementation, test_update.py: accumulated column-major [[.7,.5,0],[.2,1.3,0],[.1,.2,0]], counts [1,2,0]
     m = method("ols", tmp_path)
     probs = torch.tensor([[0.3, 0.6, 0.1], [0.7, 0.2, 0.1], [0.3, 0.3, 0.4], [0.2, 0.7, 0.1]])
     labels = torch.tensor([1, 0, 0, 1])
@@ -214,7 +215,7 @@ def test_sam_equals_pytorch_optimizer_sam(tmp_path, adaptive):
 
 
 def test_sam_accumulation_perturbs_each_micro_batch(tmp_path):
-    """GA = 2: the step uses mean_k ∇L_k(w + ε̂_k), each ε̂_k from micro-batch k's own gradient (m-sharpness)."""
+    """GA = 2: the step uses mean_k ∇L_k(w + ε̂_k), each ε̂_k from micro-batch k's own gradient."""
     data = vector_data()
     torch.manual_seed(0)
     model = MLP()
@@ -257,7 +258,7 @@ def test_non_ivon_accumulation_divides_by_the_accumulation_steps(tmp_path):
 
 # -- Logistic-Normal -----------------------------------------------------------------------------------
 def test_logistic_normal_target_constant():
-    # by hand: C = τ log(((1-t)(K+1) + t)/t) = 6.9939 for K = 10, τ = 1, t = 0.01
+    # Englesson et al. 2023: C = τ log(((1-t)(K+1) + t)/t) = 6.9939 for K = 10, τ = 1, t = 0.01
     target = logistic_normal_targets(torch.tensor([3]), 10, 1.0, 0.01)
     assert target[0, 3].item() == pytest.approx(6.9939, abs=1e-4)
     assert torch.count_nonzero(target).item() == 1
@@ -295,7 +296,7 @@ def test_alasca_positions_ema_confidence_and_targets(tmp_path):
     conf = m.confidence(torch.tensor([0, 2]), labels, epoch=15)
     assert torch.allclose(conf, 0.5 * sharpened + 0.5)
     assert torch.allclose(m.confidence(torch.tensor([0, 2]), labels, epoch=0), torch.ones(2))
-    # the reference target = (1 - α̃)·CE + α̃/(K-1)·Σ_{j≠y} CE_j with α̃ = 1 - conf (Ko et al. 2023's code)
+    # the reference target = (1 - α̃)·CE + α̃/(K-1)·Σ_{j≠y} CE_j with α̃ = 1 - conf (Ko et al. 2023)
     logits = torch.randn(2, 3)
     soft_ce = -(alasca_targets(conf, labels, 3) * F.log_softmax(logits, -1)).sum(-1)
     nll = -F.log_softmax(logits, -1)

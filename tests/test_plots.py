@@ -1,4 +1,4 @@
-"""Pictures of the label noise (seed 000, Fig. 2-4; blog seed 001's Moon picture): each writes a readable PNG."""
+"""Pictures of the label noise (Variational Learning Induces Adaptive Label Smoothing (Yang et al. 2025), Fig. 2-4; the Moon picture of its blog post): each writes a readable PNG."""
 
 from __future__ import annotations
 
@@ -77,7 +77,7 @@ def test_fig2_noise_vs_mean(tmp_path, drawn):
     nodes, weights = hermgauss(80)
     for curve, peak, v in zip(curves, peaks, variances):
         m = np.asarray(curve.get_xdata())
-        # |σ(m) − E_{N(m, v)}[σ(f)]| by Gauss–Hermite written out here (seed 000, Eq. 12)
+        # |σ(m) − E_{N(m, v)}[σ(f)]| by Gauss–Hermite written out here (Yang et al. 2025, Eq. 12)
         expected = expit(m[:, None] + np.sqrt(2 * v) * nodes) @ weights / np.sqrt(np.pi)
         np.testing.assert_allclose(curve.get_ydata(), np.abs(expit(m) - expected), atol=1e-9)
         # the two markers sit on the curve's maxima, at ±m*

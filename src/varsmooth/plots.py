@@ -1,4 +1,5 @@
-"""Pictures of the label noise variational learning adds (seed 000, Fig. 2-4; the Moon picture of blog seed 001).
+"""Pictures of the label noise variational learning adds (Variational Learning Induces Adaptive Label Smoothing (Yang et al. 2025), Fig. 2-4;
+the Moon picture of its blog post, Khan 2025).
 
 Every function draws with matplotlib's Agg canvas (no display, no global pyplot state), writes one PNG into
 `output_dir` (atomically: temporary file, then rename) and returns its path. The inputs are `compute_label_noise`
@@ -159,7 +160,7 @@ def plot_noise_extremes(
 
 # -- Fig. 4 ------------------------------------------------------------------------------------------
 def label_smoothing_targets(num_classes: int, alpha: float) -> np.ndarray:
-    """Row c is label smoothing's target for class c: (1 − α)·onehot(c) + α/K (seed 000, Eq. 1)."""
+    """Row c is label smoothing's target for class c: (1 − α)·onehot(c) + α/K (Yang et al. 2025, Eq. 1)."""
     return (1.0 - alpha) * np.eye(num_classes) + alpha / num_classes
 
 
@@ -226,7 +227,7 @@ def plot_smoothed_labels(
     return _save(fig, output_dir, filename)
 
 
-# -- blog seed 001: the Moon picture -----------------------------------------------------------------------
+# -- the blog post (Khan 2025): the Moon picture --------------------------------------------------------------
 def plot_noise_2d(
     noise: datasets.Dataset,
     points: np.ndarray,
@@ -235,7 +236,7 @@ def plot_noise_2d(
     boundary: Callable[[np.ndarray], np.ndarray] | None = None,
     filename: str = "label_noise_2d.png",
 ) -> str:
-    """Blog seed 001: 2-D inputs coloured by their label-noise magnitude, marker shape by given label.
+    """The blog post (Khan 2025): 2-D inputs coloured by their label-noise magnitude, marker shape by given label.
 
     `points[i]` is the input of dataset row i (matched through `example_index`). `boundary`, if given, maps an
     (n, 2) array of inputs to the posterior-mean probability of class 1 and is drawn as the 0.5 contour. Wrong

@@ -1,10 +1,10 @@
-"""Run-size-aware IVON settings (issue 9): let the posterior actually adapt in the runs users make.
+"""Run-size-aware IVON settings: let the posterior actually adapt in the runs users make.
 
-IVON's Hessian h is an exponential moving average with rate β2 (seed 000, Alg. 1, line 5): it forgets its
+IVON's Hessian h is an exponential moving average with rate β2 (Variational Learning Induces Adaptive Label Smoothing (Yang et al. 2025), Alg. 1, line 5): it forgets its
 initial value h0 over about 1/(1 − β2) optimizer steps. The authors' β2 = 0.99999 (a window of 1e5 steps) fits
 their 200-epoch CIFAR runs (~2e5 steps); in a run of a few thousand steps h never leaves h0, the posterior std
 σ = 1/sqrt(λ(h + δ)) stays where the prior settings put it, and IVON is in effect the paper's fixed-Hessian
-ablation (benchmarks/training_length.py; ../shared/research/fidelity_mnist.md).
+ablation (benchmarks/training_length.py).
 
 The rule here ties the window to the run instead: with T the number of optimizer steps of the run,
 
@@ -39,8 +39,8 @@ __all__ = [
 SCRATCH_PRESET: dict[str, float | bool] = {"hess_init": 0.5, "beta2": 0.99999, "prior_precision": 2e-4, "rescale_lr": True,
                                            "eval_mc_samples": 32}
 
-#: IVON settings for fine-tuning a pretrained model (`ivon_preset="finetune"`; README "Fine-tuning a pretrained model",
-#: checked in benchmarks/real_noise.py). The posterior starts *at* the pretrained weights with σ0 = 1/sqrt(ess·(h0 + δ))
+#: IVON settings for fine-tuning a pretrained model (`ivon_preset="finetune"`; checked in benchmarks/real_noise.py, see
+#: "Fine-tuning a pretrained model" in benchmarks/README.md). The posterior starts *at* the pretrained weights with σ0 = 1/sqrt(ess·(h0 + δ))
 #: ≈ 3e-3, far below typical weight magnitudes; δ = 0, so nothing pulls the pretrained weights towards 0; β2 = 0.999 is
 #: a ~1,000-step Hessian window, learned within a short fine-tune; no lr rescaling, and the element-wise clip makes
 #: lr·clip_radius (3e-4, a usual AdamW fine-tuning rate) the largest step of any weight. The authors' defaults instead
@@ -68,7 +68,8 @@ LORA_PRESET: dict[str, float | bool] = {
 }
 
 #: clip_radius used with a run-relative Hessian window when the user sets none (bounds the per-coordinate step of
-#: the mean to lr·(h0 + δ)·clip_radius; 0.05 was set a priori from training statistics in fidelity_long.md).
+#: the mean to lr·(h0 + δ)·clip_radius; 0.05 was set a priori from the size of
+#: the preconditioned updates in a 100-epoch MNIST run, before any result with it).
 HESSIAN_WINDOW_CLIP_RADIUS = 0.05
 #: the shortest Hessian EMA window (in optimizer steps) the run-relative rule uses
 MIN_HESSIAN_WINDOW_STEPS = 300

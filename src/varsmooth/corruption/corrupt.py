@@ -62,14 +62,14 @@ def corrupt_labels(
 
     Noise types (``T[i, j] = P(noisy = j | clean = i)``):
 
-    * ``"symmetric"``: flip to a different class with probability ``rate`` (Yu et al. 2019, seed 000).
+    * ``"symmetric"``: flip to a different class with probability ``rate`` (Yu et al. 2019; Yang et al. 2025).
     * ``"uniform"``: resample over all K classes with probability ``rate`` (LN, ALASCA); about
       ``rate (K-1)/K`` of the labels change and only those count as corrupted.
     * ``"pairflip"``: flip to the next class (cyclic) with probability ``rate`` (Yu et al. 2019).
     * ``"asymmetric"``: ``class_map=`` ``"mnist"``, ``"cifar10"``, ``"cifar100"`` (published maps, see
       ``ASYMMETRIC_CLASS_MAPS``) or ``{source: target}`` of indices or class names; each source class flips
       to its target with probability ``rate``.
-    * ``"classwise"``: seed 000, Eq. 20-21, with ``kappa=`` (required) and ``beta=`` (default 0.05); label
+    * ``"classwise"``: Variational Learning Induces Adaptive Label Smoothing (Yang et al. 2025), Eq. 20-21, with ``kappa=`` (required) and ``beta=`` (default 0.05); label
       index ``c`` flips with probability ``kappa + beta*(c+1)`` (the paper numbers classes 1..K) to the other
       classes uniformly. ``rate`` must stay 0: the level is set by kappa and beta.
     * ``"instance"``: Xia et al. 2020: example i flips with probability ``q_i ~ TruncNormal(rate,
@@ -317,7 +317,7 @@ def _check_rate(rate: Any, noise_type: str) -> float:
     if not (math.isfinite(rate) and 0.0 <= rate <= 1.0):
         raise ValueError(f"rate must be a probability in [0, 1]; got {rate}. For a percentage, divide by 100.")
     if noise_type in _RATE_FREE and rate != 0.0:
-        source = "kappa and beta (seed 000, Eq. 20-21)" if noise_type == "classwise" else "the noisy column"
+        source = "kappa and beta (Yang et al. 2025, Eq. 20-21)" if noise_type == "classwise" else "the noisy column"
         raise ValueError(
             f"{noise_type} noise takes its level from {source}, not from rate; leave rate at 0 (got {rate})."
         )

@@ -22,7 +22,7 @@ NOISE_TYPES: tuple[str, ...] = ("symmetric", "uniform", "pairflip", "asymmetric"
 
 # Published asymmetric ("class-conditional") maps, source class -> target class.
 ASYMMETRIC_CLASS_MAPS: dict[str, dict[int, int]] = {
-    # Englesson et al. 2023 (seed 004) §5.4, reference code baselines/mnist/ln.py.
+    # Englesson et al. 2023, Logistic-Normal Likelihoods for Heteroscedastic Label Noise, Sec. 5.4 (and their code).
     "mnist": {7: 1, 2: 7, 5: 6, 6: 5, 3: 8},
     # LN label_corrupted_dataset.py and ALASCA dataset/noise_cifar10.py. The LN paper text omits
     # truck -> automobile (9 -> 1), but both reference codes flip it, so we follow the codes.
@@ -35,7 +35,7 @@ _MAP_NUM_CLASSES = {"mnist": 10, "cifar10": 10, "cifar100": 100}
 
 
 def symmetric_transition(num_classes: int, rate: float) -> np.ndarray:
-    """Symmetric flip to a *different* class (Yu et al. 2019, used by seed 000): ``T_ii = 1-r``,
+    """Symmetric flip to a *different* class (Yu et al. 2019, used by Variational Learning Induces Adaptive Label Smoothing (Yang et al. 2025)): ``T_ii = 1-r``,
     ``T_ij = r/(K-1)``."""
     if num_classes < 2:
         raise ValueError("symmetric noise needs at least 2 classes to flip between.")
@@ -55,7 +55,7 @@ def uniform_transition(num_classes: int, rate: float) -> np.ndarray:
 
 
 def pairflip_transition(num_classes: int, rate: float) -> np.ndarray:
-    """Pair flip to the next class, cyclically (Yu et al. 2019; seed 000 App. C.2):
+    """Pair flip to the next class, cyclically (Yu et al. 2019; Yang et al. 2025, App. C.2):
     ``T_ii = 1-r``, ``T_{i,(i+1) mod K} = r``."""
     return asymmetric_transition(num_classes, rate, {i: (i + 1) % num_classes for i in range(num_classes)})
 
@@ -72,7 +72,7 @@ def asymmetric_transition(num_classes: int, rate: float, class_map: Mapping[int,
 
 
 def classwise_transition(num_classes: int, kappa: float, beta: float) -> np.ndarray:
-    """Class-wise data-dependent noise of seed 000, Eq. 20-21.
+    """Class-wise data-dependent noise of Variational Learning Induces Adaptive Label Smoothing (Yang et al. 2025), Eq. 20-21.
 
     ``T_ii = 1-(κ+β i)`` and ``T_ij = (κ+β i)/(K-1)`` for ``j != i``, with the paper's 1-based class
     number ``i = 1..K``: label index 0 flips with probability κ+β and index K-1 with κ+βK. The mean rate
@@ -83,7 +83,7 @@ def classwise_transition(num_classes: int, kappa: float, beta: float) -> np.ndar
     flip = kappa + beta * np.arange(1, num_classes + 1)
     if not (kappa >= 0 and beta >= 0 and flip[-1] <= 1.0 + 1e-12):  # also refuses NaN, which compares False
         raise ValueError(
-            f"classwise noise (seed 000, Eq. 20-21) needs kappa >= 0, beta >= 0 and kappa + beta*K <= 1 so that "
+            f"classwise noise (Yang et al. 2025, Eq. 20-21) needs kappa >= 0, beta >= 0 and kappa + beta*K <= 1 so that "
             f"every flip probability is valid; got kappa={kappa}, beta={beta}, K={num_classes} "
             f"(kappa + beta*K = {flip[-1]:.4g}). Lower kappa or beta, e.g. beta <= {(1 - kappa) / num_classes:.4g}."
         )
