@@ -141,16 +141,52 @@ def jobs(seeds: list[int]) -> list[tuple[str, str, int]]:
     return [(task, name, seed) for seed in seeds for task in TASKS for name in METHODS]
 
 
-def report() -> str:
-    runs = [json.loads(p.read_text()) for p in sorted((OUT_DIR / "runs").glob("*.json"))]
+def _results_dir(device: str) -> Path:
+    return common.RESULTS_DIR / (SCRIPT if device == "cpu" else f"{SCRIPT}_{device}")
+
+
+def _device_text(device: str, out_dir: Path) -> str:
+    if device == "cpu":
+        return "on one shared CPU thread"
+    scale = out_dir / "scale.json"  # lora_scale.py records the GPU's name
+    name = json.loads(scale.read_text())["device"] if scale.is_file() else device
+    return f"on {name} (fp32)"
+
+
+def _reading(runs: list[dict[str, Any]]) -> list[str]:
+    """What the table says about the issue's goal (IVON-LoRA matches AdamW-LoRA's accuracy and beats its ECE), and
+    whether σ was learned: the median Hessian's relative change from hess_init, per IVON variant."""
+    lines = []
+    for name in ("ivon-lora", "ivon-lora-lr1", "ivon-lora-lr1-window"):
+        d_acc, d_ece, moved = [], [], []
+        for task in TASKS:
+            base = {r["config"]["seed"]: r for r in runs if r["config"]["task"] == task and r["config"]["method"] == "adamw-lora"}
+            rs = [r for r in runs if r["config"]["task"] == task and r["config"]["method"] == name and r["config"]["seed"] in base]
+            if not rs:
+                continue
+            d_acc.append(100 * np.mean([r["test_acc"] - base[r["config"]["seed"]]["test_acc"] for r in rs]))
+            d_ece.append(100 * np.mean([r["test_ece"] - base[r["config"]["seed"]]["test_ece"] for r in rs]))
+            moved += [abs(r["hessian"]["hess_median"] / r["settings"]["hess_init"] - 1) for r in rs]
+        if d_acc:
+            lines.append(f"* `{name}` vs AdamW-LoRA over {len(d_acc)} tasks: mean Δacc {min(d_acc):+.1f} to {max(d_acc):+.1f} "
+                         f"points, ECE lower on {sum(d < 0 for d in d_ece)} of {len(d_ece)} (ΔECE {min(d_ece):+.1f} to "
+                         f"{max(d_ece):+.1f}); median Hessian moved {100 * float(np.median(moved)):.1f} % from hess_init "
+                         f"({'σ learned' if np.median(moved) >= 0.1 else 'σ stayed at its initial value'}).")
+    return lines
+
+
+def report(device: str = DEVICE) -> str:
+    out_dir = _results_dir(device)
+    runs = [json.loads(p.read_text()) for p in sorted((out_dir / "runs").glob("*.json"))]
     runs = [r for r in runs if r["config"]["version"] == VERSION and r["config"]["setup"] == SETUP]
     lines = ["# IVON-LoRA vs AdamW-LoRA vs full fine-tuning: results", "",
              "Written by `benchmarks/lora.py --report` from the cached runs; the set-up is in the script's docstring. "
              "Clean test labels (1000 sentences); mean ± sd over seeds; IVON: BMA over the preset's 10 posterior "
              "samples (`mean acc`: at the posterior mean); `Δ vs AdamW-LoRA`: paired (same seed) difference of "
              "accuracy / ECE in points; s/step: training seconds per optimizer step "
-             + ("on one shared CPU thread." if DEVICE == "cpu" else f"on {torch.cuda.get_device_name()} (fp32)."), "",
-             "Reproduce: `OMP_NUM_THREADS=1 python benchmarks/lora.py`.", "",
+             + _device_text(device, out_dir) + ".", "",
+             "Reproduce: `OMP_NUM_THREADS=1 python benchmarks/lora.py`" + ("" if device == "cpu" else
+                                                                             f" with `VARSMOOTH_BENCH_DEVICE={device}`") + ".", "",
              "| task | method | seeds | trainable | acc % | NLL | ECE % | mean acc % | Δacc vs AdamW-LoRA | ΔECE vs AdamW-LoRA | s/step |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     summary: dict[str, Any] = {}
@@ -176,10 +212,12 @@ def report() -> str:
                 "test_nll": common.mean_std([r["test_nll"] for r in rs]), "test_ece": common.mean_std([r["test_ece"] for r in rs]),
                 "s_per_step": float(np.mean([r["s_per_step"] for r in rs])),
                 "diverged": sum(r["diverged"] is not None for r in rs)}
-    common.write_json(OUT_DIR / "summary.json", summary)
+    lines += ["", *_reading(runs)]
+    common.write_json(out_dir / "summary.json", summary)
     text = "\n".join(lines)
-    (OUT_DIR / "README.md").write_text(text + "\n")
-    common.write_readme_section("lora", "\n".join(lines[lines.index("") + 1:]))  # without the file's title
+    (out_dir / "README.md").write_text(text + "\n")
+    section = "lora" if device == "cpu" else f"lora_{device}"
+    common.write_readme_section(section, "\n".join(lines[lines.index("") + 1:]))  # without the file's title
     return text
 
 
@@ -187,7 +225,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
-    parser.add_argument("--report", action="store_true", help="Only write the table from the cached runs.")
+    parser.add_argument("--report", action="store_true", help="Only write the tables (CPU and GPU runs) from the cached runs.")
     parser.add_argument("--reverse", action="store_true", help="Run the jobs from the end (a second worker on the same seeds).")
     args = parser.parse_args()
     if not args.report:
@@ -198,7 +236,11 @@ def main() -> None:
         except real_noise.Unavailable as error:
             print(f"SKIPPED: {error}", flush=True)
             return
-    print(report())
+        print(report())
+        return
+    for device in ("cpu", "cuda"):
+        if (_results_dir(device) / "runs").is_dir():
+            print(report(device))
 
 
 if __name__ == "__main__":

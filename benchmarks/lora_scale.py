@@ -18,6 +18,7 @@ process, interleaved per model, so their ratio is measured under the same condit
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import tempfile
@@ -105,24 +106,15 @@ def measure(size: str, method: str, steps: int, batch: int, length: int) -> dict
             "peak_train_gib": peak_train, "predict_s": timings, "bma_samples": bma_samples}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--length", type=int, default=128)
-    parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
-    args = parser.parse_args()
-    if common.bench_device() != "cuda":
-        raise SystemExit("lora_scale.py measures GPU cost: run it with VARSMOOTH_BENCH_DEVICE=cuda on a machine with a GPU.")
-    rows = [measure(size, method, args.steps, args.batch, args.length) for size in args.sizes for method in METHODS]
-    out = common.RESULTS_DIR / "lora_cuda"
-    common.write_json(out / "scale.json", {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                                           "steps": args.steps, "batch": args.batch, "length": args.length, "rows": rows})
-    lines = [f"LoRA r = 8 on query/value, batch {args.batch} × {args.length} tokens, bf16 autocast, {args.steps} steps, "
-             f"{torch.cuda.get_device_name()}; median s/step after warm-up [min–max]; prediction of 2,048 sequences.", "",
+def table(data: dict[str, Any]) -> str:
+    """The markdown table of a `scale.json`."""
+    rows, sizes = data["rows"], list(dict.fromkeys(r["size"] for r in data["rows"]))
+    lines = [f"LoRA r = 8 on query/value, batch {data['batch']} × {data['length']} tokens, bf16 autocast, {data['steps']} "
+             f"steps, {data['device']}; median s/step after warm-up [min–max]; prediction of 2,048 sequences. Written by "
+             "`benchmarks/lora_scale.py` (random weights from a config: cost only, no accuracy).", "",
              "| model | parameters | trainable | method | s/step | IVON / AdamW | peak GiB (train) | predict: mean / BMA-10 s |",
              "|---|---|---|---|---|---|---|---|"]
-    for size in args.sizes:
+    for size in sizes:
         by = {r["method"]: r for r in rows if r["size"] == size}
         for method, r in by.items():
             ratio = r["s_per_step"] / by["adamw-lora"]["s_per_step"]
@@ -130,8 +122,27 @@ def main() -> None:
             lines.append(f"| {size} | {r['parameters'] / 1e6:.0f} M | {r['trainable'] / 1e6:.2f} M | {method} | "
                          f"{r['s_per_step'] * 1e3:.1f} ms [{r['s_per_step_min'] * 1e3:.1f}–{r['s_per_step_max'] * 1e3:.1f}] | "
                          f"{ratio:.2f}× | {r['peak_train_gib']:.2f} | {pred} |")
-    text = "\n".join(lines)
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--length", type=int, default=128)
+    parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
+    parser.add_argument("--report", action="store_true", help="Only rewrite the table from results/lora_cuda/scale.json.")
+    args = parser.parse_args()
+    out = common.RESULTS_DIR / "lora_cuda"
+    if not args.report:
+        if common.bench_device() != "cuda":
+            raise SystemExit("lora_scale.py measures GPU cost: run it with VARSMOOTH_BENCH_DEVICE=cuda on a machine with a GPU.")
+        rows = [measure(size, method, args.steps, args.batch, args.length) for size in args.sizes for method in METHODS]
+        common.write_json(out / "scale.json", {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                                               "steps": args.steps, "batch": args.batch, "length": args.length, "rows": rows})
+    text = table(json.loads((out / "scale.json").read_text()))
     (out / "scale.md").write_text(text + "\n")
+    common.write_readme_section("lora_scale", text)
     print(text)
 
 
