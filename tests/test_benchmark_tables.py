@@ -112,11 +112,15 @@ def test_device_agreement_table_is_the_report(tmp_path, monkeypatch):
     assert block("device_agreement", written) == block("device_agreement")
 
 
-def test_lora_table_is_the_report(tmp_path, monkeypatch):
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_lora_table_is_the_report(tmp_path, monkeypatch, device):
     import lora
 
-    monkeypatch.setattr(lora, "OUT_DIR", tmp_path / "lora")
-    shutil.copytree(common.RESULTS_DIR / "lora" / "runs", tmp_path / "lora" / "runs")
-    written = regenerate(lora.report, tmp_path, monkeypatch)
-    assert block("lora", written) == block("lora")
-    assert json.loads((tmp_path / "lora" / "summary.json").read_text())  # the summary is written beside it
+    folder = "lora" if device == "cpu" else f"lora_{device}"
+    monkeypatch.setattr(lora, "_results_dir", lambda device: tmp_path / folder)
+    shutil.copytree(common.RESULTS_DIR / folder / "runs", tmp_path / folder / "runs")
+    if (common.RESULTS_DIR / folder / "scale.json").is_file():  # names the GPU in the GPU table
+        shutil.copy(common.RESULTS_DIR / folder / "scale.json", tmp_path / folder)
+    written = regenerate(lambda: lora.report(device), tmp_path, monkeypatch)
+    assert block(folder, written) == block(folder)
+    assert json.loads((tmp_path / folder / "summary.json").read_text())  # the summary is written beside it
