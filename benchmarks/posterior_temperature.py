@@ -19,14 +19,15 @@ Settings:
 * ``cifar10n_worse`` / ``cifar10n_worse_rule``: real_noise.py's CIFAR-10N worse run (EfficientNet-Lite0 fine-tuned on
   4000 images with the human labels, 40 % wrong; its 1000-image noisy validation split; 2000 clean test images; 8
   posterior samples), IVON with the fine-tuning preset / with the `hessian_window` rule on top, at the learning rate
-  and ess that real_noise.py's `--plan fair` chose on the noisy validation split (run that first). Seed s = that
-  script's seed s: the test metrics at τ = 1 are its table's.
+  and ess that real_noise.py's `--plan fair` chose on the noisy validation split (run its tuning first). The run is
+  that script's own run of seed s (its cached JSON gains the analysis): the test metrics at τ = 1 are its table's.
 
     OMP_NUM_THREADS=1 python benchmarks/posterior_temperature.py                         # all settings, 3 seeds
     OMP_NUM_THREADS=1 python benchmarks/posterior_temperature.py --settings digits,mnist_sym40
     python benchmarks/posterior_temperature.py --report-only                            # tables from cached runs
 
-Runs are cached under benchmarks/results/posterior_temperature/runs/; report.md and summary.json next to them.
+Runs are cached under benchmarks/results/posterior_temperature/runs/ (CIFAR-10N: real_noise.py's runs/); report.md
+and summary.json next to them.
 """
 
 from __future__ import annotations
@@ -161,15 +162,19 @@ def mnist_run(noise: str, seed: int, force: bool = False) -> dict[str, Any]:
 
 
 def _cifar_job(setting: str, seed: int) -> dict[str, Any]:
+    """real_noise.py's own `--plan fair` run of this setting and seed (with its label-noise export on seed 0), so that
+    one training serves both scripts: the analysis is added to that run's cached JSON."""
     task, hp = CIFAR_SETTINGS[setting]
-    return {"task_name": task, "method": "ivon", "hyperparams": real_noise.fair_hyperparams(task, "ivon", hp), "seed": seed}
+    hyperparams = real_noise.fair_hyperparams(task, "ivon", hp)
+    return next(j for j in real_noise.fair_jobs(task, sorted({0, seed}), real_noise.chosen_settings(task))
+                if j["method"] == "ivon" and j["hyperparams"] == hyperparams and j["seed"] == seed)
 
 
 def one(setting: str, seed: int, force: bool = False) -> dict[str, Any]:
     if setting == "digits":
         return digits_run(seed, force)
     if setting in CIFAR_SETTINGS:
-        return real_noise.run(**_cifar_job(setting, seed), force=force, analyze=analyze, script=SCRIPT)
+        return real_noise.run(**_cifar_job(setting, seed), force=force, analyze=analyze)
     return mnist_run(setting.removeprefix("mnist_"), seed, force)
 
 
@@ -179,7 +184,8 @@ def cached(setting: str, seed: int) -> dict[str, Any] | None:
         return json.loads(path.read_text()) if path.is_file() else None
     if setting in CIFAR_SETTINGS:
         try:
-            path = real_noise.run_path(**_cifar_job(setting, seed), script=SCRIPT)
+            job = _cifar_job(setting, seed)
+            path = real_noise.run_path(job["task_name"], job["method"], job["hyperparams"], job["seed"])
         except real_noise.Unavailable:
             return None
         return json.loads(path.read_text()) if path.is_file() else None

@@ -19,7 +19,7 @@ all with the same AdamW base — and IVON with the fine-tuning preset of `IVON_F
 pretrained model"), each with ``--seeds`` seeds. Paired design: every method starts from the same weights (the
 pretrained ones and a zero head) and, within a seed, sees the same labels, batch order and dropout seed. Every run is cached as JSON in ``benchmarks/results/real_noise/runs/`` (resumable: rerun to continue).
 
-    OMP_NUM_THREADS=1 python benchmarks/real_noise.py --plan fair      # per task: learning rates tuned on noisy val, then all methods
+    OMP_NUM_THREADS=1 python benchmarks/real_noise.py --plan fair      # per task: learning rates, then IVON's ess, tuned on noisy val; then all methods
     OMP_NUM_THREADS=1 python benchmarks/real_noise.py --plan core      # CIFAR-10N worse + aggre: ERM, IVON, LS grid
     OMP_NUM_THREADS=1 python benchmarks/real_noise.py --plan tuning    # the old single-seed checks on the clean test set
     OMP_NUM_THREADS=1 python benchmarks/real_noise.py --plan text      # SST-2 / TREC with 30 % noise: ERM, IVON
@@ -724,7 +724,7 @@ def report() -> str:
     # runs of an older set-up (the text runs with a [CLS] head, before TEXT["pooling"]) stay in runs/ but not here
     runs = [r for r in cached_runs() if r["config"].get("version") == VERSION
             and r["config"]["setup"] == setup_for(Task.parse(r["config"]["task"]), r["config"]["setup"]["epochs"])]
-    tuning = {_label({"config": {"method": m, "hyperparams": hp}}) for checks in TUNING.values() for m, hp in checks}
+    old_checks = {_label({"config": {"method": m, "hyperparams": hp}}) for checks in TUNING.values() for m, hp in checks}
     header = ["| method | seeds | acc % | NLL | ECE % | mean acc % | fit wrong % | Δacc vs ERM (pp) | noisy-val acc % | train s |",
               "|---|---|---|---|---|---|---|---|---|---|"]
     lines = ["# Real label noise: results", "",
@@ -735,7 +735,7 @@ def report() -> str:
              "`Δacc vs ERM` = paired difference (same seed). ERM, LS: AdamW; IVON: the fine-tuning preset. "
              "CIFAR-10N labels: Wei et al. 2022, CC BY-NC 4.0 (non-commercial use only).", "",
              "Reproduce: `OMP_NUM_THREADS=1 python benchmarks/real_noise.py --plan fair` (per task: the learning-rate "
-             "tuning on the noisy validation split, then every method at the chosen rates, 3 seeds; `--tasks` picks "
+             "and then IVON's ess tuning on the noisy validation split, then every method at the chosen settings, 3 seeds; `--tasks` picks "
              "tasks). A task without finished tuning is marked \"old protocol\".", ""]
     summary: dict[str, Any] = {}
     protocol_rows: dict[str, dict[str, tuple[str, list[dict[str, Any]]]]] = {}
@@ -747,8 +747,10 @@ def report() -> str:
         chosen = chosen_settings(task) if task in FAIR_TASKS else None
         erm_label = _spec_label(*next((j["method"], j["hyperparams"]) for j in fair_jobs(task, [0], chosen))) if chosen else "erm"
         old_rows: dict[str, list[dict[str, Any]]] = {}
+        tuning = old_checks
         if chosen:  # runs with settings the tuning did not choose stay out of the table
             protocol = {_spec_label(j["method"], j["hyperparams"]) for j in fair_jobs(task, [0], chosen)}
+            tuning = old_checks - protocol  # an old check at the settings now chosen is a reported run (retrained with val)
             old_rows = {label: rs for label, rs in rows.items() if label not in protocol and label not in tuning}
             rows = {label: rs for label, rs in rows.items() if label not in old_rows}
         erm = {r["config"]["seed"]: r["test_acc"] for r in rows.get(erm_label, [])}
@@ -879,7 +881,10 @@ def _task_section(task: str, prot: dict[str, tuple[str, list[dict[str, Any]]]]) 
                     {n: common.mean_std([r["test_nll"] for r in rs])[0] for n, rs in present.items()}, True),
             "ece": ({n: _fmt([r["test_ece"] for r in rs], 100, 1) for n, rs in present.items()},
                     {n: common.mean_std([r["test_ece"] for r in rs])[0] for n, rs in present.items()}, True)}
-    cells = {c: _bold_best(text, means, lower) for c, (text, means, lower) in cols.items()}
+    # a mean over fewer seeds is not comparable with the others': only the methods with every seed are ranked
+    full = max(len(rs) for rs in present.values())
+    cells = {c: _bold_best(text, {n: m for n, m in means.items() if len(present[n]) == full}, lower)
+             for c, (text, means, lower) in cols.items()}
     lines = [f"#### {task}: {first['n_train']} training examples, {100 * first['realized_noise']:.1f} % wrong labels, "
              f"{first['steps']} steps", "",
              "| method | tuning trainings | seeds | acc % | Δacc vs ERM (pp, paired) | NLL | ECE % |", "|---|---|---|---|---|---|---|"]
@@ -889,7 +894,10 @@ def _task_section(task: str, prot: dict[str, tuple[str, list[dict[str, Any]]]]) 
                          f"{cells['nll'][name]} | {cells['ece'][name]} |")
         else:
             lines.append(f"| {name} | {budget} | 0 | not run yet | | | |")
-    ranked = sorted(present, key=lambda n: -cols["acc"][1][n])
+    ranked = sorted((n for n, rs in present.items() if len(rs) == full), key=lambda n: -cols["acc"][1][n])
+    partial = [f"{n} (n = {len(rs)})" for n, rs in present.items() if len(rs) < full]
+    if partial:
+        lines += ["", f"Not ranked (fewer than {full} seeds so far): {', '.join(partial)}."]
     if len(ranked) > 1:
         best, runner = ranked[0], ranked[1]
         d = _paired(present[best], present[runner])
@@ -898,10 +906,10 @@ def _task_section(task: str, prot: dict[str, tuple[str, list[dict[str, Any]]]]) 
         lines += ["", f"Highest mean accuracy: {best}; next {runner}, paired difference {_fmt(d)} pp, {best} ahead on "
                   f"{sum(v > 0 for v in d)}/{len(d)} seeds" + (" (within two standard errors: not separated at this "
                   "number of seeds)." if close else ".")]
-        nll_best = min(present, key=lambda n: cols["nll"][1][n])
+        nll_best = min(ranked, key=lambda n: cols["nll"][1][n])
         lines.append(f"Lowest NLL: {nll_best}.")
         rule = _spec_label(*IVON_RULE)
-        if rule in present and rule != best:
+        if rule in ranked and rule != best:
             d = _paired(present[rule], present[best])
             lines.append(f"{rule} − {best}: {_fmt(d)} pp (ahead on {sum(v > 0 for v in d)}/{len(d)} seeds).")
     return "\n".join(lines)
@@ -917,11 +925,14 @@ def write_readme_sections(protocol_rows: dict[str, dict[str, tuple[str, list[dic
     cells = {}
     for task in tasks:
         runs = {n: rs for n, (_, rs) in protocol_rows[task].items() if rs}
+        full = max((len(rs) for rs in runs.values()), default=0)
         cells[task] = _bold_best({n: f"{_fmt([r['test_acc'] for r in rs])} (n={len(rs)})" for n, rs in runs.items()},
-                                 {n: common.mean_std([r["test_acc"] for r in rs])[0] for n, rs in runs.items()}, False)
+                                 {n: common.mean_std([r["test_acc"] for r in rs])[0] for n, rs in runs.items() if len(rs) == full},
+                                 False)
     for name in names:
         lines.append(f"| {name} | {protocol_rows[tasks[0]][name][0]} | " + " | ".join(cells[t].get(name, "–") for t in tasks) + " |")
-    lines += ["", "Clean-test accuracy %, mean ± sd over the n reported seeds (0-2); best mean per task in bold. "
+    lines += ["", "Clean-test accuracy %, mean ± sd over the n reported seeds (0-2); best mean per task in bold (among the "
+              "methods with the most seeds). "
               f"Every hyperparameter chosen on the noisy validation split; tuning trainings on seed {LR_TUNING_SEED}, never "
               "reported (`n + k/seed`: n shared tuning trainings plus a k-point grid chosen per seed)."]
     if missing:
