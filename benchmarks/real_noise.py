@@ -568,11 +568,12 @@ def fair_hyperparams(task_name: str, method: str, hp: dict[str, Any]) -> dict[st
 
 
 def fair_jobs(task_name: str, seeds: list[int], chosen: dict[str, dict[str, float]]) -> list[dict[str, Any]]:
-    """Every method of `--plan all` on the task with its optimizer's chosen settings, seed-major."""
+    """Every method of `--plan all` on the task with its optimizer's chosen settings, seed-major (only the methods
+    of the optimizers in `chosen`)."""
     task = Task.parse(task_name)
     return [{"task_name": task_name, "method": method, "hyperparams": _with_settings(task, method, hp, chosen[_optimizer(method)]),
              "seed": seed, "export": seed == seeds[0] and (method, hp) in EXPORTED and task.kind == "image"}
-            for seed in seeds for method, hp in method_grid(task, True)]
+            for seed in seeds for method, hp in method_grid(task, True) if _optimizer(method) in chosen]
 
 
 def plan(name: str, seeds: list[int]) -> list[dict[str, Any]]:
@@ -745,6 +746,9 @@ def report() -> str:
             if _task_label(r) == task and r["config"]["seed"] != LR_TUNING_SEED:
                 rows.setdefault(_label(r), []).append(r)
         chosen = chosen_settings(task) if task in FAIR_TASKS else None
+        rates = chosen_rates(task) if task in FAIR_TASKS else None
+        if chosen is None and rates:  # IVON's ess stage has not run: only the AdamW methods are reported so far
+            chosen = {"adamw": {"learning_rate": rates["adamw"]}}
         erm_label = _spec_label(*next((j["method"], j["hyperparams"]) for j in fair_jobs(task, [0], chosen))) if chosen else "erm"
         old_rows: dict[str, list[dict[str, Any]]] = {}
         tuning = old_checks
@@ -754,13 +758,14 @@ def report() -> str:
             old_rows = {label: rs for label, rs in rows.items() if label not in protocol and label not in tuning}
             rows = {label: rs for label, rs in rows.items() if label not in old_rows}
         erm = {r["config"]["seed"]: r["test_acc"] for r in rows.get(erm_label, [])}
-        first = next(iter(rows.values()))[0]
+        first = next(r for r in runs if _task_label(r) == task)
         lines += [f"## {task}", "", f"{first['n_train']} training examples, realized label noise "
                   f"{100 * first['realized_noise']:.1f} %, {first['steps']} optimizer steps.", ""]
         if chosen:
             lines += [f"Every hyperparameter chosen on the noisy validation split (`--plan fair`): "
                       + "; ".join(f"{opt} " + ", ".join(f"{k} {v:g}" for k, v in hp.items()) for opt, hp in chosen.items())
-                      + ".", ""]
+                      + "." + ("" if "ivon" in chosen else " IVON's ess stage has not run yet, so no IVON run is reported "
+                               "here (its runs at the preset's ess, picked on the clean test set, are listed apart)."), ""]
         else:
             kind = Task.parse(task.split(",")[0]).kind
             lines += [f"**Old protocol**: the learning rates here (AdamW {ADAMW[kind]['learning_rate']:g}, IVON "
@@ -847,6 +852,8 @@ def _protocol_rows(task: Task, rows: dict[str, list[dict[str, Any]]], chosen: di
         if method in SELECTED_ON_VAL:
             name = f"{method} (chosen on noisy val)"
             out.setdefault(name, (tuning_budget(task, method), rows.get(name, [])))
+        elif _optimizer(method) not in chosen:  # its tuning has not finished
+            out[_spec_label(method, hp)] = (tuning_budget(task, method, hp), [])
         else:
             label = _spec_label(method, _with_settings(task, method, hp, chosen[_optimizer(method)]))
             out[_spec_label(method, hp)] = (tuning_budget(task, method, hp), rows.get(label, []))
@@ -871,6 +878,8 @@ def _paired(a: list[dict[str, Any]], b: list[dict[str, Any]], key: str = "test_a
 def _task_section(task: str, prot: dict[str, tuple[str, list[dict[str, Any]]]]) -> str:
     """The benchmarks/README table of one task under `--plan fair` and a reading computed from it."""
     present = {name: rs for name, (_, rs) in prot.items() if rs}
+    if not present:
+        return f"#### {task}\n\nIts learning-rate tuning has finished, but no reported run under `--plan fair` has run yet."
     erm_runs = prot[_spec_label("erm", {})][1]
     first = next(iter(present.values()))[0]
     cols = {"acc": ({n: _fmt([r["test_acc"] for r in rs]) for n, rs in present.items()},
@@ -893,7 +902,7 @@ def _task_section(task: str, prot: dict[str, tuple[str, list[dict[str, Any]]]]) 
             lines.append(f"| {name} | {budget} | {len(rs)} | {cells['acc'][name]} | {cells['diff'].get(name, '–')} | "
                          f"{cells['nll'][name]} | {cells['ece'][name]} |")
         else:
-            lines.append(f"| {name} | {budget} | 0 | not run yet | | | |")
+            lines.append(f"| {name} | {budget} | 0 | not run under this protocol yet | | | |")
     ranked = sorted((n for n, rs in present.items() if len(rs) == full), key=lambda n: -cols["acc"][1][n])
     partial = [f"{n} (n = {len(rs)})" for n, rs in present.items() if len(rs) < full]
     if partial:
