@@ -16,12 +16,18 @@ Settings:
   on the test split, which must not choose τ here. Seed s: the example with ``--seed s --noise_seed s``.
 * ``mnist_<noise>``: the MNIST sweep of robustness.py (9k noisy train, 1k noisy validation, clean 10k test, small CNN,
   20 epochs, IVON with the sweep's fixed setting, 8 posterior samples, ``common.run``).
+* ``cifar10n_worse`` / ``cifar10n_worse_rule``: real_noise.py's CIFAR-10N worse run (EfficientNet-Lite0 fine-tuned on
+  4000 images with the human labels, 40 % wrong; its 1000-image noisy validation split; 2000 clean test images; 8
+  posterior samples), IVON with the fine-tuning preset / with the `hessian_window` rule on top, at the learning rate
+  and ess that real_noise.py's `--plan fair` chose on the noisy validation split (run its tuning first). The run is
+  that script's own run of seed s (its cached JSON gains the analysis): the test metrics at τ = 1 are its table's.
 
     OMP_NUM_THREADS=1 python benchmarks/posterior_temperature.py                         # all settings, 3 seeds
     OMP_NUM_THREADS=1 python benchmarks/posterior_temperature.py --settings digits,mnist_sym40
     python benchmarks/posterior_temperature.py --report-only                            # tables from cached runs
 
-Runs are cached under benchmarks/results/posterior_temperature/runs/; report.md and summary.json next to them.
+Runs are cached under benchmarks/results/posterior_temperature/runs/ (CIFAR-10N: real_noise.py's runs/); report.md
+and summary.json next to them.
 """
 
 from __future__ import annotations
@@ -40,10 +46,13 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import common  # noqa: E402
+import real_noise  # noqa: E402
 
 SCRIPT = "posterior_temperature"
 OUT_DIR = common.RESULTS_DIR / SCRIPT
-SETTINGS = ["digits", "mnist_sym40", "mnist_pair40", "mnist_cw0.4"]
+SETTINGS = ["digits", "mnist_sym40", "mnist_pair40", "mnist_cw0.4", "cifar10n_worse_rule", "cifar10n_worse"]
+#: the CIFAR-10N settings: real_noise.py's task and the IVON hyperparameters on top of its chosen optimizer settings
+CIFAR_SETTINGS = {"cifar10n_worse": ("cifar10n-worse", {}), "cifar10n_worse_rule": ("cifar10n-worse", {"hessian_window": 0.1})}
 PREDICTIONS = ["mean", "bma", "chosen", "ts_mean", "ts_bma"]
 LABELS = {"mean": "τ = 0 (mean)", "bma": "τ = 1 (BMA)", "chosen": "τ chosen", "ts_mean": "TS of mean logits",
           "ts_bma": "TS of BMA log-probs"}
@@ -152,15 +161,33 @@ def mnist_run(noise: str, seed: int, force: bool = False) -> dict[str, Any]:
                       dataset="mnist", history_every=0, script=SCRIPT, force=force, analyze=analyze)
 
 
+def _cifar_job(setting: str, seed: int) -> dict[str, Any]:
+    """real_noise.py's own `--plan fair` run of this setting and seed (with its label-noise export on seed 0), so that
+    one training serves both scripts: the analysis is added to that run's cached JSON."""
+    task, hp = CIFAR_SETTINGS[setting]
+    hyperparams = real_noise.fair_hyperparams(task, "ivon", hp)
+    return next(j for j in real_noise.fair_jobs(task, sorted({0, seed}), real_noise.chosen_settings(task))
+                if j["method"] == "ivon" and j["hyperparams"] == hyperparams and j["seed"] == seed)
+
+
 def one(setting: str, seed: int, force: bool = False) -> dict[str, Any]:
     if setting == "digits":
         return digits_run(seed, force)
+    if setting in CIFAR_SETTINGS:
+        return real_noise.run(**_cifar_job(setting, seed), force=force, analyze=analyze)
     return mnist_run(setting.removeprefix("mnist_"), seed, force)
 
 
 def cached(setting: str, seed: int) -> dict[str, Any] | None:
     if setting == "digits":
         path = OUT_DIR / "runs" / f"digits_example_sym40_s{seed}.json"
+        return json.loads(path.read_text()) if path.is_file() else None
+    if setting in CIFAR_SETTINGS:
+        try:
+            job = _cifar_job(setting, seed)
+            path = real_noise.run_path(job["task_name"], job["method"], job["hyperparams"], job["seed"])
+        except real_noise.Unavailable:
+            return None
         return json.loads(path.read_text()) if path.is_file() else None
     import robustness
 
@@ -200,12 +227,23 @@ def report(settings: list[str], seeds: list[int]) -> None:
                       f"{r['brier'][0]:.4f} ± {r['brier'][1]:.4f} |")
         wins = {other: sum(a["test"]["chosen"]["nll"] < a["test"][other]["nll"] for a in an) for other in PREDICTIONS if other != "chosen"}
         summary[setting]["chosen_wins_test_nll"] = wins
+        worse = {m: sum(a["test"]["chosen"][m] > a["test"]["mean"][m] for a in an) for m in ("nll", "ece", "brier")}
+        worse["accuracy"] = sum(a["test"]["chosen"]["accuracy"] < a["test"]["mean"]["accuracy"] for a in an)
+        summary[setting]["chosen_worse_than_mean"] = worse
         md += ["", "Seeds where τ chosen has the lower clean-test NLL than: "
                + ", ".join(f"{LABELS[k]} {v}/{len(an)}" for k, v in wins.items()) + ".",
+               f"Is the BMA at the chosen τ ever worse than the mean prediction (τ = 0) on the clean test set? "
+               + ("No" if not any(worse.values()) else "Yes")
+               + f": worse NLL on {worse['nll']}/{len(an)} seeds, worse ECE on {worse['ece']}/{len(an)}, worse Brier on "
+               f"{worse['brier']}/{len(an)}, lower accuracy on {worse['accuracy']}/{len(an)}. Temperature scaling of the mean "
+               f"logits has the lower NLL than τ chosen on {len(an) - wins['ts_mean']}/{len(an)} seeds.",
                "", "Validation NLL over the grid (mean over seeds): "
                + ", ".join(f"τ={k}: {v[0]:.4f}" for k, v in val_grid.items()) + ".", ""]
     common.write_json(OUT_DIR / "summary.json", {"settings": settings, "seeds": seeds, "table": summary})
     (OUT_DIR / "report.md").write_text("\n".join(md) + "\n")
+    # benchmarks/README.md: the same tables, one heading level down, without the report's title
+    common.write_readme_section(SCRIPT, "\n".join(line.replace("## ", "#### ", 1) if line.startswith("## ") else line
+                                                  for line in md[2:]))
     print("\n".join(md))
 
 
@@ -227,7 +265,7 @@ def main(argv: list[str] | None = None) -> None:
                 t0 = time.perf_counter()
                 try:
                     r = one(setting, seed, a.force)
-                except common.DataUnavailable as error:
+                except (common.DataUnavailable, real_noise.Unavailable) as error:
                     print(f"skipping {setting}: {error}", flush=True)
                     break
                 print(f"{setting} seed {seed}: τ = {r['analysis']['temperature']:g} ({time.perf_counter() - t0:.0f}s)", flush=True)

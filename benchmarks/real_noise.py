@@ -19,7 +19,7 @@ all with the same AdamW base — and IVON with the fine-tuning preset of `IVON_F
 pretrained model"), each with ``--seeds`` seeds. Paired design: every method starts from the same weights (the
 pretrained ones and a zero head) and, within a seed, sees the same labels, batch order and dropout seed. Every run is cached as JSON in ``benchmarks/results/real_noise/runs/`` (resumable: rerun to continue).
 
-    OMP_NUM_THREADS=1 python benchmarks/real_noise.py --plan fair      # per task: learning rates tuned on noisy val, then all methods
+    OMP_NUM_THREADS=1 python benchmarks/real_noise.py --plan fair      # per task: learning rates, then IVON's ess, tuned on noisy val; then all methods
     OMP_NUM_THREADS=1 python benchmarks/real_noise.py --plan core      # CIFAR-10N worse + aggre: ERM, IVON, LS grid
     OMP_NUM_THREADS=1 python benchmarks/real_noise.py --plan tuning    # the old single-seed checks on the clean test set
     OMP_NUM_THREADS=1 python benchmarks/real_noise.py --plan text      # SST-2 / TREC with 30 % noise: ERM, IVON
@@ -70,7 +70,7 @@ CIFAR = {"n_train": 4000, "n_test": 2000, "image_size": 64, "frozen_stages": 4, 
 TEXT = {"n_train": 2000, "n_test": 1000, "num_layers": 2, "max_length": 64, "batch_size": 32, "epochs": 3, "pooling": "mean"}
 
 #: AdamW base of every non-IVON method, cosine, 10 % warm-up. The learning rate here is the middle of `LR_GRID`; the
-#: reported runs use the rate chosen on the noisy validation split (`chosen_rates`)
+#: reported runs use the rate chosen on the noisy validation split (`chosen_settings`)
 ADAMW = {"image": {"optim": "adamw_torch", "learning_rate": 1e-3, "weight_decay": 0.01},
          "text": {"optim": "adamw_torch", "learning_rate": 3e-4, "weight_decay": 0.01}}
 #: IVON fine-tuning preset (README "Fine-tuning a pretrained model"): no lr rescaling and an element-wise clip, so
@@ -327,8 +327,11 @@ class CleanTestCurve(TrainerCallback):
 
 
 def run(task_name: str, method: str, hyperparams: dict[str, Any] | None = None, seed: int = 0, *,
-        export: bool = False, force: bool = False, epochs: int | None = None) -> dict[str, Any]:
-    """Train one (task, method, hyperparameters, seed); cached as JSON. `export` also writes the label noise."""
+        export: bool = False, force: bool = False, epochs: int | None = None, analyze: Any = None,
+        script: str = SCRIPT) -> dict[str, Any]:
+    """Train one (task, method, hyperparameters, seed); cached as JSON under benchmarks/results/<script>/runs/.
+    `export` also writes the label noise; `analyze(trainer, val, test)`, if given, is stored as the run's "analysis"
+    (another script's question about the trained run, e.g. posterior_temperature.py)."""
     from varsmooth import VariationalTrainer
     from varsmooth.methods import get_method_class
 
@@ -336,12 +339,11 @@ def run(task_name: str, method: str, hyperparams: dict[str, Any] | None = None, 
     hyperparams = dict(hyperparams or {})
     cfg = setup_for(task, epochs)
     config = {"task": task.name, "method": method, "hyperparams": hyperparams, "seed": seed, "setup": cfg, "version": VERSION}
-    key = common.run_key(dataset=task.name, noise="", method=method, hyperparams=hyperparams, epochs=cfg["epochs"],
-                         seed=seed, setup=cfg, version=VERSION)
-    path = OUT_DIR / "runs" / f"{key}.json"
+    path = run_path(task_name, method, hyperparams, seed, epochs, script)
+    key = path.stem
     if path.is_file() and not force:
         cached = json.loads(path.read_text())
-        if (not export or "export" in cached) and not _needs_val_rerun(method, cached):
+        if (not export or "export" in cached) and not _needs_val_rerun(method, cached) and (analyze is None or "analysis" in cached):
             return cached
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -387,6 +389,8 @@ def run(task_name: str, method: str, hyperparams: dict[str, Any] | None = None, 
         if val is not None:
             metrics.update(trainer.evaluate(val, metric_key_prefix="val"))
         eval_s = time.perf_counter() - t1
+        # before the mean-only prediction below: the analysis predicts with the posterior
+        analysis = analyze(trainer, val, test) if analyze is not None and diverged is None else None
         # memorisation: how many wrong training labels the (posterior-mean) model predicts, in-sample
         trainer.args.eval_mc_samples = 0
         mean_pred = trainer.predict(train).predictions.argmax(-1)
@@ -409,8 +413,10 @@ def run(task_name: str, method: str, hyperparams: dict[str, Any] | None = None, 
         if export:
             name = "-".join([method, *(f"{k}={v}" for k, v in hyperparams.items()), f"seed{seed}"])
             result["export"] = export_label_noise(trainer, task, data, y_train, y_clean, key, name)
+        if analysis is not None:
+            result["analysis"] = analysis
     common.write_json(path, result)
-    print(f"[{SCRIPT}] {key}: test acc {result['test_acc']:.4f} (mean {result['test_mean_acc']:.4f}) nll {result['test_nll']:.3f} "
+    print(f"[{script}] {key}: test acc {result['test_acc']:.4f} (mean {result['test_mean_acc']:.4f}) nll {result['test_nll']:.3f} "
           f"ece {result['test_ece']:.3f} train {train_s:.0f}s eval {eval_s:.0f}s", flush=True)
     return result
 
@@ -487,6 +493,10 @@ TUNING_SEED = 0
 LR_GRID = {"image": {"adamw": (3e-4, 1e-3, 3e-3), "ivon": (0.3, 1.0, 3.0)},
            "text": {"adamw": (1e-4, 3e-4, 1e-3), "ivon": (0.1, 0.3, 1.0)}}
 LR_TUNING_SEED = 100
+#: IVON's ess (it sets the initial posterior std σ0 = 1/sqrt(ess·h0)), chosen on the noisy validation split after the
+#: learning rate, at the chosen rate and on `LR_TUNING_SEED`: the preset's value is the middle one, so that run is the
+#: learning-rate stage's own and the stage costs IVON 2 more trainings (the budget stated beside every number)
+ESS_GRID = (1e7, 1e8, 1e9)
 #: the order of `--plan fair`: the headline task first
 FAIR_TASKS = ("cifar10n-worse", "cifar10n-random1", "cifar10n-aggre", "sst2-sym30", "trec-sym30")
 #: the longer CIFAR-10N budget (3x the default run) and what runs at it
@@ -500,38 +510,75 @@ def _optimizer(method: str) -> str:
     return "ivon" if get_method_class(method).uses_ivon else "adamw"
 
 
-def _with_rate(task: Task, method: str, hp: dict[str, Any], rate: float) -> dict[str, Any]:
-    """`hp` trained at learning rate `rate`; the base rate is left out so that its runs keep their cached keys."""
-    return dict(hp) if rate == settings_for(task, method, {})["learning_rate"] else {**hp, "learning_rate": rate}
+def _with_settings(task: Task, method: str, hp: dict[str, Any], chosen: dict[str, float]) -> dict[str, Any]:
+    """`hp` trained with the `chosen` optimizer settings; those equal to the preset's are left out so that their runs
+    keep their cached keys."""
+    base = settings_for(task, method, {})
+    return {**hp, **{k: v for k, v in chosen.items() if base.get(k) != v}}
+
+
+def _val_score(run: dict[str, Any]) -> tuple[float, float]:
+    """What every choice maximises: noisy-validation accuracy, ties broken by the lower noisy-validation NLL."""
+    return run["val_acc"], -run["val_nll"]
 
 
 def lr_tuning_jobs(task_name: str) -> list[dict[str, Any]]:
     """The learning-rate grid of each optimizer on its plain method (ERM, the IVON preset), on `LR_TUNING_SEED`."""
     task = Task.parse(task_name)
-    return [{"task_name": task_name, "method": method, "hyperparams": _with_rate(task, method, {}, rate), "seed": LR_TUNING_SEED,
-             "export": False} for method in ("erm", "ivon") for rate in LR_GRID[task.kind][_optimizer(method)]]
+    return [{"task_name": task_name, "method": method, "hyperparams": _with_settings(task, method, {}, {"learning_rate": rate}),
+             "seed": LR_TUNING_SEED, "export": False} for method in ("erm", "ivon") for rate in LR_GRID[task.kind][_optimizer(method)]]
+
+
+def ess_tuning_jobs(task_name: str, ivon_rate: float) -> list[dict[str, Any]]:
+    """IVON's ess grid at the chosen IVON learning rate, on `LR_TUNING_SEED` (one of them is a learning-rate run)."""
+    task = Task.parse(task_name)
+    return [{"task_name": task_name, "method": "ivon", "seed": LR_TUNING_SEED, "export": False,
+             "hyperparams": _with_settings(task, "ivon", {}, {"learning_rate": ivon_rate, "ess": ess})} for ess in ESS_GRID]
 
 
 def chosen_rates(task_name: str) -> dict[str, float] | None:
-    """Per optimizer, the grid rate with the best noisy-validation accuracy (ties: lower validation NLL); None until
-    every tuning run of the task is cached."""
-    best: dict[str, tuple[tuple[float, float], float]] = {}
+    """Per optimizer, the grid rate with the best noisy-validation score (`_val_score`); None until every
+    learning-rate run of the task is cached."""
+    best: dict[str, dict[str, Any]] = {}
     for job in lr_tuning_jobs(task_name):
         r = _cached(job)
         if r is None:
             return None
-        score, opt = (r["val_acc"], -r["val_nll"]), _optimizer(job["method"])
-        if opt not in best or score > best[opt][0]:
-            best[opt] = (score, r["settings"]["learning_rate"])
-    return {opt: rate for opt, (_, rate) in best.items()}
+        opt = _optimizer(job["method"])
+        if opt not in best or _val_score(r) > _val_score(best[opt]):
+            best[opt] = r
+    return {opt: r["settings"]["learning_rate"] for opt, r in best.items()}
 
 
-def fair_jobs(task_name: str, seeds: list[int], rates: dict[str, float]) -> list[dict[str, Any]]:
-    """Every method of `--plan all` on the task at its optimizer's chosen rate, seed-major."""
+def chosen_settings(task_name: str) -> dict[str, dict[str, float]] | None:
+    """Per optimizer, every setting chosen on the noisy validation split: the learning rate, then IVON's ess at that
+    rate; None until every tuning run of the task is cached."""
+    rates = chosen_rates(task_name)
+    if rates is None:
+        return None
+    ess_runs = [_cached(job) for job in ess_tuning_jobs(task_name, rates["ivon"])]
+    if any(r is None for r in ess_runs):
+        return None
+    return {"adamw": {"learning_rate": rates["adamw"]},
+            "ivon": {"learning_rate": rates["ivon"], "ess": max(ess_runs, key=_val_score)["settings"]["ess"]}}
+
+
+def fair_hyperparams(task_name: str, method: str, hp: dict[str, Any]) -> dict[str, Any]:
+    """`hp` of `method` with the optimizer settings that `--plan fair` chose for the task on noisy validation."""
+    chosen = chosen_settings(task_name)
+    if chosen is None:
+        raise Unavailable(f"The noisy-validation tuning of {task_name} has not finished: run "
+                          f"`python benchmarks/real_noise.py --plan fair --tasks {task_name}` first.")
+    return _with_settings(Task.parse(task_name), method, hp, chosen[_optimizer(method)])
+
+
+def fair_jobs(task_name: str, seeds: list[int], chosen: dict[str, dict[str, float]]) -> list[dict[str, Any]]:
+    """Every method of `--plan all` on the task with its optimizer's chosen settings, seed-major (only the methods
+    of the optimizers in `chosen`)."""
     task = Task.parse(task_name)
-    return [{"task_name": task_name, "method": method, "hyperparams": _with_rate(task, method, hp, rates[_optimizer(method)]),
+    return [{"task_name": task_name, "method": method, "hyperparams": _with_settings(task, method, hp, chosen[_optimizer(method)]),
              "seed": seed, "export": seed == seeds[0] and (method, hp) in EXPORTED and task.kind == "image"}
-            for seed in seeds for method, hp in method_grid(task, True)]
+            for seed in seeds for method, hp in method_grid(task, True) if _optimizer(method) in chosen]
 
 
 def plan(name: str, seeds: list[int]) -> list[dict[str, Any]]:
@@ -613,34 +660,48 @@ def select_on_val(rows: dict[str, list[dict[str, Any]]], family: str, also: list
             if all("val_acc" in r for r in rs)]
 
 
-def _tuning_lines(task: str, rates: dict[str, float] | None) -> list[str]:
-    """The learning-rate tuning runs of a task: noisy-validation metrics only (their test metrics are not reported)."""
-    lines = ["", f"Learning rate of each optimizer, chosen on the noisy validation split (seed {LR_TUNING_SEED}, "
-             "not reported):", "", "| optimizer (tuned on) | learning rate | noisy-val acc % | noisy-val NLL | chosen |",
-             "|---|---|---|---|---|"]
-    for job in lr_tuning_jobs(task):
+def _tuning_lines(task: str) -> list[str]:
+    """The tuning runs of a task: noisy-validation metrics only (their test metrics are not reported)."""
+    rates, chosen = chosen_rates(task), chosen_settings(task)
+    lines = ["", f"Settings of each optimizer, chosen on the noisy validation split (seed {LR_TUNING_SEED}, not reported): "
+             "the learning rate, then IVON's ess at the chosen rate:", "",
+             "| optimizer (tuned on) | learning rate | ess | noisy-val acc % | noisy-val NLL | chosen |", "|---|---|---|---|---|---|"]
+    jobs = lr_tuning_jobs(task) + ([j for j in ess_tuning_jobs(task, rates["ivon"]) if j not in lr_tuning_jobs(task)] if rates else [])
+    for job in jobs:
         r = _cached(job)
-        rate = settings_for(Task.parse(task), job["method"], job["hyperparams"])["learning_rate"]
+        settings = settings_for(Task.parse(task), job["method"], job["hyperparams"])
         opt = _optimizer(job["method"])
         cells = f"{100 * r['val_acc']:.1f} | {r['val_nll']:.3f}" if r else "(not run yet) | –"
-        lines.append(f"| {opt} ({job['method']}) | {rate:g} | {cells} | {'**yes**' if rates and rates[opt] == rate else ''} |")
+        picked = chosen and all(settings.get(k) == v for k, v in chosen[opt].items())
+        lines.append(f"| {opt} ({job['method']}) | {settings['learning_rate']:g} | {settings['ess']:g} | {cells} | "
+                     f"{'**yes**' if picked else ''} |" if opt == "ivon" else
+                     f"| {opt} ({job['method']}) | {settings['learning_rate']:g} | – | {cells} | {'**yes**' if picked else ''} |")
     return lines
+
+
+def tuning_budget(task: Task, method: str, hp: dict[str, Any] | None = None) -> str:
+    """Trainings behind one reported number of `method` under `--plan fair`: the shared tuning runs of its optimizer
+    (on `LR_TUNING_SEED`), plus, per reported seed, its own grid (LS: α = 0 is that seed's ERM run)."""
+    shared = len(LR_GRID[task.kind][_optimizer(method)]) + (len(ESS_GRID) - 1 if _optimizer(method) == "ivon" else 0)
+    per_seed = {"ls": len(LS_GRID) + 1, "sam": len(SAM_GRID)}.get(method) if hp is None else None
+    return f"{shared} + {per_seed}/seed" if per_seed else str(shared)
 
 
 def _budget_lines(task: Task) -> list[str]:
     """How many trainings stand behind each reported number (the selection rule of `--plan fair`)."""
     grid = LR_GRID[task.kind]
-    return ["", "Selection rule and tuning budget (every choice on the noisy validation split): the learning rate of each "
-            f"optimizer from {len(grid['adamw'])} trainings on seed {LR_TUNING_SEED} (AdamW {'/'.join(f'{v:g}' for v in grid['adamw'])} "
-            "with ERM, used by every AdamW method; IVON "
-            f"{'/'.join(f'{v:g}' for v in grid['ivon'])} with the preset, used by IVON + rule too); then per reported seed LS's "
-            f"α from {{0, {', '.join(f'{a:g}' for a in LS_GRID)}}} ({len(LS_GRID) + 1} trainings, α = 0 being that seed's ERM run) "
-            f"and SAM's ρ from {{{', '.join(f'{r:g}' for r in SAM_GRID)}}} ({len(SAM_GRID)} trainings). Trainings behind a reported "
-            f"number: ERM {len(grid['adamw'])}; LS {len(grid['adamw'])} + {len(LS_GRID) + 1} per seed; SAM {len(grid['adamw'])} + "
-            f"{len(SAM_GRID)} per seed; GCE, OLS, logistic-normal {len(grid['adamw'])} (q = 0.7, α = 0.5: their papers' "
-            f"values, not tuned); IVON and IVON + rule {len(grid['ivon'])} (hessian_window = 0.1: the library's rule, not "
-            "tuned). IVON's other settings are the fine-tuning preset's (ess 1e8, h0 1e-3, clip 1e-3, β2 0.999); "
-            "its ess was picked earlier on the clean test set (old protocol) and is not re-tuned here."]
+    return ["", "Selection rule and tuning budget (every choice on the noisy validation split, by accuracy, ties by NLL): "
+            f"the learning rate of each optimizer from {len(grid['adamw'])} trainings on seed {LR_TUNING_SEED} (AdamW "
+            f"{'/'.join(f'{v:g}' for v in grid['adamw'])} with ERM, used by every AdamW method; IVON "
+            f"{'/'.join(f'{v:g}' for v in grid['ivon'])} with the preset, used by IVON + rule too), then IVON's ess from "
+            f"{'/'.join(f'{v:g}' for v in ESS_GRID)} at the chosen rate ({len(ESS_GRID) - 1} more trainings); then per "
+            f"reported seed LS's α from {{0, {', '.join(f'{a:g}' for a in LS_GRID)}}} ({len(LS_GRID) + 1} trainings, α = 0 "
+            f"being that seed's ERM run) and SAM's ρ from {{{', '.join(f'{r:g}' for r in SAM_GRID)}}} ({len(SAM_GRID)} "
+            f"trainings). Trainings behind a reported number: ERM {tuning_budget(task, 'erm', {})}; LS "
+            f"{tuning_budget(task, 'ls')}; SAM {tuning_budget(task, 'sam')}; GCE, OLS, logistic-normal "
+            f"{tuning_budget(task, 'gce', {})} (q = 0.7, α = 0.5: their papers' values, not tuned); IVON and IVON + rule "
+            f"{tuning_budget(task, 'ivon', {})} (hessian_window = 0.1: the library's rule, not tuned). IVON's other settings "
+            "are the fine-tuning preset's (h0 1e-3, clip 1e-3, β2 0.999), AdamW's weight decay 0.01: not tuned."]
 
 
 def _task_label(run: dict[str, Any]) -> str:
@@ -669,7 +730,7 @@ def report() -> str:
     # runs of an older set-up (the text runs with a [CLS] head, before TEXT["pooling"]) stay in runs/ but not here
     runs = [r for r in cached_runs() if r["config"].get("version") == VERSION
             and r["config"]["setup"] == setup_for(Task.parse(r["config"]["task"]), r["config"]["setup"]["epochs"])]
-    tuning = {_label({"config": {"method": m, "hyperparams": hp}}) for checks in TUNING.values() for m, hp in checks}
+    old_checks = {_label({"config": {"method": m, "hyperparams": hp}}) for checks in TUNING.values() for m, hp in checks}
     header = ["| method | seeds | acc % | NLL | ECE % | mean acc % | fit wrong % | Δacc vs ERM (pp) | noisy-val acc % | train s |",
               "|---|---|---|---|---|---|---|---|---|---|"]
     lines = ["# Real label noise: results", "",
@@ -680,32 +741,40 @@ def report() -> str:
              "`Δacc vs ERM` = paired difference (same seed). ERM, LS: AdamW; IVON: the fine-tuning preset. "
              "CIFAR-10N labels: Wei et al. 2022, CC BY-NC 4.0 (non-commercial use only).", "",
              "Reproduce: `OMP_NUM_THREADS=1 python benchmarks/real_noise.py --plan fair` (per task: the learning-rate "
-             "tuning on the noisy validation split, then every method at the chosen rates, 3 seeds; `--tasks` picks "
+             "and then IVON's ess tuning on the noisy validation split, then every method at the chosen settings, 3 seeds; `--tasks` picks "
              "tasks). A task without finished tuning is marked \"old protocol\".", ""]
     summary: dict[str, Any] = {}
+    protocol_rows: dict[str, dict[str, tuple[str, list[dict[str, Any]]]]] = {}
     for task in sorted({_task_label(r) for r in runs}):
         rows: dict[str, list[dict[str, Any]]] = {}
         for r in runs:
             if _task_label(r) == task and r["config"]["seed"] != LR_TUNING_SEED:
                 rows.setdefault(_label(r), []).append(r)
+        chosen = chosen_settings(task) if task in FAIR_TASKS else None
         rates = chosen_rates(task) if task in FAIR_TASKS else None
-        erm_label = _spec_label(*next((j["method"], j["hyperparams"]) for j in fair_jobs(task, [0], rates))) if rates else "erm"
+        if chosen is None and rates:  # IVON's ess stage has not run: only the AdamW methods are reported so far
+            chosen = {"adamw": {"learning_rate": rates["adamw"]}}
+        erm_label = _spec_label(*next((j["method"], j["hyperparams"]) for j in fair_jobs(task, [0], chosen))) if chosen else "erm"
         old_rows: dict[str, list[dict[str, Any]]] = {}
-        if rates:  # runs at a rate the tuning did not choose stay out of the table
-            protocol = {_spec_label(j["method"], j["hyperparams"]) for j in fair_jobs(task, [0], rates)}
+        tuning = old_checks
+        if chosen:  # runs with settings the tuning did not choose stay out of the table
+            protocol = {_spec_label(j["method"], j["hyperparams"]) for j in fair_jobs(task, [0], chosen)}
+            tuning = old_checks - protocol  # an old check at the settings now chosen is a reported run (retrained with val)
             old_rows = {label: rs for label, rs in rows.items() if label not in protocol and label not in tuning}
             rows = {label: rs for label, rs in rows.items() if label not in old_rows}
         erm = {r["config"]["seed"]: r["test_acc"] for r in rows.get(erm_label, [])}
-        first = next(iter(rows.values()))[0]
+        first = next(r for r in runs if _task_label(r) == task)
         lines += [f"## {task}", "", f"{first['n_train']} training examples, realized label noise "
                   f"{100 * first['realized_noise']:.1f} %, {first['steps']} optimizer steps.", ""]
-        if rates:
-            lines += [f"Every hyperparameter chosen on the noisy validation split (`--plan fair`): learning rates "
-                      f"{', '.join(f'{k} {v:g}' for k, v in rates.items())}.", ""]
+        if chosen:
+            lines += [f"Every hyperparameter chosen on the noisy validation split (`--plan fair`): "
+                      + "; ".join(f"{opt} " + ", ".join(f"{k} {v:g}" for k, v in hp.items()) for opt, hp in chosen.items())
+                      + "." + ("" if "ivon" in chosen else " IVON's ess stage has not run yet, so no IVON run is reported "
+                               "here (its runs at the preset's ess, picked on the clean test set, are listed apart)."), ""]
         else:
             kind = Task.parse(task.split(",")[0]).kind
             lines += [f"**Old protocol**: the learning rates here (AdamW {ADAMW[kind]['learning_rate']:g}, IVON "
-                      f"{IVON_FINETUNE[kind]['learning_rate']:g}) come from single-seed checks on the clean test set (seed "
+                      f"{IVON_FINETUNE[kind]['learning_rate']:g}) and IVON's ess come from single-seed checks on the clean test set (seed "
                       f"{TUNING_SEED}, also a reported seed), not from the noisy-validation tuning of `--plan fair`"
                       + (f" (`--tasks {task}` has not finished)." if task in FAIR_TASKS else "."), ""]
         lines += header
@@ -739,11 +808,11 @@ def report() -> str:
             lines.append(f"LS's α = 0 (the ERM run) is not among the choices on seed(s) {', '.join(map(str, no_val))}: "
                          "those ERM runs predate the validation split (old protocol).")
         if task in FAIR_TASKS:
-            lines += _tuning_lines(task, rates)
-            if rates:
+            lines += _tuning_lines(task)
+            if chosen:
                 lines += _budget_lines(Task.parse(task))
         if old_rows:
-            lines += ["", "Runs at a learning rate that the noisy-validation tuning did not choose (not part of the results):",
+            lines += ["", "Runs with settings that the noisy-validation tuning did not choose (not part of the results):",
                       ""] + header + [_row(label, rs, erm) for label, rs in old_rows.items()]
         if tuning & set(rows):  # the preset's own rows (erm, ivon) are the reference of the checks
             checks = [(label, rs) for label, rs in ordered if label in tuning or label in ("erm", "ivon")]
@@ -754,6 +823,8 @@ def report() -> str:
             lines += [_row(label, rs, erm) for label, rs in sorted(checks, key=lambda c: -c[1][0]["test_acc"])]
         lines += _curve_table(rows)
         summary[task] = table
+        if chosen:
+            protocol_rows[task] = _protocol_rows(Task.parse(task), rows, chosen)
         exports = [r for m, hp in EXPORTED[::-1] for r in rows.get(_spec_label(m, hp), []) if r.get("export")]
         if exports:
             lines += ["", "Mislabel detection on the training set (in-sample; seed "
@@ -769,7 +840,123 @@ def report() -> str:
     common.write_json(OUT_DIR / "summary.json", summary)
     text = "\n".join(lines)
     (OUT_DIR / "README.md").write_text(text + "\n")
+    write_readme_sections(protocol_rows)
     return text
+
+
+#: the order of the methods in the benchmarks/README tables
+README_ORDER = ("erm", "ls", "sam", "gce", "ols", "logistic_normal", "ivon")
+
+
+def _protocol_rows(task: Task, rows: dict[str, list[dict[str, Any]]], chosen: dict[str, dict[str, float]]
+                   ) -> dict[str, tuple[str, list[dict[str, Any]]]]:
+    """The reported number of every method under `--plan fair` (grid methods: the per-seed choice on noisy
+    validation), as {name: (tuning trainings, runs)}."""
+    out = {}
+    for method, hp in sorted(method_grid(task, True), key=lambda m: README_ORDER.index(m[0])):
+        if method in SELECTED_ON_VAL:
+            name = f"{method} (chosen on noisy val)"
+            out.setdefault(name, (tuning_budget(task, method), rows.get(name, [])))
+        elif _optimizer(method) not in chosen:  # its tuning has not finished
+            out[_spec_label(method, hp)] = (tuning_budget(task, method, hp), [])
+        else:
+            label = _spec_label(method, _with_settings(task, method, hp, chosen[_optimizer(method)]))
+            out[_spec_label(method, hp)] = (tuning_budget(task, method, hp), rows.get(label, []))
+    return out
+
+
+def _bold_best(cells: dict[str, str], means: dict[str, float], lower: bool) -> dict[str, str]:
+    """`cells` with the one of the best mean (highest, or lowest when `lower`) in bold."""
+    known = {k: v for k, v in means.items() if not math.isnan(v)}
+    if not known:
+        return cells
+    best = (min if lower else max)(known, key=known.get)
+    return {k: f"**{v}**" if k == best else v for k, v in cells.items()}
+
+
+def _paired(a: list[dict[str, Any]], b: list[dict[str, Any]], key: str = "test_acc") -> list[float]:
+    """Per-seed differences a − b over the seeds both have."""
+    bs = {r["config"]["seed"]: r[key] for r in b}
+    return [r[key] - bs[r["config"]["seed"]] for r in a if r["config"]["seed"] in bs]
+
+
+def _task_section(task: str, prot: dict[str, tuple[str, list[dict[str, Any]]]]) -> str:
+    """The benchmarks/README table of one task under `--plan fair` and a reading computed from it."""
+    present = {name: rs for name, (_, rs) in prot.items() if rs}
+    if not present:
+        return f"#### {task}\n\nIts learning-rate tuning has finished, but no reported run under `--plan fair` has run yet."
+    erm_runs = prot[_spec_label("erm", {})][1]
+    first = next(iter(present.values()))[0]
+    cols = {"acc": ({n: _fmt([r["test_acc"] for r in rs]) for n, rs in present.items()},
+                    {n: common.mean_std([r["test_acc"] for r in rs])[0] for n, rs in present.items()}, False),
+            "diff": ({n: _fmt(_paired(rs, erm_runs)) for n, rs in present.items() if n != "erm"},
+                     {n: common.mean_std(_paired(rs, erm_runs))[0] for n, rs in present.items() if n != "erm"}, False),
+            "nll": ({n: _fmt([r["test_nll"] for r in rs], 1, 3) for n, rs in present.items()},
+                    {n: common.mean_std([r["test_nll"] for r in rs])[0] for n, rs in present.items()}, True),
+            "ece": ({n: _fmt([r["test_ece"] for r in rs], 100, 1) for n, rs in present.items()},
+                    {n: common.mean_std([r["test_ece"] for r in rs])[0] for n, rs in present.items()}, True)}
+    # a mean over fewer seeds is not comparable with the others': only the methods with every seed are ranked
+    full = max(len(rs) for rs in present.values())
+    cells = {c: _bold_best(text, {n: m for n, m in means.items() if len(present[n]) == full}, lower)
+             for c, (text, means, lower) in cols.items()}
+    lines = [f"#### {task}: {first['n_train']} training examples, {100 * first['realized_noise']:.1f} % wrong labels, "
+             f"{first['steps']} steps", "",
+             "| method | tuning trainings | seeds | acc % | Δacc vs ERM (pp, paired) | NLL | ECE % |", "|---|---|---|---|---|---|---|"]
+    for name, (budget, rs) in prot.items():
+        if rs:
+            lines.append(f"| {name} | {budget} | {len(rs)} | {cells['acc'][name]} | {cells['diff'].get(name, '–')} | "
+                         f"{cells['nll'][name]} | {cells['ece'][name]} |")
+        else:
+            lines.append(f"| {name} | {budget} | 0 | not run under this protocol yet | | | |")
+    ranked = sorted((n for n, rs in present.items() if len(rs) == full), key=lambda n: -cols["acc"][1][n])
+    partial = [f"{n} (n = {len(rs)})" for n, rs in present.items() if len(rs) < full]
+    if partial:
+        lines += ["", f"Not ranked (fewer than {full} seeds so far): {', '.join(partial)}."]
+    if len(ranked) > 1:
+        best, runner = ranked[0], ranked[1]
+        d = _paired(present[best], present[runner])
+        m, sd = common.mean_std(d)
+        close = len(d) < 2 or abs(m) < 2 * sd / math.sqrt(len(d))
+        lines += ["", f"Highest mean accuracy: {best}; next {runner}, paired difference {_fmt(d)} pp, {best} ahead on "
+                  f"{sum(v > 0 for v in d)}/{len(d)} seeds" + (" (within two standard errors: not separated at this "
+                  "number of seeds)." if close else ".")]
+        nll_best = min(ranked, key=lambda n: cols["nll"][1][n])
+        lines.append(f"Lowest NLL: {nll_best}.")
+        rule = _spec_label(*IVON_RULE)
+        if rule in ranked and rule != best:
+            d = _paired(present[rule], present[best])
+            lines.append(f"{rule} − {best}: {_fmt(d)} pp (ahead on {sum(v > 0 for v in d)}/{len(d)} seeds).")
+    return "\n".join(lines)
+
+
+def write_readme_sections(protocol_rows: dict[str, dict[str, tuple[str, list[dict[str, Any]]]]]) -> None:
+    """The accuracy summary over the tasks of `--plan fair` and one table per task into benchmarks/README.md
+    (`common.write_readme_section`); a task whose tuning has not finished is named, without numbers."""
+    tasks = [t for t in FAIR_TASKS if t in protocol_rows]
+    missing = [t for t in FAIR_TASKS if t not in protocol_rows]
+    lines = ["| method | tuning trainings | " + " | ".join(tasks) + " |", "|---|---|" + "---|" * len(tasks)]
+    names = list(protocol_rows[tasks[0]]) if tasks else []
+    cells = {}
+    for task in tasks:
+        runs = {n: rs for n, (_, rs) in protocol_rows[task].items() if rs}
+        full = max((len(rs) for rs in runs.values()), default=0)
+        cells[task] = _bold_best({n: f"{_fmt([r['test_acc'] for r in rs])} (n={len(rs)})" for n, rs in runs.items()},
+                                 {n: common.mean_std([r["test_acc"] for r in rs])[0] for n, rs in runs.items() if len(rs) == full},
+                                 False)
+    for name in names:
+        lines.append(f"| {name} | {protocol_rows[tasks[0]][name][0]} | " + " | ".join(cells[t].get(name, "–") for t in tasks) + " |")
+    lines += ["", "Clean-test accuracy %, mean ± sd over the n reported seeds (0-2); best mean per task in bold (among the "
+              "methods with the most seeds). "
+              f"Every hyperparameter chosen on the noisy validation split; tuning trainings on seed {LR_TUNING_SEED}, never "
+              "reported (`n + k/seed`: n shared tuning trainings plus a k-point grid chosen per seed)."]
+    if missing:
+        lines.append("Not yet run under this protocol: " + ", ".join(missing)
+                     + " (`python benchmarks/real_noise.py --plan fair --tasks ...`).")
+    common.write_readme_section("real_noise", "\n".join(lines))
+    for task in FAIR_TASKS:
+        body = (_task_section(task, protocol_rows[task]) if task in protocol_rows
+                else f"#### {task}\n\nNot yet run under `--plan fair` (its tuning has not finished).")
+        common.write_readme_section(f"real_noise_{task}", body)
 
 
 def main() -> None:
@@ -787,7 +974,8 @@ def main() -> None:
             if args.plan == "fair":  # the reported runs need the rates that their task's tuning runs choose
                 for task in args.tasks:
                     _train(lr_tuning_jobs(task), args.reverse)
-                    _train(fair_jobs(task, args.seeds, chosen_rates(task)), args.reverse)
+                    _train(ess_tuning_jobs(task, chosen_rates(task)["ivon"]), args.reverse)
+                    _train(fair_jobs(task, args.seeds, chosen_settings(task)), args.reverse)
             else:
                 _train(plan(args.plan, args.seeds), args.reverse)
         except Unavailable as error:
@@ -810,12 +998,18 @@ def _needs_val_rerun(method: str, cached: dict[str, Any]) -> bool:
     return method in ("erm", *SELECTED_ON_VAL) and "val_acc" not in cached
 
 
+def run_path(task_name: str, method: str, hyperparams: dict[str, Any], seed: int, epochs: int | None = None,
+             script: str = SCRIPT) -> Path:
+    """Where `run` caches this run (benchmarks/results/<script>/runs/<key>.json)."""
+    task = Task.parse(task_name)
+    cfg = setup_for(task, epochs)
+    key = common.run_key(dataset=task.name, noise="", method=method, hyperparams=dict(hyperparams), epochs=cfg["epochs"],
+                         seed=seed, setup=cfg, version=VERSION)
+    return common.RESULTS_DIR / script / "runs" / f"{key}.json"
+
+
 def _cached(job: dict[str, Any]) -> dict[str, Any] | None:
-    task = Task.parse(job["task_name"])
-    cfg = setup_for(task, job.get("epochs"))
-    key = common.run_key(dataset=task.name, noise="", method=job["method"], hyperparams=job["hyperparams"],
-                         epochs=cfg["epochs"], seed=job["seed"], setup=cfg, version=VERSION)
-    path = OUT_DIR / "runs" / f"{key}.json"
+    path = run_path(job["task_name"], job["method"], job["hyperparams"], job["seed"], job.get("epochs"))
     if not path.is_file():
         return None
     cached = json.loads(path.read_text())

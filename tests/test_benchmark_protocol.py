@@ -1,0 +1,77 @@
+"""The selection protocol of benchmarks/real_noise.py `--plan fair`: every optimizer setting is the noisy-validation
+choice (never the test one), IVON's ess is chosen at the chosen rate, and the budget stated beside each number counts
+the trainings behind it."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+real_noise = pytest.importorskip("real_noise")
+
+
+def _fake_runs(monkeypatch: pytest.MonkeyPatch, task: str, scores: dict[tuple[str, float, float], tuple[float, float, float]]) -> None:
+    """Stand-in cache: (optimizer, lr, ess) -> (val acc, val NLL, test acc); a missing entry is a run not yet trained."""
+    t = real_noise.Task.parse(task)
+
+    def cached(job: dict) -> dict | None:
+        s = real_noise.settings_for(t, job["method"], job["hyperparams"])
+        key = (real_noise._optimizer(job["method"]), s["learning_rate"], s["ess"] if "ess" in s else None)
+        if key not in scores:
+            return None
+        val_acc, val_nll, test_acc = scores[key]
+        return {"settings": s, "val_acc": val_acc, "val_nll": val_nll, "test_acc": test_acc}
+
+    monkeypatch.setattr(real_noise, "_cached", cached)
+
+
+def test_choices_are_the_noisy_validation_best_and_ess_is_tuned_at_the_chosen_rate(monkeypatch: pytest.MonkeyPatch) -> None:
+    task = "cifar10n-worse"
+    grid = real_noise.LR_GRID["image"]
+    # AdamW: 3e-3 best on val, 1e-3 best on test (the test must not matter); 1e-3 and 3e-4 tie on val acc
+    scores = {("adamw", grid["adamw"][0], None): (0.40, 1.5, 0.60), ("adamw", grid["adamw"][1], None): (0.40, 1.7, 0.70),
+              ("adamw", grid["adamw"][2], None): (0.45, 1.6, 0.50)}
+    # IVON: rate 3 best on val (acc tie with 1.0 broken by the lower NLL); ess 1e9 best at that rate
+    scores |= {("ivon", grid["ivon"][0], 1e8): (0.30, 1.9, 0.66), ("ivon", grid["ivon"][1], 1e8): (0.50, 1.3, 0.65),
+               ("ivon", grid["ivon"][2], 1e8): (0.50, 1.2, 0.55)}
+    _fake_runs(monkeypatch, task, scores)
+    assert real_noise.chosen_rates(task) == {"adamw": grid["adamw"][2], "ivon": grid["ivon"][2]}
+    assert real_noise.chosen_settings(task) is None  # the ess stage has not run yet
+    ess_jobs = real_noise.ess_tuning_jobs(task, grid["ivon"][2])
+    # one of the ess runs is the learning-rate stage's own run (same hyperparameters, so the same cached file)
+    assert sum(job in real_noise.lr_tuning_jobs(task) for job in ess_jobs) == 1
+    scores |= {("ivon", grid["ivon"][2], 1e7): (0.49, 1.1, 0.70), ("ivon", grid["ivon"][2], 1e9): (0.52, 1.25, 0.40)}
+    assert real_noise.chosen_settings(task) == {"adamw": {"learning_rate": grid["adamw"][2]},
+                                                "ivon": {"learning_rate": grid["ivon"][2], "ess": 1e9}}
+    jobs = real_noise.fair_jobs(task, [0], real_noise.chosen_settings(task))
+    by_method = {(j["method"], tuple(sorted(j["hyperparams"].items()))) for j in jobs}
+    assert ("erm", (("learning_rate", grid["adamw"][2]),)) in by_method
+    assert ("ivon", (("ess", 1e9), ("hessian_window", 0.1), ("learning_rate", grid["ivon"][2]))) in by_method
+    assert all(real_noise.LR_TUNING_SEED != j["seed"] for j in jobs)
+
+
+def test_settings_equal_to_the_preset_keep_their_cached_keys() -> None:
+    task = real_noise.Task.parse("cifar10n-worse")
+    preset = real_noise.IVON_FINETUNE["image"]
+    assert real_noise._with_settings(task, "ivon", {}, {"learning_rate": preset["learning_rate"], "ess": preset["ess"]}) == {}
+    assert real_noise._with_settings(task, "ivon", {"hessian_window": 0.1}, {"learning_rate": 0.3, "ess": preset["ess"]}) == \
+        {"hessian_window": 0.1, "learning_rate": 0.3}
+
+
+def test_stated_budget_counts_every_tuning_training() -> None:
+    task = real_noise.Task.parse("sst2-sym30")
+    n_adamw, n_ivon = len(real_noise.LR_GRID["text"]["adamw"]), len(real_noise.LR_GRID["text"]["ivon"])
+    assert real_noise.tuning_budget(task, "erm", {}) == str(n_adamw)
+    assert real_noise.tuning_budget(task, "gce", {"gce_q": 0.7}) == str(n_adamw)
+    assert real_noise.tuning_budget(task, "ivon", {"hessian_window": 0.1}) == str(n_ivon + len(real_noise.ESS_GRID) - 1)
+    assert real_noise.tuning_budget(task, "ls") == f"{n_adamw} + {len(real_noise.LS_GRID) + 1}/seed"
+    assert real_noise.tuning_budget(task, "sam") == f"{n_adamw} + {len(real_noise.SAM_GRID)}/seed"
+
+
+def test_readme_table_bolds_the_best_mean_of_each_column() -> None:
+    cells = {"a": "1", "b": "2", "c": "3"}
+    assert real_noise._bold_best(cells, {"a": 0.2, "b": 0.9, "c": float("nan")}, lower=False) == {"a": "1", "b": "**2**", "c": "3"}
+    assert real_noise._bold_best(cells, {"a": 0.2, "b": 0.9, "c": 0.5}, lower=True) == {"a": "**1**", "b": "2", "c": "3"}
