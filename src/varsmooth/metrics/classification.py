@@ -97,7 +97,6 @@ def classwise_calibration_error(probs: np.ndarray, labels: np.ndarray, n_bins: i
     total = 0.0
     for k in range(num_classes):
         bins = _equal_width_bins(probs[:, k], n_bins)
-        count = np.bincount(bins, minlength=n_bins)
         prob_sum = np.bincount(bins, weights=probs[:, k], minlength=n_bins)
         hit_sum = np.bincount(bins, weights=(labels == k).astype(np.float64), minlength=n_bins)
         total += np.abs(hit_sum - prob_sum).sum() / n  # |B|·|freq − conf| = |Σ hits − Σ p| per bin
