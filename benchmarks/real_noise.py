@@ -15,7 +15,7 @@ Tasks (every number is on the *clean* test labels; nothing is selected on them e
   embeddings are frozen (11.7M of its 15.6M weights, which would make every step ~20 % slower).
 
 Methods: ERM (AdamW), label smoothing (``ls``, a grid of rates), SAM, GCE, online label smoothing, logistic-normal —
-all with the same AdamW base — and IVON with the fine-tuning preset of `IVON_FINETUNE` (see README "Fine-tuning a
+all with the same AdamW base — and IVON with the fine-tuning preset of `IVON_FINETUNE` (see benchmarks/README.md "Fine-tuning a
 pretrained model"), each with ``--seeds`` seeds. Paired design: every method starts from the same weights (the
 pretrained ones and a zero head) and, within a seed, sees the same labels, batch order and dropout seed. Every run is cached as JSON in ``benchmarks/results/real_noise/runs/`` (resumable: rerun to continue).
 
@@ -73,7 +73,7 @@ TEXT = {"n_train": 2000, "n_test": 1000, "num_layers": 2, "max_length": 64, "bat
 #: reported runs use the rate chosen on the noisy validation split (`chosen_settings`)
 ADAMW = {"image": {"optim": "adamw_torch", "learning_rate": 1e-3, "weight_decay": 0.01},
          "text": {"optim": "adamw_torch", "learning_rate": 3e-4, "weight_decay": 0.01}}
-#: IVON fine-tuning preset (README "Fine-tuning a pretrained model"): no lr rescaling and an element-wise clip, so
+#: IVON fine-tuning preset (benchmarks/README.md "Fine-tuning a pretrained model"): no lr rescaling and an element-wise clip, so
 #: lr·clip_radius is the largest per-weight step (AdamW's lr); ess·hess_init sets the initial posterior std
 #: σ0 = 1/sqrt(ess·(hess_init + prior_precision)) ≈ 3e-3, a few % of the pretrained weights; beta2 short enough that
 #: the Hessian is learned within the run; no prior pull towards 0 (the pretrained weights are the prior mean's stand-in)
