@@ -121,3 +121,32 @@ def load_example(name: str) -> ModuleType:
     sys.modules[spec.name] = module  # dataclasses resolve string annotations through sys.modules
     spec.loader.exec_module(module)
     return module
+
+
+def tiny_digits_resnet():
+    """A seeded 2-stage ResNet for 1-channel 8x8 digits with named labels (HF classes: saves, reloads and serves)."""
+    from transformers import ResNetConfig, ResNetForImageClassification
+
+    torch.manual_seed(0)
+    return ResNetForImageClassification(ResNetConfig(
+        num_channels=1, embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], layer_type="basic", num_labels=10,
+        downsample_in_first_stage=False, id2label={i: str(i) for i in range(10)}, label2id={str(i): i for i in range(10)}))
+
+
+def noisy_digits_images(n_val: int):
+    """(train, val, processor, transform): 256 digits training images with 40 % symmetric noise, the first `n_val` test
+    images as clean validation, the image processor and the batch transform that turns images into model inputs."""
+    from transformers import ViTImageProcessor
+
+    from example_utils.data import load_digits_dataset
+    from varsmooth.corruption import corrupt_labels
+
+    data = load_digits_dataset()
+    train = corrupt_labels(data["train"].select(range(256)), "symmetric", 0.4, seed=0)
+    processor = ViTImageProcessor(do_resize=False, image_mean=[0.5], image_std=[0.5], do_convert_rgb=False)
+
+    def transform(batch):
+        return {"pixel_values": processor(batch["image"], return_tensors="pt")["pixel_values"],
+                "labels": torch.as_tensor(batch["label"])}
+
+    return train, data["test"].select(range(n_val)), processor, transform

@@ -1,17 +1,14 @@
 """Posterior temperature τ: σ scaled by τ at prediction time, τ chosen by validation NLL after training."""
 
 import json
-import os
 
 import numpy as np
 import pytest
 import torch
-from transformers import HfArgumentParser, ResNetConfig, ResNetForImageClassification, ViTImageProcessor
+from transformers import HfArgumentParser
 
-from helpers import TinyClassifier, digits_dataset, make_args
+from helpers import TinyClassifier, digits_dataset, make_args, noisy_digits_images, tiny_digits_resnet
 from varsmooth import LabelNoiseCallback, VariationalModel, VariationalTrainer, VariationalTrainingArguments, pipeline
-from varsmooth.corruption import corrupt_labels
-from example_utils.data import load_digits_dataset
 from varsmooth.posterior import DiagonalGaussianPosterior, derive_seed, predictive_distribution
 from varsmooth.posterior.temperature import TEMPERATURE_GRID, choose_temperature, temperature_nll
 
@@ -113,29 +110,15 @@ def test_temperature_nll_scores_each_bma_with_common_draws():
     assert posterior.temperature == 1.0  # left as it was
 
 
-def _tiny_resnet():
-    torch.manual_seed(0)
-    return ResNetForImageClassification(ResNetConfig(
-        num_channels=1, embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], layer_type="basic", num_labels=10,
-        downsample_in_first_stage=False, id2label={i: str(i) for i in range(10)}, label2id={str(i): i for i in range(10)}))
-
-
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """A short noisy digits run whose BMA is worse than its mean (σ still at its prior value), τ chosen automatically."""
     out = tmp_path_factory.mktemp("temperature")
-    data = load_digits_dataset()
-    train = corrupt_labels(data["train"].select(range(256)), "symmetric", 0.4, seed=0)
-    val = data["test"].select(range(120))
-    processor = ViTImageProcessor(do_resize=False, image_mean=[0.5], image_std=[0.5], do_convert_rgb=False)
-
-    def transform(batch):
-        return {"pixel_values": processor(batch["image"], return_tensors="pt")["pixel_values"],
-                "labels": torch.as_tensor(batch["label"])}
+    train, val, processor, transform = noisy_digits_images(120)
 
     args = make_args(out, max_steps=30, eval_mc_samples=8, beta2=0.999, eval_seed=3, remove_unused_columns=False)
     callback = LabelNoiseCallback(num_samples=4)
-    trainer = VariationalTrainer(model=_tiny_resnet(), args=args, train_dataset=train.with_transform(transform),
+    trainer = VariationalTrainer(model=tiny_digits_resnet(), args=args, train_dataset=train.with_transform(transform),
                                  eval_dataset=val.with_transform(transform), processing_class=processor, callbacks=[callback])
     trainer.train()
     return trainer, val, transform, out

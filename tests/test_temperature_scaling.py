@@ -1,19 +1,16 @@
 """Post-hoc temperature scaling (Guo et al. 2017): fit by validation NLL, apply to any prediction, save with the model."""
 
 import json
-import math
 import os
 
 import numpy as np
 import pytest
 import torch
-from transformers import ResNetConfig, ResNetForImageClassification, ViTImageProcessor
+from transformers import ResNetForImageClassification
 
-from helpers import TinyClassifier, make_args
+from helpers import TinyClassifier, make_args, noisy_digits_images, tiny_digits_resnet
 from varsmooth import TemperatureScaling, VariationalModel, VariationalTrainer, pipeline
 from varsmooth.calibration import TEMPERATURE_SCALING_FILE
-from varsmooth.corruption import corrupt_labels
-from example_utils.data import load_digits_dataset
 from varsmooth.files import read_manifest
 from varsmooth.posterior import VariationalClassifierOutput
 
@@ -113,30 +110,16 @@ def test_save_load_round_trip_and_stale_file_refused(tmp_path):
 
 
 # -- in the trainer ----------------------------------------------------------------------------------------------
-def _tiny_resnet():
-    torch.manual_seed(0)
-    return ResNetForImageClassification(ResNetConfig(
-        num_channels=1, embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], layer_type="basic", num_labels=10,
-        downsample_in_first_stage=False, id2label={i: str(i) for i in range(10)}, label2id={str(i): i for i in range(10)}))
-
-
 @pytest.fixture(scope="module", params=["erm", "ivon"])
 def fitted_run(request, tmp_path_factory):
     """A short noisy digits run (ERM or IVON with BMA) with temperature scaling fitted when training ends."""
     out = tmp_path_factory.mktemp(f"ts-{request.param}")
-    data = load_digits_dataset()
-    train = corrupt_labels(data["train"].select(range(256)), "symmetric", 0.4, seed=0)
-    val = data["test"].select(range(150))
-    processor = ViTImageProcessor(do_resize=False, image_mean=[0.5], image_std=[0.5], do_convert_rgb=False)
-
-    def transform(batch):
-        return {"pixel_values": processor(batch["image"], return_tensors="pt")["pixel_values"],
-                "labels": torch.as_tensor(batch["label"])}
+    train, val, processor, transform = noisy_digits_images(150)
 
     method_kw = dict(eval_mc_samples=6, beta2=0.999) if request.param == "ivon" else dict(learning_rate=0.05, optim="sgd")
     args = make_args(out, method=request.param, max_steps=40, temperature_scaling=True, remove_unused_columns=False,
                      per_device_eval_batch_size=32, **method_kw)
-    trainer = VariationalTrainer(model=_tiny_resnet(), args=args, train_dataset=train.with_transform(transform),
+    trainer = VariationalTrainer(model=tiny_digits_resnet(), args=args, train_dataset=train.with_transform(transform),
                                  eval_dataset=val.with_transform(transform), processing_class=processor)
     trainer.train()
     return trainer, val, transform, out
@@ -186,7 +169,7 @@ def test_saved_temperature_is_applied_by_from_pretrained_and_pipeline_and_refuse
 
     # other weights written over the folder's (same file size, so the manifest cannot tell): the temperature is refused
     other = tmp_path / "other"
-    _tiny_resnet().save_pretrained(other)
+    tiny_digits_resnet().save_pretrained(other)
     os.replace(other / "model.safetensors", tmp_path / "model.safetensors")
     with pytest.raises(ValueError, match=f"{TEMPERATURE_SCALING_FILE} was fitted for other weights"):
         TemperatureScaling.load(tmp_path, ResNetForImageClassification.from_pretrained(tmp_path))
