@@ -319,7 +319,8 @@ class CleanTestCurve(TrainerCallback):
         was_training = model.training
         model.eval()
         with torch.no_grad():
-            pred = torch.cat([model(features=self.features[i:i + 500]).logits.argmax(-1)
+            device = next(model.parameters()).device
+            pred = torch.cat([model(features=self.features[i:i + 500].to(device)).logits.argmax(-1).cpu()
                               for i in range(0, len(self.features), 500)])
         model.train(was_training)
         self.history.append({"epoch": round(state.epoch or 0), "step": state.global_step,
@@ -374,7 +375,7 @@ def run(task_name: str, method: str, hyperparams: dict[str, Any] | None = None, 
     with tempfile.TemporaryDirectory(prefix="varsmooth-real-noise-") as tmp:
         args = common.training_arguments(
             method, output_dir=tmp, num_train_epochs=cfg["epochs"], per_device_train_batch_size=cfg["batch_size"],
-            per_device_eval_batch_size=256, seed=seed, data_seed=seed, use_cpu=True, report_to=[], save_strategy="no",
+            per_device_eval_batch_size=256, seed=seed, data_seed=seed, use_cpu=common.bench_device() == "cpu", report_to=[], save_strategy="no",
             eval_strategy="no", logging_strategy="steps", logging_steps=max(1, steps // 8), disable_tqdm=True,
             dataloader_num_workers=0, lr_scheduler_type="cosine", warmup_steps=int(0.1 * steps),
             eval_mc_samples=EVAL_MC_SAMPLES if ivon else 0, eval_seed=0, remove_unused_columns=task.kind == "text", **settings,
@@ -396,7 +397,7 @@ def run(task_name: str, method: str, hyperparams: dict[str, Any] | None = None, 
         mean_pred = trainer.predict(train).predictions.argmax(-1)
         result: dict[str, Any] = {
             "key": key, "config": config, "settings": settings, "n_train": len(y_train), "steps": trainer.state.global_step,
-            "train_s": train_s, "eval_s": eval_s, "train_loss": training_loss, "diverged": diverged,
+            "train_s": train_s, "eval_s": eval_s, "train_loss": training_loss, "diverged": diverged, "device": common.bench_device(),
             "realized_noise": float((y_train != y_clean).float().mean()), "hessian": trainer.hessian_summary(),
             "log_history": [r for r in trainer.state.log_history if "loss" in r], "versions": common._versions(),
             "test_curve": curve.history if curve else None,
@@ -650,14 +651,21 @@ def _row(label: str, rs: list[dict[str, Any]], erm: dict[int, float]) -> str:
             f"{np.mean([r['train_s'] for r in rs]):.0f} |")
 
 
-def select_on_val(rows: dict[str, list[dict[str, Any]]], family: str, also: list[dict[str, Any]] = ()) -> list[dict[str, Any]]:
-    """Per seed, the grid point of `family` (plus the runs `also`, e.g. ERM as LS's α = 0) with the best
-    noisy-validation accuracy (ties: lower val NLL); only seeds where every grid point has val metrics."""
-    by_seed: dict[int, list[dict[str, Any]]] = {}
-    for r in [r for label, rs in rows.items() if label.startswith(family + " (") for r in rs] + list(also):
-        by_seed.setdefault(r["config"]["seed"], []).append(r)
-    return [max(rs, key=lambda r: (r["val_acc"], -r["val_nll"])) for _, rs in sorted(by_seed.items())
-            if all("val_acc" in r for r in rs)]
+def select_on_val(rows: dict[str, list[dict[str, Any]]], grid: list[str], also: list[dict[str, Any]] | None = None
+                  ) -> list[dict[str, Any]]:
+    """Per seed, the run with the best noisy-validation score (`_val_score`) among the grid points `grid` (row labels)
+    and, when `also` is given, that seed's run of `also` (e.g. ERM as LS's α = 0). A seed is chosen for only once
+    every one of them has run with validation metrics: a choice from part of the grid is a different selection rule."""
+    candidates = [rows.get(label, []) for label in grid] + ([also] if also is not None else [])
+    seeds = set.intersection(*({r["config"]["seed"] for r in rs if "val_acc" in r} for rs in candidates)) if candidates else set()
+    return [max((r for rs in candidates for r in rs if r["config"]["seed"] == seed and "val_acc" in r), key=_val_score)
+            for seed in sorted(seeds)]
+
+
+def grid_labels(task: Task, family: str, chosen: dict[str, dict[str, float]] | None) -> list[str]:
+    """The row labels of `family`'s grid (e.g. every LS α) at the optimizer settings `chosen` (None: the preset's)."""
+    return [_spec_label(m, _with_settings(task, m, hp, chosen[_optimizer(m)]) if chosen else hp)
+            for m, hp in method_grid(task, True) if m == family]
 
 
 def _tuning_lines(task: str) -> list[str]:
@@ -767,7 +775,7 @@ def report() -> str:
         lines += [f"## {task}", "", f"{first['n_train']} training examples, realized label noise "
                   f"{100 * first['realized_noise']:.1f} %, {first['steps']} optimizer steps.", ""]
         if chosen:
-            lines += [f"Every hyperparameter chosen on the noisy validation split (`--plan fair`): "
+            lines += ["Every hyperparameter chosen on the noisy validation split (`--plan fair`): "
                       + "; ".join(f"{opt} " + ", ".join(f"{k} {v:g}" for k, v in hp.items()) for opt, hp in chosen.items())
                       + "." + ("" if "ivon" in chosen else " IVON's ess stage has not run yet, so no IVON run is reported "
                                "here (its runs at the preset's ess, picked on the clean test set, are listed apart)."), ""]
@@ -782,8 +790,8 @@ def report() -> str:
         choices = {}
         for family in SELECTED_ON_VAL:
             # ERM runs cached before the validation split existed cannot stand in for α = 0 (said below the table)
-            also = [r for r in rows.get(erm_label, []) if "val_acc" in r] if family == "ls" else []
-            picked = select_on_val(rows, family, also)
+            also = rows.get(erm_label, []) if family == "ls" else None
+            picked = select_on_val(rows, grid_labels(Task.parse(task.split(",")[0]), family, chosen), also)
             if picked:
                 rows[f"{family} (chosen on noisy val)"] = picked
                 choices[family] = ", ".join(f"seed {r['config']['seed']}: {'α = 0 (ERM)' if r['config']['method'] == 'erm' else _label(r)}"
@@ -899,9 +907,13 @@ def _task_section(task: str, prot: dict[str, tuple[str, list[dict[str, Any]]]]) 
     full = max(len(rs) for rs in present.values())
     cells = {c: _bold_best(text, {n: m for n, m in means.items() if len(present[n]) == full}, lower)
              for c, (text, means, lower) in cols.items()}
+    devices = sorted({r.get("device", "cpu") for rs in present.values() for r in rs})
     lines = [f"#### {task}: {first['n_train']} training examples, {100 * first['realized_noise']:.1f} % wrong labels, "
-             f"{first['steps']} steps", "",
-             "| method | tuning trainings | seeds | acc % | Δacc vs ERM (pp, paired) | NLL | ECE % |", "|---|---|---|---|---|---|---|"]
+             f"{first['steps']} steps, trained on {' and '.join(devices)}", ""]
+    if len(devices) > 1:  # rounding and, for IVON, the weight draws differ between devices (device_agreement.py)
+        lines += ["**Mixed devices**: the runs of this table did not all train on one device, so paired differences "
+                  "mix device effects with method effects.", ""]
+    lines += ["| method | tuning trainings | seeds | acc % | Δacc vs ERM (pp, paired) | NLL | ECE % |", "|---|---|---|---|---|---|---|"]
     for name, (budget, rs) in prot.items():
         if rs:
             lines.append(f"| {name} | {budget} | {len(rs)} | {cells['acc'][name]} | {cells['diff'].get(name, '–')} | "
@@ -966,6 +978,8 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--report", action="store_true", help="Only write the tables from the cached runs.")
     parser.add_argument("--reverse", action="store_true", help="Run the plan from its end (a second worker on the same plan).")
+    parser.add_argument("--workers", type=int, default=1, help="Train the runs of each stage in this many processes "
+                        "(e.g. several small text runs sharing one GPU: VARSMOOTH_BENCH_DEVICE=cuda).")
     args = parser.parse_args()
     if LR_TUNING_SEED in args.seeds:
         parser.error(f"--seeds must not contain the learning-rate tuning seed {LR_TUNING_SEED}: it is never reported.")
@@ -973,21 +987,32 @@ def main() -> None:
         try:
             if args.plan == "fair":  # the reported runs need the rates that their task's tuning runs choose
                 for task in args.tasks:
-                    _train(lr_tuning_jobs(task), args.reverse)
-                    _train(ess_tuning_jobs(task, chosen_rates(task)["ivon"]), args.reverse)
-                    _train(fair_jobs(task, args.seeds, chosen_settings(task)), args.reverse)
+                    _train(lr_tuning_jobs(task), args.reverse, args.workers)
+                    _train(ess_tuning_jobs(task, chosen_rates(task)["ivon"]), args.reverse, args.workers)
+                    _train(fair_jobs(task, args.seeds, chosen_settings(task)), args.reverse, args.workers)
             else:
-                _train(plan(args.plan, args.seeds), args.reverse)
+                _train(plan(args.plan, args.seeds), args.reverse, args.workers)
         except Unavailable as error:
             print(f"SKIPPED: {error}", flush=True)
             return
     print(report())
 
 
-def _train(jobs: list[dict[str, Any]], reverse: bool) -> None:
+def _train(jobs: list[dict[str, Any]], reverse: bool, workers: int = 1) -> None:
     todo = [j for j in jobs if not _is_cached(j)]
     print(f"{len(jobs)} runs, {len(jobs) - len(todo)} cached, {len(todo)} to train", flush=True)
-    for job in reversed(todo) if reverse else todo:
+    todo = todo[::-1] if reverse else todo
+    if workers > 1 and len(todo) > 1:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        # spawned, not forked: a forked child cannot use the parent's CUDA context. Each run is cached by the worker
+        # that trains it as soon as it ends, so an interrupted stage keeps its finished runs
+        with ProcessPoolExecutor(min(workers, len(todo)), mp_context=multiprocessing.get_context("spawn")) as pool:
+            for future in [pool.submit(run, **job) for job in todo]:
+                future.result()
+        return
+    for job in todo:
         if not _is_cached(job):  # another worker may have run it meanwhile
             run(**job)
 

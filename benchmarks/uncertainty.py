@@ -221,7 +221,7 @@ def run_text(job: dict[str, Any]) -> dict[str, Any]:
     from transformers import DataCollatorWithPadding
     from transformers.trainer_callback import PrinterCallback
 
-    from varsmooth import VariationalTrainer, VariationalTrainingArguments
+    from varsmooth import VariationalTrainer
     from varsmooth.methods import get_method_class
 
     rn = _real_noise()
@@ -240,9 +240,10 @@ def run_text(job: dict[str, Any]) -> dict[str, Any]:
     model = rn._minilm(len(data["names"]), job["init_seed"])
     name = f"sst2_{job['noise']}_{job['method']}_{common._slug(job['hyperparams'])}_s{job['seed']}_i{job['init_seed']}"
     with tempfile.TemporaryDirectory(prefix="varsmooth-uncertainty-") as tmp:
-        args = VariationalTrainingArguments(
-            output_dir=tmp, method=job["method"], num_train_epochs=cfg["epochs"], per_device_train_batch_size=cfg["batch_size"],
-            per_device_eval_batch_size=256, seed=job["init_seed"], data_seed=job["init_seed"], use_cpu=True, report_to=[],
+        args = common.training_arguments(
+            job["method"], output_dir=tmp, num_train_epochs=cfg["epochs"], per_device_train_batch_size=cfg["batch_size"],
+            per_device_eval_batch_size=256, seed=job["init_seed"], data_seed=job["init_seed"],
+            use_cpu=common.bench_device() == "cpu", report_to=[],
             save_strategy="no", eval_strategy="no", logging_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
             lr_scheduler_type="cosine", warmup_steps=int(0.1 * steps), eval_mc_samples=MC_SAMPLES if ivon else 0,
             eval_seed=0, **settings,
@@ -258,7 +259,7 @@ def run_text(job: dict[str, Any]) -> dict[str, Any]:
             torch.save({k: v for k, v in trainer.model.state_dict().items()}, CACHE_DIR / f"{name}.pt")
             analysis["weights"] = f"{name}.pt"
     val_labels = np.asarray(data["val"]["label"])
-    result = {"key": path.stem, "config": config, "settings": settings, "train_s": train_s, "train_loss": training_loss,
+    result = {"key": path.stem, "config": config, "settings": settings, "device": common.bench_device(), "train_s": train_s, "train_loss": training_loss,
               "diverged": diverged, "analysis": analysis, "versions": common._versions(),
               "val_acc": float((splits["val"]["probs"].argmax(-1) == val_labels).mean()),
               "val_nll": float(-np.log(np.clip(splits["val"]["probs"][np.arange(len(val_labels)), val_labels], 1e-30, None)).mean())}

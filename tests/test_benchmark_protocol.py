@@ -75,3 +75,27 @@ def test_readme_table_bolds_the_best_mean_of_each_column() -> None:
     cells = {"a": "1", "b": "2", "c": "3"}
     assert real_noise._bold_best(cells, {"a": 0.2, "b": 0.9, "c": float("nan")}, lower=False) == {"a": "1", "b": "**2**", "c": "3"}
     assert real_noise._bold_best(cells, {"a": 0.2, "b": 0.9, "c": 0.5}, lower=True) == {"a": "**1**", "b": "2", "c": "3"}
+
+
+def _run(seed: int, method: str, hp: dict, val_acc: float, val_nll: float = 1.0) -> dict:
+    return {"config": {"seed": seed, "method": method, "hyperparams": hp}, "val_acc": val_acc, "val_nll": val_nll}
+
+
+def test_a_grid_choice_waits_for_every_grid_point_of_the_seed() -> None:
+    task = real_noise.Task.parse("cifar10n-worse")
+    chosen = {"adamw": {"learning_rate": 1e-3}, "ivon": {"learning_rate": 1.0, "ess": 1e8}}
+    grid = real_noise.grid_labels(task, "ls", chosen)
+    assert len(grid) == len(real_noise.LS_GRID)
+    runs = {label: [_run(0, "ls", {}, 0.5 + 0.01 * i)] for i, label in enumerate(grid)}
+    # seed 1 has run only its first LS point, which beats everything of seed 0: choosing from it would report it
+    runs[grid[0]].append(_run(1, "ls", {}, 0.9))
+    erm = [_run(0, "erm", {}, 0.45), _run(1, "erm", {}, 0.4)]
+    picked = real_noise.select_on_val(runs, grid, erm)
+    assert [r["config"]["seed"] for r in picked] == [0]
+    assert picked[0]["val_acc"] == 0.5 + 0.01 * (len(grid) - 1)
+    # α = 0 (the ERM run) belongs to the grid: without it for seed 0 nothing is chosen, and it wins when it is best
+    assert real_noise.select_on_val(runs, grid, erm[1:]) == []
+    assert real_noise.select_on_val(runs, grid, [_run(0, "erm", {}, 0.99)])[0]["config"]["method"] == "erm"
+    # a grid point without validation metrics (an old-protocol run) does not count as run
+    runs[grid[-1]] = [{"config": {"seed": 0, "method": "ls", "hyperparams": {}}, "test_acc": 0.99}]
+    assert real_noise.select_on_val(runs, grid, erm) == []

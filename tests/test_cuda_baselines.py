@@ -9,9 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from transformers import ResNetConfig, ResNetForImageClassification
 
-from helpers import digits_dataset, make_args
+from helpers import digits_dataset, make_args, tiny_digits_resnet
 from test_ensemble import SENTENCES, point, tiny_bert, tiny_tokenizer, with_posterior
 from test_mc_dropout import NormDropoutClassifier
 from varsmooth import DeepEnsemble, VariationalModel, VariationalTrainer, mc_dropout_predictive, pipeline
@@ -48,12 +47,10 @@ def test_trainer_on_the_gpu_evaluates_by_mc_dropout(tmp_path):
 
 
 def test_temperature_fitted_on_the_gpu_is_applied_after_a_cpu_reload(tmp_path):
-    from test_temperature_scaling import _tiny_resnet
-
     train, val = digits_dataset(200, seed=0), digits_dataset(100, seed=1)
     args = make_args(tmp_path, use_cpu=False, method="erm", max_steps=30, learning_rate=0.05, optim="sgd",
                      temperature_scaling=True, remove_unused_columns=False)
-    trainer = VariationalTrainer(model=_tiny_resnet(), args=args, train_dataset=train.map(_channel), eval_dataset=val.map(_channel))
+    trainer = VariationalTrainer(model=tiny_digits_resnet(), args=args, train_dataset=train.map(_channel), eval_dataset=val.map(_channel))
     trainer.train()
     scaling = trainer.temperature_scaling
     assert scaling is not None and scaling.nll_calibrated < scaling.nll_uncalibrated
