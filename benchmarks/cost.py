@@ -28,6 +28,7 @@ import contextlib
 import copy
 import gc
 import json
+import os
 import random
 import resource
 import statistics
@@ -383,6 +384,11 @@ def engine_memory_child(name: str, kind: str, steps: int) -> None:
     model, x, y = engine_model(name)
     params = list(model.parameters())
     loss_fn = torch.nn.functional.cross_entropy
+    if kind == "ivon_engine_redraw":  # the accelerator path (noise drawn again, not kept), run on the CPU
+        import varsmooth.posterior.optimizer as engine
+
+        engine._per_tensor = lambda t: False
+        kind = "ivon_engine"
     with peak_rss_growth() as growth:
         opt = _engine_optimizer(kind, params)
         for _ in range(steps):
@@ -400,7 +406,7 @@ def engine_memory_child(name: str, kind: str, steps: int) -> None:
 def engine_memory(steps: int) -> dict:
     out = {}
     for name in ENGINE_MODELS:
-        for kind in ("adamw_foreach", "ivon_engine"):
+        for kind in ("adamw_foreach", "ivon_engine", "ivon_engine_redraw"):
             proc = subprocess.run([sys.executable, __file__, "--_engine-memory-child", f"{name}:{kind}", "--steps", str(steps)],
                                   capture_output=True, text=True, check=True)
             out[f"{name}:{kind}"] = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -411,12 +417,14 @@ def engine_report(rounds: int, steps: int, skip: int) -> dict:
     """`--engine`: benchmarks/results/cost/engine.{json,md}."""
     import platform
 
+    load = os.getloadavg()[0]
     timing = engine_timing(rounds, steps, skip, reps=5)
     mem = engine_memory(3)
     result = {"device": "cpu", "threads": 1, "cpu": platform.processor() or platform.machine(), "rounds": rounds,
               "trainer_steps_per_block": steps, "models": timing, "memory": mem, "ivon_settings": ENGINE_IVON_KW,
               "versions": common._versions(),
-              "note": "Shared 2-core machine: rounds interleaved in random order; ratios within a round are the result."}
+              "note": f"{os.cpu_count()}-core machine, load average {load:.1f} at the start: rounds interleaved in "
+                      "random order; ratios within a round are the result."}
     common.write_json(OUT_DIR / "engine.json", result)
     L = ["# IVON engine vs AdamW (CPU, one thread)", "",
          f"{rounds} interleaved rounds; ratios median [min–max] over rounds. Optimizer alone: 5 steps per round on fixed "
@@ -431,12 +439,17 @@ def engine_report(rounds: int, steps: int, skip: int) -> dict:
         L.append(f"| {name} | {v['parameters'] / 1e6:.1f} M | {v['batch_size']} | {cell('opt:ivon_engine / opt:adamw_foreach')} | "
                  f"{cell('opt:ivon_opt / opt:adamw_foreach')} | {cell('train:ivon / train:adamw_foreach')} | "
                  f"{v['ms_median']['opt:adamw_foreach']:.0f} | {v['ms_median']['train:adamw_foreach']:.0f} |")
-    L += ["", "| peak memory growth, 3 hand-written steps (process RSS) | AdamW | IVON engine | IVON − AdamW, in parameter sizes |",
-          "|---|---|---|---|"]
+    L += ["", "| peak memory growth, 3 hand-written steps (process RSS) | AdamW | IVON engine (CPU path: noise kept) | "
+          "IVON − AdamW, in parameter sizes | IVON engine (accelerator path: noise drawn again) | IVON − AdamW |",
+          "|---|---|---|---|---|---|"]
     for name in ENGINE_MODELS:
-        a, i = mem[f"{name}:adamw_foreach"], mem[f"{name}:ivon_engine"]
-        L.append(f"| {name} | {a['peak_rss_growth_bytes'] / 2**20:.0f} MiB | {i['peak_rss_growth_bytes'] / 2**20:.0f} MiB | "
-                 f"{(i['peak_rss_growth_bytes'] - a['peak_rss_growth_bytes']) / a['param_bytes']:+.1f} |")
+        a = mem[f"{name}:adamw_foreach"]
+        cells = []
+        for kind in ("ivon_engine", "ivon_engine_redraw"):
+            i = mem.get(f"{name}:{kind}")  # older results lack the accelerator path
+            cells += ([f"{i['peak_rss_growth_bytes'] / 2**20:.0f} MiB",
+                       f"{(i['peak_rss_growth_bytes'] - a['peak_rss_growth_bytes']) / a['param_bytes']:+.1f}"] if i else ["–", "–"])
+        L.append(f"| {name} | {a['peak_rss_growth_bytes'] / 2**20:.0f} MiB | " + " | ".join(cells) + " |")
     L += ["", result["note"], "", "Rerun: `OMP_NUM_THREADS=1 python benchmarks/cost.py --engine`", ""]
     (OUT_DIR / "engine.md").write_text("\n".join(L))
     print("\n".join(L))

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU checks of issue 20 in one go (about 4 minutes on one H200/H100): the CUDA tests (tests/test_cuda.py, with the
+# GPU checks of issue 20 in one go (about 4 minutes on one H200/H100): the CUDA tests (tests/test_cuda.py and test_cuda_baselines.py, with the
 # one-GPU FSDP2 training through VariationalTrainer) and the GPU cost of IVON against AdamW(fused) with bf16
 # autocast (benchmarks/cost.py --gpu). Needs no network. Logs and results go to $OUT.
 #
@@ -41,10 +41,10 @@ PY
 cat "$OUT/env.txt"
 
 if [ "$DRY" = 1 ]; then
-  step test_cuda 150 $PY -m pytest -q -rs tests/test_cuda.py
+  step test_cuda 150 $PY -m pytest -q -rs tests/test_cuda.py tests/test_cuda_baselines.py
   step cost_gpu 300 $PY benchmarks/cost.py --gpu --rounds 2 --steps 3 --skip 1 --batch 2 --image-size 32 --out "$OUT/cost"
 else
-  step test_cuda 140 $PY -m pytest -q -rs --junitxml="$OUT/test_cuda.xml" tests/test_cuda.py
+  step test_cuda 200 $PY -m pytest -q -rs --junitxml="$OUT/test_cuda.xml" tests/test_cuda.py tests/test_cuda_baselines.py
   step cost_gpu 95 $PY benchmarks/cost.py --gpu --rounds 3 --steps 30 --skip 8 --batch 128 --image-size 224 --out "$OUT/cost"
 fi
 tail -n 3 "$OUT/test_cuda.log"

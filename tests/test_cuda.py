@@ -148,7 +148,7 @@ def test_pipeline_runs_on_the_gpu(tmp_path):
     assert on_gpu.model.device.type == "cuda"
     for g in on_gpu(images, top_k=10):  # BMA over the GPU's draws
         assert abs(sum(x["score"] for x in g) - 1.0) < 1e-4
-    assert all(s.device.type == "cuda" for s in on_gpu.posterior.std.values())  # σ followed the model
+    assert all(s.device.type == "cuda" for s in on_gpu.predictor.posterior.std.values())  # σ followed the model
     # at the posterior mean the GPU and CPU pipelines agree
     at_mean = [pipeline("image-classification", model=str(tmp_path / "model"), device=d, num_samples=0)(images, top_k=10)
                for d in (0, -1)]

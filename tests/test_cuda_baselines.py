@@ -72,8 +72,10 @@ def test_an_ensemble_pipeline_moves_every_member_to_the_gpu(tmp_path):
     tokenizer = tiny_tokenizer(tmp_path / "vocab")
     ensemble.save_pretrained(tmp_path / "ens")
     tokenizer.save_pretrained(tmp_path / "ens")
+    # member 0's posterior draws come from a CUDA generator on the GPU (other numbers than the CPU's for one seed)
+    ensemble.to("cuda")
     with torch.no_grad():
-        expected = [ensemble(**tokenizer(s, return_tensors="pt")).probs[0].numpy() for s in SENTENCES]
+        expected = [ensemble(**tokenizer(s, return_tensors="pt").to("cuda")).probs[0].cpu().numpy() for s in SENTENCES]
     classify = pipeline("text-classification", model=str(tmp_path / "ens"), device=0)
     assert all(p.device.type == "cuda" for p in classify.predictor.parameters())
     for sentence, probs in zip(SENTENCES, expected):

@@ -131,6 +131,69 @@ def test_accelerator_code_path_same_trajectory_as_ivon_opt(case, monkeypatch):
     _assert_same_trajectory(ours, ref)
 
 
+def _held_buffers(opt):
+    """Parameter-sized buffers IVON holds besides its state, in parameter sizes (1.0 = one copy of the model)."""
+    total = sum(p.numel() for g in opt.param_groups for p in g["params"])
+    held = sum(t.numel() for slots in opt._buffers.values() for t in slots.values() if t is not None)
+    return held / total
+
+
+@pytest.mark.parametrize("samples_per_step", [1, 3])
+def test_accelerator_path_holds_one_buffer_besides_the_state(samples_per_step, monkeypatch):
+    """Where the noise is drawn again instead of kept, only the mean (while sampling) or mean(e⊙g) (until the step)
+    is held: AdamW's two state tensors plus one (several samples per step: plus the running ḡ and one more e⊙g)."""
+    import varsmooth.posterior.optimizer as engine
+
+    monkeypatch.setattr(engine, "_per_tensor", lambda t: False)
+    monkeypatch.setattr(engine, "CHUNK_NUMEL", 40)  # several chunks even for this small model
+    torch.manual_seed(0)
+    model = MLP()
+    opt = VariationalIVON(model.parameters(), noise_seed=0, **IVON_KW)
+    x, y = _data(3 * samples_per_step)
+    seen = []
+    for step in range(3):
+        for k in range(samples_per_step):
+            with opt.sampled_params(train=True):
+                seen.append(_held_buffers(opt))
+                opt.zero_grad()
+                F.cross_entropy(model(x[step * samples_per_step + k]), y[step * samples_per_step + k]).backward()
+        seen.append(_held_buffers(opt))
+        opt.step()
+        seen.append(_held_buffers(opt))
+    if samples_per_step == 1:
+        assert seen == [1.0] * len(seen)
+    else:
+        # mean + mean(e⊙g) + ḡ while accumulating (the CPU path: + e); the mean and ḡ's buffer between steps
+        assert max(seen) == 3.0 and seen[-1] == 2.0
+    kept = VariationalIVON(copy.deepcopy(model).parameters(), noise_seed=0, **IVON_KW)
+    monkeypatch.setattr(engine, "_per_tensor", lambda t: True)
+    with kept.sampled_params():
+        assert _held_buffers(kept) == 2.0  # the CPU keeps e beside the mean
+
+
+def test_noise_drawn_again_equals_the_kept_noise_for_channels_last_weights(monkeypatch):
+    """The accelerator path draws e twice (into the parameter, then into a buffer laid out like it): a channels-last
+    weight gets the same noise in its logical order as the CPU path's contiguous noise buffer."""
+    import varsmooth.posterior.optimizer as engine
+
+    def trajectory(per_tensor):
+        monkeypatch.setattr(engine, "_per_tensor", lambda t: per_tensor)
+        torch.manual_seed(0)
+        conv = torch.nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
+        assert not conv.weight.is_contiguous()
+        opt = VariationalIVON(conv.parameters(), noise_seed=2, **IVON_KW)
+        x = torch.randn(6, 2, 3, 5, 5, generator=torch.Generator().manual_seed(1))
+        for batch in x:
+            with opt.sampled_params(train=True):
+                opt.zero_grad()
+                conv(batch).square().mean().backward()
+            opt.step()
+        return [conv.weight.detach().clone(), opt.state[conv.weight]["hess"].clone()]
+
+    for a, b in zip(trajectory(True), trajectory(False)):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
 def test_mixed_dtypes_one_step_matches_ivon_opt_formulas():
     """Parameters of two dtypes in one optimizer (ivon-opt refuses): each is updated by ivon-opt's own formulas."""
     torch.manual_seed(0)

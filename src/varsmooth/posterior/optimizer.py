@@ -10,6 +10,9 @@ vectors at every sample and step and reassigns `p.data`:
   per-parameter optimizer state dicts (ivon-opt's flat-vector checkpoints are converted on load);
 * in-place `torch._foreach_*` arithmetic per (device, dtype) bucket; the mean weights wait in a buffer while the
   parameters hold the sample, and are copied back (the parameter tensors are never replaced);
+* on accelerators the noise is not kept while the sample trains: it is drawn into the parameters and drawn again
+  (the same counter) when the gradient arrives, so IVON holds one parameter-sized buffer more than AdamW (see
+  `_keeps_noise`);
 * counter-based noise: parameter i of draw d after optimizer step t on process r is a standard normal from a
   generator seeded by `derive_seed(noise_seed, r, t, d, i)`, so training is reproducible, resumes exactly without
   touching the global RNG, DDP ranks draw independent samples, and each parameter's draw can be regenerated alone;
@@ -87,6 +90,23 @@ def _add_scalar_into(out: list[torch.Tensor], tensors: list[torch.Tensor], scala
         torch._foreach_add_(out, scalar)
 
 
+#: on the accelerator path, the most elements a step's or a sample's temporaries cover at once: temporaries stay a
+#: small fraction of the model instead of one more parameter-sized buffer
+CHUNK_NUMEL = 1 << 22
+
+
+def _chunks(tensors: list[torch.Tensor]) -> Iterator[slice]:
+    """Consecutive slices of `tensors` with at most `CHUNK_NUMEL` elements each (or one tensor, if larger)."""
+    start, numel = 0, 0
+    for i, t in enumerate(tensors):
+        if i > start and numel + t.numel() > CHUNK_NUMEL:
+            yield slice(start, i)
+            start, numel = i, 0
+        numel += t.numel()
+    if start < len(tensors):
+        yield slice(start, len(tensors))
+
+
 def _buckets(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     """`params` split by (device, dtype): `torch._foreach_*` fast paths need one of each per call."""
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
@@ -148,12 +168,15 @@ class VariationalIVON(torch.optim.Optimizer):
         self._draws_since_step = 0
         self._count = 0  # MC samples recorded since the last step
         self._sampling = False
-        self._perturbed: list[list[torch.Tensor]] = []  # buckets whose weights hold a sample (mean saved)
+        # buckets whose weights hold a sample (mean saved), with each parameter's index (its noise counter)
+        self._perturbed: list[tuple[list[torch.Tensor], list[int]]] = []
         # Per-parameter scratch, allocated once and reused (fresh parameter-sized tensors cost page faults on the CPU
-        # at every step): "mean" (m while the parameter holds θ; the step's scratch afterwards), "noise" (e, then
-        # e⊙g, which is mean(e⊙g) after one sample) and, with several samples per step, "avg_nxg" (the running mean
-        # of e⊙g) and "avg_grad" (the running ḡ). With one sample ḡ is the gradient tensor itself, read at step():
-        # besides momentum and Hessian, IVON then holds two parameter-sized buffers, one more than AdamW's peak.
+        # at every step): "mean" (m while the parameter holds θ), "avg_nxg" (the running mean of e⊙g) and, with
+        # several samples per step, "avg_grad" (the running ḡ); with one sample ḡ is the gradient tensor itself, read
+        # at step(). Where the noise is kept (`_keeps_noise`), also "noise" (e, then e⊙g), and "mean" is the step's
+        # scratch: two buffers besides momentum and Hessian. Elsewhere e is drawn again into the free "mean" buffer
+        # when the gradient arrives, that buffer becomes "avg_nxg" and the next sample's "mean" after step(), and the
+        # step's temporaries are chunked (`CHUNK_NUMEL`): one buffer more than AdamW.
         self._buffers: dict[torch.Tensor, dict[str, torch.Tensor | None]] = {}
         self._avg_grad: dict[torch.Tensor, torch.Tensor] = {}  # ḡ per parameter: p.grad of the sample, or "avg_grad"
         self._generators: dict[torch.device, torch.Generator] = {}
@@ -214,14 +237,20 @@ class VariationalIVON(torch.optim.Optimizer):
         return out
 
     # -- sampling ----------------------------------------------------------------------------------
-    def _draw_noise(self, params: list[torch.Tensor], indices: list[int]) -> list[torch.Tensor]:
-        """Standard normal e per parameter, counter-based: one seed per (seed, rank, step, draw, parameter index).
+    def _keeps_noise(self, t: torch.Tensor) -> bool:
+        """Whether e waits in a buffer from the sample to its gradient. On the CPU a Gaussian draw costs about half an
+        AdamW step, so it is drawn once and kept; on accelerators a draw is one cheap kernel while a parameter-sized
+        buffer limits the model that fits, so e is drawn again from its counter (impossible without `noise_seed`)."""
+        return self.noise_seed is None or _per_tensor(t)
+
+    def _draw_noise(self, out: list[torch.Tensor], params: list[torch.Tensor], indices: list[int], draw: int) -> None:
+        """Standard normal e per parameter into `out`, counter-based: one seed per (seed, rank, step, draw, parameter
+        index), drawn in the parameter's logical (contiguous) order, so it can be drawn again into any buffer.
 
         A sharded (DTensor) parameter is drawn whole, with rank 0's seed on every rank, and each rank keeps its
         shard: the shards form one global draw, as in a one-process run.
         """
-        noises = self._buffer(params, "noise")
-        for e, p, index in zip(noises, params, indices):
+        for e, p, index in zip(out, params, indices):
             if self.noise_seed is None:
                 e.normal_()
                 continue
@@ -229,12 +258,13 @@ class VariationalIVON(torch.optim.Optimizer):
             if gen is None:
                 gen = self._generators[e.device] = torch.Generator(device=e.device)
             rank = 0 if isinstance(p, DTensor) else self.rank
-            gen.manual_seed(derive_seed(self.noise_seed, rank, self.current_step, self._draws_since_step, index))
+            gen.manual_seed(derive_seed(self.noise_seed, rank, self.current_step, draw, index))
             if isinstance(p, DTensor):
                 e.copy_(_local_slice(p, torch.empty(p.shape, dtype=e.dtype, device=e.device).normal_(generator=gen)))
-            else:
+            elif e.is_contiguous():
                 e.normal_(generator=gen)
-        return noises
+            else:
+                e.copy_(torch.empty(e.shape, dtype=e.dtype, device=e.device).normal_(generator=gen))
 
     @torch.no_grad()
     def _sample_params(self) -> None:
@@ -249,10 +279,23 @@ class VariationalIVON(torch.optim.Optimizer):
                 weights = [_local(p) for p in params]
                 means = self._buffer(params, "mean")
                 torch._foreach_copy_(means, weights)
-                self._perturbed.append(params)
-                noise = self._draw_noise(params, [indices[p] for p in params])
+                bucket_indices = [indices[p] for p in params]
+                self._perturbed.append((params, bucket_indices))
+                hess = [_local(self.state[p]["hess"]) for p in params]
+                if not self._keeps_noise(weights[0]):
+                    # e drawn into the parameters, then θ = m + σ⊙e with σ from chunked temporaries
+                    self._draw_noise(weights, params, bucket_indices, self._draws_since_step)
+                    for c in _chunks(weights):
+                        inv_std = torch._foreach_add(hess[c], group["weight_decay"])
+                        torch._foreach_rsqrt_(inv_std)
+                        torch._foreach_mul_(weights[c], inv_std)
+                        torch._foreach_mul_(weights[c], group["ess"] ** -0.5)
+                        torch._foreach_add_(weights[c], means[c])
+                    continue
+                noise = self._buffer(params, "noise")
+                self._draw_noise(noise, params, bucket_indices, self._draws_since_step)
                 # θ = m + σ⊙e with σ = 1/sqrt(ess (h + δ)), computed in the parameter itself (no σ buffer)
-                _add_scalar_into(weights, [_local(self.state[p]["hess"]) for p in params], group["weight_decay"])
+                _add_scalar_into(weights, hess, group["weight_decay"])
                 if _per_tensor(weights[0]):
                     torch._foreach_sqrt_(weights)
                     for w, m, e in zip(weights, means, noise):
@@ -276,25 +319,29 @@ class VariationalIVON(torch.optim.Optimizer):
     def _restore_param_average(self, train: bool) -> None:
         """Mean weights back into the parameters; with `train`, the gradients folded into the running averages."""
         perturbed, self._perturbed = self._perturbed, []
-        for bucket in perturbed:
+        for bucket, _ in perturbed:
             torch._foreach_copy_([_local(p) for p in bucket], self._buffer(bucket, "mean"))
         if not train:
             return
-        if any(p.grad is not None and p.grad.is_sparse for bucket in perturbed for p in bucket):
+        if any(p.grad is not None and p.grad.is_sparse for bucket, _ in perturbed for p in bucket):
             raise RuntimeError("IVON does not support sparse gradients; use dense embeddings (sparse=False).")
         count = self._count + 1
-        for bucket in perturbed:
+        for bucket, indices in perturbed:
             # a trainable parameter the loss did not reach has gradient zero (ivon-opt issue #2)
             grads = [_local(p.grad) if p.grad is not None and p.requires_grad else torch.zeros_like(_local(p))
                      for p in bucket]
-            nxg = self._buffer(bucket, "noise")
-            torch._foreach_mul_(nxg, grads)  # e⊙g
+            # e⊙g, in the buffer that held e or, where e was not kept, in the now free buffer of the mean
+            role = "noise" if self._keeps_noise(_local(bucket[0])) else "mean"
+            nxg = self._buffer(bucket, role)
+            if role == "mean":
+                self._draw_noise(nxg, bucket, indices, self._draws_since_step - 1)
+            torch._foreach_mul_(nxg, grads)
             if count == 1:
                 # ḡ is the gradient itself until a further sample (or step) needs it: no copy
                 self._avg_grad.update(zip(bucket, grads))
                 for p in bucket:  # the product is the average: its buffer changes role, no copy
                     slots = self._buffers[p]
-                    slots["avg_nxg"], slots["noise"] = slots["noise"], slots.get("avg_nxg")
+                    slots["avg_nxg"], slots[role] = slots[role], slots.get("avg_nxg")
                 continue
             # running means over the samples of this step, a + (x - a)/count as ivon-opt's Welford mean
             torch._foreach_lerp_(self._buffer(bucket, "avg_nxg"), nxg, 1.0 / count)
@@ -345,9 +392,13 @@ class VariationalIVON(torch.optim.Optimizer):
         for group in self.param_groups:
             for params in _buckets(group["params"]):
                 self._update(group, params)
-        for slots in self._buffers.values():  # the average's buffer becomes the next step's noise buffer
-            if slots.get("noise") is None:
-                slots["noise"], slots["avg_nxg"] = slots.get("avg_nxg"), None
+        for p, slots in self._buffers.items():  # the average's buffer takes the role it had before the first sample
+            keeps_noise = self._keeps_noise(_local(p))
+            role = "noise" if keeps_noise else "mean"
+            if slots.get(role) is None:
+                slots[role], slots["avg_nxg"] = slots.get("avg_nxg"), None
+            elif not keeps_noise:  # several samples: freed, so that only "mean" outlives the step (kept on the CPU,
+                slots["avg_nxg"] = None  # where a fresh buffer costs page faults)
         self._avg_grad.clear()
         self._count = 0
         self._draws_since_step = 0
@@ -366,13 +417,22 @@ class VariationalIVON(torch.optim.Optimizer):
 
     def _update(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
         """One IVON step of a bucket in 9 in-place passes (the CPU's memory traffic is the cost), with the buffer of
-        the mean weights (free until the next sample) and that of mean(e⊙g) as scratch."""
+        mean(e⊙g) and a second one as scratch: the buffer of the mean weights (free until the next sample) where the
+        noise is kept, else chunked temporaries (that buffer holds mean(e⊙g))."""
+        weights = [_local(p) for p in params]
+        if self._keeps_noise(weights[0]):
+            self._update_chunk(group, params, self._buffer(params, "mean"))
+            return
+        for c in _chunks(weights):
+            self._update_chunk(group, params[c], [torch.empty_like(w) for w in weights[c]])
+
+    def _update_chunk(self, group: dict[str, Any], params: list[torch.Tensor], scratch: list[torch.Tensor]) -> None:
         b1, b2, wd, ess = group["beta1"], group["beta2"], group["weight_decay"], group["ess"]
         weights = [_local(p) for p in params]
         momentum = [_local(self.state[p]["momentum"]) for p in params]
         hess = [_local(self.state[p]["hess"]) for p in params]
         grad = [self._avg_grad[p] for p in params]
-        nxg, scratch = self._buffer(params, "avg_nxg"), self._buffer(params, "mean")
+        nxg = self._buffer(params, "avg_nxg")
         # m ← β1 m + (1-β1) ḡ
         torch._foreach_lerp_(momentum, grad, 1.0 - b1)
         if b2 < 1.0:  # with β2 = 1 the Hessian stays h
