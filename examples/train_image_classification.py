@@ -56,7 +56,8 @@ from varsmooth.utils import checkpoint_to_resume
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from example_utils.data import CIFAR10N_LABEL_SETS, load_cifar10n, load_digits_dataset, train_eval_splits  # noqa: E402
 from example_utils.models import WEIGHT_PACKAGES, count_parameters, create_image_classifier, is_timm_name  # noqa: E402
-from example_utils.script import ExampleCorruptionArguments, SplitArguments, train_evaluate_and_share  # noqa: E402
+from example_utils.script import (ExampleCorruptionArguments, SplitArguments, train_evaluate_and_share,  # noqa: E402
+                                  validation_noise_transition)
 
 logger = logging.getLogger(__name__)
 
@@ -295,6 +296,7 @@ def main() -> None:
     trainer = VariationalTrainer(model=model, args=training_args, train_dataset=train, eval_dataset=validation,
                                  data_collator=collate, processing_class=processor,
                                  noise_report=reports["train"] if reports else None,
+                                 eval_noise_transition=validation_noise_transition(reports),
                                  callbacks=[LabelNoiseCallback(training_args.label_noise_samples, plots=True)] if export else None)
     dataset_name = data_args.dataset_name or ("local image folders" if data_args.train_dir else "sklearn-digits")
     train_evaluate_and_share(trainer, checkpoint, test, dataset_name)

@@ -52,7 +52,8 @@ from varsmooth.utils import checkpoint_to_resume
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from example_utils.data import TEXT_DATASETS, load_text_classification_files, load_text_dataset, train_eval_splits  # noqa: E402
 from example_utils.models import count_parameters, create_text_classifier, minilm_path  # noqa: E402
-from example_utils.script import ExampleCorruptionArguments, SplitArguments, train_evaluate_and_share  # noqa: E402
+from example_utils.script import (ExampleCorruptionArguments, SplitArguments, train_evaluate_and_share,  # noqa: E402
+                                  validation_noise_transition)
 
 logger = logging.getLogger(__name__)
 
@@ -286,7 +287,8 @@ def main() -> None:
     train, validation, test = tokenized["train"], by_length["validation"], by_length.get("test")
     trainer = VariationalTrainer(model=model, args=training_args, train_dataset=train, eval_dataset=validation,
                                  data_collator=DataCollatorWithPadding(tokenizer), processing_class=tokenizer,
-                                 noise_report=reports["train"] if reports else None)
+                                 noise_report=reports["train"] if reports else None,
+                                 eval_noise_transition=validation_noise_transition(reports))
     dataset_name = data_args.dataset_name or ("local files" if data_args.train_file else data_args.dataset)
     train_evaluate_and_share(trainer, checkpoint, test, dataset_name)
 

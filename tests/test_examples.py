@@ -191,7 +191,10 @@ def test_the_default_run_chooses_on_noisy_validation_and_scores_the_clean_test_s
     assert line["eval_accuracy"] == pytest.approx(scores["eval"]["eval_accuracy"], abs=1e-4)
     # the validation labels carry the training noise (40 %): its accuracy is far below the clean test split's
     assert line["eval_accuracy"] < line["test_accuracy"] - 0.1
-    assert "On the test set" in (tmp_path / "out" / "README.md").read_text()
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "On the test set" in card
+    # τ is scored against the clean labels through the injected noise's transition matrix (forward correction)
+    assert "noise-corrected validation NLL" in card
 
 
 def test_text_example_column_names_files_and_train_val_split(tmp_path):

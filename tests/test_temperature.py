@@ -213,3 +213,114 @@ def test_without_eval_data_the_learned_posterior_is_kept(tmp_path):
     fixed.train()
     assert fixed.posterior_temperature == 0.5 and fixed.posterior_temperature_report is None
     assert fixed.posterior().temperature == 0.5
+
+
+def test_noise_corrected_nll_is_the_forward_corrected_likelihood():
+    """−log (Tᵀ P̂_τ)[y] by hand (Patrini et al. 2017, forward correction); with T = I it is the plain NLL."""
+    from varsmooth.corruption.transition import pairflip_transition
+
+    model, std = _model_and_posterior()
+    posterior = DiagonalGaussianPosterior(model, std)
+    x, y = torch.rand(30, 8, 8), torch.randint(0, 10, (30,))
+    batches = [{"pixel_values": x[:16], "labels": y[:16]}, {"pixel_values": x[16:], "labels": y[16:]}]
+    T = pairflip_transition(10, 0.3)
+    corrected = temperature_nll(model, posterior, batches, (0.0, 1.0), num_samples=4, seed=3, transition=T)
+    plain = temperature_nll(model, posterior, batches, (0.0, 1.0), num_samples=4, seed=3)
+    identity = temperature_nll(model, posterior, batches, (0.0, 1.0), num_samples=4, seed=3, transition=np.eye(10))
+    rows = torch.arange(30)
+    for tau in (0.0, 1.0):
+        noisy = _hand_bma(model, std, x, num_samples=4, seed=3, scale=tau).double() @ torch.as_tensor(T)
+        assert corrected[tau] == pytest.approx(float(-noisy[rows, y].log().mean()), rel=1e-6)
+        assert identity[tau] == pytest.approx(plain[tau], rel=1e-9)
+        assert corrected[tau] != pytest.approx(plain[tau], rel=1e-3)
+
+
+def test_noise_corrected_nll_prefers_the_clean_prediction_that_plain_nll_rejects():
+    """Noisy labels drawn from T applied to a confident, correct predictor: the plain NLL prefers a smoothed copy of
+    it (calibrated to the noisy labels), the forward-corrected NLL the predictor itself, as a proper score should."""
+    from types import SimpleNamespace
+
+    from varsmooth.corruption.transition import symmetric_transition
+
+    K, n = 10, 4000
+    gen = torch.Generator().manual_seed(0)
+    clean = torch.randint(0, K, (n,), generator=gen)
+    T = torch.as_tensor(symmetric_transition(K, 0.4))
+    noisy = torch.multinomial(T[clean], 1, generator=gen).squeeze(1)
+    sharp = torch.full((n, K), 0.01 / (K - 1)).scatter_(1, clean[:, None], 0.99)
+    smooth = 0.5 * sharp + 0.5 / K
+
+    class Fixed(torch.nn.Module):  # "τ" picks the predictor: 0 the sharp one, 1 the smoothed one
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(()))
+
+        def forward(self, index):
+            probs = sharp[index] if float(self.w) == 0.0 else smooth[index]
+            return SimpleNamespace(logits=probs.log())
+
+    model = Fixed()
+    posterior = DiagonalGaussianPosterior(model, {"w": torch.ones(())})
+    import varsmooth.posterior.temperature as temperature
+
+    def fake_predictive(model, posterior, batch, num_samples, seed):
+        model.w.data.fill_(posterior.temperature)
+        out = model(batch["index"])
+        model.w.data.fill_(0.0)
+        return out
+
+    batches = [{"index": torch.arange(n), "labels": noisy}]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(temperature, "predictive_distribution", fake_predictive)
+        plain = temperature_nll(model, posterior, batches, (0.0, 1.0), num_samples=1)
+        corrected = temperature_nll(model, posterior, batches, (0.0, 1.0), num_samples=1, transition=T)
+    assert choose_temperature(plain) == 1.0 and choose_temperature(corrected) == 0.0
+
+
+@pytest.mark.parametrize("matrix, message", [
+    (np.ones((2, 3)) / 3, "square"),
+    (np.full((3, 3), 0.5), "rows|summing"),
+    (np.array([[1.5, -0.5], [0.0, 1.0]]), "non-negative"),
+    (np.full((4, 4), 0.25), "singular"),
+])
+def test_bad_transition_matrices_are_refused(matrix, message):
+    from varsmooth.posterior.temperature import check_transition_matrix
+
+    with pytest.raises(ValueError, match=message):
+        check_transition_matrix(matrix)
+    with pytest.raises(ValueError, match="10 classes"):
+        check_transition_matrix(np.eye(3), num_classes=10)
+
+
+def test_trainer_chooses_by_the_corrected_nll_and_records_it(tmp_path):
+    from safetensors import safe_open
+
+    from varsmooth.corruption.transition import symmetric_transition
+    from varsmooth.posterior.temperature import CORRECTED_NLL_CRITERION, validation_batches
+
+    T = symmetric_transition(10, 0.4)
+    train, val, processor, transform = noisy_digits_images(60)
+    args = make_args(tmp_path, max_steps=10, eval_mc_samples=4, eval_seed=3, remove_unused_columns=False)
+    trainer = VariationalTrainer(model=tiny_digits_resnet(), args=args, train_dataset=train.with_transform(transform),
+                                 eval_dataset=val.with_transform(transform), processing_class=processor,
+                                 eval_noise_transition=T)
+    trainer.train()
+    report = trainer.posterior_temperature_report
+    assert report["criterion"] == CORRECTED_NLL_CRITERION and np.allclose(report["transition"], T)
+    expected = temperature_nll(trainer.model, trainer.posterior(), validation_batches(trainer, trainer.eval_dataset),
+                               TEMPERATURE_GRID, 4, 3, transition=T)
+    assert {float(k): v for k, v in report["nll"].items()} == pytest.approx(expected, rel=1e-9)
+    trainer.save_model()
+    trainer.create_model_card()
+    assert "noise-corrected validation NLL" in (tmp_path / "README.md").read_text()
+    with safe_open(str(tmp_path / "posterior.safetensors"), "pt") as f:
+        saved = json.loads(f.metadata()["varsmooth"])["posterior_temperature_selection"]
+    assert saved["criterion"] == CORRECTED_NLL_CRITERION and np.allclose(saved["transition"], T)
+    with pytest.raises(ValueError, match="square"):
+        VariationalTrainer(model=tiny_digits_resnet(), args=args, train_dataset=train.with_transform(transform),
+                           eval_noise_transition=np.eye(3)[:2])
+    three = VariationalTrainer(model=tiny_digits_resnet(), train_dataset=train.with_transform(transform),
+                               args=make_args(tmp_path / "three", max_steps=1, eval_mc_samples=4, remove_unused_columns=False),
+                               eval_dataset=val.with_transform(transform), eval_noise_transition=np.eye(3))
+    with pytest.raises(ValueError, match="predicts 10 classes"):
+        three.train()

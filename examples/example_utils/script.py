@@ -38,6 +38,15 @@ class ExampleCorruptionArguments(CorruptionArguments):
     )
 
 
+def validation_noise_transition(reports: dict[str, Any] | None) -> list[list[float]] | None:
+    """The transition matrix of the noise injected into the validation split, if any: with it the trainer chooses the
+    posterior temperature by the noise-corrected validation NLL, which scores predictions against the clean labels.
+    None for labels taken from a column (e.g. CIFAR-10N's human labels): their matrix would be measured on the clean
+    labels, which a user with noisy labels does not have."""
+    report = (reports or {}).get("validation")
+    return None if report is None or report.noise_type == "column" else report.intended_transition
+
+
 def train_evaluate_and_share(trainer: VariationalTrainer, checkpoint: str | None, test: Any, dataset_name: str) -> None:
     """Train (resuming from `checkpoint`) and save; evaluate on the validation split and once on `test`; push or write
     the model card naming `dataset_name`; print one JSON line of metrics (rank 0 only); end the process group."""

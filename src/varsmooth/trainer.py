@@ -53,7 +53,7 @@ from .posterior import (POSTERIOR_FILE, DiagonalGaussianPosterior, VariationalCl
 from .posterior.diagnostics import HessianDiagnosticsCallback, hessian_summary
 from .posterior.gaussian import TEMPERATURE_KEY, _reshard
 from .posterior.prediction import logits_of, model_outputs
-from .posterior.temperature import PosteriorTemperatureCallback, select_trainer_temperature
+from .posterior.temperature import PosteriorTemperatureCallback, check_transition_matrix, select_trainer_temperature
 from .training_args import VariationalTrainingArguments, check_ivon_sharding
 from .utils import atomic_path
 
@@ -97,6 +97,7 @@ class VariationalTrainer(VariationalHubMixin, LabelNoiseMixin, Trainer):
         _refuse_undistributed_process_group(args)
         user_metrics = kwargs.pop("compute_metrics", None)
         self._noise_report = kwargs.pop("noise_report", None)
+        eval_noise_transition = kwargs.pop("eval_noise_transition", None)
         posterior = kwargs.pop("posterior", None)
         if args.batch_eval_metrics and user_metrics is not None and "compute_result" not in inspect.signature(user_metrics).parameters:
             raise ValueError(  # the stock Trainer's check, which would only see the wrapper below
@@ -128,6 +129,9 @@ class VariationalTrainer(VariationalHubMixin, LabelNoiseMixin, Trainer):
         # τ of every prediction; chosen on the eval dataset when training ends, before other train-end callbacks
         self.posterior_temperature = 1.0 if args.posterior_temperature is None else args.posterior_temperature
         self.posterior_temperature_report: dict[str, Any] | None = None
+        #: T[i, j] = P(observed j | true i) of the eval dataset's labels, when known (e.g. the noise the example
+        #: injected): τ is then chosen by the forward-corrected validation NLL (`posterior.temperature`)
+        self.eval_noise_transition = None if eval_noise_transition is None else check_transition_matrix(eval_noise_transition)
         #: per-bin confidence/accuracy/count of the last evaluation (`varsmooth.metrics.reliability_diagram`)
         self.reliability_diagram: dict[str, np.ndarray] | None = None
         self.callback_handler.callbacks.insert(0, PosteriorTemperatureCallback().bind(self))

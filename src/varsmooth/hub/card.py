@@ -130,9 +130,10 @@ def _temperature_text(record: RunRecord) -> str:
         how = "fixed by `posterior_temperature`" if record.temperature_fixed else "no validation data to choose it by"
         return intro + f"τ = {tau:g} was {how}."
     rows = "".join(f"| {t}{' (chosen)' if float(t) == tau else ''} | {nll:.4f} |\n" for t, nll in report["nll"].items())
-    return (intro + f"τ was chosen after training by the negative log-likelihood on the eval dataset ({report['num_samples']} "
+    criterion = report.get("criterion", "validation NLL")  # posteriors saved before the criterion was recorded
+    return (intro + f"τ was chosen after training by the {criterion} on the eval dataset ({report['num_samples']} "
             "posterior samples, the same draws for every τ); an evaluation on that same set is slightly optimistic."
-            "\n\n| τ | validation NLL |\n|---|---|\n" + rows)
+            f"\n\n| τ | {criterion.split(' (')[0]} |\n|---|---|\n" + rows)
 
 
 RELIABILITY_DIAGRAM_FILE = "reliability_diagram.png"

@@ -12,7 +12,12 @@ noise between grid points.
 Without validation data τ stays 1. The trainer holds no part of the training data out (every example was fitted, so
 the training set cannot tell whether averaging generalizes better than the mean): hold a split out and pass it as
 `eval_dataset`, as the example scripts do (20 % of the training split) for a dataset without an evaluation split.
-With noisy validation labels, the NLL rewards predictions calibrated to the noisy labels, not to the clean ones.
+With noisy validation labels, the NLL rewards predictions calibrated to the noisy labels, not to the clean ones
+(wider ones). When the noise process of the validation labels is known, a transition matrix T with T[i, j] =
+P(observed j | true i) (the noise the library injected, or an estimate), each τ is scored by the forward-corrected NLL
+−log (Tᵀp)[observed label] instead (Patrini et al. 2017, "Making Deep Neural Networks Robust to Label Noise: a Loss
+Correction Approach", Sec. 3, forward correction): its expectation over the noisy labels is lowest at the clean-label
+class probabilities when T is invertible, so it scores the prediction against the clean labels it cannot see.
 """
 
 from __future__ import annotations
@@ -31,12 +36,37 @@ from .prediction import LABEL_KEYS, predictive_distribution
 if TYPE_CHECKING:
     from ..trainer import VariationalTrainer
 
-__all__ = ["TEMPERATURE_GRID", "choose_temperature", "select_trainer_temperature", "temperature_nll", "validation_batches"]
+__all__ = ["TEMPERATURE_GRID", "check_transition_matrix", "choose_temperature", "select_trainer_temperature",
+           "temperature_nll", "validation_batches"]
 
 logger = logging.getLogger(__name__)
 
+#: how τ was chosen, as the report, logs and card say it
+NLL_CRITERION = "validation NLL"
+CORRECTED_NLL_CRITERION = ("noise-corrected validation NLL (forward correction with the validation labels' transition "
+                           "matrix, Patrini et al. 2017)")
 #: the τ values tried; 0 and 1 must stay in it, so the chosen τ is never worse than either on the validation NLL
 TEMPERATURE_GRID = (0.0, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5)
+
+
+def check_transition_matrix(transition: Any, num_classes: int | None = None) -> torch.Tensor:
+    """`transition` as a float64 (K, K) tensor of label-noise probabilities T[i, j] = P(observed j | true i), refused
+    with a clear error unless square, non-negative, with rows summing to 1 and invertible (forward correction cannot
+    tell classes apart that T maps to the same noisy distribution)."""
+    t = torch.as_tensor(transition, dtype=torch.float64)
+    if t.ndim != 2 or t.shape[0] != t.shape[1]:
+        raise ValueError(f"The label-noise transition matrix must be square (K x K), got shape {tuple(t.shape)}.")
+    if num_classes is not None and t.shape[0] != num_classes:
+        raise ValueError(f"The label-noise transition matrix is {t.shape[0]} x {t.shape[0]} but the model has "
+                         f"{num_classes} classes.")
+    if not torch.isfinite(t).all() or (t < 0).any() or not torch.allclose(t.sum(1), torch.ones(len(t), dtype=t.dtype), atol=1e-6):
+        raise ValueError("The label-noise transition matrix must hold probabilities T[i, j] = P(observed j | true i): "
+                         "non-negative, each row summing to 1.")
+    if torch.linalg.cond(t) > 1e6:
+        raise ValueError("The label-noise transition matrix is (nearly) singular: some true classes produce the same "
+                         "noisy labels, so the noisy labels cannot score predictions of the clean ones (e.g. a noise "
+                         "rate at or above (K-1)/K for symmetric noise).")
+    return t
 
 
 @torch.no_grad()
@@ -48,13 +78,17 @@ def temperature_nll(
     num_samples: int = 32,
     seed: int = 0,
     gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    transition: Any = None,
 ) -> dict[float, float]:
     """Mean NLL −log P̂_τ(y|x) of the BMA prediction at each temperature, over labelled `batches`.
 
     One BMA evaluation per τ with the draws e of `seed` (those of `predictive_distribution`), so τ = 1 scores the
     prediction of `evaluate()` and τ = 0 that of the posterior mean. `gather` collects the per-example NLLs of all
-    processes (e.g. `accelerator.gather_for_metrics`). The posterior's own temperature is left as it was.
+    processes (e.g. `accelerator.gather_for_metrics`). With `transition` (T, the noise of the labels, see
+    `check_transition_matrix`) the forward-corrected NLL −log (Tᵀ P̂_τ)[y]. The posterior's own temperature is left as
+    it was.
     """
+    transition = None if transition is None else check_transition_matrix(transition)
     temperatures = [float(t) for t in temperatures]
     if not temperatures:
         raise ValueError("temperature_nll needs at least one temperature.")
@@ -73,7 +107,13 @@ def temperature_nll(
             for t in temperatures:
                 posterior.temperature = t  # validates t
                 out = predictive_distribution(model, posterior, batch, num_samples, seed)
-                columns.append(-out.logits.gather(-1, labels.to(out.logits.device)[:, None]).squeeze(-1))
+                log_probs = out.logits
+                if transition is not None:  # log Σ_i p_i T[i, j], the predicted distribution of the noisy label
+                    if transition.shape[0] != log_probs.shape[-1]:
+                        raise ValueError(f"The label-noise transition matrix is {transition.shape[0]} x "
+                                         f"{transition.shape[0]} but the model predicts {log_probs.shape[-1]} classes.")
+                    log_probs = torch.logsumexp(log_probs.double()[:, :, None] + transition.to(log_probs.device).log(), dim=1)
+                columns.append(-log_probs.gather(-1, labels.to(log_probs.device)[:, None]).squeeze(-1))
             nll = torch.stack(columns, -1)
             chunks.append((gather(nll) if gather is not None else nll).double().cpu())
     finally:
@@ -124,14 +164,18 @@ def select_trainer_temperature(trainer: "VariationalTrainer", eval_dataset: Any 
     model = trainer.model
     model.eval()
     posterior = trainer.posterior()
+    transition = getattr(trainer, "eval_noise_transition", None)
     nll = temperature_nll(model, posterior, validation_batches(trainer, eval_dataset), TEMPERATURE_GRID, args.eval_mc_samples, args.eval_seed,
-                          gather=trainer.accelerator.gather_for_metrics)
+                          gather=trainer.accelerator.gather_for_metrics, transition=transition)
     chosen = choose_temperature(nll)
     trainer.posterior_temperature = chosen
+    criterion = NLL_CRITERION if transition is None else CORRECTED_NLL_CRITERION
     report = {"temperature": chosen, "nll": {f"{t:g}": v for t, v in nll.items()},
-              "num_samples": args.eval_mc_samples}
+              "num_samples": args.eval_mc_samples, "criterion": criterion}
+    if transition is not None:
+        report["transition"] = transition.tolist()
     trainer.posterior_temperature_report = report
-    logger.info("Posterior temperature %g chosen by validation NLL: %s", chosen,
+    logger.info("Posterior temperature %g chosen by %s: %s", chosen, criterion,
                 ", ".join(f"τ={t:g}: {v:.4f}" for t, v in nll.items()))
     trainer.log({"posterior_temperature": chosen, "eval_nll_temperature_0": nll[0.0],
                  "eval_nll_temperature_1": nll[1.0], "eval_nll_temperature_chosen": nll[chosen]})
