@@ -156,13 +156,22 @@ def _to_pixels(images: list, size: int) -> torch.Tensor:
 
 
 @torch.no_grad()
+@torch.no_grad()
 def _frozen_features(net: nn.Module, pixels: torch.Tensor, stages: int, batch: int = 256) -> torch.Tensor:
+    """The frozen bottom's output, on one thread whatever the caller's: a recomputed cache moved retrained runs by up
+    to 1.35 pp, so the reductions' order must not depend on the thread count (each run also records which cache it
+    trained on, `features_sha`)."""
     net.eval()
-    out = []
-    for i in range(0, len(pixels), batch):
-        x = net.bn1(net.conv_stem(pixels[i:i + batch]))
-        out.append(net.blocks[:stages](x))
-    return torch.cat(out)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        out = []
+        for i in range(0, len(pixels), batch):
+            x = net.bn1(net.conv_stem(pixels[i:i + batch]))
+            out.append(net.blocks[:stages](x))
+        return torch.cat(out)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def cifar_data() -> dict[str, Any]:
@@ -176,7 +185,7 @@ def cifar_data() -> dict[str, Any]:
     cfg = CIFAR
     path = CACHE_DIR / f"cifar_v{VERSION}_n{cfg['n_train']}_t{cfg['n_test']}_s{cfg['image_size']}_f{cfg['frozen_stages']}.pt"
     if path.is_file():
-        return torch.load(path, weights_only=True)
+        return {**torch.load(path, weights_only=True), "features_sha": _sha(path)}
     data = load_cifar10n(max_train=cfg["n_train"], max_test=cfg["n_test"], seed=0)
     labels = cifar10n_labels()
     net = _pretrained_efficientnet(seed=0)  # the frozen part is the pretrained bottom, independent of the seed
@@ -192,7 +201,14 @@ def cifar_data() -> dict[str, Any]:
     print(f"cached frozen features {tuple(train_features.shape)} in {time.perf_counter() - t0:.0f}s -> {path}", flush=True)
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.save(result, path)
-    return result
+    return {**result, "features_sha": _sha(path)}
+
+
+def _sha(path: Path) -> str:
+    """A short content hash of a cached feature file: which computation of the features a run trained on."""
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:12]
 
 
 def cifar_val_data(train_index: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -398,6 +414,7 @@ def run(task_name: str, method: str, hyperparams: dict[str, Any] | None = None, 
         result: dict[str, Any] = {
             "key": key, "config": config, "settings": settings, "n_train": len(y_train), "steps": trainer.state.global_step,
             "train_s": train_s, "eval_s": eval_s, "train_loss": training_loss, "diverged": diverged, "device": common.bench_device(),
+            "features_sha": data.get("features_sha") if task.kind == "image" else None,
             "realized_noise": float((y_train != y_clean).float().mean()), "hessian": trainer.hessian_summary(),
             "log_history": [r for r in trainer.state.log_history if "loss" in r], "versions": common._versions(),
             "test_curve": curve.history if curve else None,
@@ -913,6 +930,13 @@ def _task_section(task: str, prot: dict[str, tuple[str, list[dict[str, Any]]]]) 
     if len(devices) > 1:  # rounding and, for IVON, the weight draws differ between devices (device_agreement.py)
         lines += ["**Mixed devices**: the runs of this table did not all train on one device, so paired differences "
                   "mix device effects with method effects.", ""]
+    caches = {r.get("features_sha") or "unrecorded" for rs in present.values() for r in rs} if first["config"]["task"].startswith("cifar") else set()
+    if len(caches) > 1:  # see _frozen_features: a recomputed feature cache moves a retrained run by up to ~1.4 pp
+        count = {c: sum((r.get("features_sha") or "unrecorded") == c for rs in present.values() for r in rs) for c in sorted(caches)}
+        lines += [f"**Mixed feature caches**: these runs trained on {len(caches)} computations of the frozen features "
+                  "(a recomputation alone moved a retrained run by up to ~1.4 pp): "
+                  + "; ".join(f"{c}: {n} runs" for c, n in count.items())
+                  + ". Paired differences between runs of different caches include that effect.", ""]
     lines += ["| method | tuning trainings | seeds | acc % | Δacc vs ERM (pp, paired) | NLL | ECE % |", "|---|---|---|---|---|---|---|"]
     for name, (budget, rs) in prot.items():
         if rs:

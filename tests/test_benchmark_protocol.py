@@ -99,3 +99,19 @@ def test_a_grid_choice_waits_for_every_grid_point_of_the_seed() -> None:
     # a grid point without validation metrics (an old-protocol run) does not count as run
     runs[grid[-1]] = [{"config": {"seed": 0, "method": "ls", "hyperparams": {}}, "test_acc": 0.99}]
     assert real_noise.select_on_val(runs, grid, erm) == []
+
+
+def test_a_table_says_when_its_runs_trained_on_other_devices_or_feature_caches() -> None:
+    def run(seed: int, acc: float, **where: str) -> dict:
+        return {"config": {"seed": seed, "task": "cifar10n-worse", "method": "erm", "hyperparams": {}}, "test_acc": acc,
+                "test_nll": 1.0, "test_ece": 0.1, "n_train": 4000, "realized_noise": 0.4, "steps": 189, **where}
+
+    same = {"erm": ("3", [run(s, 0.6, device="cpu", features_sha="aaa") for s in range(3)]),
+            "ivon": ("5", [run(s, 0.62, device="cpu", features_sha="aaa") for s in range(3)])}
+    text = real_noise._task_section("cifar10n-worse", same)
+    assert "trained on cpu" in text and "Mixed" not in text
+    mixed = {"erm": ("3", [run(s, 0.6, device="cpu") for s in range(3)]),
+             "ivon": ("5", [run(s, 0.62, device="cuda", features_sha="bbb") for s in range(3)])}
+    text = real_noise._task_section("cifar10n-worse", mixed)
+    assert "trained on cpu and cuda" in text and "**Mixed devices**" in text
+    assert "**Mixed feature caches**" in text and "bbb: 3 runs" in text and "unrecorded: 3 runs" in text
