@@ -156,7 +156,6 @@ def _to_pixels(images: list, size: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-@torch.no_grad()
 def _frozen_features(net: nn.Module, pixels: torch.Tensor, stages: int, batch: int = 256) -> torch.Tensor:
     """The frozen bottom's output, on one thread whatever the caller's: a recomputed cache moved retrained runs by up
     to 1.35 pp, so the reductions' order must not depend on the thread count (each run also records which cache it
