@@ -57,7 +57,7 @@ def check_transition_matrix(transition: Any, num_classes: int | None = None) -> 
     if t.ndim != 2 or t.shape[0] != t.shape[1]:
         raise ValueError(f"The label-noise transition matrix must be square (K x K), got shape {tuple(t.shape)}.")
     if num_classes is not None and t.shape[0] != num_classes:
-        raise ValueError(f"The label-noise transition matrix is {t.shape[0]} x {t.shape[0]} but the model has "
+        raise ValueError(f"The label-noise transition matrix is {t.shape[0]} x {t.shape[0]} but the model predicts "
                          f"{num_classes} classes.")
     if not torch.isfinite(t).all() or (t < 0).any() or not torch.allclose(t.sum(1), torch.ones(len(t), dtype=t.dtype), atol=1e-6):
         raise ValueError("The label-noise transition matrix must hold probabilities T[i, j] = P(observed j | true i): "
@@ -88,7 +88,7 @@ def temperature_nll(
     `check_transition_matrix`) the forward-corrected NLL −log (Tᵀ P̂_τ)[y]. The posterior's own temperature is left as
     it was.
     """
-    transition = None if transition is None else check_transition_matrix(transition)
+    log_transition = None  # log T, checked against the model's classes and moved to its device at the first batch
     temperatures = [float(t) for t in temperatures]
     if not temperatures:
         raise ValueError("temperature_nll needs at least one temperature.")
@@ -109,10 +109,9 @@ def temperature_nll(
                 out = predictive_distribution(model, posterior, batch, num_samples, seed)
                 log_probs = out.logits
                 if transition is not None:  # log Σ_i p_i T[i, j], the predicted distribution of the noisy label
-                    if transition.shape[0] != log_probs.shape[-1]:
-                        raise ValueError(f"The label-noise transition matrix is {transition.shape[0]} x "
-                                         f"{transition.shape[0]} but the model predicts {log_probs.shape[-1]} classes.")
-                    log_probs = torch.logsumexp(log_probs.double()[:, :, None] + transition.to(log_probs.device).log(), dim=1)
+                    if log_transition is None:
+                        log_transition = check_transition_matrix(transition, log_probs.shape[-1]).log().to(log_probs.device)
+                    log_probs = torch.logsumexp(log_probs.double()[:, :, None] + log_transition, dim=1)
                 columns.append(-log_probs.gather(-1, labels.to(log_probs.device)[:, None]).squeeze(-1))
             nll = torch.stack(columns, -1)
             chunks.append((gather(nll) if gather is not None else nll).double().cpu())
@@ -164,7 +163,7 @@ def select_trainer_temperature(trainer: "VariationalTrainer", eval_dataset: Any 
     model = trainer.model
     model.eval()
     posterior = trainer.posterior()
-    transition = getattr(trainer, "eval_noise_transition", None)
+    transition = trainer.eval_noise_transition
     nll = temperature_nll(model, posterior, validation_batches(trainer, eval_dataset), TEMPERATURE_GRID, args.eval_mc_samples, args.eval_seed,
                           gather=trainer.accelerator.gather_for_metrics, transition=transition)
     chosen = choose_temperature(nll)
