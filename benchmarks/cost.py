@@ -307,8 +307,8 @@ def _engine_optimizer(kind: str, params: list) -> torch.optim.Optimizer:
 
     if kind == "adamw_foreach":
         return torch.optim.AdamW(params, lr=1e-3, foreach=True)
-    if kind == "ivon_engine":
-        return VariationalIVON(params, noise_seed=0, **ENGINE_IVON_KW)
+    if kind in ("ivon_engine", "ivon_engine_foreach"):  # the CPU's fused loops, or its foreach fallback
+        return VariationalIVON(params, noise_seed=0, fused=kind == "ivon_engine", **ENGINE_IVON_KW)
     return ivon.IVON(params, **ENGINE_IVON_KW)  # ivon-opt 0.1.3, the engine's predecessor and reference
 
 
@@ -335,7 +335,7 @@ def engine_timing(rounds: int, steps: int, skip: int, reps: int) -> dict:
     for name in ENGINE_MODELS:
         model, x, y = engine_model(name)
         ds = common.ArrayDataset(x.repeat(4, *[1] * (x.dim() - 1)).numpy(), y.repeat(4).numpy())
-        opt_models = {k: copy.deepcopy(model) for k in ("adamw_foreach", "ivon_engine", "ivon_opt")}
+        opt_models = {k: copy.deepcopy(model) for k in ("adamw_foreach", "ivon_engine", "ivon_engine_foreach", "ivon_opt")}
         opts = {}
         for k, m in opt_models.items():
             for p in m.parameters():
@@ -345,7 +345,8 @@ def engine_timing(rounds: int, steps: int, skip: int, reps: int) -> dict:
         per_round = []
         with tempfile.TemporaryDirectory() as tmp:
             for r in range(rounds):
-                jobs = ["opt:adamw_foreach", "opt:ivon_engine", "opt:ivon_opt", "train:ivon", "train:adamw_foreach"]
+                jobs = ["opt:adamw_foreach", "opt:ivon_engine", "opt:ivon_engine_foreach", "opt:ivon_opt", "train:ivon",
+                        "train:ivon_foreach", "train:adamw_foreach"]
                 rng.shuffle(jobs)
                 times = {}
                 for job in jobs:
@@ -354,12 +355,12 @@ def engine_timing(rounds: int, steps: int, skip: int, reps: int) -> dict:
                         times[job] = _optimizer_step_s(kind, opts[kind], reps if kind != "ivon_opt" else 2)
                         continue
                     m = copy.deepcopy(model)
-                    cfg = dict(method="ivon", ess=1e4) if kind == "ivon" else dict(method="erm")
+                    cfg = dict(method="ivon", ess=1e4, ivon_fused=kind == "ivon") if kind.startswith("ivon") else dict(method="erm")
                     args = VariationalTrainingArguments(
                         output_dir=tmp, max_steps=steps, per_device_train_batch_size=ENGINE_BATCH[name], use_cpu=True,
                         report_to=[], save_strategy="no", eval_strategy="no", logging_strategy="no", disable_tqdm=True,
                         dataloader_num_workers=0, seed=r, max_grad_norm=0.0, **cfg)
-                    optimizers = (torch.optim.AdamW(m.parameters(), lr=1e-4, foreach=True), None) if kind != "ivon" else (None, None)
+                    optimizers = (None, None) if kind.startswith("ivon") else (torch.optim.AdamW(m.parameters(), lr=1e-4, foreach=True), None)
                     clock = StepClock()
                     trainer = VariationalTrainer(model=m, args=args, train_dataset=ds, callbacks=[clock], optimizers=optimizers)
                     trainer.remove_callback(PrinterCallback)
@@ -368,8 +369,9 @@ def engine_timing(rounds: int, steps: int, skip: int, reps: int) -> dict:
                 per_round.append(times)
                 print(f"{name} round {r}: " + "  ".join(f"{k} {1e3 * v:.0f}ms" for k, v in sorted(times.items())), flush=True)
         ratios = {}
-        for num, den in (("opt:ivon_engine", "opt:adamw_foreach"), ("opt:ivon_opt", "opt:adamw_foreach"),
-                         ("train:ivon", "train:adamw_foreach")):
+        for num, den in (("opt:ivon_engine", "opt:adamw_foreach"), ("opt:ivon_engine_foreach", "opt:adamw_foreach"),
+                         ("opt:ivon_opt", "opt:adamw_foreach"), ("train:ivon", "train:adamw_foreach"),
+                         ("train:ivon_foreach", "train:adamw_foreach")):
             v = [t[num] / t[den] for t in per_round]
             ratios[f"{num} / {den}"] = {"median": statistics.median(v), "min": min(v), "max": max(v)}
         out[name] = {"parameters": sum(p.numel() for p in model.parameters()), "batch_size": ENGINE_BATCH[name],
@@ -384,11 +386,11 @@ def engine_memory_child(name: str, kind: str, steps: int) -> None:
     model, x, y = engine_model(name)
     params = list(model.parameters())
     loss_fn = torch.nn.functional.cross_entropy
-    if kind == "ivon_engine_redraw":  # the accelerator path (noise drawn again, not kept), run on the CPU
-        import varsmooth.posterior.optimizer as engine
+    if kind == "ivon_engine_redraw":  # the accelerator path (foreach ops, noise drawn again, not kept), on the CPU
+        from varsmooth import VariationalIVON
 
-        engine._per_tensor = lambda t: False
-        kind = "ivon_engine"
+        VariationalIVON._keeps_noise = lambda self, t: False
+        kind = "ivon_engine_foreach"
     with peak_rss_growth() as growth:
         opt = _engine_optimizer(kind, params)
         for _ in range(steps):
@@ -430,16 +432,20 @@ def engine_report(rounds: int, steps: int, skip: int) -> dict:
          f"{rounds} interleaved rounds; ratios median [min–max] over rounds. Optimizer alone: 5 steps per round on fixed "
          "gradients (IVON: one sample with its restore, then the step; ivon-opt: 2 steps). Whole step: "
          f"VariationalTrainer, median step time of {steps} steps after {skip}, IVON vs AdamW(foreach=True) passed to "
-         "the same trainer.", "",
-         "| model | parameters | batch | IVON engine ÷ AdamW, optimizer | ivon-opt ÷ AdamW, optimizer | "
-         "IVON ÷ AdamW, whole training step | AdamW step ms | AdamW training step ms |", "|---|---|---|---|---|---|---|---|"]
+         "the same trainer. IVON engine: the CPU default, fused compiled loops for weights of at least "
+         "`FUSED_MIN_NUMEL` elements; foreach: `fused=False` (`--ivon_fused false`), what runs without a C++ "
+         "compiler.", "",
+         "| model | parameters | batch | IVON engine ÷ AdamW, optimizer | foreach ÷ AdamW, optimizer | "
+         "ivon-opt ÷ AdamW, optimizer | IVON ÷ AdamW, whole training step | foreach ÷ AdamW, whole training step | "
+         "AdamW step ms | AdamW training step ms |", "|---|---|---|---|---|---|---|---|---|---|"]
     for name, v in timing.items():
         r = v["ratios"]
         cell = lambda k: f"**{r[k]['median']:.2f}** [{r[k]['min']:.2f}–{r[k]['max']:.2f}]"  # noqa: E731
         L.append(f"| {name} | {v['parameters'] / 1e6:.1f} M | {v['batch_size']} | {cell('opt:ivon_engine / opt:adamw_foreach')} | "
-                 f"{cell('opt:ivon_opt / opt:adamw_foreach')} | {cell('train:ivon / train:adamw_foreach')} | "
+                 f"{cell('opt:ivon_engine_foreach / opt:adamw_foreach')} | {cell('opt:ivon_opt / opt:adamw_foreach')} | "
+                 f"{cell('train:ivon / train:adamw_foreach')} | {cell('train:ivon_foreach / train:adamw_foreach')} | "
                  f"{v['ms_median']['opt:adamw_foreach']:.0f} | {v['ms_median']['train:adamw_foreach']:.0f} |")
-    L += ["", "| peak memory growth, 3 hand-written steps (process RSS) | AdamW | IVON engine (CPU path: noise kept) | "
+    L += ["", "| peak memory growth, 3 hand-written steps (process RSS) | AdamW | IVON engine (CPU default: noise kept) | "
           "IVON − AdamW, in parameter sizes | IVON engine (accelerator path: noise drawn again) | IVON − AdamW |",
           "|---|---|---|---|---|---|"]
     for name in ENGINE_MODELS:

@@ -5,6 +5,7 @@ import os
 import shutil
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 import ivon
 from helpers import SeededIVON
 from varsmooth.posterior import VariationalIVON
+from varsmooth.posterior.fused import cpu_kernels
 
 STEPS = 50
 FSDP_STEPS = 12
@@ -88,7 +90,26 @@ def _assert_same_trajectory(ours, ref, tol=1e-6):
 
 IVON_KW = dict(lr=0.1, ess=200.0, hess_init=0.3, beta1=0.9, beta2=0.99, weight_decay=1e-2)
 
+#: the engine's code paths, all run on the CPU: "fused" (the CPU's compiled loops), "foreach" (the CPU without a
+#: C++ compiler) and "redraw" (the accelerators' foreach path: the noise is drawn again for the step, not kept)
+PATHS = ["fused", "foreach", "redraw"]
 
+
+def _on_path(path, monkeypatch):
+    """Constructor kwargs (and patches) that put every parameter of these small models on one code path."""
+    import varsmooth.posterior.optimizer as engine
+
+    if path == "fused":
+        if cpu_kernels().error and not (shutil.which("g++") or shutil.which("clang++")):
+            pytest.skip(f"no C++ compiler for torch.compile: {cpu_kernels().error}")
+        monkeypatch.setattr(engine, "FUSED_MIN_NUMEL", 0)  # the models here are far smaller than the threshold
+        return {"fused": True}
+    if path == "redraw":
+        monkeypatch.setattr(VariationalIVON, "_keeps_noise", lambda self, t: self.noise_seed is None)
+    return {"fused": False}
+
+
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("case", [
     dict(),
     dict(samples_per_step=3),  # gradient accumulation / MC samples averaged before the step
@@ -97,38 +118,29 @@ IVON_KW = dict(lr=0.1, ess=200.0, hess_init=0.3, beta1=0.9, beta2=0.99, weight_d
     dict(weight_decay=0.0, samples_per_step=2),
     dict(closure_mc=1, mc_samples=2),  # step(closure) runs the closure mc_samples times
     dict(debias=False),
-], ids=["base", "accumulate3", "clip", "no_rescale", "no_decay", "closure_mc2", "no_debias"])
-def test_same_trajectory_as_ivon_opt(case):
+    dict(beta2=1.0),  # a fixed Hessian
+], ids=["base", "accumulate3", "clip", "no_rescale", "no_decay", "closure_mc2", "no_debias", "fixed_hessian"])
+def test_same_trajectory_as_ivon_opt(case, path, monkeypatch):
+    path_kw = _on_path(path, monkeypatch)
     torch.manual_seed(0)
     model = MLP()
     kw = {**IVON_KW, **case}
     run_kw = dict(samples_per_step=kw.pop("samples_per_step", 1), clip_norm=kw.pop("clip_norm", 0.0),
                   closure_mc=kw.pop("closure_mc", 0))
-    ours, _, opt = _run(lambda g, **k: VariationalIVON(g, noise_seed=3, **k), model, STEPS, **run_kw, **kw)
+    make = lambda g, **k: VariationalIVON(g, noise_seed=3, **path_kw, **k)  # noqa: E731
+    ours, _, opt = _run(make, model, STEPS, **run_kw, **kw)
     ref, _, _ = _run(lambda g, **k: SeededIVON(g, seed=3, **k), model, STEPS, **run_kw, **kw)
     _assert_same_trajectory(ours, ref)
     assert opt.current_step == STEPS
-    assert (ours[-1][1] - 0.3).abs().max() > 1e-2  # the Hessian moved: the comparison covers its update
+    if path == "fused":  # the comparison ran the compiled loops, not a fallback
+        assert opt._kernels is not None and opt._kernels.error is None
+    if case.get("beta2") == 1.0:
+        assert torch.equal(ours[-1][1], torch.full_like(ours[-1][1], 0.3))
+    else:
+        assert (ours[-1][1] - 0.3).abs().max() > 1e-2  # the Hessian moved: the comparison covers its update
     if "clip_radius" in case:  # clipping was active: without it the weights end elsewhere
-        unclipped, _, _ = _run(lambda g, **k: VariationalIVON(g, noise_seed=3, **k), model, STEPS, **run_kw,
-                               **{**kw, "clip_radius": float("inf")})
+        unclipped, _, _ = _run(make, model, STEPS, **run_kw, **{**kw, "clip_radius": float("inf")})
         assert (unclipped[-1][0] - ours[-1][0]).abs().max() > 1e-3
-
-
-@pytest.mark.parametrize("case", [dict(), dict(samples_per_step=3), dict(clip_radius=0.02, clip_norm=1.0)],
-                         ids=["base", "accumulate3", "clip"])
-def test_accelerator_code_path_same_trajectory_as_ivon_opt(case, monkeypatch):
-    """The foreach formulation used on GPUs (no `out=` ops, 1/sqrt(h + δ) while sampling), run on the CPU."""
-    import varsmooth.posterior.optimizer as engine
-
-    monkeypatch.setattr(engine, "_per_tensor", lambda t: False)
-    torch.manual_seed(0)
-    model = MLP()
-    kw = {**IVON_KW, **case}
-    run_kw = dict(samples_per_step=kw.pop("samples_per_step", 1), clip_norm=kw.pop("clip_norm", 0.0))
-    ours, _, _ = _run(lambda g, **k: VariationalIVON(g, noise_seed=3, **k), model, STEPS, **run_kw, **kw)
-    ref, _, _ = _run(lambda g, **k: SeededIVON(g, seed=3, **k), model, STEPS, **run_kw, **kw)
-    _assert_same_trajectory(ours, ref)
 
 
 def _held_buffers(opt):
@@ -144,11 +156,11 @@ def test_accelerator_path_holds_one_buffer_besides_the_state(samples_per_step, m
     is held: AdamW's two state tensors plus one (several samples per step: plus the running ḡ and one more e⊙g)."""
     import varsmooth.posterior.optimizer as engine
 
-    monkeypatch.setattr(engine, "_per_tensor", lambda t: False)
+    redraw_kw = _on_path("redraw", monkeypatch)
     monkeypatch.setattr(engine, "CHUNK_NUMEL", 40)  # several chunks even for this small model
     torch.manual_seed(0)
     model = MLP()
-    opt = VariationalIVON(model.parameters(), noise_seed=0, **IVON_KW)
+    opt = VariationalIVON(model.parameters(), noise_seed=0, **redraw_kw, **IVON_KW)
     x, y = _data(3 * samples_per_step)
     seen = []
     for step in range(3):
@@ -165,23 +177,26 @@ def test_accelerator_path_holds_one_buffer_besides_the_state(samples_per_step, m
     else:
         # mean + mean(e⊙g) + ḡ while accumulating (the CPU path: + e); the mean and ḡ's buffer between steps
         assert max(seen) == 3.0 and seen[-1] == 2.0
-    kept = VariationalIVON(copy.deepcopy(model).parameters(), noise_seed=0, **IVON_KW)
-    monkeypatch.setattr(engine, "_per_tensor", lambda t: True)
-    with kept.sampled_params():
-        assert _held_buffers(kept) == 2.0  # the CPU keeps e beside the mean
+    monkeypatch.undo()
+    for path in ("fused", "foreach"):
+        kept = VariationalIVON(copy.deepcopy(model).parameters(), noise_seed=0, **_on_path(path, monkeypatch),
+                               **IVON_KW)
+        with kept.sampled_params():
+            assert _held_buffers(kept) == 2.0, path  # the CPU keeps e beside the mean
 
 
 def test_noise_drawn_again_equals_the_kept_noise_for_channels_last_weights(monkeypatch):
     """The accelerator path draws e twice (into the parameter, then into a buffer laid out like it): a channels-last
-    weight gets the same noise in its logical order as the CPU path's contiguous noise buffer."""
-    import varsmooth.posterior.optimizer as engine
+    weight gets the same noise in its logical order as the CPU paths' contiguous noise buffer, which the fused loop
+    pairs with the weight's elements by logical index."""
 
-    def trajectory(per_tensor):
-        monkeypatch.setattr(engine, "_per_tensor", lambda t: per_tensor)
+    def trajectory(path):
+        monkeypatch.undo()
+        path_kw = _on_path(path, monkeypatch)
         torch.manual_seed(0)
         conv = torch.nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
         assert not conv.weight.is_contiguous()
-        opt = VariationalIVON(conv.parameters(), noise_seed=2, **IVON_KW)
+        opt = VariationalIVON(conv.parameters(), noise_seed=2, **path_kw, **IVON_KW)
         x = torch.randn(6, 2, 3, 5, 5, generator=torch.Generator().manual_seed(1))
         for batch in x:
             with opt.sampled_params(train=True):
@@ -190,17 +205,46 @@ def test_noise_drawn_again_equals_the_kept_noise_for_channels_last_weights(monke
             opt.step()
         return [conv.weight.detach().clone(), opt.state[conv.weight]["hess"].clone()]
 
-    for a, b in zip(trajectory(True), trajectory(False)):
-        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+    redrawn = trajectory("redraw")
+    for path in ("fused", "foreach"):
+        for a, b in zip(trajectory(path), redrawn):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
 
 
-def test_mixed_dtypes_one_step_matches_ivon_opt_formulas():
+def test_fused_kernels_that_do_not_compile_fall_back_to_foreach_or_raise(monkeypatch):
+    """Without a C++ compiler torch.compile fails: the default warns once and trains with foreach ops (ivon-opt's
+    trajectory all the same), fused=True refuses with the fix, and small tensors never compile."""
+    import varsmooth.posterior.optimizer as engine
+    from varsmooth.posterior.fused import CpuKernels
+
+    broken = CpuKernels(None, None, "InvalidCxxCompiler: No working C++ compiler found")
+    monkeypatch.setattr(engine, "cpu_kernels", lambda: broken)
+    with pytest.raises(RuntimeError, match="install a C\\+\\+ compiler.*fused=False"):
+        VariationalIVON(torch.nn.Linear(2, 2).parameters(), lr=0.1, ess=10, fused=True)
+    small = VariationalIVON(torch.nn.Linear(2, 2).parameters(), lr=0.1, ess=10)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # below FUSED_MIN_NUMEL nothing compiles, so nothing warns
+        with small.sampled_params():
+            pass
+    monkeypatch.setattr(engine, "FUSED_MIN_NUMEL", 0)
+    torch.manual_seed(0)
+    model = MLP()
+    with pytest.warns(RuntimeWarning, match="do not compile.*No working C\\+\\+ compiler") as caught:
+        ours, _, _ = _run(lambda g, **k: VariationalIVON(g, noise_seed=3, **k), model, 5, 1, **IVON_KW)
+    assert len(caught) == 1
+    ref, _, _ = _run(lambda g, **k: SeededIVON(g, seed=3, **k), model, 5, 1, **IVON_KW)
+    _assert_same_trajectory(ours, ref)
+
+
+@pytest.mark.parametrize("path", ["fused", "foreach"])
+def test_mixed_dtypes_one_step_matches_ivon_opt_formulas(path, monkeypatch):
     """Parameters of two dtypes in one optimizer (ivon-opt refuses): each is updated by ivon-opt's own formulas."""
+    path_kw = _on_path(path, monkeypatch)
     torch.manual_seed(0)
     a = torch.nn.Parameter(torch.randn(5, 4))
     b = torch.nn.Parameter(torch.randn(4, dtype=torch.float64))
     kw = dict(lr=0.1, ess=50.0, hess_init=0.4, beta1=0.9, beta2=0.9, weight_decay=1e-2, clip_radius=0.5)
-    opt = VariationalIVON([a, b], noise_seed=1, **kw)
+    opt = VariationalIVON([a, b], noise_seed=1, **path_kw, **kw)
     means = [a.detach().clone(), b.detach().clone()]
     with opt.sampled_params(train=True):
         noise = [a.detach() - means[0], b.detach() - means[1]]
@@ -240,10 +284,12 @@ def test_noise_is_counter_based_and_parameters_are_never_replaced():
     assert [p.data_ptr() for p in model.parameters()] == storage
 
 
-def test_crash_inside_sampling_restores_means_and_records_nothing():
+@pytest.mark.parametrize("path", PATHS)
+def test_crash_inside_sampling_restores_means_and_records_nothing(path, monkeypatch):
+    path_kw = _on_path(path, monkeypatch)
     torch.manual_seed(0)
     model = MLP()
-    opt = VariationalIVON(model.parameters(), noise_seed=0, **IVON_KW)
+    opt = VariationalIVON(model.parameters(), noise_seed=0, **path_kw, **IVON_KW)
     before = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(ZeroDivisionError):
         with opt.sampled_params(train=True):
@@ -252,6 +298,49 @@ def test_crash_inside_sampling_restores_means_and_records_nothing():
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
     with pytest.raises(RuntimeError, match="without any gradient sample"):
         opt.step()
+    if path != "fused":
+        return
+    # a fused loop that fails part-way through the weights (e.g. a dtype it cannot compile): those sampled are
+    # restored, the rest were never touched
+    compiled, calls = opt._kernels.sample, []
+
+    def fails_third(*args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("compile failed")
+        compiled(*args)
+
+    monkeypatch.setattr(opt._kernels, "sample", fails_third)
+    with pytest.raises(RuntimeError, match="compile failed"):
+        with opt.sampled_params(train=True):
+            pass
+    assert len(calls) == 3 and all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+
+
+def test_default_cpu_run_mixes_fused_and_foreach_tensors():
+    """With the default threshold the large weights run the fused loop and the small tensors foreach ops, in one
+    param group: together they follow ivon-opt."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 160), torch.nn.Tanh(), torch.nn.Linear(160, 128),
+                                torch.nn.Tanh(), torch.nn.Linear(128, 3))
+    x, y = torch.randn(8, 16, 6), torch.randint(0, 3, (8, 16))
+    runs = []
+    for make in (lambda g, **k: VariationalIVON(g, noise_seed=1, **k), lambda g, **k: SeededIVON(g, seed=1, **k)):
+        m = copy.deepcopy(model)
+        opt = make(m.parameters(), **IVON_KW)
+        for xb, yb in zip(x, y):
+            with opt.sampled_params(train=True):
+                opt.zero_grad()
+                F.cross_entropy(m(xb), yb).backward()
+            opt.step()
+        runs.append((opt, m, _flat(m.parameters()), _opt_state(opt)[0]))
+    (ours, ours_model, *ours_state), (_, _, *ref_state) = runs
+    fused = [ours._fuses(p) for p in ours_model.parameters()]
+    if ours._kernels.error and not (shutil.which("g++") or shutil.which("clang++")):
+        pytest.skip(f"no C++ compiler for torch.compile: {ours._kernels.error}")
+    assert fused == [False, False, True, False, False, False]  # only the 160×128 weight is large enough
+    for a, b in zip(ours_state, ref_state):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
 
 
 def test_resume_from_per_parameter_checkpoint_is_exact():
@@ -350,9 +439,10 @@ def test_ddp_sync_matches_ivon_opt(tmp_path):
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2))
-    for key in ("ours", "ref"):
+    for key in ("ours", "ref", "fused_1", "ref_1"):
         assert all(torch.equal(a, b) for a, b in zip(r0[key][-1], r1[key][-1])), key  # replicas identical
     _assert_same_trajectory(r0["ours"], r0["ref"])
+    _assert_same_trajectory(r0["fused_1"], r0["ref_1"])
     # the sync changes the result: rank 0 alone (its own samples only) would end elsewhere
     assert (r0["alone"][-1][0] - r0["ours"][-1][0]).abs().max() > 1e-3
 
@@ -422,3 +512,26 @@ def test_fsdp2_params_swapped_in_after_construction_train_predict_and_save(tmp_p
     assert files["sharded"][0].keys() == files["plain"][0].keys()
     for k, v in files["plain"][0].items():
         torch.testing.assert_close(files["sharded"][0][k], v, atol=1e-6, rtol=1e-5)
+
+
+def test_forked_children_can_still_train_after_the_fused_kernels_compiled(tmp_path):
+    """torch.compile's tracing, before a process's first backward, would leave autograd unusable in forked children
+    (kill -9 tests, multiprocessing with fork): in a fresh process, compile, train, fork, and train in the child."""
+    script = tmp_path / "fork_after_compile.py"
+    script.write_text(
+        "import multiprocessing, torch\n"
+        "from varsmooth.posterior.fused import cpu_kernels\n"
+        "def train():\n"
+        "    torch.nn.Linear(4, 4)(torch.randn(2, 4)).sum().backward()\n"
+        "if __name__ == '__main__':\n"
+        "    assert cpu_kernels().error is None, cpu_kernels().error\n"
+        "    train()\n"
+        "    child = multiprocessing.get_context('fork').Process(target=train)\n"
+        "    child.start()\n"
+        "    child.join(60)\n"
+        "    raise SystemExit(child.exitcode)\n")
+    if cpu_kernels().error and not (shutil.which("g++") or shutil.which("clang++")):
+        pytest.skip(f"no C++ compiler for torch.compile: {cpu_kernels().error}")
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]

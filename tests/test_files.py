@@ -236,7 +236,8 @@ def _assert_complete(checkpoint: str) -> None:
 
 
 def test_sigkill_never_leaves_a_visible_half_checkpoint(tmp_path):
-    out, steps, rng, ds = str(tmp_path), 400, random.Random(0), digits_dataset(256)
+    # far more steps than eight short rounds reach (a step with its checkpoint takes ~10 ms here): no round finishes
+    out, steps, rng, ds = str(tmp_path), 20_000, random.Random(0), digits_dataset(256)
     context = multiprocessing.get_context("fork")  # no re-import per round: each round is a training process
     kills = 0
     for _ in range(8):
@@ -244,7 +245,7 @@ def test_sigkill_never_leaves_a_visible_half_checkpoint(tmp_path):
         child = context.Process(target=_train_until_killed, args=(out, steps, ds, started))
         child.start()
         assert started.wait(60), "the training process did not start"
-        child.join(rng.uniform(0.05, 1.0))  # about 5 to 40 checkpoint saves in
+        child.join(rng.uniform(0.05, 1.0))  # a few to ~100 checkpoint saves in
         if child.is_alive():
             os.kill(child.pid, signal.SIGKILL)
             kills += 1

@@ -86,3 +86,29 @@ def test_default_run_trains_on_unclipped_gradients(tmp_path):
 
     assert max_diff(trainer.model, unclipped) < 1e-6
     assert max_diff(clipped, unclipped) > 1e-3
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_ivon_fused_reaches_the_optimizer_and_either_path_matches_the_hand_written_loop(tmp_path, fused, monkeypatch):
+    """`--ivon_fused` parses as HF's optional booleans do and picks IVON's CPU code path; both train as the
+    ivon-opt reference loop (with the threshold at 0 every weight of the tiny model takes the fused loop)."""
+    import varsmooth.posterior.optimizer as engine
+
+    assert _parse().ivon_fused is None and _parse("--ivon_fused", "false").ivon_fused is False
+    monkeypatch.setattr(engine, "FUSED_MIN_NUMEL", 0)
+    ds = digits_dataset(64)
+    torch.manual_seed(0)
+    model = TinyClassifier()
+    init = copy.deepcopy(model)
+    steps, batch = 3, 16
+    args = make_args(tmp_path, learning_rate=0.2, beta2=0.999, lr_scheduler_type="constant", max_steps=steps,
+                     train_sampling_strategy="sequential", per_device_train_batch_size=batch, ivon_fused=fused)
+    trainer = VariationalTrainer(model=model, args=args, train_dataset=ds)
+    trainer.train()
+    assert trainer.ivon.fused is fused
+    assert (trainer.ivon._kernels is not None and trainer.ivon._kernels.error is None) is fused
+    x, y = ds[:]["pixel_values"], ds[:]["label"]
+    ref, _ = reference_ivon_loop(init, lambda s: [(x[s * batch:(s + 1) * batch], y[s * batch:(s + 1) * batch])], steps,
+                                 lr=0.2, hess_init=0.5, beta1=0.9, beta2=0.999, wd=2e-4, ess=len(ds), seed=0)
+    for p, q in zip(trainer.model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), atol=1e-6, rtol=1e-6)

@@ -179,7 +179,7 @@ class VariationalTrainer(VariationalHubMixin, LabelNoiseMixin, Trainer):
             self.method.total_steps = self.state.max_steps or None
             # FSDP2 averages the gradients of the sharded parameters, and all ranks draw one sample (IVON's sync off)
             self.optimizer = VariationalIVON(
-                params, noise_seed=self.args.seed, rank=self.args.process_index,
+                params, noise_seed=self.args.seed, rank=self.args.process_index, fused=self.args.ivon_fused,
                 sync=self.args.world_size > 1 and not self.is_fsdp_enabled, **self.method.ivon_settings(),
             )
         elif self._ivon_param_names is None:

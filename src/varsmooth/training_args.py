@@ -111,6 +111,12 @@ class VariationalTrainingArguments(TrainingArguments):
                           "ignores. " + _preset_default("prior_precision")},
     )
     mc_samples: int = field(default=1, metadata={"help": "Posterior samples (forward+backward) per micro-batch during training."})
+    ivon_fused: bool | None = field(
+        default=None,
+        metadata={"help": "IVON's fused CPU loops (torch.compile; varsmooth.posterior.VariationalIVON's `fused`) for "
+                          "large CPU weights: None uses them where a C++ compiler is found, else warns and uses foreach "
+                          "ops; true requires them; false turns them off. No effect on GPUs."},
+    )
     clip_radius: float | None = field(
         default=None,
         metadata={"help": "IVON element-wise clipping of the preconditioned update (None = no clipping). Gradient-norm "

@@ -8,8 +8,10 @@ vectors at every sample and step and reassigns `p.data`:
 * per-parameter state (`momentum`, `hess` in `self.state[p]`), so parameters may live on any mix of devices and
   dtypes, param groups keep their own lr / weight decay (prior precision) / ess, and checkpoints are ordinary
   per-parameter optimizer state dicts (ivon-opt's flat-vector checkpoints are converted on load);
-* in-place `torch._foreach_*` arithmetic per (device, dtype) bucket; the mean weights wait in a buffer while the
-  parameters hold the sample, and are copied back (the parameter tensors are never replaced);
+* in-place arithmetic; the mean weights wait in a buffer while the parameters hold the sample, and are copied back
+  (the parameter tensors are never replaced). On the CPU, where the step is memory-bound, a sample and a step are one
+  fused loop per tensor each (`varsmooth.posterior.fused`, compiled by torch.compile); elsewhere, or without a C++
+  compiler, `torch._foreach_*` ops per (device, dtype) bucket;
 * on accelerators the noise is not kept while the sample trains: it is drawn into the parameters and drawn again
   (the same counter) when the gradient arrives, so IVON holds one parameter-sized buffer more than AdamW (see
   `_keeps_noise`);
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -34,6 +37,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from .fused import cpu_kernels, sample_coefficients, update_coefficients
 
 try:
     from torch.distributed.tensor import DTensor
@@ -73,22 +78,9 @@ def _local_slice(t: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
     return whole[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
 
 
-def _per_tensor(t: torch.Tensor) -> bool:
-    """Whether ops with `out=` go tensor by tensor (the CPU, whose foreach ops loop over the tensors anyway, so that
-    one pass writes the result) rather than as a few foreach launches (accelerators, where one launch per tensor
-    would cost more than the extra memory traffic)."""
-    return t.device.type == "cpu"
-
-
-def _add_scalar_into(out: list[torch.Tensor], tensors: list[torch.Tensor], scalar: float) -> None:
-    """out ← tensors + scalar (see `_per_tensor`)."""
-    if _per_tensor(out[0]):
-        for o, t in zip(out, tensors):
-            torch.add(t, scalar, out=o)
-    else:
-        torch._foreach_copy_(out, tensors)
-        torch._foreach_add_(out, scalar)
-
+#: the fewest elements of a CPU tensor that runs the fused loops: a compiled call costs ~25 µs more than a foreach
+#: op's per-tensor dispatch, so smaller tensors (biases, norms, LoRA factors) are faster with foreach ops
+FUSED_MIN_NUMEL = 1 << 14
 
 #: on the accelerator path, the most elements a step's or a sample's temporaries cover at once: temporaries stay a
 #: small fraction of the model instead of one more parameter-sized buffer
@@ -107,11 +99,20 @@ def _chunks(tensors: list[torch.Tensor]) -> Iterator[slice]:
         yield slice(start, len(tensors))
 
 
-def _buckets(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    """`params` split by (device, dtype): `torch._foreach_*` fast paths need one of each per call."""
-    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
+def _flat(tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """1-D views of a fused loop's operands when all are contiguous, so that one compiled loop serves every shape;
+    else the tensors as they are (e.g. a channels-last weight beside its contiguous noise: the loop pairs elements
+    by logical index)."""
+    return tuple(t.view(-1) for t in tensors) if all(t.is_contiguous() for t in tensors) else tensors
+
+
+def _buckets(params: list[torch.Tensor], fuses: Callable[[torch.Tensor], bool] = lambda t: False
+             ) -> list[list[torch.Tensor]]:
+    """`params` split by (device, dtype), as `torch._foreach_*` fast paths need one of each per call, and by
+    whether `fuses` their local tensor (the fused loops run tensor by tensor)."""
+    groups: dict[tuple[torch.device, torch.dtype, bool], list[torch.Tensor]] = defaultdict(list)
     for p in params:
-        groups[(p.device, p.dtype)].append(p)
+        groups[(p.device, p.dtype, fuses(_local(p)))].append(p)
     return list(groups.values())
 
 
@@ -130,6 +131,10 @@ class VariationalIVON(torch.optim.Optimizer):
         hess_approx: only 'price' (the reparameterisation estimate of ivon-opt's default) is implemented.
         noise_seed: base seed of the weight noise; `None` draws from the global torch RNG.
         rank: process index, mixed into the noise seed so that DDP ranks are independent MC samples.
+        fused: for CPU tensors of at least `FUSED_MIN_NUMEL` elements, the compiled fused loops of
+            `varsmooth.posterior.fused` (torch.optim's `fused` flag): None uses them where they compile (a C++
+            compiler is needed) and warns once otherwise, True raises where they do not compile, False keeps foreach
+            ops. Parameters on accelerators always use foreach ops.
     """
 
     def __init__(
@@ -150,6 +155,7 @@ class VariationalIVON(torch.optim.Optimizer):
         *,
         noise_seed: int | None = 0,
         rank: int = 0,
+        fused: bool | None = None,
     ) -> None:
         if hess_approx != "price":
             raise ValueError(f"hess_approx={hess_approx!r} is not implemented; use 'price' (ivon-opt's default).")
@@ -164,6 +170,11 @@ class VariationalIVON(torch.optim.Optimizer):
         self.rescale_lr = rescale_lr
         self.noise_seed = noise_seed
         self.rank = rank
+        self.fused = fused
+        self._kernels = cpu_kernels() if fused else None
+        if fused and self._kernels.error:
+            raise RuntimeError(f"fused=True, but IVON's fused CPU kernels do not compile ({self._kernels.error}): "
+                               "install a C++ compiler (e.g. g++) for torch.compile, or pass fused=False.")
         self.current_step = 0
         self._draws_since_step = 0
         self._count = 0  # MC samples recorded since the last step
@@ -173,12 +184,16 @@ class VariationalIVON(torch.optim.Optimizer):
         # Per-parameter scratch, allocated once and reused (fresh parameter-sized tensors cost page faults on the CPU
         # at every step): "mean" (m while the parameter holds θ), "avg_nxg" (the running mean of e⊙g) and, with
         # several samples per step, "avg_grad" (the running ḡ); with one sample ḡ is the gradient tensor itself, read
-        # at step(). Where the noise is kept (`_keeps_noise`), also "noise" (e, then e⊙g), and "mean" is the step's
-        # scratch: two buffers besides momentum and Hessian. Elsewhere e is drawn again into the free "mean" buffer
-        # when the gradient arrives, that buffer becomes "avg_nxg" and the next sample's "mean" after step(), and the
-        # step's temporaries are chunked (`CHUNK_NUMEL`): one buffer more than AdamW.
+        # at step(). Where the noise is kept (`_keeps_noise`), also "noise" (e, then e⊙g), and "mean" is the foreach
+        # step's scratch (the fused loops need none): two buffers besides momentum and Hessian. Elsewhere e is drawn
+        # again into the free "mean" buffer when the gradient arrives, that buffer becomes "avg_nxg" and the next
+        # sample's "mean" after step(), and the step's temporaries are chunked (`CHUNK_NUMEL`): one buffer more than
+        # AdamW.
         self._buffers: dict[torch.Tensor, dict[str, torch.Tensor | None]] = {}
         self._avg_grad: dict[torch.Tensor, torch.Tensor] = {}  # ḡ per parameter: p.grad of the sample, or "avg_grad"
+        # parameters (fused, one sample so far) whose "avg_nxg" still holds e: the step's loop multiplies it by ḡ as
+        # it reads both anyway, which saves a pass over e and the gradient
+        self._times_grad_pending: set[torch.Tensor] = set()
         self._generators: dict[torch.device, torch.Generator] = {}
         super().__init__(params, defaults)
 
@@ -241,7 +256,20 @@ class VariationalIVON(torch.optim.Optimizer):
         """Whether e waits in a buffer from the sample to its gradient. On the CPU a Gaussian draw costs about half an
         AdamW step, so it is drawn once and kept; on accelerators a draw is one cheap kernel while a parameter-sized
         buffer limits the model that fits, so e is drawn again from its counter (impossible without `noise_seed`)."""
-        return self.noise_seed is None or _per_tensor(t)
+        return self.noise_seed is None or t.device.type == "cpu"
+
+    def _fuses(self, t: torch.Tensor) -> bool:
+        """Whether the (local) tensor `t` runs the fused CPU loops (`fused`, `FUSED_MIN_NUMEL`); the first one
+        compiles them."""
+        if self.fused is False or t.device.type != "cpu" or t.numel() < FUSED_MIN_NUMEL:
+            return False
+        if self._kernels is None:
+            self._kernels = cpu_kernels()
+            if self._kernels.error:
+                warnings.warn(f"IVON's fused CPU kernels do not compile ({self._kernels.error}); using foreach ops, "
+                              "which are slower on the CPU. Install a C++ compiler (e.g. g++) for torch.compile, or "
+                              "pass fused=False to silence this.", RuntimeWarning, stacklevel=4)
+        return self._kernels.error is None
 
     def _draw_noise(self, out: list[torch.Tensor], params: list[torch.Tensor], indices: list[int], draw: int) -> None:
         """Standard normal e per parameter into `out`, counter-based: one seed per (seed, rank, step, draw, parameter
@@ -270,18 +298,31 @@ class VariationalIVON(torch.optim.Optimizer):
     def _sample_params(self) -> None:
         self._follow_replaced_params()
         if self._count:  # a further sample of this step: its backward may zero the gradient that holds ḡ so far
+            self._multiply_pending()
             self._own_avg_grad()
         index = 0
         for group in self.param_groups:
             indices = {p: index + i for i, p in enumerate(group["params"])}
             index += len(group["params"])
-            for params in _buckets(group["params"]):
+            for params in _buckets(group["params"], self._fuses):
                 weights = [_local(p) for p in params]
                 means = self._buffer(params, "mean")
-                torch._foreach_copy_(means, weights)
                 bucket_indices = [indices[p] for p in params]
-                self._perturbed.append((params, bucket_indices))
                 hess = [_local(self.state[p]["hess"]) for p in params]
+                if self._fuses(weights[0]):
+                    noise = self._buffer(params, "noise")
+                    self._draw_noise(noise, params, bucket_indices, self._draws_since_step)
+                    coef = sample_coefficients(group, weights[0].dtype)
+                    done = 0
+                    try:  # (mean ← m, θ into the weight) tensor by tensor: only those done are restored on a crash
+                        for tensors in zip(weights, means, noise, hess):
+                            self._kernels.sample(*_flat(tensors), coef)
+                            done += 1
+                    finally:
+                        self._perturbed.append((params[:done], bucket_indices[:done]))
+                    continue
+                torch._foreach_copy_(means, weights)
+                self._perturbed.append((params, bucket_indices))
                 if not self._keeps_noise(weights[0]):
                     # e drawn into the parameters, then θ = m + σ⊙e with σ from chunked temporaries
                     self._draw_noise(weights, params, bucket_indices, self._draws_since_step)
@@ -295,17 +336,19 @@ class VariationalIVON(torch.optim.Optimizer):
                 noise = self._buffer(params, "noise")
                 self._draw_noise(noise, params, bucket_indices, self._draws_since_step)
                 # θ = m + σ⊙e with σ = 1/sqrt(ess (h + δ)), computed in the parameter itself (no σ buffer)
-                _add_scalar_into(weights, hess, group["weight_decay"])
-                if _per_tensor(weights[0]):
-                    torch._foreach_sqrt_(weights)
-                    for w, m, e in zip(weights, means, noise):
-                        torch.addcdiv(m, e, w, value=group["ess"] ** -0.5, out=w)
-                else:  # few kernel launches: the same value through 1/sqrt(h + δ)
-                    torch._foreach_rsqrt_(weights)
-                    torch._foreach_mul_(weights, noise)
-                    torch._foreach_mul_(weights, group["ess"] ** -0.5)
-                    torch._foreach_add_(weights, means)
+                torch._foreach_copy_(weights, hess)
+                torch._foreach_add_(weights, group["weight_decay"])
+                torch._foreach_rsqrt_(weights)
+                torch._foreach_mul_(weights, noise)
+                torch._foreach_mul_(weights, group["ess"] ** -0.5)
+                torch._foreach_add_(weights, means)
         self._draws_since_step += 1
+
+    def _multiply_pending(self) -> None:
+        """e⊙g where the step's fused loop was to form it, for a further sample or a sync that needs mean(e⊙g)."""
+        for bucket in _buckets(list(self._times_grad_pending)):
+            torch._foreach_mul_([self._buffers[p]["avg_nxg"] for p in bucket], [self._avg_grad[p] for p in bucket])
+        self._times_grad_pending.clear()
 
     def _own_avg_grad(self) -> None:
         """ḡ of the samples so far into the "avg_grad" buffers (with one sample it is the gradient tensor itself)."""
@@ -335,7 +378,10 @@ class VariationalIVON(torch.optim.Optimizer):
             nxg = self._buffer(bucket, role)
             if role == "mean":
                 self._draw_noise(nxg, bucket, indices, self._draws_since_step - 1)
-            torch._foreach_mul_(nxg, grads)
+            if count == 1 and self._fuses(_local(bucket[0])):
+                self._times_grad_pending.update(bucket)
+            else:
+                torch._foreach_mul_(nxg, grads)
             if count == 1:
                 # ḡ is the gradient itself until a further sample (or step) needs it: no copy
                 self._avg_grad.update(zip(bucket, grads))
@@ -387,10 +433,11 @@ class VariationalIVON(torch.optim.Optimizer):
                 "`optimizer.sampled_params(train=True)` first."
             )
         if self.sync and dist.is_available() and dist.is_initialized():
+            self._multiply_pending()
             self._sync_samples()
         self.current_step += 1
         for group in self.param_groups:
-            for params in _buckets(group["params"]):
+            for params in _buckets(group["params"], self._fuses):
                 self._update(group, params)
         for p, slots in self._buffers.items():  # the average's buffer takes the role it had before the first sample
             keeps_noise = self._keeps_noise(_local(p))
@@ -399,10 +446,15 @@ class VariationalIVON(torch.optim.Optimizer):
                 slots[role], slots["avg_nxg"] = slots.get("avg_nxg"), None
             elif not keeps_noise:  # several samples: freed, so that only "mean" outlives the step (kept on the CPU,
                 slots["avg_nxg"] = None  # where a fresh buffer costs page faults)
-        self._avg_grad.clear()
-        self._count = 0
-        self._draws_since_step = 0
+        self._reset_samples()
         return loss
+
+    def _reset_samples(self) -> None:
+        """No gradient sample recorded, no draw made since the last step."""
+        self._draws_since_step = 0
+        self._count = 0
+        self._avg_grad.clear()
+        self._times_grad_pending.clear()
 
     def _sync_samples(self) -> None:
         """Averages ḡ and mean(e⊙g) over the ranks (one all-reduce per device and dtype)."""
@@ -416,10 +468,20 @@ class VariationalIVON(torch.optim.Optimizer):
             torch._foreach_copy_(tensors, _unflatten_dense_tensors(flat, tensors))
 
     def _update(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
-        """One IVON step of a bucket in 9 in-place passes (the CPU's memory traffic is the cost), with the buffer of
+        """One IVON step of a bucket: one fused loop per tensor (`_fuses`), else 10 foreach passes with the buffer of
         mean(e⊙g) and a second one as scratch: the buffer of the mean weights (free until the next sample) where the
         noise is kept, else chunked temporaries (that buffer holds mean(e⊙g))."""
         weights = [_local(p) for p in params]
+        if self._fuses(weights[0]):
+            step_size, debias = self._step_scalars(group)
+            coef = update_coefficients(group, weights[0].dtype, step_size=step_size, debias=debias,
+                                       update_hess=group["beta2"] < 1.0)
+            for p, w in zip(params, weights):
+                state = self.state[p]
+                tensors = (w, self._avg_grad[p], _local(state["momentum"]), _local(state["hess"]),
+                           self._buffers[p]["avg_nxg"])
+                self._kernels.update(*_flat(tensors), coef, p in self._times_grad_pending)
+            return
         if self._keeps_noise(weights[0]):
             self._update_chunk(group, params, self._buffer(params, "mean"))
             return
@@ -440,36 +502,38 @@ class VariationalIVON(torch.optim.Optimizer):
             # = r s n (r = sqrt(ess), s = sqrt(h+δ), n = mean(e⊙g)). With q = n - h/(r s), f - h = r s q, so
             # h ← h + (1-β2) r s q + ½(1-β2)² r² q² = h + (1-β2) r q (s + ½(1-β2) r q)
             root = math.sqrt(ess)
-            _add_scalar_into(scratch, hess, wd)
+            torch._foreach_copy_(scratch, hess)
+            torch._foreach_add_(scratch, wd)
             torch._foreach_sqrt_(scratch)
             torch._foreach_addcdiv_(nxg, hess, scratch, value=-1.0 / root)
             torch._foreach_add_(scratch, nxg, alpha=0.5 * (1.0 - b2) * root)
             torch._foreach_addcmul_(hess, nxg, scratch, value=(1.0 - b2) * root)
-        _add_scalar_into(scratch, hess, wd)
+        torch._foreach_copy_(scratch, hess)
+        torch._foreach_add_(scratch, wd)
         self._update_mean(group, weights, momentum, nxg, scratch)
+
+    def _step_scalars(self, group: dict[str, Any]) -> tuple[float, float]:
+        """(lr' / debias, debias) of this step: lr' = lr (h0 + δ) if `rescale_lr`, debias = 1 - β1^t if `debias`."""
+        debias = 1.0 - group["beta1"] ** self.current_step if self.debias else 1.0
+        lr = group["lr"] * (group["hess_init"] + group["weight_decay"]) if self.rescale_lr else group["lr"]
+        return lr / debias, debias
 
     def _update_mean(self, group: dict[str, Any], params: list[torch.Tensor], momentum: list[torch.Tensor],
                      scratch: list[torch.Tensor], hess_wd: list[torch.Tensor]) -> None:
-        wd = group["weight_decay"]
-        # m ← m - lr' clip((m̂ + δ m)/(h + δ), ±r), with m̂ the debiased momentum and lr' = lr (h0 + δ) if rescaled
-        debias = 1.0 - group["beta1"] ** self.current_step if self.debias else 1.0
-        lr = group["lr"] * (group["hess_init"] + wd) if self.rescale_lr else group["lr"]
+        # m ← m - lr' clip((m̂ + δ m)/(h + δ), ±r), with m̂ the debiased momentum
+        step_size, debias = self._step_scalars(group)
         # (m̂ + δ m) debias = m + δ debias m, in a free buffer
         direction = scratch
-        if _per_tensor(direction[0]):
-            for out, mom, p in zip(direction, momentum, params):
-                torch.add(mom, p, alpha=wd * debias, out=out)
-        else:
-            torch._foreach_copy_(direction, momentum)
-            torch._foreach_add_(direction, params, alpha=wd * debias)
+        torch._foreach_copy_(direction, momentum)
+        torch._foreach_add_(direction, params, alpha=group["weight_decay"] * debias)
         if math.isinf(group["clip_radius"]):
-            torch._foreach_addcdiv_(params, direction, hess_wd, value=-lr / debias)
+            torch._foreach_addcdiv_(params, direction, hess_wd, value=-step_size)
             return
         # clip(x / debias, ±r) = clip(x, ±r debias) / debias
         torch._foreach_div_(direction, hess_wd)
         torch._foreach_clamp_min_(direction, -group["clip_radius"] * debias)
         torch._foreach_clamp_max_(direction, group["clip_radius"] * debias)
-        torch._foreach_add_(params, direction, alpha=-lr / debias)
+        torch._foreach_add_(params, direction, alpha=-step_size)
 
     # -- posterior ---------------------------------------------------------------------------------
     def posterior_std(self) -> list[torch.Tensor]:
@@ -505,9 +569,7 @@ class VariationalIVON(torch.optim.Optimizer):
             hess.copy_((1.0 / (group["ess"] * std.square()) - group["weight_decay"]).clamp_min(0.0))
             self.state[p]["momentum"].zero_()
         self.current_step = int(step)
-        self._draws_since_step = 0
-        self._count = 0
-        self._avg_grad.clear()
+        self._reset_samples()
 
     # -- checkpointing -----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -541,9 +603,7 @@ class VariationalIVON(torch.optim.Optimizer):
                     self.state[p][key] = own
         if step is not None:
             self.current_step = int(step)
-        self._draws_since_step = 0
-        self._count = 0
-        self._avg_grad.clear()
+        self._reset_samples()
 
     def _from_flat_checkpoint(self, state_dict: dict[str, Any]) -> tuple[dict[str, Any], int | None]:
         """ivon-opt's layout (one flat hess/momentum vector per group) split into per-parameter state."""
