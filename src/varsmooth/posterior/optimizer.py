@@ -10,8 +10,9 @@ vectors at every sample and step and reassigns `p.data`:
   per-parameter optimizer state dicts (ivon-opt's flat-vector checkpoints are converted on load);
 * in-place arithmetic; the mean weights wait in a buffer while the parameters hold the sample, and are copied back
   (the parameter tensors are never replaced). On the CPU, where the step is memory-bound, a sample and a step are one
-  fused loop per tensor each (`varsmooth.posterior.fused`, compiled by torch.compile); elsewhere, or without a C++
-  compiler, `torch._foreach_*` ops per (device, dtype) bucket;
+  fused loop each per tensor of `FUSED_MIN_NUMEL` elements or more (`varsmooth.posterior.fused`, compiled by
+  torch.compile); elsewhere, for smaller tensors or without a C++ compiler, `torch._foreach_*` ops per (device,
+  dtype) bucket;
 * on accelerators the noise is not kept while the sample trains: it is drawn into the parameters and drawn again
   (the same counter) when the gradient arrives, so IVON holds one parameter-sized buffer more than AdamW (see
   `_keeps_noise`);
