@@ -269,7 +269,7 @@ class VariationalIVON(torch.optim.Optimizer):
             if self._kernels.error:
                 warnings.warn(f"IVON's fused CPU kernels do not compile ({self._kernels.error}); using foreach ops, "
                               "which are slower on the CPU. Install a C++ compiler (e.g. g++) for torch.compile, or "
-                              "pass fused=False to silence this.", RuntimeWarning, stacklevel=4)
+                              "pass fused=False to silence this.", RuntimeWarning)
         return self._kernels.error is None
 
     def _draw_noise(self, out: list[torch.Tensor], params: list[torch.Tensor], indices: list[int], draw: int) -> None:
