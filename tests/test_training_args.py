@@ -60,32 +60,37 @@ def test_max_grad_norm_defaults_to_no_clipping_unlike_training_arguments():
     assert _parse("--max_grad_norm", "1.0").max_grad_norm == 1.0
 
 
-def test_default_run_trains_on_unclipped_gradients(tmp_path):
-    """With the defaults, IVON sees each sample's raw gradient: the trainer matches the unclipped hand-written loop,
-    and a loop clipping at the stock 1.0 would have ended elsewhere (the sample gradients here have norm > 1)."""
+#: IVON's settings of `_train_three_steps` as `reference_ivon_loop` takes them (ess: the 64 training examples)
+REFERENCE_IVON = dict(lr=0.2, hess_init=0.5, beta1=0.9, beta2=0.999, wd=2e-4, ess=64, seed=0)
+
+
+def _train_three_steps(tmp_path, **args_kw):
+    """The trainer after 3 sequential steps of 16 of 64 digits, the model it started from, and its batches per step
+    (for `reference_ivon_loop`)."""
     ds = digits_dataset(64)
     torch.manual_seed(0)
     model = TinyClassifier()
     init = copy.deepcopy(model)
-    steps, batch = 3, 16
-    args = make_args(tmp_path, learning_rate=0.2, beta2=0.999, lr_scheduler_type="constant", max_steps=steps,
-                     train_sampling_strategy="sequential", per_device_train_batch_size=batch)
+    args = make_args(tmp_path, learning_rate=0.2, beta2=0.999, lr_scheduler_type="constant", max_steps=3,
+                     train_sampling_strategy="sequential", per_device_train_batch_size=16, **args_kw)
     trainer = VariationalTrainer(model=model, args=args, train_dataset=ds)
     trainer.train()
     x, y = ds[:]["pixel_values"], ds[:]["label"]
+    return trainer, init, lambda step: [(x[step * 16:(step + 1) * 16], y[step * 16:(step + 1) * 16])]
 
-    def batches(step):
-        return [(x[step * batch:(step + 1) * batch], y[step * batch:(step + 1) * batch])]
 
-    ivon_kw = dict(lr=0.2, hess_init=0.5, beta1=0.9, beta2=0.999, wd=2e-4, ess=len(ds), seed=0)
-    unclipped, _ = reference_ivon_loop(init, batches, steps, clip_norm=0.0, **ivon_kw)
-    clipped, _ = reference_ivon_loop(init, batches, steps, clip_norm=1.0, **ivon_kw)
+def _max_diff(a, b):
+    return max((pa - pb).abs().max().item() for pa, pb in zip(a.parameters(), b.parameters()))
 
-    def max_diff(a, b):
-        return max((pa - pb).abs().max().item() for pa, pb in zip(a.parameters(), b.parameters()))
 
-    assert max_diff(trainer.model, unclipped) < 1e-6
-    assert max_diff(clipped, unclipped) > 1e-3
+def test_default_run_trains_on_unclipped_gradients(tmp_path):
+    """With the defaults, IVON sees each sample's raw gradient: the trainer matches the unclipped hand-written loop,
+    and a loop clipping at the stock 1.0 would have ended elsewhere (the sample gradients here have norm > 1)."""
+    trainer, init, batches = _train_three_steps(tmp_path)
+    unclipped, _ = reference_ivon_loop(init, batches, 3, clip_norm=0.0, **REFERENCE_IVON)
+    clipped, _ = reference_ivon_loop(init, batches, 3, clip_norm=1.0, **REFERENCE_IVON)
+    assert _max_diff(trainer.model, unclipped) < 1e-6
+    assert _max_diff(clipped, unclipped) > 1e-3
 
 
 @pytest.mark.parametrize("fused", [True, False])
@@ -96,19 +101,8 @@ def test_ivon_fused_reaches_the_optimizer_and_either_path_matches_the_hand_writt
 
     assert _parse().ivon_fused is None and _parse("--ivon_fused", "false").ivon_fused is False
     monkeypatch.setattr(engine, "FUSED_MIN_NUMEL", 0)
-    ds = digits_dataset(64)
-    torch.manual_seed(0)
-    model = TinyClassifier()
-    init = copy.deepcopy(model)
-    steps, batch = 3, 16
-    args = make_args(tmp_path, learning_rate=0.2, beta2=0.999, lr_scheduler_type="constant", max_steps=steps,
-                     train_sampling_strategy="sequential", per_device_train_batch_size=batch, ivon_fused=fused)
-    trainer = VariationalTrainer(model=model, args=args, train_dataset=ds)
-    trainer.train()
+    trainer, init, batches = _train_three_steps(tmp_path, ivon_fused=fused)
     assert trainer.ivon.fused is fused
     assert (trainer.ivon._kernels is not None and trainer.ivon._kernels.error is None) is fused
-    x, y = ds[:]["pixel_values"], ds[:]["label"]
-    ref, _ = reference_ivon_loop(init, lambda s: [(x[s * batch:(s + 1) * batch], y[s * batch:(s + 1) * batch])], steps,
-                                 lr=0.2, hess_init=0.5, beta1=0.9, beta2=0.999, wd=2e-4, ess=len(ds), seed=0)
-    for p, q in zip(trainer.model.parameters(), ref.parameters()):
-        torch.testing.assert_close(p.detach(), q.detach(), atol=1e-6, rtol=1e-6)
+    ref, _ = reference_ivon_loop(init, batches, 3, **REFERENCE_IVON)
+    assert _max_diff(trainer.model, ref) < 1e-6
