@@ -343,23 +343,27 @@ def test_default_cpu_run_mixes_fused_and_foreach_tensors():
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
 
 
-def test_resume_from_per_parameter_checkpoint_is_exact():
+@pytest.mark.parametrize("samples_per_step", [1, 2])
+@pytest.mark.parametrize("path", PATHS)
+def test_resume_from_per_parameter_checkpoint_is_exact(path, samples_per_step, monkeypatch):
+    path_kw = _on_path(path, monkeypatch)
     torch.manual_seed(0)
     model = MLP()
-    make = lambda g, **k: VariationalIVON(g, noise_seed=5, **k)  # noqa: E731
-    full, _, _ = _run(make, model, 12, 2, **IVON_KW)
-    _, half_model, half_opt = _run(make, model, 6, 2, **IVON_KW)
+    make = lambda g, **k: VariationalIVON(g, noise_seed=5, **path_kw, **k)  # noqa: E731
+    full, _, _ = _run(make, model, 12, samples_per_step, **IVON_KW)
+    _, half_model, half_opt = _run(make, model, 6, samples_per_step, **IVON_KW)
     sd = half_opt.state_dict()
     assert set(sd["state"][0]) == {"momentum", "hess"} and sd["param_groups"][1]["current_step"] == 6
     resumed_model = copy.deepcopy(half_model)
     resumed = make(_groups(resumed_model, IVON_KW["weight_decay"]), **{k: v for k, v in IVON_KW.items() if k != "weight_decay"})
     resumed.load_state_dict(copy.deepcopy(sd))
-    x, y = _data(24)
+    x, y = _data(12 * samples_per_step)
     for step in range(6, 12):
-        for k in range(2):
+        for k in range(samples_per_step):
             with resumed.sampled_params(train=True):
                 resumed.zero_grad()
-                F.cross_entropy(resumed_model(x[2 * step + k]), y[2 * step + k]).backward()
+                b = samples_per_step * step + k
+                F.cross_entropy(resumed_model(x[b]), y[b]).backward()
         resumed.step()
     assert torch.equal(_flat(resumed_model.parameters()), full[-1][0])
     assert torch.equal(resumed.hessian(), full[-1][1])
