@@ -300,21 +300,24 @@ def test_crash_inside_sampling_restores_means_and_records_nothing(path, monkeypa
         opt.step()
     if path != "fused":
         return
-    # a fused loop that fails part-way through the weights (e.g. a dtype it cannot compile): those sampled are
-    # restored, the rest were never touched
-    compiled, calls = opt._kernels.sample, []
+    # a fused loop that fails part-way through the weights, or at the first (e.g. a dtype it cannot compile): those
+    # sampled are restored, the rest were never touched, and the loop's own error is the one raised
+    compiled = opt._kernels.sample
+    for failing_call in (3, 1):
+        calls = []
 
-    def fails_third(*args):
-        calls.append(1)
-        if len(calls) == 3:
-            raise RuntimeError("compile failed")
-        compiled(*args)
+        def fails(*args):
+            calls.append(1)
+            if len(calls) == failing_call:
+                raise RuntimeError("compile failed")
+            compiled(*args)
 
-    monkeypatch.setattr(opt._kernels, "sample", fails_third)
-    with pytest.raises(RuntimeError, match="compile failed"):
-        with opt.sampled_params(train=True):
-            pass
-    assert len(calls) == 3 and all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+        monkeypatch.setattr(opt._kernels, "sample", fails)
+        with pytest.raises(RuntimeError, match="compile failed"):
+            with opt.sampled_params(train=True):
+                pass
+        assert len(calls) == failing_call
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
 
 
 def test_default_cpu_run_mixes_fused_and_foreach_tensors():

@@ -320,7 +320,8 @@ class VariationalIVON(torch.optim.Optimizer):
                             self._kernels.sample(*_flat(tensors), coef)
                             done += 1
                     finally:
-                        self._perturbed.append((params[:done], bucket_indices[:done]))
+                        if done:
+                            self._perturbed.append((params[:done], bucket_indices[:done]))
                     continue
                 torch._foreach_copy_(means, weights)
                 self._perturbed.append((params, bucket_indices))
