@@ -49,7 +49,7 @@ CONFIGS = ["hand_adamw", "trainer_adamw", "vt_erm_adamw", "hand_ivon", "hand_viv
 RATIOS = {
     "vt_ivon / hand_ivon (integration overhead, target <= 1.10)": ("vt_ivon", "hand_ivon"),
     "vt_ivon / hand_vivon (Trainer part only)": ("vt_ivon", "hand_vivon"),
-    "hand_vivon / hand_ivon (VariationalIVON subclass)": ("hand_vivon", "hand_ivon"),
+    "hand_vivon / hand_ivon (varsmooth's IVON engine vs ivon-opt)": ("hand_vivon", "hand_ivon"),
     "trainer_adamw / hand_adamw (stock Trainer overhead, for reference)": ("trainer_adamw", "hand_adamw"),
     "vt_erm_adamw / trainer_adamw (VariationalTrainer, non-IVON method)": ("vt_erm_adamw", "trainer_adamw"),
     "vt_ivon / trainer_adamw (IVON in varsmooth vs AdamW in the stock Trainer)": ("vt_ivon", "trainer_adamw"),
