@@ -6,7 +6,8 @@ read m, e, h, write the mean's copy and θ; a step: read m, ḡ, momentum, h, e 
 formulas are those of `VariationalIVON._update_chunk` and `_update_mean`, written element-wise; the tests run both
 against ivon-opt.
 
-Compiling needs a C++ compiler (Inductor calls it once per process and dtype, then its on-disk cache answers).
+Compiling needs a C++ compiler and takes ~15 s the first time on a machine, then ~5 s per process (dynamo's trace;
+Inductor's on-disk cache answers the rest).
 `cpu_kernels()` compiles and runs the kernels once on a tiny input and reports why they are unavailable instead of
 raising, so that the optimizer can fall back to its foreach formulation.
 """
