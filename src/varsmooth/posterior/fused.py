@@ -58,12 +58,11 @@ def sample_coefficients(group: dict, dtype: torch.dtype) -> torch.Tensor:
     return torch.tensor([group["ess"] ** -0.5, group["weight_decay"]], dtype=_coef_dtype(dtype))
 
 
-def update_coefficients(group: dict, dtype: torch.dtype, *, step_size: float, debias: float,
-                        update_hess: bool) -> torch.Tensor:
-    """`_update`'s coef for a param group at one step."""
+def update_coefficients(group: dict, dtype: torch.dtype, *, step_size: float, debias: float) -> torch.Tensor:
+    """`_update`'s coef for a param group at one step (β2 = 1, a fixed Hessian, gives 1-β2 = 0 exactly)."""
     wd = group["weight_decay"]
-    values = [1.0 - group["beta1"], 1.0 - group["beta2"] if update_hess else 0.0, wd, math.sqrt(group["ess"]),
-              step_size, wd * debias, group["clip_radius"] * debias]
+    values = [1.0 - group["beta1"], 1.0 - group["beta2"], wd, math.sqrt(group["ess"]), step_size, wd * debias,
+              group["clip_radius"] * debias]
     return torch.tensor(values, dtype=_coef_dtype(dtype))
 
 
@@ -100,6 +99,7 @@ def cpu_kernels() -> CpuKernels:
             update(w, e, torch.zeros(3), h, e, torch.tensor([0.1, 0.1, 0.0, 1.0, 0.1, 0.0, float("inf")]), True)
         return CpuKernels(sample, update, None)
     except Exception as err:  # noqa: BLE001 - any failure to build means: use the foreach formulation
-        return CpuKernels(None, None, f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}")
+        first_line = (str(err).strip().splitlines() or [""])[0]
+        return CpuKernels(None, None, f"{type(err).__name__}: {first_line}")
     finally:
         quiet.setLevel(level)

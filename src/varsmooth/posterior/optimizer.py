@@ -476,8 +476,7 @@ class VariationalIVON(torch.optim.Optimizer):
         weights = [_local(p) for p in params]
         if self._fuses(weights[0]):
             step_size, debias = self._step_scalars(group)
-            coef = update_coefficients(group, weights[0].dtype, step_size=step_size, debias=debias,
-                                       update_hess=group["beta2"] < 1.0)
+            coef = update_coefficients(group, weights[0].dtype, step_size=step_size, debias=debias)
             for p, w in zip(params, weights):
                 state = self.state[p]
                 tensors = (w, self._avg_grad[p], _local(state["momentum"]), _local(state["hess"]),
