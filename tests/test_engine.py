@@ -542,3 +542,27 @@ def test_forked_children_can_still_train_after_the_fused_kernels_compiled(tmp_pa
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_without_a_cpp_compiler_a_real_run_warns_and_trains_with_foreach_ops(tmp_path):
+    """The machine of a user without a C++ compiler, in a fresh process with an empty Inductor cache: torch.compile's
+    own failure is caught, named in one warning, and training goes on with foreach ops."""
+    script = tmp_path / "no_compiler.py"
+    script.write_text(
+        "import warnings, torch\n"
+        "from varsmooth import VariationalIVON\n"
+        "model = torch.nn.Linear(256, 256)\n"
+        "opt = VariationalIVON(model.parameters(), lr=0.1, ess=100.0)\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        "    for _ in range(2):\n"
+        "        with opt.sampled_params(train=True):\n"
+        "            model(torch.randn(4, 256)).sum().backward()\n"
+        "        opt.step()\n"
+        "messages = [str(w.message) for w in caught if 'fused CPU kernels' in str(w.message)]\n"
+        "assert len(messages) == 1 and 'C++ compiler' in messages[0], messages\n"
+        "assert not opt._fuses(model.weight) and torch.isfinite(model.weight).all()\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CXX": str(tmp_path / "no-such-compiler"),
+           "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor-cache")}
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
