@@ -210,6 +210,16 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * resource.getpagesize()
 
 
+def _compile_rss_bytes() -> int:
+    """Compiles IVON's fused CPU loops (`varsmooth.posterior.fused.cpu_kernels`, once per process) and returns the
+    resident memory that took, so that a measurement after it leaves that one-time cost out."""
+    from varsmooth.posterior.fused import cpu_kernels
+
+    before = _rss_bytes()
+    cpu_kernels()
+    return _rss_bytes() - before
+
+
 @contextlib.contextmanager
 def peak_rss_growth() -> Iterator[list[int]]:
     """Sample this process's resident memory every 0.5 ms while the body runs; yields a one-element list that holds
@@ -242,13 +252,8 @@ def memory_child(cfg_name: str, steps: int) -> None:
     torch.manual_seed(0)
     model = common.SmallCNN((1, 28, 28), 10)
     ds = common.ArrayDataset(x.numpy(), y.numpy())
-    compile_kib = None
-    if STEP_CONFIGS[cfg_name]["method"] == "ivon":  # torch.compile's footprint (once per process) kept apart
-        from varsmooth.posterior.fused import cpu_kernels
-
-        start = _rss_bytes()
-        cpu_kernels()
-        compile_kib = (_rss_bytes() - start) / 1024
+    # torch.compile's footprint (once per process) kept apart from the measured window
+    compile_kib = _compile_rss_bytes() / 1024 if STEP_CONFIGS[cfg_name]["method"] == "ivon" else None
     with tempfile.TemporaryDirectory() as tmp:
         trainer = make_trainer(STEP_CONFIGS[cfg_name], model, ds, steps, tmp)
         before = _rss_bytes()
@@ -391,13 +396,7 @@ def engine_memory_child(name: str, kind: str, steps: int) -> None:
     """Fresh process: peak resident-memory growth of `steps` hand-written training steps (sampled every 0.5 ms),
     from the model and its batch alone, so it holds gradients, activations, optimizer state and its temporaries. The
     fused CPU loops are compiled before (torch.compile's footprint, once per process, is reported on its own)."""
-    compile_rss = None
-    if kind == "ivon_engine":
-        from varsmooth.posterior.fused import cpu_kernels
-
-        before = _rss_bytes()
-        cpu_kernels()
-        compile_rss = _rss_bytes() - before
+    compile_rss = _compile_rss_bytes() if kind == "ivon_engine" else None
     model, x, y = engine_model(name)
     params = list(model.parameters())
     loss_fn = torch.nn.functional.cross_entropy

@@ -79,6 +79,12 @@ def _local_slice(t: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
     return whole[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
 
 
+def _add_scalar_into(out: list[torch.Tensor], tensors: list[torch.Tensor], scalar: float) -> None:
+    """out ← tensors + scalar, in place in `out` (no temporaries)."""
+    torch._foreach_copy_(out, tensors)
+    torch._foreach_add_(out, scalar)
+
+
 #: the fewest elements of a CPU tensor that runs the fused loops: a compiled call costs ~25 µs more than a foreach
 #: op's per-tensor dispatch, so smaller tensors (biases, norms, LoRA factors) are faster with foreach ops
 FUSED_MIN_NUMEL = 1 << 14
@@ -338,8 +344,7 @@ class VariationalIVON(torch.optim.Optimizer):
                 noise = self._buffer(params, "noise")
                 self._draw_noise(noise, params, bucket_indices, self._draws_since_step)
                 # θ = m + σ⊙e with σ = 1/sqrt(ess (h + δ)), computed in the parameter itself (no σ buffer)
-                torch._foreach_copy_(weights, hess)
-                torch._foreach_add_(weights, group["weight_decay"])
+                _add_scalar_into(weights, hess, group["weight_decay"])
                 torch._foreach_rsqrt_(weights)
                 torch._foreach_mul_(weights, noise)
                 torch._foreach_mul_(weights, group["ess"] ** -0.5)
@@ -503,14 +508,12 @@ class VariationalIVON(torch.optim.Optimizer):
             # = r s n (r = sqrt(ess), s = sqrt(h+δ), n = mean(e⊙g)). With q = n - h/(r s), f - h = r s q, so
             # h ← h + (1-β2) r s q + ½(1-β2)² r² q² = h + (1-β2) r q (s + ½(1-β2) r q)
             root = math.sqrt(ess)
-            torch._foreach_copy_(scratch, hess)
-            torch._foreach_add_(scratch, wd)
+            _add_scalar_into(scratch, hess, wd)
             torch._foreach_sqrt_(scratch)
             torch._foreach_addcdiv_(nxg, hess, scratch, value=-1.0 / root)
             torch._foreach_add_(scratch, nxg, alpha=0.5 * (1.0 - b2) * root)
             torch._foreach_addcmul_(hess, nxg, scratch, value=(1.0 - b2) * root)
-        torch._foreach_copy_(scratch, hess)
-        torch._foreach_add_(scratch, wd)
+        _add_scalar_into(scratch, hess, wd)
         self._update_mean(group, weights, momentum, nxg, scratch)
 
     def _step_scalars(self, group: dict[str, Any]) -> tuple[float, float]:
