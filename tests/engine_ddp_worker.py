@@ -29,7 +29,7 @@ def main(out: str) -> None:
     # must be formed before the sync
     engine.FUSED_MIN_NUMEL = 0
     for name, make in (("fused_1", lambda g, **k: VariationalIVON(g, noise_seed=4, rank=rank, sync=True, fused=True, **k)),
-                       ("ref_1", lambda g, **k: SeededIVON(g, seed=4, rank=rank, sync=True, **k))):
+                       ("ref_1", lambda g, **k: SeededIVON(g, seed=4, rank=rank, sync=True, counter_min_numel=0, **k))):
         runs[name] = _run(make, model, STEPS, 1, data_seed=rank, **kw)[0]
     torch.save(runs, os.path.join(out, f"rank{rank}.pt"))
     dist.barrier()

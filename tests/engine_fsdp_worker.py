@@ -21,7 +21,7 @@ from test_engine import FSDP_STEPS, IVON_KW, MLP, _data, _groups  # noqa: E402
 from varsmooth.posterior import VariationalIVON  # noqa: E402
 from varsmooth.posterior import optimizer as engine  # noqa: E402
 
-# the local shards take the CPU's fused loops (every size), the one-process run in the test foreach ops
+# the local shards take the CPU's fused loops (every size), which compute their noise (`counter_normal`)
 engine.FUSED_MIN_NUMEL = 0
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import math
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -17,6 +18,7 @@ from transformers.modeling_outputs import SequenceClassifierOutput
 import ivon
 from varsmooth import VariationalTrainingArguments
 from varsmooth.posterior import derive_seed
+from varsmooth.posterior.noise import counter_key, counter_normal
 
 
 class TinyClassifier(torch.nn.Module):
@@ -61,19 +63,27 @@ def make_args(tmp_path, **kw) -> VariationalTrainingArguments:
 
 class SeededIVON(ivon.IVON):
     """ivon-opt's `IVON`, unchanged except for its Gaussian draw: parameter i of draw d after step t on rank r is
-    `randn` from a generator seeded by derive_seed(seed, r, t, d, i), the noise VariationalIVON documents."""
+    `randn` from a generator seeded by derive_seed(seed, r, t, d, i), the noise VariationalIVON documents, or, for
+    parameters of `counter_min_numel` elements or more (those VariationalIVON's fused CPU loops take),
+    `counter_normal` keyed by that seed, computed eagerly."""
 
-    def __init__(self, params, *, seed: int = 0, rank: int = 0, **kwargs):
+    def __init__(self, params, *, seed: int = 0, rank: int = 0, counter_min_numel: float = math.inf, **kwargs):
         super().__init__(params, **kwargs)
-        self.seed, self.rank, self.draws = seed, rank, 0
+        self.seed, self.rank, self.draws, self.counter_min_numel = seed, rank, 0, counter_min_numel
+
+    def draw(self, p: torch.Tensor, index: int) -> torch.Tensor:
+        seed = derive_seed(self.seed, self.rank, self.current_step, self.draws, index)
+        if p.numel() >= self.counter_min_numel:
+            return counter_normal(p.shape, counter_key(seed), p.device).to(p.dtype)
+        return torch.randn(p.shape, generator=torch.Generator(p.device).manual_seed(seed), dtype=p.dtype,
+                           device=p.device)
 
     def _sample_params(self):
         noise_samples, param_avgs, index = [], [], 0
         for group in self.param_groups:
             e = []
             for p in group["params"]:
-                gen = torch.Generator(p.device).manual_seed(derive_seed(self.seed, self.rank, self.current_step, self.draws, index))
-                e.append(torch.randn(p.shape, generator=gen, dtype=p.dtype, device=p.device).flatten())
+                e.append(self.draw(p, index).flatten())
                 index += 1
             noise = torch.cat(e) / (group["ess"] * (group["hess"] + group["weight_decay"])).sqrt()
             noise_samples.append(noise)
@@ -92,7 +102,7 @@ class SeededIVON(ivon.IVON):
 
 
 def reference_ivon_loop(model, batches_per_step, steps, *, lr, ess, hess_init, beta1, beta2, wd, seed, mc_samples=1,
-                        clip_norm=0.0, rank=0, loss_scale=1.0):
+                        clip_norm=0.0, rank=0, loss_scale=1.0, counter_min_numel=math.inf):
     """The ivon-opt README loop, written out by hand, with the noise drawn as VariationalIVON draws it.
 
     `batches_per_step(step)` returns the micro-batches [(x, y), ...] of that optimizer step.
@@ -100,7 +110,7 @@ def reference_ivon_loop(model, batches_per_step, steps, *, lr, ess, hess_init, b
     model = copy.deepcopy(model)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = SeededIVON(params, seed=seed, rank=rank, lr=lr, ess=ess, hess_init=hess_init, beta1=beta1, beta2=beta2,
-                     weight_decay=wd)
+                     weight_decay=wd, counter_min_numel=counter_min_numel)
     for step in range(steps):
         for x, y in batches_per_step(step):
             for _ in range(mc_samples):

@@ -15,7 +15,7 @@ from transformers import ResNetConfig, ResNetForImageClassification, ViTImagePro
 
 from varsmooth import LabelNoiseCallback, VariationalModel, VariationalTrainer, VariationalTrainingArguments, pipeline
 from varsmooth.corruption import corrupt_labels
-from varsmooth.posterior.optimizer import derive_seed
+from varsmooth.posterior import derive_seed
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "examples"))
 from example_utils.data import load_digits_dataset  # noqa: E402

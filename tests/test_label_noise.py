@@ -33,7 +33,7 @@ from varsmooth.label_noise import (
     summarize_label_noise,
     write_label_noise,
 )
-from varsmooth.posterior.optimizer import derive_seed
+from varsmooth.posterior import derive_seed
 
 # ε(m, v=1) by 64-node Gauss–Hermite quadrature, computed separately and printed to 5 decimals
 REFERENCE_EPS = {0.0: 0.0, 0.5: 0.02043, 1.0: 0.03432, 1.5: 0.03905, 2.0: 0.03626, 4.0: 0.01012}

@@ -2,7 +2,8 @@
 
 from .diagnostics import HESSIAN_STUCK_TOLERANCE, HessianDiagnosticsCallback, hessian_summary
 from .gaussian import POSTERIOR_FILE, DiagonalGaussianPosterior, std_summary
-from .optimizer import VariationalIVON, derive_seed, unwrap_ivon
+from .noise import derive_seed
+from .optimizer import VariationalIVON, unwrap_ivon
 from .mc_dropout import OUTPUT_DROPOUT_KEY, add_output_dropout, dropout_modules, dropout_sampling, mc_dropout_predictive
 from .prediction import VariationalClassifierOutput, average_predictions, model_logits, model_outputs, predictive_distribution
 

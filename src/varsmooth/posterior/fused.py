@@ -1,8 +1,9 @@
 """IVON's per-weight arithmetic as fused CPU loops, compiled by torch.compile (Inductor's C++ backend).
 
 On the CPU the optimizer is memory-bound: the foreach formulation of `VariationalIVON` makes about fourteen passes
-over parameter-sized tensors per step and sample, where these kernels read and write each tensor once (a sample:
-read m, e, h, write the mean's copy and θ; a step: read m, ḡ, momentum, h, e or mean(e⊙g), write m, momentum, h). The
+over parameter-sized tensors per step and sample, where these kernels read and write each tensor once. A sample
+reads m and h and writes the mean's copy, e and θ, computing e in the loop (`counter_normal`, whose arithmetic
+overlaps the memory traffic); a step reads m, ḡ, momentum, h and e or mean(e⊙g), and writes m, momentum, h. The
 formulas are those of `VariationalIVON._update_chunk` and `_update_mean`, written element-wise; the tests run both
 against ivon-opt.
 
@@ -21,14 +22,20 @@ from collections.abc import Callable
 
 import torch
 
+from .noise import counter_key, counter_normal
+
 __all__ = ["cpu_kernels", "sample_coefficients", "update_coefficients"]
 
 
 def _sample(weight: torch.Tensor, mean: torch.Tensor, noise: torch.Tensor, hess: torch.Tensor,
-            coef: torch.Tensor) -> None:
-    """mean ← m; θ = m + σ⊙e into the weight, σ = ess^-1/2 / sqrt(h + δ). coef = (ess^-1/2, δ)."""
+            coef: torch.Tensor, key: torch.Tensor) -> None:
+    """mean ← m; e ← `counter_normal` of `key` into the noise buffer; θ = m + σ⊙e into the weight, with
+    σ = ess^-1/2 / sqrt(h + δ). coef = (ess^-1/2, δ)."""
+    # θ is formed from what was stored in mean and noise: with the same formula written on the weight and e,
+    # torch 2.14's Inductor stores θ into the mean too (caught by `cpu_kernels`' check of its probe)
     mean.copy_(weight)
-    weight.copy_(weight + noise * (coef[0] * torch.rsqrt(hess + coef[1])))
+    noise.copy_(counter_normal(weight.shape, key, weight.device))
+    weight.copy_(mean + noise * (coef[0] * torch.rsqrt(hess + coef[1])))
 
 
 def _update(weight: torch.Tensor, grad: torch.Tensor, momentum: torch.Tensor, hess: torch.Tensor,
@@ -78,9 +85,29 @@ class CpuKernels:
         self.sample, self.update, self.error = sample, update, error
 
 
+def _check_against_eager(sample: Callable, update: Callable) -> None:
+    """Runs the compiled loops once (which compiles them) on 37 elements, vectorised and scalar parts both, against
+    the same functions run eagerly: a compiler that miscompiles them must not train a model."""
+    g = torch.Generator().manual_seed(0)
+    weight, grad, nxg = (torch.randn(37, generator=g) for _ in range(3))
+    hess = torch.rand(37, generator=g) + 0.1
+    coef = {_sample: torch.tensor([0.1, 0.01]), _update: torch.tensor([0.1, 0.01, 0.01, 10.0, 0.1, 0.001, 0.5])}
+    args = {_sample: lambda: (weight.clone(), torch.empty(37), torch.empty(37), hess.clone(), coef[_sample],
+                              counter_key(0)),
+            _update: lambda: (weight.clone(), grad, torch.zeros(37), hess.clone(), nxg.clone(), coef[_update], True)}
+    for eager, compiled in ((_sample, sample), (_update, update)):
+        expected, got = args[eager](), args[eager]()
+        eager(*expected)
+        compiled(*got)
+        for a, b in zip(expected[:5], got[:5]):  # the tensors the loop may write
+            if not torch.allclose(a, b, rtol=1e-5, atol=1e-6):
+                raise RuntimeError(f"the compiled {eager.__name__} loop disagrees with its eager formula")
+
+
 @functools.cache
 def cpu_kernels() -> CpuKernels:
-    """The kernels, compiled and run once on a tiny float32 input (the compile happens there: sizes are dynamic)."""
+    """The kernels, compiled and checked against their eager formulas on a tiny float32 input (the compile happens
+    there: sizes are dynamic)."""
     # importing the C++ backend warns that no CUDA runtime exists, which is irrelevant to CPU kernels
     quiet = logging.getLogger("torch.utils.cpp_extension")
     level = quiet.level
@@ -94,9 +121,7 @@ def cpu_kernels() -> CpuKernels:
         sample = torch.compile(_sample, dynamic=True, fullgraph=True)
         update = torch.compile(_update, dynamic=True, fullgraph=True)
         with torch.no_grad():
-            w, e, h = torch.zeros(3), torch.ones(3), torch.ones(3)
-            sample(w, torch.empty(3), e, h, torch.tensor([1.0, 0.0]))
-            update(w, e, torch.zeros(3), h, e, torch.tensor([0.1, 0.1, 0.0, 1.0, 0.1, 0.0, float("inf")]), True)
+            _check_against_eager(sample, update)
         return CpuKernels(sample, update, None)
     except Exception as err:  # noqa: BLE001 - any failure to build means: use the foreach formulation
         first_line = (str(err).strip().splitlines() or [""])[0]

@@ -23,7 +23,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..utils import atomic_path
-from .optimizer import DTensor, _local, _local_slice, _whole, derive_seed
+from .noise import derive_seed
+from .optimizer import DTensor, _local, _local_slice, _whole
 
 __all__ = ["POSTERIOR_FILE", "DiagonalGaussianPosterior", "std_summary", "weights_fingerprint"]
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from .optimizer import derive_seed
+from .noise import derive_seed
 from .prediction import VariationalClassifierOutput, average_predictions, model_logits
 
 __all__ = ["OUTPUT_DROPOUT_KEY", "add_output_dropout", "dropout_modules", "dropout_sampling", "mc_dropout_predictive"]

@@ -16,12 +16,16 @@ vectors at every sample and step and reassigns `p.data`:
 * on accelerators the noise is not kept while the sample trains: it is drawn into the parameters and drawn again
   (the same counter) when the gradient arrives, so IVON holds one parameter-sized buffer more than AdamW (see
   `_keeps_noise`);
-* counter-based noise: parameter i of draw d after optimizer step t on process r is a standard normal from a
-  generator seeded by `derive_seed(noise_seed, r, t, d, i)`, so training is reproducible, resumes exactly without
-  touching the global RNG, DDP ranks draw independent samples, and each parameter's draw can be regenerated alone;
-* parameters sharded as DTensors (FSDP2's `fully_shard`): each rank samples and updates its local shard, and a
-  parameter's noise is drawn whole and sliced, so the shards form one draw (FSDP2 has averaged the gradients:
-  `sync` stays off); the state is sharded like the parameters and saves through `torch.distributed.checkpoint`;
+* counter-based noise: parameter i of draw d after optimizer step t on process r is a standard normal keyed by
+  `derive_seed(noise_seed, r, t, d, i)`, so training is reproducible, resumes exactly without touching the global
+  RNG, DDP ranks draw independent samples, and each parameter's draw can be regenerated alone. The fused loops
+  compute it (`varsmooth.posterior.noise.counter_normal`, element by element from its index: a Gaussian draw was
+  the largest cost of a CPU step), elsewhere a torch generator seeded with that key draws it; so the same seed
+  gives other samples with `fused=False`, as on another device;
+* parameters sharded as DTensors (FSDP2's `fully_shard`): each rank samples and updates its local shard, and the
+  shards form one draw (FSDP2 has averaged the gradients: `sync` stays off): the fused loops number a shard's
+  elements by their index in the whole parameter, elsewhere the noise is drawn whole and sliced. The state is
+  sharded like the parameters and saves through `torch.distributed.checkpoint`;
 * `sampled_params` restores the mean weights if the body raises (the sample is then not recorded), and treats a
   trainable parameter that got no gradient as a zero gradient instead of crashing (ivon-opt issue #2).
 """
@@ -40,6 +44,7 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from .fused import cpu_kernels, sample_coefficients, update_coefficients
+from .noise import COUNTER_LIMIT, counter_key, derive_seed
 
 try:
     from torch.distributed.tensor import DTensor
@@ -47,21 +52,7 @@ try:
 except ImportError:  # a torch build without distributed support has no sharded parameters
     DTensor = ()
 
-__all__ = ["VariationalIVON", "derive_seed", "unwrap_ivon"]
-
-_MASK = (1 << 63) - 1
-
-
-def derive_seed(*keys: int) -> int:
-    """A 63-bit seed that depends on every key (SplitMix64 mixing), for counter-based noise draws."""
-    state = 0x9E3779B97F4A7C15
-    for key in keys:
-        state = (state ^ (int(key) & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
-        state ^= state >> 31
-        state = state * 0x94D049BB133111EB & 0xFFFFFFFFFFFFFFFF
-        state ^= state >> 29
-    return state & _MASK
-
+__all__ = ["VariationalIVON", "unwrap_ivon"]
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     """The tensor this process holds: a DTensor's (e.g. an FSDP2 parameter's) local shard, else the tensor itself."""
@@ -71,6 +62,17 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 def _whole(t: torch.Tensor) -> torch.Tensor:
     """A DTensor gathered into one plain tensor on every rank (a collective), else the tensor itself."""
     return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _first_counter(p: torch.Tensor) -> int | None:
+    """The row-major index, in the whole parameter, of the first element this process holds; None where its
+    elements are not one run of consecutive indices (a DTensor sharded along a later dimension)."""
+    if not isinstance(p, DTensor):
+        return 0
+    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    if tuple(shape[1:]) != tuple(p.shape[1:]) or not p.to_local().is_contiguous():
+        return None
+    return offset[0] * math.prod(p.shape[1:]) if p.dim() else 0
 
 
 def _local_slice(t: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
@@ -113,13 +115,13 @@ def _flat(tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
     return tuple(t.view(-1) for t in tensors) if all(t.is_contiguous() for t in tensors) else tensors
 
 
-def _buckets(params: list[torch.Tensor], fuses: Callable[[torch.Tensor], bool] = lambda t: False
+def _buckets(params: list[torch.Tensor], fuses: Callable[[torch.Tensor], bool] = lambda p: False
              ) -> list[list[torch.Tensor]]:
     """`params` split by (device, dtype), as `torch._foreach_*` fast paths need one of each per call, and by
-    whether `fuses` their local tensor (the fused loops run tensor by tensor)."""
+    whether `fuses` them (the fused loops run tensor by tensor)."""
     groups: dict[tuple[torch.device, torch.dtype, bool], list[torch.Tensor]] = defaultdict(list)
     for p in params:
-        groups[(p.device, p.dtype, fuses(_local(p)))].append(p)
+        groups[(p.device, p.dtype, fuses(p))].append(p)
     return list(groups.values())
 
 
@@ -265,10 +267,12 @@ class VariationalIVON(torch.optim.Optimizer):
         buffer limits the model that fits, so e is drawn again from its counter (impossible without `noise_seed`)."""
         return self.noise_seed is None or t.device.type == "cpu"
 
-    def _fuses(self, t: torch.Tensor) -> bool:
-        """Whether the (local) tensor `t` runs the fused CPU loops (`fused`, `FUSED_MIN_NUMEL`); the first one
-        compiles them."""
-        if self.fused is False or t.device.type != "cpu" or t.numel() < FUSED_MIN_NUMEL:
+    def _fuses(self, p: torch.Tensor) -> bool:
+        """Whether the parameter `p` runs the fused CPU loops (`fused`, `FUSED_MIN_NUMEL` elements or more, and
+        for a DTensor a local shard of consecutive elements); the first one compiles them. Its noise is then
+        `counter_normal`'s, computed in the loop, else a torch generator's."""
+        if (self.fused is False or p.device.type != "cpu" or not FUSED_MIN_NUMEL <= p.numel() <= COUNTER_LIMIT
+                or _first_counter(p) is None):
             return False
         if self._kernels is None:
             self._kernels = cpu_kernels()
@@ -278,13 +282,17 @@ class VariationalIVON(torch.optim.Optimizer):
                               "pass fused=False to silence this.", RuntimeWarning)
         return self._kernels.error is None
 
-    def _draw_noise(self, out: list[torch.Tensor], params: list[torch.Tensor], indices: list[int], draw: int) -> None:
-        """Standard normal e per parameter into `out`, counter-based: one seed per (seed, rank, step, draw, parameter
-        index), drawn in the parameter's logical (contiguous) order, so it can be drawn again into any buffer.
+    def _seed(self, p: torch.Tensor, index: int, draw: int) -> int:
+        """The seed of parameter `index`'s noise in draw `draw` of this step: counter-based, with rank 0's seed on
+        every rank for a sharded (DTensor) parameter, whose shards form one global draw."""
+        if self.noise_seed is None:
+            return int(torch.randint(0, 1 << 62, ()).item())
+        return derive_seed(self.noise_seed, 0 if isinstance(p, DTensor) else self.rank, self.current_step, draw, index)
 
-        A sharded (DTensor) parameter is drawn whole, with rank 0's seed on every rank, and each rank keeps its
-        shard: the shards form one global draw, as in a one-process run.
-        """
+    def _draw_noise(self, out: list[torch.Tensor], params: list[torch.Tensor], indices: list[int], draw: int) -> None:
+        """Standard normal e per (not fused) parameter into `out`, from a generator seeded by `_seed` and drawn in
+        the parameter's logical (contiguous) order, so it can be drawn again into any buffer. A sharded (DTensor)
+        parameter is drawn whole on every rank, which keeps its shard."""
         for e, p, index in zip(out, params, indices):
             if self.noise_seed is None:
                 e.normal_()
@@ -292,8 +300,7 @@ class VariationalIVON(torch.optim.Optimizer):
             gen = self._generators.get(e.device)
             if gen is None:
                 gen = self._generators[e.device] = torch.Generator(device=e.device)
-            rank = 0 if isinstance(p, DTensor) else self.rank
-            gen.manual_seed(derive_seed(self.noise_seed, rank, self.current_step, draw, index))
+            gen.manual_seed(self._seed(p, index, draw))
             if isinstance(p, DTensor):
                 e.copy_(_local_slice(p, torch.empty(p.shape, dtype=e.dtype, device=e.device).normal_(generator=gen)))
             elif e.is_contiguous():
@@ -316,14 +323,14 @@ class VariationalIVON(torch.optim.Optimizer):
                 means = self._buffer(params, "mean")
                 bucket_indices = [indices[p] for p in params]
                 hess = [_local(self.state[p]["hess"]) for p in params]
-                if self._fuses(weights[0]):
+                if self._fuses(params[0]):
                     noise = self._buffer(params, "noise")
-                    self._draw_noise(noise, params, bucket_indices, self._draws_since_step)
                     coef = sample_coefficients(group, weights[0].dtype)
                     done = 0
-                    try:  # (mean ← m, θ into the weight) tensor by tensor: only those done are restored on a crash
-                        for tensors in zip(weights, means, noise, hess):
-                            self._kernels.sample(*_flat(tensors), coef)
+                    try:  # (mean ← m, e, θ into the weight) tensor by tensor: only those done are restored on a crash
+                        for p, p_index, *tensors in zip(params, bucket_indices, weights, means, noise, hess):
+                            key = counter_key(self._seed(p, p_index, self._draws_since_step), _first_counter(p))
+                            self._kernels.sample(*_flat(tuple(tensors)), coef, key)
                             done += 1
                     finally:
                         if done:
@@ -385,7 +392,7 @@ class VariationalIVON(torch.optim.Optimizer):
             nxg = self._buffer(bucket, role)
             if role == "mean":
                 self._draw_noise(nxg, bucket, indices, self._draws_since_step - 1)
-            if count == 1 and self._fuses(_local(bucket[0])):
+            if count == 1 and self._fuses(bucket[0]):
                 self._times_grad_pending.update(bucket)
             else:
                 torch._foreach_mul_(nxg, grads)
@@ -479,7 +486,7 @@ class VariationalIVON(torch.optim.Optimizer):
         mean(e⊙g) and a second one as scratch: the buffer of the mean weights (free until the next sample) where the
         noise is kept, else chunked temporaries (that buffer holds mean(e⊙g))."""
         weights = [_local(p) for p in params]
-        if self._fuses(weights[0]):
+        if self._fuses(params[0]):
             step_size, debias = self._step_scalars(group)
             coef = update_coefficients(group, weights[0].dtype, step_size=step_size, debias=debias)
             for p, w in zip(params, weights):

@@ -17,7 +17,7 @@ import torch
 from transformers.utils import ModelOutput
 
 from .gaussian import DiagonalGaussianPosterior
-from .optimizer import derive_seed
+from .noise import derive_seed
 
 __all__ = ["VariationalClassifierOutput", "average_predictions", "predictive_distribution", "model_logits", "model_outputs", "logits_of",
            "LABEL_KEYS"]
