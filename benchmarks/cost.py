@@ -13,7 +13,7 @@ Data: MNIST 9k subset, small CNN, batch 64 (random inputs of the same shape if M
     OMP_NUM_THREADS=1 python benchmarks/cost.py                 # ~6-8 min on one core
     OMP_NUM_THREADS=1 python benchmarks/cost.py --rounds 2 --steps 20 --eval-size 1000   # smoke
     python benchmarks/cost.py --report                          # rewrite the .md files from the committed .json
-    OMP_NUM_THREADS=1 python benchmarks/cost.py --engine --rounds 5 --steps 12 --skip 2  # IVON engine vs AdamW (engine.md)
+    OMP_NUM_THREADS=1 python benchmarks/cost.py --engine      # IVON engine vs AdamW (engine.md), ~17 min
     python benchmarks/cost.py --gpu --rounds 3 --steps 40 --skip 10    # on a GPU: bf16, vs AdamW(fused) (engine_gpu.md)
 
 Every ratio is shown as its median over rounds with the min-max over rounds beside it; a ratio whose spread

@@ -244,6 +244,26 @@ def test_fused_kernels_that_do_not_compile_fall_back_to_foreach_or_raise(monkeyp
     _assert_same_trajectory(ours, ref)
 
 
+def test_miscompiled_loops_are_caught_before_they_train(monkeypatch):
+    """`cpu_kernels` runs the compiled loops against their eager formulas: a compiler that gets them wrong (here: one
+    whose sample stores θ into the mean as well, as torch 2.14's Inductor did for one formulation) makes them
+    unavailable, and the optimizer falls back to foreach ops with the usual warning."""
+    import varsmooth.posterior.fused as fused
+
+    def miscompile(fn, **kw):
+        def wrong(*args):
+            fn(*args)
+            if fn is fused._sample:
+                args[1].copy_(args[0])
+        return wrong
+
+    monkeypatch.setattr(fused.torch, "compile", miscompile)
+    kernels = fused.cpu_kernels.__wrapped__()
+    assert kernels.sample is None and "compiled _sample loop disagrees with its eager formula" in kernels.error
+    monkeypatch.setattr(fused.torch, "compile", lambda fn, **kw: fn)  # the eager functions themselves pass
+    assert fused.cpu_kernels.__wrapped__().error is None
+
+
 @pytest.mark.parametrize("path", ["fused", "foreach"])
 def test_mixed_dtypes_one_step_matches_ivon_opt_formulas(path, monkeypatch):
     """Parameters of two dtypes in one optimizer (ivon-opt refuses): each is updated by ivon-opt's own formulas."""

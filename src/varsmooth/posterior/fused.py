@@ -86,17 +86,20 @@ class CpuKernels:
 
 
 def _check_against_eager(sample: Callable, update: Callable) -> None:
-    """Runs the compiled loops once (which compiles them) on 37 elements, vectorised and scalar parts both, against
-    the same functions run eagerly: a compiler that miscompiles them must not train a model."""
+    """Runs the compiled loops (which compiles them) on 37 elements, vectorised and scalar parts both, against the
+    same functions run eagerly: a compiler that miscompiles them must not train a model."""
     g = torch.Generator().manual_seed(0)
     weight, grad, nxg = (torch.randn(37, generator=g) for _ in range(3))
     hess = torch.rand(37, generator=g) + 0.1
-    coef = {_sample: torch.tensor([0.1, 0.01]), _update: torch.tensor([0.1, 0.01, 0.01, 10.0, 0.1, 0.001, 0.5])}
-    args = {_sample: lambda: (weight.clone(), torch.empty(37), torch.empty(37), hess.clone(), coef[_sample],
-                              counter_key(0)),
-            _update: lambda: (weight.clone(), grad, torch.zeros(37), hess.clone(), nxg.clone(), coef[_update], True)}
-    for eager, compiled in ((_sample, sample), (_update, update)):
-        expected, got = args[eager](), args[eager]()
+    sample_coef = torch.tensor([0.1, 0.01])
+    update_coef = torch.tensor([0.1, 0.01, 0.01, 10.0, 0.1, 0.001, 0.5])
+    calls = [(_sample, sample, lambda: (weight.clone(), torch.empty(37), torch.empty(37), hess.clone(), sample_coef,
+                                        counter_key(0)))]
+    for times_grad in (True, False):  # a bool is compiled in: each value is its own loop
+        calls.append((_update, update, lambda times_grad=times_grad: (
+            weight.clone(), grad, torch.zeros(37), hess.clone(), nxg.clone(), update_coef, times_grad)))
+    for eager, compiled, args in calls:
+        expected, got = args(), args()
         eager(*expected)
         compiled(*got)
         for a, b in zip(expected[:5], got[:5]):  # the tensors the loop may write
