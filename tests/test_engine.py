@@ -264,6 +264,35 @@ def test_miscompiled_loops_are_caught_before_they_train(monkeypatch):
     assert fused.cpu_kernels.__wrapped__().error is None
 
 
+def test_a_dtype_whose_loops_fail_their_check_runs_on_foreach_ops(monkeypatch):
+    """Each dtype's loops are checked when first used: a bfloat16 weight whose compiled sample is wrong takes foreach
+    ops with one warning (fused=True refuses), while the float32 weight beside it keeps the fused loops."""
+    import varsmooth.posterior.fused as fused
+    import varsmooth.posterior.optimizer as engine
+
+    if cpu_kernels().error and not (shutil.which("g++") or shutil.which("clang++")):
+        pytest.skip(f"no C++ compiler for torch.compile: {cpu_kernels().error}")
+    monkeypatch.setattr(engine, "FUSED_MIN_NUMEL", 0)
+
+    def wrong_in_bfloat16(*args):
+        fused._sample(*args)
+        if args[0].dtype == torch.bfloat16:
+            args[1].copy_(args[0])
+
+    kernels = fused.CpuKernels(wrong_in_bfloat16, cpu_kernels().update, None)
+    monkeypatch.setattr(engine, "cpu_kernels", lambda: kernels)
+    assert kernels.error_for(torch.float64) is None
+    assert "compiled _sample loop disagrees with its eager formula for torch.bfloat16" in kernels.error_for(torch.bfloat16)
+    weights = [torch.nn.Parameter(torch.randn(4, 4)), torch.nn.Parameter(torch.randn(4, 4, dtype=torch.bfloat16))]
+    opt = VariationalIVON(weights, lr=0.1, ess=10.0)
+    with pytest.warns(RuntimeWarning, match="fail for torch.bfloat16") as caught:
+        assert [opt._fuses(p) for p in weights] == [True, False]
+        assert opt._fuses(weights[1]) is False
+    assert len(caught) == 1
+    with pytest.raises(RuntimeError, match="fused=True.*fail for torch.bfloat16"):
+        VariationalIVON(weights, lr=0.1, ess=10.0, fused=True)._fuses(weights[1])
+
+
 @pytest.mark.parametrize("path", ["fused", "foreach"])
 def test_mixed_dtypes_one_step_matches_ivon_opt_formulas(path, monkeypatch):
     """Parameters of two dtypes in one optimizer (ivon-opt refuses): each is updated by ivon-opt's own formulas."""
@@ -271,22 +300,25 @@ def test_mixed_dtypes_one_step_matches_ivon_opt_formulas(path, monkeypatch):
     torch.manual_seed(0)
     a = torch.nn.Parameter(torch.randn(5, 4))
     b = torch.nn.Parameter(torch.randn(4, dtype=torch.float64))
+    c = torch.nn.Parameter(torch.randn(4, dtype=torch.bfloat16))
     kw = dict(lr=0.1, ess=50.0, hess_init=0.4, beta1=0.9, beta2=0.9, weight_decay=1e-2, clip_radius=0.5)
-    opt = VariationalIVON([a, b], noise_seed=1, **path_kw, **kw)
-    means = [a.detach().clone(), b.detach().clone()]
+    opt = VariationalIVON([a, b, c], noise_seed=1, **path_kw, **kw)
+    means = [p.detach().clone() for p in (a, b, c)]
     with opt.sampled_params(train=True):
-        noise = [a.detach() - means[0], b.detach() - means[1]]
-        ((a.sum(0) * b.float()).square().sum() + b.pow(3).sum()).backward()
-        grads = [a.grad.clone(), b.grad.clone()]
-    assert torch.equal(a.detach(), means[0]) and torch.equal(b.detach(), means[1])
+        noise = [p.detach() - m for p, m in zip((a, b, c), means)]
+        ((a.sum(0) * b.float()).square().sum() + b.pow(3).sum() + (c.float() * a[0]).square().sum()).backward()
+        grads = [p.grad.clone() for p in (a, b, c)]
+    assert all(torch.equal(p.detach(), m) for p, m in zip((a, b, c), means))
     opt.step()
-    for p, m0, n, g in zip((a, b), means, noise, grads):
+    assert [opt._fuses(p) for p in (a, b, c)] == [path == "fused"] * 3
+    for p, m0, n, g in zip((a, b, c), means, noise, grads):
         h0 = torch.full_like(p, 0.4)
         mom = ivon.IVON._new_momentum(g, torch.zeros_like(p), 0.9)
         hess = ivon.IVON._new_hess("price", h0, n * g, None, slice(None), 50.0, 0.9, 1e-2)
         expected = ivon.IVON._new_param_averages(m0, hess, mom, 0.1 * (0.4 + 1e-2), 1e-2, 0.5, 1 - 0.9, 0.4)
         assert opt.state[p]["hess"].dtype == p.dtype and opt.state[p]["momentum"].dtype == p.dtype
-        tol = 1e-5 if p.dtype == torch.float32 else 1e-12
+        # bfloat16: ivon-opt rounds each operation, the fused loop its results only
+        tol = {torch.float32: 1e-5, torch.float64: 1e-12, torch.bfloat16: 2e-2}[p.dtype]
         torch.testing.assert_close(opt.state[p]["momentum"], mom, atol=tol, rtol=tol)
         torch.testing.assert_close(opt.state[p]["hess"], hess, atol=tol, rtol=tol)
         torch.testing.assert_close(p.detach(), expected, atol=tol, rtol=tol)

@@ -39,17 +39,18 @@ def _sample(weight: torch.Tensor, mean: torch.Tensor, noise: torch.Tensor, hess:
 
 
 def _update(weight: torch.Tensor, grad: torch.Tensor, momentum: torch.Tensor, hess: torch.Tensor,
-            nxg: torch.Tensor, coef: torch.Tensor, times_grad: bool) -> None:
+            nxg: torch.Tensor, coef: torch.Tensor, times_grad: torch.Tensor) -> None:
     """One IVON step of one tensor (Shen et al. 2024, Alg. 1 lines 5-8, ivon-opt's 'price' estimate), with `nxg`
     mean(e⊙g), or e of the step's one sample if `times_grad` (the product is formed here, where e and g are read).
+    `times_grad` is a bool tensor, not a bool: dynamo compiles a loop per value of a Python bool, and every loop
+    counts towards its limit of 8 per function, which several dtypes would exceed.
 
     coef = (1-β1, 1-β2, δ, sqrt(ess), lr'/debias, δ·debias, r·debias), with r = inf when unclipped and 1-β2 = 0 for a
     fixed Hessian (both leave the update as the unclipped / fixed-Hessian formula for finite inputs, so one compiled
     loop serves every setting).
     """
     one_minus_b1, one_minus_b2, wd, root, step_size, decay, radius = coef.unbind()
-    if times_grad:
-        nxg = nxg * grad
+    nxg = torch.where(times_grad, nxg * grad, nxg)
     momentum.copy_(torch.lerp(momentum, grad, one_minus_b1))
     # h ← h + (1-β2) r q (s + ½(1-β2) r q), s = sqrt(h + δ), q = mean(e⊙g) - h/(r s): see `_update_chunk`
     s = torch.sqrt(hess + wd)
@@ -79,55 +80,83 @@ def _coef_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 class CpuKernels:
-    """The compiled `_sample` and `_update`, or `error` saying why they could not be built."""
+    """The compiled `_sample` and `_update`, or `error` saying why they could not be built.
+
+    Each dtype compiles its own loops on first use; `error_for(dtype)` checks them against the eager formulas then,
+    once per process, like the float32 loops `cpu_kernels` checks.
+    """
 
     def __init__(self, sample: Callable | None, update: Callable | None, error: str | None) -> None:
         self.sample, self.update, self.error = sample, update, error
+        self._errors: dict[torch.dtype, str | None] = {torch.float32: error}
+
+    def error_for(self, dtype: torch.dtype) -> str | None:
+        """Why the loops cannot run tensors of `dtype` (None: they can)."""
+        if dtype not in self._errors:
+            self._errors[dtype] = _build_error(lambda: _check_against_eager(self.sample, self.update, dtype))
+        return self._errors[dtype]
 
 
-def _check_against_eager(sample: Callable, update: Callable) -> None:
-    """Runs the compiled loops (which compiles them) on 37 elements, vectorised and scalar parts both, against the
-    same functions run eagerly: a compiler that miscompiles them must not train a model."""
+def _check_against_eager(sample: Callable, update: Callable, dtype: torch.dtype) -> None:
+    """Runs the compiled loops (which compiles them) on 37 elements of `dtype`, vectorised and scalar parts both,
+    against the same functions run eagerly: a compiler that miscompiles them must not train a model. Half precision
+    rounds each eager operation, the loops only their results: a tolerance of a few of its units."""
     g = torch.Generator().manual_seed(0)
-    weight, grad, nxg = (torch.randn(37, generator=g) for _ in range(3))
-    hess = torch.rand(37, generator=g) + 0.1
-    sample_coef = torch.tensor([0.1, 0.01])
-    update_coef = torch.tensor([0.1, 0.01, 0.01, 10.0, 0.1, 0.001, 0.5])
-    calls = [(_sample, sample, lambda: (weight.clone(), torch.empty(37), torch.empty(37), hess.clone(), sample_coef,
-                                        counter_key(0)))]
-    for times_grad in (True, False):  # a bool is compiled in: each value is its own loop
+    weight, grad, nxg = (torch.randn(37, generator=g).to(dtype) for _ in range(3))
+    hess = (torch.rand(37, generator=g) + 0.1).to(dtype)
+    sample_coef = torch.tensor([0.1, 0.01], dtype=_coef_dtype(dtype))
+    update_coef = torch.tensor([0.1, 0.01, 0.01, 10.0, 0.1, 0.001, 0.5], dtype=_coef_dtype(dtype))
+    buffer = lambda: torch.empty(37, dtype=dtype)  # noqa: E731
+    # the weight is a parameter, as in training: dynamo's guards tell tensors that require grad apart
+    calls = [(_sample, sample, lambda: (weight.clone().requires_grad_(), buffer(), buffer(), hess.clone(),
+                                        sample_coef, counter_key(0)))]
+    for times_grad in (True, False):
         calls.append((_update, update, lambda times_grad=times_grad: (
-            weight.clone(), grad, torch.zeros(37), hess.clone(), nxg.clone(), update_coef, times_grad)))
-    for eager, compiled, args in calls:
-        expected, got = args(), args()
-        eager(*expected)
-        compiled(*got)
-        for a, b in zip(expected[:5], got[:5]):  # the tensors the loop may write
-            if not torch.allclose(a, b, rtol=1e-5, atol=1e-6):
-                raise RuntimeError(f"the compiled {eager.__name__} loop disagrees with its eager formula")
+            weight.clone().requires_grad_(), grad, torch.zeros(37, dtype=dtype), hess.clone(), nxg.clone(),
+            update_coef, torch.tensor(times_grad))))
+    rtol, atol = (1e-5, 1e-6) if torch.finfo(dtype).bits >= 32 else (2e-2, 2e-2)
+    with torch.no_grad():
+        for eager, compiled, args in calls:
+            expected, got = args(), args()
+            eager(*expected)
+            compiled(*got)
+            for a, b in zip(expected[:5], got[:5]):  # the tensors the loop may write
+                if not torch.allclose(a, b, rtol=rtol, atol=atol):
+                    raise RuntimeError(f"the compiled {eager.__name__} loop disagrees with its eager formula "
+                                       f"for {dtype}")
+
+
+def _build_error(build: Callable[[], None]) -> str | None:
+    """Runs `build`, which compiles and checks loops; returns why it failed (its error's first line), or None."""
+    # importing the C++ backend warns that no CUDA runtime exists, which is irrelevant to CPU kernels
+    quiet = logging.getLogger("torch.utils.cpp_extension")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        build()
+        return None
+    except Exception as err:  # noqa: BLE001 - any failure to build means: use the foreach formulation
+        first_line = (str(err).strip().splitlines() or [""])[0]
+        return f"{type(err).__name__}: {first_line}"
+    finally:
+        quiet.setLevel(level)
 
 
 @functools.cache
 def cpu_kernels() -> CpuKernels:
     """The kernels, compiled and checked against their eager formulas on a tiny float32 input (the compile happens
     there: sizes are dynamic)."""
-    # importing the C++ backend warns that no CUDA runtime exists, which is irrelevant to CPU kernels
-    quiet = logging.getLogger("torch.utils.cpp_extension")
-    level = quiet.level
-    quiet.setLevel(logging.ERROR)
-    try:
+    kernels = {}
+
+    def build() -> None:
         # A process's first backward sizes autograd's device threads, once; the fake tensors torch.compile traces
         # with would count as a device by then, and autograd refuses to run in forked children of a process with
         # device threads (e.g. multiprocessing's fork). A backward before compiling leaves autograd as without it.
         with torch.enable_grad():
             torch.ones(1, requires_grad=True).sum().backward()
-        sample = torch.compile(_sample, dynamic=True, fullgraph=True)
-        update = torch.compile(_update, dynamic=True, fullgraph=True)
-        with torch.no_grad():
-            _check_against_eager(sample, update)
-        return CpuKernels(sample, update, None)
-    except Exception as err:  # noqa: BLE001 - any failure to build means: use the foreach formulation
-        first_line = (str(err).strip().splitlines() or [""])[0]
-        return CpuKernels(None, None, f"{type(err).__name__}: {first_line}")
-    finally:
-        quiet.setLevel(level)
+        kernels["sample"] = torch.compile(_sample, dynamic=True, fullgraph=True)
+        kernels["update"] = torch.compile(_update, dynamic=True, fullgraph=True)
+        _check_against_eager(kernels["sample"], kernels["update"], torch.float32)
+
+    error = _build_error(build)
+    return CpuKernels(None, None, error) if error else CpuKernels(kernels["sample"], kernels["update"], None)

@@ -91,6 +91,9 @@ def _add_scalar_into(out: list[torch.Tensor], tensors: list[torch.Tensor], scala
 #: op's per-tensor dispatch, so smaller tensors (biases, norms, LoRA factors) are faster with foreach ops
 FUSED_MIN_NUMEL = 1 << 14
 
+#: the fused step's flag "form e⊙g here", as tensors (see `fused._update`)
+_TIMES_GRAD = {flag: torch.tensor(flag) for flag in (False, True)}
+
 #: on the accelerator path, the most elements a step's or a sample's temporaries cover at once: temporaries stay a
 #: small fraction of the model instead of one more parameter-sized buffer
 CHUNK_NUMEL = 1 << 22
@@ -204,6 +207,7 @@ class VariationalIVON(torch.optim.Optimizer):
         # it reads both anyway, which saves a pass over e and the gradient
         self._times_grad_pending: set[torch.Tensor] = set()
         self._generators: dict[torch.device, torch.Generator] = {}
+        self._refused_dtypes: set[torch.dtype] = set()  # dtypes the fused loops fail for, warned about once
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -280,7 +284,17 @@ class VariationalIVON(torch.optim.Optimizer):
                 warnings.warn(f"IVON's fused CPU kernels do not compile ({self._kernels.error}); using foreach ops, "
                               "which are slower on the CPU. Install a C++ compiler (e.g. g++) for torch.compile, or "
                               "pass fused=False to silence this.", RuntimeWarning)
-        return self._kernels.error is None
+        if self._kernels.error:
+            return False
+        error = self._kernels.error_for(p.dtype)
+        if error and p.dtype not in self._refused_dtypes:
+            if self.fused:
+                raise RuntimeError(f"fused=True, but IVON's fused CPU kernels fail for {p.dtype} ({error}): pass "
+                                   "fused=None to use foreach ops for it, or fused=False.")
+            self._refused_dtypes.add(p.dtype)
+            warnings.warn(f"IVON's fused CPU kernels fail for {p.dtype} ({error}); its tensors use foreach ops. "
+                          "Pass fused=False to silence this.", RuntimeWarning)
+        return error is None
 
     def _seed(self, p: torch.Tensor, index: int, draw: int) -> int:
         """The seed of parameter `index`'s noise in draw `draw` of this step: counter-based, with rank 0's seed on
@@ -493,7 +507,7 @@ class VariationalIVON(torch.optim.Optimizer):
                 state = self.state[p]
                 tensors = (w, self._avg_grad[p], _local(state["momentum"]), _local(state["hess"]),
                            self._buffers[p]["avg_nxg"])
-                self._kernels.update(*_flat(tensors), coef, p in self._times_grad_pending)
+                self._kernels.update(*_flat(tensors), coef, _TIMES_GRAD[p in self._times_grad_pending])
             return
         if self._keeps_noise(weights[0]):
             self._update_chunk(group, params, self._buffer(params, "mean"))
