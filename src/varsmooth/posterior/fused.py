@@ -9,8 +9,10 @@ against ivon-opt.
 
 Compiling needs a C++ compiler and takes ~15 s the first time on a machine, then ~5 s per process (dynamo's trace;
 Inductor's on-disk cache answers the rest).
-`cpu_kernels()` compiles and runs the kernels once on a tiny input and reports why they are unavailable instead of
-raising, so that the optimizer can fall back to its foreach formulation.
+`cpu_kernels()` compiles the kernels and runs them against the same functions run eagerly, on a tiny input, and
+reports why they are unavailable instead of raising, so that the optimizer can fall back to its foreach formulation;
+`CpuKernels.error_for` does the same for each further dtype. The check is no formality: torch 2.14's Inductor
+miscompiled one formulation of `_sample` (see there).
 """
 
 from __future__ import annotations
