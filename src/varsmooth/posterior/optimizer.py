@@ -54,6 +54,7 @@ except ImportError:  # a torch build without distributed support has no sharded 
 
 __all__ = ["VariationalIVON", "unwrap_ivon"]
 
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     """The tensor this process holds: a DTensor's (e.g. an FSDP2 parameter's) local shard, else the tensor itself."""
     return t.to_local() if isinstance(t, DTensor) else t
