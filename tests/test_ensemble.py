@@ -13,7 +13,7 @@ import torch
 from transformers import BertConfig, BertForSequenceClassification, BertTokenizer
 
 from helpers import TinyClassifier, make_args
-from varsmooth import DeepEnsemble, TemperatureScaling, VariationalModel, VariationalTrainer, classification_metrics, pipeline
+from varsmooth import DeepEnsemble, TemperatureScaling, VariationalModel, VariationalTrainer, classification_metrics
 from varsmooth.calibration import TEMPERATURE_SCALING_FILE
 from varsmooth.ensemble import ENSEMBLE_CONFIG_FILE
 from varsmooth.posterior import DiagonalGaussianPosterior, derive_seed
