@@ -260,8 +260,12 @@ def test_miscompiled_loops_are_caught_before_they_train(monkeypatch):
     monkeypatch.setattr(fused.torch, "compile", miscompile)
     kernels = fused.cpu_kernels.__wrapped__()
     assert kernels.sample is None and "compiled _sample loop disagrees with its eager formula" in kernels.error
-    monkeypatch.setattr(fused.torch, "compile", lambda fn, **kw: fn)  # the eager functions themselves pass
+    monkeypatch.setattr(fused.torch, "compile", lambda fn, **kw: lambda *args: fn(*args))  # correct "loops" pass
     assert fused.cpu_kernels.__wrapped__().error is None
+    # TORCHDYNAMO_DISABLE=1 makes torch.compile return the function itself: eager, the loops would be slower than
+    # the foreach formulation (counter_normal in separate operations), so they count as unavailable
+    monkeypatch.setattr(fused.torch, "compile", lambda fn, **kw: fn)
+    assert "torch.compile is switched off" in fused.cpu_kernels.__wrapped__().error
 
 
 def test_a_dtype_whose_loops_fail_their_check_runs_on_foreach_ops(monkeypatch):
