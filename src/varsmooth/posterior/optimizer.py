@@ -187,7 +187,8 @@ class VariationalIVON(torch.optim.Optimizer):
         self._kernels = cpu_kernels() if fused else None
         if fused and self._kernels.error:
             raise RuntimeError(f"fused=True, but IVON's fused CPU kernels do not compile ({self._kernels.error}): "
-                               "install a C++ compiler (e.g. g++) for torch.compile, or pass fused=False.")
+                               "install a C++ compiler (e.g. g++) for torch.compile and leave torch.compile switched "
+                               "on, or pass fused=False.")
         self.current_step = 0
         self._draws_since_step = 0
         self._count = 0  # MC samples recorded since the last step
@@ -283,8 +284,8 @@ class VariationalIVON(torch.optim.Optimizer):
             self._kernels = cpu_kernels()
             if self._kernels.error:
                 warnings.warn(f"IVON's fused CPU kernels do not compile ({self._kernels.error}); using foreach ops, "
-                              "which are slower on the CPU. Install a C++ compiler (e.g. g++) for torch.compile, or "
-                              "pass fused=False to silence this.", RuntimeWarning)
+                              "which are slower on the CPU. Install a C++ compiler (e.g. g++) for torch.compile and "
+                              "leave torch.compile switched on, or pass fused=False to silence this.", RuntimeWarning)
         if self._kernels.error:
             return False
         error = self._kernels.error_for(p.dtype)
