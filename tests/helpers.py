@@ -5,12 +5,14 @@ from __future__ import annotations
 import copy
 import importlib.util
 import math
+import shutil
 import sys
 from pathlib import Path
 from types import ModuleType
 
 import datasets
 import numpy as np
+import pytest
 import torch
 import torch.nn.functional as F
 from transformers.modeling_outputs import SequenceClassifierOutput
@@ -18,6 +20,7 @@ from transformers.modeling_outputs import SequenceClassifierOutput
 import ivon
 from varsmooth import VariationalTrainingArguments
 from varsmooth.posterior import derive_seed
+from varsmooth.posterior.fused import cpu_kernels
 from varsmooth.posterior.noise import counter_key, counter_normal
 
 
@@ -59,6 +62,13 @@ def make_args(tmp_path, **kw) -> VariationalTrainingArguments:
     )
     defaults.update(kw)
     return VariationalTrainingArguments(**defaults)
+
+
+def skip_without_fused_kernels() -> None:
+    """Skips a test of IVON's fused CPU loops where they cannot compile for want of a C++ compiler (with a compiler,
+    a failure to compile is a bug the test must show)."""
+    if cpu_kernels().error and not (shutil.which("g++") or shutil.which("clang++")):
+        pytest.skip(f"no C++ compiler for torch.compile: {cpu_kernels().error}")
 
 
 class SeededIVON(ivon.IVON):

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import ivon
-from helpers import SeededIVON
+from helpers import SeededIVON, skip_without_fused_kernels
 from varsmooth.posterior import VariationalIVON
 from varsmooth.posterior.fused import cpu_kernels
 
@@ -100,8 +100,7 @@ def _on_path(path, monkeypatch):
     import varsmooth.posterior.optimizer as engine
 
     if path == "fused":
-        if cpu_kernels().error and not (shutil.which("g++") or shutil.which("clang++")):
-            pytest.skip(f"no C++ compiler for torch.compile: {cpu_kernels().error}")
+        skip_without_fused_kernels()
         monkeypatch.setattr(engine, "FUSED_MIN_NUMEL", 0)  # the models here are far smaller than the threshold
         return {"fused": True}
     if path == "redraw":
@@ -274,9 +273,7 @@ def test_a_dtype_whose_loops_fail_their_check_runs_on_foreach_ops(monkeypatch):
     import varsmooth.posterior.fused as fused
     import varsmooth.posterior.optimizer as engine
 
-    if cpu_kernels().error and not (shutil.which("g++") or shutil.which("clang++")):
-        pytest.skip(f"no C++ compiler for torch.compile: {cpu_kernels().error}")
-    monkeypatch.setattr(engine, "FUSED_MIN_NUMEL", 0)
+    _on_path("fused", monkeypatch)
 
     def wrong_in_bfloat16(*args):
         fused._sample(*args)
@@ -387,6 +384,7 @@ def test_crash_inside_sampling_restores_means_and_records_nothing(path, monkeypa
 def test_default_cpu_run_mixes_fused_and_foreach_tensors():
     """With the default threshold the large weights run the fused loop and the small tensors foreach ops, in one
     param group: together they follow ivon-opt."""
+    skip_without_fused_kernels()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 160), torch.nn.Tanh(), torch.nn.Linear(160, 128),
                                 torch.nn.Tanh(), torch.nn.Linear(128, 3))
@@ -406,8 +404,6 @@ def test_default_cpu_run_mixes_fused_and_foreach_tensors():
         runs.append((opt, m, _flat(m.parameters()), _opt_state(opt)[0]))
     (ours, ours_model, *ours_state), (_, _, *ref_state) = runs
     fused = [ours._fuses(p) for p in ours_model.parameters()]
-    if ours._kernels.error and not (shutil.which("g++") or shutil.which("clang++")):
-        pytest.skip(f"no C++ compiler for torch.compile: {ours._kernels.error}")
     assert fused == [False, False, True, False, False, False]  # only the 160×128 weight is large enough
     for a, b in zip(ours_state, ref_state):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
@@ -604,8 +600,7 @@ def test_forked_children_can_still_train_after_the_fused_kernels_compiled(tmp_pa
         "    child.start()\n"
         "    child.join(60)\n"
         "    raise SystemExit(child.exitcode)\n")
-    if cpu_kernels().error and not (shutil.which("g++") or shutil.which("clang++")):
-        pytest.skip(f"no C++ compiler for torch.compile: {cpu_kernels().error}")
+    skip_without_fused_kernels()
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-3000:]

@@ -1,15 +1,14 @@
 """The counter-based Gaussian of IVON's fused CPU loops: its statistics, its counters, and the engine drawing it."""
 
 import math
-import shutil
 
 import numpy as np
 import pytest
 import scipy.stats
 import torch
 
+from helpers import skip_without_fused_kernels
 from varsmooth.posterior import VariationalIVON, derive_seed
-from varsmooth.posterior.fused import cpu_kernels
 from varsmooth.posterior.noise import COUNTER_LIMIT, counter_key, counter_normal
 
 N = 1 << 20
@@ -75,8 +74,7 @@ def test_counters_out_of_range_are_refused():
 def fused_everywhere(monkeypatch):
     import varsmooth.posterior.optimizer as engine
 
-    if cpu_kernels().error and not (shutil.which("g++") or shutil.which("clang++")):
-        pytest.skip(f"no C++ compiler for torch.compile: {cpu_kernels().error}")
+    skip_without_fused_kernels()
     monkeypatch.setattr(engine, "FUSED_MIN_NUMEL", 0)
 
 
