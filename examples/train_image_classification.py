@@ -34,21 +34,18 @@ error.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import datasets
 import torch
-import yaml
 from transformers import AutoImageProcessor, HfArgumentParser, ViTImageProcessor, set_seed
 
-from varsmooth import LabelNoiseCallback, VariationalTrainer, VariationalTrainingArguments
+from varsmooth import VariationalTrainer, VariationalTrainingArguments
 from varsmooth.corruption import CorruptionArguments, NoiseReport, noise_report
-from varsmooth.methods import get_method_class, method_config_classes, method_config_from_flags
+from varsmooth.methods import get_method_class, method_config_classes
 from varsmooth.adapters import LoraArguments
 from varsmooth.utils import checkpoint_to_resume
 
@@ -56,7 +53,8 @@ from varsmooth.utils import checkpoint_to_resume
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from example_utils.data import CIFAR10N_LABEL_SETS, load_cifar10n, load_digits_dataset, train_eval_splits  # noqa: E402
 from example_utils.models import WEIGHT_PACKAGES, count_parameters, create_image_classifier, is_timm_name  # noqa: E402
-from example_utils.script import (ExampleCorruptionArguments, SplitArguments, train_evaluate_and_share,  # noqa: E402
+from example_utils.script import (ExampleCorruptionArguments, ExportArguments, SplitArguments,  # noqa: E402
+                                  label_noise_callbacks, parse_example_arguments, train_evaluate_and_share,
                                   validation_noise_transition)
 
 logger = logging.getLogger(__name__)
@@ -113,20 +111,22 @@ class DataArguments(SplitArguments):
     max_train_samples: int | None = field(default=None, metadata={"help": "Truncate the training set (for quick runs)."})
 
 
+#: how the card names the embedded data (in its text: it is no Hub dataset id, so not in its `datasets:` metadata)
+EMBEDDED_DATASET_NAME = "scikit-learn's 8x8 digits (sklearn.datasets.load_digits)"
+#: a rate below this is a fine-tuning rate: a network trained from scratch hardly moves in the example's run with it
+FINETUNING_RATE = 1e-4
+
+
 @dataclass
-class ExampleTrainingArguments(VariationalTrainingArguments):
-    """The example's defaults: a run that shows the method on the embedded data in about a minute on 2 cores."""
+class ExampleTrainingArguments(VariationalTrainingArguments, ExportArguments):
+    """The example's defaults: a run that shows the method on the embedded data in about a minute on 2 cores; a model
+    trained from scratch gets its method's `scratch_learning_rate` unless --learning_rate is given."""
 
     output_dir: str = field(default="outputs/image-classification", metadata={"help": "Where the model, posterior and metrics go."})
     overwrite_output_dir: bool = field(
         default=False,
         metadata={"help": "Train into a non-empty output_dir, from scratch even if it holds checkpoints (by default "
                           "such a folder is refused, and its last checkpoint-N resumed)."},
-    )
-    label_noise_samples: int = field(
-        default=64,
-        metadata={"help": "Posterior samples for the per-example label-noise export (label_noise.parquet, summary and "
-                          "pictures next to the model; IVON methods only). 0: no export."},
     )
     num_train_epochs: float = field(default=30.0, metadata={"help": "Training epochs."})
     per_device_train_batch_size: int = field(default=32, metadata={"help": "Batch size per device for training."})
@@ -203,37 +203,33 @@ def build_processor(model_args: ModelArguments, num_channels: int, image_size: i
 
 def parse_arguments(argv: list[str]) -> tuple[ModelArguments, DataArguments, CorruptionArguments, ExampleTrainingArguments]:
     """Command-line flags, or one JSON/YAML file as in the transformers examples. LoRA switches IVON to
-    `ivon_preset="lora"`, else a pretrained model to `ivon_preset="finetune"`, unless the user chose a preset."""
+    `ivon_preset="lora"`, else a pretrained model to `ivon_preset="finetune"`, unless the user chose a preset; a model
+    trained from scratch gets its method's `scratch_learning_rate` unless the user chose a rate."""
     parser = HfArgumentParser((ModelArguments, DataArguments, ExampleCorruptionArguments, ExampleTrainingArguments,
                                *method_config_classes()))
-
-    def parse(**overrides: str) -> tuple[tuple, set[str]]:  # the dataclasses, and the names of the arguments given
-        if len(argv) == 1 and argv[0].endswith((".json", ".yaml", ".yml")):
-            text = Path(argv[0]).read_text()
-            config = json.loads(text) if argv[0].endswith(".json") else yaml.safe_load(text)
-            parsed, given = parser.parse_dict({**config, **overrides}), set(config)
-        else:
-            flags = argv + [f"--{name}={value}" for name, value in overrides.items()]
-            parsed = parser.parse_args_into_dataclasses(args=flags)
-            given = {a[2:].split("=")[0].replace("-", "_") for a in argv if a.startswith("--")}
-        *arguments, training_args = parsed[:4]
-        method_config = method_config_from_flags(training_args.method, parsed[4:], given)
-        if method_config is not None:
-            training_args = dataclasses.replace(training_args, method_config=method_config)
-        return (*arguments, training_args), given
-
-    parsed, given = parse()
-    model_args = parsed[0]
+    parsed, given = parse_example_arguments(parser, argv)
+    model_args, training_args = parsed[0], parsed[3]
+    overrides = {}
     if model_args.lora_enabled and "ivon_preset" not in given:
         logger.info("LoRA: IVON uses ivon_preset='lora' (Cong et al. 2024's recipe; pass --ivon_preset to choose another).")
-        parsed, _ = parse(ivon_preset="lora")
-        return parsed
+        overrides["ivon_preset"] = "lora"
     pretrained = model_args.pretrained or model_args.pretrained_weights or (
         model_args.model_name_or_path and not is_timm_name(model_args.model_name_or_path))
-    if pretrained and "ivon_preset" not in given:
+    if pretrained and not overrides and "ivon_preset" not in given:
         # the authors' from-scratch IVON settings wreck a pretrained model (benchmarks/README.md, "Fine-tuning a pretrained model")
         logger.info("Pretrained model: IVON uses ivon_preset='finetune' (pass --ivon_preset scratch to train from scratch).")
-        parsed, _ = parse(ivon_preset="finetune")
+        overrides["ivon_preset"] = "finetune"
+    method = get_method_class(training_args.method)
+    if not pretrained and not method.uses_ivon:
+        if "learning_rate" not in given:
+            # TrainingArguments' 5e-5 is a fine-tuning rate (benchmarks/example_learning_rates.py)
+            overrides["learning_rate"] = str(method.scratch_learning_rate)
+        elif training_args.learning_rate < FINETUNING_RATE:
+            logger.warning("--learning_rate %g is a fine-tuning rate, and this model trains from scratch: %s's default "
+                           "here is %g (benchmarks/example_learning_rates.py).", training_args.learning_rate,
+                           training_args.method, method.scratch_learning_rate)
+    if overrides:
+        parsed, _ = parse_example_arguments(parser, argv, **overrides)
     return parsed
 
 
@@ -292,14 +288,21 @@ def main() -> None:
 
     train, validation = data["train"].with_transform(transform), data["validation"].with_transform(transform)
     test = data["test"].with_transform(transform) if "test" in data else None
-    export = training_args.label_noise_samples > 0 and get_method_class(training_args.method).uses_ivon
     trainer = VariationalTrainer(model=model, args=training_args, train_dataset=train, eval_dataset=validation,
                                  data_collator=collate, processing_class=processor,
                                  noise_report=reports["train"] if reports else None,
                                  eval_noise_transition=validation_noise_transition(reports),
-                                 callbacks=[LabelNoiseCallback(training_args.label_noise_samples, plots=True)] if export else None)
-    dataset_name = data_args.dataset_name or ("local image folders" if data_args.train_dir else "sklearn-digits")
-    train_evaluate_and_share(trainer, checkpoint, test, dataset_name)
+                                 callbacks=label_noise_callbacks(training_args))
+    if data_args.dataset == "cifar10n":
+        dataset_name, tags = "CIFAR-10N (Wei et al. 2022; CC BY-NC 4.0)", None
+    elif data_args.dataset_name and not os.path.isdir(data_args.dataset_name):
+        dataset_name, tags = data_args.dataset_name, [data_args.dataset_name]
+    elif data_args.dataset_name or data_args.train_dir:
+        dataset_name, tags = data_args.dataset_name or "local image folders", None
+    else:
+        dataset_name, tags = EMBEDDED_DATASET_NAME, None
+    train_evaluate_and_share(trainer, checkpoint, test, dataset_name, dataset_tags=tags,
+                             test_labels=data["test"][label_column] if "test" in data else None)
 
 
 if __name__ == "__main__":

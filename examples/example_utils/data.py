@@ -1,6 +1,7 @@
 """Datasets as `datasets.DatasetDict`s for the examples, tests and benchmarks, with no network.
 
 * `load_digits_dataset`: scikit-learn's 8x8 digits, which ship with scikit-learn (the image example's default).
+* `load_sentiment_sentences`: 3,000 review sentences shipped in examples/data (the text example's default).
 * `load_cifar10n`: CIFAR-10 with the CIFAR-10N human labels (Wei et al. 2022) as the training labels.
 * `load_text_classification_files` / `load_text_dataset`: `<label> <text>` files such as SST-2 and TREC.
 
@@ -23,11 +24,13 @@ from varsmooth.corruption import NoiseReport, corrupt_labels
 __all__ = [
     "CIFAR10N_LABEL_SETS",
     "CIFAR10_CLASSES",
+    "SENTIMENT_SENTENCES_DIR",
     "TEXT_DATASETS",
     "cifar10n_labels",
     "default_data_dir",
     "load_cifar10n",
     "load_digits_dataset",
+    "load_sentiment_sentences",
     "load_text_classification_files",
     "load_text_dataset",
     "train_eval_splits",
@@ -71,6 +74,37 @@ def load_digits_dataset(test_size: float = 0.2, seed: int = 0) -> datasets.Datas
     images = (digits.images * (255.0 / 16.0)).round().astype(np.uint8)
     features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=[str(i) for i in range(10)])})
     ds = datasets.Dataset.from_dict({"image": list(images), "label": digits.target.tolist()}, features=features)
+    return ds.train_test_split(test_size=test_size, seed=seed, stratify_by_column="label")
+
+
+#: the text example's embedded data: Sentiment Labelled Sentences (Kotzias et al. 2015; UCI, CC BY 4.0), see its README
+SENTIMENT_SENTENCES_DIR = Path(__file__).resolve().parents[1] / "data" / "sentiment_sentences"
+SENTIMENT_SENTENCES_FILES = ("amazon_cells_labelled.txt", "imdb_labelled.txt", "yelp_labelled.txt")
+
+
+def load_sentiment_sentences(test_size: float = 0.2, seed: int = 0) -> datasets.DatasetDict:
+    """The 3,000 review sentences of "Sentiment Labelled Sentences" (Kotzias et al. 2015, "From Group to Individual
+    Labels using Deep Features"; UCI Machine Learning Repository, CC BY 4.0): 1,000 each from Amazon, IMDb and Yelp
+    reviews, negative/positive, 500 of each per site. Shipped with the examples (examples/data/sentiment_sentences), so
+    the text example runs from a fresh clone with no network.
+
+    Columns `text`, `label` (ClassLabel negative/positive) and `source` (amazon/imdb/yelp); a `test` split of
+    `test_size`, stratified by label, drawn with `seed`.
+    """
+    texts, labels, sources = [], [], []
+    for name in SENTIMENT_SENTENCES_FILES:
+        path = SENTIMENT_SENTENCES_DIR / name
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            text, _, label = line.rstrip().rpartition("\t")
+            if label not in ("0", "1") or not text.strip():
+                raise ValueError(f"{path}:{number}: expected '<sentence>\\t<0 or 1>', got {line[:80]!r}.")
+            texts.append(" ".join(text.split()))
+            labels.append(int(label))
+            sources.append(name.split("_")[0])
+    features = datasets.Features({"text": datasets.Value("string"),
+                                  "label": datasets.ClassLabel(names=["negative", "positive"]),
+                                  "source": datasets.Value("string")})
+    ds = datasets.Dataset.from_dict({"text": texts, "label": labels, "source": sources}, features=features)
     return ds.train_test_split(test_size=test_size, seed=seed, stratify_by_column="label")
 
 

@@ -1,15 +1,78 @@
-"""What both example scripts share around their own data and model: the split and label-noise flags and the end of a
-run (train, evaluate on validation and test, save, share, print the metrics)."""
+"""What both example scripts share around their own data and model: the flags (from the command line or one JSON/YAML
+file), the split, label-noise and export flags, and the end of a run (train, evaluate on validation and test, predict,
+save, share, print the metrics)."""
 
 from __future__ import annotations
 
+import csv
+import dataclasses
 import json
+import logging
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from varsmooth import VariationalTrainer
+import numpy as np
+import yaml
+from transformers import HfArgumentParser
+
+from varsmooth import LabelNoiseCallback, VariationalTrainer
 from varsmooth.corruption import CorruptionArguments
-from varsmooth.utils import evaluate_validation_and_test
+from varsmooth.methods import get_method_class, method_config_from_flags
+from varsmooth.metrics.evaluation import predictive_outputs
+from varsmooth.utils import atomic_path, evaluate_validation_and_test
+
+logger = logging.getLogger(__name__)
+
+#: what `--do_predict` writes for the test split, as Hugging Face's run_classification.py does (with uncertainty)
+PREDICT_RESULTS_FILE = "predict_results.txt"
+
+
+def parse_example_arguments(parser: HfArgumentParser, argv: list[str], **overrides: str) -> tuple[tuple, set[str]]:
+    """The example's dataclasses (model, data, noise and training arguments, the chosen method's config put into
+    `method_config`) and the names of the arguments given, from command-line flags or from one JSON/YAML file given
+    instead of them (as in the transformers examples). `parser` holds the four dataclasses, then the methods' configs.
+
+    `overrides` are defaults the script chose from what was given (e.g. `ivon_preset="lora"`); a `--logging_steps`
+    given without `--logging_strategy` logs every that many steps (the examples' own default logs once an epoch)."""
+    if len(argv) == 1 and argv[0].endswith((".json", ".yaml", ".yml")):
+        text = Path(argv[0]).read_text()
+        config = json.loads(text) if argv[0].endswith(".json") else yaml.safe_load(text)
+        if not isinstance(config, dict):
+            raise ValueError(f"{argv[0]} must hold one mapping of argument names to values, got {type(config).__name__}.")
+        given = set(config)
+    else:
+        config, given = None, {a[2:].split("=")[0].replace("-", "_") for a in argv if a.startswith("--")}
+    if "logging_steps" in given and "logging_strategy" not in given:
+        overrides = {"logging_strategy": "steps", **overrides}
+    if config is not None:
+        parsed = parser.parse_dict({**config, **overrides})
+    else:
+        parsed = parser.parse_args_into_dataclasses(args=argv + [f"--{name}={value}" for name, value in overrides.items()])
+    *arguments, training_args = parsed[:4]
+    method_config = method_config_from_flags(training_args.method, parsed[4:], given)
+    if method_config is not None:
+        training_args = dataclasses.replace(training_args, method_config=method_config)
+    return (*arguments, training_args), given
+
+
+@dataclass
+class ExportArguments:
+    """The per-example label-noise export of both examples."""
+
+    label_noise_samples: int = field(
+        default=64,
+        metadata={"help": "Posterior samples for the per-example label-noise export (label_noise.parquet, summary and "
+                          "pictures next to the model; IVON methods only). 0: no export."},
+    )
+
+
+def label_noise_callbacks(training_args: Any) -> list[LabelNoiseCallback] | None:
+    """The export callback when the run's method learns a posterior (IVON) and `label_noise_samples` > 0."""
+    if training_args.label_noise_samples > 0 and get_method_class(training_args.method).uses_ivon:
+        return [LabelNoiseCallback(training_args.label_noise_samples, plots=True)]
+    return None
 
 
 @dataclass
@@ -47,20 +110,55 @@ def validation_noise_transition(reports: dict[str, Any] | None) -> list[list[flo
     return None if report is None or report.noise_type == "column" else report.intended_transition
 
 
-def train_evaluate_and_share(trainer: VariationalTrainer, checkpoint: str | None, test: Any, dataset_name: str) -> None:
-    """Train (resuming from `checkpoint`) and save; evaluate on the validation split and once on `test`; push or write
-    the model card naming `dataset_name`; print one JSON line of metrics (rank 0 only); end the process group."""
+def write_predictions(trainer: VariationalTrainer, test: Any, labels: list[int] | None, names: list[str]) -> str:
+    """`--do_predict`: the prediction of every example of `test` (what `evaluate()` scores) into
+    output_dir/predict_results.txt, tab-separated: index, prediction, label (when known), confidence, predictive
+    entropy and, when the prediction averages several draws (BMA over the posterior, MC dropout), their mutual
+    information. Returns the file's path."""
+    out = predictive_outputs(trainer, test)
+    probs = out["probs"].astype(np.float64)
+    entropy = -(probs * np.log(np.clip(probs, 1e-12, None))).sum(-1)
+    with_mi = trainer.prediction_settings()["kind"] != "weights"
+    if not with_mi:
+        logger.info("%s has no mutual_information column: the prediction is made at a single set of weights (no "
+                    "posterior samples to disagree).", PREDICT_RESULTS_FILE)
+    path = os.path.join(trainer.args.output_dir, PREDICT_RESULTS_FILE)
+    with atomic_path(path) as tmp, open(tmp, "w", newline="", encoding="utf-8") as f:
+        writer = csv.writer(f, delimiter="\t", lineterminator="\n")
+        writer.writerow(["index", "prediction", *(["label"] if labels is not None else []), "confidence", "entropy",
+                         *(["mutual_information"] if with_mi else [])])
+        for i, p in enumerate(probs):
+            writer.writerow([i, names[int(p.argmax())], *([names[labels[i]]] if labels is not None else []),
+                             f"{p.max():.6f}", f"{entropy[i]:.6f}",
+                             *([f"{out['mutual_information'][i]:.6f}"] if with_mi else [])])
+    return path
+
+
+def train_evaluate_and_share(trainer: VariationalTrainer, checkpoint: str | None, test: Any, dataset_name: str,
+                             dataset_tags: list[str] | None = None, test_labels: list[int] | None = None) -> None:
+    """Train (resuming from `checkpoint`) and save; evaluate on the validation split and once on `test`; with
+    `--do_predict` write the test split's predictions (beside its labels `test_labels`, when known); push or write the model card naming `dataset_name` (and
+    `dataset_tags`, Hub dataset ids only, in its metadata); print one JSON line of metrics (rank 0 only); end the
+    process group."""
     args = trainer.args
     if args.do_train:
         trainer.train(resume_from_checkpoint=checkpoint)
         trainer.save_model()
     if args.do_eval:
         metrics = evaluate_validation_and_test(trainer, test)
+    if args.do_predict:
+        if test is None:
+            raise ValueError("--do_predict predicts the test split, and this dataset has none: give one (--test_file, "
+                             "a dataset with a 'test' split).")
+        if trainer.is_world_process_zero():
+            names = list(trainer.accelerator.unwrap_model(trainer.model).config.id2label.values())
+            logger.info("Predictions of the test split written to %s", write_predictions(trainer, test, test_labels, names))
     if args.do_train:
+        card = {"dataset": dataset_name, **({"dataset_tags": dataset_tags} if dataset_tags else {})}
         if args.push_to_hub:
-            trainer.push_to_hub(dataset=dataset_name)
+            trainer.push_to_hub(**card)
         else:
-            trainer.create_model_card(dataset=dataset_name)
+            trainer.create_model_card(**card)
     if args.do_eval and trainer.is_world_process_zero():  # one line of metrics per run, not per process
         print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items()}))
     trainer.accelerator.wait_for_everyone()

@@ -1,6 +1,12 @@
 """`MeanPoolingBertForSequenceClassification`: BERT classifying mean-pooled token states, as sentence-transformers
-checkpoints (all-MiniLM-L6-v2) are trained; registered with the Auto classes when varsmooth is imported, so a saved
-model reloads through `AutoModelForSequenceClassification`, `VariationalModel.from_pretrained` and `varsmooth.pipeline`.
+checkpoints (all-MiniLM-L6-v2) are trained.
+
+Registered with the Auto classes when varsmooth is imported, so a saved model reloads through
+`AutoModelForSequenceClassification`, `VariationalModel.from_pretrained` and `varsmooth.pipeline`. Without varsmooth,
+`save_pretrained` copies this file into the model folder and names its classes in config.json's `auto_map`
+(transformers' custom-code convention), so plain transformers loads the model with
+`AutoModelForSequenceClassification.from_pretrained(folder, trust_remote_code=True)`. The file therefore imports
+only torch and transformers.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ class MeanPoolingBertConfig(BertConfig):
     """A BERT config of its own model type, so that a saved mean-pooling model never reloads as a [CLS] one."""
 
     model_type = "varsmooth-mean-pooling-bert"
+    _auto_class = "AutoConfig"  # saved with this file and an `auto_map` entry (see the module docstring)
 
 
 class MeanPoolingBertForSequenceClassification(BertForSequenceClassification):
@@ -31,6 +38,7 @@ class MeanPoolingBertForSequenceClassification(BertForSequenceClassification):
     """
 
     config_class = MeanPoolingBertConfig
+    _auto_class = "AutoModelForSequenceClassification"
 
     def __init__(self, config: BertConfig) -> None:
         super().__init__(config)
@@ -55,6 +63,7 @@ class MeanPoolingBertForSequenceClassification(BertForSequenceClassification):
 
 
 # registered at import: a saved mean-pooling model reloads through the Auto classes, `VariationalModel.from_pretrained`
-# and `varsmooth.pipeline` in any process that imported varsmooth
-AutoConfig.register(MeanPoolingBertConfig.model_type, MeanPoolingBertConfig)
-AutoModelForSequenceClassification.register(MeanPoolingBertConfig, MeanPoolingBertForSequenceClassification)
+# and `varsmooth.pipeline` in any process that imported varsmooth; exist_ok because transformers may also import the
+# copy saved beside a model (trust_remote_code=True) in a process that has varsmooth's
+AutoConfig.register(MeanPoolingBertConfig.model_type, MeanPoolingBertConfig, exist_ok=True)
+AutoModelForSequenceClassification.register(MeanPoolingBertConfig, MeanPoolingBertForSequenceClassification, exist_ok=True)
