@@ -13,7 +13,9 @@ from huggingface_hub.utils import HFValidationError, validate_repo_id
 
 from ..corruption import NOISE_REPORT_FILE
 from ..files import read_manifest
+from ..methods import METHODS
 from ..modeling import AUTO_CLASSES, classification_task
+from ..posterior.diagnostics import HESSIAN_STUCK_TOLERANCE
 from .record import RunRecord
 
 __all__ = ["DEFAULT_LICENSE", "MODEL_CARD_TEMPLATE", "build_model_card", "is_hub_dataset_id"]
@@ -31,6 +33,8 @@ _FILE_DESCRIPTIONS = {
     "tokenizer.json": "tokenizer",
     "adapter_model.safetensors": "PEFT adapter weights (the posterior mean of the adapters)",
     "adapter_config.json": "PEFT adapter configuration",
+    "mean_pooling_bert.py": "modeling code of the mean-pooling classifier, named by config.json's `auto_map` "
+                            "(transformers runs it with `trust_remote_code=True`)",
 }
 #: the card's `license:` when the user names none: varsmooth cannot know the terms of the data or the base model, and
 #: "unknown" is the Hub's identifier for that ("other" would need a license_name and license_link)
@@ -114,6 +118,84 @@ def _better_prediction_text(metrics: dict[str, float]) -> str | None:
             f"num_samples=0)` predicts at the mean.")
 
 
+def _prediction(record: RunRecord) -> str:
+    """What the model's predictions are: "bma" (averaged over posterior samples), "mean" (an IVON model predicting
+    at its posterior mean) or "weights" (a method without a posterior)."""
+    if not record.uses_ivon:
+        return "weights"
+    return "bma" if record.eval_mc_samples > 0 and record.posterior_temperature > 0 else "mean"
+
+
+def _mean_reason(record: RunRecord) -> str:
+    """Why an IVON model predicts at its posterior mean."""
+    if record.eval_mc_samples <= 0:
+        return "`eval_mc_samples=0` was set, so no posterior samples are averaged"
+    report = record.temperature_selection
+    if report is None:
+        return "the posterior temperature was fixed at τ = 0 (`posterior_temperature=0`)"
+    criterion, nll = report.get("criterion", "validation NLL"), report["nll"]
+    others = [f"{v:.4f} at τ = {t}" for t, v in nll.items() if float(t) > 0]
+    return (f"the posterior temperature τ = 0 was chosen after training, because the posterior mean scored best by the "
+            f"{criterion} on the validation split ({nll['0']:.4f}, against " + ", ".join(others) + ")")
+
+
+def _method_text(record: RunRecord) -> str:
+    """The card's first paragraph after "trained with varsmooth": what the method computed and how the model predicts."""
+    prediction = _prediction(record)
+    if prediction == "weights":
+        info = METHODS.get(record.method)
+        description = f" ({info.summary.rstrip('.')})" if info is not None else ""
+        return (f" with the `{record.method}` method{description}. It learns no posterior over the weights: predictions "
+                "are made at the trained weights.")
+    text = (" by variational learning (IVON): training learned a Gaussian posterior over the weights, whose mean is "
+            "the model's weights (`model.safetensors`) and whose standard deviation σ ships in `posterior.safetensors`.")
+    if prediction == "bma":
+        return text + (f" Predictions average the softmax over {record.eval_mc_samples} samples of that posterior, with "
+                       f"σ scaled by the posterior temperature τ = {record.posterior_temperature:g} (Bayesian model "
+                       "averaging).")
+    return text + f" Predictions are made at the posterior mean, without averaging: {_mean_reason(record)}."
+
+
+def _posterior_text(record: RunRecord) -> str | None:
+    """What IVON's posterior did during training, from the last training log (`RunRecord.posterior_log`)."""
+    log = record.posterior_log
+    if not record.uses_ivon or not log:
+        return None
+    hp = record.hyperparameters
+    h0, ess, prior = hp.get("hess_init"), hp.get("ess"), hp.get("weight_decay")
+    text = (f"At the last training log (step {log.get('step')}), IVON's Hessian estimate h had median "
+            f"{log['hess_median']:.4g} and mean {log.get('hess_mean', math.nan):.4g}"
+            + (f", starting from h0 = {h0:g}" if h0 is not None else "") + ".")
+    change = log.get("hess_change_median")
+    if change is not None:
+        text += f" The median relative change |h − h0|/h0 over the weights is {change:.1%}"
+        text += (": the Hessian hardly moved, so σ is still mostly set by `ess` and `hess_init` rather than learned from "
+                 "the data." if change < HESSIAN_STUCK_TOLERANCE else ": the posterior adapted to the data.")
+    if "posterior_std_median" in log:
+        text += (f" The posterior standard deviation σ = 1/sqrt(ess·(h + δ)) had median {log['posterior_std_median']:.4g}"
+                 f" and mean {log.get('posterior_std_mean', math.nan):.4g}")
+        if h0 is not None and ess and prior is not None:
+            text += f" (σ0 = {1 / math.sqrt(ess * (h0 + prior)):.4g} at the start)"
+        text += "."
+    return text
+
+
+def _label_noise_numbers(summary: dict[str, Any]) -> str | None:
+    """One sentence of measured label-noise magnitudes |ε̄|₁ from `label_noise_summary.json`."""
+    l1 = summary.get("all", {}).get("noise_l1")
+    if not l1:
+        return None
+    how = (f" ({summary['num_samples']} posterior samples" if "num_samples" in summary else "") + (
+        f" at τ = {summary['posterior_temperature']:g}" if "posterior_temperature" in summary else "") + (
+        ")" if "num_samples" in summary else "")
+    text = (f"Over the {summary.get('num_examples', 'training')} training examples{how}, |ε̄|₁ has mean {l1['mean']:.3g} "
+            f"and median {l1['q50']:.3g}, from {l1['q10']:.3g} (10th percentile) to {l1['q90']:.3g} (90th).")
+    clean, corrupted = (summary.get(k, {}).get("noise_l1") for k in ("clean", "corrupted"))
+    if clean and corrupted:
+        text += f" Its mean is {corrupted['mean']:.3g} on the corrupted labels and {clean['mean']:.3g} on the clean ones."
+    return text
+
+
 def _matrix_table(matrix: list[list[float]], names: list[str]) -> str:
     header = "| clean \\ label | " + " | ".join(names) + " |\n|---|" + "---|" * len(names) + "\n"
     rows = "".join(f"| {names[i]} | " + " | ".join(f"{v:.3f}" for v in row) + " |\n" for i, row in enumerate(matrix))
@@ -182,9 +264,15 @@ def build_model_card(record: RunRecord, model: Any, folder: str | os.PathLike) -
     tags, language = record.tags, record.language
 
     eval_results = []
-    predictions = (("", "posterior-averaged" if is_ivon else ""), ("mean_", "posterior mean"))
-    if metrics.get("mean_nll", math.inf) < metrics.get("nll", math.inf):  # the better prediction first
-        predictions = predictions[::-1]
+    prediction = _prediction(record)
+    if prediction == "bma":
+        predictions = (("", "posterior-averaged"), ("mean_", "posterior mean"))
+        if metrics.get("mean_nll", math.inf) < metrics.get("nll", math.inf):  # the better prediction first
+            predictions = predictions[::-1]
+    elif prediction == "mean":  # τ = 0 also reports the (equal) mean_* scores
+        predictions = (("mean_" if "mean_nll" in metrics else "", "posterior mean"),)
+    else:
+        predictions = (("", ""),)
     for key, pretty in _METRIC_NAMES.items():
         for prefix, label in predictions:
             if prefix + key in metrics:
@@ -219,16 +307,19 @@ def build_model_card(record: RunRecord, model: Any, folder: str | os.PathLike) -
         transition_table = _matrix_table(report.realized_transition, report.class_names or names or [str(i) for i in range(report.num_classes)])
 
     if metrics:
+        columns = {"bma": (("", f"posterior-averaged ({record.eval_mc_samples} samples, τ = {record.posterior_temperature:g})"),
+                           ("mean_", "posterior mean")),
+                   "mean": ((predictions[0][0], "posterior mean (no averaging)"),),
+                   "weights": (("", "trained weights"),)}[prediction]
         rows = [f"| {pretty} | " + " | ".join(
-            f"{metrics[p + key]:.4f}" if p + key in metrics else "–" for p in ("", "mean_")) + " |"
-            for key, pretty in _METRIC_NAMES.items() if key in metrics or "mean_" + key in metrics]
-        metrics_text = (f"On the {scored_on}" + (f" of `{dataset_name}`" if dataset_name else "") + ", "
-                        + (f"averaging {record.eval_mc_samples} posterior samples, and at the posterior mean:"
-                           if is_ivon else "at the trained weights:"))
-        metrics_table = "| metric | posterior-averaged | posterior mean |\n|---|---|---|\n" + "\n".join(rows) + "\n"
+            f"{metrics[p + key]:.4f}" if p + key in metrics else "–" for p, _ in columns) + " |"
+            for key, pretty in _METRIC_NAMES.items() if any(p + key in metrics for p, _ in columns)]
+        metrics_text = f"On the {scored_on}" + (f" of `{dataset_name}`" if dataset_name else "") + ":"
+        metrics_table = ("| metric | " + " | ".join(label for _, label in columns) + " |\n|---|"
+                         + "---|" * len(columns) + "\n" + "\n".join(rows) + "\n")
     else:
         metrics_text, metrics_table = "The model was not evaluated.", None
-    better_text = _better_prediction_text(metrics)
+    better_text = _better_prediction_text(metrics) if prediction == "bma" else None
 
     temperature_text = _temperature_text(record) if is_ivon else None
 
@@ -237,11 +328,12 @@ def build_model_card(record: RunRecord, model: Any, folder: str | os.PathLike) -
         with open(summary_path) as f:
             summary = json.load(f)
         detection = summary.get("detection")
+        numbers = _label_noise_numbers(summary)
         label_noise_text = (
             "`label_noise.parquet` holds, for every training example, the label noise ε̄ = p̄ − P̂ that IVON's posterior "
             "induces (Yang et al. 2025, \"Variational Learning Induces Adaptive Label Smoothing\", Eq. 15): large for "
             "ambiguous or atypical examples. To find wrong labels, rank by the posterior-predictive confidence in the "
-            "given label instead."
+            "given label instead." + (f" {numbers}" if numbers else "")
             + ("\n\nHow well each score ranks the training labels known to be wrong (`detection` of "
                "`label_noise_summary.json`):\n\n" + _json_block(detection) if detection is not None else "")
             + "\n\n<details>\n<summary>label_noise_summary.json</summary>\n\n" + _json_block(summary) + "\n\n</details>"
@@ -258,6 +350,7 @@ def build_model_card(record: RunRecord, model: Any, folder: str | os.PathLike) -
 
     from .. import __version__
 
+    auto_map = getattr(getattr(model, "config", None), "auto_map", None) or {}
     return ModelCard.from_template(
         card_data,
         template_str=MODEL_CARD_TEMPLATE.read_text(encoding="utf-8"),
@@ -266,6 +359,10 @@ def build_model_card(record: RunRecord, model: Any, folder: str | os.PathLike) -
         task_name=task,
         auto_class=auto_class,
         method=method,
+        method_text=_method_text(record),
+        prediction=prediction,
+        remote_code=auto_class in auto_map,
+        posterior_text=_posterior_text(record),
         base_model_text=(f"[{base_model}](https://huggingface.co/{base_model})" if base_model else
                          "none (trained from a configuration)" if adapter is None else
                          f"`{os.path.basename(os.path.normpath(adapter.base_model_name_or_path or '')) or 'not recorded'}` (local)"),

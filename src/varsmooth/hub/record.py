@@ -17,6 +17,26 @@ def _as_list(value: str | list[str] | None) -> list[str]:
     return [] if value is None else [value] if isinstance(value, str) else list(value)
 
 
+#: the IVON statistics of the training logs (`posterior.diagnostics.hessian_summary`) the card reports
+POSTERIOR_LOG_KEYS = ("hess_mean", "hess_median", "hess_change_median", "posterior_std_mean", "posterior_std_median")
+
+
+def _last_posterior_log(log_history: list[dict[str, Any]]) -> dict[str, float] | None:
+    """IVON's Hessian and σ statistics of the last training log that has them, with its `step`; None without any."""
+    for entry in reversed(log_history):
+        if "hess_median" in entry:
+            return {"step": entry.get("step"), **{k: entry[k] for k in POSTERIOR_LOG_KEYS if k in entry}}
+    return None
+
+
+def _schedule(args: Any, method_hyperparameters: dict[str, Any]) -> dict[str, Any]:
+    """The training schedule as run: the learning rate (unless the method reports its own, as IVON's `lr`), and
+    `max_steps` when it was set (it overrides the epochs), else the epochs."""
+    length = {"max_steps": args.max_steps} if args.max_steps > 0 else {"epochs": args.num_train_epochs}
+    rate = {} if "lr" in method_hyperparameters else {"learning_rate": args.learning_rate}
+    return {**rate, **length}
+
+
 def _last_eval_metrics(log_history: list[dict[str, Any]]) -> tuple[dict[str, float], str]:
     """The latest scores and where they come from: a test split when one was scored (`evaluate(...,
     metric_key_prefix="test")`: nothing was chosen on it), else the evaluation set."""
@@ -40,6 +60,7 @@ class RunRecord:
         metrics: the latest scores without their prefix (`nll`, `mean_nll`, ...); scored_on: the split they come from.
         eval_mc_samples: posterior samples each prediction averages.
         posterior_temperature: the temperature τ the posterior's σ is scaled by when predicting.
+        posterior_log: IVON's Hessian and σ statistics at the last training log (`POSTERIOR_LOG_KEYS` and `step`).
         temperature_selection: how τ was chosen (`VariationalTrainer.select_posterior_temperature`), None if not.
         temperature_fixed: whether τ was fixed by `posterior_temperature` instead of chosen.
         noise_report: the label corruption of the training set, None when the labels are the dataset's own.
@@ -58,6 +79,7 @@ class RunRecord:
     posterior_temperature: float = 1.0
     temperature_selection: dict[str, Any] | None = None
     temperature_fixed: bool = False
+    posterior_log: dict[str, float] | None = None
     noise_report: NoiseReport | None = None
     datasets: list[str] = field(default_factory=list)
     dataset_tags: list[str] | None = None
@@ -83,10 +105,11 @@ class RunRecord:
         args = trainer.args
         repo_id = args.hub_model_id or model_name or os.path.basename(os.path.abspath(args.output_dir))
         metrics, scored_on = _last_eval_metrics(trainer.state.log_history)
+        method_hyperparameters = trainer.method.hyperparameters()
         return cls(
             method=trainer.method.name,
             uses_ivon=trainer.method.uses_ivon,
-            hyperparameters={**trainer.method.hyperparameters(), "epochs": args.num_train_epochs,
+            hyperparameters={**method_hyperparameters, **_schedule(args, method_hyperparameters),
                              "per_device_train_batch_size": args.per_device_train_batch_size,
                              "gradient_accumulation_steps": args.gradient_accumulation_steps,
                              "lr_scheduler_type": str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)),
@@ -99,6 +122,7 @@ class RunRecord:
             posterior_temperature=trainer.posterior_temperature,
             temperature_selection=trainer.posterior_temperature_report,
             temperature_fixed=args.posterior_temperature is not None,
+            posterior_log=_last_posterior_log(trainer.state.log_history) if trainer.method.uses_ivon else None,
             noise_report=trainer.train_noise_report(),
             datasets=_as_list(dataset),
             dataset_tags=_as_list(dataset_tags) or None,

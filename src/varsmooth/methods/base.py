@@ -100,6 +100,28 @@ class MethodInfo:
     def paper(self) -> str | None:
         return self.method_class.paper
 
+    @property
+    def settings(self) -> dict[str, Any]:
+        """The method's main settings with their defaults: the learning rate it gets when none is given (and, for a
+        method without IVON, `scratch_learning_rate`, the image example's rate for a network trained from scratch),
+        then its config's fields; for IVON methods, the IVON fields of `VariationalTrainingArguments` with the
+        defaults of `ivon_preset="scratch"` (`varsmooth.presets`)."""
+        rates = {"learning_rate": self.method_class.default_learning_rate}
+        if self.method_class.uses_ivon:
+            from ..presets import SCRATCH_PRESET  # presets imports nothing of the methods; here only to avoid a cycle
+
+            return {**rates, "ivon_preset": "scratch", "ess": "training-set size",
+                    **{k: SCRATCH_PRESET[k] for k in ("hess_init", "prior_precision", "eval_mc_samples") if k in SCRATCH_PRESET},
+                    "mc_samples": 1}
+        config = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+                  for f in dataclasses.fields(self.config_class) if f.init}
+        return {**rates, "scratch_learning_rate": self.method_class.scratch_learning_rate, **config}
+
+    def __str__(self) -> str:
+        """One line: name, description, main settings and paper."""
+        settings = ", ".join(f"{k}={v}" for k, v in self.settings.items())
+        return f"{self.name}: {self.summary} Settings: {settings}." + (f" Paper: {self.paper}." if self.paper else "")
+
 
 #: method name -> its registration, in the order of registration
 METHODS: dict[str, MethodInfo] = {}
@@ -134,7 +156,8 @@ def register_method(name: str, config_cls: type[MethodConfig], method_cls: type[
 
 
 def list_methods() -> list[MethodInfo]:
-    """Every registered method (name, config class, method class, one-line summary, paper), sorted by name."""
+    """Every registered method, sorted by name: its name, config and method classes, one-line `summary`, main
+    `settings` with their defaults, and `paper`; `print(*list_methods(), sep="\n")` shows one line each."""
     return [METHODS[name] for name in sorted(METHODS)]
 
 
@@ -236,6 +259,9 @@ class TrainingMethod:
     needs_example_index: ClassVar[bool] = False
     #: learning rate used when the user gives none (TrainingArguments' own default for optimizer-agnostic methods)
     default_learning_rate: ClassVar[float] = 5e-5
+    #: the rate for a network trained from scratch, where `default_learning_rate` (a fine-tuning rate) hardly moves it:
+    #: the image example's default, chosen on its noisy validation split (benchmarks/example_learning_rates.py)
+    scratch_learning_rate: ClassVar[float] = 3e-4
 
     def __init__(self, args: "VariationalTrainingArguments", num_train_examples: int | None = None) -> None:
         self.args = args

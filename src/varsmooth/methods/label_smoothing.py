@@ -74,7 +74,8 @@ class LabelSmoothingConfig(MethodConfig):
 
 
 class LabelSmoothingMethod(TrainingMethod):
-    """CE against (1 − α)·e_y + α/K·1, the convention of HF `label_smoothing_factor`."""
+    """Label smoothing: cross-entropy against (1 − α)·e_y + α/K·1 with α = `smoothing`, the convention of HF
+    `label_smoothing_factor`."""
 
     paper: ClassVar[str] = "Szegedy et al. 2016, Rethinking the Inception Architecture for Computer Vision"
     config: LabelSmoothingConfig
@@ -107,7 +108,8 @@ class GeneralizedLabelSmoothingConfig(MethodConfig):
 
 
 class GeneralizedLabelSmoothingMethod(TrainingMethod):
-    """GLS with rate r < 1; r < 0 is negative label smoothing (Wei et al. 2022, Eq. 1).
+    """Generalized label smoothing: cross-entropy against (1 − r)·e_y + r/K·1 with rate r = `gls_rate` < 1; r < 0 is
+    negative label smoothing (Wei et al. 2022, Eq. 1).
 
     NLS is unbounded below: the target has negative entries, so scaling up correct logits drives the loss to
     −∞ (r = −0.5, K = 5: loss 0.5, −4, −40, −400 for logit scales 1, 10, 100, 1000). The reference

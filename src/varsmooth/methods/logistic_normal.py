@@ -78,7 +78,8 @@ class LogisticNormalConfig(MethodConfig):
 
 
 class LogisticNormalMethod(TrainingMethod):
-    """Logistic-Normal likelihood with dummy class, temperature τ = `ln_temperature`, λ = `ln_min_scale`, t = `ln_target_smoothing`."""
+    """Logistic-normal likelihood: an extra head predicts a per-example covariance factor of the labels'
+    logistic-normal distribution (heteroscedastic label noise), with a dummy class, temperature τ = `ln_temperature`, λ = `ln_min_scale`, t = `ln_target_smoothing`."""
 
     paper: ClassVar[str] = "Englesson et al. 2023, Logistic-Normal Likelihoods for Heteroscedastic Label Noise"
     config: LogisticNormalConfig

@@ -64,8 +64,8 @@ class OnlineLabelSmoothingConfig(MethodConfig):
 
 
 class OnlineLabelSmoothingMethod(TrainingMethod):
-    """L = α·CE(f, y) + (1 − α)·CE(f, S[y]), S[c] = mean softmax of the correctly classified class-c examples of the
-    previous epoch ("correct" = agreeing with the given, possibly noisy, label).
+    """Online label smoothing: L = α·CE(f, y) + (1 − α)·CE(f, S[y]), S[c] = mean softmax of the correctly classified
+    class-c examples of the previous epoch ("correct" = agreeing with the given, possibly noisy, label).
 
     State: S (K×K, row c = soft label of class c), the accumulator U (K×K) and counts n (K) of the current epoch,
     and the epoch counter; U and n are summed over processes (DDP) before they replace S.
