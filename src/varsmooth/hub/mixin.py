@@ -35,7 +35,8 @@ class VariationalHubMixin:
             return
         self._refuse_to_replace_own_card(replace_model_card)
         picture = write_reliability_diagram(self.reliability_diagram, self.args.output_dir,
-                                            bma=self.method.uses_ivon and self.args.eval_mc_samples > 0)
+                                            bma=self.method.uses_ivon and self.args.eval_mc_samples > 0
+                                            and self.posterior_temperature > 0)
         if picture is not None:  # beside the model, in the manifest (uploaded) and so embedded by the card
             self.record_output(picture)
             add_to_manifest(self.args.output_dir, [os.path.basename(picture)])
@@ -54,6 +55,22 @@ class VariationalHubMixin:
                 f"{path} was not written by varsmooth (your own model card?) and would be replaced by the generated "
                 "card. Move it away, or pass replace_model_card=True (to push_to_hub or create_model_card) to replace it."
             )
+
+    def init_hf_repo(self, token: str | None = None, private: bool | None = None) -> None:
+        """The stock repository creation (called by `Trainer.__init__` with `push_to_hub`), with an error that says what
+        failed and how to share the model later instead of the HTTP client's own."""
+        try:
+            super().init_hf_repo(token=token, private=private)
+        except Exception as error:  # the HTTP client's errors differ between huggingface_hub versions
+            out = self.args.output_dir
+            raise RuntimeError(
+                f"push_to_hub: could not create the Hub repository {self.args.hub_model_id or os.path.basename(os.path.abspath(out))!r} "
+                f"({type(error).__name__}: {error}). Either the Hub is unreachable (no network, or HF_HUB_OFFLINE=1) or "
+                "the token is missing or invalid (`hf auth login` with a write token, or --hub_token). Train without "
+                f"--push_to_hub: {out} then holds the model and its card, and can be pushed later with exactly the files a "
+                f"push uploads: huggingface_hub.upload_folder(repo_id=..., folder_path={out!r}, "
+                f"allow_patterns=varsmooth.files.shareable_files({out!r}))."
+            ) from error
 
     def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True, token: str | None = None,
                     revision: str | None = None, private: bool | None = None, **kwargs: Any) -> Any:
