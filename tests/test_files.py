@@ -117,10 +117,10 @@ def test_file_changed_after_the_save_is_refused(tmp_path):
     trainer.save_model()
     with open(tmp_path / "noise_report.json", "a") as f:
         f.write(" ")
-    with pytest.raises(ValueError, match=r"noise_report.json has \d+ bytes but varsmooth_manifest.json records"):
+    with pytest.raises(ValueError, match=r"noise_report.json has \d+ bytes, recorded \d+\): they were truncated"):
         VariationalModel.from_pretrained(tmp_path)
     os.remove(tmp_path / "noise_report.json")
-    with pytest.raises(ValueError, match="noise_report.json is missing"):
+    with pytest.raises(ValueError, match=r"lacks \['noise_report.json'\], which its varsmooth_manifest.json lists"):
         VariationalModel.from_pretrained(tmp_path)
 
 
@@ -190,6 +190,9 @@ def test_resume_without_optimizer_state_restores_the_posterior(tmp_path):
     os.remove(ckpt / POSTERIOR_FILE)
     again = VariationalTrainer(model=TinyClassifier(), args=make_args(tmp_path, max_steps=4, **IVON, **args),
                                train_dataset=_pixels(64))
+    with pytest.raises(ValueError, match=r"lacks \['posterior.safetensors'\]"):  # the checkpoint's manifest first
+        again.train(resume_from_checkpoint=str(ckpt))
+    os.remove(ckpt / MANIFEST_FILE)
     with pytest.raises(ValueError, match="neither optimizer.pt nor posterior.safetensors"):
         again.train(resume_from_checkpoint=str(ckpt))
 
@@ -284,7 +287,8 @@ def test_non_finite_loss_stops_erm_and_sam_with_the_last_finite_weights(tmp_path
     broken = VariationalTrainer(model=TinyClassifier(), args=make_args(tmp_path / "b", max_steps=4, **common),
                                 train_dataset=_with_nan_in_second_batch())
     broken.model.load_state_dict(init.state_dict())
-    with pytest.raises(FloatingPointError, match=f"Non-finite training loss .* at step 1 with method='{method}'"):
+    with pytest.raises(FloatingPointError, match=f"Non-finite training loss in optimizer step 2 with method='{method}'. "
+                                                 r"That step was not applied.*last finite step \(after step 1\)"):
         broken.train()
     for (name, p), q in zip(broken.model.named_parameters(), one_step.model.parameters()):
         assert torch.isfinite(p).all() and torch.equal(p, q), name
@@ -377,3 +381,227 @@ def test_text_pipeline_truncates_texts_longer_than_the_model_takes(tmp_path):
     got, expected = classify(long_text, top_k=2), classify(truncated, top_k=2)
     assert [r["label"] for r in got] == [r["label"] for r in expected]
     np.testing.assert_allclose([r["score"] for r in got], [r["score"] for r in expected], rtol=1e-5)
+
+
+# -- 9. issue 33: hashes in the manifest; nothing removed that a manifest does not list with its hash --------------
+def _erm(out, seed: int = 0, steps: int = 1, **kw) -> VariationalTrainer:
+    trainer = VariationalTrainer(model=TinyClassifier(), args=make_args(out, method="erm", max_steps=steps, seed=seed, **kw),
+                                 train_dataset=digits_dataset(32))
+    trainer.train()
+    return trainer
+
+
+def test_same_size_edit_of_the_card_is_kept(tmp_path):
+    trainer = _erm(tmp_path)
+    trainer.save_model()
+    trainer.create_model_card()
+    card = (tmp_path / "README.md").read_text()
+    edited = card.replace("erm", "ERM", 1)  # a hand edit of the same byte length
+    assert edited != card and len(edited.encode()) == len(card.encode())
+    (tmp_path / "README.md").write_text(edited)
+    with pytest.raises(FileExistsError, match="not written by varsmooth"):
+        trainer.create_model_card()
+    _erm(tmp_path, steps=2).save_model()  # the next run's save: the card is no longer the one it recorded
+    assert (tmp_path / "README.md").read_text() == edited
+
+
+def test_own_file_named_like_a_library_file_is_kept(tmp_path, caplog):
+    (tmp_path / "label_noise_mine.png").write_bytes(b"my picture")
+    (tmp_path / "noise_report.json").write_text("{}")
+    trainer = _erm(tmp_path)
+    with caplog.at_level("WARNING"):
+        trainer.save_model()
+    assert (tmp_path / "label_noise_mine.png").read_bytes() == b"my picture"
+    assert (tmp_path / "noise_report.json").read_text() == "{}"
+    assert "Removed files" not in caplog.text
+    assert not {"label_noise_mine.png", "noise_report.json"} & set(json.loads((tmp_path / MANIFEST_FILE).read_text())["files"])
+
+
+def test_manifest_records_the_hash_of_every_file(tmp_path):
+    import hashlib
+
+    _erm(tmp_path).save_model()
+    files = json.loads((tmp_path / MANIFEST_FILE).read_text())["files"]
+    assert "model.safetensors" in files
+    for name, entry in files.items():
+        assert entry["sha256"] == hashlib.sha256((tmp_path / name).read_bytes()).hexdigest(), name
+
+
+def _replace_text(path, old: str, new: str) -> None:
+    with open(path) as f:
+        text = f.read()
+    assert old in text
+    with open(path, "w") as f:
+        f.write(text.replace(old, new))
+
+
+def _rewrite_posterior(path, std_factor=1.0, metadata_edit=None):
+    with safe_open(path, framework="pt") as f:
+        tensors, metadata = {k: f.get_tensor(k) * std_factor for k in f.keys()}, f.metadata()
+    if metadata_edit is not None:
+        metadata = {**metadata, "varsmooth": metadata_edit(metadata["varsmooth"])}
+    save_file(tensors, path, metadata=metadata)
+
+
+@pytest.mark.parametrize("name,edit", [
+    (POSTERIOR_FILE, lambda p: _rewrite_posterior(p, std_factor=1000.0)),
+    (POSTERIOR_FILE, lambda p: _rewrite_posterior(p, metadata_edit=lambda m: m.replace('"posterior_temperature": 1.0',
+                                                                                        '"posterior_temperature": 9.0'))),
+    ("config.json", lambda p: _replace_text(p, '"relu"', '"gelu"')),
+])
+def test_edited_file_is_refused_on_load_by_its_hash(tmp_path, name, edit):
+    model = _resnet()
+    posterior = DiagonalGaussianPosterior(model, {n: torch.full_like(p, 0.01) for n, p in model.named_parameters()},
+                                          {"posterior_temperature": 1.0})
+    VariationalModel(model, posterior).save_pretrained(tmp_path)
+    size = os.path.getsize(tmp_path / name)
+    edit(str(tmp_path / name))
+    assert os.path.getsize(tmp_path / name) == size  # the size-only manifest of before could not see it
+    with pytest.raises(ValueError, match=rf"SHA-256.*\['{re.escape(name)}'\]"):
+        VariationalModel.from_pretrained(tmp_path)
+    if name == POSTERIOR_FILE:  # loaded on its own, too
+        with pytest.raises(ValueError, match="SHA-256"):
+            DiagonalGaussianPosterior.load(model, tmp_path)
+
+
+def _truncate(path) -> None:
+    data = open(path, "rb").read()
+    with open(path, "wb") as f:
+        f.write(data[: len(data) // 2])
+
+
+def test_truncated_weights_are_named_before_they_are_read(tmp_path):
+    trainer = VariationalTrainer(model=_resnet(), args=make_args(tmp_path, method="erm", max_steps=1), train_dataset=_pixels(32))
+    trainer.train()
+    trainer.save_model()
+    _truncate(tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"model.safetensors has \d+ bytes, recorded \d+\): they were truncated"):
+        VariationalModel.from_pretrained(tmp_path)
+
+
+def test_truncated_optimizer_state_is_named_on_resume(tmp_path):
+    _train_ivon(tmp_path, model=TinyClassifier(), steps=2, save_strategy="steps", save_steps=2)
+    _truncate(tmp_path / "checkpoint-2" / "optimizer.pt")
+    resumed = VariationalTrainer(model=TinyClassifier(), args=make_args(tmp_path, max_steps=4, **IVON), train_dataset=_pixels(64))
+    with pytest.raises(ValueError, match=r"optimizer.pt has \d+ bytes, recorded \d+\): they were truncated"):
+        resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+
+
+# -- 10. issue 33: non-finite gradients behind a finite loss; no non-finite weights saved or loaded ---------------
+def _inf_in_second_batch() -> datasets.Dataset:
+    clean = digits_dataset(64)
+    pixels = clean[:]["pixel_values"].numpy().copy()
+    pixels[20, 3, 3] = np.inf  # tanh saturates: the loss stays finite, the body's weight gradient is inf·0 = NaN
+    return datasets.Dataset.from_dict({"pixel_values": pixels, "label": clean[:]["label"].numpy()}).with_format("torch")
+
+
+@pytest.mark.parametrize("method", ["ivon", "erm", "sam"])
+def test_non_finite_gradients_with_a_finite_loss_stop_before_the_update(tmp_path, method):
+    common = dict(method=method, train_sampling_strategy="sequential",
+                  **({k: v for k, v in IVON.items() if k != "train_sampling_strategy"} if method == "ivon" else {"learning_rate": 1e-2}))
+    torch.manual_seed(0)
+    init = TinyClassifier().state_dict()
+    one_step = VariationalTrainer(model=TinyClassifier(), args=make_args(tmp_path / "a", max_steps=1, **common),
+                                  train_dataset=_inf_in_second_batch())
+    one_step.model.load_state_dict(init)
+    one_step.train()
+    args = make_args(tmp_path / "b", max_steps=4, save_strategy="steps", save_steps=1, **common)
+    broken = VariationalTrainer(model=TinyClassifier(), args=args, train_dataset=_inf_in_second_batch())
+    broken.model.load_state_dict(init)
+    with torch.no_grad():  # the loss of the second batch is finite: only its gradient is not
+        assert torch.isfinite(broken.compute_loss(broken.model, {k: v[16:32] for k, v in _inf_in_second_batch()[:].items()}
+                                                  | {"labels": _inf_in_second_batch()[16:32]["label"]}))
+    with pytest.raises(FloatingPointError, match=r"Non-finite gradients \(NaN or inf, with a finite loss\) in optimizer "
+                                                 r"step 2 .*last finite step \(after step 1\)"):
+        broken.train()
+    for (name, p), q in zip(broken.model.named_parameters(), one_step.model.parameters()):
+        assert torch.isfinite(p).all() and torch.equal(p, q), name
+    if method == "ivon":  # IVON's posterior (σ from its Hessian) is that of step 1 too
+        torch.testing.assert_close(_std_of(broken), _std_of(one_step), rtol=0, atol=0)
+    assert sorted(d for d in os.listdir(tmp_path / "b") if d.startswith("checkpoint-")) == ["checkpoint-1"]
+    broken.save_model()  # what the message promises: the weights are finite, and saving them is safe
+    from safetensors.torch import load_file
+
+    reloaded = TinyClassifier()
+    reloaded.load_state_dict(load_file(tmp_path / "b" / "model.safetensors"))
+    assert all(torch.equal(p, q) for p, q in zip(reloaded.parameters(), one_step.model.parameters()))
+    if method == "ivon":
+        DiagonalGaussianPosterior.load(reloaded, tmp_path / "b")  # σ bound to these weights, finite and positive
+
+
+def test_a_save_refuses_non_finite_weights_and_leaves_the_folder_as_it_was(tmp_path):
+    trainer = _erm(tmp_path)
+    trainer.save_model()
+    before = {name: (tmp_path / name).read_bytes() for name in os.listdir(tmp_path)}
+    with torch.no_grad():
+        trainer.model.head.bias[3] = float("nan")
+    with pytest.raises(FloatingPointError, match=r"Not saving to .*\['head.bias'\] are not finite"):
+        trainer.save_model()
+    assert {name: (tmp_path / name).read_bytes() for name in os.listdir(tmp_path)} == before
+    model = _resnet()
+    with torch.no_grad():
+        next(model.parameters())[0] = float("inf")
+    with pytest.raises(FloatingPointError, match="are not finite"):
+        VariationalModel(model, DiagonalGaussianPosterior.point_mass(model)).save_pretrained(tmp_path / "other")
+    assert not (tmp_path / "other").exists()
+
+
+def test_non_finite_weights_are_refused_on_load_for_every_method(tmp_path):
+    from varsmooth import pipeline
+
+    model = _resnet()
+    model.config.id2label = {i: str(i) for i in range(10)}
+    with torch.no_grad():
+        model.classifier[1].weight[0, 0] = float("nan")
+    model.save_pretrained(tmp_path)  # as an ERM run that diverged would have, before saves refused it
+    with pytest.raises(ValueError, match=r"not finite \(NaN or inf\) in \['classifier.1.weight'\]"):
+        VariationalModel.from_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="not finite"):
+        pipeline("image-classification", model=str(tmp_path))
+
+
+# -- 11. issue 32: reproducible bytes and ordinary permissions ------------------------------------------------------
+def test_posterior_file_is_byte_reproducible(tmp_path):
+    model = _resnet()
+    posterior = DiagonalGaussianPosterior(model, {n: torch.full_like(p, 0.01) for n, p in model.named_parameters()},
+                                          {"ess": 64, "posterior_temperature": 1.0, "step": 3})
+    saved = {posterior.save(tmp_path / f"{i}.safetensors") and (tmp_path / f"{i}.safetensors").read_bytes() for i in range(12)}
+    assert len(saved) == 1
+
+
+def test_saved_files_follow_the_umask(tmp_path):
+    old = os.umask(0o027)
+    try:
+        _train_ivon(tmp_path, model=TinyClassifier(), steps=1).save_model()
+    finally:
+        os.umask(old)
+    modes = {name: oct(os.stat(tmp_path / name).st_mode & 0o777) for name in os.listdir(tmp_path)
+             if os.path.isfile(tmp_path / name)}
+    assert {"model.safetensors", POSTERIOR_FILE, MANIFEST_FILE} <= set(modes)
+    assert set(modes.values()) == {oct(0o640)}, modes
+
+
+# -- 12. issues 32/33: an example re-run in a used output_dir ----------------------------------------------------
+def test_resuming_another_seeds_checkpoint_is_refused(tmp_path):
+    from varsmooth.utils import checkpoint_to_resume
+
+    _erm(tmp_path, seed=0, steps=2, save_strategy="steps", save_steps=1)
+    os.rename(tmp_path / "checkpoint-2", tmp_path / "hidden")  # as if killed after step 1 of 2
+    assert checkpoint_to_resume(make_args(tmp_path, method="erm", max_steps=2, seed=0)).endswith("checkpoint-1")
+    with pytest.raises(ValueError, match=r"trained with --seed 0, but this run has --seed 1.*Pass --seed 0 to resume it, "
+                                         r"or start the seed-1 run in another --output_dir"):
+        checkpoint_to_resume(make_args(tmp_path, method="erm", max_steps=2, seed=1))
+
+
+def test_relaunching_a_finished_run_is_refused_instead_of_training_one_more_step(tmp_path):
+    from varsmooth.utils import checkpoint_to_resume
+
+    _erm(tmp_path, steps=2, save_strategy="steps", save_steps=2)
+    with pytest.raises(ValueError, match=r"has finished: its last checkpoint .*checkpoint-2 is at step 2, the end of "
+                                         r"--max_steps 2.*raise --max_steps or --num_train_epochs"):
+        checkpoint_to_resume(make_args(tmp_path, method="erm", max_steps=2))
+    longer = make_args(tmp_path, method="erm", max_steps=3)
+    assert checkpoint_to_resume(longer).endswith("checkpoint-2")  # training on is resuming
+    epochs = make_args(tmp_path, method="erm", num_train_epochs=1)  # 32 examples / 16: the same 2 steps
+    with pytest.raises(ValueError, match="--num_train_epochs 1"):
+        checkpoint_to_resume(epochs)

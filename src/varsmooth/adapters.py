@@ -8,6 +8,7 @@ the classifier's `config.json` (labels, and e.g. how many layers of the base wer
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,10 +16,12 @@ from typing import Any
 import torch
 from transformers import BertConfig
 
-__all__ = ["ADAPTER_CONFIG_FILE", "LoraArguments", "add_lora_adapters", "has_adapter", "import_peft", "is_peft_model", "load_adapter_model", "save_classifier_config",
-           "saved_names"]
+__all__ = ["ADAPTER_CONFIG_FILE", "BASE_WEIGHTS_KEY", "LoraArguments", "add_lora_adapters", "base_fingerprint", "has_adapter",
+           "import_peft", "is_peft_model", "load_adapter_model", "save_classifier_config", "saved_names"]
 
 ADAPTER_CONFIG_FILE = "adapter_config.json"
+#: entry of the classifier's config.json beside an adapter: SHA-256 and dtype of the base weights it was trained on
+BASE_WEIGHTS_KEY = "varsmooth_base_weights"
 
 
 def import_peft() -> Any:
@@ -48,17 +51,37 @@ def saved_names(model: torch.nn.Module, names: Iterable[str]) -> dict[str, str]:
     names = list(names)
     if not is_peft_model(model):
         return {name: name for name in names}
+    saved = _peft_keys(model, names)
+    return {name: saved.get(name, name) for name in names}
+
+
+def _peft_keys(model: torch.nn.Module, names: list[str]) -> dict[str, str]:
+    """Parameter name -> key in `adapter_model.safetensors`, for the names peft saves (adapters, trained heads)."""
     from peft.utils import get_peft_model_state_dict
 
     # peft's own renaming, applied to numbered stand-ins so that each saved key can be traced back to its parameter
     probe = {name: torch.tensor(float(index)) for index, name in enumerate(names)}
-    saved = {int(value.item()): key for key, value in get_peft_model_state_dict(model, state_dict=probe).items()}
-    return {name: saved.get(index, name) for index, name in enumerate(names)}
+    return {names[int(value.item())]: key for key, value in get_peft_model_state_dict(model, state_dict=probe).items()}
+
+
+def base_fingerprint(model: torch.nn.Module) -> dict[str, str | None]:
+    """SHA-256 and dtype of the weights a peft model takes from its base model (all but the adapters and the heads
+    peft saves; a head's copy from before training, `original_module`, is built anew at each load), as
+    `load_adapter_model` recomputes them: an adapter belongs to the base weights it was trained on."""
+    from .posterior.gaussian import weights_fingerprint
+
+    params = dict(model.named_parameters())
+    names = list(params)
+    adapter = set(_peft_keys(model, names))
+    base = [name for name in names if name not in adapter and ".original_module." not in name]
+    dtypes = sorted({str(params[name].dtype) for name in base})
+    return {"sha256": weights_fingerprint(model, base), "dtype": ",".join(dtypes) or None}
 
 
 def save_classifier_config(model: torch.nn.Module, folder: str) -> None:
     """Beside a peft adapter (peft saves none): the classifier's `config.json`, with its labels, architecture and
-    e.g. the number of base layers kept, from which `load_adapter_model` builds the base model again."""
+    e.g. the number of base layers kept, from which `load_adapter_model` builds the base model again, and the
+    fingerprint of the base weights the adapter was trained on (`BASE_WEIGHTS_KEY`), which it checks."""
     import copy
 
     from .utils import atomic_path
@@ -69,6 +92,11 @@ def save_classifier_config(model: torch.nn.Module, folder: str) -> None:
         return
     config = copy.deepcopy(config)
     config.architectures = [type(base).__name__]
+    from .posterior.optimizer import DTensor
+
+    # sharded (FSDP2) weights would need every process to gather them, and only the main one saves: not recorded
+    if not any(isinstance(p, DTensor) for p in model.parameters()):
+        setattr(config, BASE_WEIGHTS_KEY, base_fingerprint(model))
     with atomic_path(os.path.join(folder, "config.json")) as tmp:
         config.to_json_file(tmp)
 
@@ -99,18 +127,51 @@ def load_adapter_model(path: str, model_class: type | None, auto_class: Any, rev
 
     adapter_config = peft.PeftConfig.from_pretrained(path, revision=revision, token=token)
     base_path = adapter_config.base_model_name_or_path
+    config_file = os.path.join(path, ADAPTER_CONFIG_FILE)
     if not base_path:
         raise ValueError(
-            f"{os.path.join(path, ADAPTER_CONFIG_FILE)} names no base model (base_model_name_or_path is empty): the "
+            f"{config_file} names no base model (base_model_name_or_path is empty): the "
             "base was built from a config, not loaded. Load that base yourself and pass it to peft.PeftModel.from_pretrained."
+        )
+    if not os.path.isdir(base_path) and not _is_repo_id(base_path):
+        raise FileNotFoundError(
+            f"The base model of the adapter in {path} was loaded from the folder {base_path!r} (base_model_name_or_path "
+            f"of {config_file}), which no longer exists. Put the base model back there, or set base_model_name_or_path "
+            "to where it is now (a folder or its Hub id)."
         )
     try:
         config = AutoConfig.from_pretrained(path, revision=revision, token=token)
     except (OSError, ValueError):  # an adapter saved without the classifier's config
         config = AutoConfig.from_pretrained(base_path)
+    recorded = config.__dict__.pop(BASE_WEIGHTS_KEY, None)  # not a setting of the model
     model_class = model_class or auto_class(config)
     base = model_class.from_pretrained(base_path, config=config, **model_kwargs)
-    return peft.PeftModel.from_pretrained(base, path, revision=revision, token=token)
+    model = peft.PeftModel.from_pretrained(base, path, revision=revision, token=token)
+    if recorded is not None:
+        found = base_fingerprint(model)
+        if found["dtype"] != recorded.get("dtype"):
+            warnings.warn(f"The base model is loaded as {found['dtype']} but the adapter in {path} was trained on "
+                          f"{recorded.get('dtype')} weights: it cannot be checked that they are the same. Load it in "
+                          "that dtype to check it.", UserWarning, stacklevel=3)
+        elif found["sha256"] != recorded.get("sha256"):
+            raise ValueError(
+                f"The base model at {base_path!r} holds other weights than the adapter in {path} was trained on (their "
+                "fingerprint differs): it was replaced or retrained since. The adapter and its posterior belong to the "
+                "original base: load that (set base_model_name_or_path in "
+                f"{config_file} to where it is), or train the adapter again on this base."
+            )
+    return model
+
+
+def _is_repo_id(name: str) -> bool:
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
 
 
 def _lora_target_modules(model: torch.nn.Module) -> list[str]:

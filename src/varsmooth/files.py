@@ -1,27 +1,29 @@
-"""What varsmooth writes into a model folder, and the manifest that makes a folder whole or detectably incomplete.
+"""What varsmooth writes into a model folder, and the manifest that makes a folder whole or detectably changed.
 
 A save (`VariationalTrainer._save`, `VariationalModel.save_pretrained`) first removes the folder's manifest, then
-writes its files, then removes the varsmooth-owned files of earlier runs that it did not write, and writes the
-manifest last: every file of this run with its size. A folder whose manifest is missing was interrupted (or written
-by something else); a file that differs in size from its manifest entry was truncated or replaced, and loading
-refuses it. The manifest is also the exact list of files `push_to_hub` uploads.
+writes its files, then removes the files of the earlier save that it did not write again, and writes the manifest
+last: every file of this save with its size and SHA-256. Only a file that the earlier manifest lists, and that still
+has the recorded hash, is ever removed; any other file in the folder (yours, or one you edited since) is kept. A
+folder whose manifest is missing was interrupted (or written by something else); a file whose size or hash differs
+from its manifest entry was truncated, edited or replaced, and loading refuses it before reading any weights. The
+manifest is also the exact list of files `push_to_hub` uploads.
 """
 
 from __future__ import annotations
 
-import fnmatch
+import hashlib
 import json
 import os
 from collections.abc import Iterable
 from typing import Any
 
-from .utils import atomic_path
+from .utils import atomic_path, ordinary_file_mode
 
 __all__ = ["MANIFEST_FILE", "OWNED_PATTERNS", "PRIVATE_FILES", "FolderSave", "add_to_manifest", "check_manifest",
-           "is_owned", "read_manifest", "shareable_files", "write_manifest", "written_by_varsmooth"]
+           "file_sha256", "read_manifest", "shareable_files", "write_manifest", "written_by_varsmooth"]
 
 MANIFEST_FILE = "varsmooth_manifest.json"
-#: files only varsmooth writes: a save removes those of earlier runs that it did not write itself
+#: names of files only varsmooth writes: a push deletes those of earlier pushes from the Hub repo
 OWNED_PATTERNS = ("posterior.safetensors", "noise_report.json", "label_noise*.parquet", "label_noise*_summary.json",
                   "label_noise*.png", "temperature_scaling.json", "ensemble_config.json", MANIFEST_FILE)
 #: written by a save but never shared: the Trainer's pickled arguments may hold paths and tokens
@@ -41,6 +43,12 @@ def _stats(folder: str) -> dict[str, _Stat]:
     return out
 
 
+def file_sha256(path: str | os.PathLike) -> str:
+    """Hex SHA-256 of a file's bytes (~0.4 s per GB on one CPU core)."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
 def read_manifest(folder: str | os.PathLike) -> dict[str, Any] | None:
     """The manifest of `folder`, or None when it has none."""
     path = os.path.join(os.fspath(folder), MANIFEST_FILE)
@@ -56,22 +64,39 @@ def read_manifest(folder: str | os.PathLike) -> dict[str, Any] | None:
     return manifest
 
 
-def check_manifest(folder: str | os.PathLike) -> None:
-    """Refuse a folder whose files differ from its manifest (a save that did not finish, a file truncated or
-    replaced afterwards). A folder without manifest passes: it was not written by a varsmooth save."""
+def _matches(path: str, entry: dict[str, Any]) -> bool:
+    """Whether the file at `path` is the one a manifest entry recorded (size, then SHA-256 when recorded)."""
+    if not os.path.isfile(path) or os.path.getsize(path) != entry.get("size"):
+        return False
+    return "sha256" not in entry or file_sha256(path) == entry["sha256"]  # manifests of varsmooth < 0.2: size only
+
+
+def check_manifest(folder: str | os.PathLike, names: Iterable[str] | None = None) -> None:
+    """Refuse a folder whose files differ from its manifest (a save that did not finish, a file truncated, edited or
+    replaced afterwards), naming every such file; `names`: check only these (those the manifest lists). A folder
+    without manifest passes: it was not written by a varsmooth save. Cheap checks (presence, size) come first."""
     folder = os.fspath(folder)
     manifest = read_manifest(folder)
     if manifest is None:
         return
-    for name, entry in manifest["files"].items():
-        path = os.path.join(folder, name)
-        if not os.path.isfile(path):
-            raise ValueError(f"{path} is missing, but {MANIFEST_FILE} lists it: the folder is incomplete. Save the model "
-                             "again (trainer.save_model()) or copy the whole folder.")
-        size = os.path.getsize(path)
-        if size != entry["size"]:
-            raise ValueError(f"{path} has {size} bytes but {MANIFEST_FILE} records {entry['size']}: it was truncated or "
-                             "replaced after the save. Save the model again (trainer.save_model()).")
+    entries = manifest["files"]
+    wanted = sorted(entries) if names is None else sorted(set(names) & set(entries))
+    missing = [name for name in wanted if not os.path.isfile(os.path.join(folder, name))]
+    if missing:
+        raise ValueError(f"{folder} lacks {missing}, which its {MANIFEST_FILE} lists: the folder is incomplete. Save "
+                         "the model again (trainer.save_model()) or copy the whole folder.")
+    resized = {name: (os.path.getsize(os.path.join(folder, name)), entries[name]["size"]) for name in wanted
+               if os.path.getsize(os.path.join(folder, name)) != entries[name]["size"]}
+    if resized:
+        sizes = ", ".join(f"{name} has {got} bytes, recorded {want}" for name, (got, want) in resized.items())
+        raise ValueError(f"Files of {folder} differ in size from its {MANIFEST_FILE} ({sizes}): they were truncated or "
+                         "replaced after the save. Save the model again (trainer.save_model()) or copy the whole folder.")
+    edited = [name for name in wanted if not _matches(os.path.join(folder, name), entries[name])]
+    if edited:
+        raise ValueError(f"Files of {folder} differ from the ones its save wrote (their SHA-256 is not the one "
+                         f"{MANIFEST_FILE} records): {edited}. They were edited or replaced after the save, and would "
+                         "load as another model than the one trained. Save the model again (trainer.save_model()), or "
+                         "copy the whole folder from where it was saved.")
 
 
 def shareable_files(folder: str | os.PathLike) -> list[str]:
@@ -80,10 +105,6 @@ def shareable_files(folder: str | os.PathLike) -> list[str]:
     if manifest is None:
         raise ValueError(f"{os.fspath(folder)} has no {MANIFEST_FILE}: save the model first (trainer.save_model()).")
     return sorted(name for name in manifest["files"] if name not in PRIVATE_FILES)
-
-
-def is_owned(name: str) -> bool:
-    return any(fnmatch.fnmatch(name, pattern) for pattern in OWNED_PATTERNS)
 
 
 class FolderSave:
@@ -97,7 +118,7 @@ class FolderSave:
     def begin(self) -> "FolderSave":
         try:
             self.previous = read_manifest(self.folder)
-        except ValueError:  # unreadable: this save replaces it; owned files of earlier runs still go
+        except ValueError:  # unreadable: nothing is known to be varsmooth's, so nothing is removed
             self.previous = None
         manifest = os.path.join(self.folder, MANIFEST_FILE)
         if os.path.isfile(manifest):
@@ -106,42 +127,48 @@ class FolderSave:
         return self
 
     def finish(self, also: Iterable[str] = (), **info: Any) -> list[str]:
-        """Remove the earlier runs' files that this save did not write, write the manifest; returns the stale names
+        """Remove the earlier save's files that this save did not write, write the manifest; returns the names
         removed. `also`: files this run wrote into the folder before the save (e.g. the label noise)."""
         after = _stats(self.folder)
         written = {name for name, stat in after.items() if self._before.get(name) != stat}
         written |= {name for name in also if name in after}
         written.discard(MANIFEST_FILE)
         earlier = (self.previous or {}).get("files", {})
-        # an earlier run's file changed since its save (e.g. a card you edited) is yours now: kept
-        unchanged = {name for name, entry in earlier.items() if name in after and after[name][2] == entry.get("size")}
-        stale = sorted(name for name in after if name not in written and name != MANIFEST_FILE
-                       and (name in unchanged or is_owned(name)))
+        # only a file the earlier manifest lists, unchanged since (same hash): one edited since (e.g. your card) is yours
+        stale = sorted(name for name, entry in earlier.items() if name not in written and name != MANIFEST_FILE
+                       and os.sep not in name and _matches(os.path.join(self.folder, name), entry))
         for name in stale:
             os.remove(os.path.join(self.folder, name))
+        mode = ordinary_file_mode()  # transformers writes model.safetensors private (0600), the rest by the umask
+        for name in written:
+            os.chmod(os.path.join(self.folder, name), mode)
         write_manifest(self.folder, sorted(written), **info)
         return stale
 
 
-def write_manifest(folder: str, names: Iterable[str], **info: Any) -> None:
-    files = {name: {"size": os.path.getsize(os.path.join(folder, name))} for name in names}
+def write_manifest(folder: str, names: Iterable[str], entries: dict[str, dict[str, Any]] | None = None, **info: Any) -> None:
+    """Write `folder`'s manifest listing `names` (hashed now; those in `entries` keep the entry given)."""
+    entries = entries or {}
+    files = {name: entries.get(name) or {"size": os.path.getsize(os.path.join(folder, name)),
+                                         "sha256": file_sha256(os.path.join(folder, name))} for name in names}
     with atomic_path(os.path.join(folder, MANIFEST_FILE)) as tmp, open(tmp, "w", encoding="utf-8") as f:
-        json.dump({"format": 1, **info, "files": files}, f, indent=2)
+        json.dump({"format": 2, **info, "files": files}, f, indent=2)
 
 
 def add_to_manifest(folder: str | os.PathLike, names: Iterable[str]) -> None:
-    """Record files written into a finished folder after its save (the model card)."""
+    """Record files written into a finished folder after its save (the model card); the other entries stay as
+    recorded, so that a file edited since its save is still detected."""
     folder = os.fspath(folder)
     manifest = read_manifest(folder)
     if manifest is None:
         return
+    names = set(names)
     info = {k: v for k, v in manifest.items() if k not in ("format", "files")}
-    write_manifest(folder, sorted(set(manifest["files"]) | set(names)), **info)
+    kept = {name: entry for name, entry in manifest["files"].items() if name not in names}
+    write_manifest(folder, sorted(set(kept) | names), entries=kept, **info)
 
 
 def written_by_varsmooth(folder: str | os.PathLike, name: str) -> bool:
-    """Whether `folder/name` is, unchanged, a file a varsmooth save recorded in the manifest."""
-    manifest = read_manifest(folder)
-    path = os.path.join(os.fspath(folder), name)
-    entry = (manifest or {}).get("files", {}).get(name)
-    return entry is not None and os.path.isfile(path) and os.path.getsize(path) == entry["size"]
+    """Whether `folder/name` is, byte for byte, a file a varsmooth save recorded in the manifest."""
+    entry = ((read_manifest(folder) or {}).get("files", {})).get(name)
+    return entry is not None and _matches(os.path.join(os.fspath(folder), name), entry)

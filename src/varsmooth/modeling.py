@@ -14,12 +14,13 @@ from .calibration import TEMPERATURE_SCALING_FILE, TemperatureScaling, describe_
 from .files import FolderSave, check_manifest
 from .posterior import (OUTPUT_DROPOUT_KEY, POSTERIOR_FILE, DiagonalGaussianPosterior, VariationalClassifierOutput,
                         add_output_dropout, mc_dropout_predictive, predictive_distribution)
+from .posterior.gaussian import non_finite_tensors
 
 if TYPE_CHECKING:
     from .ensemble import DeepEnsemble
 
-__all__ = ["AUTO_CLASSES", "VariationalModel", "classification_task", "load_posterior", "load_temperature_scaling",
-           "sampling_settings"]
+__all__ = ["AUTO_CLASSES", "VariationalModel", "check_finite_weights", "classification_task", "load_posterior",
+           "load_temperature_scaling", "sampling_settings"]
 
 #: the Auto class that loads a classifier of each task varsmooth serves
 AUTO_CLASSES = {"image-classification": AutoModelForImageClassification,
@@ -97,12 +98,14 @@ class VariationalModel(torch.nn.Module):
 
         A folder or repo with a peft adapter (`adapter_config.json`) loads as its base model
         (`base_model_name_or_path`) + the adapter, and the posterior over the adapter weights; BMA then averages over
-        adapter samples. `model_kwargs` go to the base model's `from_pretrained` (e.g. `dtype=torch.bfloat16`).
+        adapter samples; a base whose weights differ from those the adapter was trained on is refused. `model_kwargs`
+        go to the base model's `from_pretrained` (e.g. `dtype=torch.bfloat16`).
 
         Without a posterior file the model predicts at the mean, with a warning. Defaults for `num_samples`, `seed`
         and the posterior `temperature` are those the model was evaluated with during training (`temperature=1`: the
-        learned posterior, 0: the posterior mean). A local folder must match its manifest, and the posterior must
-        belong to the weights (see `DiagonalGaussianPosterior.load`).
+        learned posterior, 0: the posterior mean). A local folder must match its manifest (sizes and SHA-256, checked
+        before any weight is read), the weights must be finite, and the posterior must belong to them (see
+        `DiagonalGaussianPosterior.load`).
 
         The temperature fitted by temperature scaling (`temperature_scaling.json`) is applied when the folder has one
         (`temperature_scaling=False`: the uncalibrated prediction); a file fitted for other weights is refused.
@@ -116,12 +119,15 @@ class VariationalModel(torch.nn.Module):
             return DeepEnsemble.from_pretrained(path, num_samples=num_samples, seed=seed, temperature=temperature,
                                                 temperature_scaling=temperature_scaling, mc_dropout_samples=mc_dropout_samples,
                                                 model_class=model_class, **model_kwargs)
+        if os.path.isdir(path):  # before any weight is read: a truncated or edited file is named, not half-loaded
+            check_manifest(path)
         if has_adapter(path, revision, token):
             model = load_adapter_model(path, model_class, _auto_class, revision, token, **model_kwargs)
         else:
             if model_class is None:
                 model_class = _auto_class(AutoConfig.from_pretrained(path, revision=revision, token=token))
             model = model_class.from_pretrained(path, revision=revision, token=token, **model_kwargs)
+        check_finite_weights(model, path)
         if getattr(model.config, OUTPUT_DROPOUT_KEY, None) is not None:  # trained with `add_output_dropout`
             add_output_dropout(model, getattr(model.config, OUTPUT_DROPOUT_KEY))
         model.eval()
@@ -147,6 +153,7 @@ class VariationalModel(torch.nn.Module):
         adapter = is_peft_model(self.model)
         if not isinstance(self.model, PreTrainedModel) and not adapter:
             raise TypeError(f"save_pretrained needs a transformers PreTrainedModel or a peft model, got {type(self.model).__name__}.")
+        check_finite_weights(self.model, os.fspath(save_directory), saving=True)
         save = FolderSave(save_directory).begin()
         self.model.save_pretrained(save_directory, **kwargs)
         if adapter:
@@ -157,6 +164,20 @@ class VariationalModel(torch.nn.Module):
         if self.temperature_scaling is not None:
             self.temperature_scaling.save(save_directory, self.model)
         save.finish()
+
+
+def check_finite_weights(model: torch.nn.Module, where: str, saving: bool = False) -> None:
+    """Refuse a network with NaN or ±inf weights (parameters or buffers), loaded from or about to be saved to `where`:
+    it would predict NaN scores without a word."""
+    bad = non_finite_tensors([*model.named_parameters(), *model.named_buffers()])
+    if not bad:
+        return
+    names = f"{bad[:5]}{' ...' if len(bad) > 5 else ''}"
+    if saving:
+        raise FloatingPointError(f"Not saving to {where}: the weights {names} are not finite (NaN or inf). Training "
+                                 "diverged; save from the last healthy checkpoint instead.")
+    raise ValueError(f"The weights loaded from {where} are not finite (NaN or inf) in {names}: the model was saved after "
+                     "training diverged, or the file was edited. Load an earlier checkpoint, or train again.")
 
 
 def sampling_settings(posterior: DiagonalGaussianPosterior, num_samples: int | None = None,
@@ -172,8 +193,6 @@ def sampling_settings(posterior: DiagonalGaussianPosterior, num_samples: int | N
 
 def load_posterior(model: torch.nn.Module, path: str | os.PathLike, revision: str | None = None, token: str | None = None) -> DiagonalGaussianPosterior:
     """The posterior saved next to `model`'s weights (folder or Hub repo); a point mass, with a warning, if none."""
-    if os.path.isdir(path):
-        check_manifest(path)
     posterior_path = _resolve_file(os.fspath(path), POSTERIOR_FILE, revision, token)
     if posterior_path is None:
         warnings.warn(

@@ -23,7 +23,8 @@ from transformers.image_utils import load_image
 
 from .adapters import is_peft_model
 from .ensemble import DeepEnsemble
-from .modeling import VariationalModel, load_posterior, load_temperature_scaling, sampling_settings
+from .files import check_manifest
+from .modeling import VariationalModel, check_finite_weights, load_posterior, load_temperature_scaling, sampling_settings
 from .posterior import DiagonalGaussianPosterior
 
 __all__ = ["VariationalImageClassificationPipeline", "VariationalTextClassificationPipeline", "pipeline"]
@@ -36,7 +37,10 @@ class _VariationalMixin:
     def __init__(self, *args: Any, posterior: DiagonalGaussianPosterior | None = None, num_samples: int | None = None,
                  seed: int | None = None, predictor: VariationalModel | DeepEnsemble | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        if predictor is None:
+        if predictor is None:  # built by `transformers.pipeline(..., pipeline_class=...)`, which loaded the model
+            if os.path.isdir(self.model.name_or_path):
+                check_manifest(self.model.name_or_path)
+            check_finite_weights(self.model, self.model.name_or_path)
             if posterior is None:
                 posterior = load_posterior(self.model, self.model.name_or_path)
             num_samples, seed = sampling_settings(posterior, num_samples, seed)

@@ -42,7 +42,7 @@ from .adapters import is_peft_model, save_classifier_config
 from .calibration import TemperatureScaling, TemperatureScalingCallback, describe_prediction, fit_trainer_temperature_scaling
 from .corruption import realized_noise_report
 from .ensemble import DeepEnsemble
-from .files import FolderSave
+from .files import MANIFEST_FILE, FolderSave, add_to_manifest, check_manifest, read_manifest
 from .methods import EXAMPLE_INDEX_KEY, ExampleIndexDataset, MethodContext, TrainingMethod, get_method_class
 from .methods.base import IGNORE_INDEX
 from .hub import VariationalHubMixin
@@ -51,7 +51,8 @@ from .metrics import classification_metrics, reliability_diagram
 from .posterior import (POSTERIOR_FILE, DiagonalGaussianPosterior, VariationalClassifierOutput, VariationalIVON,
                         mc_dropout_predictive, predictive_distribution, unwrap_ivon)
 from .posterior.diagnostics import HessianDiagnosticsCallback, hessian_summary
-from .posterior.gaussian import TEMPERATURE_KEY, _reshard
+from .posterior.gaussian import TEMPERATURE_KEY, _reshard, non_finite_tensors
+from .posterior.optimizer import _local
 from .posterior.prediction import logits_of, model_outputs
 from .posterior.temperature import PosteriorTemperatureCallback, check_transition_matrix, select_trainer_temperature
 from .training_args import VariationalTrainingArguments, check_ivon_sharding
@@ -107,6 +108,11 @@ class VariationalTrainer(VariationalHubMixin, LabelNoiseMixin, Trainer):
         super().__init__(model, args, *pargs, compute_metrics=self._compute_metrics, **kwargs)
         self.user_compute_metrics = user_metrics
         train_size = _length(self.train_dataset)
+        if train_size == 0:
+            raise ValueError("train_dataset has no examples: nothing to train on. Pass the training split with its "
+                             "examples (check the select/filter/split that built it), or train_dataset=None to only evaluate.")
+        for role, dataset in (("train_dataset", self.train_dataset), ("eval_dataset", self.eval_dataset)):
+            _refuse_string_labels(role, dataset)
         self.method: TrainingMethod = get_method_class(args.method)(args, num_train_examples=train_size)
         if self.method.uses_ivon:  # FSDP or DeepSpeed set up by `accelerate launch` rather than by the arguments
             fsdp = getattr(self.accelerator.state, "fsdp_plugin", None)
@@ -144,6 +150,7 @@ class VariationalTrainer(VariationalHubMixin, LabelNoiseMixin, Trainer):
         self._run_files: dict[str, set[str]] = {}  # folder -> files this trainer wrote there outside `_save`
         self._staging_dir: str | None = None
         self._last_grad_norm: torch.Tensor | None = None
+        self._finite_flags: torch.Tensor | None = None  # (loss finite, gradients finite) over the step so far
         self._gathered_posterior: DiagonalGaussianPosterior | None = None  # σ gathered by save_model under FSDP
         if self.method.uses_ivon and self.optimizer is not None and not isinstance(self.optimizer, VariationalIVON):
             raise ValueError(
@@ -291,7 +298,10 @@ class VariationalTrainer(VariationalHubMixin, LabelNoiseMixin, Trainer):
                     model, num_items_in_batch=num_items_in_batch, compute_loss=self._method_compute_loss,
                     gradient_accumulation_steps=self.current_gradient_accumulation_steps)
                 loss = self.method.training_step(model, self._prepare_inputs(inputs), context)
-            self._stop_if_non_finite(loss)
+            # the gradients are complete (accumulated, all-reduced) only on the step's last micro-batch
+            trainable = [p for p in model.parameters() if p.requires_grad] if self.accelerator.sync_gradients else None
+            self._note_finite(loss, trainable)
+            self._stop_if_non_finite()
             return loss
         model.train()
         inputs = self._prepare_inputs(inputs)
@@ -310,27 +320,47 @@ class VariationalTrainer(VariationalHubMixin, LabelNoiseMixin, Trainer):
                 with self.compute_loss_context_manager():
                     loss = self.compute_loss(model, dict(inputs))
                 self.accelerator.backward(loss)
-                # checked after the backward, which an accelerator then need not wait for (the check synchronizes)
-                if not torch.isfinite(loss):
-                    raise FloatingPointError(
-                        f"Non-finite training loss ({loss.item()}) at step {self.state.global_step}. The mean weights "
-                        "were restored. Lower learning_rate, set clip_radius (e.g. 0.05) or max_grad_norm, or check "
-                        "the inputs for NaNs."
-                    )
+                # IVON records the gradients when the sample ends: they are checked here, before (no host sync)
+                self._note_finite(loss, params)
                 if self.args.max_grad_norm and self.args.max_grad_norm > 0:
                     self._last_grad_norm = torch.nn.utils.clip_grad_norm_(params, self.args.max_grad_norm)
             total += loss.detach()
+        self._stop_if_non_finite()
         # for logging only: the Trainer sums this over micro-batches and divides by the optimizer steps
         return total / self.args.mc_samples / self.current_gradient_accumulation_steps
 
-    def _stop_if_non_finite(self, loss: torch.Tensor) -> None:
-        # raised before the optimizer step, so the weights stay those of the last finite step
-        if not torch.isfinite(loss).all():
-            raise FloatingPointError(
-                f"Non-finite training loss ({loss.item()}) at step {self.state.global_step} with method="
-                f"{self.args.method!r}; the weights are those of the last finite step. Check the inputs for NaNs, or "
-                "lower learning_rate / set max_grad_norm."
-            )
+    def _note_finite(self, loss: torch.Tensor, params: list[torch.Tensor] | None) -> None:
+        """Record on the device whether `loss` and the gradients of `params` (None: not yet complete) are finite."""
+        grads = [_local(p.grad) for p in params or () if p.grad is not None]
+        # the max-norm is NaN or inf exactly when an entry is (a 2-norm could overflow on finite entries)
+        grads_ok = torch.isfinite(torch.nn.utils.get_total_norm(grads, float("inf"))) if grads else torch.ones((), dtype=torch.bool)
+        flags = torch.stack([torch.isfinite(loss.detach()).all().to(grads_ok.device), grads_ok])
+        self._finite_flags = flags if self._finite_flags is None else self._finite_flags.to(flags.device) & flags
+
+    def _stop_if_non_finite(self) -> None:
+        """On the last micro-batch of an optimizer step, before the step: one host sync (and, with several
+        processes, one all-reduce) for every loss and gradient of the step noted by `_note_finite`; raise if one is
+        NaN or inf. The update is then not applied, so the weights (and IVON's posterior) stay those of the last
+        finite step: no checkpoint or save gets non-finite weights."""
+        if not self.accelerator.sync_gradients or self._finite_flags is None:
+            return
+        flags, self._finite_flags = self._finite_flags.to(self.args.device).int(), None
+        if self.args.world_size > 1:  # IVON under DDP and FSDP shards: each process saw other gradients
+            torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MIN)
+        loss_ok, grads_ok = flags.tolist()
+        if loss_ok and grads_ok:
+            return
+        if self.ivon is not None:
+            self.ivon._reset_samples()  # the step's samples are dropped: IVON stays at the last finite step
+        what = "training loss" if not loss_ok else "gradients (NaN or inf, with a finite loss)"
+        kept = "weights and posterior" if self.ivon is not None else "weights and optimizer state"
+        after = f"after step {self.state.global_step}" if self.state.global_step else "the initial ones"
+        raise FloatingPointError(
+            f"Non-finite {what} in optimizer step {self.state.global_step + 1} with method={self.args.method!r}. That "
+            f"step was not applied: the {kept} are those of the last finite step ({after}), and saving them is safe. "
+            "Check the inputs for NaN or inf values (a single inf feature gives a finite loss but inf gradients), or "
+            "lower learning_rate / set max_grad_norm" + (" or clip_radius (e.g. 0.05)." if self.ivon is not None else ".")
+        )
 
     def _get_dataloader(self, dataset: Any, description: str, batch_size: int, sampler_fn: Any = None,
                         is_training: bool = False, dataloader_key: str | None = None) -> Any:
@@ -366,6 +396,12 @@ class VariationalTrainer(VariationalHubMixin, LabelNoiseMixin, Trainer):
         if isinstance(dataset, datasets.Dataset) and dataset.format.get("type") == "custom":
             return dataset
         return super()._remove_unused_columns(dataset, description)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: torch.nn.Module | None = None) -> None:
+        # every file against the checkpoint's manifest before any is read: a truncated model.safetensors or
+        # optimizer.pt is named, instead of failing inside safetensors or torch.load
+        check_manifest(resume_from_checkpoint)
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     def _load_best_model(self) -> None:
         # the stock version reloads only the weights: the Hessian must come from the same checkpoint, or the
@@ -503,6 +539,16 @@ class VariationalTrainer(VariationalHubMixin, LabelNoiseMixin, Trainer):
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         output_dir = output_dir if output_dir is not None else self.args.output_dir
+        if self.args.should_save:
+            network = self.accelerator.unwrap_model(self.model)
+            bad = non_finite_tensors(state_dict.items() if state_dict is not None else
+                                     [*network.named_parameters(), *network.named_buffers()])
+            if bad:
+                raise FloatingPointError(
+                    f"Not saving to {output_dir}: the weights {bad[:5]}{' ...' if len(bad) > 5 else ''} are not finite "
+                    "(NaN or inf): training diverged. The last checkpoint saved before holds finite weights; resume or "
+                    "load from it."
+                )
         folder = FolderSave(output_dir).begin() if self.args.should_save else None
         super()._save(output_dir, state_dict)
         if self.args.should_save and is_peft_model(self.accelerator.unwrap_model(self.model)):
@@ -516,7 +562,7 @@ class VariationalTrainer(VariationalHubMixin, LabelNoiseMixin, Trainer):
             report.save(output_dir)
         if folder is not None:
             stale = folder.finish(also=self._run_files.get(os.path.abspath(output_dir), ()), method=self.method.name,
-                                  global_step=self.state.global_step)
+                                  global_step=self.state.global_step, seed=self.args.seed)
             if stale:
                 logger.warning("Removed files of an earlier run from %s that this run did not write: %s", output_dir, stale)
 
@@ -553,10 +599,16 @@ class VariationalTrainer(VariationalHubMixin, LabelNoiseMixin, Trainer):
         if self.state.best_model_checkpoint == written:  # the stock code recorded the staging path
             self.state.best_model_checkpoint = final
             self.state.save_to_json(os.path.join(written, "trainer_state.json"))
+        # the optimizer, scheduler, RNG and trainer states were written after the model's save: the manifest lists
+        # them too, so that resuming refuses a truncated optimizer.pt by name
+        listed = set((read_manifest(written) or {}).get("files", ())) | {MANIFEST_FILE}
+        add_to_manifest(written, [entry.name for entry in os.scandir(written) if entry.is_file() and entry.name not in listed])
         if os.path.isdir(final):  # a checkpoint of the same step from an earlier run: replace it whole
             _remove_checkpoint(final)
         os.replace(written, final)
         shutil.rmtree(staging, ignore_errors=True)
+        if self.args.push_to_hub:  # the stock push was skipped while the checkpoint was incomplete
+            self._push_from_checkpoint(final)
         self._rotate_checkpoints_atomically(run_dir)
 
     def _rotate_checkpoints_atomically(self, run_dir: str) -> None:
@@ -628,6 +680,21 @@ def _bind(callback: TrainerCallback, trainer: VariationalTrainer) -> None:
 
 def _numpy(array: Any) -> np.ndarray:
     return array.detach().cpu().numpy() if isinstance(array, torch.Tensor) else np.asarray(array)
+
+
+def _refuse_string_labels(role: str, dataset: Any) -> None:
+    """A label column of strings fails deep in the collator ("too many dimensions 'str'"); say so up front. Datasets
+    with a transform (`with_transform`) are skipped: the transform may turn the raw strings into class ids."""
+    if not isinstance(dataset, datasets.Dataset) or dataset.format.get("type") == "custom":
+        return
+    for column in ("label", "labels", "label_ids"):
+        feature = dataset.features.get(column)
+        if isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string"):
+            raise ValueError(
+                f"The {column!r} column of {role} holds strings (e.g. {dataset[0][column]!r}), but the trainer needs "
+                f"class ids. Encode it first: {role} = {role}.class_encode_column({column!r}) (its "
+                f"features[{column!r}].names then give the model's id2label)."
+            )
 
 
 def _length(dataset: Any) -> int | None:

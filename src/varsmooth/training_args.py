@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -156,6 +157,13 @@ class VariationalTrainingArguments(TrainingArguments):
 
     def __post_init__(self) -> None:
         method_cls = get_method_class(self.method)
+        for name in ("mc_samples", "eval_mc_samples", "mc_dropout_samples"):  # counts: 2.5 would fail mid-run
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not float(value).is_integer():
+                raise ValueError(f"{name} is a number of samples, a whole number, got {value!r}: pass e.g. {name}=2.")
+            setattr(self, name, int(value))
         # always the method's own config class from here on (a copy: the caller's object is not changed)
         self.method_config = build_method_config(self.method, self.method_config)
         if self.ivon_preset not in IVON_PRESETS:

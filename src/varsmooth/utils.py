@@ -8,7 +8,14 @@ import tempfile
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["atomic_path", "checkpoint_to_resume", "evaluate_validation_and_test"]
+__all__ = ["atomic_path", "checkpoint_to_resume", "evaluate_validation_and_test", "ordinary_file_mode"]
+
+
+def ordinary_file_mode() -> int:
+    """The permissions `open(path, "w")` gives a new file under the process's umask (0644 under umask 022)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
 
 
 @contextlib.contextmanager
@@ -25,9 +32,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[str]:
     try:
         yield tmp
         # mkstemp creates the file private (0600); give it the permissions an ordinary write would have
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
+        os.chmod(tmp, ordinary_file_mode())
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
@@ -39,7 +44,10 @@ def checkpoint_to_resume(args: Any) -> str | None:
 
     `args.resume_from_checkpoint` when given, else the last `checkpoint-N` in `args.output_dir`. A non-empty
     `output_dir` without checkpoints is refused unless `args.overwrite_output_dir`, so that a run never mixes its
-    files with an earlier run's; `overwrite_output_dir` also starts from scratch when there are checkpoints.
+    files with an earlier run's; `overwrite_output_dir` also starts from scratch when there are checkpoints. A
+    checkpoint of another `--seed` is refused (resuming it would continue that seed's run under this seed's name, on
+    a data split drawn with this seed), and so is the last checkpoint of a run that has already finished (the stock
+    Trainer would train one step more).
     """
     from transformers.trainer_utils import get_last_checkpoint
 
@@ -47,6 +55,7 @@ def checkpoint_to_resume(args: Any) -> str | None:
         if not os.path.isdir(args.resume_from_checkpoint):
             raise FileNotFoundError(f"--resume_from_checkpoint {args.resume_from_checkpoint!r} is not a folder: pass a "
                                     f"checkpoint-N folder written by an earlier run.")
+        _refuse_other_seed(args, args.resume_from_checkpoint)
         return args.resume_from_checkpoint
     if not os.path.isdir(args.output_dir) or getattr(args, "overwrite_output_dir", False):
         return None
@@ -54,7 +63,42 @@ def checkpoint_to_resume(args: Any) -> str | None:
     if last is None and os.listdir(args.output_dir):
         raise ValueError(f"Output directory ({args.output_dir}) already exists and is not empty. Use "
                          "--overwrite_output_dir to train into it anyway, or choose another --output_dir.")
+    if last is not None:
+        _refuse_other_seed(args, last)
+        _refuse_finished_run(args, last)
     return last
+
+
+def _refuse_other_seed(args: Any, checkpoint: str) -> None:
+    from .files import read_manifest
+
+    seed = (read_manifest(checkpoint) or {}).get("seed")  # recorded by VariationalTrainer's saves
+    if seed is not None and seed != args.seed:
+        raise ValueError(
+            f"{checkpoint} was trained with --seed {seed}, but this run has --seed {args.seed}: resuming would continue "
+            f"the seed-{seed} run under seed {args.seed}'s name, with the data split drawn again. Pass --seed {seed} to "
+            f"resume it, or start the seed-{args.seed} run in another --output_dir (or with --overwrite_output_dir)."
+        )
+
+
+def _refuse_finished_run(args: Any, checkpoint: str) -> None:
+    import json
+
+    try:
+        with open(os.path.join(checkpoint, "trainer_state.json"), encoding="utf-8") as f:
+            state = json.load(f)
+        step, max_steps, epochs = int(state["global_step"]), int(state["max_steps"]), float(state["num_train_epochs"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # not a state the stock Trainer wrote: it resumes (or refuses) as usual
+    longer = args.max_steps > step if args.max_steps > 0 else (args.num_train_epochs > epochs or step < max_steps)
+    if not longer:
+        target = f"--max_steps {args.max_steps}" if args.max_steps > 0 else f"--num_train_epochs {args.num_train_epochs:g}"
+        raise ValueError(
+            f"The run in {args.output_dir} has finished: its last checkpoint {checkpoint} is at step {step}, the end of "
+            f"{target}; resuming would train one step more. Its trained model is in {checkpoint} (and in "
+            f"{args.output_dir} once saved). To train on from it, raise --max_steps or --num_train_epochs; to train a "
+            "new run, choose another --output_dir or pass --overwrite_output_dir."
+        )
 
 
 def evaluate_validation_and_test(trainer: Any, test_dataset: Any = None) -> dict[str, float]:

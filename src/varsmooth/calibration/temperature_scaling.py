@@ -171,6 +171,9 @@ class TemperatureScaling:
             path = os.path.join(path, TEMPERATURE_SCALING_FILE)
         if not os.path.isfile(path):
             return None
+        from ..files import check_manifest
+
+        check_manifest(os.path.dirname(os.path.abspath(path)), [os.path.basename(path)])  # edited after the save
         try:
             with open(path, encoding="utf-8") as f:
                 raw = json.load(f)

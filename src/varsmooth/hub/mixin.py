@@ -7,13 +7,17 @@ the stock Trainer uploads the whole output_dir and writes a card that reports it
 from __future__ import annotations
 
 import glob
+import json
 import os
 import shutil
 from typing import Any
 
+from huggingface_hub import CommitOperationAdd, CommitOperationDelete
+from transformers.trainer_utils import HubStrategy
 from transformers.utils.hub import PushInProgress, hf_api
 
-from ..files import OWNED_PATTERNS, FolderSave, add_to_manifest, shareable_files, written_by_varsmooth
+from ..files import (MANIFEST_FILE, OWNED_PATTERNS, PRIVATE_FILES, FolderSave, add_to_manifest, check_manifest,
+                     read_manifest, shareable_files, written_by_varsmooth)
 from ..utils import atomic_path
 from .card import build_model_card, write_reliability_diagram
 from .record import RunRecord
@@ -101,7 +105,13 @@ class VariationalHubMixin:
     def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
         """Intermediate pushes: the stock version copies only config and weights from the checkpoint (and uploads
         the rest of output_dir); here the checkpoint's shareable files (its manifest: weights, posterior, processor)
-        are copied into output_dir as one save, and exactly those go up."""
+        are copied into output_dir as one save, and exactly those go up. With `hub_strategy="checkpoint"` (or
+        `"all_checkpoints"`) the checkpoint itself also goes up, as `last-checkpoint/` (or `checkpoint-N/`), to
+        resume from elsewhere: every file of its manifest but `training_args.bin`, with a manifest of exactly those.
+
+        `VariationalTrainer._save_checkpoint` calls this once the checkpoint is complete (manifest, final name)."""
+        if self._staging_dir is not None:  # the stock `_save_checkpoint` asks before the checkpoint is complete
+            return
         if not self.is_world_process_zero() or self.args.hub_strategy == "end":
             return
         if not self.args.hub_always_push and self.push_in_progress is not None and not self.push_in_progress.is_done():
@@ -114,12 +124,45 @@ class VariationalHubMixin:
                 shutil.copyfile(os.path.join(checkpoint_folder, name), tmp)
         folder.finish(also=self._run_files.get(os.path.abspath(output_dir), ()), method=self.method.name,
                       global_step=self.state.global_step)
-        job = hf_api().upload_folder(
-            repo_id=self.hub_model_id, folder_path=output_dir, token=self.args.hub_token,
-            commit_message=f"Training in progress, step {self.state.global_step}", run_as_future=True,
-            allow_patterns=_exact(shareable_files(output_dir)), revision=self.args.hub_revision,
-        )
-        self.push_in_progress = PushInProgress([job])
+        message = f"Training in progress, step {self.state.global_step}"
+        jobs = [hf_api().upload_folder(
+            repo_id=self.hub_model_id, folder_path=output_dir, token=self.args.hub_token, commit_message=message,
+            run_as_future=True, allow_patterns=_exact(shareable_files(output_dir)), revision=self.args.hub_revision,
+        )]
+        if self.args.hub_strategy in (HubStrategy.CHECKPOINT, HubStrategy.ALL_CHECKPOINTS):
+            path_in_repo = "last-checkpoint" if self.args.hub_strategy == HubStrategy.CHECKPOINT else os.path.basename(checkpoint_folder)
+            operations = _checkpoint_operations(checkpoint_folder, path_in_repo)
+            jobs.append(hf_api().run_as_future(_replace_repo_folder, self.hub_model_id, path_in_repo, operations,
+                                               commit_message=message + ", checkpoint", token=self.args.hub_token,
+                                               revision=self.args.hub_revision))
+        self.push_in_progress = PushInProgress(jobs)
+
+
+def _checkpoint_operations(checkpoint: str, path_in_repo: str) -> list[CommitOperationAdd]:
+    """The upload of a checkpoint under `path_in_repo`: its manifest's files but the private training arguments (the
+    Trainer's pickle may hold paths and tokens), and a manifest listing exactly these, so that the downloaded folder
+    passes `check_manifest` when resumed from."""
+    manifest = read_manifest(checkpoint)
+    if manifest is None:
+        raise ValueError(f"{checkpoint} has no {MANIFEST_FILE}: it was not written by VariationalTrainer.")
+    files = {name: entry for name, entry in manifest["files"].items() if name not in PRIVATE_FILES}
+    check_manifest(checkpoint, files)
+    shared = {**manifest, "files": files}
+    operations = [CommitOperationAdd(path_in_repo=f"{path_in_repo}/{name}", path_or_fileobj=os.path.join(checkpoint, name))
+                  for name in sorted(files)]
+    operations.append(CommitOperationAdd(path_in_repo=f"{path_in_repo}/{MANIFEST_FILE}",
+                                         path_or_fileobj=json.dumps(shared, indent=2).encode()))
+    return operations
+
+
+def _replace_repo_folder(repo_id: str, path_in_repo: str, operations: list[CommitOperationAdd], **kwargs: Any) -> Any:
+    """One commit that makes `path_in_repo/` of the repo hold exactly `operations`' files (an earlier checkpoint's
+    other files there are deleted)."""
+    api = hf_api()
+    uploaded = {op.path_in_repo for op in operations}
+    earlier = [f for f in api.list_repo_files(repo_id, revision=kwargs.get("revision"), token=kwargs.get("token"))
+               if f.startswith(path_in_repo + "/") and f not in uploaded]
+    return api.create_commit(repo_id, [*operations, *(CommitOperationDelete(path_in_repo=f) for f in earlier)], **kwargs)
 
 
 def _exact(names: list[str]) -> list[str]:

@@ -26,7 +26,7 @@ from ..utils import atomic_path
 from .noise import derive_seed
 from .optimizer import DTensor, _local, _local_slice, _whole
 
-__all__ = ["POSTERIOR_FILE", "DiagonalGaussianPosterior", "std_summary", "weights_fingerprint"]
+__all__ = ["POSTERIOR_FILE", "DiagonalGaussianPosterior", "non_finite_tensors", "std_summary", "weights_fingerprint"]
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +51,13 @@ def weights_fingerprint(model: torch.nn.Module, names: Iterable[str]) -> str:
         digest.update(f"{name}|{t.dtype}|{tuple(params[name].shape)}|".encode())
         digest.update(t.view(torch.uint8).numpy())
     return digest.hexdigest()
+
+
+def non_finite_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+    """The names of the floating-point tensors (parameters, buffers, state-dict entries) holding a NaN or ±inf; a
+    sharded (DTensor) one is checked on this process's shard. For saves and loads: one host sync per tensor."""
+    return [name for name, t in named
+            if t is not None and t.is_floating_point() and not bool(torch.isfinite(_local(t.detach())).all())]
 
 
 def std_summary(stds: Iterable[torch.Tensor]) -> dict[str, float]:
@@ -116,12 +123,17 @@ class DiagonalGaussianPosterior:
     def load(cls, model: torch.nn.Module, path: str | os.PathLike) -> "DiagonalGaussianPosterior":
         """Read σ saved by `save` for `model`, whose current weights must be the ones σ was saved with.
 
-        Refuses (naming the file) a file that is unreadable, covers other parameters than it recorded, holds no σ or
-        a σ that is not finite and positive, or belongs to other weights than `model`'s (fingerprint mismatch).
+        Refuses (naming the file) a file that differs from its folder's manifest (edited after the save), is
+        unreadable, covers other parameters than it recorded, holds no σ or a σ that is not finite and positive, or
+        belongs to other weights than `model`'s (fingerprint mismatch).
         """
         path = os.fspath(path)
         if os.path.isdir(path):
             path = os.path.join(path, POSTERIOR_FILE)
+        from ..files import check_manifest
+
+        # σ scaled, τ edited, a file of another save: refused by its hash, before it is read
+        check_manifest(os.path.dirname(os.path.abspath(path)), [os.path.basename(path)])
         try:
             with safe_open(path, framework="pt") as f:
                 raw = f.metadata() or {}
@@ -190,8 +202,13 @@ class DiagonalGaussianPosterior:
         fingerprint = self._fingerprint if self._fingerprint is not None else weights_fingerprint(self.model, self.names)
         binding = {"parameters": [key[name] for name in self.names], "weights_sha256": fingerprint,
                    "weights_dtype": str(params[self.names[0]].dtype) if self.names else None}
+        bad = non_finite_tensors(tensors.items())
+        if bad:
+            raise FloatingPointError(f"Not saving {path}: the posterior standard deviations of {bad[:5]} are not finite. "
+                                     "Training diverged; save from the last healthy checkpoint instead.")
+        # one metadata entry: safetensors writes several in a random order, and identical runs would differ in bytes
         with atomic_path(path) as tmp:
-            save_file(tensors, tmp, metadata={"format": "pt", "varsmooth": json.dumps({**self.metadata, **binding})})
+            save_file(tensors, tmp, metadata={"varsmooth": json.dumps({**self.metadata, **binding})})
         return str(path)
 
     # -- sampling ----------------------------------------------------------------------------------
