@@ -1,8 +1,9 @@
 """Run by tests/test_engine.py under `torchrun --nproc_per_node 2`: VariationalIVON on FSDP2-sharded parameters.
 
 Each rank trains on its half of every global batch; FSDP2 averages the gradients, the engine samples and updates the
-local shards (with the CPU's fused loops). Halfway, the model and optimizer are saved with
-torch.distributed.checkpoint; a fresh sharded model restored from it finishes the run again.
+local shards (compiled kernels), on given noise whose shards form the whole draw of one process. Halfway, the model
+and optimizer are saved with torch.distributed.checkpoint; a fresh sharded model restored from it finishes the run
+again. A last run draws its own noise on each shard.
 """
 
 import os
@@ -17,21 +18,20 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, os.path.dirname(__file__))
+from helpers import indexed_noise  # noqa: E402
 from test_engine import FSDP_STEPS, IVON_KW, MLP, _data, _groups  # noqa: E402
 from varsmooth.posterior import VariationalIVON  # noqa: E402
-from varsmooth.posterior import optimizer as engine  # noqa: E402
-
-# the local shards take the CPU's fused loops (every size), which compute their noise (`counter_normal`)
-engine.FUSED_MIN_NUMEL = 0
 
 
-def build(mesh):
+def build(mesh, given_noise=True):
     torch.manual_seed(0)
     model = MLP()
     fully_shard(model.fc1, mesh=mesh)
     fully_shard(model, mesh=mesh)
     kw = {k: v for k, v in IVON_KW.items() if k != "weight_decay"}
-    return model, VariationalIVON(_groups(model, IVON_KW["weight_decay"]), noise_seed=4, rank=dist.get_rank(), **kw)
+    opt = VariationalIVON(_groups(model, IVON_KW["weight_decay"]), noise_seed=4, rank=dist.get_rank(), fused=True, **kw)
+    opt.noise_source = indexed_noise(4) if given_noise else None
+    return model, opt
 
 
 def train(model, opt, steps, rank, world):
@@ -66,7 +66,9 @@ def main(out: str) -> None:
     dcp.load(state, checkpoint_id=os.path.join(out, "ckpt"))
     set_state_dict(fresh, fresh_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     resumed = train(fresh, fresh_opt, range(FSDP_STEPS // 2, FSDP_STEPS), rank, world)
-    torch.save({"trajectory": first + second, "resumed": resumed, "resumed_step": fresh_opt.current_step},
+    own_noise = train(*build(mesh, given_noise=False), range(FSDP_STEPS), rank, world)[-1]
+    torch.save({"trajectory": first + second, "resumed": resumed, "resumed_step": fresh_opt.current_step,
+                "own_noise": own_noise},
                os.path.join(out, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()

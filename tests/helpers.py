@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import importlib.util
-import math
 import shutil
 import sys
 from pathlib import Path
@@ -20,8 +19,6 @@ from transformers.modeling_outputs import SequenceClassifierOutput
 import ivon
 from varsmooth import VariationalTrainingArguments
 from varsmooth.posterior import derive_seed
-from varsmooth.posterior.fused import cpu_kernels
-from varsmooth.posterior.noise import counter_key, counter_normal
 
 
 class TinyClassifier(torch.nn.Module):
@@ -64,38 +61,56 @@ def make_args(tmp_path, **kw) -> VariationalTrainingArguments:
     return VariationalTrainingArguments(**defaults)
 
 
-def skip_without_fused_kernels() -> None:
-    """Skips a test of IVON's fused CPU loops where they cannot compile for want of a C++ compiler (with a compiler,
-    a failure to compile is a bug the test must show)."""
-    if cpu_kernels().error and not (shutil.which("g++") or shutil.which("clang++")):
-        pytest.skip(f"no C++ compiler for torch.compile: {cpu_kernels().error}")
+def skip_without_compiler() -> None:
+    """Skips a test of IVON's compiled kernels where torch.compile has no C++ compiler to build them with."""
+    if not (shutil.which("g++") or shutil.which("clang++")):
+        pytest.skip("no C++ compiler for torch.compile")
+
+
+def indexed_noise(seed: int, rank: int = 0):
+    """A `VariationalIVON.noise_source` (and `SeededIVON`'s `noise`): e of parameter `index` in draw d after step t is
+    float32 `randn` of the whole parameter's shape from a CPU generator seeded by derive_seed(seed, rank, t, d, index)."""
+    from varsmooth.posterior.optimizer import DTensor, _local_slice
+
+    def noise(p: torch.Tensor, index: int, step: int, draw: int) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(derive_seed(seed, rank, step, draw, index))
+        whole = torch.randn(p.shape, generator=gen)
+        return _local_slice(p, whole) if isinstance(p, DTensor) else whole  # a shard: its part of the whole draw
+    return noise
 
 
 class SeededIVON(ivon.IVON):
-    """ivon-opt's `IVON`, unchanged except for its Gaussian draw: parameter i of draw d after step t on rank r is
-    `randn` from a generator seeded by derive_seed(seed, r, t, d, i), the noise VariationalIVON documents, or, for
-    parameters of `counter_min_numel` elements or more (those VariationalIVON's fused CPU loops take),
-    `counter_normal` keyed by that seed, computed eagerly."""
+    """ivon-opt's `IVON`, unchanged except for its Gaussian draw: by default the noise VariationalIVON draws on the
+    CPU (for draw d after step t, the parameters of each param group split by (device, dtype) into buckets numbered
+    b = 0, 1, ... over all groups; bucket b's tensors drawn in turn from one generator seeded by
+    derive_seed(derive_seed(seed, t, d), rank, b)); or `noise(p, index, step, draw)` where given."""
 
-    def __init__(self, params, *, seed: int = 0, rank: int = 0, counter_min_numel: float = math.inf, **kwargs):
+    def __init__(self, params, *, seed: int = 0, rank: int = 0, noise=None, **kwargs):
         super().__init__(params, **kwargs)
-        self.seed, self.rank, self.draws, self.counter_min_numel = seed, rank, 0, counter_min_numel
+        self.seed, self.rank, self.draws, self.noise = seed, rank, 0, noise
 
-    def draw(self, p: torch.Tensor, index: int) -> torch.Tensor:
-        seed = derive_seed(self.seed, self.rank, self.current_step, self.draws, index)
-        if p.numel() >= self.counter_min_numel:
-            return counter_normal(p.shape, counter_key(seed), p.device).to(p.dtype)
-        return torch.randn(p.shape, generator=torch.Generator(p.device).manual_seed(seed), dtype=p.dtype,
-                           device=p.device)
+    def _draw_all(self) -> list[torch.Tensor]:
+        params = [p for g in self.param_groups for p in g["params"]]
+        if self.noise is not None:
+            return [self.noise(p, i, self.current_step, self.draws).to(p) for i, p in enumerate(params)]
+        base, noise, number, index = derive_seed(self.seed, self.current_step, self.draws), {}, 0, 0
+        for group in self.param_groups:
+            buckets: dict = {}
+            for p in group["params"]:
+                buckets.setdefault((p.device, p.dtype), []).append((index, p))
+                index += 1
+            for bucket in buckets.values():
+                gen = torch.Generator().manual_seed(derive_seed(base, self.rank, number))
+                number += 1
+                for i, p in bucket:
+                    noise[i] = torch.randn(p.shape, generator=gen, dtype=p.dtype).to(p.device)
+        return [noise[i] for i in range(len(params))]
 
     def _sample_params(self):
-        noise_samples, param_avgs, index = [], [], 0
+        noise_samples, param_avgs, e = [], [], iter(self._draw_all())
         for group in self.param_groups:
-            e = []
-            for p in group["params"]:
-                e.append(self.draw(p, index).flatten())
-                index += 1
-            noise = torch.cat(e) / (group["ess"] * (group["hess"] + group["weight_decay"])).sqrt()
+            flat = torch.cat([next(e).flatten() for _ in group["params"]])
+            noise = flat / (group["ess"] * (group["hess"] + group["weight_decay"])).sqrt()
             noise_samples.append(noise)
             offset = 0
             for p in group["params"]:
@@ -112,7 +127,7 @@ class SeededIVON(ivon.IVON):
 
 
 def reference_ivon_loop(model, batches_per_step, steps, *, lr, ess, hess_init, beta1, beta2, wd, seed, mc_samples=1,
-                        clip_norm=0.0, rank=0, loss_scale=1.0, counter_min_numel=math.inf):
+                        clip_norm=0.0, rank=0, loss_scale=1.0, noise=None):
     """The ivon-opt README loop, written out by hand, with the noise drawn as VariationalIVON draws it.
 
     `batches_per_step(step)` returns the micro-batches [(x, y), ...] of that optimizer step.
@@ -120,7 +135,7 @@ def reference_ivon_loop(model, batches_per_step, steps, *, lr, ess, hess_init, b
     model = copy.deepcopy(model)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = SeededIVON(params, seed=seed, rank=rank, lr=lr, ess=ess, hess_init=hess_init, beta1=beta1, beta2=beta2,
-                     weight_decay=wd, counter_min_numel=counter_min_numel)
+                     weight_decay=wd, noise=noise)
     for step in range(steps):
         for x, y in batches_per_step(step):
             for _ in range(mc_samples):

@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, os.path.dirname(__file__))
+from helpers import indexed_noise  # noqa: E402
 from test_engine import FSDP_STEPS, IVON_KW, MLP, _data  # noqa: E402
 from varsmooth.posterior import DiagonalGaussianPosterior, VariationalIVON, predictive_distribution  # noqa: E402
 
@@ -43,6 +44,7 @@ def run(sharded, rank, world, out):
     model = Classifier()
     kw = {k: v for k, v in IVON_KW.items() if k != "weight_decay"}
     opt = VariationalIVON(model.parameters(), noise_seed=4, weight_decay=IVON_KW["weight_decay"], **kw)
+    opt.noise_source = indexed_noise(4)  # the shards' parts of the unsharded run's draws
     if sharded:
         fully_shard(model.net.fc1, mesh=init_device_mesh("cpu", (world,)))
         fully_shard(model, mesh=init_device_mesh("cpu", (world,)))

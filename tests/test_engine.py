@@ -12,9 +12,8 @@ import torch
 import torch.nn.functional as F
 
 import ivon
-from helpers import SeededIVON, skip_without_fused_kernels
-from varsmooth.posterior import VariationalIVON
-from varsmooth.posterior.fused import cpu_kernels
+from helpers import SeededIVON, indexed_noise, skip_without_compiler
+from varsmooth.posterior import VariationalIVON, kernels
 
 STEPS = 50
 FSDP_STEPS = 12
@@ -90,28 +89,38 @@ def _assert_same_trajectory(ours, ref, tol=1e-6):
 
 IVON_KW = dict(lr=0.1, ess=200.0, hess_init=0.3, beta1=0.9, beta2=0.99, weight_decay=1e-2)
 
-#: the engine's code paths, all run on the CPU: "fused" (the CPU's compiled loops), "foreach" (the CPU without a
-#: C++ compiler) and "redraw" (the accelerators' foreach path: the noise is drawn again for the step, not kept)
-PATHS = ["fused", "foreach", "redraw"]
+#: the engine's code paths, all run on the CPU: "compiled" (the default: torch.compile'd kernels, e from torch's CPU
+#: generator, kept), "foreach" (fused=False, the same functions run eagerly) and "in_kernel" (what CUDA runs: the
+#: compiled kernels draw e themselves with Inductor's Philox and draw it again when the gradient arrives)
+PATHS = ["compiled", "foreach", "in_kernel"]
 
 
 def _on_path(path, monkeypatch):
-    """Constructor kwargs (and patches) that put every parameter of these small models on one code path."""
-    import varsmooth.posterior.optimizer as engine
-
-    if path == "fused":
-        skip_without_fused_kernels()
-        monkeypatch.setattr(engine, "FUSED_MIN_NUMEL", 0)  # the models here are far smaller than the threshold
-        return {"fused": True}
-    if path == "redraw":
-        monkeypatch.setattr(VariationalIVON, "_keeps_noise", lambda self, t: self.noise_seed is None)
-    return {"fused": False}
+    """Constructor kwargs (and patches) that put these models on one code path."""
+    if path == "foreach":
+        return {"fused": False}
+    skip_without_compiler()
+    if path == "in_kernel":
+        monkeypatch.setattr(VariationalIVON, "_keeps_noise", lambda self, t: not self._dispatch.compiles)
+    return {"fused": True}
 
 
-def _reference_noise(path):
-    """SeededIVON's kwargs for the noise of `path`: the fused loops compute `counter_normal`, foreach ops draw from a
-    generator."""
-    return {"counter_min_numel": 0} if path == "fused" else {}
+def _same_noise(path, seed):
+    """(VariationalIVON kwargs, SeededIVON kwargs) that give both the same noise on `path`: on the CPU paths
+    SeededIVON draws as the engine does; Inductor's in-kernel draws cannot be replayed, so there both take
+    `indexed_noise` (the kernels then get e as an argument instead of drawing it)."""
+    if path == "in_kernel":
+        return {"noise_source": indexed_noise(seed)}, {"noise": indexed_noise(seed)}
+    return {}, {}
+
+
+def _engine(seed, path_kw, noise_source=None, **fixed):
+    """A factory of VariationalIVON(params, **kw) on one path, with a test's noise source if given."""
+    def make(params, **kw):
+        opt = VariationalIVON(params, noise_seed=seed, **path_kw, **fixed, **kw)
+        opt.noise_source = noise_source
+        return opt
+    return make
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -127,18 +136,18 @@ def _reference_noise(path):
 ], ids=["base", "accumulate3", "clip", "no_rescale", "no_decay", "closure_mc2", "no_debias", "fixed_hessian"])
 def test_same_trajectory_as_ivon_opt(case, path, monkeypatch):
     path_kw = _on_path(path, monkeypatch)
+    ours_noise, ref_noise = _same_noise(path, 3)
     torch.manual_seed(0)
     model = MLP()
     kw = {**IVON_KW, **case}
     run_kw = dict(samples_per_step=kw.pop("samples_per_step", 1), clip_norm=kw.pop("clip_norm", 0.0),
                   closure_mc=kw.pop("closure_mc", 0))
-    make = lambda g, **k: VariationalIVON(g, noise_seed=3, **path_kw, **k)  # noqa: E731
+    make = _engine(3, path_kw, **ours_noise)
     ours, _, opt = _run(make, model, STEPS, **run_kw, **kw)
-    ref, _, _ = _run(lambda g, **k: SeededIVON(g, seed=3, **_reference_noise(path), **k), model, STEPS, **run_kw, **kw)
+    ref, _, _ = _run(lambda g, **k: SeededIVON(g, seed=3, **ref_noise, **k), model, STEPS, **run_kw, **kw)
     _assert_same_trajectory(ours, ref)
     assert opt.current_step == STEPS
-    if path == "fused":  # the comparison ran the compiled loops, not a fallback
-        assert opt._kernels is not None and opt._kernels.error is None
+    assert opt._dispatch.compiles is (path != "foreach")  # the comparison ran the compiled kernels, not a fallback
     if case.get("beta2") == 1.0:
         assert torch.equal(ours[-1][1], torch.full_like(ours[-1][1], 0.3))
     else:
@@ -156,16 +165,14 @@ def _held_buffers(opt):
 
 
 @pytest.mark.parametrize("samples_per_step", [1, 3])
-def test_accelerator_path_holds_one_buffer_besides_the_state(samples_per_step, monkeypatch):
-    """Where the noise is drawn again instead of kept, only the mean (while sampling) or mean(e⊙g) (until the step)
-    is held: AdamW's two state tensors plus one (several samples per step: plus the running ḡ and one more e⊙g)."""
-    import varsmooth.posterior.optimizer as engine
-
-    redraw_kw = _on_path("redraw", monkeypatch)
-    monkeypatch.setattr(engine, "CHUNK_NUMEL", 40)  # several chunks even for this small model
+def test_in_kernel_path_holds_one_buffer_besides_the_state(samples_per_step, monkeypatch):
+    """Where the kernels draw e again instead of keeping it (accelerators), only the mean (while sampling) or
+    mean(e⊙g) (until the step) is held: AdamW's two state tensors plus one (several samples per step: plus the
+    running ḡ and one more e⊙g). The CPU keeps e beside the mean."""
+    path_kw = _on_path("in_kernel", monkeypatch)
     torch.manual_seed(0)
     model = MLP()
-    opt = VariationalIVON(model.parameters(), noise_seed=0, **redraw_kw, **IVON_KW)
+    opt = VariationalIVON(model.parameters(), noise_seed=0, **path_kw, **IVON_KW)
     x, y = _data(3 * samples_per_step)
     seen = []
     for step in range(3):
@@ -180,21 +187,18 @@ def test_accelerator_path_holds_one_buffer_besides_the_state(samples_per_step, m
     if samples_per_step == 1:
         assert seen == [1.0] * len(seen)
     else:
-        # mean + mean(e⊙g) + ḡ while accumulating (the CPU path: + e); the mean and ḡ's buffer between steps
-        assert max(seen) == 3.0 and seen[-1] == 2.0
+        assert max(seen) == 3.0 and seen[-1] == 2.0  # mean + mean(e⊙g) + ḡ while accumulating; then mean and ḡ
     monkeypatch.undo()
-    for path in ("fused", "foreach"):
+    for path in ("compiled", "foreach"):
         kept = VariationalIVON(copy.deepcopy(model).parameters(), noise_seed=0, **_on_path(path, monkeypatch),
                                **IVON_KW)
         with kept.sampled_params():
-            assert _held_buffers(kept) == 2.0, path  # the CPU keeps e beside the mean
+            assert _held_buffers(kept) == 2.0, path
 
 
 def test_channels_last_weights_get_their_noise_in_logical_order(monkeypatch):
-    """A channels-last weight on every path: the accelerator path draws e twice (into the parameter, then into a
-    buffer laid out like it), the CPU paths keep a contiguous noise buffer, which the fused loop fills and pairs with
-    the weight's elements by logical index. Each follows ivon-opt on the same noise (in ivon-opt's flattened,
-    logical order)."""
+    """A channels-last weight on every path (the CPU keeps a contiguous noise buffer, the in-kernel draw numbers
+    elements by logical index): each follows ivon-opt on the same noise, in ivon-opt's flattened, logical order."""
     x = torch.randn(6, 2, 3, 5, 5, generator=torch.Generator().manual_seed(1))
 
     def trajectory(make):
@@ -212,96 +216,47 @@ def test_channels_last_weights_get_their_noise_in_logical_order(monkeypatch):
     for path in PATHS:
         monkeypatch.undo()
         path_kw = _on_path(path, monkeypatch)
-        ours = trajectory(lambda params: VariationalIVON(params, noise_seed=2, **path_kw, **IVON_KW))
-        ref = trajectory(lambda params: SeededIVON(params, seed=2, **_reference_noise(path), **IVON_KW))
+        ours_noise, ref_noise = _same_noise(path, 2)
+        ours = trajectory(lambda params: _engine(2, path_kw, **ours_noise)(params, **IVON_KW))
+        ref = trajectory(lambda params: SeededIVON(params, seed=2, **ref_noise, **IVON_KW))
         for a, b in zip(ours, ref):
             torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6, msg=lambda m: f"{path}: {m}")
 
 
-def test_fused_kernels_that_do_not_compile_fall_back_to_foreach_or_raise(monkeypatch):
+def test_kernels_that_do_not_compile_fall_back_to_foreach_or_raise(monkeypatch):
     """Without a C++ compiler torch.compile fails: the default warns once and trains with foreach ops (ivon-opt's
-    trajectory all the same), fused=True refuses with the fix, and small tensors never compile."""
-    import varsmooth.posterior.optimizer as engine
-    from varsmooth.posterior.fused import CpuKernels
+    trajectory all the same), fused=True refuses with the fix."""
+    def broken(fn):
+        def compile_fails(*args, **kwargs):
+            raise torch._dynamo.exc.BackendCompilerFailed(
+                lambda *a: None, RuntimeError("InvalidCxxCompiler: No working C++ compiler found"), None)
+        return compile_fails
 
-    broken = CpuKernels(None, None, "InvalidCxxCompiler: No working C++ compiler found")
-    monkeypatch.setattr(engine, "cpu_kernels", lambda: broken)
-    with pytest.raises(RuntimeError, match="install a C\\+\\+ compiler.*fused=False"):
-        VariationalIVON(torch.nn.Linear(2, 2).parameters(), lr=0.1, ess=10, fused=True)
-    small = VariationalIVON(torch.nn.Linear(2, 2).parameters(), lr=0.1, ess=10)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # below FUSED_MIN_NUMEL nothing compiles, so nothing warns
-        with small.sampled_params():
+    monkeypatch.setattr(kernels, "_compiled", broken)
+    opt = VariationalIVON(torch.nn.Linear(2, 2).parameters(), lr=0.1, ess=10, fused=True)
+    with pytest.raises(RuntimeError, match="fused=True, but IVON's kernels do not compile.*fused=False"):
+        with opt.sampled_params():
             pass
-    monkeypatch.setattr(engine, "FUSED_MIN_NUMEL", 0)
     torch.manual_seed(0)
     model = MLP()
     with pytest.warns(RuntimeWarning, match="do not compile.*No working C\\+\\+ compiler") as caught:
-        ours, _, _ = _run(lambda g, **k: VariationalIVON(g, noise_seed=3, **k), model, 5, 1, **IVON_KW)
-    assert len(caught) == 1
+        ours, _, opt = _run(lambda g, **k: VariationalIVON(g, noise_seed=3, **k), model, 5, 1, **IVON_KW)
+    assert len(caught) == 1 and not opt._dispatch.compiles
     ref, _, _ = _run(lambda g, **k: SeededIVON(g, seed=3, **k), model, 5, 1, **IVON_KW)
     _assert_same_trajectory(ours, ref)
 
 
-def test_miscompiled_loops_are_caught_before_they_train(monkeypatch):
-    """`cpu_kernels` runs the compiled loops against their eager formulas: a compiler that gets them wrong (here: one
-    whose sample stores θ into the mean as well, as torch 2.14's Inductor did for one formulation) makes them
-    unavailable, and the optimizer falls back to foreach ops with the usual warning."""
-    import varsmooth.posterior.fused as fused
-
-    def miscompile(fn, **kw):
-        def wrong(*args):
-            fn(*args)
-            if fn is fused._sample:
-                args[1].copy_(args[0])
-        return wrong
-
-    monkeypatch.setattr(fused.torch, "compile", miscompile)
-    kernels = fused.cpu_kernels.__wrapped__()
-    assert kernels.sample is None and "compiled _sample loop disagrees with its eager formula" in kernels.error
-    monkeypatch.setattr(fused.torch, "compile", lambda fn, **kw: lambda *args: fn(*args))  # correct "loops" pass
-    assert fused.cpu_kernels.__wrapped__().error is None
-    # TORCHDYNAMO_DISABLE=1 makes torch.compile return the function itself: eager, the loops would be slower than
-    # the foreach formulation (counter_normal in separate operations), so they count as unavailable
-    monkeypatch.setattr(fused.torch, "compile", lambda fn, **kw: fn)
-    assert "torch.compile is switched off" in fused.cpu_kernels.__wrapped__().error
-
-
-def test_a_dtype_whose_loops_fail_their_check_runs_on_foreach_ops(monkeypatch):
-    """Each dtype's loops are checked when first used: a bfloat16 weight whose compiled sample is wrong takes foreach
-    ops with one warning (fused=True refuses), while the float32 weight beside it keeps the fused loops."""
-    import varsmooth.posterior.fused as fused
-    import varsmooth.posterior.optimizer as engine
-
-    _on_path("fused", monkeypatch)
-
-    def wrong_in_bfloat16(*args):
-        fused._sample(*args)
-        if args[0].dtype == torch.bfloat16:
-            args[1].copy_(args[0])
-
-    kernels = fused.CpuKernels(wrong_in_bfloat16, cpu_kernels().update, None)
-    monkeypatch.setattr(engine, "cpu_kernels", lambda: kernels)
-    assert kernels.error_for(torch.float64) is None
-    assert "compiled _sample loop disagrees with its eager formula for torch.bfloat16" in kernels.error_for(torch.bfloat16)
-    weights = [torch.nn.Parameter(torch.randn(4, 4)), torch.nn.Parameter(torch.randn(4, 4, dtype=torch.bfloat16))]
-    opt = VariationalIVON(weights, lr=0.1, ess=10.0)
-    with pytest.warns(RuntimeWarning, match="fail for torch.bfloat16") as caught:
-        assert [opt._fuses(p) for p in weights] == [True, False]
-        assert opt._fuses(weights[1]) is False
-    assert len(caught) == 1
-    with pytest.raises(RuntimeError, match="fused=True.*fail for torch.bfloat16"):
-        VariationalIVON(weights, lr=0.1, ess=10.0, fused=True)._fuses(weights[1])
-
-
-@pytest.mark.parametrize("path", ["fused", "foreach"])
+@pytest.mark.parametrize("path", PATHS)
 def test_mixed_dtypes_one_step_matches_ivon_opt_formulas(path, monkeypatch):
-    """Parameters of two dtypes in one optimizer (ivon-opt refuses): each is updated by ivon-opt's own formulas."""
+    """Parameters of three dtypes in one optimizer (ivon-opt refuses), with the engine's own noise: each is updated by
+    ivon-opt's formulas on the noise read off the sample (on the in-kernel path this checks that the kernel draws the
+    sample's e again for e⊙g)."""
     path_kw = _on_path(path, monkeypatch)
     torch.manual_seed(0)
     a = torch.nn.Parameter(torch.randn(5, 4))
     b = torch.nn.Parameter(torch.randn(4, dtype=torch.float64))
-    c = torch.nn.Parameter(torch.randn(4, dtype=torch.bfloat16))
+    # small bfloat16 means: the noise read off the sample, θ - m, is then rounded relative to σ, not to m
+    c = torch.nn.Parameter(0.01 * torch.randn(4, dtype=torch.bfloat16))
     kw = dict(lr=0.1, ess=50.0, hess_init=0.4, beta1=0.9, beta2=0.9, weight_decay=1e-2, clip_radius=0.5)
     opt = VariationalIVON([a, b, c], noise_seed=1, **path_kw, **kw)
     means = [p.detach().clone() for p in (a, b, c)]
@@ -311,38 +266,73 @@ def test_mixed_dtypes_one_step_matches_ivon_opt_formulas(path, monkeypatch):
         grads = [p.grad.clone() for p in (a, b, c)]
     assert all(torch.equal(p.detach(), m) for p, m in zip((a, b, c), means))
     opt.step()
-    assert [opt._fuses(p) for p in (a, b, c)] == [path == "fused"] * 3
     for p, m0, n, g in zip((a, b, c), means, noise, grads):
         h0 = torch.full_like(p, 0.4)
         mom = ivon.IVON._new_momentum(g, torch.zeros_like(p), 0.9)
         hess = ivon.IVON._new_hess("price", h0, n * g, None, slice(None), 50.0, 0.9, 1e-2)
         expected = ivon.IVON._new_param_averages(m0, hess, mom, 0.1 * (0.4 + 1e-2), 1e-2, 0.5, 1 - 0.9, 0.4)
         assert opt.state[p]["hess"].dtype == p.dtype and opt.state[p]["momentum"].dtype == p.dtype
-        # bfloat16: ivon-opt rounds each operation, the fused loop its results only
-        tol = {torch.float32: 1e-5, torch.float64: 1e-12, torch.bfloat16: 2e-2}[p.dtype]
+        # bfloat16: its sample θ - m is rounded, and ivon-opt rounds each operation, the compiled kernels only results;
+        # float64: the compiled kernels contract and reorder operations (h is ~2000× its initial value here)
+        tol = {torch.float32: 1e-5, torch.float64: 1e-12 if path == "foreach" else 1e-9, torch.bfloat16: 2e-2}[p.dtype]
         torch.testing.assert_close(opt.state[p]["momentum"], mom, atol=tol, rtol=tol)
         torch.testing.assert_close(opt.state[p]["hess"], hess, atol=tol, rtol=tol)
         torch.testing.assert_close(p.detach(), expected, atol=tol, rtol=tol)
+    assert opt._dispatch.compiles is (path != "foreach")
 
 
-def test_noise_is_counter_based_and_parameters_are_never_replaced():
+@pytest.mark.parametrize("path", PATHS)
+def test_noise_is_seeded_by_counters_and_parameters_are_never_replaced(path, monkeypatch):
+    """The same (seed, rank, step, draw) gives the same sample on the same path; another rank or draw another; the
+    draws are standard normal; the global RNG is left as it was."""
+    path_kw = _on_path(path, monkeypatch)
     torch.manual_seed(0)
-    model = MLP()
-    opt = VariationalIVON(model.parameters(), noise_seed=7, rank=0, **{**IVON_KW, "weight_decay": 1e-2})
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 32))
+    kw = {**IVON_KW, "hess_init": 1.0, "weight_decay": 0.0, "ess": 1.0}  # σ = 1: the sample minus the mean is e
     storage = [p.data_ptr() for p in model.parameters()]
 
-    def draw(o, m):
-        with o.sampled_params():
-            return [p.detach().clone() for p in m.parameters()]
+    def draw(rank, m=model, **extra):
+        opt = VariationalIVON(m.parameters(), noise_seed=7, rank=rank, **path_kw, **kw, **extra)
+        samples = []
+        for _ in range(2):
+            with opt.sampled_params():
+                samples.append(torch.cat([(p - q).detach().flatten() for p, q in zip(m.parameters(), means)]))
+        return samples
 
-    first, second = draw(opt, model), draw(opt, model)
-    assert not torch.equal(first[0], second[0])  # draw counter advances within a step
-    twin_model, other_model = copy.deepcopy(model), copy.deepcopy(model)
-    twin = VariationalIVON(twin_model.parameters(), noise_seed=7, rank=0, **IVON_KW)
-    assert all(torch.equal(u, v) for u, v in zip(first, draw(twin, twin_model)))  # same (seed, rank, step, draw)
-    other_rank = VariationalIVON(other_model.parameters(), noise_seed=7, rank=1, **IVON_KW)
-    assert not torch.equal(first[0], draw(other_rank, other_model)[0])
+    means = [p.detach().clone() for p in model.parameters()]
+    state = torch.get_rng_state()
+    first, second = draw(0)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert not torch.equal(first, second)  # the draw counter advances within a step
+    assert torch.equal(draw(0, copy.deepcopy(model))[0], first)
+    assert (draw(1)[0] - first).abs().min() > 0  # another rank: another sample, element by element
+    assert abs(first.mean()) < 0.05 and abs(first.std() - 1.0) < 0.05 and first.abs().max() < 6.0
+    assert abs(torch.corrcoef(torch.stack([first, second]))[0, 1]) < 0.05
     assert [p.data_ptr() for p in model.parameters()] == storage
+
+
+def test_one_seed_per_bucket_and_draw(monkeypatch):
+    """The noise generator is seeded once per (device, dtype) bucket of a param group and draw, not per parameter."""
+    import varsmooth.posterior.optimizer as engine
+
+    seeds = []
+    monkeypatch.setattr(engine, "derive_seed", lambda *keys: seeds.append(keys) or hash(keys) % (1 << 62))
+    model = torch.nn.Sequential(*(torch.nn.Linear(4, 4) for _ in range(5)))
+    opt = VariationalIVON(_groups(model, 1e-2), noise_seed=0, fused=False, **{k: v for k, v in IVON_KW.items()
+                                                                             if k != "weight_decay"})
+    with opt.sampled_params(train=True):
+        model(torch.ones(4)).sum().backward()
+    opt.step()
+    # one base seed for the draw, then one seed per bucket (two param groups), once at the sample
+    assert len(seeds) == 3
+
+
+def test_cpu_paths_draw_the_same_samples(monkeypatch):
+    """On the CPU the compiled kernels and foreach ops take e from the same generator: one seed, one trajectory."""
+    torch.manual_seed(0)
+    model = MLP()
+    runs = [_run(_engine(6, _on_path(path, monkeypatch)), model, 5, 2, **IVON_KW)[0] for path in ("compiled", "foreach")]
+    _assert_same_trajectory(*runs)
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -350,7 +340,8 @@ def test_crash_inside_sampling_restores_means_and_records_nothing(path, monkeypa
     path_kw = _on_path(path, monkeypatch)
     torch.manual_seed(0)
     model = MLP()
-    opt = VariationalIVON(model.parameters(), noise_seed=0, **path_kw, **IVON_KW)
+    opt = VariationalIVON(_groups(model, 1e-2), noise_seed=0, **path_kw, **{k: v for k, v in IVON_KW.items()
+                                                                            if k != "weight_decay"})
     before = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(ZeroDivisionError):
         with opt.sampled_params(train=True):
@@ -359,54 +350,23 @@ def test_crash_inside_sampling_restores_means_and_records_nothing(path, monkeypa
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
     with pytest.raises(RuntimeError, match="without any gradient sample"):
         opt.step()
-    if path != "fused":
-        return
-    # a fused loop that fails part-way through the weights, or at the first (e.g. a dtype it cannot compile): those
-    # sampled are restored, the rest were never touched, and the loop's own error is the one raised
-    compiled = opt._kernels.sample
-    for failing_call in (3, 1):
-        calls = []
+    # a kernel that fails at the second bucket (the second param group): the first bucket, sampled, is restored,
+    # and the kernel's own error is the one raised
+    calls = []
 
-        def fails(*args):
-            calls.append(1)
-            if len(calls) == failing_call:
-                raise RuntimeError("compile failed")
-            compiled(*args)
+    def fails(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("kernel failed")
+        real(*args, **kwargs)
 
-        monkeypatch.setattr(opt._kernels, "sample", fails)
-        with pytest.raises(RuntimeError, match="compile failed"):
-            with opt.sampled_params(train=True):
-                pass
-        assert len(calls) == failing_call
-        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
-
-
-def test_default_cpu_run_mixes_fused_and_foreach_tensors():
-    """With the default threshold the large weights run the fused loop and the small tensors foreach ops, in one
-    param group: together they follow ivon-opt."""
-    skip_without_fused_kernels()
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(6, 160), torch.nn.Tanh(), torch.nn.Linear(160, 128),
-                                torch.nn.Tanh(), torch.nn.Linear(128, 3))
-    x, y = torch.randn(8, 16, 6), torch.randint(0, 3, (8, 16))
-    runs = []
-    import varsmooth.posterior.optimizer as engine
-
-    for make in (lambda g, **k: VariationalIVON(g, noise_seed=1, **k),
-                 lambda g, **k: SeededIVON(g, seed=1, counter_min_numel=engine.FUSED_MIN_NUMEL, **k)):
-        m = copy.deepcopy(model)
-        opt = make(m.parameters(), **IVON_KW)
-        for xb, yb in zip(x, y):
-            with opt.sampled_params(train=True):
-                opt.zero_grad()
-                F.cross_entropy(m(xb), yb).backward()
-            opt.step()
-        runs.append((opt, m, _flat(m.parameters()), _opt_state(opt)[0]))
-    (ours, ours_model, *ours_state), (_, _, *ref_state) = runs
-    fused = [ours._fuses(p) for p in ours_model.parameters()]
-    assert fused == [False, False, True, False, False, False]  # only the 160×128 weight is large enough
-    for a, b in zip(ours_state, ref_state):
-        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+    real, opt._dispatch = opt._dispatch, fails
+    fails.compiles = real.compiles
+    with pytest.raises(RuntimeError, match="kernel failed"):
+        with opt.sampled_params(train=True):
+            pass
+    assert len(calls) == 2
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
 
 
 @pytest.mark.parametrize("samples_per_step", [1, 2])
@@ -415,7 +375,7 @@ def test_resume_from_per_parameter_checkpoint_is_exact(path, samples_per_step, m
     path_kw = _on_path(path, monkeypatch)
     torch.manual_seed(0)
     model = MLP()
-    make = lambda g, **k: VariationalIVON(g, noise_seed=5, **path_kw, **k)  # noqa: E731
+    make = _engine(5, path_kw)
     full, _, _ = _run(make, model, 12, samples_per_step, **IVON_KW)
     _, half_model, half_opt = _run(make, model, 6, samples_per_step, **IVON_KW)
     sd = half_opt.state_dict()
@@ -509,19 +469,20 @@ def test_ddp_sync_matches_ivon_opt(tmp_path):
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2))
-    for key in ("ours", "ref", "fused_1", "ref_1"):
+    for key in ("ours", "ref", "compiled_1", "ref_1"):
         assert all(torch.equal(a, b) for a, b in zip(r0[key][-1], r1[key][-1])), key  # replicas identical
     _assert_same_trajectory(r0["ours"], r0["ref"])
-    _assert_same_trajectory(r0["fused_1"], r0["ref_1"])
+    _assert_same_trajectory(r0["compiled_1"], r0["ref_1"])
     # the sync changes the result: rank 0 alone (its own samples only) would end elsewhere
     assert (r0["alone"][-1][0] - r0["ours"][-1][0]).abs().max() > 1e-3
 
 
 @pytest.mark.slow
 def test_fsdp2_shards_match_one_process_and_resume_from_dcp(tmp_path):
-    """FSDP2 (fully_shard, 2 processes, gloo): the engine samples and updates each rank's shard, the shards' noise is
-    one draw, so the run equals one process on the same global batches; a torch.distributed.checkpoint restore
-    continues it exactly."""
+    """FSDP2 (fully_shard, 2 processes, gloo): the engine samples and updates each rank's shard; given noise whose
+    shards form the whole draw of one process, the run equals that process on the same global batches; a
+    torch.distributed.checkpoint restore continues it exactly. Without given noise, the shards' own draws form one
+    sample: all ranks train the same gathered weights."""
     torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     cmd = [torchrun, "--nproc_per_node", "2", "--master_port", str(29800 + os.getpid() % 1000),
@@ -530,11 +491,13 @@ def test_fsdp2_shards_match_one_process_and_resume_from_dcp(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2))
     assert all(torch.equal(a, b) for a, b in zip(r0["trajectory"][-1], r1["trajectory"][-1]))
-    # ivon-opt in one process, whole global batches of 32, rank 0's noise as the fused loops compute it
+    assert all(torch.equal(a, b) for a, b in zip(r0["own_noise"], r1["own_noise"]))
+    assert (r0["own_noise"][0] - r0["trajectory"][-1][0]).abs().max() > 1e-3  # other noise: another run
+    # ivon-opt in one process, whole global batches of 32, on the noise the shards were given
     torch.manual_seed(0)
     model = MLP()
     kw = {k: v for k, v in IVON_KW.items() if k != "weight_decay"}
-    opt = SeededIVON(_groups(model, IVON_KW["weight_decay"]), seed=4, counter_min_numel=0, **kw)
+    opt = SeededIVON(_groups(model, IVON_KW["weight_decay"]), seed=4, noise=indexed_noise(4), **kw)
     x, y = _data(2 * FSDP_STEPS, batch=32)
     for step in range(FSDP_STEPS):
         for k in range(2):
@@ -584,23 +547,27 @@ def test_fsdp2_params_swapped_in_after_construction_train_predict_and_save(tmp_p
         torch.testing.assert_close(files["sharded"][0][k], v, atol=1e-6, rtol=1e-5)
 
 
-def test_forked_children_can_still_train_after_the_fused_kernels_compiled(tmp_path):
+def test_forked_children_can_still_train_after_the_kernels_compiled(tmp_path):
     """torch.compile's tracing, before a process's first backward, would leave autograd unusable in forked children
-    (kill -9 tests, multiprocessing with fork): in a fresh process, compile, train, fork, and train in the child."""
+    (kill -9 tests, multiprocessing with fork): in a fresh process, train with the compiled kernels, fork, and train
+    in the child."""
     script = tmp_path / "fork_after_compile.py"
     script.write_text(
         "import multiprocessing, torch\n"
-        "from varsmooth.posterior.fused import cpu_kernels\n"
+        "from varsmooth import VariationalIVON\n"
         "def train():\n"
         "    torch.nn.Linear(4, 4)(torch.randn(2, 4)).sum().backward()\n"
         "if __name__ == '__main__':\n"
-        "    assert cpu_kernels().error is None, cpu_kernels().error\n"
-        "    train()\n"
+        "    model = torch.nn.Linear(4, 4)\n"
+        "    opt = VariationalIVON(model.parameters(), lr=0.1, ess=10.0, fused=True)\n"
+        "    with opt.sampled_params(train=True):\n"
+        "        model(torch.randn(2, 4)).sum().backward()\n"
+        "    opt.step()\n"
         "    child = multiprocessing.get_context('fork').Process(target=train)\n"
         "    child.start()\n"
         "    child.join(60)\n"
         "    raise SystemExit(child.exitcode)\n")
-    skip_without_fused_kernels()
+    skip_without_compiler()
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
@@ -621,9 +588,9 @@ def test_without_a_cpp_compiler_a_real_run_warns_and_trains_with_foreach_ops(tmp
         "        with opt.sampled_params(train=True):\n"
         "            model(torch.randn(4, 256)).sum().backward()\n"
         "        opt.step()\n"
-        "messages = [str(w.message) for w in caught if 'fused CPU kernels' in str(w.message)]\n"
+        "messages = [str(w.message) for w in caught if 'kernels do not compile' in str(w.message)]\n"
         "assert len(messages) == 1 and 'C++ compiler' in messages[0], messages\n"
-        "assert not opt._fuses(model.weight) and torch.isfinite(model.weight).all()\n")
+        "assert not opt._dispatch.compiles and torch.isfinite(model.weight).all()\n")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CXX": str(tmp_path / "no-such-compiler"),
            "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor-cache")}
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env)
