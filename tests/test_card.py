@@ -1,4 +1,5 @@
-"""The model card: JSON that parses, Hub ids only in `datasets:`, a license, and both predictions with the better named."""
+"""The model card: JSON that parses, Hub ids only in `datasets:`, a license, both predictions with the better named, and
+every line true for the method that wrote it (ERM: no posterior; IVON at τ = 0: the mean, and why)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,9 @@ def _strict_json(text: str):
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("card")
     train = corrupt_labels(digits_dataset(160).with_format(None), "symmetric", 0.4, seed=0).with_format("torch")
-    args = make_args(out, max_steps=6, eval_mc_samples=4, beta2=0.99)
+    # τ fixed at 1: the card shows both predictions whatever the selection would choose (τ = 0 is tested apart)
+    args = make_args(out, max_steps=6, eval_mc_samples=4, beta2=0.99, posterior_temperature=1.0,
+                     logging_strategy="steps", logging_steps=3)
     trainer = VariationalTrainer(model=TinyClassifier(), args=args, train_dataset=train, eval_dataset=digits_dataset(64, seed=1),
                                  callbacks=[LabelNoiseCallback(num_samples=4)])
     trainer.train()
@@ -161,3 +164,63 @@ def test_the_card_names_the_task_and_auto_class_the_model_reloads_with(tmp_path)
     with pytest.warns(UserWarning, match="No posterior.safetensors"):
         reloaded = VariationalModel.from_pretrained(tmp_path)
     assert isinstance(reloaded.model, ResNetForImageClassification)
+
+
+def test_the_card_reports_max_steps_and_what_the_posterior_learned(run):
+    trainer, out = run
+    text, _ = _parts(_card(trainer))
+    assert "| max_steps | 6 |" in text and "| epochs |" not in text  # --max_steps overrides the epochs
+    # the Hessian's movement and σ as measured at the end of training (the last log is at step 6)
+    from varsmooth.posterior.diagnostics import hessian_change
+
+    change = hessian_change(trainer.ivon)
+    assert f"The median relative change |h − h0|/h0 over the weights is {change:.1%}" in text
+    sigma = trainer.hessian_summary()["posterior_std_median"]
+    assert f"σ = 1/sqrt(ess·(h + δ)) had median {sigma:.4g}" in text
+    args = trainer.args
+    assert f"σ0 = {1 / (trainer.ivon.param_groups[0]['ess'] * (args.hess_init + args.prior_precision)) ** 0.5:.4g}" in text
+    assert ("hardly moved" in text) == (change < 0.1)
+    summary = json.loads((out / "label_noise_summary.json").read_text())
+    assert f"|ε̄|₁ has mean {summary['all']['noise_l1']['mean']:.3g}" in text
+    assert "Predictions average the softmax over 4 samples of that posterior" in text
+
+
+def test_a_card_at_the_posterior_mean_says_so_and_why(run):
+    trainer, _ = run
+    report = {"temperature": 0.0, "nll": {"0": 0.512, "0.5": 0.534, "1": 0.601}, "num_samples": 4,
+              "criterion": "noise-corrected validation NLL"}
+    saved = trainer.posterior_temperature, trainer.posterior_temperature_report, trainer.args.posterior_temperature
+    trainer.posterior_temperature, trainer.posterior_temperature_report = 0.0, report
+    trainer.args.posterior_temperature = None
+    try:
+        text, meta = _parts(_card(trainer))
+        assert "Predictions are made at the posterior mean, without averaging: the posterior temperature τ = 0 was chosen" in text
+        assert "noise-corrected validation NLL on the validation split (0.5120, against 0.5340 at τ = 0.5, 0.6010 at τ = 1)" in text
+        assert "posterior-averaged" not in text and "average the softmax" not in text
+        names = {m["name"] for r in meta["model-index"][0]["results"] for m in r["metrics"]}
+        assert "Negative log-likelihood (posterior mean)" in names and not any("averaged" in n for n in names)
+        trainer.posterior_temperature, trainer.args.eval_mc_samples = 1.0, 0  # no draws asked for at all
+        text, _ = _parts(_card(trainer))
+        assert "without averaging: `eval_mc_samples=0` was set" in text and "posterior-averaged" not in text
+    finally:
+        trainer.posterior_temperature, trainer.posterior_temperature_report, trainer.args.posterior_temperature = saved
+        trainer.args.eval_mc_samples = 4
+
+
+def test_a_baseline_card_describes_the_baseline(tmp_path):
+    """ERM learns no posterior: no posterior column, file or sentence; its learning rate is in the table."""
+    train = corrupt_labels(digits_dataset(96).with_format(None), "symmetric", 0.4, seed=0).with_format("torch")
+    args = make_args(tmp_path, method="erm", learning_rate=1e-3, num_train_epochs=2)
+    trainer = VariationalTrainer(model=TinyClassifier(), args=args, train_dataset=train, eval_dataset=digits_dataset(32, seed=1))
+    trainer.train()
+    trainer.save_model()
+    trainer.evaluate()
+    text, meta = _parts(_card(trainer))
+    for claim in ("posterior-averaged", "posterior mean", "posterior.safetensors", "σ", "VariationalModel"):
+        assert claim not in text, claim
+    assert "It learns no posterior over the weights" in text
+    assert "with the `erm` method (Empirical risk minimisation" in text and "made at the trained weights" in text
+    assert "| learning_rate | 0.001 |" in text and "| epochs | 2 |" in text
+    assert "| metric | trained weights |" in text
+    names = {m["name"] for r in meta["model-index"][0]["results"] for m in r["metrics"]}
+    assert "Accuracy" in names and "Negative log-likelihood" in names

@@ -23,7 +23,7 @@ __all__ = ["DEFAULT_LICENSE", "MODEL_CARD_TEMPLATE", "build_model_card", "is_hub
 MODEL_CARD_TEMPLATE = resources.files("varsmooth").joinpath("templates/model_card.md")
 
 _FILE_DESCRIPTIONS = {
-    "model.safetensors": "weights (the posterior mean)",
+    "model.safetensors": "weights",
     "config.json": "model configuration",
     "posterior.safetensors": "posterior standard deviation of every trainable weight (varsmooth)",
     "label_noise.parquet": "per-example label noise of the training set (load with `datasets.load_dataset('parquet', ...)`)",
@@ -31,11 +31,13 @@ _FILE_DESCRIPTIONS = {
     NOISE_REPORT_FILE: "the label corruption: intended and realized transition matrices",
     "preprocessor_config.json": "image processor",
     "tokenizer.json": "tokenizer",
-    "adapter_model.safetensors": "PEFT adapter weights (the posterior mean of the adapters)",
+    "adapter_model.safetensors": "PEFT adapter weights",
     "adapter_config.json": "PEFT adapter configuration",
     "mean_pooling_bert.py": "modeling code of the mean-pooling classifier, named by config.json's `auto_map` "
                             "(transformers runs it with `trust_remote_code=True`)",
 }
+#: the weights files, which hold the posterior mean of an IVON run
+_WEIGHT_FILES = frozenset({"model.safetensors", "adapter_model.safetensors"})
 #: the card's `license:` when the user names none: varsmooth cannot know the terms of the data or the base model, and
 #: "unknown" is the Hub's identifier for that ("other" would need a license_name and license_link)
 DEFAULT_LICENSE = "unknown"
@@ -345,7 +347,8 @@ def build_model_card(record: RunRecord, model: Any, folder: str | os.PathLike) -
     if manifest is not None:  # the card describes what a push uploads: this run's files, not strays beside them
         present = [f for f in present if f in manifest["files"]]
     pictures = [f for f in present if f.endswith(".png")]
-    files = {f: _FILE_DESCRIPTIONS[f] for f in present if f in _FILE_DESCRIPTIONS}
+    files = {f: _FILE_DESCRIPTIONS[f] + (" (the posterior mean)" if is_ivon and f in _WEIGHT_FILES else "")
+             for f in present if f in _FILE_DESCRIPTIONS}
     files.update({p: "picture" for p in pictures})
 
     from .. import __version__
