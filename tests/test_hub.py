@@ -98,3 +98,47 @@ def test_reloaded_model_and_pipeline_predict_like_the_trainer(pushed):
 def test_repo_without_posterior_warns_and_predicts_at_mean(pushed):
     _, results = pushed
     assert any("Predicting at the posterior mean" in w for w in results["no_posterior_warnings"])
+
+
+@pytest.fixture(scope="module")
+def pushed_checkpoints(tmp_path_factory):
+    out = tmp_path_factory.mktemp("hub_checkpoints")
+    hub = HubStandIn()
+    env = {**os.environ, "HF_ENDPOINT": hub.endpoint, "HF_HUB_DISABLE_XET": "1", "HF_TOKEN": "hf_offline_dummy_token",
+           "HF_HOME": str(out / "hf_home"), "OMP_NUM_THREADS": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
+    env.pop("HF_HUB_OFFLINE", None)
+    result = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "hub_checkpoint_worker.py"), str(out)],
+                            env=env, capture_output=True, text=True, timeout=600)
+    hub.close()
+    assert result.returncode == 0, result.stderr[-4000:]
+    return hub, json.load(open(out / "results.json"))
+
+
+CHECKPOINT_SHARED = {"model.safetensors", "config.json", "posterior.safetensors", "optimizer.pt", "scheduler.pt",
+                     "rng_state.pth", "trainer_state.json", "varsmooth_manifest.json"}
+
+
+def test_hub_strategy_checkpoint_pushes_the_last_checkpoint_whole(pushed_checkpoints):
+    hub, results = pushed_checkpoints
+    files = set(results["last_files"])
+    assert {f"last-checkpoint/{name}" for name in CHECKPOINT_SHARED} <= files
+    assert "last-checkpoint/training_args.bin" not in files  # the pickled arguments may hold paths and tokens
+    assert results["last_checkpoint_step"] == 4  # replaced by the step-4 checkpoint, nothing of step 2 left over
+    manifest = json.loads(hub.repos["offline-user/ckpt-last"]["last-checkpoint/varsmooth_manifest.json"])
+    assert set(manifest["files"]) == CHECKPOINT_SHARED - {"varsmooth_manifest.json"}
+    assert any("checkpoint" in c["summary"] for c in hub.commits if c["repo"] == "offline-user/ckpt-last")
+
+
+def test_a_run_resumed_from_the_pushed_checkpoint_ends_as_the_uninterrupted_one(pushed_checkpoints):
+    _, results = pushed_checkpoints
+    assert results["resumed_step"] == 6
+    assert results["max_abs_diff_resumed"] == 0.0
+    assert "optimizer.pt has 100 bytes" in results["truncated_refusal"]
+
+
+def test_hub_strategy_all_checkpoints_pushes_each_checkpoint(pushed_checkpoints):
+    _, results = pushed_checkpoints
+    files = set(results["all_files"])
+    for step in (2, 4):
+        assert {f"checkpoint-{step}/{name}" for name in CHECKPOINT_SHARED} <= files
+        assert f"checkpoint-{step}/training_args.bin" not in files

@@ -417,3 +417,31 @@ def test_text_example_trains_minilm_adapters_that_reload(tmp_path):
     assert isinstance(base, MeanPoolingBertForSequenceClassification) and len(base.bert.encoder.layer) == 1
     metrics = json.loads((out / "eval_results.json").read_text())
     assert 0.0 <= metrics["eval_accuracy"] <= 1.0
+
+
+# -- issue 33: the adapter belongs to the base weights it was trained on -----------------------------------------
+def test_adapter_on_a_replaced_base_is_refused(tmp_path):
+    from varsmooth import VariationalModel
+
+    trained_adapter(tmp_path)
+    out = tmp_path / "run"
+    VariationalModel.from_pretrained(out)  # the base as trained on: loads
+    config = BertConfig.from_pretrained(tmp_path / "base")
+    torch.manual_seed(1)
+    BertForSequenceClassification(config).save_pretrained(tmp_path / "base")  # other weights, same architecture
+    with pytest.raises(ValueError, match=r"The base model at .*base' holds other weights than the adapter in .* was "
+                                         r"trained on"):
+        VariationalModel.from_pretrained(out)
+
+
+def test_adapter_whose_base_folder_was_deleted_names_it(tmp_path):
+    from varsmooth import VariationalModel, pipeline
+
+    trained_adapter(tmp_path)
+    shutil.rmtree(tmp_path / "base")
+    message = (r"was loaded from the folder .*base' \(base_model_name_or_path of .*adapter_config.json\), which no "
+               r"longer exists. Put the base model back there, or set base_model_name_or_path")
+    with pytest.raises(FileNotFoundError, match=message):
+        VariationalModel.from_pretrained(tmp_path / "run")
+    with pytest.raises(FileNotFoundError, match=message):
+        pipeline("text-classification", model=str(tmp_path / "run"))

@@ -167,10 +167,14 @@ def test_saved_temperature_is_applied_by_from_pretrained_and_pipeline_and_refuse
     piped_probs = [[next(r["score"] for r in res if r["label"] == str(k)) for k in range(10)] for res in piped]
     np.testing.assert_allclose(piped_probs, expected[:5], rtol=1e-5, atol=1e-6)
 
-    # other weights written over the folder's (same file size, so the manifest cannot tell): the temperature is refused
+    # other weights written over the folder's (same file size): the manifest's hash refuses them first; without the
+    # manifest, the temperature is refused by its own fingerprint
     other = tmp_path / "other"
     tiny_digits_resnet().save_pretrained(other)
     os.replace(other / "model.safetensors", tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"SHA-256 .*\['model.safetensors'\]"):
+        VariationalModel.from_pretrained(tmp_path)
+    os.remove(tmp_path / "varsmooth_manifest.json")
     with pytest.raises(ValueError, match=f"{TEMPERATURE_SCALING_FILE} was fitted for other weights"):
         TemperatureScaling.load(tmp_path, ResNetForImageClassification.from_pretrained(tmp_path))
     if trainer.args.method == "erm":  # (an IVON folder's posterior is refused first, for the same reason)

@@ -326,3 +326,31 @@ def test_finetune_preset_builds_the_documented_optimizer(tmp_path):
     assert group["ess"] == 1e8 and group["weight_decay"] == 0.0 and group["clip_radius"] == 1e-3
     std = trainer.posterior().std
     assert all(torch.allclose(s, torch.full_like(s, (1e8 * 1e-3) ** -0.5), rtol=0.05) for s in std.values())
+
+
+# -- issue 33: refused up front, with the problem and the fix --------------------------------------------------------
+@pytest.mark.parametrize("value", [2.5, "2", True])
+def test_a_fractional_sample_count_is_refused(tmp_path, value):
+    with pytest.raises(ValueError, match=rf"mc_samples is a number of samples, a whole number, got {value!r}"):
+        make_args(tmp_path, mc_samples=value)
+    assert make_args(tmp_path, mc_samples=2.0).mc_samples == 2  # a whole float (e.g. from a JSON config) is fine
+
+
+def test_string_labels_are_refused_with_the_fix(tmp_path):
+    clean = digits_dataset(32)
+    ds = datasets.Dataset.from_dict({"pixel_values": clean[:]["pixel_values"].numpy(),
+                                     "label": [["zero", "one"][int(y) % 2] for y in clean[:]["label"]]}).with_format("torch")
+    with pytest.raises(ValueError, match=r"'label' column of train_dataset holds strings \(e.g. '(zero|one)'\).*"
+                                         r"class_encode_column\('label'\)"):
+        VariationalTrainer(model=TinyClassifier(), args=_trainer_args(tmp_path, max_steps=1), train_dataset=ds)
+    with pytest.raises(ValueError, match="column of eval_dataset holds strings"):
+        VariationalTrainer(model=TinyClassifier(), args=_trainer_args(tmp_path, max_steps=1), train_dataset=clean,
+                           eval_dataset=ds)
+    encoded = ds.with_format(None).class_encode_column("label").with_format("torch")  # the fix the message names
+    VariationalTrainer(model=TinyClassifier(), args=_trainer_args(tmp_path, max_steps=1), train_dataset=encoded).train()
+
+
+def test_an_empty_training_set_is_refused(tmp_path):
+    empty = digits_dataset(32).select([])
+    with pytest.raises(ValueError, match="train_dataset has no examples"):
+        VariationalTrainer(model=TinyClassifier(), args=_trainer_args(tmp_path, max_steps=1), train_dataset=empty)
