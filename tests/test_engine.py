@@ -547,6 +547,35 @@ def test_fsdp2_params_swapped_in_after_construction_train_predict_and_save(tmp_p
         torch.testing.assert_close(files["sharded"][0][k], v, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.slow
+def test_fsdp2_trains_hf_vit_and_bert_sharded_as_the_readme_says(tmp_path):
+    """HF's ViT and BERT (tiny), sharded with `fully_shard` as README's Multi-GPU section tells users (accelerate's
+    own FSDP2 preparation shards their embeddings twice), 2 processes over gloo, trained as VariationalTrainer does:
+    the same weights and Hessian as one process on the whole batches, the same gathered posterior file, and an exact
+    resume from torch.distributed.checkpoint."""
+    from safetensors.torch import load_file
+
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    cmd = [torchrun, "--nproc_per_node", "2", "--master_port", str(29600 + os.getpid() % 100),
+           os.path.join(os.path.dirname(__file__), "hf_fsdp_worker.py"), str(tmp_path)]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    r0, r1 = (torch.load(tmp_path / f"hf_rank{r}.pt", weights_only=True) for r in range(2))
+    for kind in ("vit", "bert"):
+        sharded, plain, resumed = r0[kind]["sharded"], r0[kind]["plain"], r0[kind]["resumed"]
+        torch.testing.assert_close(sharded["weights"], plain["weights"], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(sharded["hessian"], plain["hessian"], atol=1e-5, rtol=1e-5)
+        assert (plain["hessian"] - 0.3).abs().max() > 1e-2  # the Hessian moved: its update is compared
+        assert torch.equal(r1[kind]["sharded"]["weights"], sharded["weights"])
+        assert resumed["step"] == sharded["step"] == 6
+        assert torch.equal(resumed["weights"], sharded["weights"]) and torch.equal(resumed["hessian"], sharded["hessian"])
+        files = {name: load_file(tmp_path / kind / f"{name}.safetensors") for name in ("sharded", "plain")}
+        assert files["sharded"].keys() == files["plain"].keys() and files["plain"]
+        for key, std in files["plain"].items():
+            torch.testing.assert_close(files["sharded"][key], std, atol=1e-6, rtol=1e-5)
+
+
 def test_forked_children_can_still_train_after_the_kernels_compiled(tmp_path):
     """torch.compile's tracing, before a process's first backward, would leave autograd unusable in forked children
     (kill -9 tests, multiprocessing with fork): in a fresh process, train with the compiled kernels, fork, and train
