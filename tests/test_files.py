@@ -605,3 +605,18 @@ def test_relaunching_a_finished_run_is_refused_instead_of_training_one_more_step
     epochs = make_args(tmp_path, method="erm", num_train_epochs=1)  # 32 examples / 16: the same 2 steps
     with pytest.raises(ValueError, match="--num_train_epochs 1"):
         checkpoint_to_resume(epochs)
+
+
+def test_the_image_example_refuses_a_finished_run_and_another_seeds_checkpoint(tmp_path):
+    from test_examples import _image
+
+    flags = ["--max_steps", "2", "--save_strategy", "steps", "--save_steps", "2", "--eval_strategy", "no",
+             "--output_dir", str(tmp_path)]
+    first = _image(*flags)
+    assert first.returncode == 0, first.stderr[-3000:]
+    again = _image(*flags)
+    assert again.returncode != 0 and "has finished: its last checkpoint" in again.stderr
+    assert not (tmp_path / "checkpoint-3").exists()  # not one step more
+    other_seed = _image(*flags, "--max_steps", "4", "--seed", "1")
+    assert other_seed.returncode != 0
+    assert "trained with --seed 42, but this run has --seed 1" in other_seed.stderr and "Pass --seed 42" in other_seed.stderr

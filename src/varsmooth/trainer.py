@@ -333,9 +333,11 @@ class VariationalTrainer(VariationalHubMixin, LabelNoiseMixin, Trainer):
         """Record on the device whether `loss` and the gradients of `params` (None: not yet complete) are finite."""
         grads = [_local(p.grad) for p in params or () if p.grad is not None]
         # the max-norm is NaN or inf exactly when an entry is (a 2-norm could overflow on finite entries)
-        grads_ok = torch.isfinite(torch.nn.utils.get_total_norm(grads, float("inf"))) if grads else torch.ones((), dtype=torch.bool)
-        flags = torch.stack([torch.isfinite(loss.detach()).all().to(grads_ok.device), grads_ok])
-        self._finite_flags = flags if self._finite_flags is None else self._finite_flags.to(flags.device) & flags
+        loss_ok = torch.isfinite(loss.detach()).all()
+        grads_ok = (torch.isfinite(torch.nn.utils.get_total_norm(grads, float("inf"))).to(loss_ok.device) if grads
+                    else torch.ones_like(loss_ok))
+        flags = torch.stack([loss_ok, grads_ok])  # on the loss's device: no copy to the host until the step ends
+        self._finite_flags = flags if self._finite_flags is None else self._finite_flags & flags
 
     def _stop_if_non_finite(self) -> None:
         """On the last micro-batch of an optimizer step, before the step: one host sync (and, with several
