@@ -16,6 +16,7 @@ import numpy as np
 import PIL.Image
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
 from varsmooth.corruption import CorruptionArguments
@@ -116,6 +117,34 @@ def test_do_train_and_do_eval_choose_what_runs(tmp_path):
     assert (tmp_path / "train" / "model.safetensors").is_file() and not (tmp_path / "train" / "eval_results.json").exists()
 
 
+def test_do_predict_logging_steps_and_tensorboard_as_in_hugging_faces_examples(tmp_path):
+    pytest.importorskip("tensorboard", reason="tensorboard is not installed (the `tensorboard` or `test` extra)")
+    out = tmp_path / "out"
+    result = _image("--max_steps", "4", "--logging_steps", "2", "--do_train", "--do_eval", "--do_predict",
+                    "--report_to", "tensorboard", "--output_dir", str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    # the explicit --logging_steps is honoured (the example's own default logs once an epoch: 4 steps here)
+    assert len([line for line in result.stdout.splitlines() if line.startswith("{'loss'")]) == 2
+    assert list(out.rglob("events.out.tfevents.*"))  # tensorboard got the logs
+    lines = (out / "predict_results.txt").read_text().splitlines()
+    header, rows = lines[0].split("\t"), [line.split("\t") for line in lines[1:]]
+    assert header == ["index", "prediction", "label", "confidence", "entropy", "mutual_information"]
+    (metrics,) = _metric_lines(result.stdout)
+    assert len(rows) == 32  # --max_eval_samples of the test split
+    assert metrics["test_accuracy"] == pytest.approx(np.mean([r[1] == r[2] for r in rows]), abs=1e-4)
+    confidence, entropy = (np.array([float(r[i]) for r in rows]) for i in (3, 4))
+    assert np.all(confidence >= 0.1 - 1e-6) and np.all((entropy >= 0) & (entropy <= np.log(10) + 1e-6))
+
+
+def test_push_to_hub_without_the_hub_says_what_failed_and_how_to_push_later(tmp_path):
+    result = _image("--max_steps", "1", "--push_to_hub", "--output_dir", str(tmp_path / "out"))  # HF_HUB_OFFLINE=1
+    assert result.returncode != 0
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("RuntimeError: push_to_hub: could not create the Hub repository 'out'")
+    assert "Hub is unreachable" in last and "token" in last and "huggingface_hub.upload_folder(" in last
+    assert "shareable_files" in last
+
+
 def test_noise_type_none_is_accepted_and_keeps_the_labels():
     example = load_example("train_image_classification")
     noise_args = example.parse_arguments(["--noise_type", "none", "--use_cpu", "true"])[2]
@@ -193,6 +222,8 @@ def test_the_default_run_chooses_on_noisy_validation_and_scores_the_clean_test_s
     assert line["eval_accuracy"] < line["test_accuracy"] - 0.1
     card = (tmp_path / "out" / "README.md").read_text()
     assert "On the test set" in card
+    # the embedded digits are no Hub dataset: named in the text, not linked from the `datasets:` metadata
+    assert "datasets" not in yaml.safe_load(card.split("---")[1]) and "scikit-learn's 8x8 digits" in card
     # τ is scored against the clean labels through the injected noise's transition matrix (forward correction)
     assert "noise-corrected validation NLL" in card
 
