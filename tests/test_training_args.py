@@ -94,16 +94,11 @@ def test_default_run_trains_on_unclipped_gradients(tmp_path):
 
 
 @pytest.mark.parametrize("fused", [True, False])
-def test_ivon_fused_reaches_the_optimizer_and_either_path_matches_the_hand_written_loop(tmp_path, fused, monkeypatch):
-    """`--ivon_fused` parses as HF's optional booleans do and picks IVON's CPU code path; both train as the
-    ivon-opt reference loop (with the threshold at 0 every weight of the tiny model takes the fused loop)."""
-    import varsmooth.posterior.optimizer as engine
-
+def test_ivon_fused_reaches_the_optimizer_and_either_path_matches_the_hand_written_loop(tmp_path, fused):
+    """`--ivon_fused` parses as HF's optional booleans do and picks IVON's code path (compiled kernels or foreach ops);
+    on the CPU both draw the noise from the same generator and train as the ivon-opt reference loop."""
     assert _parse().ivon_fused is None and _parse("--ivon_fused", "false").ivon_fused is False
-    monkeypatch.setattr(engine, "FUSED_MIN_NUMEL", 0)
     trainer, init, batches = _train_three_steps(tmp_path, ivon_fused=fused)
-    assert trainer.ivon.fused is fused
-    assert (trainer.ivon._kernels is not None and trainer.ivon._kernels.error is None) is fused
-    # the fused loops compute their noise (counter_normal); foreach ops draw it from a generator
-    ref, _ = reference_ivon_loop(init, batches, 3, counter_min_numel=0 if fused else float("inf"), **REFERENCE_IVON)
+    assert trainer.ivon.fused is fused and trainer.ivon._dispatch.compiles is fused
+    ref, _ = reference_ivon_loop(init, batches, 3, **REFERENCE_IVON)
     assert _max_diff(trainer.model, ref) < 1e-6
