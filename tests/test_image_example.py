@@ -54,20 +54,18 @@ def test_a_config_file_with_an_unknown_key_is_refused(tmp_path):
         example.parse_arguments([str(path)])
 
 
-def test_a_model_from_scratch_gets_its_methods_scratch_rate_unless_a_rate_is_given(tmp_path, caplog):
+def test_a_model_from_scratch_gets_its_methods_scratch_rate_unless_a_rate_is_given(tmp_path):
     """TrainingArguments' 5e-5 is a fine-tuning rate: a from-scratch ResNet hardly trains with it."""
     base = ["--output_dir", str(tmp_path), "--use_cpu", "true"]
     for method in ("erm", "ls", "gce", "sam"):
         training_args = example.parse_arguments([*base, "--method", method])[3]
         assert training_args.learning_rate == METHODS[method].method_class.scratch_learning_rate
-        assert training_args.learning_rate > 5 * TrainingMethod.default_learning_rate
+        assert training_args.learning_rate != TrainingMethod.default_learning_rate
     assert example.parse_arguments(base)[3].learning_rate == 0.2  # IVON's own rate is untouched
     path = tmp_path / "config.json"
     path.write_text(json.dumps({"output_dir": str(tmp_path), "method": "erm", "learning_rate": 0.01}))
     assert example.parse_arguments([str(path)])[3].learning_rate == 0.01  # a chosen rate is kept, from a file too
-    with caplog.at_level("WARNING"):
-        kept = example.parse_arguments([*base, "--method", "erm", "--learning_rate", "5e-5"])[3]
-    assert kept.learning_rate == 5e-5 and "fine-tuning rate" in caplog.text
+    assert example.parse_arguments([*base, "--method", "erm", "--learning_rate", "5e-5"])[3].learning_rate == 5e-5
     # a pretrained model keeps the library's fine-tuning default
     pretrained = example.parse_arguments([*base, "--method", "erm", "--pretrained_weights", "w.pth"])[3]
     assert pretrained.learning_rate == TrainingMethod.default_learning_rate

@@ -59,6 +59,23 @@ def test_list_methods_describes_every_method_with_its_config_and_paper():
     assert not BASELINE_FLAGS & _fields(VariationalTrainingArguments)
 
 
+def test_each_listed_method_prints_one_line_with_its_description_settings_and_paper():
+    """README: `list_methods()` "describes each": what it does, its main settings with their defaults, its paper."""
+    for m in list_methods():
+        line = str(m)
+        assert "\n" not in line and line.startswith(f"{m.name}: {m.summary}")
+        assert m.settings["learning_rate"] == m.method_class.default_learning_rate
+        for name in _fields(m.config_class):  # every setting of its config, with the config's default
+            assert m.settings[name] == getattr(m.config_class(), name), (m.name, name)
+            assert f"{name}={getattr(m.config_class(), name)}" in line
+        if m.method_class.uses_ivon:
+            assert {"ivon_preset", "ess", "hess_init", "prior_precision", "mc_samples"} <= set(m.settings)
+        else:  # the rate a network trained from scratch gets in the image example
+            assert m.settings["scratch_learning_rate"] == m.method_class.scratch_learning_rate
+        assert (m.paper is None) == ("Paper:" not in line)
+    assert "gce_q=0.7" in str(METHODS["gce"]) and "learning_rate=0.2" in str(METHODS["ivon"])
+
+
 def test_register_method_refuses_a_duplicate_name_and_a_colliding_field(monkeypatch):
     monkeypatch.setattr(varsmooth.methods.base, "METHODS", dict(METHODS))  # registrations here do not leak
 

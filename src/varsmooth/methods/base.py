@@ -261,7 +261,7 @@ class TrainingMethod:
     default_learning_rate: ClassVar[float] = 5e-5
     #: the rate for a network trained from scratch, where `default_learning_rate` (a fine-tuning rate) hardly moves it:
     #: the image example's default, chosen on its noisy validation split (benchmarks/example_learning_rates.py)
-    scratch_learning_rate: ClassVar[float] = 3e-4
+    scratch_learning_rate: ClassVar[float] = 1e-4
 
     def __init__(self, args: "VariationalTrainingArguments", num_train_examples: int | None = None) -> None:
         self.args = args
