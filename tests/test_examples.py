@@ -237,12 +237,18 @@ def test_text_example_column_names_files_and_train_val_split(tmp_path):
     (tmp_path / "dev.csv").write_text(rows[: rows.index("film 6")].rsplit("\n", 1)[0] + "\n")
     parser = HfArgumentParser(example.DataArguments)
     (data_args,) = parser.parse_args_into_dataclasses(
+        ["--train_file", str(tmp_path / "train.csv"), "--validation_file", str(tmp_path / "dev.csv"),
+         "--text_column_name", "sentence", "--label_column", "y"])
+    data = example.load_data(data_args, seed=0)
+    assert (len(data["train"]), len(data["validation"])) == (20, 6) and "test" not in data
+    assert data["train"].features["y"].names == ["neg", "pos"]
+    # --test_file is a test split of its own (scored once, as test_*), not another name for the validation file
+    (data_args,) = parser.parse_args_into_dataclasses(
         ["--train_file", str(tmp_path / "train.csv"), "--test_file", str(tmp_path / "dev.csv"),
          "--text_column_name", "sentence", "--label_column", "y"])
-    assert data_args.validation_file == str(tmp_path / "dev.csv")
+    assert data_args.validation_file is None
     data = example.load_data(data_args, seed=0)
-    assert (len(data["train"]), len(data["validation"])) == (20, 6)
-    assert data["train"].features["y"].names == ["neg", "pos"]
+    assert (len(data["train"]), len(data["validation"]), len(data["test"])) == (16, 4, 6)
     (data_args,) = parser.parse_args_into_dataclasses(
         ["--train_file", str(tmp_path / "train.csv"), "--text_column", "sentence", "--label_column_name", "y",
          "--train_val_split", "0.3"])
