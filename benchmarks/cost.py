@@ -14,7 +14,7 @@ Data: MNIST 9k subset, small CNN, batch 64 (random inputs of the same shape if M
     OMP_NUM_THREADS=1 python benchmarks/cost.py --rounds 2 --steps 20 --eval-size 1000   # smoke
     python benchmarks/cost.py --report                          # rewrite the .md files from the committed .json
     OMP_NUM_THREADS=1 python benchmarks/cost.py --engine      # IVON engine vs AdamW (engine.md), ~17 min
-    python benchmarks/cost.py --gpu --rounds 3 --steps 40 --skip 10    # on a GPU: bf16, vs AdamW(fused) (engine_gpu.md)
+    python benchmarks/cost.py --gpu --rounds 3 --steps 20 --skip 5     # on a GPU: bf16 ViT-small and ViT-base, vs AdamW(fused)
 
 Every ratio is shown as its median over rounds with the min-max over rounds beside it; a ratio whose spread
 (max - min) / median exceeds `UNSTABLE_SPREAD` is marked "not stable": other jobs on the machine moved it more than
@@ -210,13 +210,20 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * resource.getpagesize()
 
 
-def _compile_rss_bytes() -> int:
-    """Compiles IVON's fused CPU loops (`varsmooth.posterior.fused.cpu_kernels`, once per process) and returns the
-    resident memory that took, so that a measurement after it leaves that one-time cost out."""
-    from varsmooth.posterior.fused import cpu_kernels
+def _compile_rss_bytes(name: str) -> int:
+    """Compiles IVON's kernels for the bucket layout of `name` (`varsmooth.posterior.kernels`, once per process) on a
+    copy of it and returns the resident memory that stays, so that a measurement after it leaves that one-time cost
+    out."""
+    from varsmooth import VariationalIVON
 
     before = _rss_bytes()
-    cpu_kernels()
+    model, x, y = engine_model(name)
+    opt = VariationalIVON(list(model.parameters()), noise_seed=0, fused=True, **ENGINE_IVON_KW)
+    with opt.sampled_params(train=True):
+        torch.nn.functional.cross_entropy(model(pixel_values=x).logits, y).backward()
+    opt.step()
+    del model, opt
+    gc.collect()
     return _rss_bytes() - before
 
 
@@ -319,7 +326,7 @@ def _engine_optimizer(kind: str, params: list) -> torch.optim.Optimizer:
 
     if kind == "adamw_foreach":
         return torch.optim.AdamW(params, lr=1e-3, foreach=True)
-    if kind in ("ivon_engine", "ivon_engine_foreach"):  # the CPU's fused loops, or its foreach fallback
+    if kind in ("ivon_engine", "ivon_engine_foreach"):  # the compiled kernels, or the foreach fallback
         return VariationalIVON(params, noise_seed=0, fused=kind == "ivon_engine", **ENGINE_IVON_KW)
     return ivon.IVON(params, **ENGINE_IVON_KW)  # ivon-opt 0.1.3, the engine's predecessor and reference
 
@@ -395,16 +402,16 @@ def engine_timing(rounds: int, steps: int, skip: int, reps: int) -> dict:
 def engine_memory_child(name: str, kind: str, steps: int) -> None:
     """Fresh process: peak resident-memory growth of `steps` hand-written training steps (sampled every 0.5 ms),
     from the model and its batch alone, so it holds gradients, activations, optimizer state and its temporaries. The
-    fused CPU loops are compiled before (torch.compile's footprint, once per process, is reported on its own)."""
-    compile_rss = _compile_rss_bytes() if kind == "ivon_engine" else None
+    compiled kernels are compiled before (torch.compile's footprint, once per process, is reported on its own)."""
+    if kind == "ivon_engine_redraw":  # the accelerators' path (e drawn in the kernels, again for e⊙g), on the CPU
+        from varsmooth import VariationalIVON
+
+        VariationalIVON._keeps_noise = lambda self, t: not self._dispatch.compiles
+        kind = "ivon_engine"
+    compile_rss = _compile_rss_bytes(name) if kind == "ivon_engine" else None
     model, x, y = engine_model(name)
     params = list(model.parameters())
     loss_fn = torch.nn.functional.cross_entropy
-    if kind == "ivon_engine_redraw":  # the accelerator path (foreach ops, noise drawn again, not kept), on the CPU
-        from varsmooth import VariationalIVON
-
-        VariationalIVON._keeps_noise = lambda self, t: False
-        kind = "ivon_engine_foreach"
     with peak_rss_growth() as growth:
         opt = _engine_optimizer(kind, params)
         for _ in range(steps):
@@ -455,9 +462,9 @@ def engine_report(rounds: int, steps: int, skip: int) -> dict:
          f"{rounds} interleaved rounds; ratios median [min–max] over rounds. Optimizer alone: 5 steps per round on fixed "
          "gradients (IVON: one sample with its restore, then the step; ivon-opt: 2 steps). Whole step: "
          f"VariationalTrainer, median step time of {steps} steps after {skip}, IVON vs AdamW(foreach=True) passed to "
-         "the same trainer. IVON engine: the CPU default, fused compiled loops for weights of at least "
-         "`FUSED_MIN_NUMEL` elements; foreach: `fused=False` (`--ivon_fused false`), what runs without a C++ "
-         "compiler.", "",
+         "the same trainer. IVON engine: the default, torch.compile'd kernels per (device, dtype) bucket with e from "
+         "torch's CPU generator; foreach: `fused=False` (`--ivon_fused false`), the same functions run eagerly, what "
+         "runs without a C++ compiler.", "",
          "| model | parameters | batch | IVON engine ÷ AdamW, optimizer | foreach ÷ AdamW, optimizer | "
          "ivon-opt ÷ AdamW, optimizer | IVON ÷ AdamW, whole training step | foreach ÷ AdamW, whole training step | "
          "AdamW step ms | AdamW training step ms |", "|---|---|---|---|---|---|---|---|---|---|"]
@@ -469,8 +476,8 @@ def engine_report(rounds: int, steps: int, skip: int) -> dict:
                  f"{cell('train:ivon / train:adamw_foreach')} | {cell('train:ivon_foreach / train:adamw_foreach')} | "
                  f"{v['ms_median']['opt:adamw_foreach']:.0f} | {v['ms_median']['train:adamw_foreach']:.0f} |")
     L += ["", "| peak memory growth, 3 hand-written steps (process RSS, median of 3 processes) | AdamW | IVON engine "
-          "(CPU default: noise kept) | IVON − AdamW, in parameter sizes | IVON engine (accelerator path: noise drawn "
-          "again) | IVON − AdamW | torch.compile of the fused loops, once per process (not in the growth) |",
+          "(CPU default: e kept) | IVON − AdamW, in parameter sizes | IVON engine (accelerators' path: e drawn in the "
+          "kernels, again for e⊙g) | IVON − AdamW | torch.compile of the kernels, once per process (not in the growth) |",
           "|---|---|---|---|---|---|---|"]
     for name in ENGINE_MODELS:
         a = mem[f"{name}:adamw_foreach"]
@@ -498,26 +505,55 @@ class _DeviceStepClock(StepClock):
         super().on_step_end(args, state, control, **kwargs)
 
 
-def gpu_vit_small(image_size: int) -> torch.nn.Module:
-    """ViT-small (hidden 384, 12 layers, 6 heads, MLP 1536, 16×16 patches: 21.7 M weights at 224²) from a config."""
+GPU_MODELS = {"vit_small": (384, 6, 1536), "vit_base": (768, 12, 3072)}  # hidden size, heads, MLP size; 12 layers
+
+
+def gpu_vit(name: str, image_size: int) -> torch.nn.Module:
+    """ViT-small (21.7 M weights at 224², 16×16 patches) or ViT-base (85.8 M) from a config."""
     from transformers import ViTConfig, ViTForImageClassification
 
-    config = ViTConfig(hidden_size=384, num_hidden_layers=12, num_attention_heads=6, intermediate_size=1536,
+    hidden, heads, mlp = GPU_MODELS[name]
+    config = ViTConfig(hidden_size=hidden, num_hidden_layers=12, num_attention_heads=heads, intermediate_size=mlp,
                        image_size=image_size, patch_size=16, num_labels=100)
     torch.manual_seed(0)
     return ViTForImageClassification(config)
 
 
-def engine_gpu_report(rounds: int, steps: int, skip: int, batch: int, image_size: int, out_dir: Path) -> dict:
+def engine_gpu_report(rounds: int, steps: int, skip: int, batch: int, image_size: int, out_dir: Path,
+                      models: list[str]) -> dict:
     """`--gpu`: whole VariationalTrainer steps with bf16 autocast, IVON vs AdamW(fused=True) given to the same trainer,
-    in interleaved rounds; peak device memory of each (torch.cuda.max_memory_allocated). Without CUDA it runs the
-    same code on the CPU (for checking the script with tiny sizes; CPU numbers are not the result)."""
+    in interleaved rounds, for ViT-small and ViT-base; peak device memory of each (torch.cuda.max_memory_allocated).
+    Without CUDA it runs the same code on the CPU (for checking the script with tiny sizes; CPU numbers are not the
+    result)."""
     import platform
 
+    cuda = torch.cuda.is_available()
+    result = {"device": torch.cuda.get_device_name() if cuda else "cpu (script check, not a result)",
+              "image_size": image_size, "batch_size": batch, "bf16": True, "rounds": rounds, "steps_per_block": steps,
+              "skip": skip, "models": {name: _gpu_model_timing(name, rounds, steps, skip, batch, image_size, cuda)
+                                       for name in models},
+              "versions": common._versions(), "cpu": platform.processor() or platform.machine()}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    common.write_json(out_dir / "engine_gpu.json", result)
+    L = [f"# IVON engine vs AdamW(fused) on {result['device']}", "",
+         f"{image_size}² images, batch {batch}, bf16 autocast; {rounds} interleaved rounds, median step time of {steps} "
+         f"VariationalTrainer steps after {skip}.", "",
+         "| model | IVON ÷ AdamW(fused), whole training step | IVON step ms | AdamW step ms | peak memory IVON − AdamW |",
+         "|---|---|---|---|---|"]
+    for name, v in result["models"].items():
+        L.append(f"| {name} ({v['parameters'] / 1e6:.1f} M) | **{fmt_ratio(v['ratio_ivon_over_adamw_fused'])}** | "
+                 f"{v['ms_median']['ivon']:.1f} | {v['ms_median']['adamw_fused']:.1f} | "
+                 f"{v['peak_memory_ivon_minus_adamw_in_parameter_sizes']:+.2f} parameter sizes |")
+    L += ["", "Rerun: `python benchmarks/cost.py --gpu`", ""]
+    (out_dir / "engine_gpu.md").write_text("\n".join(L))
+    print("\n".join(L))
+    return result
+
+
+def _gpu_model_timing(name: str, rounds: int, steps: int, skip: int, batch: int, image_size: int, cuda: bool) -> dict:
     from varsmooth import VariationalTrainer, VariationalTrainingArguments
 
-    cuda = torch.cuda.is_available()
-    model = gpu_vit_small(image_size)
+    model = gpu_vit(name, image_size)
     g = torch.Generator().manual_seed(0)
     n = batch * 4  # epochs repeat it: enough to shuffle, small in host memory
     ds = common.ArrayDataset(torch.randn(n, 3, image_size, image_size, generator=g).numpy(),
@@ -549,30 +585,13 @@ def engine_gpu_report(rounds: int, steps: int, skip: int, batch: int, image_size
                 del trainer, m
                 gc.collect()
             per_round.append(times)
-            print(f"vit_small gpu round {r}: " + "  ".join(f"{k} {1e3 * v:.1f}ms" for k, v in sorted(times.items())), flush=True)
+            print(f"{name} gpu round {r}: " + "  ".join(f"{k} {1e3 * v:.1f}ms" for k, v in sorted(times.items())), flush=True)
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    ratio = spread([t["ivon"] / t["adamw_fused"] for t in per_round])
-    result = {"device": torch.cuda.get_device_name() if cuda else "cpu (script check, not a result)",
-              "model": "ViT-small from a config", "parameters": sum(p.numel() for p in model.parameters()),
-              "image_size": image_size, "batch_size": batch, "bf16": True, "rounds": rounds, "steps_per_block": steps,
-              "skip": skip, "ms_median": {k: 1e3 * statistics.median([t[k] for t in per_round]) for k in per_round[0]},
-              "ratio_ivon_over_adamw_fused": ratio, "per_round_s": per_round,
-              "peak_memory_bytes": {k: max(v) for k, v in peaks.items()},
-              "peak_memory_ivon_minus_adamw_in_parameter_sizes": (max(peaks["ivon"]) - max(peaks["adamw_fused"])) / param_bytes,
-              "versions": common._versions(), "cpu": platform.processor() or platform.machine()}
-    out_dir.mkdir(parents=True, exist_ok=True)
-    common.write_json(out_dir / "engine_gpu.json", result)
-    L = [f"# IVON engine vs AdamW(fused) on {result['device']}", "",
-         f"ViT-small ({result['parameters'] / 1e6:.1f} M weights), {image_size}² images, batch {batch}, bf16 autocast; "
-         f"{rounds} interleaved rounds, median step time of {steps} VariationalTrainer steps after {skip}.", "",
-         "| IVON ÷ AdamW(fused), whole training step | IVON step ms | AdamW step ms | peak memory IVON − AdamW |",
-         "|---|---|---|---|",
-         f"| **{fmt_ratio(ratio)}** | {result['ms_median']['ivon']:.1f} | {result['ms_median']['adamw_fused']:.1f} | "
-         f"{result['peak_memory_ivon_minus_adamw_in_parameter_sizes']:+.2f} parameter sizes |", "",
-         "Rerun: `python benchmarks/cost.py --gpu`", ""]
-    (out_dir / "engine_gpu.md").write_text("\n".join(L))
-    print("\n".join(L))
-    return result
+    return {"parameters": sum(p.numel() for p in model.parameters()),
+            "ms_median": {k: 1e3 * statistics.median([t[k] for t in per_round]) for k in per_round[0]},
+            "ratio_ivon_over_adamw_fused": spread([t["ivon"] / t["adamw_fused"] for t in per_round]),
+            "per_round_s": per_round, "peak_memory_bytes": {k: max(v) for k, v in peaks.items()},
+            "peak_memory_ivon_minus_adamw_in_parameter_sizes": (max(peaks["ivon"]) - max(peaks["adamw_fused"])) / param_bytes}
 
 
 def main(argv: list[str] | None = None) -> dict | None:
@@ -586,13 +605,14 @@ def main(argv: list[str] | None = None) -> dict | None:
     p.add_argument("--engine", action="store_true", help="IVON engine vs AdamW on an 8.4 M MLP and ViT-small (engine.md)")
     p.add_argument("--_engine-memory-child", dest="engine_memory_child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--report", action="store_true", help="Only rewrite every cost*.md from its cost*.json.")
-    p.add_argument("--gpu", action="store_true", help="IVON vs AdamW(fused), bf16, ViT-small on a GPU (engine_gpu.md)")
+    p.add_argument("--gpu", action="store_true", help="IVON vs AdamW(fused), bf16, ViT-small and ViT-base on a GPU (engine_gpu.md)")
     p.add_argument("--batch", type=int, default=128, help="--gpu: batch size")
     p.add_argument("--image-size", type=int, default=224, help="--gpu: image size (a multiple of the 16-pixel patch)")
     p.add_argument("--out", type=Path, default=OUT_DIR, help="--gpu: folder of engine_gpu.{json,md}")
+    p.add_argument("--models", default=",".join(GPU_MODELS), help="--gpu: comma-separated, of " + ", ".join(GPU_MODELS))
     a = p.parse_args(argv)
     if a.gpu:
-        return engine_gpu_report(a.rounds, a.steps, a.skip, a.batch, a.image_size, a.out)
+        return engine_gpu_report(a.rounds, a.steps, a.skip, a.batch, a.image_size, a.out, a.models.split(","))
     if a.report:
         for path in sorted(OUT_DIR.glob("cost*.json")):
             path.with_suffix(".md").write_text(render(json.loads(path.read_text())))

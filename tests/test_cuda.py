@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import TinyClassifier, digits_dataset, make_args, reference_ivon_loop
-from varsmooth import VariationalModel, VariationalTrainer, pipeline
+from helpers import SeededIVON, TinyClassifier, digits_dataset, indexed_noise, make_args, reference_ivon_loop
+from varsmooth import VariationalIVON, VariationalModel, VariationalTrainer, pipeline
 from varsmooth.modeling import load_posterior
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -32,8 +32,10 @@ def _max_diff(a, b):
     return max((pa.detach().cpu() - pb.detach().cpu()).abs().max().item() for pa, pb in zip(a.parameters(), b.parameters()))
 
 
-def test_cuda_training_matches_hand_written_loop_on_the_gpu(tmp_path):
-    """GA 2 × 2 MC samples on the GPU == the ivon-opt README loop on the GPU; all optimizer state lives there."""
+def test_cuda_training_matches_hand_written_loop_on_the_gpu(tmp_path, monkeypatch):
+    """GA 2 × 2 MC samples on the GPU == the ivon-opt README loop on the GPU, on the same (given) noise; all optimizer
+    state lives there."""
+    monkeypatch.setattr(VariationalIVON, "noise_source", staticmethod(indexed_noise(0)))
     ds = digits_dataset(128)
     torch.manual_seed(0)
     model = TinyClassifier()
@@ -51,10 +53,71 @@ def test_cuda_training_matches_hand_written_loop_on_the_gpu(tmp_path):
         s = step * batch * ga
         return [(x[s + k * batch: s + (k + 1) * batch], y[s + k * batch: s + (k + 1) * batch]) for k in range(ga)]
 
-    ref, ref_opt = reference_ivon_loop(init.cuda(), batches, steps, ess=len(ds), seed=0, mc_samples=2, **IVON_KW)
+    ref, ref_opt = reference_ivon_loop(init.cuda(), batches, steps, ess=len(ds), seed=0, mc_samples=2,
+                                       noise=indexed_noise(0), **IVON_KW)
     assert _max_diff(trainer.model, ref) < 1e-5
     assert torch.allclose(trainer.ivon.hessian(), ref_opt.param_groups[0]["hess"], atol=1e-5, rtol=1e-5)
     assert (trainer.ivon.hessian() - 0.5).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_engine_on_cuda_matches_ivon_opt_and_never_waits_for_the_device(fused, monkeypatch):
+    """Both CUDA paths (Triton kernels drawing e in the kernel; foreach ops) follow ivon-opt on the same given noise,
+    with 1 and 2 samples per step; with the engine's own noise the step uses the e of the sample (checked against
+    ivon-opt's formulas on θ - m); a sample and a step make no host sync; the Triton path holds one buffer besides
+    the state."""
+    from test_engine import IVON_KW as KW, MLP, _data, _groups
+
+    kw = {k: v for k, v in KW.items() if k != "weight_decay"}
+    for samples in (1, 2):
+        torch.manual_seed(0)
+        model = MLP().cuda()
+        runs = []
+        for make in (lambda g: VariationalIVON(g, noise_seed=3, fused=fused, **kw),
+                     lambda g: SeededIVON(g, seed=3, noise=indexed_noise(3), **kw)):
+            m = copy.deepcopy(model)
+            opt = make(_groups(m, KW["weight_decay"]))
+            if isinstance(opt, VariationalIVON):
+                opt.noise_source = indexed_noise(3)
+            x, y = (t.cuda() for t in _data(20 * samples))
+            for step in range(20):
+                for k in range(samples):
+                    with opt.sampled_params(train=True):
+                        opt.zero_grad()
+                        torch.nn.functional.cross_entropy(m(x[step * samples + k]), y[step * samples + k]).backward()
+                opt.step()
+            runs.append(torch.cat([p.detach().flatten() for p in m.parameters()]))
+        torch.testing.assert_close(runs[0], runs[1], atol=1e-6, rtol=1e-6)
+    # the engine's own noise, one step against ivon-opt's formulas; then a step with host syncs refused
+    import ivon
+
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(300, 40, device="cuda"))
+    opt = VariationalIVON([w], lr=0.1, ess=50.0, hess_init=0.4, beta2=0.9, weight_decay=1e-2, noise_seed=1, fused=fused)
+    for checked in (True, False):
+        m0 = w.detach().clone()
+        if not checked:
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            with opt.sampled_params(train=True):
+                n = w.detach() - m0
+                (w.square().sum() + w.pow(3).sum()).backward()
+                g = w.grad.clone()
+                if fused:
+                    assert sum(t.numel() for t in opt._buffers[w].values() if t is not None) == w.numel()
+            h0 = opt.state[w]["hess"].clone()
+            mom0 = opt.state[w]["momentum"].clone()
+            opt.step()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        if checked:
+            mom = ivon.IVON._new_momentum(g, mom0, 0.9)
+            hess = ivon.IVON._new_hess("price", h0, n * g, None, slice(None), 50.0, 0.9, 1e-2)
+            expected = ivon.IVON._new_param_averages(m0, hess, mom, 0.1 * (0.4 + 1e-2), 1e-2, float("inf"), 0.1, 0.4)
+            torch.testing.assert_close(opt.state[w]["hess"], hess, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(w.detach(), expected, atol=1e-5, rtol=1e-5)
+        w.grad = None
 
 
 def test_cuda_resume_continues_the_same_run(tmp_path):
@@ -157,9 +220,11 @@ def test_pipeline_runs_on_the_gpu(tmp_path):
         assert max(abs(gs[k] - cs[k]) for k in gs) < 1e-4
 
 
-def test_fsdp2_training_matches_unsharded_run_and_saves(tmp_path):
+@pytest.mark.parametrize("kind", ["mlp", "vit"])
+def test_fsdp2_training_matches_unsharded_run_and_saves(tmp_path, kind):
     """One-GPU FSDP2 (fsdp_config version 2) through VariationalTrainer: the same weights, Hessian and BMA evaluation as
-    the run without FSDP from the same seed, and a save that reloads (weights and posterior) like the unsharded one."""
+    the run without FSDP from the same seed, and a save that reloads (weights and posterior) like the unsharded one.
+    `vit`: a tiny HF ViT, sharded beforehand as README's Multi-GPU section says."""
     import os
     import shutil
     import subprocess
@@ -169,12 +234,12 @@ def test_fsdp2_training_matches_unsharded_run_and_saves(tmp_path):
 
     torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
     cmd = [torchrun, "--nproc_per_node", "1", "--master_port", str(29600 + os.getpid() % 1000),
-           os.path.join(os.path.dirname(__file__), "trainer_fsdp_worker.py"), str(tmp_path / "fsdp")]
+           os.path.join(os.path.dirname(__file__), "trainer_fsdp_worker.py"), str(tmp_path / "fsdp"), kind]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "CUDA_VISIBLE_DEVICES": "0"})
     assert result.returncode == 0, result.stderr[-4000:]
     fsdp = torch.load(tmp_path / "fsdp" / "fsdp.pt", weights_only=False)
 
-    model, ds, args = fsdp_setup(str(tmp_path / "plain"))
+    model, ds, args = fsdp_setup(str(tmp_path / "plain"), kind)
     trainer = VariationalTrainer(model=model, args=args, train_dataset=ds, eval_dataset=ds)
     trainer.train()
     metrics = trainer.evaluate()
@@ -186,9 +251,9 @@ def test_fsdp2_training_matches_unsharded_run_and_saves(tmp_path):
     assert (trainer.ivon.hessian() - trainer.ivon.param_groups[0]["hess_init"]).abs().max() > 1e-4
     assert abs(fsdp["metrics"]["eval_loss"] - metrics["eval_loss"]) < 1e-4  # BMA: posterior_temperature 1
 
+    if kind == "vit":
+        return
     from safetensors.torch import load_file
-
-    from helpers import TinyClassifier
 
     loaded = {}
     for kind, folder in (("fsdp", "fsdp/model"), ("plain", "plain_model")):

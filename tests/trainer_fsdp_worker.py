@@ -1,7 +1,8 @@
 """Run by tests/test_cuda.py under `torchrun --nproc_per_node 1`: VariationalTrainer with FSDP2 on one GPU.
 
 Trains the model of `fsdp_setup()` (the test builds the same one without FSDP), evaluates by BMA and saves model and
-posterior with `save_model`; writes the weights, the Hessian and the metrics for the test to compare.
+posterior with `save_model`; writes the weights, the Hessian and the metrics for the test to compare. `vit` (a tiny
+HF ViT) is sharded first as README's Multi-GPU section says, since accelerate's own FSDP2 preparation fails on it.
 """
 
 import os
@@ -17,13 +18,8 @@ from varsmooth import VariationalTrainer  # noqa: E402
 FSDP_STEPS = 8
 
 
-def fsdp_setup(out: str, **kw):
-    """(model, dataset, args) of the FSDP comparison: a small MLP on the digits, fp32, without TF32.
-
-    A plain `nn.Module`: with torch 2.11, transformers 5.17 and accelerate 1.15 (an H200, 2026-11), accelerate's FSDP2
-    preparation fails before training on HF image models — it calls `get_input_embeddings()`, which HF's ResNet
-    raises on, and shards a ViT's patch embeddings a second time (torch: "value was None" in DeviceMesh._concatenate).
-    Neither involves varsmooth; with a plain module the same Trainer path trains, evaluates and saves."""
+def fsdp_setup(out: str, kind: str = "mlp", **kw):
+    """(model, dataset, args) of the FSDP comparison: a small MLP (or a tiny HF ViT) on the digits, fp32, no TF32."""
 
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     torch.backends.cudnn.deterministic = True
@@ -32,12 +28,26 @@ def fsdp_setup(out: str, **kw):
     args = make_args(out, use_cpu=False, max_steps=FSDP_STEPS, per_device_train_batch_size=16, mc_samples=2,
                      eval_mc_samples=4, lr_scheduler_type="constant", train_sampling_strategy="sequential", beta2=0.99,
                      posterior_temperature=1.0, **kw)
-    return TinyClassifier(hidden=32), ds.with_format("torch"), args
+    if kind == "mlp":
+        return TinyClassifier(hidden=32), ds.with_format("torch"), args
+    from transformers import ViTConfig, ViTForImageClassification
+
+    return ViTForImageClassification(ViTConfig(
+        image_size=8, patch_size=4, num_channels=1, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=64, num_labels=10, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)), \
+        ds.with_format("torch"), args
 
 
-def main(out: str) -> None:
+def main(out: str, kind: str) -> None:
     # the string form of `fsdp` works in every transformers 5.x (`fsdp=True` only in later ones)
-    model, ds, args = fsdp_setup(os.path.join(out, "run"), fsdp="full_shard", fsdp_config={"version": 2})
+    model, ds, args = fsdp_setup(os.path.join(out, "run"), kind, fsdp="full_shard", fsdp_config={"version": 2})
+    if kind == "vit":  # README's workaround: accelerate keeps a model that is already an FSDPModule as it is
+        from torch.distributed.fsdp import fully_shard
+
+        for module in model.modules():
+            if type(module).__name__ in model._no_split_modules:
+                fully_shard(module)
+        fully_shard(model)
     trainer = VariationalTrainer(model=model, args=args, train_dataset=ds, eval_dataset=ds)
     trainer.train()
     assert trainer.is_fsdp_enabled and type(next(trainer.model.parameters())).__name__ == "DTensor"
@@ -50,4 +60,4 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "mlp")

@@ -1,17 +1,12 @@
 """IVON's arithmetic as functions over the tensor lists of one (device, dtype) bucket, run eagerly or compiled.
 
-Each function is written once with `torch._foreach_*` ops, as torch.optim's `_multi_tensor_*` implementations are.
-Run eagerly it is the foreach implementation; `torch.compile` of the same function is the compiled one (Inductor's
-C++ loops on the CPU, Triton on CUDA), which fuses each tensor's ops into one pass and drops the temporaries. The
-formulas are ivon-opt 0.1.3's (Shen et al. 2024, "Variational Learning is Effective for Large Deep Networks", Alg. 1
-with the 'price' Hessian estimate); the tests run every path against ivon-opt on the same noise.
-
-Noise: a function given `noise=None` draws e with `torch.randn_like`, from the device's default generator, which
-`seeded` sets to a counter-derived seed for the call; compiled, that is Inductor's in-kernel Philox (`tl.randn` in
-Triton), so a draw costs no memory traffic and the same seed draws e again when the gradient arrives. On the CPU,
-Inductor's Philox (`randn_cpu`, one element at a time) costs ~42 ns a weight against ~3.5 ns for torch's CPU
-generator (8.4 M weights on 2 cores: 355 vs 29 ms), so the CPU draws e with that generator into a buffer it keeps
-and passes in.
+Each function is written once with `torch._foreach_*` ops, like torch.optim's `_multi_tensor_*` implementations: run
+eagerly it is the foreach path, and `torch.compile` of the same function is the compiled one (Inductor's C++ on the
+CPU, Triton on CUDA), one pass per tensor without temporaries. A function given `noise=None` draws e with
+`torch.randn_like` from the device's default generator, seeded for the call by `seeded`: compiled, that is Inductor's
+in-kernel Philox (`tl.randn` on CUDA), so the same seed draws e again when the gradient arrives and no buffer keeps
+it. Not on the CPU: Inductor's `randn_cpu` costs ~42 ns a weight against ~3.5 ns for torch's CPU generator (8.4 M
+weights, 2 cores: 355 vs 29 ms), so the CPU draws e with that generator into a buffer it keeps and passes in.
 """
 
 from __future__ import annotations
@@ -25,10 +20,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["CHUNK_NUMEL", "Dispatch", "noise_times_grad", "perturb", "seeded", "update"]
-
-#: in eager runs, the most elements one call covers: the temporaries stay a small fraction of the model
-CHUNK_NUMEL = 1 << 22
+__all__ = ["Dispatch", "noise_times_grad", "perturb", "seeded", "update"]
 
 #: compiled graphs per function: one per bucket layout (list length, dtype), as a sweep over models may need
 RECOMPILE_LIMIT = 64
@@ -53,11 +45,8 @@ def noise_times_grad(out: list[torch.Tensor], grads: list[torch.Tensor], noise: 
 def update(weights: list[torch.Tensor], grads: list[torch.Tensor], momentum: list[torch.Tensor],
            hess: list[torch.Tensor], nxg: list[torch.Tensor], coef: torch.Tensor, *, hessian_moves: bool,
            radius: float) -> None:
-    """One IVON step (Alg. 1 lines 5-8), with ḡ `grads` and mean(e⊙g) `nxg` (overwritten).
-
-    coef = (β1, 1-β1, δ, sqrt(ess), ½(1-β2) sqrt(ess), (1-β2) sqrt(ess), 1-β1^t (or 1), lr'), with
-    lr' = lr (h0 + δ) if `rescale_lr`, on the weights' device.
-    """
+    """One IVON step (Alg. 1 lines 5-8), with ḡ `grads` and mean(e⊙g) `nxg` (overwritten); coef = (β1, 1-β1, δ,
+    sqrt(ess), ½(1-β2) sqrt(ess), (1-β2) sqrt(ess), 1-β1^t (1 without debiasing), lr' (lr (h0 + δ) if rescale_lr))."""
     b1, one_minus_b1, wd, root, half_rate, rate, debias, lr = coef.unbind()
     torch._foreach_mul_(momentum, b1)  # m ← β1 m + (1-β1) ḡ
     torch._foreach_add_(momentum, torch._foreach_mul(grads, one_minus_b1))
@@ -86,11 +75,8 @@ def update(weights: list[torch.Tensor], grads: list[torch.Tensor], momentum: lis
 def seeded(device: torch.device, seed: int) -> Iterator[None]:
     """The default generator of `device` seeded with `seed` for the body, then put back as it was: the draws of
     `randn_like`, eager or in a compiled kernel (Inductor takes its kernel seeds from that generator)."""
-    if device.type == "cpu":
-        gen = torch.default_generator
-    else:
-        module = torch.get_device_module(device.type)
-        gen = module.default_generators[device.index if device.index is not None else module.current_device()]
+    gen = (torch.default_generator if device.type == "cpu"  # a parameter's device has its index
+           else torch.get_device_module(device.type).default_generators[device.index])
     state = gen.get_state()
     gen.manual_seed(seed)
     try:
@@ -101,50 +87,32 @@ def seeded(device: torch.device, seed: int) -> Iterator[None]:
 
 @functools.cache
 def _compiled(fn: Callable) -> Callable:
-    # A process's first backward sizes autograd's device threads, once; the fake tensors torch.compile traces with
-    # would count as a device by then, and autograd refuses to run in forked children of a process with device
-    # threads (multiprocessing's fork). A backward before compiling leaves autograd as without it.
+    # A process's first backward sizes autograd's device threads, once: after torch.compile's fake tensors, a device
+    # would count, and autograd then refuses to run in forked children. A backward before compiling prevents it.
     with torch.enable_grad():
         torch.ones(1, requires_grad=True).sum().backward()
     return torch.compile(fn, fullgraph=True)
 
 
-def _chunks(tensors: list[torch.Tensor]) -> Iterator[slice]:
-    """Consecutive slices of `tensors` with at most `CHUNK_NUMEL` elements each (or one tensor, if larger)."""
-    start, numel = 0, 0
-    for i, t in enumerate(tensors):
-        if i > start and numel + t.numel() > CHUNK_NUMEL:
-            yield slice(start, i)
-            start, numel = i, 0
-        numel += t.numel()
-    if start < len(tensors):
-        yield slice(start, len(tensors))
-
-
 class Dispatch:
-    """Runs the functions above compiled or eagerly: torch.optim's `fused` flag. None compiles where torch.compile
-    works and otherwise warns once and runs them eagerly; True raises where it does not work; False runs eagerly."""
+    """Runs the functions above compiled or eagerly by torch.optim's `fused` flag: None compiles where torch.compile
+    works, else warns once and runs eagerly (compiling fails before writing); True raises there; False runs eagerly."""
 
     def __init__(self, fused: bool | None) -> None:
-        self.fused = fused
-        self.compiles = fused is not False
+        self.fused, self.compiles = fused, fused is not False
 
     def __call__(self, fn: Callable, *args: list[torch.Tensor] | torch.Tensor | None, **flags: Any) -> None:
         if self.compiles:
-            try:  # one graph per bucket layout (a model's param groups and dtypes), as many as a sweep may need
+            try:
                 with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
                     return _compiled(fn)(*args, **flags)
             except (torch._dynamo.exc.BackendCompilerFailed, torch._dynamo.exc.FailOnRecompileLimitHit) as err:
-                # raised before any tensor is written
                 cause = getattr(err, "inner_exception", None) or err
-                reason = f"{type(cause).__name__}: {(str(cause).strip().splitlines() or [''])[0]}"
+                reason = f"IVON's kernels do not compile ({type(cause).__name__}: {str(cause).strip().split(chr(10))[0]})"
+                fix = "a C++ compiler (e.g. g++; on GPUs Triton) for torch.compile, or pass fused=False (--ivon_fused false)"
                 if self.fused:
-                    raise RuntimeError(f"fused=True, but IVON's kernels do not compile ({reason}): install a C++ "
-                                       "compiler (e.g. g++; on GPUs Triton) for torch.compile, or pass fused=False "
-                                       "(--ivon_fused false).") from err
-                warnings.warn(f"IVON's kernels do not compile ({reason}); using foreach ops, which are slower. Install "
-                              "a C++ compiler (e.g. g++; on GPUs Triton) for torch.compile, or pass fused=False "
-                              "(--ivon_fused false) to silence this.", RuntimeWarning)
+                    raise RuntimeError(f"fused=True, but {reason}: install {fix}.") from err
+                warnings.warn(f"{reason}; using foreach ops, which are slower. Install {fix} to silence this.",
+                              RuntimeWarning)
                 self.compiles = False
-        for c in _chunks(args[0]):
-            fn(*(t[c] if isinstance(t, list) else t for t in args), **flags)
+        fn(*args, **flags)  # with temporaries of up to a few parameter sizes, as torch's foreach AdamW

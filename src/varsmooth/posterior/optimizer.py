@@ -1,28 +1,12 @@
-"""varsmooth's IVON optimizer: ivon-opt's update, in place, with per-parameter state, in torch.optim's shape.
-
-The update is that of ivon-opt 0.1.3 (Shen et al. 2024, "Variational Learning is Effective for Large Deep
-Networks", Alg. 1 with the 'price' Hessian estimate, debiasing and `rescale_lr`); ivon-opt stays the reference the
-tests compare against. This class holds the state, the param groups, the `sampled_params` context and the checkpoint
-logic; the arithmetic runs per (device, dtype) bucket in `varsmooth.posterior.kernels`, compiled or as foreach ops
-(`fused`). Unlike ivon-opt, which concatenates every parameter into fresh flat vectors and reassigns `p.data`:
-
-* the state is per parameter (`momentum`, `hess` in `self.state[p]`), so parameters may live on any mix of devices
-  and dtypes, param groups keep their own lr / weight decay (prior precision) / ess, and checkpoints are ordinary
-  optimizer state dicts (ivon-opt's flat-vector checkpoints are converted on load);
-* the parameter tensors are never replaced: the mean waits in a buffer while they hold the sample;
-* memory: the CPU keeps e from the sample to its gradient (momentum, h, the mean and e: two buffers more than
-  AdamW); compiled on an accelerator e is drawn again in the kernel when the gradient arrives (one buffer more);
-* noise: draw d after step t of the bucket b of process r comes from the seed derive_seed(noise_seed, t, d, r, b)
-  (a sharded DTensor bucket uses its shard's coordinate instead of r: replicas of a shard draw alike), one seeding
-  per bucket. The same seed, device and path give the same samples (on the CPU both paths draw with torch's CPU
-  generator and agree); training resumes exactly without touching the global RNG, and DDP ranks draw independent
-  samples;
-* parameters sharded as DTensors (FSDP2's `fully_shard`): each rank samples and updates its local shard with its
-  own draw, the shards together being one sample of the whole model, as FSDP2 gathers them for the forward (it has
-  averaged the gradients: `sync` stays off). The state is sharded like the parameters;
-* `sampled_params` restores the mean weights if the body raises (the sample is then not recorded), and treats a
-  trainable parameter that got no gradient as a zero gradient instead of crashing (ivon-opt issue #2). Nothing in a
-  sample or a step waits for the device.
+"""varsmooth's IVON optimizer: ivon-opt 0.1.3's update (Shen et al. 2024, "Variational Learning is Effective for Large
+Deep Networks", Alg. 1, 'price' Hessian estimate) in torch.optim's shape: this class holds the state (`momentum`,
+`hess` per parameter), param groups, the `sampled_params` context and checkpoints; `kernels` does the arithmetic per
+(device, dtype) bucket. Unlike ivon-opt, parameters may mix devices and dtypes, are never replaced (the mean waits in
+a buffer), are restored if the body of `sampled_params` raises, and count as a zero gradient where they got none.
+Noise: draw d after step t of bucket b on process r is seeded by derive_seed(derive_seed(noise_seed, t, d), r, b); the
+same seed, device and path give the same samples, and a resume is exact. FSDP2 (DTensor) shards: each rank samples
+and updates its shard with its mesh coordinate in place of r, the shards forming one sample of the whole model (FSDP2
+averages the gradients: `sync` off). Nothing in a sample or a step waits for the device.
 """
 
 from __future__ import annotations
@@ -75,81 +59,47 @@ def _on_device(values: list[float], like: torch.Tensor) -> torch.Tensor:
 
 
 class _Bucket(NamedTuple):
-    """Parameters of one param group on one device with one dtype (and one shard coordinate), their indices in
-    `param_groups` order, and the bucket's number (a key of its noise seed)."""
+    """One param group's parameters of one device, dtype and noise key, with their `param_groups` indices and the
+    keys of their noise seed (rank or shard coordinate, then the bucket's number)."""
     group: dict[str, Any]
     params: list[torch.Tensor]
     indices: list[int]
-    number: int
-    key: tuple[int, ...]
+    seed_key: tuple[int, ...]
 
 
 class VariationalIVON(torch.optim.Optimizer):
-    """IVON (Shen et al. 2024, Alg. 1) with per-parameter state, in-place updates and counter-seeded noise.
+    """IVON (Shen et al. 2024, Alg. 1). Use like ivon-opt: forward and backward inside
+    `with optimizer.sampled_params(train=True):` (per MC sample or micro-batch; they are averaged), then `step()`.
 
-    Use like ivon-opt: run forward and backward inside `with optimizer.sampled_params(train=True):` (once per MC
-    sample or micro-batch; the samples are averaged), then call `step()`.
-
-    Args:
-        params: trainable parameters or param groups (a group may set its own lr, weight_decay, ess, hess_init,
-            beta1, beta2, clip_radius). Frozen parameters would receive noise and weight decay: leave them out.
-        lr, ess, hess_init, beta1, beta2, weight_decay, mc_samples, clip_radius, sync, debias, rescale_lr: as in
-            `ivon.IVON` (weight_decay is the prior precision δ; `sync` all-reduces the averaged gradient and the
-            Hessian estimate over the default process group in `step()`).
-        hess_approx: only 'price' (the reparameterisation estimate of ivon-opt's default) is implemented.
-        noise_seed: base seed of the weight noise; `None` draws it from the global torch RNG.
-        rank: process index, mixed into the noise seed so that DDP ranks are independent MC samples.
-        fused: torch.optim's flag: None runs the torch.compile'd kernels where they compile and otherwise warns once
-            and uses foreach ops; True raises where they do not compile; False uses foreach ops.
+    Args: `params` (trainable only: frozen ones would get noise and weight decay; a group may set its own lr,
+    weight_decay, ess, hess_init, beta1, beta2, clip_radius) and the rest as in `ivon.IVON` (weight_decay is the prior
+    precision δ; `sync` all-reduces ḡ and mean(e⊙g) in `step()`; hess_approx 'price' only), plus `noise_seed` (None:
+    from the global torch RNG), `rank` (mixed into the seed: DDP ranks draw independent samples) and `fused`
+    (`kernels.Dispatch`).
     """
 
-    #: tests set this to feed another optimizer's noise to every path: (param, index in `param_groups` order, step,
-    #: draw) -> e of the tensor this process holds
+    #: for tests, another optimizer's noise on every path: (param, its index, step, draw) -> e of its local tensor
     noise_source: Callable[[torch.Tensor, int, int, int], torch.Tensor] | None = None
 
-    def __init__(
-        self,
-        params: Any,
-        lr: float,
-        ess: float,
-        hess_init: float = 1.0,
-        beta1: float = 0.9,
-        beta2: float = 0.99999,
-        weight_decay: float = 1e-4,
-        mc_samples: int = 1,
-        hess_approx: str = "price",
-        clip_radius: float = math.inf,
-        sync: bool = False,
-        debias: bool = True,
-        rescale_lr: bool = True,
-        *,
-        noise_seed: int | None = 0,
-        rank: int = 0,
-        fused: bool | None = None,
-    ) -> None:
+    def __init__(self, params: Any, lr: float, ess: float, hess_init: float = 1.0, beta1: float = 0.9,
+                 beta2: float = 0.99999, weight_decay: float = 1e-4, mc_samples: int = 1, hess_approx: str = "price",
+                 clip_radius: float = math.inf, sync: bool = False, debias: bool = True, rescale_lr: bool = True, *,
+                 noise_seed: int | None = 0, rank: int = 0, fused: bool | None = None) -> None:
         if hess_approx != "price":
             raise ValueError(f"hess_approx={hess_approx!r} is not implemented; use 'price' (ivon-opt's default).")
         if mc_samples < 1:
             raise ValueError(f"mc_samples must be >= 1, got {mc_samples}.")
         defaults = dict(lr=lr, mc_samples=mc_samples, beta1=beta1, beta2=beta2, weight_decay=weight_decay,
                         hess_init=hess_init, ess=ess, clip_radius=clip_radius)
-        self.mc_samples = mc_samples
-        self.hess_approx = hess_approx
-        self.sync = sync
-        self.debias = debias
-        self.rescale_lr = rescale_lr
-        self.noise_seed = noise_seed
-        self.rank = rank
-        self.fused = fused
+        self.mc_samples, self.hess_approx, self.sync, self.debias = mc_samples, hess_approx, sync, debias
+        self.rescale_lr, self.noise_seed, self.rank, self.fused = rescale_lr, noise_seed, rank, fused
         self._dispatch = Dispatch(fused)
-        self.current_step = 0
+        self.current_step, self._count, self._sampling = 0, 0, False  # _count: MC samples since the last step
         self._draw_seeds: list[int] = []  # base seed of each draw since the last step
-        self._count = 0  # MC samples recorded since the last step
-        self._sampling = False
         self._perturbed: list[tuple[_Bucket, bool]] = []  # buckets holding a sample, and whether they keep e
-        # Per-parameter scratch, reused across steps (on the CPU a fresh buffer costs page faults): "mean" (m while
-        # the parameter holds θ), "noise" (e, where kept), "nxg" (mean(e⊙g), the buffer e⊙g was formed in until the
-        # step) and, with several samples per step, "avg_grad" (with one, ḡ is the gradient tensor itself).
+        # Per-parameter scratch, reused (on the CPU a fresh buffer costs page faults): "mean" (m while the parameter
+        # holds θ), "noise" (e, where kept), "nxg" (mean(e⊙g), in the buffer e⊙g was formed in) and, with several
+        # samples per step, "avg_grad" (with one, ḡ is the gradient tensor itself).
         self._buffers: dict[torch.Tensor, dict[str, torch.Tensor | None]] = {}
         self._avg_grad: dict[torch.Tensor, torch.Tensor] = {}
         super().__init__(params, defaults)
@@ -165,11 +115,11 @@ class VariationalIVON(torch.optim.Optimizer):
             if not group[key] > 0:
                 raise ValueError(f"Invalid {key}: {group[key]} (must be > 0).")
         for p in group["params"]:
-            if not p.is_floating_point():
-                raise ValueError(f"IVON needs floating-point parameters, got one of dtype {p.dtype}.")
             self._init_state(group, p)
 
     def _init_state(self, group: dict[str, Any], p: torch.Tensor) -> None:
+        if not p.is_floating_point():
+            raise ValueError(f"IVON needs floating-point parameters, got one of dtype {p.dtype}.")
         if self.sync and isinstance(p, DTensor):
             raise ValueError("sync=True averages whole gradients over the ranks, but this parameter is sharded (a "
                              "DTensor, e.g. under FSDP2), whose gradients are already averaged: use sync=False.")
@@ -185,8 +135,7 @@ class VariationalIVON(torch.optim.Optimizer):
         if self._count:
             raise RuntimeError("IVON's parameters were replaced between a gradient sample and step(): replace them "
                                "(e.g. accelerator.prepare) before training starts.")
-        current = {p for _, p in params}
-        for p in [p for p in self.state if p not in current]:
+        for p in {p for p in self.state} - {p for _, p in params}:
             del self.state[p]
             self._buffers.pop(p, None)
         for group, p in params:
@@ -206,25 +155,21 @@ class VariationalIVON(torch.optim.Optimizer):
 
     def _buckets(self) -> list[_Bucket]:
         """The parameters split by group, device, dtype and (for DTensors) shard coordinate, in a fixed order."""
-        buckets, index = [], 0
+        buckets, start = [], 0
         for group in self.param_groups:
-            split: dict[tuple, tuple[list, list]] = defaultdict(lambda: ([], []))
-            for p in group["params"]:
-                key = self._noise_key(p)
-                params, indices = split[(p.device, p.dtype, key)]
-                params.append(p)
-                indices.append(index)
-                index += 1
-            buckets += [_Bucket(group, params, indices, len(buckets) + i, key)
-                        for i, ((_, _, key), (params, indices)) in enumerate(split.items())]
+            split: dict[tuple, list[tuple[int, torch.Tensor]]] = defaultdict(list)
+            for index, p in enumerate(group["params"], start):
+                split[(p.device, p.dtype, self._noise_key(p))].append((index, p))
+            start += len(group["params"])
+            buckets += [_Bucket(group, [p for _, p in v], [i for i, _ in v], (*key[2], len(buckets) + n))
+                        for n, (key, v) in enumerate(split.items())]
         return buckets
 
     def _noise_key(self, p: torch.Tensor) -> tuple[int, ...]:
-        """The rank, or for a DTensor its coordinates on the mesh dimensions it is sharded over."""
-        if not isinstance(p, DTensor):
-            return (self.rank,)
-        coordinate = p.device_mesh.get_coordinate() or []
-        return tuple(c for c, placement in zip(coordinate, p.placements) if placement.is_shard())
+        """The rank, or for a DTensor its coordinates on the mesh dimensions it is sharded over (replicas alike)."""
+        if isinstance(p, DTensor):
+            return tuple(c for c, pl in zip(p.device_mesh.get_coordinate() or [], p.placements) if pl.is_shard())
+        return (self.rank,)
 
     # -- sampling ----------------------------------------------------------------------------------
     def _keeps_noise(self, t: torch.Tensor) -> bool:
@@ -232,24 +177,23 @@ class VariationalIVON(torch.optim.Optimizer):
         compiled); compiled on an accelerator, it is drawn again in the kernel (one parameter-sized buffer less)."""
         return t.device.type == "cpu" or not self._dispatch.compiles
 
-    def _seed(self, bucket: _Bucket, draw: int) -> int:
-        return derive_seed(self._draw_seeds[draw], *bucket.key, bucket.number)
-
     def _given_noise(self, bucket: _Bucket, draw: int) -> list[torch.Tensor] | None:
-        if self.noise_source is None:
-            return None
-        return [self.noise_source(p, i, self.current_step, draw).to(_local(p))
-                for p, i in zip(bucket.params, bucket.indices)]
+        return None if self.noise_source is None else [self.noise_source(p, i, self.current_step, draw).to(_local(p))
+                                                       for p, i in zip(bucket.params, bucket.indices)]
 
-    def _draw(self, bucket: _Bucket, draw: int) -> contextlib.AbstractContextManager:
-        """The generator state for the draws of `randn_like` in this bucket's kernels."""
-        return seeded(bucket.params[0].device, self._seed(bucket, draw))
+    def _draw(self, bucket: _Bucket, draw: int, noise: list[torch.Tensor] | None) -> contextlib.AbstractContextManager:
+        """The generator state for the draws of `randn_like` in this bucket's kernels (none where `noise` is given)."""
+        return contextlib.nullcontext() if noise is not None else seeded(
+            bucket.params[0].device, derive_seed(self._draw_seeds[draw], *bucket.seed_key))
 
     @torch.no_grad()
     def _sample_params(self) -> None:
         self._follow_replaced_params()
-        if self._count:  # a further sample of this step: its backward may zero the gradient that holds ḡ so far
-            self._own_avg_grad()
+        # a further sample of this step: its backward may zero the gradient tensor that holds ḡ so far: a copy
+        for p, grad in list(self._avg_grad.items()):
+            self._avg_grad[p] = own = self._buffer([p], "avg_grad")[0]
+            if grad is not own:
+                own.copy_(grad)
         draw = len(self._draw_seeds)
         self._draw_seeds.append(derive_seed(self.noise_seed, self.current_step, draw) if self.noise_seed is not None
                                 else int(torch.randint(0, 1 << 62, ()).item()))  # the CPU generator: no device sync
@@ -258,29 +202,21 @@ class VariationalIVON(torch.optim.Optimizer):
             weights = [_local(p) for p in bucket.params]
             keeps = self._keeps_noise(weights[0])
             noise = self._given_noise(bucket, draw)
-            if keeps:
+            if keeps:  # e drawn (or given) into the kept buffer, which the kernels then read
                 kept = self._buffer(bucket.params, "noise")
-                if noise is None:
-                    with self._draw(bucket, draw):
+                if noise is not None:
+                    torch._foreach_copy_(kept, noise)
+                else:
+                    with self._draw(bucket, draw, None):
                         for e in kept:
                             e.normal_()
-                else:
-                    torch._foreach_copy_(kept, noise)
                 noise = kept
             torch._foreach_copy_(self._buffer(bucket.params, "mean"), weights)
             self._perturbed.append((bucket, keeps))
             hess = [_local(self.state[p]["hess"]) for p in bucket.params]
-            with self._draw(bucket, draw) if noise is None else contextlib.nullcontext():
+            with self._draw(bucket, draw, noise):
                 self._dispatch(perturb, weights, hess, noise, _on_device([group["ess"] ** -0.5, group["weight_decay"]],
                                                                          weights[0]))
-
-    def _own_avg_grad(self) -> None:
-        """ḡ of the samples so far into the "avg_grad" buffers (with one sample it is the gradient tensor itself)."""
-        for p, grad in list(self._avg_grad.items()):
-            own = self._buffer([p], "avg_grad")[0]
-            if grad is not own:
-                own.copy_(grad)
-                self._avg_grad[p] = own
 
     @torch.no_grad()
     def _restore_param_average(self, train: bool) -> None:
@@ -304,7 +240,7 @@ class VariationalIVON(torch.optim.Optimizer):
                 torch._foreach_mul_(out, grads)
             else:
                 noise = self._given_noise(bucket, draw)
-                with self._draw(bucket, draw) if noise is None else contextlib.nullcontext():
+                with self._draw(bucket, draw, noise):
                     self._dispatch(noise_times_grad, out, grads, noise)
             if count == 1:  # the product is the average: its buffer changes role, no copy
                 self._avg_grad.update(zip(bucket.params, grads))
@@ -318,13 +254,10 @@ class VariationalIVON(torch.optim.Optimizer):
 
     @contextlib.contextmanager
     def sampled_params(self, train: bool = False) -> Iterator[None]:
-        """Weights set to one posterior sample θ = m + σ⊙e for the body, then back to m.
-
-        With `train=True` the gradients present at exit are recorded as one MC sample (Alg. 1 lines 2-4): forward
-        and backward must both run inside the body. If the body raises, the mean weights are restored and the
-        sample is not recorded. With one sample per step, `step()` reads ḡ from the gradient tensors (no copy):
-        change them in place (e.g. clip) inside the body, not between the body and `step()`.
-        """
+        """Weights set to one posterior sample θ = m + σ⊙e for the body, then back to m. With `train=True` the
+        gradients present at exit are recorded as one MC sample (Alg. 1 lines 2-4): forward and backward both run
+        inside the body. If it raises, the mean is restored and nothing recorded. With one sample per step, `step()`
+        reads ḡ from the gradient tensors (no copy): change them (e.g. clip) inside the body, not after it."""
         if self._sampling:
             raise RuntimeError("sampled_params() is already active: IVON samples one set of weights at a time.")
         self._sampling = True
@@ -344,16 +277,11 @@ class VariationalIVON(torch.optim.Optimizer):
     def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor | None:
         loss = None
         if closure is not None:  # ivon-opt's contract: the closure samples, runs forward/backward, returns the loss
-            losses = []
-            for _ in range(self.mc_samples):
-                with torch.enable_grad():
-                    losses.append(closure())
-            loss = sum(losses) / self.mc_samples
+            with torch.enable_grad():
+                loss = sum(closure() for _ in range(self.mc_samples)) / self.mc_samples
         if self._count == 0:
-            raise RuntimeError(
-                "IVON.step() was called without any gradient sample: run forward and backward inside "
-                "`optimizer.sampled_params(train=True)` first."
-            )
+            raise RuntimeError("IVON.step() was called without any gradient sample: run forward and backward inside "
+                               "`optimizer.sampled_params(train=True)` first.")
         buckets = self._buckets()
         if self.sync and dist.is_available() and dist.is_initialized():
             self._sync_samples(buckets)
@@ -379,18 +307,16 @@ class VariationalIVON(torch.optim.Optimizer):
 
     def _reset_samples(self) -> None:
         """No gradient sample recorded, no draw made since the last step."""
-        self._draw_seeds = []
-        self._count = 0
+        self._draw_seeds, self._count = [], 0
         self._avg_grad.clear()
 
     def _sync_samples(self, buckets: list[_Bucket]) -> None:
         """Averages ḡ and mean(e⊙g) over the ranks (one all-reduce per bucket)."""
-        world = dist.get_world_size()
         for bucket in buckets:
             tensors = [self._avg_grad[p] for p in bucket.params] + self._buffer(bucket.params, "nxg")
             flat = _flatten_dense_tensors(tensors)
             dist.all_reduce(flat)
-            flat.div_(world)
+            flat.div_(dist.get_world_size())
             torch._foreach_copy_(tensors, _unflatten_dense_tensors(flat, tensors))
 
     # -- posterior ---------------------------------------------------------------------------------
@@ -404,17 +330,13 @@ class VariationalIVON(torch.optim.Optimizer):
         """All parameters' h, flattened in `param_groups` order, on the first parameter's device (sharded
         parameters are gathered whole: a collective, which every rank must call)."""
         self._follow_replaced_params()
-        hess = [self.state[p]["hess"] for g in self.param_groups for p in g["params"]]
-        hess = [_whole(h).flatten() for h in hess]
+        hess = [_whole(self.state[p]["hess"]).flatten() for g in self.param_groups for p in g["params"]]
         return torch.cat([h.to(hess[0].device) for h in hess]) if hess else torch.zeros(0)
 
     def restore_from_posterior(self, stds: list[torch.Tensor], step: int) -> None:
-        """Set each h to 1/(ess σ²) − δ, the inverse of σ = 1/sqrt(ess (h + δ)), with zero momentum and IVON's step
-        count `step`: a resume from a saved posterior when the optimizer state is missing. `stds` in `param_groups`
-        order, whole (unsharded) parameters."""
-        if self._sampling:
-            raise RuntimeError("restore_from_posterior() inside sampled_params(): restore between optimizer steps.")
-        self._follow_replaced_params()
+        """h = 1/(ess σ²) − δ (σ's inverse), zero momentum and step count `step`: a resume from a saved posterior
+        without optimizer state. `stds` in `param_groups` order, whole (unsharded) parameters."""
+        self._between_steps("restore_from_posterior")
         params = [(g, p) for g in self.param_groups for p in g["params"]]
         if len(stds) != len(params):
             raise ValueError(f"Got {len(stds)} posterior stds for the {len(params)} parameters IVON trains.")
@@ -430,10 +352,14 @@ class VariationalIVON(torch.optim.Optimizer):
         self._reset_samples()
 
     # -- checkpointing -----------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
+    def _between_steps(self, what: str) -> None:
         if self._sampling:
-            raise RuntimeError("state_dict() inside sampled_params(): the parameters hold a sample, not the mean.")
+            raise RuntimeError(f"{what}() inside sampled_params(): the parameters hold a sample, not the mean; call "
+                               "it between optimizer steps.")
         self._follow_replaced_params()
+
+    def state_dict(self) -> dict[str, Any]:
+        self._between_steps("state_dict")
         state_dict = super().state_dict()
         # in every param group, since torch.distributed.checkpoint keeps only "state" and "param_groups"
         for group in state_dict["param_groups"]:
@@ -442,51 +368,42 @@ class VariationalIVON(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Loads a checkpoint of this class, or of the earlier ivon-opt based one (flat `hess`/`momentum` per group)."""
-        if self._sampling:
-            raise RuntimeError("load_state_dict() inside sampled_params(): load between optimizer steps.")
-        self._follow_replaced_params()
+        self._between_steps("load_state_dict")
         if "count" in state_dict["state"] or any("hess" in g for g in state_dict["param_groups"]):
             state_dict, step = self._from_flat_checkpoint(state_dict)
         else:
             step = state_dict["param_groups"][0].get("current_step") if state_dict["param_groups"] else None
         super().load_state_dict(state_dict)
-        for group in self.param_groups:
-            group.pop("current_step", None)
         # the engine updates its state in place: own copies, laid out like the parameters, leave the input untouched
         for group in self.param_groups:
-            for p in group["params"]:
-                for key in ("momentum", "hess"):
-                    own = torch.empty_like(p)
-                    _local(own).copy_(_local(self.state[p][key]))
-                    self.state[p][key] = own
+            group.pop("current_step", None)
+            for p, key in ((p, key) for p in group["params"] for key in ("momentum", "hess")):
+                own = torch.empty_like(p)
+                _local(own).copy_(_local(self.state[p][key]))
+                self.state[p][key] = own
         if step is not None:
             self.current_step = int(step)
         self._reset_samples()
 
     def _from_flat_checkpoint(self, state_dict: dict[str, Any]) -> tuple[dict[str, Any], int | None]:
         """ivon-opt's layout (one flat hess/momentum vector per group) split into per-parameter state."""
-        old_state = state_dict["state"]
+        old_state, state, groups = state_dict["state"], {}, []
         if old_state.get("count", 0):
             raise ValueError("The IVON checkpoint holds gradient samples not yet used by a step; save after step().")
-        state, groups = {}, []
         if len(state_dict["param_groups"]) != len(self.param_groups):
             raise ValueError(f"The IVON checkpoint has {len(state_dict['param_groups'])} param groups, this optimizer "
                              f"{len(self.param_groups)}: it was written for another model or parameter grouping.")
         for saved, group in zip(state_dict["param_groups"], self.param_groups):
-            saved = dict(saved)
-            hess, momentum = saved.pop("hess"), saved.pop("momentum")
-            saved.pop("numel", None)
-            numel = sum(p.numel() for p in group["params"])
+            saved = {k: v for k, v in saved.items() if k != "numel"}
+            hess, momentum, numel = saved.pop("hess"), saved.pop("momentum"), sum(p.numel() for p in group["params"])
             if len(saved["params"]) != len(group["params"]) or hess.numel() != numel or momentum.numel() != numel:
-                raise ValueError(
-                    f"The IVON checkpoint's param group holds {len(saved['params'])} parameters with {hess.numel()} "
-                    f"values, this optimizer's {len(group['params'])} with {numel}: it was written for another model."
-                )
-            offset = 0
-            for index, p in zip(saved["params"], group["params"]):
-                state[index] = {"momentum": momentum[offset:offset + p.numel()].view(p.shape),
-                                "hess": hess[offset:offset + p.numel()].view(p.shape)}
-                offset += p.numel()
+                raise ValueError(f"The IVON checkpoint's param group holds {len(saved['params'])} parameters with "
+                                 f"{hess.numel()} values, this optimizer's {len(group['params'])} with {numel}: it was "
+                                 "written for another model.")
+            ends = torch.tensor([p.numel() for p in group["params"]]).cumsum(0).tolist()
+            for index, p, end in zip(saved["params"], group["params"], ends):
+                state[index] = {"momentum": momentum[end - p.numel():end].view(p.shape),
+                                "hess": hess[end - p.numel():end].view(p.shape)}
             groups.append(saved)
         return {"state": state, "param_groups": groups}, old_state.get("current_step")
 
