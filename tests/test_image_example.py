@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import yaml
@@ -69,6 +70,15 @@ def test_a_model_from_scratch_gets_its_methods_scratch_rate_unless_a_rate_is_giv
     # a pretrained model keeps the library's fine-tuning default
     pretrained = example.parse_arguments([*base, "--method", "erm", "--pretrained_weights", "w.pth"])[3]
     assert pretrained.learning_rate == TrainingMethod.default_learning_rate
+
+
+def test_the_scratch_rates_are_those_the_sweep_chose_on_noisy_validation():
+    summary = json.loads((Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "example_learning_rates"
+                          / "summary.json").read_text())
+    chosen = summary["chosen_by_noisy_validation_nll"]
+    assert {key.split("/")[0] for key in chosen} == {"erm", "ls", "gce", "sam"}
+    for key, rate in chosen.items():
+        assert METHODS[key.split("/")[0]].method_class.scratch_learning_rate == rate, key
 
 
 def test_logging_steps_given_alone_logs_every_that_many_steps(tmp_path):

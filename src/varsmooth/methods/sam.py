@@ -100,6 +100,9 @@ class SAMMethod(TrainingMethod):
 
     paper: ClassVar[str] = ("Foret et al. 2020, Sharpness-Aware Minimization for Efficiently Improving Generalization; "
                             "ASAM: Kwon et al. 2021")
+    #: SAM's own rate for a network trained from scratch, chosen on the image example's noisy validation split
+    #: (benchmarks/example_learning_rates.py)
+    scratch_learning_rate: ClassVar[float] = 3e-4
     config: SAMConfig
 
     def training_step(self, model: nn.Module, inputs: dict[str, Any], context: MethodContext) -> torch.Tensor:
