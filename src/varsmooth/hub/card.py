@@ -72,6 +72,17 @@ def _base_model(model: Any) -> str | None:
     return _hub_id(getattr(config, "_name_or_path", "") or "")
 
 
+def _base_model_text(base_model: str | None, model: Any, adapter: Any) -> str:
+    """The card's base-model line: a link to a Hub id, else the local folder's name (its path on the training machine
+    means nothing to readers), else that the model was built from a configuration."""
+    if base_model:
+        return f"[{base_model}](https://huggingface.co/{base_model})"
+    local = adapter.base_model_name_or_path if adapter is not None else getattr(getattr(model, "config", None), "_name_or_path", "")
+    if local:
+        return f"`{os.path.basename(os.path.normpath(local))}` (local)"
+    return "not recorded" if adapter is not None else "none (trained from a configuration)"
+
+
 def _hub_id(name: str) -> str | None:
     """`name` if it can be a Hub model id, None for a local path (which means nothing to the card's readers)."""
     if name and not os.path.isabs(name) and not name.startswith(".") and name.count("/") <= 1 and not os.path.isdir(name):
@@ -366,9 +377,7 @@ def build_model_card(record: RunRecord, model: Any, folder: str | os.PathLike) -
         prediction=prediction,
         remote_code=auto_class in auto_map,
         posterior_text=_posterior_text(record),
-        base_model_text=(f"[{base_model}](https://huggingface.co/{base_model})" if base_model else
-                         "none (trained from a configuration)" if adapter is None else
-                         f"`{os.path.basename(os.path.normpath(adapter.base_model_name_or_path or '')) or 'not recorded'}` (local)"),
+        base_model_text=_base_model_text(base_model, model, adapter),
         adapter_text=_adapter_text(adapter, is_ivon),
         dataset_text=", ".join(f"[`{name}`](https://huggingface.co/datasets/{name})" if on_hub else f"`{name}` (local data)"
                                for name, on_hub in shown) if shown else "not recorded",
