@@ -620,3 +620,32 @@ def test_the_image_example_refuses_a_finished_run_and_another_seeds_checkpoint(t
     other_seed = _image(*flags, "--max_steps", "4", "--seed", "1")
     assert other_seed.returncode != 0
     assert "trained with --seed 42, but this run has --seed 1" in other_seed.stderr and "Pass --seed 42" in other_seed.stderr
+
+
+def test_non_finite_running_statistics_stop_training_and_are_not_saved(tmp_path):
+    clean = _pixels(64)
+    pixels = clean[:]["pixel_values"].numpy().copy()
+    pixels[20, 0, 3, 3] = np.inf  # BatchNorm's running statistics take it in the forward pass, whatever the update
+    ds = datasets.Dataset.from_dict({"pixel_values": pixels, "label": clean[:]["label"].numpy()}).with_format("torch")
+    args = make_args(tmp_path, method="erm", max_steps=3, save_strategy="steps", save_steps=1, train_sampling_strategy="sequential")
+    trainer = VariationalTrainer(model=_resnet(), args=args, train_dataset=ds)
+    with pytest.raises(FloatingPointError, match=r"optimizer step 2 .*last finite step \(after step 1\), but the forward "
+                                                 r"pass made the buffers \['resnet.embedder.embedder.normalization.running_mean'"
+                                                 r".*so saving is refused"):
+        trainer.train()
+    with pytest.raises(FloatingPointError, match=r"Not saving to .*running_mean.*nothing was written"):
+        trainer.save_model()
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-1"]
+    VariationalModel.from_pretrained(tmp_path / "checkpoint-1")  # finite, whole
+
+
+def test_a_checkpoint_manifest_lists_its_training_state_apart(tmp_path):
+    from varsmooth.files import shareable_files
+
+    _train_ivon(tmp_path, model=TinyClassifier(), steps=2, save_strategy="steps", save_steps=2)
+    checkpoint = tmp_path / "checkpoint-2"
+    manifest = json.loads((checkpoint / MANIFEST_FILE).read_text())
+    assert set(manifest["files"]) == set(os.listdir(checkpoint)) - {MANIFEST_FILE}  # every file, optimizer.pt too
+    assert {"optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.json"} <= set(manifest["training_state"])
+    assert set(shareable_files(checkpoint)) == {"model.safetensors", POSTERIOR_FILE}  # what a model push copies
+    assert "optimizer.pt" in shareable_files(checkpoint, training_state=True)

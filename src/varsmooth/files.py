@@ -99,12 +99,14 @@ def check_manifest(folder: str | os.PathLike, names: Iterable[str] | None = None
                          "copy the whole folder from where it was saved.")
 
 
-def shareable_files(folder: str | os.PathLike) -> list[str]:
-    """The files of `folder`'s manifest that may be uploaded (all but the private ones)."""
+def shareable_files(folder: str | os.PathLike, training_state: bool = False) -> list[str]:
+    """The files of `folder`'s manifest that may be uploaded (all but the private ones); a checkpoint's training state
+    (optimizer, scheduler, RNG states: its manifest's `training_state`) only with `training_state=True`."""
     manifest = read_manifest(folder)
     if manifest is None:
         raise ValueError(f"{os.fspath(folder)} has no {MANIFEST_FILE}: save the model first (trainer.save_model()).")
-    return sorted(name for name in manifest["files"] if name not in PRIVATE_FILES)
+    skip = PRIVATE_FILES | (set() if training_state else set(manifest.get("training_state", ())))
+    return sorted(name for name in manifest["files"] if name not in skip)
 
 
 class FolderSave:
@@ -155,15 +157,15 @@ def write_manifest(folder: str, names: Iterable[str], entries: dict[str, dict[st
         json.dump({"format": 2, **info, "files": files}, f, indent=2)
 
 
-def add_to_manifest(folder: str | os.PathLike, names: Iterable[str]) -> None:
-    """Record files written into a finished folder after its save (the model card); the other entries stay as
-    recorded, so that a file edited since its save is still detected."""
+def add_to_manifest(folder: str | os.PathLike, names: Iterable[str], **info: Any) -> None:
+    """Record files written into a finished folder after its save (the model card), and `info`; the other entries
+    stay as recorded, so that a file edited since its save is still detected."""
     folder = os.fspath(folder)
     manifest = read_manifest(folder)
     if manifest is None:
         return
     names = set(names)
-    info = {k: v for k, v in manifest.items() if k not in ("format", "files")}
+    info = {**{k: v for k, v in manifest.items() if k not in ("format", "files")}, **info}
     kept = {name: entry for name, entry in manifest["files"].items() if name not in names}
     write_manifest(folder, sorted(set(kept) | names), entries=kept, **info)
 

@@ -174,8 +174,8 @@ def check_finite_weights(model: torch.nn.Module, where: str, saving: bool = Fals
         return
     names = f"{bad[:5]}{' ...' if len(bad) > 5 else ''}"
     if saving:
-        raise FloatingPointError(f"Not saving to {where}: the weights {names} are not finite (NaN or inf). Training "
-                                 "diverged; save from the last healthy checkpoint instead.")
+        raise FloatingPointError(f"Not saving to {where}: the weights {names} are not finite (NaN or inf); nothing "
+                                 "was written. Save a model with finite weights (e.g. loaded from an earlier save).")
     raise ValueError(f"The weights loaded from {where} are not finite (NaN or inf) in {names}: the model was saved after "
                      "training diverged, or the file was edited. Load an earlier checkpoint, or train again.")
 

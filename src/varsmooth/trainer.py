@@ -330,13 +330,19 @@ class VariationalTrainer(VariationalHubMixin, LabelNoiseMixin, Trainer):
         return total / self.args.mc_samples / self.current_gradient_accumulation_steps
 
     def _note_finite(self, loss: torch.Tensor, params: list[torch.Tensor] | None) -> None:
-        """Record on the device whether `loss` and the gradients of `params` (None: not yet complete) are finite."""
-        grads = [_local(p.grad) for p in params or () if p.grad is not None]
-        # the max-norm is NaN or inf exactly when an entry is (a 2-norm could overflow on finite entries)
+        """Record on the device whether `loss`, the gradients of `params` (None: not yet complete) and, with them, the
+        model's floating-point buffers (e.g. BatchNorm's running statistics, updated by the forward) are finite."""
         loss_ok = torch.isfinite(loss.detach()).all()
-        grads_ok = (torch.isfinite(torch.nn.utils.get_total_norm(grads, float("inf"))).to(loss_ok.device) if grads
-                    else torch.ones_like(loss_ok))
-        flags = torch.stack([loss_ok, grads_ok])  # on the loss's device: no copy to the host until the step ends
+
+        def finite(tensors: list[torch.Tensor]) -> torch.Tensor:
+            # the max-norm is NaN or inf exactly when an entry is (a 2-norm could overflow on finite entries)
+            if not tensors:
+                return torch.ones_like(loss_ok)
+            return torch.isfinite(torch.nn.utils.get_total_norm(tensors, float("inf"))).to(loss_ok.device)
+
+        grads = [_local(p.grad) for p in params or () if p.grad is not None]
+        buffers = [_local(b) for b in self.model.buffers() if b.is_floating_point()] if params is not None else []
+        flags = torch.stack([loss_ok, finite(grads), finite(buffers)])  # no copy to the host until the step ends
         self._finite_flags = flags if self._finite_flags is None else self._finite_flags & flags
 
     def _stop_if_non_finite(self) -> None:
@@ -349,17 +355,23 @@ class VariationalTrainer(VariationalHubMixin, LabelNoiseMixin, Trainer):
         flags, self._finite_flags = self._finite_flags.to(self.args.device).int(), None
         if self.args.world_size > 1:  # IVON under DDP and FSDP shards: each process saw other gradients
             torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MIN)
-        loss_ok, grads_ok = flags.tolist()
-        if loss_ok and grads_ok:
+        loss_ok, grads_ok, buffers_ok = flags.tolist()
+        if loss_ok and grads_ok and buffers_ok:
             return
         if self.ivon is not None:
             self.ivon._reset_samples()  # the step's samples are dropped: IVON stays at the last finite step
-        what = "training loss" if not loss_ok else "gradients (NaN or inf, with a finite loss)"
+        what = ("training loss" if not loss_ok else "gradients (NaN or inf, with a finite loss)" if not grads_ok
+                else "buffers (running statistics the forward pass updates)")
         kept = "weights and posterior" if self.ivon is not None else "weights and optimizer state"
         after = f"after step {self.state.global_step}" if self.state.global_step else "the initial ones"
+        network = self.accelerator.unwrap_model(self.model)
+        bad = [] if buffers_ok else non_finite_tensors(network.named_buffers())
+        state = ("saving them is safe" if not bad else
+                 f"but the forward pass made the buffers {bad[:5]} non-finite, so saving is refused: resume from the last "
+                 "checkpoint, or load the last save")
         raise FloatingPointError(
             f"Non-finite {what} in optimizer step {self.state.global_step + 1} with method={self.args.method!r}. That "
-            f"step was not applied: the {kept} are those of the last finite step ({after}), and saving them is safe. "
+            f"step was not applied: the {kept} are those of the last finite step ({after}), {state}. "
             "Check the inputs for NaN or inf values (a single inf feature gives a finite loss but inf gradients), or "
             "lower learning_rate / set max_grad_norm" + (" or clip_radius (e.g. 0.05)." if self.ivon is not None else ".")
         )
@@ -408,6 +420,8 @@ class VariationalTrainer(VariationalHubMixin, LabelNoiseMixin, Trainer):
     def _load_best_model(self) -> None:
         # the stock version reloads only the weights: the Hessian must come from the same checkpoint, or the
         # saved and evaluated posterior would pair the best mean with the last step's variances
+        if self.state.best_model_checkpoint:
+            check_manifest(self.state.best_model_checkpoint)
         super()._load_best_model()
         best = self.state.best_model_checkpoint
         if self.ivon is not None and best and os.path.isfile(os.path.join(best, "optimizer.pt")):
@@ -524,7 +538,8 @@ class VariationalTrainer(VariationalHubMixin, LabelNoiseMixin, Trainer):
         return metrics
 
     def predict(self, test_dataset: Any, ignore_keys: list[str] | None = None, metric_key_prefix: str = "test") -> PredictionOutput:
-        """As `Trainer.predict`; `predictions` are log P̂ (the log of the posterior-averaged probabilities)."""
+        """As `Trainer.predict`; `predictions` are log P̂ (the log of the posterior-averaged probabilities; at τ = 0 those
+        of the posterior mean)."""
         output = super().predict(test_dataset, ignore_keys, metric_key_prefix)
         predictions = output.predictions[0] if isinstance(output.predictions, tuple) else output.predictions
         return PredictionOutput(predictions=predictions, label_ids=output.label_ids, metrics=output.metrics)
@@ -548,8 +563,7 @@ class VariationalTrainer(VariationalHubMixin, LabelNoiseMixin, Trainer):
             if bad:
                 raise FloatingPointError(
                     f"Not saving to {output_dir}: the weights {bad[:5]}{' ...' if len(bad) > 5 else ''} are not finite "
-                    "(NaN or inf): training diverged. The last checkpoint saved before holds finite weights; resume or "
-                    "load from it."
+                    "(NaN or inf); nothing was written. Resume from the last checkpoint (or load the last save) instead."
                 )
         folder = FolderSave(output_dir).begin() if self.args.should_save else None
         super()._save(output_dir, state_dict)
@@ -604,7 +618,8 @@ class VariationalTrainer(VariationalHubMixin, LabelNoiseMixin, Trainer):
         # the optimizer, scheduler, RNG and trainer states were written after the model's save: the manifest lists
         # them too, so that resuming refuses a truncated optimizer.pt by name
         listed = set((read_manifest(written) or {}).get("files", ())) | {MANIFEST_FILE}
-        add_to_manifest(written, [entry.name for entry in os.scandir(written) if entry.is_file() and entry.name not in listed])
+        state = sorted(entry.name for entry in os.scandir(written) if entry.is_file() and entry.name not in listed)
+        add_to_manifest(written, state, training_state=state)
         if os.path.isdir(final):  # a checkpoint of the same step from an earlier run: replace it whole
             _remove_checkpoint(final)
         os.replace(written, final)

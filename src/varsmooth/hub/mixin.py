@@ -16,7 +16,7 @@ from huggingface_hub import CommitOperationAdd, CommitOperationDelete
 from transformers.trainer_utils import HubStrategy
 from transformers.utils.hub import PushInProgress, hf_api
 
-from ..files import (MANIFEST_FILE, OWNED_PATTERNS, PRIVATE_FILES, FolderSave, add_to_manifest, check_manifest,
+from ..files import (MANIFEST_FILE, OWNED_PATTERNS, FolderSave, add_to_manifest, check_manifest,
                      read_manifest, shareable_files, written_by_varsmooth)
 from ..utils import atomic_path
 from .card import build_model_card, write_reliability_diagram
@@ -145,7 +145,7 @@ def _checkpoint_operations(checkpoint: str, path_in_repo: str) -> list[CommitOpe
     manifest = read_manifest(checkpoint)
     if manifest is None:
         raise ValueError(f"{checkpoint} has no {MANIFEST_FILE}: it was not written by VariationalTrainer.")
-    files = {name: entry for name, entry in manifest["files"].items() if name not in PRIVATE_FILES}
+    files = {name: manifest["files"][name] for name in shareable_files(checkpoint, training_state=True)}
     check_manifest(checkpoint, files)
     shared = {**manifest, "files": files}
     operations = [CommitOperationAdd(path_in_repo=f"{path_in_repo}/{name}", path_or_fileobj=os.path.join(checkpoint, name))

@@ -204,8 +204,9 @@ class DiagonalGaussianPosterior:
                    "weights_dtype": str(params[self.names[0]].dtype) if self.names else None}
         bad = non_finite_tensors(tensors.items())
         if bad:
-            raise FloatingPointError(f"Not saving {path}: the posterior standard deviations of {bad[:5]} are not finite. "
-                                     "Training diverged; save from the last healthy checkpoint instead.")
+            raise FloatingPointError(f"Not saving {path}: the posterior standard deviations of {bad[:5]} are not finite "
+                                     "(NaN or inf); nothing was written. Save a posterior with finite σ (e.g. loaded from "
+                                     "an earlier save).")
         # one metadata entry: safetensors writes several in a random order, and identical runs would differ in bytes
         with atomic_path(path) as tmp:
             save_file(tensors, tmp, metadata={"varsmooth": json.dumps({**self.metadata, **binding})})
