@@ -136,6 +136,22 @@ def test_do_predict_logging_steps_and_tensorboard_as_in_hugging_faces_examples(t
     assert np.all(confidence >= 0.1 - 1e-6) and np.all((entropy >= 0) & (entropy <= np.log(10) + 1e-6))
 
 
+def test_do_predict_is_refused_before_training_without_a_test_split_or_across_processes():
+    from types import SimpleNamespace
+
+    from example_utils.script import train_evaluate_and_share
+
+    def train(**kwargs):
+        pytest.fail("trained before refusing")
+
+    trainer = SimpleNamespace(args=SimpleNamespace(do_predict=True, do_train=True, do_eval=True, world_size=1), train=train)
+    with pytest.raises(ValueError, match="has none"):
+        train_evaluate_and_share(trainer, None, None, "data")
+    trainer.args.world_size = 2  # each process would write its shard of the test split
+    with pytest.raises(ValueError, match="single process"):
+        train_evaluate_and_share(trainer, None, ["a test split"], "data")
+
+
 def test_push_to_hub_without_the_hub_says_what_failed_and_how_to_push_later(tmp_path):
     result = _image("--max_steps", "1", "--push_to_hub", "--output_dir", str(tmp_path / "out"))  # HF_HUB_OFFLINE=1
     assert result.returncode != 0

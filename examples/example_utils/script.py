@@ -141,15 +141,18 @@ def train_evaluate_and_share(trainer: VariationalTrainer, checkpoint: str | None
     `dataset_tags`, Hub dataset ids only, in its metadata); print one JSON line of metrics (rank 0 only); end the
     process group."""
     args = trainer.args
+    if args.do_predict and test is None:  # refused before training, not after
+        raise ValueError("--do_predict predicts the test split, and this dataset has none: give one (--test_file, "
+                         "a dataset with a 'test' split).")
+    if args.do_predict and args.world_size > 1:  # each process would predict only its shard of the test split
+        raise ValueError("--do_predict writes predict_results.txt from a single process: run it without a "
+                         "multi-process launch (e.g. python examples/<script>.py ... --do_predict).")
     if args.do_train:
         trainer.train(resume_from_checkpoint=checkpoint)
         trainer.save_model()
     if args.do_eval:
         metrics = evaluate_validation_and_test(trainer, test)
     if args.do_predict:
-        if test is None:
-            raise ValueError("--do_predict predicts the test split, and this dataset has none: give one (--test_file, "
-                             "a dataset with a 'test' split).")
         if trainer.is_world_process_zero():
             names = list(trainer.accelerator.unwrap_model(trainer.model).config.id2label.values())
             logger.info("Predictions of the test split written to %s", write_predictions(trainer, test, test_labels, names))
