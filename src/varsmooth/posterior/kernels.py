@@ -1,12 +1,11 @@
 """IVON's arithmetic as functions over the tensor lists of one (device, dtype) bucket, run eagerly or compiled.
 
-Each function is written once with `torch._foreach_*` ops, like torch.optim's `_multi_tensor_*` implementations: run
-eagerly it is the foreach path, and `torch.compile` of the same function is the compiled one (Inductor's C++ on the
-CPU, Triton on CUDA), one pass per tensor without temporaries. A function given `noise=None` draws e with
-`torch.randn_like` from the device's default generator, seeded for the call by `seeded`: compiled, that is Inductor's
-in-kernel Philox (`tl.randn` on CUDA), so the same seed draws e again when the gradient arrives and no buffer keeps
-it. Not on the CPU: Inductor's `randn_cpu` costs ~42 ns a weight against ~3.5 ns for torch's CPU generator (8.4 M
-weights, 2 cores: 355 vs 29 ms), so the CPU draws e with that generator into a buffer it keeps and passes in.
+Each function is written once with `torch._foreach_*` ops, like torch.optim's `_multi_tensor_*`: run eagerly it is the
+foreach path; `torch.compile` of it (Inductor's C++ on the CPU, Triton on CUDA) fuses each tensor's ops into one pass.
+Given `noise=None`, a function draws e with `torch.randn_like` from the device's default generator, seeded by
+`seeded`: compiled, that is Inductor's in-kernel Philox (`tl.randn` on CUDA), so the same seed draws e again when the
+gradient arrives and no buffer keeps it. Not on the CPU: Inductor's `randn_cpu` costs ~42 ns a weight against ~3.5 ns
+for torch's CPU generator (8.4 M weights, 2 cores: 355 vs 29 ms), which draws e there into a buffer passed in.
 """
 
 from __future__ import annotations
@@ -26,10 +25,11 @@ __all__ = ["Dispatch", "noise_times_grad", "perturb", "seeded", "update"]
 RECOMPILE_LIMIT = 64
 
 
-def perturb(weights: list[torch.Tensor], hess: list[torch.Tensor], noise: list[torch.Tensor] | None,
-            coef: torch.Tensor) -> None:
-    """θ = m + σ⊙e into the weights (which hold m), σ = ess^-1/2 / sqrt(h + δ); coef = (ess^-1/2, δ)."""
+def perturb(weights: list[torch.Tensor], means: list[torch.Tensor], hess: list[torch.Tensor],
+            noise: list[torch.Tensor] | None, coef: torch.Tensor) -> None:
+    """m into `means`, θ = m + σ⊙e into the weights, σ = ess^-1/2 / sqrt(h + δ); coef = (ess^-1/2, δ)."""
     noise = [torch.randn_like(w) for w in weights] if noise is None else noise
+    torch._foreach_copy_(means, weights)
     std = torch._foreach_rsqrt(torch._foreach_add(hess, coef[1]))
     torch._foreach_mul_(std, noise)
     torch._foreach_mul_(std, coef[0])
@@ -44,9 +44,10 @@ def noise_times_grad(out: list[torch.Tensor], grads: list[torch.Tensor], noise: 
 
 def update(weights: list[torch.Tensor], grads: list[torch.Tensor], momentum: list[torch.Tensor],
            hess: list[torch.Tensor], nxg: list[torch.Tensor], coef: torch.Tensor, *, hessian_moves: bool,
-           radius: float) -> None:
-    """One IVON step (Alg. 1 lines 5-8), with ḡ `grads` and mean(e⊙g) `nxg` (overwritten); coef = (β1, 1-β1, δ,
-    sqrt(ess), ½(1-β2) sqrt(ess), (1-β2) sqrt(ess), 1-β1^t (1 without debiasing), lr' (lr (h0 + δ) if rescale_lr))."""
+           radius: float, times_grad: bool) -> None:
+    """One IVON step (Alg. 1 lines 5-8), with ḡ `grads` and mean(e⊙g) `nxg` (e if `times_grad`); coef = (β1, 1-β1,
+    δ, sqrt(ess), ½(1-β2) sqrt(ess), (1-β2) sqrt(ess), 1-β1^t (or 1), lr' (lr (h0 + δ) if rescale_lr))."""
+    nxg = torch._foreach_mul(nxg, grads) if times_grad else nxg
     b1, one_minus_b1, wd, root, half_rate, rate, debias, lr = coef.unbind()
     torch._foreach_mul_(momentum, b1)  # m ← β1 m + (1-β1) ḡ
     torch._foreach_add_(momentum, torch._foreach_mul(grads, one_minus_b1))
@@ -55,11 +56,11 @@ def update(weights: list[torch.Tensor], grads: list[torch.Tensor], momentum: lis
         # = r s n (r = sqrt(ess), s = sqrt(h+δ), n = mean(e⊙g)). With q = n - h/(r s), f - h = r s q, so
         # h ← h + (1-β2) r q (s + ½(1-β2) r q)
         s = torch._foreach_sqrt(torch._foreach_add(hess, wd))
-        torch._foreach_sub_(nxg, torch._foreach_div(hess, torch._foreach_mul(s, root)))
-        torch._foreach_add_(s, torch._foreach_mul(nxg, half_rate))
-        torch._foreach_mul_(nxg, s)
-        torch._foreach_mul_(nxg, rate)
-        torch._foreach_add_(hess, nxg)
+        q = torch._foreach_sub(nxg, torch._foreach_div(hess, torch._foreach_mul(s, root)))  # nxg is not written
+        torch._foreach_add_(s, torch._foreach_mul(q, half_rate))
+        torch._foreach_mul_(q, s)
+        torch._foreach_mul_(q, rate)
+        torch._foreach_add_(hess, q)
     # m ← m - lr' clip((m̂ + δ m)/(h + δ), ±r), with m̂ the debiased momentum
     direction = torch._foreach_div(momentum, debias)
     torch._foreach_add_(direction, torch._foreach_mul(weights, wd))
@@ -73,8 +74,7 @@ def update(weights: list[torch.Tensor], grads: list[torch.Tensor], momentum: lis
 
 @contextlib.contextmanager
 def seeded(device: torch.device, seed: int) -> Iterator[None]:
-    """The default generator of `device` seeded with `seed` for the body, then put back as it was: the draws of
-    `randn_like`, eager or in a compiled kernel (Inductor takes its kernel seeds from that generator)."""
+    """`device`'s default generator seeded for the body, then as it was (Inductor's kernels take their seeds there)."""
     gen = (torch.default_generator if device.type == "cpu"  # a parameter's device has its index
            else torch.get_device_module(device.type).default_generators[device.index])
     state = gen.get_state()
@@ -108,8 +108,9 @@ class Dispatch:
                     return _compiled(fn)(*args, **flags)
             except (torch._dynamo.exc.BackendCompilerFailed, torch._dynamo.exc.FailOnRecompileLimitHit) as err:
                 cause = getattr(err, "inner_exception", None) or err
-                reason = f"IVON's kernels do not compile ({type(cause).__name__}: {str(cause).strip().split(chr(10))[0]})"
-                fix = "a C++ compiler (e.g. g++; on GPUs Triton) for torch.compile, or pass fused=False (--ivon_fused false)"
+                first_line = str(cause).strip().split("\n")[0]
+                reason = f"IVON's kernels do not compile ({type(cause).__name__}: {first_line})"
+                fix = "a C++ compiler (g++; on GPUs Triton) for torch.compile, or pass fused=False (--ivon_fused false)"
                 if self.fused:
                     raise RuntimeError(f"fused=True, but {reason}: install {fix}.") from err
                 warnings.warn(f"{reason}; using foreach ops, which are slower. Install {fix} to silence this.",

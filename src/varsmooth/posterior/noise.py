@@ -1,7 +1,5 @@
 """Seeds derived from counters (base seed, rank, step, draw, ...), for reproducible noise that resumes exactly."""
 
-from __future__ import annotations
-
 __all__ = ["derive_seed"]
 
 

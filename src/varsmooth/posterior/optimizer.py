@@ -1,12 +1,11 @@
 """varsmooth's IVON optimizer: ivon-opt 0.1.3's update (Shen et al. 2024, "Variational Learning is Effective for Large
-Deep Networks", Alg. 1, 'price' Hessian estimate) in torch.optim's shape: this class holds the state (`momentum`,
-`hess` per parameter), param groups, the `sampled_params` context and checkpoints; `kernels` does the arithmetic per
-(device, dtype) bucket. Unlike ivon-opt, parameters may mix devices and dtypes, are never replaced (the mean waits in
-a buffer), are restored if the body of `sampled_params` raises, and count as a zero gradient where they got none.
-Noise: draw d after step t of bucket b on process r is seeded by derive_seed(derive_seed(noise_seed, t, d), r, b); the
-same seed, device and path give the same samples, and a resume is exact. FSDP2 (DTensor) shards: each rank samples
-and updates its shard with its mesh coordinate in place of r, the shards forming one sample of the whole model (FSDP2
-averages the gradients: `sync` off). Nothing in a sample or a step waits for the device.
+Deep Networks", Alg. 1, 'price' estimate) in torch.optim's shape: state (per-parameter `momentum`, `hess`), param
+groups, `sampled_params` and checkpoints here, the arithmetic per (device, dtype) bucket in `kernels`. Parameters may
+mix devices and dtypes, are never replaced, are restored if the body of `sampled_params` raises, and count as a zero
+gradient where they got none. Draw d after step t of bucket b on process r is seeded by derive_seed(derive_seed(
+noise_seed, t, d), r, b): the same seed, device and path give the same samples; resumes are exact. FSDP2 (DTensor)
+shards draw with their mesh coordinate for r and together form one sample (`sync` off: FSDP2 averages gradients).
+Nothing in a sample or a step waits for the device.
 """
 
 from __future__ import annotations
@@ -50,8 +49,7 @@ def _local_slice(t: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
 
 
 def _on_device(values: list[float], like: torch.Tensor) -> torch.Tensor:
-    """A kernel's scalars as a tensor on the device of `like` (copied without waiting for the device), in the
-    precision foreach ops compute in: a value that changes at every step then compiles no new graph."""
+    """A kernel's scalars on `like`'s device (no wait for it), as a tensor: new values compile no new graph."""
     dtype = torch.float64 if like.dtype == torch.float64 else torch.float32
     if like.device.type == "cpu":
         return torch.tensor(values, dtype=dtype)
@@ -59,8 +57,7 @@ def _on_device(values: list[float], like: torch.Tensor) -> torch.Tensor:
 
 
 class _Bucket(NamedTuple):
-    """One param group's parameters of one device, dtype and noise key, with their `param_groups` indices and the
-    keys of their noise seed (rank or shard coordinate, then the bucket's number)."""
+    """A param group's parameters of one device, dtype and noise key (rank or shard coordinate, bucket number)."""
     group: dict[str, Any]
     params: list[torch.Tensor]
     indices: list[int]
@@ -71,11 +68,10 @@ class VariationalIVON(torch.optim.Optimizer):
     """IVON (Shen et al. 2024, Alg. 1). Use like ivon-opt: forward and backward inside
     `with optimizer.sampled_params(train=True):` (per MC sample or micro-batch; they are averaged), then `step()`.
 
-    Args: `params` (trainable only: frozen ones would get noise and weight decay; a group may set its own lr,
-    weight_decay, ess, hess_init, beta1, beta2, clip_radius) and the rest as in `ivon.IVON` (weight_decay is the prior
-    precision δ; `sync` all-reduces ḡ and mean(e⊙g) in `step()`; hess_approx 'price' only), plus `noise_seed` (None:
-    from the global torch RNG), `rank` (mixed into the seed: DDP ranks draw independent samples) and `fused`
-    (`kernels.Dispatch`).
+    Args: `params` (trainable only: frozen ones would get noise and weight decay; groups may set lr, weight_decay,
+    ess, hess_init, beta1, beta2, clip_radius), the rest as in `ivon.IVON` (weight_decay: the prior precision δ;
+    `sync` all-reduces ḡ and mean(e⊙g) in `step()`; hess_approx 'price' only), `noise_seed` (None: from the global
+    RNG), `rank` (mixed into the seed: DDP ranks draw independent samples) and `fused` (`kernels.Dispatch`).
     """
 
     #: for tests, another optimizer's noise on every path: (param, its index, step, draw) -> e of its local tensor
@@ -102,13 +98,13 @@ class VariationalIVON(torch.optim.Optimizer):
         # samples per step, "avg_grad" (with one, ḡ is the gradient tensor itself).
         self._buffers: dict[torch.Tensor, dict[str, torch.Tensor | None]] = {}
         self._avg_grad: dict[torch.Tensor, torch.Tensor] = {}
+        self._pending: set[torch.Tensor] = set()  # parameters whose "nxg" still holds e, not yet e⊙g
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
         group = self.param_groups[-1]
-        for key, low, high in (("lr", 0.0, math.inf), ("weight_decay", 0.0, math.inf), ("beta1", 0.0, 1.0),
-                               ("beta2", 0.0, 1.0)):
+        for key, low, high in (("lr", 0, math.inf), ("weight_decay", 0, math.inf), ("beta1", 0, 1), ("beta2", 0, 1)):
             if not low <= group[key] <= high:
                 raise ValueError(f"Invalid {key}: {group[key]} (must lie in [{low}, {high}]).")
         for key in ("ess", "hess_init", "clip_radius"):
@@ -127,8 +123,7 @@ class VariationalIVON(torch.optim.Optimizer):
         self.state[p]["hess"] = torch.full_like(p, group["hess_init"], memory_format=torch.preserve_format)
 
     def _follow_replaced_params(self) -> None:
-        """Fresh state for parameters that replaced those IVON was built with, whose state is dropped: accelerate's
-        FSDP2 `prepare` swaps the sharded DTensor parameters into `param_groups` of an optimizer built before it."""
+        """Fresh state for parameters swapped into `param_groups` (accelerate's FSDP2 `prepare` swaps in DTensors)."""
         params = [(g, p) for g in self.param_groups for p in g["params"]]
         if len(self.state) == len(params) and all(p in self.state for _, p in params):
             return
@@ -173,8 +168,7 @@ class VariationalIVON(torch.optim.Optimizer):
 
     # -- sampling ----------------------------------------------------------------------------------
     def _keeps_noise(self, t: torch.Tensor) -> bool:
-        """Whether e waits in a buffer from the sample to its gradient: on the CPU, and eagerly (the kernels are not
-        compiled); compiled on an accelerator, it is drawn again in the kernel (one parameter-sized buffer less)."""
+        """Whether e waits in a buffer for the gradient: on the CPU and eagerly; else the kernel draws it again."""
         return t.device.type == "cpu" or not self._dispatch.compiles
 
     def _given_noise(self, bucket: _Bucket, draw: int) -> list[torch.Tensor] | None:
@@ -189,7 +183,7 @@ class VariationalIVON(torch.optim.Optimizer):
     @torch.no_grad()
     def _sample_params(self) -> None:
         self._follow_replaced_params()
-        # a further sample of this step: its backward may zero the gradient tensor that holds ḡ so far: a copy
+        self._multiply_pending()  # a further sample of this step: its backward may zero the gradient holding ḡ
         for p, grad in list(self._avg_grad.items()):
             self._avg_grad[p] = own = self._buffer([p], "avg_grad")[0]
             if grad is not own:
@@ -211,12 +205,11 @@ class VariationalIVON(torch.optim.Optimizer):
                         for e in kept:
                             e.normal_()
                 noise = kept
-            torch._foreach_copy_(self._buffer(bucket.params, "mean"), weights)
             self._perturbed.append((bucket, keeps))
             hess = [_local(self.state[p]["hess"]) for p in bucket.params]
             with self._draw(bucket, draw, noise):
-                self._dispatch(perturb, weights, hess, noise, _on_device([group["ess"] ** -0.5, group["weight_decay"]],
-                                                                         weights[0]))
+                self._dispatch(perturb, weights, self._buffer(bucket.params, "mean"), hess, noise,
+                               _on_device([group["ess"] ** -0.5, group["weight_decay"]], weights[0]))
 
     @torch.no_grad()
     def _restore_param_average(self, train: bool) -> None:
@@ -236,7 +229,9 @@ class VariationalIVON(torch.optim.Optimizer):
             # e⊙g, in the buffer that held e or, where e was not kept, in the now free buffer of the mean
             role = "noise" if keeps else "mean"
             out = self._buffer(bucket.params, role)
-            if keeps:
+            if keeps and count == 1:  # e⊙g formed by the step's kernel, which reads e and g anyway
+                self._pending.update(bucket.params)
+            elif keeps:
                 torch._foreach_mul_(out, grads)
             else:
                 noise = self._given_noise(bucket, draw)
@@ -254,10 +249,9 @@ class VariationalIVON(torch.optim.Optimizer):
 
     @contextlib.contextmanager
     def sampled_params(self, train: bool = False) -> Iterator[None]:
-        """Weights set to one posterior sample θ = m + σ⊙e for the body, then back to m. With `train=True` the
-        gradients present at exit are recorded as one MC sample (Alg. 1 lines 2-4): forward and backward both run
-        inside the body. If it raises, the mean is restored and nothing recorded. With one sample per step, `step()`
-        reads ḡ from the gradient tensors (no copy): change them (e.g. clip) inside the body, not after it."""
+        """Weights set to one sample θ = m + σ⊙e for the body, then back to m. With `train=True` the gradients at exit
+        are one MC sample (Alg. 1 lines 2-4): forward and backward run inside. If the body raises, m is restored and
+        nothing recorded. `step()` may read ḡ from the gradient tensors: change them (clip) inside the body only."""
         if self._sampling:
             raise RuntimeError("sampled_params() is already active: IVON samples one set of weights at a time.")
         self._sampling = True
@@ -284,6 +278,7 @@ class VariationalIVON(torch.optim.Optimizer):
                                "`optimizer.sampled_params(train=True)` first.")
         buckets = self._buckets()
         if self.sync and dist.is_available() and dist.is_initialized():
+            self._multiply_pending()
             self._sync_samples(buckets)
         self.current_step += 1
         for bucket in buckets:
@@ -291,11 +286,12 @@ class VariationalIVON(torch.optim.Optimizer):
             b1, b2, wd, root = group["beta1"], group["beta2"], group["weight_decay"], math.sqrt(group["ess"])
             debias = 1.0 - b1 ** self.current_step if self.debias else 1.0
             lr = group["lr"] * (group["hess_init"] + wd) if self.rescale_lr else group["lr"]
-            coef = _on_device([b1, 1.0 - b1, wd, root, 0.5 * (1.0 - b2) * root, (1.0 - b2) * root, debias, lr], params[0])
+            rate = (1.0 - b2) * root
+            coef = _on_device([b1, 1.0 - b1, wd, root, 0.5 * rate, rate, debias, lr], params[0])
             self._dispatch(update, [_local(p) for p in params], [self._avg_grad[p] for p in params],
                            [_local(self.state[p]["momentum"]) for p in params],
                            [_local(self.state[p]["hess"]) for p in params], self._buffer(params, "nxg"), coef,
-                           hessian_moves=b2 < 1.0, radius=group["clip_radius"])
+                           hessian_moves=b2 < 1.0, radius=group["clip_radius"], times_grad=params[0] in self._pending)
         for slots in self._buffers.values():  # mean(e⊙g)'s buffer takes the role it had before the first sample
             free = slots.pop("nxg", None)
             if slots.get("mean") is None:
@@ -309,6 +305,13 @@ class VariationalIVON(torch.optim.Optimizer):
         """No gradient sample recorded, no draw made since the last step."""
         self._draw_seeds, self._count = [], 0
         self._avg_grad.clear()
+        self._pending.clear()
+
+    def _multiply_pending(self) -> None:
+        """e⊙g where the step's kernel was to form it, for a further sample or a sync."""
+        pending, self._pending = self._pending, set()
+        if pending:
+            torch._foreach_mul_([self._buffers[p]["nxg"] for p in pending], [self._avg_grad[p] for p in pending])
 
     def _sync_samples(self, buckets: list[_Bucket]) -> None:
         """Averages ḡ and mean(e⊙g) over the ranks (one all-reduce per bucket)."""
@@ -327,8 +330,7 @@ class VariationalIVON(torch.optim.Optimizer):
                 for p in g["params"]]
 
     def hessian(self) -> torch.Tensor:
-        """All parameters' h, flattened in `param_groups` order, on the first parameter's device (sharded
-        parameters are gathered whole: a collective, which every rank must call)."""
+        """All h, flat in `param_groups` order, on the first parameter's device (DTensors gathered: a collective)."""
         self._follow_replaced_params()
         hess = [_whole(self.state[p]["hess"]).flatten() for g in self.param_groups for p in g["params"]]
         return torch.cat([h.to(hess[0].device) for h in hess]) if hess else torch.zeros(0)
