@@ -114,9 +114,9 @@ class VariationalTrainingArguments(TrainingArguments):
     mc_samples: int = field(default=1, metadata={"help": "Posterior samples (forward+backward) per micro-batch during training."})
     ivon_fused: bool | None = field(
         default=None,
-        metadata={"help": "IVON's fused CPU loops (torch.compile; varsmooth.posterior.VariationalIVON's `fused`) for "
-                          "large CPU weights: None uses them where a C++ compiler is found, else warns and uses foreach "
-                          "ops; true requires them; false turns them off. No effect on GPUs."},
+        metadata={"help": "IVON's compiled kernels (torch.compile; varsmooth.posterior.VariationalIVON's `fused`): "
+                          "None uses them where torch.compile works (a C++ compiler on the CPU, Triton on GPUs), "
+                          "else warns and uses foreach ops; true requires them; false uses foreach ops."},
     )
     clip_radius: float | None = field(
         default=None,
