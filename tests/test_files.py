@@ -649,3 +649,20 @@ def test_a_checkpoint_manifest_lists_its_training_state_apart(tmp_path):
     assert {"optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.json"} <= set(manifest["training_state"])
     assert set(shareable_files(checkpoint)) == {"model.safetensors", POSTERIOR_FILE}  # what a model push copies
     assert "optimizer.pt" in shareable_files(checkpoint, training_state=True)
+
+
+def test_a_smaller_ensemble_keeps_an_earlier_member_folder_that_was_edited(tmp_path):
+    from varsmooth import DeepEnsemble
+
+    networks = [_resnet(seed) for seed in range(3)]
+    members = [VariationalModel(m, DiagonalGaussianPosterior.point_mass(m)) for m in networks]
+    DeepEnsemble(members).save_pretrained(tmp_path)
+    _replace_text(tmp_path / "member-2" / "config.json", '"relu"', '"gelu"')  # edited by hand since
+    (tmp_path / "member-1" / "notes.txt").write_text("mine")  # a file of the user's beside the member
+    with pytest.warns(UserWarning, match="member-1, a member of the ensemble saved there before"):
+        DeepEnsemble(members[:1]).save_pretrained(tmp_path)
+    assert (tmp_path / "member-1" / "notes.txt").read_text() == "mine"
+    assert '"gelu"' in (tmp_path / "member-2" / "config.json").read_text()
+    DeepEnsemble(members[:2]).save_pretrained(tmp_path / "other2")
+    DeepEnsemble(members[:1]).save_pretrained(tmp_path / "other2")  # unchanged: removed as before
+    assert not (tmp_path / "other2" / "member-1").exists()

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from .calibration import TemperatureScaling, network_fingerprint
-from .files import FolderSave, check_manifest, read_manifest
+from .files import MANIFEST_FILE, FolderSave, check_manifest, read_manifest
 from .modeling import VariationalModel, load_temperature_scaling
 from .posterior import VariationalClassifierOutput
 from .posterior.prediction import LABEL_KEYS, _entropy
@@ -181,7 +181,7 @@ class DeepEnsemble(torch.nn.Module):
         for name, member in zip(names, self.members):
             member.save_pretrained(os.path.join(folder, name))
         for name in earlier - set(names):
-            shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
+            _remove_unchanged_member(os.path.join(folder, name))
         num_labels, id2label = _labels(self.members[0])
         config = {"format": 1, "members": names, "num_labels": num_labels, "id2label": id2label,
                   "member_weights": [dict(zip(("sha256", "dtype"), network_fingerprint(member.model))) for member in self.members]}
@@ -190,6 +190,23 @@ class DeepEnsemble(torch.nn.Module):
         if self.temperature_scaling is not None:
             self.temperature_scaling.save(folder, self)
         save.finish(kind="deep_ensemble")
+
+
+def _remove_unchanged_member(member: str) -> None:
+    """Remove an earlier ensemble's member folder only when it holds exactly what its save wrote (its manifest's
+    files, unchanged): one with a file edited or added since is yours, and kept."""
+    try:
+        manifest = read_manifest(member)
+        unchanged = manifest is not None and set(os.listdir(member)) <= set(manifest["files"]) | {MANIFEST_FILE}
+        if unchanged:
+            check_manifest(member)
+    except ValueError:  # a file edited since its save
+        unchanged = False
+    if unchanged:
+        shutil.rmtree(member, ignore_errors=True)
+    else:
+        warnings.warn(f"Kept {member}, a member of the ensemble saved there before: it holds files its save did not "
+                      "write, or edited since. Remove it yourself if it is not needed.", UserWarning, stacklevel=3)
 
 
 def _member_names(folder: str) -> set[str]:
