@@ -175,6 +175,12 @@ class ExampleTrainingArguments(VariationalTrainingArguments, ExportArguments):
         default=None,
         metadata={"help": "Posterior samples averaged (BMA) by evaluate(). Default: 8, 10 with ivon_preset lora."},
     )
+    label_noise_samples: int = field(
+        default=4,
+        metadata={"help": "Posterior samples (2 antithetic pairs) for the per-example label-noise export "
+                          "(label_noise.parquet next to the model; IVON methods only): each costs a forward pass over "
+                          "the training set, and the export must cost less than training. 0: no export."},
+    )
     ivon_preset: str = field(
         default="finetune",
         metadata={"help": "IVON defaults: 'finetune' (varsmooth.presets.FINETUNE_PRESET, for the pretrained MiniLM), "

@@ -65,13 +65,13 @@ def main(out: str) -> None:
     piped = classify(images[:5], top_k=10)
     piped_probs = [[next(r["score"] for r in res if r["label"] == str(k)) for k in range(10)] for res in piped]
     uncertain = classify(images[0], return_uncertainty=True)
-    # the pipeline's posterior draws one by one (draw s uses the seed derive_seed(seed, s)), for the test to
-    # recompute the entropy and the mutual information by hand
+    # the pipeline's posterior draws one by one (antithetic pairs: draws 2k and 2k+1 are m ± σ⊙e, e from the seed
+    # derive_seed(seed, k)), for the test to recompute the entropy and the mutual information by hand
     with torch.no_grad():
         first = processor(images[:1], return_tensors="pt")["pixel_values"]
         draws = []
         for s in range(loaded.num_samples):
-            with loaded.posterior.sampled(derive_seed(loaded.seed, s)):
+            with loaded.posterior.sampled(derive_seed(loaded.seed, s // 2), mirrored=s % 2 == 1):
                 draws.append(loaded.model(pixel_values=first).logits.softmax(-1)[0].tolist())
 
     plain = ResNetForImageClassification(config)

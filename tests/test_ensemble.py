@@ -53,14 +53,15 @@ def _entropy(p: torch.Tensor) -> torch.Tensor:
 
 
 def _hand_draws(network, std, x, num_samples, seed):
-    """The softmax of each posterior draw m + σ⊙e, e seeded as the posterior seeds it."""
+    """The softmax of each posterior draw m ± σ⊙e (antithetic pairs), e seeded as the posterior seeds it."""
     mean = {n: p.detach().clone() for n, p in network.named_parameters()}
     draws = []
     with torch.no_grad():
         for s in range(num_samples):
+            sign = -1.0 if s % 2 else 1.0
             for index, (name, p) in enumerate(network.named_parameters()):
-                gen = torch.Generator().manual_seed(derive_seed(derive_seed(seed, s), index))
-                p.data = mean[name] + torch.randn(p.shape, generator=gen) * std[name]
+                gen = torch.Generator().manual_seed(derive_seed(derive_seed(seed, s // 2), index))
+                p.data = mean[name] + sign * torch.randn(p.shape, generator=gen) * std[name]
             draws.append(network(pixel_values=x).logits.softmax(-1))
         for name, p in network.named_parameters():
             p.data = mean[name]

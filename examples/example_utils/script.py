@@ -118,10 +118,10 @@ def write_predictions(trainer: VariationalTrainer, test: Any, labels: list[int] 
     out = predictive_outputs(trainer, test)
     probs = out["probs"].astype(np.float64)
     entropy = -(probs * np.log(np.clip(probs, 1e-12, None))).sum(-1)
-    with_mi = trainer.prediction_settings()["kind"] != "weights"
+    with_mi = "mutual_information" in out  # absent for a prediction without draws (a point estimate, or τ = 0)
     if not with_mi:
-        logger.info("%s has no mutual_information column: the prediction is made at a single set of weights (no "
-                    "posterior samples to disagree).", PREDICT_RESULTS_FILE)
+        logger.info("%s has no mutual_information column: the prediction is made at a single set of weights (the "
+                    "posterior mean, or a method without a posterior: no samples to disagree).", PREDICT_RESULTS_FILE)
     path = os.path.join(trainer.args.output_dir, PREDICT_RESULTS_FILE)
     with atomic_path(path) as tmp, open(tmp, "w", newline="", encoding="utf-8") as f:
         writer = csv.writer(f, delimiter="\t", lineterminator="\n")
@@ -148,8 +148,10 @@ def train_evaluate_and_share(trainer: VariationalTrainer, checkpoint: str | None
         raise ValueError("--do_predict writes predict_results.txt from a single process: run it without a "
                          "multi-process launch (e.g. python examples/<script>.py ... --do_predict).")
     if args.do_train:
-        trainer.train(resume_from_checkpoint=checkpoint)
+        train_metrics = trainer.train(resume_from_checkpoint=checkpoint).metrics
         trainer.save_model()
+        trainer.log_metrics("train", train_metrics)  # train_results.json, as HF's examples write it
+        trainer.save_metrics("train", train_metrics)
     if args.do_eval:
         metrics = evaluate_validation_and_test(trainer, test)
     if args.do_predict:

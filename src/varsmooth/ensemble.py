@@ -95,7 +95,8 @@ class DeepEnsemble(torch.nn.Module):
                              "classify into the same classes. Ensemble models with the same number of classes.")
         probs = torch.stack([out.probs for out in outputs]).mean(0)
         # each member's mean entropy of its single models is H[P̂_n] − MI_n (0 for a member without draws)
-        single_entropy = torch.stack([out.entropy - out.mutual_information for out in outputs]).mean(0)
+        single_entropy = torch.stack([out.entropy if out.mutual_information is None else out.entropy - out.mutual_information
+                                      for out in outputs]).mean(0)
         entropy = _entropy(probs)
         mean_probs = torch.stack([out.mean_probs for out in outputs]).mean(0)
         out = VariationalClassifierOutput(

@@ -2,7 +2,11 @@
 
     classify = varsmooth.pipeline("image-classification", model="user/repo")
     classify(image)                               # [{"label": ..., "score": P̂(label | image)}, ...]
-    classify(image, return_uncertainty=True)      # {"predictions": [...], "entropy": H[P̂], "mutual_information": ...}
+    classify(image, return_uncertainty=True)      # {"predictions": [...], "entropy": H[P̂], "mutual_information": ...,
+                                                  #  "uncertainty_temperature": τ of the draws that measured it}
+
+The mutual information is measured with the posterior draws of the prediction; a model that predicts at its posterior
+mean (τ = 0) reports it under the learned posterior (τ = 1) instead, and a model without a posterior reports None.
 
 The model may also be a deep-ensemble folder (`varsmooth.DeepEnsemble`), and a temperature fitted by temperature
 scaling and saved with the model is applied. The pipeline classes can also be passed to
@@ -25,7 +29,7 @@ from .adapters import is_peft_model
 from .ensemble import DeepEnsemble
 from .files import check_manifest
 from .modeling import VariationalModel, check_finite_weights, load_posterior, load_temperature_scaling, sampling_settings
-from .posterior import DiagonalGaussianPosterior
+from .posterior import DiagonalGaussianPosterior, predictive_distribution
 
 __all__ = ["VariationalImageClassificationPipeline", "VariationalTextClassificationPipeline", "pipeline"]
 
@@ -57,21 +61,43 @@ class _VariationalMixin:
     def _sanitize_parameters(self, return_uncertainty: bool | None = None, **kwargs: Any) -> tuple[dict, dict, dict]:
         preprocess, forward, postprocess = super()._sanitize_parameters(**kwargs)
         if return_uncertainty is not None:
-            postprocess["return_uncertainty"] = return_uncertainty
+            forward["return_uncertainty"] = postprocess["return_uncertainty"] = return_uncertainty
         return preprocess, forward, postprocess
 
-    def _forward(self, model_inputs: dict[str, Any]) -> dict[str, Any]:
+    def _forward(self, model_inputs: dict[str, Any], return_uncertainty: bool = False) -> dict[str, Any]:
         out = self.predictor(**model_inputs)
         # log P̂ as "logits": the pipeline's softmax turns them back into P̂
-        return {"logits": out.logits, "entropy": out.entropy, "mutual_information": out.mutual_information}
+        result = {"logits": out.logits, "entropy": out.entropy, "mutual_information": out.mutual_information,
+                  "uncertainty_temperature": None if out.mutual_information is None else _temperature(self.predictor)}
+        if return_uncertainty and out.mutual_information is None:
+            result.update(_learned_posterior_uncertainty(self.predictor, model_inputs))
+        return result
 
     def postprocess(self, model_outputs: dict[str, Any], return_uncertainty: bool = False, **kwargs: Any) -> Any:
         result = super().postprocess(model_outputs, **kwargs)
         if not return_uncertainty:
             return result
+        mi = model_outputs["mutual_information"]
         return {"predictions": result,
                 "entropy": float(model_outputs["entropy"].reshape(-1)[0]),
-                "mutual_information": float(model_outputs["mutual_information"].reshape(-1)[0])}
+                "mutual_information": None if mi is None else float(mi.reshape(-1)[0]),
+                "uncertainty_temperature": model_outputs["uncertainty_temperature"]}
+
+
+def _temperature(predictor: Any) -> float | None:
+    """τ of the draws behind a prediction's mutual information (None for MC dropout or an ensemble)."""
+    return predictor.posterior.temperature if isinstance(predictor, VariationalModel) and not predictor.mc_dropout_samples else None
+
+
+def _learned_posterior_uncertainty(predictor: Any, model_inputs: dict[str, Any]) -> dict[str, Any]:
+    """The mutual information under the learned posterior (τ = 1) for a model that predicts at its posterior mean
+    (τ = 0 chosen, or num_samples=0): the prediction's own is not a measurement, and a 0 would read as "certain". A
+    model without a posterior (or with no draws asked for) has none to report: None."""
+    if not isinstance(predictor, VariationalModel) or predictor.posterior.is_point_mass or predictor.num_samples == 0:
+        return {}
+    out = predictive_distribution(predictor.model, predictor.posterior.at_temperature(1.0), model_inputs,
+                                  predictor.num_samples, predictor.seed)
+    return {"mutual_information": out.mutual_information, "uncertainty_temperature": 1.0}
 
 
 def _num_channels(config: Any) -> int:
@@ -115,13 +141,16 @@ _PIPELINES = {"image-classification": VariationalImageClassificationPipeline,
 
 
 def pipeline(task: str, model: str | os.PathLike, *, num_samples: int | None = None, seed: int | None = None,
-             mc_dropout_samples: int = 0, temperature_scaling: bool = True, **kwargs: Any) -> Any:
+             temperature: float | None = None, mc_dropout_samples: int = 0, temperature_scaling: bool = True,
+             **kwargs: Any) -> Any:
     """`transformers.pipeline` for a varsmooth model or deep-ensemble folder (or Hub repo) that predicts with its
     posterior (or by MC dropout with `mc_dropout_samples > 0`), calibrated by the temperature saved with it unless
-    `temperature_scaling=False`."""
+    `temperature_scaling=False`. `num_samples`, `seed` and the posterior `temperature` τ default to those chosen in
+    training (`VariationalModel.from_pretrained`)."""
     if task not in _PIPELINES:
         raise ValueError(f"varsmooth pipelines support {sorted(_PIPELINES)}, got {task!r}.")
-    loaded = VariationalModel.from_pretrained(model, num_samples=num_samples, seed=seed, mc_dropout_samples=mc_dropout_samples,
+    loaded = VariationalModel.from_pretrained(model, num_samples=num_samples, seed=seed, temperature=temperature,
+                                              mc_dropout_samples=mc_dropout_samples,
                                               temperature_scaling=temperature_scaling,
                                               **{k: kwargs.pop(k) for k in ("revision", "token") if k in kwargs})
     first = loaded.members[0] if isinstance(loaded, DeepEnsemble) else loaded

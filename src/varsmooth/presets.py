@@ -1,4 +1,4 @@
-"""Run-size-aware IVON settings: let the posterior actually adapt in the runs users make.
+"""IVON's presets, and the run-length rule that lets the posterior adapt in the runs users make.
 
 IVON's Hessian h is an exponential moving average with rate β2 (Variational Learning Induces Adaptive Label Smoothing (Yang et al. 2025), Alg. 1, line 5): it forgets its
 initial value h0 over about 1/(1 − β2) optimizer steps. The authors' β2 = 0.99999 (a window of 1e5 steps) fits
@@ -10,7 +10,9 @@ The rule here ties the window to the run instead: with T the number of optimizer
 
     β2 = 1 − 1 / max(c · T, 300),        T = ceil(epochs · ceil(ceil(N / (B · processes)) / accumulation))
 
-so the Hessian averages over the last fraction c of the run whatever its length, dataset size N or batch size B,
+This rule is the default (`hessian_window=0.1`) whenever the trainer knows T; a `beta2` the user gives turns it
+off, and a run of unknown length (an IterableDataset without max_steps) falls back to the preset's β2. With it the
+Hessian averages over the last fraction c of the run whatever its length, dataset size N or batch size B,
 but never over fewer than 300 steps: h starts falling at once (its estimate is ~0 for most weights), and if σ grows
 before the network has begun to fit, training never takes off (scikit-learn digits, 1k examples, 480 steps: a
 48-step window left IVON at chance accuracy, a 300-step window trained normally).
@@ -27,6 +29,8 @@ __all__ = [
     "LORA_PRESET",
     "SCRATCH_PRESET",
     "HESSIAN_WINDOW_CLIP_RADIUS",
+    "DEFAULT_HESSIAN_WINDOW",
+    "IVON_PRESETS",
     "MIN_HESSIAN_WINDOW_STEPS",
     "beta2_for_window",
     "hessian_window_of",
@@ -36,17 +40,18 @@ __all__ = [
 #: IVON settings of `ivon_preset="scratch"` (the default): the authors' CIFAR recipe for training from scratch (Shen et
 #: al. 2024, "Variational Learning is Effective for Large Deep Networks"). With lr = 0.2 (the method's default learning
 #: rate) and ess = the training-set size, these fill the fields a user leaves unset (None); see FINETUNE_PRESET.
-SCRATCH_PRESET: dict[str, float | bool] = {"hess_init": 0.5, "beta2": 0.99999, "prior_precision": 2e-4, "rescale_lr": True,
-                                           "eval_mc_samples": 32}
+#: `fallback_beta2` is the authors' β2, used only when the run's length is unknown (the run-length rule needs it).
+SCRATCH_PRESET: dict[str, float | bool] = {"hess_init": 0.5, "fallback_beta2": 0.99999, "prior_precision": 2e-4,
+                                           "rescale_lr": True, "eval_mc_samples": 32}
 
 #: IVON settings for fine-tuning a pretrained model (`ivon_preset="finetune"`; checked in benchmarks/real_noise.py, see
 #: "Fine-tuning a pretrained model" in benchmarks/README.md). The posterior starts *at* the pretrained weights with σ0 = 1/sqrt(ess·(h0 + δ))
-#: ≈ 3e-3, far below typical weight magnitudes; δ = 0, so nothing pulls the pretrained weights towards 0; β2 = 0.999 is
-#: a ~1,000-step Hessian window, learned within a short fine-tune; no lr rescaling, and the element-wise clip makes
+#: ≈ 3e-3, far below typical weight magnitudes; δ = 0, so nothing pulls the pretrained weights towards 0; β2 follows
+#: the run-length rule (fallback 0.999, a ~1,000-step window, for runs of unknown length); no lr rescaling, and the element-wise clip makes
 #: lr·clip_radius (3e-4, a usual AdamW fine-tuning rate) the largest step of any weight. The authors' defaults instead
 #: (lr 0.2, h0 0.5, ess = N) reached 39.6 % vs 66.0 % on CIFAR-10N "worse" with a pretrained EfficientNet-Lite0.
 FINETUNE_PRESET: dict[str, float | bool] = {
-    "learning_rate": 0.3, "ess": 1e8, "hess_init": 1e-3, "prior_precision": 0.0, "beta2": 0.999,
+    "learning_rate": 0.3, "ess": 1e8, "hess_init": 1e-3, "prior_precision": 0.0, "fallback_beta2": 0.999,
     "rescale_lr": False, "clip_radius": 1e-3,
 }
 
@@ -59,13 +64,20 @@ FINETUNE_PRESET: dict[str, float | bool] = {
 #:   posterior std σ0 = 1/sqrt(ess·h0) = 0.01 (their range: 6e-3 to 3e-2), small against LoRA's A weights
 #:   (Kaiming-uniform, ~1/sqrt(hidden size) ≈ 0.05 for 384-wide MiniLM) so the sampled adapters still fit;
 #: - hess_init 1e-3: the upper end of their 3e-4-1e-3, as FINETUNE_PRESET (the smaller σ0 of the two);
-#: - β2 0.99999 and prior precision 0: theirs (over their 10k steps the Hessian hardly moves, so σ stays near σ0 —
-#:   the trainer's "Hessian hardly moved" warning says the same of short runs here);
+#: - prior precision 0: theirs; their β2 0.99999 is kept only as the fallback for runs of unknown length (over their
+#:   10k steps the Hessian hardly moves, so σ stays near σ0: in a 189-step run here h moved -0.1 %);
 #: - eval_mc_samples 10: their posterior samples at test time (softmax-averaged).
 LORA_PRESET: dict[str, float | bool] = {
-    "learning_rate": 0.03, "ess": 1e7, "hess_init": 1e-3, "prior_precision": 0.0, "beta2": 0.99999,
+    "learning_rate": 0.03, "ess": 1e7, "hess_init": 1e-3, "prior_precision": 0.0, "fallback_beta2": 0.99999,
     "rescale_lr": False, "clip_radius": 1e-3, "eval_mc_samples": 10,
 }
+
+#: `ivon_preset` name -> the settings it fills on top of SCRATCH_PRESET
+IVON_PRESETS: dict[str, dict[str, float | bool]] = {"scratch": {}, "finetune": FINETUNE_PRESET, "lora": LORA_PRESET}
+
+#: the fraction c of the run the Hessian averages over by default (benchmarks/training_length.py selected it on noisy
+#: MNIST validation; benchmarks/default_posterior.py compares it with the presets' fixed β2 on the examples)
+DEFAULT_HESSIAN_WINDOW = 0.1
 
 #: clip_radius used with a run-relative Hessian window when the user sets none (bounds the per-coordinate step of
 #: the mean to lr·(h0 + δ)·clip_radius; 0.05 was set a priori from the size of

@@ -351,8 +351,8 @@ class VariationalTrainer(VariationalHubMixin, LabelNoiseMixin, Trainer):
 
     def _stop_if_non_finite(self) -> None:
         """On the last micro-batch of an optimizer step, before the step: one host sync (and, with several
-        processes, one all-reduce) for every loss and gradient of the step noted by `_note_finite`; raise if one is
-        NaN or inf. The update is then not applied, so the weights (and IVON's posterior) stay those of the last
+        processes, one all-reduce) for every loss, gradient and buffer of the step noted by `_note_finite`; raise if
+        one is NaN or inf. The update is then not applied, so the weights (and IVON's posterior) stay those of the last
         finite step: no checkpoint or save gets non-finite weights."""
         if not self.accelerator.sync_gradients or self._finite_flags is None:
             return
@@ -539,6 +539,11 @@ class VariationalTrainer(VariationalHubMixin, LabelNoiseMixin, Trainer):
             metrics = classification_metrics(np.exp(log_probs), labels)
             if self.method.uses_ivon and self.args.eval_mc_samples > 0:
                 metrics.update({f"mean_{k}": v for k, v in classification_metrics(mean_probs, labels).items()})
+        if self.method.uses_ivon and not isinstance(self.accelerator.unwrap_model(self.model), DeepEnsemble):
+            # what was computed: 0 samples averaged = a prediction at the posterior mean
+            posterior = self._eval_posterior
+            averaged = 0 if posterior.is_point_mass or posterior.temperature == 0 else self.args.eval_mc_samples
+            metrics.update(posterior_temperature=posterior.temperature, posterior_samples_averaged=averaged)
         metrics.update(user_metrics or {})
         return metrics
 

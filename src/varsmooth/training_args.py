@@ -10,7 +10,7 @@ from typing import Any
 
 from transformers import TrainingArguments
 
-from .presets import FINETUNE_PRESET, LORA_PRESET, SCRATCH_PRESET
+from .presets import DEFAULT_HESSIAN_WINDOW, FINETUNE_PRESET, IVON_PRESETS, LORA_PRESET, MIN_HESSIAN_WINDOW_STEPS, SCRATCH_PRESET
 from .methods import METHODS, MethodConfig, build_method_config, get_method_class
 
 __all__ = ["VariationalTrainingArguments"]
@@ -21,17 +21,16 @@ def _preset_default(name: str) -> str:
             f"{LORA_PRESET[name]} with lora.")
 
 
-#: `ivon_preset` name -> the settings it fills on top of SCRATCH_PRESET (varsmooth.presets says where each comes from)
-IVON_PRESETS: dict[str, dict[str, float | bool]] = {"scratch": {}, "finetune": FINETUNE_PRESET, "lora": LORA_PRESET}
-
 
 @dataclass
 class VariationalTrainingArguments(TrainingArguments):
     """Arguments of `VariationalTrainer`; every field parses with `HfArgumentParser` (`--ess 1e4`, ...).
 
     IVON defaults are the authors' CIFAR recipe for training from scratch (`ivon_preset="scratch"`,
-    varsmooth.presets.SCRATCH_PRESET): lr 0.2, hess_init 0.5, β1 0.9, β2 0.99999, prior precision 2e-4, ess =
-    training-set size, one MC sample per micro-batch. For a pretrained model, `ivon_preset="finetune"`
+    varsmooth.presets.SCRATCH_PRESET): lr 0.2, hess_init 0.5, β1 0.9, prior precision 2e-4, ess = training-set size,
+    one MC sample per micro-batch; but β2 follows the run's length (`hessian_window`, every preset), so that the
+    posterior learns in short runs too (the authors' β2 = 0.99999 suits 2e5 steps: in the image example's 1,080 steps
+    σ stayed at its initial value). For a pretrained model, `ivon_preset="finetune"`
     (varsmooth.presets.FINETUNE_PRESET) fills them instead. The preset-controlled fields default to `None` ("not set")
     and `__post_init__` resolves them, so a value the user gives is kept even when it equals the other preset's.
 
@@ -96,15 +95,17 @@ class VariationalTrainingArguments(TrainingArguments):
     beta1: float = field(default=0.9, metadata={"help": "IVON gradient momentum β1."})
     beta2: float | None = field(
         default=None,
-        metadata={"help": "IVON Hessian EMA rate β2 (1 = fixed Hessian). Ignored when hessian_window is set. "
-                          + _preset_default("beta2")},
+        metadata={"help": "IVON Hessian EMA rate β2 (1 = fixed Hessian). Default (None): the run-length rule of "
+                          "hessian_window; a number fixes β2 and turns the rule off. When the run's length is unknown (an "
+                          "IterableDataset without max_steps) the preset's: 0.99999 (scratch, lora) or 0.999 (finetune)."},
     )
-    hessian_window: float | None = field(
-        default=None,
-        metadata={"help": "Run-length rule instead of beta2: β2 = 1 - 1/max(hessian_window * T, 300), T = the run's "
-                          "optimizer steps (varsmooth.presets), with clip_radius defaulting to 0.05. 0.1 let the posterior "
-                          "adapt and beat the authors' β2 on MNIST at 20 epochs, but hurt on the 1.4k-image digits "
-                          "(benchmarks/training_length.py, README 'Does it work?'). None: beta2 as given."},
+    hessian_window: float = field(
+        default=DEFAULT_HESSIAN_WINDOW,
+        metadata={"help": f"The run-length rule used unless beta2 is given: β2 = 1 - 1/max(hessian_window * T, "
+                          f"{MIN_HESSIAN_WINDOW_STEPS}), T = the run's optimizer steps (varsmooth.presets), so the Hessian "
+                          "averages over the last fraction hessian_window of the run and the posterior learns whatever the "
+                          "run's length; clip_radius then defaults to 0.05 with ivon_preset scratch. See "
+                          "benchmarks/README.md, 'The default posterior'."},
     )
     prior_precision: float | None = field(
         default=None,
@@ -171,6 +172,7 @@ class VariationalTrainingArguments(TrainingArguments):
         # None = not set by the user: the preset fills it (finetune and lora only for IVON methods, others keep
         # their own learning rate); ess and clip_radius stay None in the scratch preset (training-set size, no clip)
         preset = {**SCRATCH_PRESET, **(IVON_PRESETS[self.ivon_preset] if method_cls.uses_ivon else {})}
+        preset.pop("fallback_beta2")  # not a field: IVONMethod.beta2 reads it when the run's length is unknown
         for name, value in preset.items():
             if getattr(self, name) is None:
                 setattr(self, name, value)
@@ -189,14 +191,15 @@ class VariationalTrainingArguments(TrainingArguments):
                 raise ValueError(f"mc_samples must be >= 1, got {self.mc_samples}.")
             if not 0 < self.hess_init < math.inf:
                 raise ValueError(f"hess_init must be finite and > 0 (IVON's posterior std is 1/sqrt(ess (h + δ))), got {self.hess_init}.")
-            if not 0.0 <= self.beta2 <= 1.0 or not 0.0 <= self.beta1 < 1.0:
+            if not 0.0 <= (self.beta2 if self.beta2 is not None else 0.0) <= 1.0 or not 0.0 <= self.beta1 < 1.0:
                 raise ValueError(f"Need 0 <= beta1 < 1 and 0 <= beta2 <= 1, got beta1={self.beta1}, beta2={self.beta2}.")
             if not 0 <= self.prior_precision < math.inf:
                 raise ValueError(f"prior_precision must be finite and >= 0, got {self.prior_precision}.")
             if self.ess is not None and not 0 < self.ess < math.inf:
                 raise ValueError(f"ess must be finite and > 0, got {self.ess}.")
-            if self.hessian_window is not None and not 0 < self.hessian_window < math.inf:
-                raise ValueError(f"hessian_window must be finite and > 0 (a fraction of the run's steps) or None, got {self.hessian_window}.")
+            if not 0 < self.hessian_window < math.inf:
+                raise ValueError(f"hessian_window must be finite and > 0 (a fraction of the run's steps), got "
+                                 f"{self.hessian_window}; to fix β2 instead, pass beta2.")
             if self.clip_radius is not None and not self.clip_radius > 0:
                 raise ValueError(f"clip_radius must be > 0 or None, got {self.clip_radius}.")
         if self.posterior_temperature is not None and not 0 <= self.posterior_temperature < float("inf"):

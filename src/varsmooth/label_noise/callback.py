@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import TYPE_CHECKING, Any
 
 import datasets
@@ -23,7 +24,8 @@ class LabelNoiseCallback(TrainerCallback):
     """Writes `label_noise.parquet` and `label_noise_summary.json` into `output_dir` when training ends.
 
     The rows are `compute_label_noise` results (Variational Learning Induces Adaptive Label Smoothing (2025),
-    Eq. 15 and Eq. 19) for every example of `dataset` (default: the training set, with its `clean_label`/
+    Eq. 15 and Eq. 19), measured with the learned posterior (τ = 1) whatever τ the trainer chose for prediction,
+    for every example of `dataset` (default: the training set, with its `clean_label`/
     `is_corrupted` columns when present), in dataset order; under DDP each process measures its shard and the main process writes one file. Both files are written to a
     temporary name and renamed, so a crash never leaves half a file.
 
@@ -91,11 +93,16 @@ class LabelNoiseCallback(TrainerCallback):
         trainer = self.trainer
         dataset = self.dataset if self.dataset is not None else trainer.train_dataset
         seed = args.eval_seed if self.seed is None else self.seed
+        start = time.perf_counter()
         noise = trainer.label_noise(dataset, num_samples=self.num_samples, seed=seed)
+        seconds = time.perf_counter() - start
         if not args.should_save:
             return None
+        posterior = trainer.posterior()
+        # the export samples the learned posterior (τ = 1, `compute_label_noise`); τ of the predictions is noted apart
         metadata = {"epoch": state.epoch, "global_step": state.global_step, "num_samples": self.num_samples,
-                    "seed": seed, **trainer.posterior().summary()}
+                    "seed": seed, **posterior.summary(), "posterior_temperature": 1.0,
+                    "prediction_posterior_temperature": posterior.temperature}
         path, summary_path = write_label_noise(noise, args.output_dir, name, metadata)
         if self.plots:
             self._draw(noise, dataset, args.output_dir, name)
@@ -104,7 +111,8 @@ class LabelNoiseCallback(TrainerCallback):
                                                 for kind in ("smoothed_labels", "extremes"))):
             if os.path.isfile(written):
                 trainer.record_output(written)
-        logger.info("Wrote the label noise of %d examples to %s", len(noise), path)
+        logger.info("Wrote the label noise of %d examples to %s (%d posterior draws, %.1f s)", len(noise), path,
+                    self.num_samples, seconds)
         return path
 
     @staticmethod

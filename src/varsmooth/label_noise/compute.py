@@ -39,6 +39,7 @@ __all__ = [
     "MAGNITUDE_COLUMNS",
     "METADATA_COLUMNS",
     "compute_label_noise",
+    "noise_adaptivity",
     "summarize_label_noise",
     "write_label_noise",
 ]
@@ -157,12 +158,19 @@ def compute_label_noise(
     dataloader: Iterable[Mapping[str, Any]] | None = None,
     accelerator: Any = None,
     keep_columns: Sequence[str] = METADATA_COLUMNS,
+    temperature: float = 1.0,
+    order: Sequence[int] | None = None,
 ) -> datasets.Dataset:
     """The label noise IVON adds to every example of `dataset` (Variational Learning Induces
     Adaptive Label Smoothing, 2025, Eq. 15 and Eq. 19), one row per example.
 
     Each batch costs `num_samples + 1` forward passes: one at the posterior mean m and one per draw θ_s ~ q
-    (the draws are the same S models for every batch, see `predictive_distribution`).
+    (the draws are the same S models for every batch: antithetic pairs m ± σ⊙e, see `draw_seeds`, which cancel the
+    first-order Monte-Carlo error of ε̄).
+
+    The draws come from the learned posterior (`temperature` = 1), whatever posterior temperature τ the model predicts
+    with: ε̄ is by definition the noise that training with q induced, and a τ = 0 chosen for prediction would make it
+    identically zero.
 
     Columns, in dataset order:
         example_index: row of `dataset`. label: the given (possibly noisy) label y.
@@ -177,20 +185,31 @@ def compute_label_noise(
     Args:
         model: the network; its weights are the posterior mean m.
         posterior: q over `model`'s weights (`trainer.posterior()`, `DiagonalGaussianPosterior.load`); a point
-            mass (or `num_samples=0`) gives ε̄ = 0.
+            mass is refused (its ε̄ is zero by definition).
+        temperature: the scale of the draws, 1 (the learned posterior) unless you study a tempered one.
         dataset: rows with the model inputs (e.g. `pixel_values` or `input_ids`/`attention_mask`) and the label.
         batch_size, collate_fn: how to batch `dataset` when no `dataloader` is given. `collate_fn` turns raw rows
             into model inputs + `labels`; by default the columns that `model.forward` accepts and `label_column`
             are stacked with `transformers.default_data_collator`.
         dataloader: batches to use instead of building them from `dataset` (e.g. the Trainer's); they must
-            follow dataset order (sequential, sharded by `accelerator` when given).
+            follow dataset order (sequential, sharded by `accelerator` when given), or `order`.
+        order: the dataset row of each row `dataloader` yields, when they come in another order (e.g. by length,
+            `varsmooth.utils.length_order`, so that batches pad little); the result is in dataset order all the same.
         accelerator: an `accelerate.Accelerator` whose `prepare`d `dataloader` is split over processes; the
             per-process results are collected with `gather_for_metrics`, which returns dataset order.
         device: where the batches go (default: the device of the model's first parameter).
     """
-    if num_samples < 0:
-        raise ValueError(f"num_samples must be >= 0, got {num_samples}.")
+    if num_samples < 1:
+        raise ValueError(f"num_samples must be >= 1 (posterior draws per example), got {num_samples}.")
+    if posterior.is_point_mass:
+        raise ValueError(
+            "The posterior is a point mass (a model without posterior.safetensors, or trained by a method without "
+            "one): its label noise is zero by definition, not measured. Measure it with the posterior IVON learned "
+            "(trainer.posterior() of an IVON run, or DiagonalGaussianPosterior.load(model, folder))."
+        )
     _check_posterior_belongs_to(model, posterior)
+    # ε̄ is the noise that training with the learned posterior induced (Eq. 15): τ = 1, whatever τ prediction uses
+    posterior = posterior.at_temperature(temperature)
     device = torch.device(device) if device is not None else next(model.parameters()).device
     if dataloader is None:
         dataloader = _default_dataloader(model, dataset, batch_size, collate_fn, label_column)
@@ -212,6 +231,9 @@ def compute_label_noise(
         raise ValueError("The dataset is empty: there is no example to measure the label noise of.")
     columns = {key: np.concatenate(chunks) for key, chunks in parts.items()}
     num_rows = len(columns["label"])
+    if order is not None and num_rows == len(order):  # back to dataset order
+        rows = np.argsort(np.asarray(order), kind="stable")
+        columns = {key: value[rows] for key, value in columns.items()}
     if num_rows != len(dataset):
         raise RuntimeError(
             f"The batches held {num_rows} examples but the dataset has {len(dataset)}: the dataloader drops or "
@@ -241,7 +263,8 @@ def compute_label_noise(
 
 def summarize_label_noise(noise: datasets.Dataset) -> dict[str, Any]:
     """Mean, std and quantiles of the per-example magnitudes — overall and, when `is_corrupted` is known, for clean
-    and corrupted labels separately — plus the mislabel-detection metrics of `detection.mislabel_detection_report`."""
+    and corrupted labels separately —, `noise_adaptivity` (when the full probabilities are kept), plus the
+    mislabel-detection metrics of `detection.mislabel_detection_report`."""
     table = noise.with_format("numpy", columns=[c for c in (*MAGNITUDE_COLUMNS, "is_corrupted") if c in noise.column_names])[:]
 
     def describe(mask: np.ndarray | None) -> dict[str, Any]:
@@ -262,6 +285,8 @@ def summarize_label_noise(noise: datasets.Dataset) -> dict[str, Any]:
     if "mean_probs" in noise.column_names:
         summary["num_classes"] = noise.features["mean_probs"].length
     summary["all"] = describe(None)
+    if "mean_probs" in noise.column_names:
+        summary["adaptivity"] = noise_adaptivity(noise)
     if "is_corrupted" in table:
         corrupted = np.asarray(table["is_corrupted"], dtype=bool)
         summary["num_corrupted"] = int(corrupted.sum())
@@ -269,6 +294,21 @@ def summarize_label_noise(noise: datasets.Dataset) -> dict[str, Any]:
         summary["corrupted"] = describe(corrupted)
         summary["detection"] = mislabel_detection_report(noise)
     return summary
+
+
+def noise_adaptivity(noise: datasets.Dataset) -> dict[str, float]:
+    """Whether the label noise is adaptive, as the paper's first claim says (Yang et al. 2025, Sec. 3 and Fig. 3): its
+    size varies across examples (`noise_l1_q90_over_q10`: 90th over 10th percentile of ‖ε̄‖₁, 1 for a constant noise,
+    as label smoothing adds) and is larger for ambiguous ones (`noise_l1_entropy_spearman`: Spearman correlation of
+    ‖ε̄‖₁ with the entropy of the posterior-mean prediction p̄)."""
+    from scipy.stats import spearmanr
+
+    table = noise.with_format("numpy", columns=["noise_l1", "mean_probs"])[:]
+    l1, mean_probs = np.asarray(table["noise_l1"], dtype=np.float64), np.asarray(table["mean_probs"], dtype=np.float64)
+    entropy = -(mean_probs * np.log(np.clip(mean_probs, 1e-30, None))).sum(-1)
+    q10, q90 = np.quantile(l1, [0.1, 0.9])
+    rho = spearmanr(l1, entropy).statistic if len(l1) > 1 and l1.std() > 0 and entropy.std() > 0 else float("nan")
+    return {"noise_l1_q90_over_q10": float(q90 / q10) if q10 > 0 else float("inf"), "noise_l1_entropy_spearman": float(rho)}
 
 
 def write_label_noise(

@@ -7,6 +7,7 @@ from typing import Any
 import datasets
 from torch.utils.data import SequentialSampler
 
+from ..utils import length_order
 from .compute import compute_label_noise
 
 __all__ = ["LabelNoiseMixin"]
@@ -25,10 +26,13 @@ class LabelNoiseMixin:
         Trainer's own machinery (column removal, collator, device, DDP sharding); every process must call this.
         """
         dataset = self.train_dataset if dataset is None else dataset
-        # not get_eval_dataloader(): it may group rows by length or return the cached loader of eval_dataset
-        loader = self._get_dataloader(dataset, "Label noise", self.args.eval_batch_size, sampler_fn=SequentialSampler)
+        # not get_eval_dataloader(): it may return the cached loader of eval_dataset; sentences go by length (each
+        # batch pads to its longest), and the rows come back in dataset order
+        order = length_order(dataset)
+        sampler_fn = SequentialSampler if order is None else (lambda _: order)
+        loader = self._get_dataloader(dataset, "Label noise", self.args.eval_batch_size, sampler_fn=sampler_fn)
         kwargs.setdefault("seed", self.args.eval_seed)
         return compute_label_noise(
             self.accelerator.unwrap_model(self.model), self.posterior(), dataset, num_samples=num_samples,
-            dataloader=loader, accelerator=self.accelerator, device=self.args.device, **kwargs,
+            dataloader=loader, accelerator=self.accelerator, device=self.args.device, order=order, **kwargs,
         )

@@ -6,13 +6,16 @@ IVON's settings are `VariationalTrainingArguments` fields (ess, hess_init, beta2
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any, ClassVar
 
-from ..presets import HESSIAN_WINDOW_CLIP_RADIUS, beta2_for_window
+from ..presets import HESSIAN_WINDOW_CLIP_RADIUS, IVON_PRESETS, SCRATCH_PRESET, beta2_for_window
 from .base import MethodConfig, TrainingMethod, register_method
 
 __all__ = ["IVONMethod", "IVONFixedHessianMethod"]
+
+logger = logging.getLogger(__name__)
 
 
 class IVONMethod(TrainingMethod):
@@ -26,27 +29,34 @@ class IVONMethod(TrainingMethod):
                             "Learning Induces Adaptive Label Smoothing (2025)")
     uses_ivon: ClassVar[bool] = True
     default_learning_rate: ClassVar[float] = 0.2
-    #: optimizer steps of the run, set by the trainer before it builds IVON (for `hessian_window`)
+    #: optimizer steps of the run, set by the trainer before it builds IVON (for the run-length β2 rule)
     total_steps: int | None = None
 
+    def follows_run_length(self) -> bool:
+        """Whether β2 comes from the run-length rule (`hessian_window`): no `beta2` was given."""
+        return self.args.beta2 is None
+
     def beta2(self) -> float:
-        """`beta2`, or with `hessian_window` = c: 1 − 1/max(c·T, 300) for a run of T optimizer steps
-        (varsmooth.presets; the run-length rule of benchmarks/training_length.py)."""
-        if self.args.hessian_window is None:
+        """`beta2` if given, else the run-length rule 1 − 1/max(c·T, 300) with c = `hessian_window` for a run of T
+        optimizer steps (varsmooth.presets), else (T unknown) the preset's fallback β2."""
+        if not self.follows_run_length():
             return self.args.beta2
-        if not self.total_steps:
-            raise ValueError(
-                "hessian_window sets β2 from the run's number of optimizer steps, which is not known yet (the trainer "
-                "sets it when it builds the optimizer; an IterableDataset needs max_steps). Pass beta2 instead."
-            )
-        return beta2_for_window(self.total_steps, self.args.hessian_window)
+        if self.total_steps:
+            return beta2_for_window(self.total_steps, self.args.hessian_window)
+        fallback = float({**SCRATCH_PRESET, **IVON_PRESETS[self.args.ivon_preset]}["fallback_beta2"])
+        logger.warning(
+            "The run's number of optimizer steps is unknown (an IterableDataset without max_steps?), so β2 cannot follow "
+            "the run's length: using the %s preset's beta2=%s, under which the Hessian may hardly move in a short run. "
+            "Set max_steps, or pass beta2.", self.args.ivon_preset, fallback,
+        )
+        return fallback
 
     def clip_radius(self) -> float:
         """`clip_radius` if given; 0.05 under the run-length rule (the Hessian may fall far below h0, which would
         blow up the step lr·(h0+δ)/(h+δ), as the run-length β2 did in 100-epoch runs without it); else no clipping."""
         if self.args.clip_radius is not None:
             return self.args.clip_radius
-        return HESSIAN_WINDOW_CLIP_RADIUS if self.args.hessian_window is not None else math.inf
+        return HESSIAN_WINDOW_CLIP_RADIUS if self.follows_run_length() else math.inf
 
     def ess(self) -> float:
         """λ in Eq. 6 of the adaptive-label-smoothing paper: the user's `ess`, else the training-set size N (the authors'
@@ -77,9 +87,9 @@ class IVONMethod(TrainingMethod):
         }
 
     def hyperparameters(self) -> dict[str, Any]:
-        known = self.args.hessian_window is None or self.total_steps  # under the run-length rule, β2 is known once T is
-        settings = self._settings(self.beta2() if known else None)
-        return {"method": self.name, **settings, "hessian_window": self.args.hessian_window,
+        rule = self.follows_run_length()
+        settings = self._settings(self.beta2() if not rule or self.total_steps else None)  # under the rule, known once T is
+        return {"method": self.name, **settings, "hessian_window": self.args.hessian_window if rule else None,
                 "mc_samples": self.args.mc_samples, "eval_mc_samples": self.args.eval_mc_samples}
 
 
@@ -87,6 +97,9 @@ class IVONFixedHessianMethod(IVONMethod):
     """IVON with β2 = 1: h stays at hess_init and σ never adapts (the ablation of Fig. 6 of the adaptive-label-smoothing paper)."""
 
     paper: ClassVar[str] = "Variational Learning Induces Adaptive Label Smoothing (2025), Fig. 6 and App. C.2"
+
+    def follows_run_length(self) -> bool:
+        return False
 
     def beta2(self) -> float:
         return 1.0

@@ -60,7 +60,7 @@ def posterior_samples_curve(trainer: "VariationalTrainer", eval_dataset: Any = N
 def predictive_outputs(trainer: "VariationalTrainer", dataset: Any) -> dict[str, np.ndarray]:
     """What `trainer.evaluate()` predicts on `dataset` (BMA, MC dropout or an ensemble, then the temperature scaling
     if fitted), as arrays: `probs` (N, K), `logits` (the logits at the weights / posterior mean, for the energy score)
-    and `mutual_information` (N,). Labels are not needed."""
+    and `mutual_information` (N,; absent for a prediction without draws). Labels are not needed."""
     model = trainer.model
     was_training = model.training
     model.eval()
@@ -71,10 +71,11 @@ def predictive_outputs(trainer: "VariationalTrainer", dataset: Any) -> dict[str,
             out = trainer.predictive(model, trainer._prepare_inputs(batch), posterior)
             parts["probs"].append(out.probs.float().cpu().numpy())
             parts["logits"].append(out.mean_logits.float().cpu().numpy())
-            parts["mutual_information"].append(out.mutual_information.float().cpu().numpy())
+            if out.mutual_information is not None:  # None: a prediction without draws, where none was measured
+                parts["mutual_information"].append(out.mutual_information.float().cpu().numpy())
     finally:
         model.train(was_training)
-    return {k: np.concatenate(v) for k, v in parts.items()}
+    return {k: np.concatenate(v) for k, v in parts.items() if v}
 
 
 def ood_evaluation(trainer: "VariationalTrainer", in_dataset: Any, ood_dataset: Any) -> dict[str, float]:
@@ -82,7 +83,7 @@ def ood_evaluation(trainer: "VariationalTrainer", in_dataset: Any, ood_dataset: 
     `trainer` predicts, with `in_dataset` as the in-distribution (positive) set and `ood_dataset` as the
     out-of-distribution one; the mutual information only where the prediction has several draws."""
     inside, outside = predictive_outputs(trainer, in_dataset), predictive_outputs(trainer, ood_dataset)
-    with_mi = bool(inside["mutual_information"].any() or outside["mutual_information"].any())
+    with_mi = "mutual_information" in inside and "mutual_information" in outside
     return ood_metrics(inside["probs"], outside["probs"], logits_in=inside["logits"], logits_out=outside["logits"],
                        **({"mutual_information_in": inside["mutual_information"],
                            "mutual_information_out": outside["mutual_information"]} if with_mi else {}))

