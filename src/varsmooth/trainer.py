@@ -539,6 +539,11 @@ class VariationalTrainer(VariationalHubMixin, LabelNoiseMixin, Trainer):
             metrics = classification_metrics(np.exp(log_probs), labels)
             if self.method.uses_ivon and self.args.eval_mc_samples > 0:
                 metrics.update({f"mean_{k}": v for k, v in classification_metrics(mean_probs, labels).items()})
+        if self.method.uses_ivon and not isinstance(self.accelerator.unwrap_model(self.model), DeepEnsemble):
+            # what was computed: 0 samples averaged = a prediction at the posterior mean
+            posterior = self._eval_posterior
+            averaged = 0 if posterior.is_point_mass or posterior.temperature == 0 else self.args.eval_mc_samples
+            metrics.update(posterior_temperature=posterior.temperature, posterior_samples_averaged=averaged)
         metrics.update(user_metrics or {})
         return metrics
 
