@@ -217,7 +217,7 @@ def _check_the_run_means_something(out: Path, log: str) -> None:
     assert summary["adaptivity"]["noise_l1_q90_over_q10"] == pytest.approx(q90 / q10)
     assert summary["adaptivity"]["noise_l1_entropy_spearman"] == pytest.approx(_spearman_with_entropy_at_the_mean(out))
     metrics = json.loads((out / "all_results.json").read_text())
-    assert metrics["test_nll"] <= metrics["test_mean_nll"] + 1e-9  # the reported prediction is not worse than the mean
+    assert metrics["test_nll"] <= metrics["test_mean_nll"] * (1 + 1e-6)  # the reported prediction is no worse than the mean
     averaged = metrics["test_posterior_samples_averaged"]
     assert (averaged == 0) == (metrics["test_posterior_temperature"] == 0)
 

@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
+from ..posterior.prediction import IGNORE_INDEX  # the label every loss skips, as in `F.cross_entropy`
+
 if TYPE_CHECKING:
     from accelerate import Accelerator
 
@@ -36,8 +38,6 @@ __all__ = [
 
 #: batch key holding each example's position in the training set (added by the trainer, never seen by the model)
 EXAMPLE_INDEX_KEY = "example_index"
-#: label value that every loss skips, as in `F.cross_entropy`
-IGNORE_INDEX = -100
 
 
 @dataclass
