@@ -185,6 +185,22 @@ def test_the_card_reports_max_steps_and_what_the_posterior_learned(run):
     assert "Predictions average the softmax over 4 samples of that posterior" in text
 
 
+@pytest.mark.parametrize("rho, says", [(0.3, "it is larger for ambiguous examples"), (-0.6, "it is *not* larger")])
+def test_the_card_says_whether_this_runs_label_noise_is_larger_for_ambiguous_examples(run, tmp_path, rho, says):
+    trainer, out = run
+    summary = json.loads((out / "label_noise_summary.json").read_text())
+    assert set(summary["adaptivity"]) == {"noise_l1_q90_over_q10", "noise_l1_entropy_spearman"}  # measured by the export
+    summary["adaptivity"]["noise_l1_entropy_spearman"] = rho
+    (tmp_path / "label_noise_summary.json").write_text(json.dumps(summary))
+    original = trainer.args.output_dir
+    trainer.args.output_dir = str(tmp_path)
+    try:
+        text, _ = _parts(_card(trainer))
+    finally:
+        trainer.args.output_dir = original
+    assert f"On this run {says}" in text and f"Spearman ρ = {rho:.2f}" in text
+
+
 def test_a_card_at_the_posterior_mean_says_so_and_why(run):
     trainer, _ = run
     report = {"temperature": 0.0, "nll": {"0": 0.512, "0.5": 0.534, "1": 0.601}, "num_samples": 4,

@@ -193,6 +193,19 @@ def _posterior_text(record: RunRecord) -> str | None:
     return text
 
 
+def _adaptivity_text(adaptivity: dict | None) -> str:
+    """Whether this run's ε̄ is larger for ambiguous examples, as the paper finds, by its measured correlation."""
+    if not adaptivity:
+        return "The paper finds it larger for ambiguous or atypical examples."
+    rho, spread = adaptivity["noise_l1_entropy_spearman"], adaptivity["noise_l1_q90_over_q10"]
+    if rho > 0:
+        return (f"On this run it is larger for ambiguous examples, as the paper finds (Spearman ρ = {rho:.2f} between "
+                f"‖ε̄‖₁ and the entropy of the posterior-mean prediction; its 90th percentile is {spread:.2g}× its 10th).")
+    return (f"On this run it is *not* larger for ambiguous examples (Spearman ρ = {rho:.2f} between ‖ε̄‖₁ and the "
+            "entropy of the posterior-mean prediction): the learned posterior is wide enough to flatten the averaged "
+            f"prediction P̂, so ε̄ grows with the confidence of p̄ (its 90th percentile is {spread:.2g}× its 10th).")
+
+
 def _label_noise_numbers(summary: dict[str, Any]) -> str | None:
     """One sentence of measured label-noise magnitudes |ε̄|₁ from `label_noise_summary.json`."""
     l1 = summary.get("all", {}).get("noise_l1")
@@ -344,9 +357,10 @@ def build_model_card(record: RunRecord, model: Any, folder: str | os.PathLike) -
         numbers = _label_noise_numbers(summary)
         label_noise_text = (
             "`label_noise.parquet` holds, for every training example, the label noise ε̄ = p̄ − P̂ that IVON's posterior "
-            "induces (Yang et al. 2025, \"Variational Learning Induces Adaptive Label Smoothing\", Eq. 15): large for "
-            "ambiguous or atypical examples. To find wrong labels, rank by the posterior-predictive confidence in the "
-            "given label instead." + (f" {numbers}" if numbers else "")
+            "induces (Yang et al. 2025, \"Variational Learning Induces Adaptive Label Smoothing\", Eq. 15). "
+            + _adaptivity_text(summary.get("adaptivity"))
+            + " To find wrong labels, rank by the posterior-predictive confidence in the given label instead."
+            + (f" {numbers}" if numbers else "")
             + ("\n\nHow well each score ranks the training labels known to be wrong (`detection` of "
                "`label_noise_summary.json`):\n\n" + _json_block(detection) if detection is not None else "")
             + "\n\n<details>\n<summary>label_noise_summary.json</summary>\n\n" + _json_block(summary) + "\n\n</details>"
