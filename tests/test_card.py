@@ -41,6 +41,17 @@ def _card(trainer, **kwargs):
     return build_model_card(RunRecord.from_trainer(trainer, **kwargs), trainer.model, trainer.args.output_dir)
 
 
+def _card_with_summary(trainer, folder, summary) -> str:
+    """The card's text for the run's files with `summary` as its label_noise_summary.json (written into `folder`)."""
+    (folder / "label_noise_summary.json").write_text(json.dumps(summary))
+    original = trainer.args.output_dir
+    trainer.args.output_dir = str(folder)
+    try:
+        return _parts(_card(trainer))[0]
+    finally:
+        trainer.args.output_dir = original
+
+
 def _parts(card):
     text = str(card)
     meta = yaml.safe_load(text.split("---")[1])
@@ -64,13 +75,7 @@ def test_non_finite_summary_values_become_null(run, tmp_path):
     trainer, out = run
     summary = json.loads((out / "label_noise_summary.json").read_text())
     summary["detection"]["scores"]["one_minus_confidence"]["auroc"] = float("nan")  # e.g. no corrupted example
-    (tmp_path / "label_noise_summary.json").write_text(json.dumps(summary))
-    original = trainer.args.output_dir
-    trainer.args.output_dir = str(tmp_path)
-    try:
-        text, _ = _parts(_card(trainer))
-    finally:
-        trainer.args.output_dir = original
+    text = _card_with_summary(trainer, tmp_path, summary)
     detection = _strict_json(re.findall(r"```json\n(.*?)\n```", text, flags=re.S)[0])
     assert detection["scores"]["one_minus_confidence"]["auroc"] is None
 
@@ -191,13 +196,7 @@ def test_the_card_says_whether_this_runs_label_noise_is_larger_for_ambiguous_exa
     summary = json.loads((out / "label_noise_summary.json").read_text())
     assert set(summary["adaptivity"]) == {"noise_l1_q90_over_q10", "noise_l1_entropy_spearman"}  # measured by the export
     summary["adaptivity"]["noise_l1_entropy_spearman"] = rho
-    (tmp_path / "label_noise_summary.json").write_text(json.dumps(summary))
-    original = trainer.args.output_dir
-    trainer.args.output_dir = str(tmp_path)
-    try:
-        text, _ = _parts(_card(trainer))
-    finally:
-        trainer.args.output_dir = original
+    text = _card_with_summary(trainer, tmp_path, summary)
     assert f"On this run {says}" in text and f"Spearman ρ = {rho:.2f}" in text
 
 
