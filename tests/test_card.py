@@ -29,7 +29,7 @@ def run(tmp_path_factory):
     train = corrupt_labels(digits_dataset(160).with_format(None), "symmetric", 0.4, seed=0).with_format("torch")
     # τ fixed at 1: the card shows both predictions whatever the selection would choose (τ = 0 is tested apart)
     args = make_args(out, max_steps=6, eval_mc_samples=4, beta2=0.99, posterior_temperature=1.0,
-                     logging_strategy="steps", logging_steps=3)
+                     logging_strategy="steps", logging_steps=4)  # the last log is not the end of training
     trainer = VariationalTrainer(model=TinyClassifier(), args=args, train_dataset=train, eval_dataset=digits_dataset(64, seed=1),
                                  callbacks=[LabelNoiseCallback(num_samples=4)])
     trainer.train()
@@ -175,10 +175,12 @@ def test_the_card_reports_max_steps_and_what_the_posterior_learned(run):
     trainer, out = run
     text, _ = _parts(_card(trainer))
     assert "| max_steps | 6 |" in text and "| epochs |" not in text  # --max_steps overrides the epochs
-    # the Hessian's movement and σ as measured at the end of training (the last log is at step 6)
+    # the Hessian's movement and σ of the saved posterior, at the end of training (step 6; the last log was at step 4)
     from varsmooth.posterior.diagnostics import hessian_change
 
+    assert any(e.get("step") == 4 and "hess_median" in e for e in trainer.state.log_history)
     change = hessian_change(trainer.ivon)
+    assert "At step 6 of training, IVON's Hessian" in text
     assert f"The median relative change |h − h0|/h0 over the weights is {change:.1%}" in text
     sigma = trainer.hessian_summary()["posterior_std_median"]
     assert f"σ = 1/sqrt(ess·(h + δ)) had median {sigma:.4g}" in text

@@ -176,7 +176,7 @@ def _posterior_text(record: RunRecord) -> str | None:
         return None
     hp = record.hyperparameters
     h0, ess, prior = hp.get("hess_init"), hp.get("ess"), hp.get("weight_decay")
-    text = (f"At the last training log (step {log.get('step')}), IVON's Hessian estimate h had median "
+    text = (f"At step {log.get('step')} of training, IVON's Hessian estimate h had median "
             f"{log['hess_median']:.4g} and mean {log.get('hess_mean', math.nan):.4g}"
             + (f", starting from h0 = {h0:g}" if h0 is not None else "") + ".")
     change = log.get("hess_change_median")

@@ -29,6 +29,17 @@ def _last_posterior_log(log_history: list[dict[str, Any]]) -> dict[str, float] |
     return None
 
 
+def _posterior_state(trainer: "VariationalTrainer") -> dict[str, float] | None:
+    """IVON's Hessian and σ statistics of the trainer's optimizer now (after training: the posterior that was saved),
+    else of its last training log; None for a method without a posterior."""
+    if not trainer.method.uses_ivon:
+        return None
+    summary = trainer.hessian_summary()
+    if summary:
+        return {"step": trainer.state.global_step, **{k: summary[k] for k in POSTERIOR_LOG_KEYS if k in summary}}
+    return _last_posterior_log(trainer.state.log_history)
+
+
 def _schedule(args: Any, method_hyperparameters: dict[str, Any]) -> dict[str, Any]:
     """The training schedule as run: the learning rate (unless the method reports its own, as IVON's `lr`), and
     `max_steps` when it was set (it overrides the epochs), else the epochs."""
@@ -60,7 +71,8 @@ class RunRecord:
         metrics: the latest scores without their prefix (`nll`, `mean_nll`, ...); scored_on: the split they come from.
         eval_mc_samples: posterior samples each prediction averages.
         posterior_temperature: the temperature τ the posterior's σ is scaled by when predicting.
-        posterior_log: IVON's Hessian and σ statistics at the last training log (`POSTERIOR_LOG_KEYS` and `step`).
+        posterior_log: IVON's Hessian and σ statistics (`POSTERIOR_LOG_KEYS`) and the `step` they were measured at: now,
+            from the trainer's optimizer, else at the last training log that has them.
         temperature_selection: how τ was chosen (`VariationalTrainer.select_posterior_temperature`), None if not.
         temperature_fixed: whether τ was fixed by `posterior_temperature` instead of chosen.
         noise_report: the label corruption of the training set, None when the labels are the dataset's own.
@@ -122,7 +134,7 @@ class RunRecord:
             posterior_temperature=trainer.posterior_temperature,
             temperature_selection=trainer.posterior_temperature_report,
             temperature_fixed=args.posterior_temperature is not None,
-            posterior_log=_last_posterior_log(trainer.state.log_history) if trainer.method.uses_ivon else None,
+            posterior_log=_posterior_state(trainer),
             noise_report=trainer.train_noise_report(),
             datasets=_as_list(dataset),
             dataset_tags=_as_list(dataset_tags) or None,
