@@ -117,7 +117,7 @@ EMBEDDED_DATASET_NAME = "scikit-learn's 8x8 digits (sklearn.datasets.load_digits
 
 @dataclass
 class ExampleTrainingArguments(VariationalTrainingArguments, ExportArguments):
-    """The example's defaults: a run that shows the method on the embedded data in about a minute on 2 cores; a model
+    """The example's defaults: a run that shows the method on the embedded data (96-99 s on 2 shared cores, README); a model
     trained from scratch gets its method's `scratch_learning_rate` unless --learning_rate is given."""
 
     output_dir: str = field(default="outputs/image-classification", metadata={"help": "Where the model, posterior and metrics go."})
