@@ -371,7 +371,7 @@ class VariationalTrainer(VariationalHubMixin, LabelNoiseMixin, Trainer):
         after = f"after step {self.state.global_step}" if self.state.global_step else "the initial ones"
         network = self.accelerator.unwrap_model(self.model)
         bad = [] if buffers_ok else non_finite_tensors(network.named_buffers())
-        state = ("saving them is safe" if not bad else
+        state = ("and saving them is safe" if not bad else
                  f"but the forward pass made the buffers {bad[:5]} non-finite, so saving is refused: resume from the last "
                  "checkpoint, or load the last save")
         raise FloatingPointError(
