@@ -239,6 +239,7 @@ def test_the_image_example_label_noise_is_larger_for_ambiguous_examples(image_ex
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # 120 steps of a 15 M-parameter MiniLM, then τ, the export and the test split: minutes
 def test_the_text_example_default_run_learns_a_posterior_and_exports_adaptive_noise(text_example_run):
     _check_the_run_means_something(*text_example_run)
     out, _ = text_example_run

@@ -116,7 +116,9 @@ def fitted_run(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"ts-{request.param}")
     train, val, processor, transform = noisy_digits_images(150)
 
-    method_kw = dict(eval_mc_samples=6, beta2=0.999) if request.param == "ivon" else dict(learning_rate=0.05, optim="sgd")
+    # IVON at τ = 1: temperature scaling then calibrates an average over the posterior (τ's choice is tested apart)
+    method_kw = (dict(eval_mc_samples=6, beta2=0.999, posterior_temperature=1.0) if request.param == "ivon"
+                 else dict(learning_rate=0.05, optim="sgd"))
     args = make_args(out, method=request.param, max_steps=40, temperature_scaling=True, remove_unused_columns=False,
                      per_device_eval_batch_size=32, **method_kw)
     trainer = VariationalTrainer(model=tiny_digits_resnet(), args=args, train_dataset=train.with_transform(transform),
