@@ -44,7 +44,7 @@ PY
 cat "$OUT/env.txt"
 
 if [ "$DRY" = 1 ]; then  # on a CPU: compiling the kernels for ViT's 200 tensors alone takes minutes there
-  step test_cuda 150 $PY -m pytest -q -rs tests/test_cuda.py tests/test_cuda_baselines.py
+  step test_cuda 600 $PY -m pytest -q -rs tests/test_cuda.py tests/test_cuda_baselines.py
   step cost_gpu 900 $PY benchmarks/cost.py --gpu --models vit_small --rounds 1 --steps 3 --skip 1 --batch 2 \
     --image-size 32 --out "$OUT/cost"
   main_limit=600
