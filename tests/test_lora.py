@@ -83,9 +83,9 @@ def test_lora_preset_is_the_ivon_lora_recipe(tmp_path):
     args = make_args(tmp_path, ivon_preset="lora")
     assert (args.learning_rate, args.rescale_lr, args.clip_radius, args.eval_mc_samples) == (0.03, False, 1e-3, 10)
     assert 1e6 <= args.ess <= 1e8 and 3e-4 <= args.hess_init <= 1e-3 and args.prior_precision == 0.0
-    fields = {name: value for name, value in LORA_PRESET.items() if name != "fallback_beta2"}
+    fields = {name: value for name, value in LORA_PRESET.items() if name != "long_run_beta2"}
     assert {name: getattr(args, name) for name in fields} == fields
-    assert args.beta2 is None  # β2 follows the run's length; the anchor's 0.99999 only when its length is unknown
+    assert args.beta2 is None  # the default β2: the anchor's 0.99999 only in runs long enough for it to move the Hessian
     kept = make_args(tmp_path, ivon_preset="lora", learning_rate=0.1, eval_mc_samples=4)
     assert (kept.learning_rate, kept.eval_mc_samples, kept.ess) == (0.1, 4, LORA_PRESET["ess"])
     # a non-IVON method keeps its own learning rate; the default number of BMA samples is unchanged elsewhere

@@ -10,9 +10,10 @@ The rule here ties the window to the run instead: with T the number of optimizer
 
     β2 = 1 − 1 / max(c · T, 300),        T = ceil(epochs · ceil(ceil(N / (B · processes)) / accumulation))
 
-This rule is the default (`hessian_window=0.1`) whenever the trainer knows T; a `beta2` the user gives turns it
-off, and a run of unknown length (an IterableDataset without max_steps) falls back to the preset's β2. With it the
-Hessian averages over the last fraction c of the run whatever its length, dataset size N or batch size B,
+This rule is the default (`hessian_window=0.1`, `default_beta2`) for every run too short for its preset's β2 to
+move the Hessian (1 − β2^T < 0.1: with the authors' 0.99999, any run under ~10k steps); longer runs keep the preset's
+β2, a `beta2` the user gives turns the rule off, and a run of unknown length (an IterableDataset without max_steps)
+keeps the preset's β2. Under the rule the Hessian averages over the last fraction c of the run whatever its length, dataset size N or batch size B,
 but never over fewer than 300 steps: h starts falling at once (its estimate is ~0 for most weights), and if σ grows
 before the network has begun to fit, training never takes off (scikit-learn digits, 1k examples, 480 steps: a
 48-step window left IVON at chance accuracy, a 300-step window trained normally).
@@ -32,7 +33,9 @@ __all__ = [
     "DEFAULT_HESSIAN_WINDOW",
     "IVON_PRESETS",
     "MIN_HESSIAN_WINDOW_STEPS",
+    "HESSIAN_MOVE_THRESHOLD",
     "beta2_for_window",
+    "default_beta2",
     "hessian_window_of",
     "total_optimizer_steps",
 ]
@@ -40,18 +43,18 @@ __all__ = [
 #: IVON settings of `ivon_preset="scratch"` (the default): the authors' CIFAR recipe for training from scratch (Shen et
 #: al. 2024, "Variational Learning is Effective for Large Deep Networks"). With lr = 0.2 (the method's default learning
 #: rate) and ess = the training-set size, these fill the fields a user leaves unset (None); see FINETUNE_PRESET.
-#: `fallback_beta2` is the authors' β2, used only when the run's length is unknown (the run-length rule needs it).
-SCRATCH_PRESET: dict[str, float | bool] = {"hess_init": 0.5, "fallback_beta2": 0.99999, "prior_precision": 2e-4,
+#: `long_run_beta2` is the authors' β2, kept for runs long enough for it to move the Hessian (`default_beta2`).
+SCRATCH_PRESET: dict[str, float | bool] = {"hess_init": 0.5, "long_run_beta2": 0.99999, "prior_precision": 2e-4,
                                            "rescale_lr": True, "eval_mc_samples": 32}
 
 #: IVON settings for fine-tuning a pretrained model (`ivon_preset="finetune"`; checked in benchmarks/real_noise.py, see
 #: "Fine-tuning a pretrained model" in benchmarks/README.md). The posterior starts *at* the pretrained weights with σ0 = 1/sqrt(ess·(h0 + δ))
 #: ≈ 3e-3, far below typical weight magnitudes; δ = 0, so nothing pulls the pretrained weights towards 0; β2 follows
-#: the run-length rule (fallback 0.999, a ~1,000-step window, for runs of unknown length); no lr rescaling, and the element-wise clip makes
+#: 0.999, a ~1,000-step window, in runs of 105 steps or more (shorter ones take the run-length rule); no lr rescaling, and the element-wise clip makes
 #: lr·clip_radius (3e-4, a usual AdamW fine-tuning rate) the largest step of any weight. The authors' defaults instead
 #: (lr 0.2, h0 0.5, ess = N) reached 39.6 % vs 66.0 % on CIFAR-10N "worse" with a pretrained EfficientNet-Lite0.
 FINETUNE_PRESET: dict[str, float | bool] = {
-    "learning_rate": 0.3, "ess": 1e8, "hess_init": 1e-3, "prior_precision": 0.0, "fallback_beta2": 0.999,
+    "learning_rate": 0.3, "ess": 1e8, "hess_init": 1e-3, "prior_precision": 0.0, "long_run_beta2": 0.999,
     "rescale_lr": False, "clip_radius": 1e-3,
 }
 
@@ -64,17 +67,20 @@ FINETUNE_PRESET: dict[str, float | bool] = {
 #:   posterior std σ0 = 1/sqrt(ess·h0) = 0.01 (their range: 6e-3 to 3e-2), small against LoRA's A weights
 #:   (Kaiming-uniform, ~1/sqrt(hidden size) ≈ 0.05 for 384-wide MiniLM) so the sampled adapters still fit;
 #: - hess_init 1e-3: the upper end of their 3e-4-1e-3, as FINETUNE_PRESET (the smaller σ0 of the two);
-#: - prior precision 0: theirs; their β2 0.99999 is kept only as the fallback for runs of unknown length (over their
-#:   10k steps the Hessian hardly moves, so σ stays near σ0: in a 189-step run here h moved -0.1 %);
+#: - prior precision 0: theirs; their β2 0.99999 is kept for runs of 10k steps or more (`default_beta2`): in a 189-step
+#:   run here it moved h by -0.1 %, so shorter runs take the run-length rule;
 #: - eval_mc_samples 10: their posterior samples at test time (softmax-averaged).
 LORA_PRESET: dict[str, float | bool] = {
-    "learning_rate": 0.03, "ess": 1e7, "hess_init": 1e-3, "prior_precision": 0.0, "fallback_beta2": 0.99999,
+    "learning_rate": 0.03, "ess": 1e7, "hess_init": 1e-3, "prior_precision": 0.0, "long_run_beta2": 0.99999,
     "rescale_lr": False, "clip_radius": 1e-3, "eval_mc_samples": 10,
 }
 
 #: `ivon_preset` name -> the settings it fills on top of SCRATCH_PRESET
 IVON_PRESETS: dict[str, dict[str, float | bool]] = {"scratch": {}, "finetune": FINETUNE_PRESET, "lora": LORA_PRESET}
 
+#: the share of h0 a preset's β2 must forget within the run, 1 − β2^T, for `default_beta2` to keep it; below it the
+#: Hessian cannot move 10 % from h0 (the trainer's "hardly moved" warning uses the same 10 %)
+HESSIAN_MOVE_THRESHOLD = 0.1
 #: the fraction c of the run the Hessian averages over by default (benchmarks/training_length.py selected it on noisy
 #: MNIST validation; benchmarks/default_posterior.py compares it with the presets' fixed β2 on the examples)
 DEFAULT_HESSIAN_WINDOW = 0.1
@@ -108,6 +114,15 @@ def beta2_for_window(total_steps: int, window_fraction: float, min_window_steps:
     if not window_fraction > 0:
         raise ValueError(f"window_fraction must be > 0, got {window_fraction}.")
     return 1.0 - 1.0 / max(1.0, min_window_steps, window_fraction * total_steps)
+
+
+def default_beta2(long_run_beta2: float, total_steps: int, window_fraction: float) -> float:
+    """β2 of a run of `total_steps` steps when the user gives none: the preset's `long_run_beta2` if over the run it
+    forgets at least `HESSIAN_MOVE_THRESHOLD` of h0 (1 − β2^T ≥ 0.1: the Hessian can learn), else the run-length rule
+    `beta2_for_window(total_steps, window_fraction)`."""
+    if 1.0 - long_run_beta2 ** total_steps >= HESSIAN_MOVE_THRESHOLD:
+        return long_run_beta2
+    return beta2_for_window(total_steps, window_fraction)
 
 
 def hessian_window_of(beta2: float, total_steps: int) -> float:

@@ -28,9 +28,9 @@ class VariationalTrainingArguments(TrainingArguments):
 
     IVON defaults are the authors' CIFAR recipe for training from scratch (`ivon_preset="scratch"`,
     varsmooth.presets.SCRATCH_PRESET): lr 0.2, hess_init 0.5, β1 0.9, prior precision 2e-4, ess = training-set size,
-    one MC sample per micro-batch; but β2 follows the run's length (`hessian_window`, every preset), so that the
-    posterior learns in short runs too (the authors' β2 = 0.99999 suits 2e5 steps: in the image example's 1,080 steps
-    σ stayed at its initial value). For a pretrained model, `ivon_preset="finetune"`
+    one MC sample per micro-batch; the authors' β2 = 0.99999 in runs long enough for it to move the Hessian (~10k
+    steps), and in shorter ones β2 follows the run's length (`hessian_window`, every preset), so that the posterior
+    learns there too (in the image example's 1,080 steps σ stayed at its initial value under 0.99999). For a pretrained model, `ivon_preset="finetune"`
     (varsmooth.presets.FINETUNE_PRESET) fills them instead. The preset-controlled fields default to `None` ("not set")
     and `__post_init__` resolves them, so a value the user gives is kept even when it equals the other preset's.
 
@@ -95,17 +95,18 @@ class VariationalTrainingArguments(TrainingArguments):
     beta1: float = field(default=0.9, metadata={"help": "IVON gradient momentum β1."})
     beta2: float | None = field(
         default=None,
-        metadata={"help": "IVON Hessian EMA rate β2 (1 = fixed Hessian). Default (None): the run-length rule of "
-                          "hessian_window; a number fixes β2 and turns the rule off. When the run's length is unknown (an "
-                          "IterableDataset without max_steps) the preset's: 0.99999 (scratch, lora) or 0.999 (finetune)."},
+        metadata={"help": "IVON Hessian EMA rate β2 (1 = fixed Hessian). Default (None): the preset's (0.99999 scratch "
+                          "and lora, 0.999 finetune) when the run is long enough for it to move the Hessian (1 - β2^T >= "
+                          "0.1) or of unknown length, else the run-length rule of hessian_window "
+                          "(varsmooth.presets.default_beta2). A number fixes β2."},
     )
     hessian_window: float = field(
         default=DEFAULT_HESSIAN_WINDOW,
-        metadata={"help": f"The run-length rule used unless beta2 is given: β2 = 1 - 1/max(hessian_window * T, "
-                          f"{MIN_HESSIAN_WINDOW_STEPS}), T = the run's optimizer steps (varsmooth.presets), so the Hessian "
-                          "averages over the last fraction hessian_window of the run and the posterior learns whatever the "
-                          "run's length; clip_radius then defaults to 0.05 with ivon_preset scratch. See "
-                          "benchmarks/README.md, 'The default posterior'."},
+        metadata={"help": f"The run-length rule for runs too short for the preset's β2 (beta2 unset): β2 = 1 - "
+                          f"1/max(hessian_window * T, {MIN_HESSIAN_WINDOW_STEPS}), T = the run's optimizer steps "
+                          "(varsmooth.presets), so the Hessian averages over the last fraction hessian_window of the run "
+                          "and the posterior learns whatever the run's length; clip_radius then defaults to 0.05 with "
+                          "ivon_preset scratch. See benchmarks/README.md, 'The default posterior'."},
     )
     prior_precision: float | None = field(
         default=None,
@@ -172,7 +173,7 @@ class VariationalTrainingArguments(TrainingArguments):
         # None = not set by the user: the preset fills it (finetune and lora only for IVON methods, others keep
         # their own learning rate); ess and clip_radius stay None in the scratch preset (training-set size, no clip)
         preset = {**SCRATCH_PRESET, **(IVON_PRESETS[self.ivon_preset] if method_cls.uses_ivon else {})}
-        preset.pop("fallback_beta2")  # not a field: IVONMethod.beta2 reads it when the run's length is unknown
+        preset.pop("long_run_beta2")  # not a field: IVONMethod.beta2 reads it (varsmooth.presets.default_beta2)
         for name, value in preset.items():
             if getattr(self, name) is None:
                 setattr(self, name, value)

@@ -10,7 +10,7 @@ import logging
 import math
 from typing import Any, ClassVar
 
-from ..presets import HESSIAN_WINDOW_CLIP_RADIUS, IVON_PRESETS, SCRATCH_PRESET, beta2_for_window
+from ..presets import HESSIAN_WINDOW_CLIP_RADIUS, IVON_PRESETS, SCRATCH_PRESET, default_beta2
 from .base import MethodConfig, TrainingMethod, register_method
 
 __all__ = ["IVONMethod", "IVONFixedHessianMethod"]
@@ -33,30 +33,37 @@ class IVONMethod(TrainingMethod):
     total_steps: int | None = None
 
     def follows_run_length(self) -> bool:
-        """Whether β2 comes from the run-length rule (`hessian_window`): no `beta2` was given."""
+        """Whether β2 is the library's default (`varsmooth.presets.default_beta2`): no `beta2` was given."""
         return self.args.beta2 is None
 
+    def _long_run_beta2(self) -> float:
+        return float({**SCRATCH_PRESET, **IVON_PRESETS[self.args.ivon_preset]}["long_run_beta2"])
+
+    def _window_rule_applies(self) -> bool:
+        """Whether β2 comes from the run-length rule: the default, and a run too short for the preset's β2."""
+        return (self.follows_run_length() and bool(self.total_steps)
+                and default_beta2(self._long_run_beta2(), self.total_steps, self.args.hessian_window) != self._long_run_beta2())
+
     def beta2(self) -> float:
-        """`beta2` if given, else the run-length rule 1 − 1/max(c·T, 300) with c = `hessian_window` for a run of T
-        optimizer steps (varsmooth.presets), else (T unknown) the preset's fallback β2."""
+        """`beta2` if given, else `default_beta2`: the preset's β2 in a run long enough for it to move the Hessian, the
+        run-length rule 1 − 1/max(c·T, 300) (c = `hessian_window`) in a shorter one; the preset's when T is unknown."""
         if not self.follows_run_length():
             return self.args.beta2
         if self.total_steps:
-            return beta2_for_window(self.total_steps, self.args.hessian_window)
-        fallback = float({**SCRATCH_PRESET, **IVON_PRESETS[self.args.ivon_preset]}["fallback_beta2"])
+            return default_beta2(self._long_run_beta2(), self.total_steps, self.args.hessian_window)
         logger.warning(
             "The run's number of optimizer steps is unknown (an IterableDataset without max_steps?), so β2 cannot follow "
             "the run's length: using the %s preset's beta2=%s, under which the Hessian may hardly move in a short run. "
-            "Set max_steps, or pass beta2.", self.args.ivon_preset, fallback,
+            "Set max_steps, or pass beta2.", self.args.ivon_preset, self._long_run_beta2(),
         )
-        return fallback
+        return self._long_run_beta2()
 
     def clip_radius(self) -> float:
         """`clip_radius` if given; 0.05 under the run-length rule (the Hessian may fall far below h0, which would
         blow up the step lr·(h0+δ)/(h+δ), as the run-length β2 did in 100-epoch runs without it); else no clipping."""
         if self.args.clip_radius is not None:
             return self.args.clip_radius
-        return HESSIAN_WINDOW_CLIP_RADIUS if self.follows_run_length() else math.inf
+        return HESSIAN_WINDOW_CLIP_RADIUS if self._window_rule_applies() else math.inf
 
     def ess(self) -> float:
         """λ in Eq. 6 of the adaptive-label-smoothing paper: the user's `ess`, else the training-set size N (the authors'
@@ -87,9 +94,10 @@ class IVONMethod(TrainingMethod):
         }
 
     def hyperparameters(self) -> dict[str, Any]:
-        rule = self.follows_run_length()
-        settings = self._settings(self.beta2() if not rule or self.total_steps else None)  # under the rule, known once T is
-        return {"method": self.name, **settings, "hessian_window": self.args.hessian_window if rule else None,
+        known = not self.follows_run_length() or self.total_steps  # the default β2 is known once T is
+        settings = self._settings(self.beta2() if known else None)
+        return {"method": self.name, **settings,
+                "hessian_window": self.args.hessian_window if self._window_rule_applies() else None,
                 "mc_samples": self.args.mc_samples, "eval_mc_samples": self.args.eval_mc_samples}
 
 

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
+from ..presets import HESSIAN_MOVE_THRESHOLD
 from .gaussian import std_summary
 from .optimizer import VariationalIVON
 
@@ -22,7 +23,7 @@ logger = logging.getLogger(__name__)
 #: the EMA h_T = β2^T h0 + (1 − β2^T) ĥ the change is about (1 − β2^T)·|1 − ĥ/h0|, so below 10 % the learned curvature
 #: makes up at most a tenth of h. The authors' β2 = 0.99999 stays below it for ~10k steps (MNIST, 2,820 steps: 0.5 →
 #: 0.486; scikit-learn digits, the image example's ~1.3k steps: 0.5 → 0.493).
-HESSIAN_STUCK_TOLERANCE = 0.1
+HESSIAN_STUCK_TOLERANCE = HESSIAN_MOVE_THRESHOLD
 
 
 def hessian_summary(optimizer: VariationalIVON | None) -> dict[str, float]:
