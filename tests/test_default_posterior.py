@@ -63,7 +63,7 @@ def test_a_preset_keeps_its_beta2_in_runs_long_enough_for_it_to_move_the_hessian
 def test_a_run_of_unknown_length_falls_back_to_the_preset_beta2_with_a_warning(tmp_path, caplog, preset, fallback):
     args = make_args(tmp_path, ivon_preset=preset, ess=100.0)
     method = get_method_class("ivon")(args, num_train_examples=None)  # total_steps unknown (an IterableDataset)
-    with caplog.at_level(logging.WARNING):
+    with caplog.at_level(logging.WARNING, logger="varsmooth.methods.ivon"):  # other tests may quiet `varsmooth`
         assert method.beta2() == fallback
     assert "number of optimizer steps is unknown" in caplog.text and "max_steps" in caplog.text
 
