@@ -176,8 +176,8 @@ class ExampleTrainingArguments(VariationalTrainingArguments, ExportArguments):
         metadata={"help": "Posterior samples averaged (BMA) by evaluate(). Default: 8, 10 with ivon_preset lora."},
     )
     label_noise_samples: int = field(
-        default=8,
-        metadata={"help": "Posterior samples (4 antithetic pairs) for the per-example label-noise export "
+        default=6,
+        metadata={"help": "Posterior samples (3 antithetic pairs) for the per-example label-noise export "
                           "(label_noise.parquet next to the model; IVON methods only): each costs a forward pass over "
                           "the training set, and the export must cost less than training. 0: no export."},
     )

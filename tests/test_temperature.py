@@ -11,7 +11,7 @@ from helpers import TinyClassifier, digits_dataset, make_args, noisy_digits_imag
 from varsmooth import LabelNoiseCallback, VariationalModel, VariationalTrainer, VariationalTrainingArguments, pipeline
 from varsmooth.label_noise import compute_label_noise
 from varsmooth.posterior import DiagonalGaussianPosterior, derive_seed, predictive_distribution
-from varsmooth.posterior.temperature import TEMPERATURE_GRID, choose_temperature, temperature_nll
+from varsmooth.posterior.temperature import SELECTION_SAMPLES, TEMPERATURE_GRID, choose_temperature, temperature_nll
 
 
 def _model_and_posterior(scale=0.3):
@@ -93,9 +93,9 @@ def test_bad_temperatures_are_refused(tmp_path):
     assert args.posterior_temperature is None  # auto
 
 
-def test_choose_temperature_takes_the_lowest_nll_and_prefers_one_on_ties():
+def test_choose_temperature_takes_the_lowest_nll_and_prefers_the_mean_on_ties():
     assert choose_temperature({0.0: 0.5, 0.5: 0.4, 1.0: 0.6}) == 0.5
-    assert choose_temperature({0.0: 0.4, 0.5: 0.4, 1.0: 0.4}) == 1.0
+    assert choose_temperature({0.0: 0.4, 0.5: 0.4, 1.0: 0.4}) == 0.0  # a tie: the mean, one forward pass
     assert choose_temperature({0.0: 0.4, 0.5: float("nan"), 1.0: 0.6}) == 0.0
     assert 0.0 in TEMPERATURE_GRID and 1.0 in TEMPERATURE_GRID
 
@@ -120,7 +120,7 @@ def run(tmp_path_factory):
     train, val, processor, transform = noisy_digits_images(120)
 
     # eval_mc_samples = the selection's draws (temperature.SELECTION_SAMPLES), so evaluate() predicts what it scored
-    args = make_args(out, max_steps=30, eval_mc_samples=4, beta2=0.999, eval_seed=3, remove_unused_columns=False)
+    args = make_args(out, max_steps=30, eval_mc_samples=SELECTION_SAMPLES, beta2=0.999, eval_seed=3, remove_unused_columns=False)
     callback = LabelNoiseCallback(num_samples=4)
     trainer = VariationalTrainer(model=tiny_digits_resnet(), args=args, train_dataset=train.with_transform(transform),
                                  eval_dataset=val.with_transform(transform), processing_class=processor, callbacks=[callback])
@@ -186,9 +186,15 @@ def test_label_noise_export_samples_the_learned_posterior_whatever_tau_was_chose
     assert summary["posterior_temperature"] == 1.0 and summary["prediction_posterior_temperature"] == chosen
     exported = np.stack(pq.read_table(out / "label_noise.parquet").column("noise").to_pylist())
     np.testing.assert_allclose(exported, np.stack(trainer.label_noise(num_samples=4)["noise"]), atol=1e-6)
-    at_chosen = compute_label_noise(trainer.model, trainer.posterior(), trainer.train_dataset, num_samples=4,
-                                    seed=trainer.args.eval_seed, collate_fn=trainer.data_collator, temperature=chosen)
-    assert not np.allclose(exported, np.stack(at_chosen["noise"]), atol=1e-4)
+    def at(temperature):
+        return compute_label_noise(trainer.model, trainer.posterior(), trainer.train_dataset, num_samples=4,
+                                   seed=trainer.args.eval_seed, collate_fn=trainer.data_collator, temperature=temperature)
+
+    if chosen == 0:  # an export at τ = 0 would be the zero of no draws
+        with pytest.raises(ValueError, match="temperature=0 draws nothing"):
+            at(chosen)
+    else:
+        assert not np.allclose(exported, np.stack(at(chosen)["noise"]), atol=1e-4)
 
 
 def test_model_card_shows_the_temperature_and_its_validation_nll(run):
@@ -263,15 +269,16 @@ def test_noise_corrected_nll_prefers_the_clean_prediction_that_plain_nll_rejects
     posterior = DiagonalGaussianPosterior(model, {"w": torch.ones(())})
     import varsmooth.posterior.temperature as temperature
 
-    def fake_predictive(model, posterior, batch, num_samples, seed):
-        model.w.data.fill_(posterior.temperature)
-        out = model(batch["index"])
-        model.w.data.fill_(0.0)
-        return out
+    def fake_draws(model, posterior, batch, num_samples, seed):  # τ > 0: one draw, the smoothed predictor
+        if posterior.temperature > 0:
+            model.w.data.fill_(posterior.temperature)
+            yield model(batch["index"]).logits.exp()
+            model.w.data.fill_(0.0)
 
     batches = [{"index": torch.arange(n), "labels": noisy}]
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(temperature, "predictive_distribution", fake_predictive)
+        mp.setattr(temperature, "model_logits", lambda model, batch: model(batch["index"]).logits)
+        mp.setattr(temperature, "sampled_probs", fake_draws)
         plain = temperature_nll(model, posterior, batches, (0.0, 1.0), num_samples=1)
         corrected = temperature_nll(model, posterior, batches, (0.0, 1.0), num_samples=1, transition=T)
     assert choose_temperature(plain) == 1.0 and choose_temperature(corrected) == 0.0
@@ -308,7 +315,7 @@ def test_trainer_chooses_by_the_corrected_nll_and_records_it(tmp_path):
     report = trainer.posterior_temperature_report
     assert report["criterion"] == CORRECTED_NLL_CRITERION and np.allclose(report["transition"], T)
     expected = temperature_nll(trainer.model, trainer.posterior(), validation_batches(trainer, trainer.eval_dataset),
-                               TEMPERATURE_GRID, 4, 3, transition=T)
+                               TEMPERATURE_GRID, SELECTION_SAMPLES, 3, transition=T)
     assert {float(k): v for k, v in report["nll"].items() if float(k) in expected} == pytest.approx(expected, rel=1e-9)
     trainer.save_model()
     trainer.create_model_card()

@@ -201,6 +201,9 @@ def compute_label_noise(
     """
     if num_samples < 1:
         raise ValueError(f"num_samples must be >= 1 (posterior draws per example), got {num_samples}.")
+    if temperature == 0:
+        raise ValueError("temperature=0 draws nothing (every draw is the posterior mean): the label noise would be zero by "
+                         "definition. Measure it with the learned posterior, temperature=1 (the default).")
     if posterior.is_point_mass:
         raise ValueError(
             "The posterior is a point mass (a model without posterior.safetensors, or trained by a method without "

@@ -19,7 +19,7 @@ from transformers.utils import ModelOutput
 from .gaussian import DiagonalGaussianPosterior
 from .noise import derive_seed
 
-__all__ = ["VariationalClassifierOutput", "average_predictions", "draw_seeds", "predictive_distribution", "model_logits", "model_outputs", "logits_of",
+__all__ = ["VariationalClassifierOutput", "average_predictions", "draw_seeds", "predictive_distribution", "sampled_probs", "model_logits", "model_outputs", "logits_of",
            "IGNORE_INDEX", "LABEL_KEYS"]
 
 LABEL_KEYS = ("labels", "label", "label_ids")
@@ -109,17 +109,18 @@ def predictive_distribution(
     """
     if num_samples < 0:
         raise ValueError(f"num_samples must be >= 0 (0 = predict at the posterior mean), got {num_samples}.")
-    mean_logits = model_logits(model, inputs)
-    # τ = 0 would average S copies of the mean prediction: the mean itself, exactly and without the S passes
+    return average_predictions(model_logits(model, inputs), sampled_probs(model, posterior, inputs, num_samples, seed))
+
+
+def sampled_probs(model: torch.nn.Module, posterior: DiagonalGaussianPosterior, inputs: Mapping[str, Any],
+                  num_samples: int, seed: int = 0) -> Iterator[torch.Tensor]:
+    """softmax(f(x; θ_s)) of the draws of `draw_seeds(seed, num_samples)`, scaled by the posterior's τ; none for τ = 0
+    or a point mass (they would all be the mean prediction)."""
     if num_samples <= 0 or posterior.is_point_mass or posterior.temperature == 0:
-        return average_predictions(mean_logits, ())
-
-    def draws() -> Iterator[torch.Tensor]:
-        for draw_seed, mirrored in draw_seeds(seed, num_samples):
-            with posterior.sampled(draw_seed, mirrored=mirrored):
-                yield model_logits(model, inputs).softmax(-1)
-
-    return average_predictions(mean_logits, draws())
+        return
+    for draw_seed, mirrored in draw_seeds(seed, num_samples):
+        with posterior.sampled(draw_seed, mirrored=mirrored):
+            yield model_logits(model, inputs).softmax(-1)
 
 
 def average_predictions(mean_logits: torch.Tensor, sample_probs: Iterable[torch.Tensor]) -> VariationalClassifierOutput:
