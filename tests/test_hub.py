@@ -1,15 +1,12 @@
 """Sharing on the Hub, tested against a local stand-in of its HTTP API (the real huggingface_hub code runs)."""
 
 import json
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import yaml
 
-from hub_stand_in import HubStandIn
+from hub_stand_in import run_hub_worker
 
 pytestmark = pytest.mark.slow
 
@@ -17,15 +14,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def pushed(tmp_path_factory):
     out = tmp_path_factory.mktemp("hub")
-    hub = HubStandIn()
-    env = {**os.environ, "HF_ENDPOINT": hub.endpoint, "HF_HUB_DISABLE_XET": "1", "HF_TOKEN": "hf_offline_dummy_token",
-           "HF_HOME": str(out / "hf_home"), "OMP_NUM_THREADS": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
-    env.pop("HF_HUB_OFFLINE", None)
-    result = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "hub_worker.py"), str(out)],
-                            env=env, capture_output=True, text=True, timeout=600)
-    hub.close()
-    assert result.returncode == 0, result.stderr[-4000:]
-    return hub, json.load(open(out / "results.json"))
+    return run_hub_worker("hub_worker.py", out)
 
 
 def test_push_uploads_only_the_shareable_files(pushed):
@@ -103,15 +92,7 @@ def test_repo_without_posterior_warns_and_predicts_at_mean(pushed):
 @pytest.fixture(scope="module")
 def pushed_checkpoints(tmp_path_factory):
     out = tmp_path_factory.mktemp("hub_checkpoints")
-    hub = HubStandIn()
-    env = {**os.environ, "HF_ENDPOINT": hub.endpoint, "HF_HUB_DISABLE_XET": "1", "HF_TOKEN": "hf_offline_dummy_token",
-           "HF_HOME": str(out / "hf_home"), "OMP_NUM_THREADS": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
-    env.pop("HF_HUB_OFFLINE", None)
-    result = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "hub_checkpoint_worker.py"), str(out)],
-                            env=env, capture_output=True, text=True, timeout=600)
-    hub.close()
-    assert result.returncode == 0, result.stderr[-4000:]
-    return hub, json.load(open(out / "results.json"))
+    return run_hub_worker("hub_checkpoint_worker.py", out)
 
 
 CHECKPOINT_SHARED = {"model.safetensors", "config.json", "posterior.safetensors", "optimizer.pt", "scheduler.pt",

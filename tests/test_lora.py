@@ -367,19 +367,10 @@ def test_pipeline_serves_the_adapter_with_its_posterior(tmp_path):
 
 @pytest.mark.slow
 def test_push_to_hub_shares_adapter_config_posterior_and_card(tmp_path):
-    from hub_stand_in import HubStandIn
-
-    hub = HubStandIn()
-    env = {**os.environ, "HF_ENDPOINT": hub.endpoint, "HF_HUB_DISABLE_XET": "1", "HF_TOKEN": "hf_offline_dummy_token",
-           "HF_HOME": str(tmp_path / "hf_home"), "OMP_NUM_THREADS": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
-    env.pop("HF_HUB_OFFLINE", None)
-    result = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "lora_hub_worker.py"), str(tmp_path)],
-                            env=env, capture_output=True, text=True, timeout=600)
-    hub.close()
-    assert result.returncode == 0, result.stderr[-4000:]
     import yaml
+    from hub_stand_in import run_hub_worker
 
-    results = json.load(open(tmp_path / "results.json"))
+    hub, results = run_hub_worker("lora_hub_worker.py", tmp_path)
     files = set(hub.repos["offline-user/tiny-lora"])
     assert {"adapter_model.safetensors", "adapter_config.json", "config.json", "posterior.safetensors", "README.md",
             "tokenizer_config.json"} <= files
