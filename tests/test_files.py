@@ -241,18 +241,24 @@ def _assert_complete(checkpoint: str) -> None:
 def test_sigkill_never_leaves_a_visible_half_checkpoint(tmp_path):
     # far more steps than eight short rounds reach (a step with its checkpoint takes ~10 ms here): no round finishes
     out, steps, rng, ds = str(tmp_path), 20_000, random.Random(0), digits_dataset(256)
-    context = multiprocessing.get_context("fork")  # no re-import per round: each round is a training process
+    # Each round is a training process. Not "fork": forking this process (whose earlier tests started torch's and
+    # datasets' threads) can deadlock the child on a lock held by a thread that was not copied. A fork server is a
+    # fresh single-threaded process that imports the training code once, so no round pays for the import either.
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["helpers", "varsmooth"])
     kills = 0
     for _ in range(8):
         started = context.Event()
         child = context.Process(target=_train_until_killed, args=(out, steps, ds, started))
         child.start()
-        assert started.wait(60), "the training process did not start"
-        child.join(rng.uniform(0.05, 1.0))  # a few to ~100 checkpoint saves in
-        if child.is_alive():
-            os.kill(child.pid, signal.SIGKILL)
-            kills += 1
-        child.join()
+        try:
+            assert started.wait(120), f"the training process did not start (exit code {child.exitcode})"
+            child.join(rng.uniform(0.05, 1.0))  # a few to ~100 checkpoint saves in
+        finally:  # a child left alive would hang pytest's exit, which joins every child
+            if child.is_alive():
+                os.kill(child.pid, signal.SIGKILL)
+                kills += 1
+            child.join()
         visible = [os.path.join(out, d) for d in os.listdir(out) if re.fullmatch(r"checkpoint-\d+", d)]
         for checkpoint in visible:
             _assert_complete(checkpoint)
@@ -263,6 +269,9 @@ def test_sigkill_never_leaves_a_visible_half_checkpoint(tmp_path):
     final = context.Process(target=_train_until_killed, args=(out, resume_to, ds))
     final.start()
     final.join(120)
+    if final.is_alive():
+        final.kill()
+        final.join()
     assert final.exitcode == 0
     _assert_complete(os.path.join(out, f"checkpoint-{resume_to}"))
 
