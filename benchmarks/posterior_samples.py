@@ -1,5 +1,5 @@
 """How many posterior samples S should IVON predict with? Accuracy, NLL, ECE, AURC and the time of one prediction
-of the test set against S = 1, 2, 4, …, 64 (`varsmooth.metrics.posterior_samples_curve`), for one trained IVON model
+of the test set against S = 1, 2, 4, …, 64 (`varsmooth.evaluation.posterior_samples_curve`), for one trained IVON model
 per dataset with 40 % symmetric label noise:
 
 * ``digits``: scikit-learn's 8×8 digits, the CNN of common.py, 30 epochs, the 597 test images;
@@ -32,7 +32,7 @@ NLL_TOLERANCE = 0.01
 
 
 def curve(dataset: str) -> dict[str, Any]:
-    from varsmooth.metrics import posterior_samples_curve
+    from varsmooth.evaluation import posterior_samples_curve
 
     setup = SETUPS[dataset]
 

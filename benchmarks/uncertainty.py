@@ -83,7 +83,7 @@ def _real_noise() -> Any:
 def predict(trainer: Any, dataset: Any) -> dict[str, np.ndarray]:
     """probs (the method's prediction), logits (the deterministic logits, for the energy) and mutual_information of
     `trainer`'s model on `dataset`, as `evaluate()` predicts them."""
-    from varsmooth.metrics import predictive_outputs
+    from varsmooth.evaluation import predictive_outputs
 
     return {k: v.astype(np.float32) for k, v in predictive_outputs(trainer, dataset).items()}
 

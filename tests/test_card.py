@@ -38,7 +38,7 @@ def run(tmp_path_factory):
 
 
 def _card(trainer, **kwargs):
-    return build_model_card(RunRecord.from_trainer(trainer, **kwargs), trainer.model, trainer.args.output_dir)
+    return build_model_card(trainer.run_record(**kwargs), trainer.model, trainer.args.output_dir)
 
 
 def _card_with_summary(trainer, folder, summary) -> str:

@@ -314,7 +314,7 @@ def test_trainer_callback_exports_parquet(tmp_path):
     data = make_data()
     callback = LabelNoiseCallback(num_samples=8, every_n_epochs=1)
     trainer = make_trainer(tmp_path, data, callbacks=[callback])
-    assert callback.trainer is trainer
+    assert callback._measure == trainer.label_noise  # connected to this trainer's posterior and batches
     trainer.train()
 
     files = set(os.listdir(tmp_path))
@@ -369,19 +369,19 @@ def test_trainer_callback_exports_parquet(tmp_path):
     assert "auroc" in summary["detection"]["scores"]["one_minus_confidence"]
 
 
-def test_add_callback_binds_and_a_plain_trainer_is_refused(tmp_path):
+def test_add_callback_connects_and_a_plain_trainer_is_refused(tmp_path):
     data = make_data(n=16)
     trainer = make_trainer(tmp_path / "variational", data)
     callback = LabelNoiseCallback(num_samples=2)
     trainer.add_callback(callback)  # added after construction: bound all the same
     trainer.add_callback(LabelNoiseCallback)  # a class: Trainer instantiates it, and it is bound too
-    assert callback.trainer is trainer and trainer.callback_handler.callbacks[-1].trainer is trainer
+    assert callback._measure == trainer.label_noise == trainer.callback_handler.callbacks[-1]._measure
     trainer.train()
     assert (tmp_path / "variational" / "label_noise.parquet").is_file()
 
     plain = transformers.Trainer(TinyClassifier(), trainer.args, train_dataset=data,
                                  callbacks=[LabelNoiseCallback(num_samples=2)])
-    with pytest.raises(RuntimeError, match="not bound"):  # no posterior to measure: fail before training
+    with pytest.raises(RuntimeError, match="not connected to a posterior"):  # nothing to measure: fail before training
         plain.train()
 
 

@@ -303,7 +303,7 @@ def test_trainer_chooses_by_the_corrected_nll_and_records_it(tmp_path):
     from safetensors import safe_open
 
     from varsmooth.corruption.transition import symmetric_transition
-    from varsmooth.posterior.temperature import CORRECTED_NLL_CRITERION, validation_batches
+    from varsmooth.posterior.temperature import CORRECTED_NLL_CRITERION
 
     T = symmetric_transition(10, 0.4)
     train, val, processor, transform = noisy_digits_images(60)
@@ -314,7 +314,7 @@ def test_trainer_chooses_by_the_corrected_nll_and_records_it(tmp_path):
     trainer.train()
     report = trainer.posterior_temperature_report
     assert report["criterion"] == CORRECTED_NLL_CRITERION and np.allclose(report["transition"], T)
-    expected = temperature_nll(trainer.model, trainer.posterior(), validation_batches(trainer, trainer.eval_dataset),
+    expected = temperature_nll(trainer.model, trainer.posterior(), trainer.validation_batches(trainer.eval_dataset),
                                TEMPERATURE_GRID, SELECTION_SAMPLES, 3, transition=T)
     assert {float(k): v for k, v in report["nll"].items() if float(k) in expected} == pytest.approx(expected, rel=1e-9)
     trainer.save_model()

@@ -20,7 +20,7 @@ from transformers import HfArgumentParser
 from varsmooth import LabelNoiseCallback, VariationalTrainer
 from varsmooth.corruption import CorruptionArguments
 from varsmooth.methods import get_method_class, method_config_from_flags
-from varsmooth.metrics.evaluation import predictive_outputs
+from varsmooth.evaluation import predictive_outputs
 from varsmooth.utils import atomic_path, evaluate_validation_and_test
 
 logger = logging.getLogger(__name__)

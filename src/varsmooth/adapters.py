@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from transformers import BertConfig
+
+from .peft_keys import import_peft, is_peft_model, saved_keys, saved_names
 
 __all__ = ["ADAPTER_CONFIG_FILE", "BASE_WEIGHTS_KEY", "LoraArguments", "add_lora_adapters", "base_fingerprint", "has_adapter",
            "import_peft", "is_peft_model", "load_adapter_model", "save_classifier_config", "saved_names"]
@@ -22,46 +24,6 @@ __all__ = ["ADAPTER_CONFIG_FILE", "BASE_WEIGHTS_KEY", "LoraArguments", "add_lora
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 #: entry of the classifier's config.json beside an adapter: SHA-256 and dtype of the base weights it was trained on
 BASE_WEIGHTS_KEY = "varsmooth_base_weights"
-
-
-def import_peft() -> Any:
-    """The peft package, or an ImportError naming the extra that installs it."""
-    try:
-        import peft
-    except ImportError:
-        raise ImportError(
-            "LoRA adapters need the peft package, which is not installed: pip install 'varsmooth[lora]' (or pip "
-            "install peft)."
-        ) from None
-    return peft
-
-
-def is_peft_model(model: Any) -> bool:
-    try:
-        from peft import PeftModel
-    except ImportError:
-        return False
-    return isinstance(model, PeftModel)
-
-
-def saved_names(model: torch.nn.Module, names: Iterable[str]) -> dict[str, str]:
-    """Parameter name -> the key peft saves it under in `adapter_model.safetensors` (without the adapter name:
-    `...query.lora_A.default.weight` -> `...query.lora_A.weight`, `classifier.modules_to_save.default.weight` ->
-    `classifier.weight`); names of other models, and names peft does not save, map to themselves."""
-    names = list(names)
-    if not is_peft_model(model):
-        return {name: name for name in names}
-    saved = _peft_keys(model, names)
-    return {name: saved.get(name, name) for name in names}
-
-
-def _peft_keys(model: torch.nn.Module, names: list[str]) -> dict[str, str]:
-    """Parameter name -> key in `adapter_model.safetensors`, for the names peft saves (adapters, trained heads)."""
-    from peft.utils import get_peft_model_state_dict
-
-    # peft's own renaming, applied to numbered stand-ins so that each saved key can be traced back to its parameter
-    probe = {name: torch.tensor(float(index)) for index, name in enumerate(names)}
-    return {names[int(value.item())]: key for key, value in get_peft_model_state_dict(model, state_dict=probe).items()}
 
 
 def base_fingerprint(model: torch.nn.Module) -> dict[str, str | None]:
@@ -72,7 +34,7 @@ def base_fingerprint(model: torch.nn.Module) -> dict[str, str | None]:
 
     params = dict(model.named_parameters())
     names = list(params)
-    adapter = set(_peft_keys(model, names))
+    adapter = set(saved_keys(model, names))
     base = [name for name in names if name not in adapter and ".original_module." not in name]
     dtypes = sorted({str(params[name].dtype) for name in base})
     return {"sha256": weights_fingerprint(model, base), "dtype": ",".join(dtypes) or None}

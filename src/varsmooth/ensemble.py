@@ -25,7 +25,7 @@ import torch
 
 from .calibration import TemperatureScaling, network_fingerprint
 from .files import MANIFEST_FILE, FolderSave, check_manifest, read_manifest
-from .modeling import VariationalModel, load_temperature_scaling
+from .modeling import FOLDER_LOADERS, VariationalModel, load_temperature_scaling
 from .posterior import VariationalClassifierOutput
 from .posterior.prediction import LABEL_KEYS, _entropy
 from .utils import atomic_path
@@ -218,3 +218,6 @@ def _member_names(folder: str) -> set[str]:
     except (OSError, ValueError, KeyError, TypeError):
         return set()
     return {name for name in names if isinstance(name, str) and name.startswith(MEMBER_PREFIX) and os.sep not in name}
+
+
+FOLDER_LOADERS[ENSEMBLE_CONFIG_FILE] = DeepEnsemble.from_pretrained

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from transformers import AutoConfig, AutoModelForImageClassification, AutoModelForSequenceClassification, PreTrainedModel
@@ -16,10 +17,11 @@ from .posterior import (OUTPUT_DROPOUT_KEY, POSTERIOR_FILE, DiagonalGaussianPost
                         add_output_dropout, mc_dropout_predictive, predictive_distribution)
 from .posterior.gaussian import non_finite_tensors
 
-if TYPE_CHECKING:
-    from .ensemble import DeepEnsemble
+#: marker file of a saved folder that another class loads -> that class's `from_pretrained` (a `DeepEnsemble` folder
+#: registers itself here: the ensemble is made of `VariationalModel`s, so this module cannot import it)
+FOLDER_LOADERS: dict[str, Callable[..., torch.nn.Module]] = {}
 
-__all__ = ["AUTO_CLASSES", "VariationalModel", "check_finite_weights", "classification_task", "load_posterior",
+__all__ = ["AUTO_CLASSES", "FOLDER_LOADERS", "VariationalModel", "check_finite_weights", "classification_task", "load_posterior",
            "load_temperature_scaling", "sampling_settings"]
 
 #: the Auto class that loads a classifier of each task varsmooth serves
@@ -93,7 +95,7 @@ class VariationalModel(torch.nn.Module):
         revision: str | None = None,
         token: str | None = None,
         **model_kwargs: Any,
-    ) -> "VariationalModel | DeepEnsemble":
+    ) -> torch.nn.Module:
         """Load weights (the posterior mean) and `posterior.safetensors` from a folder or a Hub repo.
 
         A folder or repo with a peft adapter (`adapter_config.json`) loads as its base model
@@ -113,12 +115,11 @@ class VariationalModel(torch.nn.Module):
         `varsmooth.DeepEnsemble.save_pretrained`) loads as a `DeepEnsemble`, its members with these settings.
         """
         path = os.fspath(pretrained_model_name_or_path)
-        from .ensemble import ENSEMBLE_CONFIG_FILE, DeepEnsemble  # the ensemble is made of VariationalModels
-
-        if os.path.isfile(os.path.join(path, ENSEMBLE_CONFIG_FILE)):
-            return DeepEnsemble.from_pretrained(path, num_samples=num_samples, seed=seed, temperature=temperature,
-                                                temperature_scaling=temperature_scaling, mc_dropout_samples=mc_dropout_samples,
-                                                model_class=model_class, **model_kwargs)
+        for marker, load in FOLDER_LOADERS.items():
+            if os.path.isfile(os.path.join(path, marker)):
+                return load(path, num_samples=num_samples, seed=seed, temperature=temperature,
+                            temperature_scaling=temperature_scaling, mc_dropout_samples=mc_dropout_samples,
+                            model_class=model_class, **model_kwargs)
         if os.path.isdir(path):  # before any weight is read: a truncated or edited file is named, not half-loaded
             check_manifest(path)
         if has_adapter(path, revision, token):

@@ -24,10 +24,12 @@ The trainer's other jobs live beside it: the model card and Hub pushes in `varsm
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import logging
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,14 +41,14 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, EvalPrediction, Pr
 from transformers.training_args import ParallelMode
 
 from .adapters import is_peft_model, save_classifier_config
-from .calibration import TemperatureScaling, TemperatureScalingCallback, describe_prediction, fit_trainer_temperature_scaling
+from .calibration import TemperatureScaling, TemperatureScalingCallback, describe_prediction, fit_on_batches
 from .corruption import realized_noise_report
 from .ensemble import DeepEnsemble
 from .files import MANIFEST_FILE, FolderSave, add_to_manifest, check_manifest, read_manifest
 from .methods import EXAMPLE_INDEX_KEY, ExampleIndexDataset, MethodContext, TrainingMethod, get_method_class
 from .methods.base import IGNORE_INDEX
 from .hub import VariationalHubMixin
-from .label_noise import LabelNoiseMixin
+from .label_noise import LabelNoiseCallback, LabelNoiseMixin
 from .metrics import classification_metrics, reliability_diagram
 from .posterior import (POSTERIOR_FILE, DiagonalGaussianPosterior, VariationalClassifierOutput, VariationalIVON,
                         mc_dropout_predictive, predictive_distribution, unwrap_ivon)
@@ -54,9 +56,10 @@ from .posterior.diagnostics import HessianDiagnosticsCallback, hessian_summary
 from .posterior.gaussian import TEMPERATURE_KEY, _reshard, non_finite_tensors
 from .posterior.optimizer import _local
 from .posterior.prediction import logits_of, model_outputs
-from .posterior.temperature import PosteriorTemperatureCallback, check_transition_matrix, select_trainer_temperature
+from .posterior.temperature import (SELECTION_SAMPLES, PosteriorTemperatureCallback, check_transition_matrix,
+                                    select_temperature, temperature_logs)
 from .training_args import VariationalTrainingArguments, check_ivon_sharding
-from .utils import atomic_path
+from .utils import atomic_path, length_order
 
 __all__ = ["VariationalTrainer"]
 
@@ -129,7 +132,7 @@ class VariationalTrainer(VariationalHubMixin, LabelNoiseMixin, Trainer):
         if self.model is not None:  # extra heads must exist before the optimizer is built
             self.method.attach(self.model)
         for callback in self.callback_handler.callbacks:  # those passed at construction
-            _bind(callback, self)
+            self._connect(callback)
         for callback in self.method.callbacks():  # `add_callback` binds these
             self.add_callback(callback)
         # τ of every prediction; chosen on the eval dataset when training ends, before other train-end callbacks
@@ -140,12 +143,15 @@ class VariationalTrainer(VariationalHubMixin, LabelNoiseMixin, Trainer):
         self.eval_noise_transition = None if eval_noise_transition is None else check_transition_matrix(eval_noise_transition)
         #: per-bin confidence/accuracy/count of the last evaluation (`varsmooth.metrics.reliability_diagram`)
         self.reliability_diagram: dict[str, np.ndarray] | None = None
-        self.callback_handler.callbacks.insert(0, PosteriorTemperatureCallback().bind(self))
+        self.callback_handler.callbacks.insert(0, PosteriorTemperatureCallback(
+            select=self.select_posterior_temperature, reset=self._reset_posterior_temperature, save=self.save_model))
         # post-hoc temperature of every prediction (None: uncalibrated); fitted right after τ, which it calibrates
         self.temperature_scaling: TemperatureScaling | None = None
-        self.callback_handler.callbacks.insert(1, TemperatureScalingCallback().bind(self))
+        self.callback_handler.callbacks.insert(1, TemperatureScalingCallback(
+            fit=self.fit_temperature_scaling, reset=lambda: setattr(self, "temperature_scaling", None),
+            has_eval_dataset=lambda: self.eval_dataset is not None))
         # before the reporting callbacks, which then report the Hessian summary it adds to the training logs
-        self.callback_handler.callbacks.insert(2, HessianDiagnosticsCallback().bind(self))
+        self.callback_handler.callbacks.insert(2, HessianDiagnosticsCallback())
         self._ivon_param_names: list[str] | None = None
         self._run_files: dict[str, set[str]] = {}  # folder -> files this trainer wrote there outside `_save`
         self._staging_dir: str | None = None
@@ -159,9 +165,14 @@ class VariationalTrainer(VariationalHubMixin, LabelNoiseMixin, Trainer):
             )
 
     def add_callback(self, callback: type[TrainerCallback] | TrainerCallback) -> None:
-        """`Trainer.add_callback`, binding callbacks that need the trainer itself (e.g. `LabelNoiseCallback`)."""
+        """`Trainer.add_callback`, connecting a `LabelNoiseCallback` to this trainer's posterior and batches."""
         super().add_callback(callback)
-        _bind(self.callback_handler.callbacks[-1], self)
+        self._connect(self.callback_handler.callbacks[-1])
+
+    def _connect(self, callback: TrainerCallback) -> None:
+        if isinstance(callback, LabelNoiseCallback):
+            callback.connect(measure=self.label_noise, posterior=self.posterior, record_output=self.record_output,
+                             train_dataset=lambda: self.train_dataset)
 
     # -- optimizer ---------------------------------------------------------------------------------
     @property
@@ -225,13 +236,52 @@ class VariationalTrainer(VariationalHubMixin, LabelNoiseMixin, Trainer):
         """Choose the posterior temperature τ by validation NLL and predict with it from now on (done by `train()`
         when `args.posterior_temperature` is None); returns the NLL at each τ tried, or None without validation data.
         See `varsmooth.posterior.temperature`."""
-        return select_trainer_temperature(self, eval_dataset)
+        if self.ivon is None or self.args.eval_mc_samples <= 0:  # no posterior, or a prediction at the mean already
+            return None
+        eval_dataset = self.eval_dataset if eval_dataset is None else eval_dataset
+        if eval_dataset is None:  # not the training set: every example was fitted, it cannot tell which generalizes
+            logger.info("No eval_dataset: predicting with the learned posterior (posterior temperature 1). Pass an "
+                        "eval_dataset (a validation split) to choose the temperature by validation NLL, or set "
+                        "posterior_temperature.")
+            return None
+        report = select_temperature(self.model, self.posterior(), lambda: self.validation_batches(eval_dataset),
+                                    min(self.args.eval_mc_samples, SELECTION_SAMPLES), self.args.eval_seed,
+                                    gather=self.accelerator.gather_for_metrics, transition=self.eval_noise_transition)
+        self.posterior_temperature, self.posterior_temperature_report = report["temperature"], report
+        self.log(temperature_logs(report))
+        return report
+
+    def _reset_posterior_temperature(self) -> None:
+        """A new train() starts again from the learned posterior (or the fixed τ)."""
+        self.posterior_temperature = 1.0 if self.args.posterior_temperature is None else self.args.posterior_temperature
+        self.posterior_temperature_report = None
+
+    def validation_batches(self, eval_dataset: Any) -> Iterator[dict[str, Any]]:
+        """The prepared batches of `eval_dataset` (a dataset or a dict of them, pooled), batched as evaluate() batches
+        them; tokenized sentences by length (each batch pads to its longest, and the scores on them are means over rows)."""
+        named = eval_dataset if isinstance(eval_dataset, dict) else {None: eval_dataset}
+        for dataset in named.values():
+            order = length_order(dataset)
+            loader = (self.get_eval_dataloader(dataset) if order is None else
+                      self._get_dataloader(dataset, "Validation", self.args.eval_batch_size, sampler_fn=lambda _, order=order: order))
+            for batch in loader:
+                yield self._prepare_inputs(batch)
 
     def fit_temperature_scaling(self, eval_dataset: Any = None) -> TemperatureScaling:
         """Fit the post-hoc temperature T on `eval_dataset` (default: the eval datasets) by NLL and predict with it from
         now on; done when training ends with `args.temperature_scaling`. `trainer.temperature_scaling = None` goes back
-        to the uncalibrated prediction. See `varsmooth.calibration`."""
-        return fit_trainer_temperature_scaling(self, eval_dataset)
+        to the uncalibrated prediction. See `varsmooth.calibration`. Every process must call this."""
+        eval_dataset = self.eval_dataset if eval_dataset is None else eval_dataset
+        self.model.eval()
+        posterior = self.posterior()
+        scaling = fit_on_batches(functools.partial(self.predictive, self.model, posterior=posterior, calibrated=False),
+                                 None if eval_dataset is None else self.validation_batches(eval_dataset),
+                                 self.prediction_settings(posterior), self.accelerator.gather_for_metrics,
+                                 self.accelerator.unwrap_model(self.model))
+        self.temperature_scaling = scaling
+        self.log({"temperature_scaling": scaling.temperature, "eval_nll_uncalibrated": scaling.nll_uncalibrated,
+                  "eval_nll_calibrated": scaling.nll_calibrated})
+        return scaling
 
     def predictive(self, model: torch.nn.Module, inputs: dict[str, Any], posterior: DiagonalGaussianPosterior | None = None,
                    calibrated: bool = True) -> VariationalClassifierOutput:
@@ -698,11 +748,6 @@ def _remove_checkpoint(path: str) -> None:
     shutil.rmtree(hidden, ignore_errors=True)
     os.replace(path, hidden)
     shutil.rmtree(hidden, ignore_errors=True)
-
-
-def _bind(callback: TrainerCallback, trainer: VariationalTrainer) -> None:
-    if hasattr(callback, "bind"):  # callbacks that read the trainer's posterior and dataloaders
-        callback.bind(trainer)
 
 
 def _numpy(array: Any) -> np.ndarray:

@@ -3,12 +3,27 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import tempfile
-from collections.abc import Iterator
+import warnings
+from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["atomic_path", "checkpoint_to_resume", "evaluate_validation_and_test", "ordinary_file_mode"]
+__all__ = ["atomic_path", "checkpoint_to_resume", "deprecated_alias", "evaluate_validation_and_test", "ordinary_file_mode"]
+
+
+def deprecated_alias(old: str, new: str, target: Callable[..., Any]) -> Callable[..., Any]:
+    """`target` under its name of the previous release, `old`: each call warns (FutureWarning) that `new` replaces it.
+    Kept for one release, so that code written against the old name keeps working while it moves."""
+
+    @functools.wraps(target)
+    def alias(*args: Any, **kwargs: Any) -> Any:
+        warnings.warn(f"{old} is deprecated and will be removed in the next release: use {new}.", FutureWarning, stacklevel=2)
+        return target(*args, **kwargs)
+
+    alias.__name__ = alias.__qualname__ = old.rsplit(".", 1)[-1]
+    return alias
 
 
 def ordinary_file_mode() -> int:

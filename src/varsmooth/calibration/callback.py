@@ -1,81 +1,86 @@
-"""Temperature scaling inside `VariationalTrainer`: fitted on the eval dataset when training ends (or on demand)."""
+"""Temperature scaling fitted on validation batches, and the callback that fits it when training ends."""
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 import torch
 from transformers import TrainerCallback
 
-from ..posterior.prediction import LABEL_KEYS
-from ..posterior.temperature import validation_batches
+from ..posterior.prediction import LABEL_KEYS, VariationalClassifierOutput
+from ..utils import deprecated_alias
 from .temperature_scaling import TemperatureScaling
 
-if TYPE_CHECKING:
-    from ..trainer import VariationalTrainer
-
-__all__ = ["TemperatureScalingCallback", "fit_trainer_temperature_scaling"]
+__all__ = ["TemperatureScalingCallback", "fit_on_batches", "fit_trainer_temperature_scaling"]
 
 logger = logging.getLogger(__name__)
 
 
 @torch.no_grad()
-def fit_trainer_temperature_scaling(trainer: "VariationalTrainer", eval_dataset: Any = None) -> TemperatureScaling:
-    """Fit T on `eval_dataset` (default: the trainer's eval datasets, pooled) for the prediction `evaluate()` makes
-    without temperature scaling, and make it the trainer's (`trainer.temperature_scaling`, saved by `save_model`).
-
-    Every process must call this (the predictions of all processes are gathered, as in `evaluate()`).
-    """
-    eval_dataset = trainer.eval_dataset if eval_dataset is None else eval_dataset
-    if eval_dataset is None:
+def fit_on_batches(
+    predict: Callable[[Mapping[str, Any]], VariationalClassifierOutput],
+    batches: Iterable[Mapping[str, Any]] | None,
+    prediction: dict[str, Any],
+    gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    model: torch.nn.Module | None = None,
+) -> TemperatureScaling:
+    """Fit T by the NLL of `predict(batch)` (the uncalibrated prediction) on labelled validation `batches` (None: there
+    is no validation split). `prediction` describes what `predict` computes (`describe_prediction`: recorded with T,
+    compared when the model is loaded); `gather` collects the logits of all processes (every process must call this);
+    `model`, when given, is checked for a temperature of its own (an ensemble's)."""
+    if batches is None:
         raise ValueError("Temperature scaling is fitted on a validation split, and the trainer has no eval_dataset: pass "
                          "eval_dataset= to the trainer (the example scripts hold out 20 % of the training split) or to "
                          "fit_temperature_scaling().")
-    model = trainer.model
-    if getattr(trainer.accelerator.unwrap_model(model), "temperature_scaling", None) is not None:
+    if getattr(model, "temperature_scaling", None) is not None:
         raise ValueError("The trainer's model (an ensemble) already applies a temperature of its own, and this one would be "
                          "fitted on top of it: set model.temperature_scaling = None first (or keep the model's).")
-    model.eval()
-    posterior = trainer.posterior()
-    gather = trainer.accelerator.gather_for_metrics
+    gather = gather if gather is not None else (lambda tensor: tensor)
     chunks, label_chunks = [], []
-    for batch in validation_batches(trainer, eval_dataset):
+    for batch in batches:
         labels = next((batch[k] for k in LABEL_KEYS if k in batch), None)
         if labels is None:
             raise ValueError(f"A validation batch has no labels (keys: {sorted(batch)}): temperature scaling is fitted by "
                              "the NLL of the given labels, so the eval dataset needs a 'label' or 'labels' column.")
-        out = trainer.predictive(model, batch, posterior, calibrated=False)
+        out = predict(batch)
         chunks.append(gather(out.logits.float()).cpu())
         label_chunks.append(gather(torch.as_tensor(labels, device=out.logits.device).long()).cpu())
     if not chunks:
         raise ValueError("Temperature scaling got no validation batches: the eval dataset is empty.")
-    scaling = TemperatureScaling.fit(torch.cat(chunks), torch.cat(label_chunks), prediction=trainer.prediction_settings(posterior))
-    trainer.temperature_scaling = scaling
+    scaling = TemperatureScaling.fit(torch.cat(chunks), torch.cat(label_chunks), prediction=prediction)
     logger.info("Temperature scaling: T = %.4g fitted on %d validation examples (NLL %.4f -> %.4f).", scaling.temperature,
                 scaling.num_examples, scaling.nll_uncalibrated, scaling.nll_calibrated)
-    trainer.log({"temperature_scaling": scaling.temperature, "eval_nll_uncalibrated": scaling.nll_uncalibrated,
-                 "eval_nll_calibrated": scaling.nll_calibrated})
     return scaling
 
 
 class TemperatureScalingCallback(TrainerCallback):
     """With `args.temperature_scaling`, fits T when training ends (after the posterior temperature, which changes the
-    prediction T calibrates); a new `train()` drops the T of the previous one."""
+    prediction T calibrates); a new `train()` drops the T of the previous one.
 
-    def __init__(self) -> None:
-        self.trainer: VariationalTrainer | None = None
+    Args:
+        fit: fits T and makes it the one predictions use (`VariationalTrainer.fit_temperature_scaling`).
+        reset: drops the fitted T.
+        has_eval_dataset: whether there is a validation split to fit T on (checked before training, not after it).
+    """
 
-    def bind(self, trainer: "VariationalTrainer") -> "TemperatureScalingCallback":
-        self.trainer = trainer
-        return self
+    def __init__(self, fit: Callable[[], Any], reset: Callable[[], None], has_eval_dataset: Callable[[], bool]) -> None:
+        self.fit, self.reset, self.has_eval_dataset = fit, reset, has_eval_dataset
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.trainer.temperature_scaling = None
-        if args.temperature_scaling and self.trainer.eval_dataset is None:  # before training, not after it
+        self.reset()
+        if args.temperature_scaling and not self.has_eval_dataset():
             raise ValueError("temperature_scaling=True fits the temperature on the eval dataset, and the trainer has none: "
                              "pass eval_dataset= (a validation split), or set temperature_scaling=False.")
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if args.temperature_scaling:
-            fit_trainer_temperature_scaling(self.trainer)
+            self.fit()
+
+
+fit_trainer_temperature_scaling = deprecated_alias(
+    "varsmooth.calibration.fit_trainer_temperature_scaling(trainer, eval_dataset)",
+    "trainer.fit_temperature_scaling(eval_dataset)",
+    lambda trainer, eval_dataset=None: trainer.fit_temperature_scaling(eval_dataset),
+)

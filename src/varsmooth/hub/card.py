@@ -6,6 +6,7 @@ import json
 import math
 import os
 from importlib import resources
+from importlib.metadata import version
 from typing import Any
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
@@ -376,8 +377,6 @@ def build_model_card(record: RunRecord, model: Any, folder: str | os.PathLike) -
              for f in present if f in _FILE_DESCRIPTIONS}
     files.update({p: "picture" for p in pictures})
 
-    from .. import __version__
-
     auto_map = getattr(getattr(model, "config", None), "auto_map", None) or {}
     return ModelCard.from_template(
         card_data,
@@ -407,5 +406,5 @@ def build_model_card(record: RunRecord, model: Any, folder: str | os.PathLike) -
         label_noise_text=label_noise_text,
         pictures=pictures,
         files=files,
-        version=__version__,
+        version=version("varsmooth"),
     )

@@ -20,7 +20,7 @@ from ..files import (MANIFEST_FILE, OWNED_PATTERNS, FolderSave, add_to_manifest,
                      read_manifest, shareable_files, written_by_varsmooth)
 from ..utils import atomic_path
 from .card import build_model_card, write_reliability_diagram
-from .record import RunRecord
+from .record import POSTERIOR_LOG_KEYS, RunRecord, as_list, last_eval_metrics, last_posterior_log, training_schedule
 
 __all__ = ["VariationalHubMixin"]
 
@@ -45,12 +45,56 @@ class VariationalHubMixin:
             self.record_output(picture)
             add_to_manifest(self.args.output_dir, [os.path.basename(picture)])
         path = os.path.join(self.args.output_dir, "README.md")
-        record = RunRecord.from_trainer(self, model_name=model_name, **kwargs)
+        record = self.run_record(model_name=model_name, **kwargs)
         card = build_model_card(record, self.accelerator.unwrap_model(self.model), self.args.output_dir)
         with atomic_path(path) as tmp:
             card.save(tmp)
         self.record_output(path)
         add_to_manifest(self.args.output_dir, ["README.md"])
+
+    def run_record(self, *, model_name: str | None = None, dataset: str | list[str] | None = None,
+                   dataset_tags: str | list[str] | None = None, license: str | None = None, tags: list[str] | None = None,
+                   language: str | None = None, **_: Any) -> RunRecord:
+        """The record of this run so far, as the card tells it; the keywords are those of `Trainer.create_model_card`
+        (others are ignored, as `push_to_hub` passes all of its keywords on)."""
+        args = self.args
+        repo_id = args.hub_model_id or model_name or os.path.basename(os.path.abspath(args.output_dir))
+        metrics, scored_on = last_eval_metrics(self.state.log_history)
+        method_hyperparameters = self.method.hyperparameters()
+        return RunRecord(
+            method=self.method.name,
+            uses_ivon=self.method.uses_ivon,
+            hyperparameters={**method_hyperparameters, **training_schedule(args, method_hyperparameters),
+                             "per_device_train_batch_size": args.per_device_train_batch_size,
+                             "gradient_accumulation_steps": args.gradient_accumulation_steps,
+                             "lr_scheduler_type": str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)),
+                             "seed": args.seed},
+            repo_id=repo_id,
+            model_name=model_name or repo_id.split("/")[-1],
+            metrics=metrics,
+            scored_on=scored_on,
+            eval_mc_samples=args.eval_mc_samples,
+            posterior_temperature=self.posterior_temperature,
+            temperature_selection=self.posterior_temperature_report,
+            temperature_fixed=args.posterior_temperature is not None,
+            posterior_log=self._posterior_log(),
+            noise_report=self.train_noise_report(),
+            datasets=as_list(dataset),
+            dataset_tags=as_list(dataset_tags) or None,
+            license=license,
+            tags=tags,
+            language=language,
+        )
+
+    def _posterior_log(self) -> dict[str, float] | None:
+        """IVON's Hessian and σ statistics of the optimizer now (after training: the posterior that was saved), else
+        of the last training log; None for a method without a posterior."""
+        if not self.method.uses_ivon:
+            return None
+        summary = self.hessian_summary()
+        if summary:
+            return {"step": self.state.global_step, **{k: summary[k] for k in POSTERIOR_LOG_KEYS if k in summary}}
+        return last_posterior_log(self.state.log_history)
 
     def _refuse_to_replace_own_card(self, replace_model_card: bool) -> None:
         path = os.path.join(self.args.output_dir, "README.md")

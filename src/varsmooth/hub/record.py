@@ -1,19 +1,18 @@
-"""`RunRecord`: what a training run was, as its model card tells it (cf. transformers' `TrainingSummary`)."""
+"""`RunRecord`: what a training run was, as its model card tells it (cf. transformers' `TrainingSummary`); the trainer
+builds it (`VariationalTrainer.run_record`) from the values it holds."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ..corruption import NoiseReport
-    from ..trainer import VariationalTrainer
 
-__all__ = ["RunRecord"]
+__all__ = ["POSTERIOR_LOG_KEYS", "RunRecord", "as_list", "last_eval_metrics", "last_posterior_log", "training_schedule"]
 
 
-def _as_list(value: str | list[str] | None) -> list[str]:
+def as_list(value: str | list[str] | None) -> list[str]:
     return [] if value is None else [value] if isinstance(value, str) else list(value)
 
 
@@ -21,7 +20,7 @@ def _as_list(value: str | list[str] | None) -> list[str]:
 POSTERIOR_LOG_KEYS = ("hess_mean", "hess_median", "hess_change_median", "posterior_std_mean", "posterior_std_median")
 
 
-def _last_posterior_log(log_history: list[dict[str, Any]]) -> dict[str, float] | None:
+def last_posterior_log(log_history: list[dict[str, Any]]) -> dict[str, float] | None:
     """IVON's Hessian and σ statistics of the last training log that has them, with its `step`; None without any."""
     for entry in reversed(log_history):
         if "hess_median" in entry:
@@ -29,18 +28,7 @@ def _last_posterior_log(log_history: list[dict[str, Any]]) -> dict[str, float] |
     return None
 
 
-def _posterior_state(trainer: "VariationalTrainer") -> dict[str, float] | None:
-    """IVON's Hessian and σ statistics of the trainer's optimizer now (after training: the posterior that was saved),
-    else of its last training log; None for a method without a posterior."""
-    if not trainer.method.uses_ivon:
-        return None
-    summary = trainer.hessian_summary()
-    if summary:
-        return {"step": trainer.state.global_step, **{k: summary[k] for k in POSTERIOR_LOG_KEYS if k in summary}}
-    return _last_posterior_log(trainer.state.log_history)
-
-
-def _schedule(args: Any, method_hyperparameters: dict[str, Any]) -> dict[str, Any]:
+def training_schedule(args: Any, method_hyperparameters: dict[str, Any]) -> dict[str, Any]:
     """The training schedule as run: the learning rate (unless the method reports its own, as IVON's `lr`), and
     `max_steps` when it was set (it overrides the epochs), else the epochs."""
     length = {"max_steps": args.max_steps} if args.max_steps > 0 else {"epochs": args.num_train_epochs}
@@ -48,7 +36,7 @@ def _schedule(args: Any, method_hyperparameters: dict[str, Any]) -> dict[str, An
     return {**rate, **length}
 
 
-def _last_eval_metrics(log_history: list[dict[str, Any]]) -> tuple[dict[str, float], str]:
+def last_eval_metrics(log_history: list[dict[str, Any]]) -> tuple[dict[str, float], str]:
     """The latest scores and where they come from: a test split when one was scored (`evaluate(...,
     metric_key_prefix="test")`: nothing was chosen on it), else the evaluation set."""
     for prefix, where in (("test_", "test set"), ("eval_", "evaluation set")):
@@ -100,45 +88,10 @@ class RunRecord:
     language: str | None = None
 
     @classmethod
-    def from_trainer(
-        cls,
-        trainer: "VariationalTrainer",
-        *,
-        model_name: str | None = None,
-        dataset: str | list[str] | None = None,
-        dataset_tags: str | list[str] | None = None,
-        license: str | None = None,
-        tags: list[str] | None = None,
-        language: str | None = None,
-        **_: Any,
-    ) -> "RunRecord":
-        """The record of `trainer`'s run so far; the keywords are those of `Trainer.create_model_card` (others are
-        ignored, as `push_to_hub` passes all of its keywords on)."""
-        args = trainer.args
-        repo_id = args.hub_model_id or model_name or os.path.basename(os.path.abspath(args.output_dir))
-        metrics, scored_on = _last_eval_metrics(trainer.state.log_history)
-        method_hyperparameters = trainer.method.hyperparameters()
-        return cls(
-            method=trainer.method.name,
-            uses_ivon=trainer.method.uses_ivon,
-            hyperparameters={**method_hyperparameters, **_schedule(args, method_hyperparameters),
-                             "per_device_train_batch_size": args.per_device_train_batch_size,
-                             "gradient_accumulation_steps": args.gradient_accumulation_steps,
-                             "lr_scheduler_type": str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)),
-                             "seed": args.seed},
-            repo_id=repo_id,
-            model_name=model_name or repo_id.split("/")[-1],
-            metrics=metrics,
-            scored_on=scored_on,
-            eval_mc_samples=args.eval_mc_samples,
-            posterior_temperature=trainer.posterior_temperature,
-            temperature_selection=trainer.posterior_temperature_report,
-            temperature_fixed=args.posterior_temperature is not None,
-            posterior_log=_posterior_state(trainer),
-            noise_report=trainer.train_noise_report(),
-            datasets=_as_list(dataset),
-            dataset_tags=_as_list(dataset_tags) or None,
-            license=license,
-            tags=tags,
-            language=language,
-        )
+    def from_trainer(cls, trainer: Any, **kwargs: Any) -> "RunRecord":
+        """Deprecated: `trainer.run_record(**kwargs)` (the record is built by the trainer, which holds the values)."""
+        import warnings
+
+        warnings.warn("RunRecord.from_trainer(trainer, ...) is deprecated and will be removed in the next release: use "
+                      "trainer.run_record(...).", FutureWarning, stacklevel=2)
+        return trainer.run_record(**kwargs)

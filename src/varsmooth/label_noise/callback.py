@@ -5,15 +5,13 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 import datasets
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from .compute import write_label_noise
-
-if TYPE_CHECKING:
-    from ..trainer import VariationalTrainer
 
 __all__ = ["LabelNoiseCallback"]
 
@@ -29,8 +27,8 @@ class LabelNoiseCallback(TrainerCallback):
     `is_corrupted` columns when present), in dataset order; under DDP each process measures its shard and the main process writes one file. Both files are written to a
     temporary name and renamed, so a crash never leaves half a file.
 
-    `VariationalTrainer(callbacks=[...])` and `VariationalTrainer.add_callback` bind it to the trainer; with a plain
-    `transformers.Trainer` (no posterior) it refuses to start.
+    `VariationalTrainer(callbacks=[...])` and `VariationalTrainer.add_callback` connect it to what it measures with
+    (`connect`); with a plain `transformers.Trainer` (no posterior) it refuses to start.
 
     Args:
         num_samples: posterior samples S per example; costs S + 1 forward passes over `dataset`.
@@ -59,22 +57,23 @@ class LabelNoiseCallback(TrainerCallback):
         self.dataset = dataset
         self.seed = seed
         self.plots = plots
-        self.trainer: VariationalTrainer | None = None
+        self._measure: Callable[..., datasets.Dataset] | None = None
 
-    def bind(self, trainer: "VariationalTrainer") -> "LabelNoiseCallback":
-        """Attach the trainer whose posterior and dataloaders are used (`VariationalTrainer` does it on init)."""
-        self.trainer = trainer
+    def connect(self, measure: Callable[..., datasets.Dataset], posterior: Callable[[], Any],
+                record_output: Callable[[str], None], train_dataset: Callable[[], Any]) -> "LabelNoiseCallback":
+        """Give the callback what it exports with (`VariationalTrainer` does it on init and in `add_callback`):
+        `measure(dataset, num_samples=, seed=)` the label noise (`VariationalTrainer.label_noise`), `posterior()` the
+        current posterior (its summary goes into the metadata), `record_output(path)` notes a file the run wrote
+        beside its saves, `train_dataset()` the examples measured by default."""
+        self._measure, self._posterior, self._record_output, self._train_dataset = measure, posterior, record_output, train_dataset
         return self
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
-        # fail before training rather than after it
-        if self.trainer is None:
+        if self._measure is None:  # fail before training rather than after it
             raise RuntimeError(
-                "LabelNoiseCallback is not bound to a trainer: it needs a varsmooth.VariationalTrainer (pass it in "
+                "LabelNoiseCallback is not connected to a posterior: it needs a varsmooth.VariationalTrainer (pass it in "
                 "VariationalTrainer(callbacks=[...]) or trainer.add_callback(...)), not a plain transformers.Trainer."
             )
-        if self.dataset is None and self.trainer.train_dataset is None:
-            raise ValueError("LabelNoiseCallback has no dataset: the trainer has no train_dataset and none was given.")
 
     def on_epoch_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         epoch = round(state.epoch or 0)
@@ -90,15 +89,14 @@ class LabelNoiseCallback(TrainerCallback):
 
         Every process must call it (the results are gathered across processes).
         """
-        trainer = self.trainer
-        dataset = self.dataset if self.dataset is not None else trainer.train_dataset
+        dataset = self.dataset if self.dataset is not None else self._train_dataset()
         seed = args.eval_seed if self.seed is None else self.seed
         start = time.perf_counter()
-        noise = trainer.label_noise(dataset, num_samples=self.num_samples, seed=seed)
+        noise = self._measure(dataset, num_samples=self.num_samples, seed=seed)
         seconds = time.perf_counter() - start
         if not args.should_save:
             return None
-        posterior = trainer.posterior()
+        posterior = self._posterior()
         # the export samples the learned posterior (τ = 1, `compute_label_noise`); τ of the predictions is noted apart
         metadata = {"epoch": state.epoch, "global_step": state.global_step, "num_samples": self.num_samples,
                     "seed": seed, **posterior.summary(), "posterior_temperature": 1.0,
@@ -110,7 +108,7 @@ class LabelNoiseCallback(TrainerCallback):
         for written in (path, summary_path, *(os.path.join(args.output_dir, f"{name}_{kind}.png")
                                                 for kind in ("smoothed_labels", "extremes"))):
             if os.path.isfile(written):
-                trainer.record_output(written)
+                self._record_output(written)
         logger.info("Wrote the label noise of %d examples to %s (%d posterior draws, %.1f s)", len(noise), path,
                     self.num_samples, seconds)
         return path

@@ -12,7 +12,7 @@ of the predicted probabilities::
                 "classwise_ece": classwise_calibration_error(probs, labels, n_bins=10)}
 
 (`evaluate()` already reports accuracy, nll, ece, adaptive_ece, classwise_ece, brier and aurc.) OOD detection needs a
-second dataset: `ood_evaluation(trainer, test_dataset, ood_dataset)`, or `ood_metrics` on arrays.
+second dataset: `varsmooth.evaluation.ood_evaluation(trainer, test_dataset, ood_dataset)`, or `ood_metrics` on arrays.
 """
 
 from pathlib import Path
@@ -20,11 +20,10 @@ from pathlib import Path
 from .classification import (adaptive_calibration_error, classification_metrics, classwise_calibration_error,
                              expected_calibration_error, reliability_diagram)
 from .ood import OOD_SCORES, auroc, fpr_at_tpr, ood_detection, ood_metrics, uncertainty_scores
-from .evaluation import DEFAULT_SAMPLE_COUNTS, ood_evaluation, posterior_samples_curve, predictive_outputs
 from .selective import aurc, optimal_aurc, risk_coverage_curve
 
 CALIBRATION_METRIC_PATH = str(Path(__file__).parent / "calibration" / "calibration.py")
 
-__all__ = ["CALIBRATION_METRIC_PATH", "DEFAULT_SAMPLE_COUNTS", "OOD_SCORES", "adaptive_calibration_error", "aurc", "auroc", "classification_metrics",
-           "classwise_calibration_error", "expected_calibration_error", "fpr_at_tpr", "ood_detection", "ood_evaluation", "ood_metrics",
-           "optimal_aurc", "posterior_samples_curve", "predictive_outputs", "reliability_diagram", "risk_coverage_curve", "uncertainty_scores"]
+__all__ = ["CALIBRATION_METRIC_PATH", "OOD_SCORES", "adaptive_calibration_error", "aurc", "auroc", "classification_metrics",
+           "classwise_calibration_error", "expected_calibration_error", "fpr_at_tpr", "ood_detection", "ood_metrics",
+           "optimal_aurc", "reliability_diagram", "risk_coverage_curve", "uncertainty_scores"]

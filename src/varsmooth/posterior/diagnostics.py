@@ -4,16 +4,13 @@ training when h has hardly left `hess_init` (the posterior std is then set by th
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from ..presets import HESSIAN_MOVE_THRESHOLD
 from .gaussian import std_summary
-from .optimizer import VariationalIVON
-
-if TYPE_CHECKING:
-    from ..trainer import VariationalTrainer
+from .optimizer import VariationalIVON, unwrap_ivon
 
 __all__ = ["HESSIAN_STUCK_TOLERANCE", "HessianDiagnosticsCallback", "hessian_change", "hessian_summary"]
 
@@ -48,29 +45,23 @@ class HessianDiagnosticsCallback(TrainerCallback):
     """Adds `hessian_summary` to every training log (the entries with a "loss"), and warns when training ends with a
     Hessian whose median relative change from `hess_init` is below `HESSIAN_STUCK_TOLERANCE`.
 
-    `VariationalTrainer` adds it itself, bound to the trainer (whose IVON optimizer it reads), ahead of the reporting
-    callbacks so that they report the summary too.
+    It reads the IVON optimizer the Trainer passes to every callback (`optimizer`); with another optimizer it does
+    nothing. `VariationalTrainer` adds it ahead of the reporting callbacks, so that they report the summary too.
     """
 
-    def __init__(self) -> None:
-        self.trainer: VariationalTrainer | None = None
-
-    def bind(self, trainer: "VariationalTrainer") -> "HessianDiagnosticsCallback":
-        self.trainer = trainer
-        return self
-
     def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-               logs: dict[str, float] | None = None, **kwargs: Any) -> None:
-        if self.trainer is None or logs is None or "loss" not in logs:  # training logs: show whether the posterior learns
+               logs: dict[str, float] | None = None, optimizer: Any = None, **kwargs: Any) -> None:
+        if logs is None or "loss" not in logs:  # training logs: show whether the posterior learns
             return
-        summary = hessian_summary(self.trainer.ivon)
+        summary = hessian_summary(unwrap_ivon(optimizer))
         logs.update(summary)
         # `Trainer.log` appended a copy of these logs to the history before calling the callbacks
         if state.log_history and "loss" in state.log_history[-1]:
             state.log_history[-1].update(summary)
 
-    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
-        opt = self.trainer.ivon if self.trainer is not None else None
+    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, optimizer: Any = None,
+                     **kwargs: Any) -> None:
+        opt = unwrap_ivon(optimizer)
         if opt is None or opt.param_groups[0]["beta2"] >= 1.0:  # a fixed Hessian (β2 = 1) is meant not to move
             return
         moved = hessian_change(opt)

@@ -22,6 +22,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from ..peft_keys import saved_names
 from ..utils import atomic_path
 from .noise import derive_seed
 from .optimizer import DTensor, _local, _local_slice, _whole
@@ -147,7 +148,6 @@ class DiagonalGaussianPosterior:
                 "Save the model again (trainer.save_model()), or delete the file to predict at the weights."
             ) from error
         _check_std(path, std, metadata)
-        from ..adapters import saved_names
 
         # an adapter's posterior is keyed as peft keys the adapter weights (`saved_names`): back to the model's names
         model_name = {saved: name for name, saved in saved_names(model, dict(model.named_parameters())).items()}
@@ -192,7 +192,6 @@ class DiagonalGaussianPosterior:
         gathered (a collective): in an FSDP run, every process calls `gathered()` and the main one saves that."""
         if os.path.isdir(path):
             path = os.path.join(path, POSTERIOR_FILE)
-        from ..adapters import saved_names
 
         # an adapter's σ under the keys of the adapter weights in peft's adapter_model.safetensors
         key = saved_names(self.model, self.names)

@@ -28,21 +28,18 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 from transformers import TrainerCallback
 
-from ..utils import length_order
+from ..utils import deprecated_alias
 from .gaussian import DiagonalGaussianPosterior
 from .prediction import IGNORE_INDEX, LABEL_KEYS, average_predictions, model_logits, sampled_probs
 
-if TYPE_CHECKING:
-    from ..trainer import VariationalTrainer
-
-__all__ = ["SELECTION_SAMPLES", "TEMPERATURE_EXTENSION", "TEMPERATURE_GRID", "check_transition_matrix", "choose_temperature", "search_temperatures", "select_trainer_temperature",
-           "temperature_nll", "validation_batches"]
+__all__ = ["SELECTION_SAMPLES", "TEMPERATURE_EXTENSION", "TEMPERATURE_GRID", "check_transition_matrix", "choose_temperature", "search_temperatures", "select_temperature",
+           "select_trainer_temperature", "temperature_logs", "temperature_nll", "validation_batches"]
 
 logger = logging.getLogger(__name__)
 
@@ -168,59 +165,37 @@ def search_temperatures(score: Callable[[Sequence[float]], dict[float, float]]) 
     return nll
 
 
-def validation_batches(trainer: "VariationalTrainer", eval_dataset: Any) -> Iterator[Mapping[str, Any]]:
-    """The prepared batches of `eval_dataset` (a dataset or a dict of them, pooled), batched as evaluate() batches
-    them; tokenized sentences by length (each batch pads to its longest, and τ's NLL is a mean over rows)."""
-    named = eval_dataset if isinstance(eval_dataset, Mapping) else {None: eval_dataset}
-    for dataset in named.values():
-        order = length_order(dataset)
-        loader = (trainer.get_eval_dataloader(dataset) if order is None else
-                  trainer._get_dataloader(dataset, "Posterior temperature", trainer.args.eval_batch_size,
-                                          sampler_fn=lambda _, order=order: order))
-        for batch in loader:
-            yield trainer._prepare_inputs(batch)
-
-
-def select_trainer_temperature(trainer: "VariationalTrainer", eval_dataset: Any = None) -> dict[str, Any] | None:
-    """Choose τ for `trainer` on `eval_dataset` (default: its eval datasets, pooled) and make it the trainer's.
+def select_temperature(
+    model: torch.nn.Module,
+    posterior: DiagonalGaussianPosterior,
+    batches: Callable[[], Iterable[Mapping[str, Any]]],
+    num_samples: int,
+    seed: int = 0,
+    gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    transition: Any = None,
+) -> dict[str, Any]:
+    """Choose τ for `posterior` by the NLL of `model`'s predictions on the labelled validation batches that `batches()`
+    yields (called once per pass; `gather`, `transition` as in `temperature_nll`).
 
     Scores `TEMPERATURE_GRID`, then `TEMPERATURE_EXTENSION` one value at a time while the largest τ tried wins, with
-    min(eval_mc_samples, `SELECTION_SAMPLES`) draws. Returns the report (chosen τ, NLL at every τ, examples, draws), or
-    None when there is nothing to choose: a method without a posterior, `eval_mc_samples=0` (prediction at the mean
-    already) or no validation data, where τ stays 1. The training set is not used instead: every one of its examples
-    was fitted, so it cannot tell whether averaging generalizes better than the mean.
+    `num_samples` draws of `seed`. Returns the report: the chosen `temperature`, the `nll` at every τ tried, the
+    `num_samples`, the `criterion` (and the `transition` when given); `temperature_logs(report)` gives its log entries.
     """
-    args = trainer.args
-    if trainer.ivon is None or args.eval_mc_samples <= 0:
-        return None
-    eval_dataset = trainer.eval_dataset if eval_dataset is None else eval_dataset
-    if eval_dataset is None:
-        logger.info(
-            "No eval_dataset: predicting with the learned posterior (posterior temperature 1). Pass an eval_dataset "
-            "(a validation split) to choose the temperature by validation NLL, or set posterior_temperature."
-        )
-        return None
-    model = trainer.model
     model.eval()
-    posterior = trainer.posterior()
-    transition = trainer.eval_noise_transition
-    num_samples = min(args.eval_mc_samples, SELECTION_SAMPLES)
 
     def score(temperatures: Sequence[float]) -> dict[float, float]:
-        return temperature_nll(model, posterior, validation_batches(trainer, eval_dataset), temperatures, num_samples,
-                               args.eval_seed, gather=trainer.accelerator.gather_for_metrics, transition=transition)
+        return temperature_nll(model, posterior, batches(), temperatures, num_samples, seed, gather=gather,
+                               transition=transition)
 
     start = time.perf_counter()
     nll = search_temperatures(score)
     chosen = choose_temperature(nll)
-    trainer.posterior_temperature = chosen
     criterion = NLL_CRITERION if transition is None else CORRECTED_NLL_CRITERION
     report = {"temperature": chosen, "nll": {f"{t:g}": v for t, v in nll.items()},
               "num_samples": num_samples, "criterion": criterion}
     seconds = time.perf_counter() - start
     if transition is not None:
-        report["transition"] = transition.tolist()
-    trainer.posterior_temperature_report = report
+        report["transition"] = torch.as_tensor(transition).tolist()
     logger.info("Posterior temperature %g chosen by %s in %.1f s: %s", chosen, criterion, seconds,
                 ", ".join(f"τ={t:g}: {v:.4f}" for t, v in nll.items()))
     if chosen == 0:
@@ -230,38 +205,54 @@ def select_trainer_temperature(trainer: "VariationalTrainer", eval_dataset: Any 
             "pipeline predict at the mean; the label-noise export still samples the learned posterior.",
             criterion, nll[1.0], nll[0.0],
         )
-    # the corrected score is another quantity than evaluate()'s eval_nll: it is named apart
-    name = "eval_nll" if transition is None else "eval_corrected_nll"
-    trainer.log({"posterior_temperature": chosen, f"{name}_temperature_0": nll[0.0],
-                 f"{name}_temperature_1": nll[1.0], f"{name}_temperature_chosen": nll[chosen]})
     return report
+
+
+def temperature_logs(report: Mapping[str, Any]) -> dict[str, float]:
+    """The training-log entries of a `select_temperature` report: τ, and the NLL at τ = 0, 1 and the chosen τ (the
+    corrected score is another quantity than evaluate()'s eval_nll: it is named apart)."""
+    nll, chosen = report["nll"], report["temperature"]
+    name = "eval_nll" if report["criterion"] == NLL_CRITERION else "eval_corrected_nll"
+    return {"posterior_temperature": chosen, f"{name}_temperature_0": nll["0"], f"{name}_temperature_1": nll["1"],
+            f"{name}_temperature_chosen": nll[f"{chosen:g}"]}
 
 
 class PosteriorTemperatureCallback(TrainerCallback):
     """Chooses the posterior temperature when training ends (`VariationalTrainer` puts it first, so that callbacks
-    predicting with the posterior at the end of training, such as the label-noise export, use the chosen τ)."""
+    predicting with the posterior at the end of training use the chosen τ).
 
-    def __init__(self) -> None:
-        self.trainer: VariationalTrainer | None = None
+    Args:
+        select: chooses τ and makes it the one predictions use (`VariationalTrainer.select_posterior_temperature`).
+        reset: goes back to the learned posterior (or the fixed `posterior_temperature`) when training starts again.
+        save: saves the trained model, so that a failed choice does not lose the run.
+    """
 
-    def bind(self, trainer: "VariationalTrainer") -> "PosteriorTemperatureCallback":
-        self.trainer = trainer
-        return self
+    def __init__(self, select: Callable[[], Any], reset: Callable[[], None], save: Callable[[], None]) -> None:
+        self.select, self.reset, self.save = select, reset, save
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        # a second train() starts again from the learned posterior (or the fixed τ)
-        self.trainer.posterior_temperature = 1.0 if args.posterior_temperature is None else args.posterior_temperature
-        self.trainer.posterior_temperature_report = None
+        self.reset()
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if args.posterior_temperature is None:
             try:
-                select_trainer_temperature(self.trainer)
+                self.select()
             except Exception as error:  # the trained run must not be lost to what comes after training
-                self.trainer.save_model()
+                self.save()
                 raise RuntimeError(
                     f"Choosing the posterior temperature failed after training ({type(error).__name__}: {error}). The "
                     f"trained model and its posterior were saved to {args.output_dir} (predicting with the learned "
                     "posterior, τ = 1). Fix the eval dataset and call trainer.select_posterior_temperature(), or set "
                     "posterior_temperature."
                 ) from error
+
+
+select_trainer_temperature = deprecated_alias(
+    "varsmooth.posterior.temperature.select_trainer_temperature(trainer, eval_dataset)",
+    "trainer.select_posterior_temperature(eval_dataset)",
+    lambda trainer, eval_dataset=None: trainer.select_posterior_temperature(eval_dataset),
+)
+validation_batches = deprecated_alias(
+    "varsmooth.posterior.temperature.validation_batches(trainer, eval_dataset)", "trainer.validation_batches(eval_dataset)",
+    lambda trainer, eval_dataset: trainer.validation_batches(eval_dataset),
+)

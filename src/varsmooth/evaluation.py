@@ -1,5 +1,8 @@
-"""Metrics that need a trainer's predictions: OOD detection against an out-of-distribution dataset, and how many
-posterior samples to predict with (the metrics and the time of the Bayesian model average against S)."""
+"""What a trained `VariationalTrainer` predicts, scored: OOD detection against an out-of-distribution dataset, and how
+many posterior samples to predict with (the metrics and the time of the Bayesian model average against S).
+
+These sit above the trainer (they call its `predict` and dataloaders); the metrics themselves are functions of arrays
+in `varsmooth.metrics`."""
 
 from __future__ import annotations
 
@@ -10,10 +13,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from .ood import ood_metrics
+from .metrics.ood import ood_metrics
 
 if TYPE_CHECKING:
-    from ..trainer import VariationalTrainer
+    from .trainer import VariationalTrainer
 
 __all__ = ["DEFAULT_SAMPLE_COUNTS", "ood_evaluation", "posterior_samples_curve", "predictive_outputs"]
 
