@@ -45,7 +45,7 @@ from .calibration import TemperatureScaling, TemperatureScalingCallback, describ
 from .corruption import realized_noise_report
 from .ensemble import DeepEnsemble
 from .files import MANIFEST_FILE, FolderSave, add_to_manifest, check_manifest, read_manifest
-from .methods import EXAMPLE_INDEX_KEY, ExampleIndexDataset, MethodContext, TrainingMethod, get_method_class
+from .methods import EXAMPLE_INDEX_KEY, ExampleIndexDataset, MethodContext, OptimizerContext, TrainingMethod, get_method_class
 from .methods.base import IGNORE_INDEX
 from .hub import VariationalHubMixin
 from .label_noise import LabelNoiseCallback, LabelNoiseMixin
@@ -181,27 +181,20 @@ class VariationalTrainer(VariationalHubMixin, LabelNoiseMixin, Trainer):
         return unwrap_ivon(self.optimizer) if self.method.uses_ivon else None
 
     def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
-        if not self.method.uses_ivon:
-            return super().create_optimizer(model)
+        """The method's optimizer (IVON for IVON methods, `TrainingMethod.create_optimizer`), else the Trainer's own."""
+        names = {id(p): n for n, p in self.model.named_parameters()}
         if self.optimizer is None:
-            names = {id(p): n for n, p in self.model.named_parameters()}
             params = [p for p in (model or self.model).parameters() if p.requires_grad]
-            low_precision = sorted({str(p.dtype) for p in params if p.dtype not in (torch.float32, torch.float64)})
-            if low_precision:
-                raise ValueError(
-                    f"IVON needs fp32 trainable weights, found {low_precision}: in bf16 β2=0.99999 rounds to 1 and the "
-                    "Hessian never updates. Load the model in float32 and use bf16=True for mixed precision."
-                )
+            # train() knows the run's length before it builds the optimizer; FSDP2 averages the gradients of the
+            # sharded parameters itself, and all ranks draw one sample (IVON's sync off)
+            run = OptimizerContext(total_steps=self.state.max_steps or None, seed=self.args.seed,
+                                   rank=self.args.process_index, fused=self.args.ivon_fused,
+                                   sync=self.args.world_size > 1 and not self.is_fsdp_enabled)
+            self.optimizer = self.method.create_optimizer(params, run)
+            if self.optimizer is None:
+                return super().create_optimizer(model)
             self._ivon_param_names = [names[id(p)] for p in params]
-            # the run's length (set by train() before the optimizer), for the run-length β2 rule (varsmooth.presets)
-            self.method.total_steps = self.state.max_steps or None
-            # FSDP2 averages the gradients of the sharded parameters, and all ranks draw one sample (IVON's sync off)
-            self.optimizer = VariationalIVON(
-                params, noise_seed=self.args.seed, rank=self.args.process_index, fused=self.args.ivon_fused,
-                sync=self.args.world_size > 1 and not self.is_fsdp_enabled, **self.method.ivon_settings(),
-            )
-        elif self._ivon_param_names is None:
-            names = {id(p): n for n, p in self.model.named_parameters()}
+        elif self.ivon is not None and self._ivon_param_names is None:  # an IVON passed in `optimizers`
             self._ivon_param_names = [names[id(p)] for g in self.optimizer.param_groups for p in g["params"]]
         return self.optimizer
 

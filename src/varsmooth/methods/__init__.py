@@ -5,7 +5,7 @@
 
 from .alasca import ALASCAConfig, ALASCAMethod
 from .base import (
-    EXAMPLE_INDEX_KEY, METHODS, ExampleIndexDataset, MethodConfig, MethodContext, MethodInfo, TrainingMethod,
+    EXAMPLE_INDEX_KEY, METHODS, ExampleIndexDataset, MethodConfig, MethodContext, MethodInfo, OptimizerContext, TrainingMethod,
     build_method_config, get_method_class, get_method_config_class, list_methods, method_config_classes,
     method_config_from_flags, register_method,
 )
@@ -42,6 +42,7 @@ __all__ = [
     "MethodInfo",
     "OnlineLabelSmoothingConfig",
     "OnlineLabelSmoothingMethod",
+    "OptimizerContext",
     "SAMConfig",
     "SAMMethod",
     "TrainingMethod",

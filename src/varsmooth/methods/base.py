@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "EXAMPLE_INDEX_KEY", "IGNORE_INDEX", "METHODS", "ExampleIndexDataset", "MethodConfig", "MethodContext", "MethodInfo",
-    "TrainingMethod", "build_method_config", "get_method_class", "get_method_config_class", "list_methods",
+    "OptimizerContext", "TrainingMethod", "build_method_config", "get_method_class", "get_method_config_class", "list_methods",
     "method_config_classes", "method_config_from_flags", "register_method",
 ]
 
@@ -81,6 +81,22 @@ class MethodContext:
             self.accelerator.backward(loss)
         else:
             loss.backward()
+
+
+@dataclass(frozen=True)
+class OptimizerContext:
+    """What a method may know of the run when it builds its optimizer (`TrainingMethod.create_optimizer`)."""
+
+    #: optimizer steps of the whole run (`TrainerState.max_steps`); None when unknown (an IterableDataset)
+    total_steps: int | None = None
+    #: the run's seed (IVON's weight-noise seed)
+    seed: int = 0
+    #: this process's rank (IVON draws other noise on each rank)
+    rank: int = 0
+    #: whether the optimizer averages its gradient statistics over processes itself (DDP with the all-reduce off)
+    sync: bool = False
+    #: IVON's fused kernels: True, False, or None (on where they apply)
+    fused: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -246,7 +262,7 @@ def method_config_from_flags(method: str, configs: Iterable[MethodConfig], given
 class TrainingMethod:
     """Empirical risk minimisation: plain cross-entropy with whatever optimizer the Trainer's `optim` names.
 
-    Subclasses override `loss` (and `ivon_settings` when IVON is the optimizer), and may keep state that is
+    Subclasses override `loss` (and `create_optimizer` to train with an optimizer of their own), and may keep state that is
     saved in checkpoints through `state_dict`/`load_state_dict`. `self.config` is the method's `MethodConfig`.
     """
 
@@ -268,9 +284,9 @@ class TrainingMethod:
         self.config = build_method_config(self.name, args.method_config)
         self.num_train_examples = num_train_examples
 
-    def ivon_settings(self) -> dict[str, Any]:
-        """Keyword arguments for `VariationalIVON` (only called when `uses_ivon`)."""
-        raise NotImplementedError(f"{self.name} does not train with IVON")
+    def create_optimizer(self, params: list[torch.nn.Parameter], run: OptimizerContext) -> torch.optim.Optimizer | None:
+        """The optimizer of the trainable `params`; None (the default): the Trainer's own, as `optim` names it."""
+        return None
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor, context: MethodContext) -> torch.Tensor:
         """Mean training loss of one micro-batch (labels equal to -100 are ignored)."""

@@ -10,8 +10,11 @@ import logging
 import math
 from typing import Any, ClassVar
 
+import torch
+
+from ..posterior.optimizer import VariationalIVON
 from ..presets import HESSIAN_WINDOW_CLIP_RADIUS, IVON_PRESETS, SCRATCH_PRESET, default_beta2
-from .base import MethodConfig, TrainingMethod, register_method
+from .base import MethodConfig, OptimizerContext, TrainingMethod, register_method
 
 __all__ = ["IVONMethod", "IVONFixedHessianMethod"]
 
@@ -29,8 +32,20 @@ class IVONMethod(TrainingMethod):
                             "Learning Induces Adaptive Label Smoothing (2025)")
     uses_ivon: ClassVar[bool] = True
     default_learning_rate: ClassVar[float] = 0.2
-    #: optimizer steps of the run, set by the trainer before it builds IVON (for the run-length β2 rule)
+    #: optimizer steps of the run, known when IVON is built (`create_optimizer`; for the run-length β2 rule)
     total_steps: int | None = None
+
+    def create_optimizer(self, params: list[torch.nn.Parameter], run: OptimizerContext) -> VariationalIVON:
+        """IVON over the trainable `params` with `ivon_settings()` for a run of `run.total_steps` steps."""
+        low_precision = sorted({str(p.dtype) for p in params if p.dtype not in (torch.float32, torch.float64)})
+        if low_precision:
+            raise ValueError(
+                f"IVON needs fp32 trainable weights, found {low_precision}: in bf16 β2=0.99999 rounds to 1 and the "
+                "Hessian never updates. Load the model in float32 and use bf16=True for mixed precision."
+            )
+        self.total_steps = run.total_steps
+        return VariationalIVON(params, noise_seed=run.seed, rank=run.rank, fused=run.fused, sync=run.sync,
+                               **self.ivon_settings())
 
     def follows_run_length(self) -> bool:
         """Whether β2 is the library's default (`varsmooth.presets.default_beta2`): no `beta2` was given."""
@@ -78,6 +93,7 @@ class IVONMethod(TrainingMethod):
         return float(self.num_train_examples)
 
     def ivon_settings(self) -> dict[str, Any]:
+        """Keyword arguments for `VariationalIVON`."""
         return self._settings(self.beta2())
 
     def _settings(self, beta2: float | None) -> dict[str, Any]:
