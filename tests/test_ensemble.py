@@ -17,6 +17,7 @@ from varsmooth import DeepEnsemble, TemperatureScaling, VariationalModel, Variat
 from varsmooth.calibration import TEMPERATURE_SCALING_FILE
 from varsmooth.ensemble import ENSEMBLE_CONFIG_FILE
 from varsmooth.posterior import DiagonalGaussianPosterior, derive_seed
+from varsmooth.posterior.prediction import entropy
 
 VOCAB, LENGTH, CLASSES = 40, 8, 3
 
@@ -46,10 +47,6 @@ def with_posterior(network: torch.nn.Module, scale: float, num_samples: int) -> 
 
 def point(network: torch.nn.Module) -> VariationalModel:
     return VariationalModel(network, DiagonalGaussianPosterior.point_mass(network), num_samples=0)
-
-
-def _entropy(p: torch.Tensor) -> torch.Tensor:
-    return -(p * p.clamp_min(1e-30).log()).sum(-1)
 
 
 def _hand_draws(network, std, x, num_samples, seed):
@@ -95,9 +92,9 @@ def test_the_ensemble_averages_the_members_predictions_exactly():
     torch.testing.assert_close(out.probs, expected, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(out.logits.exp(), expected, rtol=1e-5, atol=1e-6)
     # every single model's entropy: one per point member, the mean over its draws for the Bayesian one
-    single_entropy = (_entropy(singles[0]) + _entropy(singles[1]) + torch.stack([_entropy(d) for d in draws]).mean(0)) / 3
-    torch.testing.assert_close(out.entropy, _entropy(expected), rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(out.mutual_information, _entropy(expected) - single_entropy, rtol=1e-4, atol=1e-5)
+    single_entropy = (entropy(singles[0]) + entropy(singles[1]) + torch.stack([entropy(d) for d in draws]).mean(0)) / 3
+    torch.testing.assert_close(out.entropy, entropy(expected), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out.mutual_information, entropy(expected) - single_entropy, rtol=1e-4, atol=1e-5)
     with torch.no_grad():
         mean_expected = torch.stack([n(pixel_values=x).logits.softmax(-1) for n in networks]).mean(0)
     torch.testing.assert_close(out.mean_probs, mean_expected, rtol=1e-5, atol=1e-6)

@@ -245,6 +245,15 @@ def test_detection_metrics_by_hand():
     assert mislabel_detection_report({**columns, "is_corrupted": np.zeros(3, bool)})["scores"] == {}
 
 
+def test_detection_metrics_count_ties_half_and_check_their_input():
+    # wrong labels score 1, 1; right ones 1, 0: of the 4 pairs 2 are ordered and 2 tied -> (2 + 2/2) / 4
+    assert detection_metrics(np.array([1.0, 1.0, 1.0, 0.0]), np.array([1, 1, 0, 0]))["auroc"] == 0.75
+    with pytest.raises(ValueError, match="both right and wrong"):
+        detection_metrics(np.array([0.2, 0.4]), np.zeros(2, bool))
+    with pytest.raises(ValueError, match="same length"):
+        detection_metrics(np.array([0.2, 0.4, 0.1]), np.array([True, False]))
+
+
 # -- export: atomic files --------------------------------------------------------------------------------------------
 def test_write_is_atomic(tmp_path, monkeypatch):
     model, data = TinyClassifier(), make_data(n=10)

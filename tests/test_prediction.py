@@ -7,6 +7,7 @@ import os
 import numpy as np
 import pytest
 import torch
+from scipy.stats import entropy as scipy_entropy
 from sklearn.metrics import brier_score_loss, log_loss
 from transformers import ResNetConfig, ResNetForImageClassification
 
@@ -14,6 +15,7 @@ from helpers import TinyClassifier, digits_dataset, make_args
 from varsmooth import DiagonalGaussianPosterior, VariationalModel, VariationalTrainer, classification_metrics
 from varsmooth.metrics import CALIBRATION_METRIC_PATH, expected_calibration_error
 from varsmooth.posterior import POSTERIOR_FILE
+from varsmooth.posterior.prediction import entropy
 
 
 def _random_probs(n=500, k=4, seed=0):
@@ -106,6 +108,13 @@ def test_posterior_std_is_ivon_formula(trained):
     expected = 1.0 / torch.sqrt(group["ess"] * (opt.hessian() + group["weight_decay"]))
     got = torch.cat([s.flatten() for s in trainer.posterior().std.values()])
     torch.testing.assert_close(got, expected)
+
+
+def test_entropy_closed_forms():
+    # uniform over K: log K; one-hot: 0 (0 log 0 = 0, not NaN); a random row: SciPy's entropy in nats
+    probs = torch.tensor([[0.25] * 4, [0.0, 1.0, 0.0, 0.0], [0.1, 0.2, 0.3, 0.4]], dtype=torch.float64)
+    torch.testing.assert_close(entropy(probs), torch.tensor([np.log(4), 0.0, scipy_entropy([0.1, 0.2, 0.3, 0.4])],
+                                                            dtype=torch.float64))
 
 
 def test_samples_have_the_posterior_distribution():

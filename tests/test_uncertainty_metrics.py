@@ -11,7 +11,6 @@ from fractions import Fraction
 
 import numpy as np
 import pytest
-from sklearn.metrics import roc_auc_score, roc_curve
 
 from helpers import TinyClassifier, digits_dataset, make_args
 from varsmooth import VariationalTrainer
@@ -157,17 +156,40 @@ def test_selective_inputs_are_checked():
 
 
 # -- OOD detection ----------------------------------------------------------------------------------------------
-def test_auroc_and_fpr95_match_scikit_learn_with_ties():
-    rng = np.random.default_rng(3)
-    scores_in = rng.integers(0, 20, 300).astype(float)  # integer scores: many ties within and across the sets
-    scores_out = rng.integers(0, 14, 200).astype(float)
-    y = np.r_[np.ones(300), np.zeros(200)]
-    s = np.r_[scores_in, scores_out]
-    assert auroc(scores_in, scores_out) == pytest.approx(roc_auc_score(y, s), abs=1e-12)
-    fpr, tpr, _ = roc_curve(y, s, drop_intermediate=False)
-    assert fpr_at_tpr(scores_in, scores_out) == pytest.approx(fpr[np.searchsorted(tpr, 0.95)])
-    for target in (0.5, 0.8, 1.0):
-        assert fpr_at_tpr(scores_in, scores_out, target) == pytest.approx(fpr[np.searchsorted(tpr, target - 1e-12)])
+def _fpr_by_definition(scores_in, scores_out, tpr):
+    """Fraction of `scores_out` ≥ t at the largest t among the scores that keeps a fraction ≥ `tpr` of `scores_in`
+    (exact fractions: 19/20 is 0.95)."""
+    target = Fraction(str(tpr))
+    kept = [t for t in np.r_[scores_in, scores_out] if Fraction(int((scores_in >= t).sum()), len(scores_in)) >= target]
+    return (scores_out >= max(kept)).mean()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_auroc_and_fpr_at_tpr_by_brute_force(seed):
+    """AUROC = P(score_in > score_out) + ½ P(tie) over all pairs, and FPR at TPR by its definition, on small arrays
+    with and without ties; the numbers the hand-written rank statistic gave before scikit-learn computed them."""
+    rng = np.random.default_rng(seed)
+    n_in, n_out = rng.integers(1, 40, 2)
+    if seed % 2:  # integer scores: many ties within and across the sets
+        scores_in, scores_out = rng.integers(0, 8, n_in).astype(float), rng.integers(0, 6, n_out).astype(float)
+    else:
+        scores_in, scores_out = rng.normal(size=n_in), rng.normal(0.5, size=n_out)
+    diff = scores_in[:, None] - scores_out[None, :]
+    assert auroc(scores_in, scores_out) == pytest.approx((diff > 0).mean() + 0.5 * (diff == 0).mean(), abs=1e-12)
+    for tpr in (0.95, 0.5, 0.8, 0.3, 1.0):
+        assert fpr_at_tpr(scores_in, scores_out, tpr) == _fpr_by_definition(scores_in, scores_out, tpr)
+    assert fpr_at_tpr(scores_in, scores_out) == fpr_at_tpr(scores_in, scores_out, 0.95)
+
+
+def test_fpr_at_tpr_reads_points_inside_straight_roc_segments():
+    # the ROC points (0, 0), (1/3, 1/3), (2/3, 2/3), (1, 1) are collinear: the TPR-1/3 point is inside a segment
+    assert fpr_at_tpr(np.array([3.0, 2.0, 1.0]), np.array([3.0, 2.0, 1.0]), 1 / 3) == pytest.approx(1 / 3)
+    with pytest.raises(ValueError, match="tpr must lie"):
+        fpr_at_tpr(np.ones(3), np.ones(3), 0.0)
+    with pytest.raises(ValueError, match="NaN"):
+        auroc(np.array([np.nan, 1.0]), np.ones(2))
+    with pytest.raises(ValueError, match="scores_out contains infinite"):
+        fpr_at_tpr(np.ones(2), np.array([-np.inf, 1.0]))
 
 
 def test_auroc_extremes_and_symmetry():

@@ -27,7 +27,7 @@ from .calibration import TemperatureScaling, network_fingerprint
 from .files import MANIFEST_FILE, FolderSave, check_manifest, read_manifest
 from .modeling import FOLDER_LOADERS, VariationalModel, load_temperature_scaling
 from .posterior import VariationalClassifierOutput
-from .posterior.prediction import LABEL_KEYS, _entropy
+from .posterior.prediction import LABEL_KEYS, entropy
 from .utils import atomic_path
 
 __all__ = ["ENSEMBLE_CONFIG_FILE", "DeepEnsemble"]
@@ -97,11 +97,11 @@ class DeepEnsemble(torch.nn.Module):
         # each member's mean entropy of its single models is H[P̂_n] − MI_n (0 for a member without draws)
         single_entropy = torch.stack([out.entropy if out.mutual_information is None else out.entropy - out.mutual_information
                                       for out in outputs]).mean(0)
-        entropy = _entropy(probs)
+        total_entropy = entropy(probs)
         mean_probs = torch.stack([out.mean_probs for out in outputs]).mean(0)
         out = VariationalClassifierOutput(
             logits=probs.clamp_min(1e-30).log(), probs=probs, mean_logits=mean_probs.clamp_min(1e-30).log(),
-            mean_probs=mean_probs, entropy=entropy, mutual_information=(entropy - single_entropy).clamp_min(0.0),
+            mean_probs=mean_probs, entropy=total_entropy, mutual_information=(total_entropy - single_entropy).clamp_min(0.0),
         )
         return out if self.temperature_scaling is None else self.temperature_scaling.calibrate(out)
 

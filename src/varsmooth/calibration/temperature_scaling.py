@@ -28,7 +28,7 @@ import torch
 
 from ..methods.heads import AUX_MODULE_NAME
 from ..posterior.gaussian import DiagonalGaussianPosterior, weights_fingerprint
-from ..posterior.prediction import VariationalClassifierOutput
+from ..posterior.prediction import VariationalClassifierOutput, entropy
 from ..utils import atomic_path
 
 __all__ = ["TEMPERATURE_SCALING_FILE", "TemperatureScaling", "describe_prediction", "network_fingerprint", "scaled_nll"]
@@ -37,10 +37,6 @@ TEMPERATURE_SCALING_FILE = "temperature_scaling.json"
 #: the fitted T is kept inside [1/100, 100]: on a validation set the model fits perfectly the NLL keeps falling as
 #: T → 0, and such a T would only encode that the validation set was separable
 TEMPERATURE_BOUNDS = (1e-2, 1e2)
-
-
-def _entropy(probs: torch.Tensor) -> torch.Tensor:
-    return -(probs * probs.clamp_min(1e-30).log()).sum(-1)
 
 
 def scaled_nll(log_probs: torch.Tensor, labels: torch.Tensor, temperature: float | torch.Tensor) -> torch.Tensor:
@@ -149,7 +145,7 @@ class TemperatureScaling:
         """
         log_probs = self.calibrate_log_probs(output.logits)
         probs = log_probs.exp()
-        return replace(output, logits=log_probs, probs=probs, entropy=_entropy(probs))
+        return replace(output, logits=log_probs, probs=probs, entropy=entropy(probs))
 
     # -- files -------------------------------------------------------------------------------------
     def save(self, folder: str | os.PathLike, network: torch.nn.Module) -> str:

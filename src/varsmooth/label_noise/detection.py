@@ -11,6 +11,9 @@ label has p̄_y ≈ 0 on the flat part of the softmax, so its `noise_at_label` |
 that raw orientation) and ‖ε̄‖₁ is uninformative (≈ 0.5).
 These scores are computed on the training data the model was fitted to (in-sample): say so when comparing them
 with detectors fed out-of-sample (cross-validated) probabilities such as cleanlab's.
+
+The AUROC is `varsmooth.metrics.auroc` (scikit-learn's, wrong labels as the positives) and the average precision is
+scikit-learn's; precision at k is hand-written, since scikit-learn has no precision of the top k of a ranking.
 """
 
 from __future__ import annotations
@@ -20,7 +23,9 @@ from typing import Any
 
 import datasets
 import numpy as np
-from sklearn.metrics import average_precision_score, roc_auc_score
+from sklearn.metrics import average_precision_score
+
+from ..metrics.ood import auroc
 
 __all__ = ["SUSPICION_SCORES", "detection_metrics", "mislabel_detection_report", "suspicion_scores"]
 
@@ -50,10 +55,15 @@ def detection_metrics(scores: np.ndarray, is_corrupted: np.ndarray) -> dict[str,
     """
     scores = np.asarray(scores, dtype=np.float64)
     truth = np.asarray(is_corrupted, dtype=bool)
+    if scores.ndim != 1 or scores.shape != truth.shape:
+        raise ValueError(f"scores {scores.shape} and is_corrupted {truth.shape} must be 1-D arrays of the same length.")
     k = int(truth.sum())
+    if not 0 < k < truth.size:
+        raise ValueError(f"{k} of {truth.size} labels are marked wrong: detection metrics need both right and wrong "
+                         "labels (`mislabel_detection_report` reports a note instead).")
     top = np.argsort(-scores, kind="stable")[:k]
     return {
-        "auroc": float(roc_auc_score(truth, scores)),
+        "auroc": auroc(scores[truth], scores[~truth]),
         "average_precision": float(average_precision_score(truth, scores)),
         "precision_at_k": float(truth[top].mean()),
     }

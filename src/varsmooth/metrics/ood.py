@@ -6,15 +6,18 @@ Every score is oriented as a confidence, higher = more in-distribution, and the 
 positives (as Liu et al. 2020): AUROC = P(score_in > score_out) + ½ P(tie), 0.5 for a score that cannot tell the
 two sets apart; FPR95 = the fraction of out-of-distribution examples still accepted at the highest threshold that
 accepts at least 95 % of the in-distribution ones (lower is better).
+
+Both come from scikit-learn: AUROC is `roc_auc_score`, FPR at a TPR is read off `roc_curve` (scikit-learn reports
+the curve, not its FPR at a fixed TPR). Hand-written because no library computes them from a predictive: the scores
+of `uncertainty_scores`, one formula each (the energy via SciPy's `logsumexp`). `label_noise.detection` ranks
+suspicious labels with the same `auroc`.
 """
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 from scipy.special import logsumexp
-from scipy.stats import rankdata
+from sklearn.metrics import roc_auc_score, roc_curve
 
 __all__ = ["OOD_SCORES", "auroc", "fpr_at_tpr", "ood_detection", "ood_metrics", "uncertainty_scores"]
 
@@ -28,25 +31,31 @@ def _scores(name: str, values: np.ndarray) -> np.ndarray:
         raise ValueError(f"{name} must be a non-empty 1-D array of scores, got shape {values.shape}.")
     if np.isnan(values).any():
         raise ValueError(f"{name} contains NaN scores.")
+    if np.isinf(values).any():  # scikit-learn's curves refuse them with a message that names neither set
+        raise ValueError(f"{name} contains infinite scores: clip them to finite values that keep their order.")
     return values
+
+
+def _labelled(scores_in: np.ndarray, scores_out: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(labels, scores) of both sets as scikit-learn takes them: in-distribution = the positive class."""
+    scores_in, scores_out = _scores("scores_in", scores_in), _scores("scores_out", scores_out)
+    return np.r_[np.ones(len(scores_in), bool), np.zeros(len(scores_out), bool)], np.r_[scores_in, scores_out]
 
 
 def auroc(scores_in: np.ndarray, scores_out: np.ndarray) -> float:
     """P(score_in > score_out) + ½ P(tie) (the Mann–Whitney statistic), in-distribution = positive."""
-    scores_in, scores_out = _scores("scores_in", scores_in), _scores("scores_out", scores_out)
-    ranks = rankdata(np.concatenate([scores_in, scores_out]))  # average ranks: ties count ½
-    n_in, n_out = len(scores_in), len(scores_out)
-    return float((ranks[:n_in].sum() - n_in * (n_in + 1) / 2) / (n_in * n_out))
+    return float(roc_auc_score(*_labelled(scores_in, scores_out)))
 
 
 def fpr_at_tpr(scores_in: np.ndarray, scores_out: np.ndarray, tpr: float = 0.95) -> float:
     """Fraction of `scores_out` ≥ t, for the largest threshold t with at least a fraction `tpr` of `scores_in` ≥ t."""
     if not 0 < tpr <= 1:
         raise ValueError(f"tpr must lie in (0, 1], got {tpr}.")
-    scores_in, scores_out = _scores("scores_in", scores_in), _scores("scores_out", scores_out)
-    accepted = math.ceil(tpr * len(scores_in) - 1e-9)  # guards 0.95·N computed as 0.9500000001·N
-    threshold = np.sort(scores_in)[::-1][accepted - 1]
-    return float((scores_out >= threshold).mean())
+    # every distinct score stays a threshold: by default roc_curve drops the points inside straight segments of the
+    # curve, and the first point reaching `tpr` can be one of them
+    fprs, tprs, _ = roc_curve(*_labelled(scores_in, scores_out), drop_intermediate=False)
+    # the curve's TPRs are k/N rounded once, so 19/20 equals 0.95; the margin absorbs a `tpr` that was itself computed
+    return float(fprs[np.argmax(tprs >= tpr - 1e-12)])
 
 
 def ood_detection(scores_in: np.ndarray, scores_out: np.ndarray) -> dict[str, float]:

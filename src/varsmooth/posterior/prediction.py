@@ -19,7 +19,7 @@ from transformers.utils import ModelOutput
 from .gaussian import DiagonalGaussianPosterior
 from .noise import derive_seed
 
-__all__ = ["VariationalClassifierOutput", "average_predictions", "draw_seeds", "predictive_distribution", "sampled_probs", "model_logits", "model_outputs", "logits_of",
+__all__ = ["VariationalClassifierOutput", "average_predictions", "draw_seeds", "entropy", "predictive_distribution", "sampled_probs", "model_logits", "model_outputs", "logits_of",
            "IGNORE_INDEX", "LABEL_KEYS"]
 
 LABEL_KEYS = ("labels", "label", "label_ids")
@@ -77,7 +77,8 @@ def model_logits(model: torch.nn.Module, inputs: Mapping[str, Any]) -> torch.Ten
     return logits_of(model_outputs(model, inputs)).float()
 
 
-def _entropy(probs: torch.Tensor) -> torch.Tensor:
+def entropy(probs: torch.Tensor) -> torch.Tensor:
+    """H[p] = −Σ_k p_k log p_k over the last dimension, in nats (0 log 0 = 0)."""
     return -(probs * probs.clamp_min(1e-30).log()).sum(-1)
 
 
@@ -134,22 +135,22 @@ def average_predictions(mean_logits: torch.Tensor, sample_probs: Iterable[torch.
     num_samples = 0
     for sample in sample_probs:
         probs += sample
-        expected_entropy += _entropy(sample)
+        expected_entropy += entropy(sample)
         noise_sq += (mean_probs - sample).square().sum(-1)
         num_samples += 1
     if num_samples == 0:  # a point prediction: there is no spread over models to report
         return VariationalClassifierOutput(
             logits=mean_logits.log_softmax(-1), probs=mean_probs, mean_logits=mean_logits, mean_probs=mean_probs,
-            entropy=_entropy(mean_probs),
+            entropy=entropy(mean_probs),
         )
     probs /= num_samples
-    entropy = _entropy(probs)
+    total_entropy = entropy(probs)
     return VariationalClassifierOutput(
         logits=probs.clamp_min(1e-30).log(),
         probs=probs,
         mean_logits=mean_logits,
         mean_probs=mean_probs,
-        entropy=entropy,
-        mutual_information=(entropy - expected_entropy / num_samples).clamp_min(0.0),
+        entropy=total_entropy,
+        mutual_information=(total_entropy - expected_entropy / num_samples).clamp_min(0.0),
         noise_rms=(noise_sq / num_samples).sqrt(),
     )
