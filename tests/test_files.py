@@ -675,3 +675,57 @@ def test_a_smaller_ensemble_keeps_an_earlier_member_folder_that_was_edited(tmp_p
     DeepEnsemble(members[:2]).save_pretrained(tmp_path / "other2")
     DeepEnsemble(members[:1]).save_pretrained(tmp_path / "other2")  # unchanged: removed as before
     assert not (tmp_path / "other2" / "member-1").exists()
+
+
+def test_rotation_keeps_the_newest_and_the_best_and_leaves_nothing_half_deleted(tmp_path):
+    from varsmooth.files import DELETING_PREFIX, STAGING_PREFIX, clear_leftover_stagings, rotate_checkpoints
+
+    for step in range(1, 6):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+        (tmp_path / f"checkpoint-{step}" / "model.safetensors").write_bytes(b"w")
+        os.utime(tmp_path / f"checkpoint-{step}", (1000 + 10 * step, 1000 + 10 * step))  # ordered by mtime
+    (tmp_path / f"{STAGING_PREFIX}checkpoint-6").mkdir()  # left by a killed run
+    (tmp_path / f"{DELETING_PREFIX}checkpoint-0").mkdir()
+    rotate_checkpoints(tmp_path, None, None)  # no limit: all kept
+    assert len([d for d in os.listdir(tmp_path) if d.startswith("checkpoint-")]) == 5
+    rotate_checkpoints(tmp_path, 2, str(tmp_path / "checkpoint-1"))
+    clear_leftover_stagings(tmp_path)
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-1", "checkpoint-5"]
+
+
+def test_publishing_a_checkpoint_lists_its_training_state_and_replaces_an_earlier_one_whole(tmp_path):
+    from varsmooth.files import STAGING_PREFIX, check_manifest, publish_checkpoint, write_manifest
+
+    staging, final = tmp_path / f"{STAGING_PREFIX}checkpoint-3", tmp_path / "checkpoint-3"
+    written = staging / "checkpoint-3"
+    written.mkdir(parents=True)
+    (written / "model.safetensors").write_bytes(b"weights")
+    write_manifest(str(written), ["model.safetensors"])  # the model's save
+    (written / "optimizer.pt").write_bytes(b"state")  # the training state, written after it
+    final.mkdir()
+    (final / "stale.bin").write_bytes(b"an earlier run's")
+    publish_checkpoint(staging, final)
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-3"]
+    assert set(os.listdir(final)) == {MANIFEST_FILE, "model.safetensors", "optimizer.pt"}
+    assert json.loads((final / MANIFEST_FILE).read_text())["training_state"] == ["optimizer.pt"]
+    check_manifest(final)
+    (final / "optimizer.pt").write_bytes(b"cut")
+    with pytest.raises(ValueError, match="optimizer.pt"):
+        check_manifest(final)
+
+
+def test_ivon_restored_from_a_posterior_gets_its_std_and_refuses_other_trainable_parameters(tmp_path):
+    from varsmooth import VariationalIVON
+    from varsmooth.posterior.resume import restore_ivon_from_posterior
+
+    model = TinyClassifier()
+    names = [name for name, _ in model.named_parameters()]
+    DiagonalGaussianPosterior(model, {name: torch.full_like(p, 0.1) for name, p in model.named_parameters()}).save(tmp_path)
+    ivon = VariationalIVON(list(model.parameters()), lr=0.1, ess=100.0)
+    restore_ivon_from_posterior(ivon, model, str(tmp_path), names, default_step=7)  # no step recorded: the default
+    assert ivon.current_step == 7
+    stds = torch.cat([s.flatten() for s in ivon.posterior_std()])  # h = 1/(ess σ²) − δ inverts σ
+    torch.testing.assert_close(stds, torch.full_like(stds, 0.1), rtol=1e-5, atol=0)
+    head_only = VariationalIVON([model.head.weight, model.head.bias], lr=0.1, ess=100.0)
+    with pytest.raises(ValueError, match="covers 4 parameters but IVON trains 2"):
+        restore_ivon_from_posterior(head_only, model, str(tmp_path), ["head.weight", "head.bias"], default_step=7)

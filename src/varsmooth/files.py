@@ -7,20 +7,30 @@ has the recorded hash, is ever removed; any other file in the folder (yours, or 
 folder whose manifest is missing was interrupted (or written by something else); a file whose size or hash differs
 from its manifest entry was truncated, edited or replaced, and loading refuses it before reading any weights. The
 manifest is also the exact list of files `push_to_hub` uploads.
+
+A checkpoint is written under a staging name and appears as `checkpoint-N` by one rename once complete
+(`publish_checkpoint`); an old one disappears by one rename before it is deleted (`rotate_checkpoints`). A kill
+leaves either a whole checkpoint or none under a name `get_last_checkpoint` matches.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
-from collections.abc import Iterable
+import shutil
+import tempfile
+from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
-from .utils import atomic_path, ordinary_file_mode
+from transformers.trainer_utils import sort_checkpoints
 
-__all__ = ["MANIFEST_FILE", "OWNED_PATTERNS", "PRIVATE_FILES", "FolderSave", "add_to_manifest", "check_manifest",
-           "file_sha256", "read_manifest", "shareable_files", "write_manifest", "written_by_varsmooth"]
+__all__ = ["DELETING_PREFIX", "MANIFEST_FILE", "METHOD_STATE_FILE", "OWNED_PATTERNS", "PRIVATE_FILES", "STAGING_PREFIX",
+           "FolderSave", "add_to_manifest", "atomic_path", "check_manifest", "clear_leftover_stagings", "file_sha256",
+           "has_optimizer_state", "ordinary_file_mode", "publish_checkpoint", "read_manifest", "rotate_checkpoints",
+           "shareable_files", "write_manifest", "written_by_varsmooth"]
 
 MANIFEST_FILE = "varsmooth_manifest.json"
 #: names of files only varsmooth writes: a push deletes those of earlier pushes from the Hub repo
@@ -28,6 +38,13 @@ OWNED_PATTERNS = ("posterior.safetensors", "noise_report.json", "label_noise*.pa
                   "label_noise*.png", "temperature_scaling.json", "ensemble_config.json", MANIFEST_FILE)
 #: written by a save but never shared: the Trainer's pickled arguments may hold paths and tokens
 PRIVATE_FILES = frozenset({"training_args.bin", MANIFEST_FILE})
+#: checkpoint file with the training method's own state (OLS soft labels, ALASCA EMAs, ...)
+METHOD_STATE_FILE = "method_state.pt"
+#: a checkpoint is written under this prefix and renamed to `checkpoint-N` when complete; `get_last_checkpoint`
+#: and checkpoint rotation match only names that start with `checkpoint-`
+STAGING_PREFIX = ".partial-"
+#: an old checkpoint is renamed under this prefix, then deleted
+DELETING_PREFIX = ".deleting-"
 
 _Stat = tuple[int, int, int]
 
@@ -41,6 +58,34 @@ def _stats(folder: str) -> dict[str, _Stat]:
             st = entry.stat(follow_symlinks=False)
             out[entry.name] = (st.st_ino, st.st_mtime_ns, st.st_size)
     return out
+
+
+def ordinary_file_mode() -> int:
+    """The permissions `open(path, "w")` gives a new file under the process's umask (0644 under umask 022)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[str]:
+    """Yield a temporary path in the same folder; on success it replaces `path` in one rename.
+
+    A crash while writing leaves the previous file (or none), never half a file.
+    """
+    path = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=os.path.basename(path))
+    os.close(fd)
+    try:
+        yield tmp
+        # mkstemp creates the file private (0600); give it the permissions an ordinary write would have
+        os.chmod(tmp, ordinary_file_mode())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 
 def file_sha256(path: str | os.PathLike) -> str:
@@ -174,3 +219,64 @@ def written_by_varsmooth(folder: str | os.PathLike, name: str) -> bool:
     """Whether `folder/name` is, byte for byte, a file a varsmooth save recorded in the manifest."""
     entry = ((read_manifest(folder) or {}).get("files", {})).get(name)
     return entry is not None and _matches(os.path.join(os.fspath(folder), name), entry)
+
+
+# -- checkpoints -------------------------------------------------------------------------------------
+def clear_leftover_stagings(run_dir: str | os.PathLike) -> None:
+    """Delete what a killed run left in `run_dir`: checkpoints it was writing or deleting (never a `checkpoint-N`)."""
+    run_dir = os.fspath(run_dir)
+    for leftover in os.listdir(run_dir) if os.path.isdir(run_dir) else ():
+        if leftover.startswith((STAGING_PREFIX, DELETING_PREFIX)):
+            shutil.rmtree(os.path.join(run_dir, leftover), ignore_errors=True)
+
+
+def publish_checkpoint(staging: str | os.PathLike, final: str | os.PathLike) -> None:
+    """Make the checkpoint written as `staging/<final's name>` (a model save with its manifest, then the training
+    state) visible as `final`, by one rename. The manifest first lists the training-state files too (optimizer,
+    scheduler, RNG and trainer states, as `training_state`), so that resuming refuses a truncated optimizer.pt by
+    name; a checkpoint of the same step from an earlier run is replaced whole."""
+    staging, final = os.fspath(staging), os.fspath(final)
+    written = os.path.join(staging, os.path.basename(final))
+    listed = set((read_manifest(written) or {}).get("files", ())) | {MANIFEST_FILE}
+    state = sorted(entry.name for entry in os.scandir(written) if entry.is_file() and entry.name not in listed)
+    add_to_manifest(written, state, training_state=state)
+    if os.path.isdir(final):
+        _remove_checkpoint(final)
+    os.replace(written, final)
+    shutil.rmtree(staging, ignore_errors=True)
+
+
+def rotate_checkpoints(run_dir: str | os.PathLike, limit: int | None, best_checkpoint: str | None) -> None:
+    """`transformers.trainer_utils.rotate_checkpoints`, but each old checkpoint disappears by one rename before it is
+    deleted: a kill inside `rmtree` would leave a visible half-deleted checkpoint that resume picks up. Keeps the
+    newest `limit` checkpoints (`save_total_limit`; None or ≤ 0 keeps all), and always the newest and `best_checkpoint`."""
+    if limit is None or limit <= 0:
+        return
+    checkpoints = sort_checkpoints(os.fspath(run_dir), use_mtime=True)
+    protected = {checkpoints[-1]} if checkpoints else set()  # the newest, to resume from
+    if best_checkpoint is not None:
+        protected.add(str(Path(best_checkpoint)))
+    remaining = len(checkpoints)
+    for checkpoint in checkpoints:
+        if remaining <= max(limit, len(protected)):
+            break
+        if checkpoint not in protected:
+            _remove_checkpoint(checkpoint)
+            remaining -= 1
+
+
+def has_optimizer_state(checkpoint: str | os.PathLike) -> bool:
+    """Whether the stock Trainer finds optimizer state in `checkpoint`: optimizer.pt, or FSDP's optimizer.bin or
+    sharded optimizer folder."""
+    checkpoint = os.fspath(checkpoint)
+    if any(os.path.isfile(os.path.join(checkpoint, name)) for name in ("optimizer.pt", "optimizer.bin")):
+        return True
+    return any(name.startswith("optimizer") and os.path.isdir(os.path.join(checkpoint, name)) for name in os.listdir(checkpoint))
+
+
+def _remove_checkpoint(path: str) -> None:
+    """Hide the checkpoint under a staging name first (one rename), then delete it (a later save clears leftovers)."""
+    hidden = os.path.join(os.path.dirname(path), DELETING_PREFIX + os.path.basename(path))
+    shutil.rmtree(hidden, ignore_errors=True)
+    os.replace(path, hidden)
+    shutil.rmtree(hidden, ignore_errors=True)

@@ -13,8 +13,9 @@ What differs from the stock Trainer, and why (each item avoids a pitfall of a na
 * `prediction_step`: BMA over `eval_mc_samples` posterior samples, plus the posterior-mean prediction;
 * `_save`: writes the posterior (σ per parameter) next to the weights, in checkpoints and final saves, removes
   the varsmooth files of earlier runs it did not write, and writes the folder's manifest last (`varsmooth.files`);
-* `_save_checkpoint`: a `checkpoint-N` appears (by one rename) only once complete;
-* resuming without optimizer state restores IVON's Hessian and step from the checkpoint's posterior.
+* `_save_checkpoint`: a `checkpoint-N` appears (by one rename) only once complete (`varsmooth.files`);
+* resuming without optimizer state restores IVON's Hessian and step from the checkpoint's posterior
+  (`varsmooth.posterior.resume`).
 
 The trainer's other jobs live beside it: the model card and Hub pushes in `varsmooth.hub` (`VariationalHubMixin`),
 `label_noise()` in `varsmooth.label_noise` (`LabelNoiseMixin`), the training set's `NoiseReport` in
@@ -28,23 +29,22 @@ import functools
 import inspect
 import logging
 import os
-import shutil
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import datasets
 import numpy as np
 import torch
 from transformers import Trainer, TrainerCallback
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, EvalPrediction, PredictionOutput, sort_checkpoints
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, EvalPrediction, PredictionOutput
 from transformers.training_args import ParallelMode
 
 from .adapters import is_peft_model, save_classifier_config
 from .calibration import TemperatureScaling, TemperatureScalingCallback, describe_prediction, fit_on_batches
 from .corruption import realized_noise_report
 from .ensemble import DeepEnsemble
-from .files import MANIFEST_FILE, FolderSave, add_to_manifest, check_manifest, read_manifest
+from .files import (METHOD_STATE_FILE, STAGING_PREFIX, FolderSave, atomic_path, check_manifest, clear_leftover_stagings,
+                    has_optimizer_state, publish_checkpoint, rotate_checkpoints)
 from .methods import EXAMPLE_INDEX_KEY, ExampleIndexDataset, MethodContext, OptimizerContext, TrainingMethod, get_method_class
 from .methods.base import IGNORE_INDEX
 from .hub import VariationalHubMixin
@@ -55,23 +55,16 @@ from .posterior import (POSTERIOR_FILE, DiagonalGaussianPosterior, VariationalCl
 from .posterior.diagnostics import HessianDiagnosticsCallback, hessian_summary
 from .posterior.gaussian import TEMPERATURE_KEY, _reshard, non_finite_tensors
 from .posterior.optimizer import _local
+from .posterior.resume import load_ivon_state
 from .posterior.prediction import logits_of, model_outputs
 from .posterior.temperature import (SELECTION_SAMPLES, PosteriorTemperatureCallback, check_transition_matrix,
                                     select_temperature, temperature_logs)
 from .training_args import VariationalTrainingArguments, check_ivon_sharding
-from .utils import atomic_path, length_order
+from .utils import length_order
 
 __all__ = ["VariationalTrainer"]
 
 logger = logging.getLogger(__name__)
-
-#: checkpoint file with the training method's own state (OLS soft labels, ALASCA EMAs, ...)
-METHOD_STATE_FILE = "method_state.pt"
-#: a checkpoint is written under this prefix and renamed to `checkpoint-N` when complete; `get_last_checkpoint`
-#: and checkpoint rotation match only names that start with `checkpoint-`
-STAGING_PREFIX = ".partial-"
-#: an old checkpoint is renamed under this prefix, then deleted
-DELETING_PREFIX = ".deleting-"
 
 
 class VariationalTrainer(VariationalHubMixin, LabelNoiseMixin, Trainer):
@@ -79,6 +72,28 @@ class VariationalTrainer(VariationalHubMixin, LabelNoiseMixin, Trainer):
 
     Models may be any module returning logits in a `ModelOutput` or tuple (HF `AutoModelFor*Classification`,
     timm through `example_utils.models.create_image_classifier` in the examples, ...); the loss is computed here from the logits.
+
+    Private `Trainer` hooks it overrides, and what would not work without each:
+
+    * `_save`: the only step every save (final, checkpoint, FSDP's gathered state dict) takes on the writing process:
+      non-finite weights are refused and the posterior, temperature, noise report and manifest written there;
+    * `_save_checkpoint`: a checkpoint (with the method's state) appears by one rename once complete, then is pushed
+      and rotated (`varsmooth.files`); without it a kill can leave a half checkpoint that resume picks up;
+    * `_get_output_dir`: the stock `_save_checkpoint` writes where it says, so this sends it into the staging folder;
+    * `_load_from_checkpoint`: checks the checkpoint against its manifest before any weight is read; without it a
+      truncated file fails inside safetensors or torch.load instead of being named;
+    * `_load_optimizer_and_scheduler`: the stock one skips the optimizer without a scheduler.pt, restarting IVON's
+      Hessian and step silently (here they come from optimizer.pt or the posterior); also loads the method's state;
+    * `_load_best_model`: the stock one reloads only the weights; the saved posterior would pair them with the last
+      step's σ;
+    * `_get_dataloader`: adds each training row's index, which methods with per-example state (ALASCA) key on;
+    * `_set_signature_columns_if_needed`: `remove_unused_columns` would drop the example index and the inputs of a
+      `DeepEnsemble` (whose forward takes `**inputs`);
+    * `_remove_unused_columns`: removing the raw columns of a `with_transform` dataset would break its transform;
+    * `_clip_grad_norm`: IVON clips inside each sample; the stock clip after the last sample would rescale gradients
+      IVON still reads (ḡ with one sample) and log a clipped norm;
+    * `_push_from_checkpoint` (in `VariationalHubMixin`): the stock one copies only the config and weights from the
+      checkpoint, so the posterior and processor of a mid-training push would be stale or missing.
     """
 
     #: `compute_loss` returns the micro-batch mean (it ignores `num_items_in_batch`), so the stock
@@ -445,13 +460,6 @@ class VariationalTrainer(VariationalHubMixin, LabelNoiseMixin, Trainer):
             return self._last_grad_norm
         return super()._clip_grad_norm(model)
 
-    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        super()._save_optimizer_and_scheduler(output_dir)
-        state = self.method.state_dict()
-        if state and self.args.should_save:
-            with atomic_path(os.path.join(output_dir, METHOD_STATE_FILE)) as tmp:
-                torch.save(state, tmp)
-
     def _remove_unused_columns(self, dataset: Any, description: str | None = None) -> Any:
         # a `with_transform` dataset reads its raw columns (e.g. "image") when an item is fetched: removing them
         # would break the transform, and its output is already what the model takes
@@ -471,54 +479,30 @@ class VariationalTrainer(VariationalHubMixin, LabelNoiseMixin, Trainer):
         if self.state.best_model_checkpoint:
             check_manifest(self.state.best_model_checkpoint)
         super()._load_best_model()
-        best = self.state.best_model_checkpoint
-        if self.ivon is not None and best and os.path.isfile(os.path.join(best, "optimizer.pt")):
-            self.ivon.load_state_dict(torch.load(os.path.join(best, "optimizer.pt"), map_location="cpu", weights_only=True))
-        elif self.ivon is not None and best:  # save_only_model: the checkpoint's own posterior is σ of these weights
-            self._restore_ivon_from_posterior(best)
+        if self.ivon is not None and self.state.best_model_checkpoint:
+            self._load_ivon_state(self.state.best_model_checkpoint)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         super()._load_optimizer_and_scheduler(checkpoint)
+        # the stock Trainer loads the optimizer only together with the scheduler, and silently starts afresh without
+        # them: IVON would restart its Hessian and step count
         if checkpoint is not None and self.ivon is not None and not (
-                _has_optimizer_state(checkpoint) and os.path.isfile(os.path.join(checkpoint, "scheduler.pt"))):
-            self._restore_ivon_without_optimizer_state(checkpoint)
+                has_optimizer_state(checkpoint) and os.path.isfile(os.path.join(checkpoint, "scheduler.pt"))):
+            if self._load_ivon_state(checkpoint) == POSTERIOR_FILE:
+                logger.warning("%s has no optimizer state (save_only_model=True?): IVON's Hessian and step count were "
+                               "restored from its %s; the gradient momentum restarts at zero and the learning-rate "
+                               "schedule from its start.", checkpoint, POSTERIOR_FILE)
+            else:
+                logger.warning("%s has no scheduler.pt: IVON's state was restored, the learning-rate schedule restarts.", checkpoint)
         if checkpoint is not None and os.path.isfile(os.path.join(checkpoint, METHOD_STATE_FILE)):
             state = torch.load(os.path.join(checkpoint, METHOD_STATE_FILE), map_location="cpu", weights_only=True)
             self.method.load_state_dict(state)
 
-    def _restore_ivon_without_optimizer_state(self, checkpoint: str) -> None:
-        """The stock Trainer loads the optimizer only together with the scheduler, and silently starts afresh without
-        them; IVON would restart its Hessian and step count."""
-        if os.path.isfile(os.path.join(checkpoint, "optimizer.pt")):
-            self.ivon.load_state_dict(torch.load(os.path.join(checkpoint, "optimizer.pt"), map_location="cpu", weights_only=True))
-            logger.warning("%s has no scheduler.pt: IVON's state was restored, the learning-rate schedule restarts.", checkpoint)
-            return
-        self._restore_ivon_from_posterior(checkpoint)
-        logger.warning(
-            "%s has no optimizer state (save_only_model=True?): IVON's Hessian and step count were restored from its "
-            "%s; the gradient momentum restarts at zero and the learning-rate schedule from its start.", checkpoint, POSTERIOR_FILE,
-        )
-
-    def _restore_ivon_from_posterior(self, checkpoint: str) -> None:
-        """Set IVON's Hessian to h = 1/(ess σ²) − δ (the inverse of σ = 1/sqrt(ess (h + δ))) and its step count from
-        the posterior saved in `checkpoint` for the weights just loaded from it."""
-        path = os.path.join(checkpoint, POSTERIOR_FILE)
-        if not os.path.isfile(path):
-            raise ValueError(
-                f"Cannot resume IVON from {checkpoint}: it has neither optimizer.pt nor {POSTERIOR_FILE}, so the "
-                "posterior (IVON's Hessian) would silently restart from hess_init. Resume from a checkpoint saved with "
-                "save_only_model=False, or start a new run."
-            )
-        model = self.accelerator.unwrap_model(self.model)
-        posterior = DiagonalGaussianPosterior.load(model, path)
-        opt = self.ivon
-        if set(posterior.names) != set(self._ivon_param_names):
-            raise ValueError(
-                f"{path} covers {len(posterior.names)} parameters but IVON trains {len(self._ivon_param_names)}: the "
-                "checkpoint was saved with other trainable parameters. Freeze the same parameters as in that run."
-            )
-        opt.restore_from_posterior([posterior.std[name] for name in self._ivon_param_names],  # param_groups order
-                                   step=int(posterior.metadata.get("step", self.state.global_step)))
+    def _load_ivon_state(self, checkpoint: str) -> str:
+        """IVON's state from `checkpoint` (without optimizer.pt, from the posterior saved there for the weights just
+        loaded from it); returns the file it came from (`varsmooth.posterior.resume`)."""
+        return load_ivon_state(self.ivon, self.accelerator.unwrap_model(self.model), checkpoint, self._ivon_param_names,
+                               self.state.global_step)
 
     # -- prediction --------------------------------------------------------------------------------
     def prediction_step(self, model: torch.nn.Module, inputs: dict[str, Any], prediction_loss_only: bool, ignore_keys: list[str] | None = None) -> tuple:
@@ -646,58 +630,35 @@ class VariationalTrainer(VariationalHubMixin, LabelNoiseMixin, Trainer):
         return self._staging_dir if self._staging_dir is not None else super()._get_output_dir(trial)
 
     def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
-        """The stock checkpoint, written into `.partial-checkpoint-N/` and renamed to `checkpoint-N` when complete:
-        a kill leaves either the whole checkpoint or none (`get_last_checkpoint` ignores the staging names)."""
+        """The stock checkpoint and the method's state, written into `.partial-checkpoint-N/` and renamed to
+        `checkpoint-N` when complete: a kill leaves either the whole checkpoint or none (`varsmooth.files`)."""
         run_dir = super()._get_output_dir(trial)
         name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
         staging, final = os.path.join(run_dir, STAGING_PREFIX + name), os.path.join(run_dir, name)
         if self.args.should_save:
-            for leftover in os.listdir(run_dir) if os.path.isdir(run_dir) else ():
-                if leftover.startswith((STAGING_PREFIX, DELETING_PREFIX)):  # of a killed run
-                    shutil.rmtree(os.path.join(run_dir, leftover), ignore_errors=True)
+            clear_leftover_stagings(run_dir)
         self.accelerator.wait_for_everyone()
         self._staging_dir = staging
         try:
             super()._save_checkpoint(model, trial)
         finally:
             self._staging_dir = None
+        written = os.path.join(staging, name)
+        if not self.args.save_only_model:  # beside the optimizer state, as the stock checkpoint keeps it
+            state = self.method.state_dict()  # on every process: a collective for some methods (OLS)
+            if state and self.args.should_save:
+                with atomic_path(os.path.join(written, METHOD_STATE_FILE)) as tmp:
+                    torch.save(state, tmp)
         self.accelerator.wait_for_everyone()  # every rank's files (rng states) are in
         if not self.args.should_save:
             return
-        written = os.path.join(staging, name)
         if self.state.best_model_checkpoint == written:  # the stock code recorded the staging path
             self.state.best_model_checkpoint = final
             self.state.save_to_json(os.path.join(written, "trainer_state.json"))
-        # the optimizer, scheduler, RNG and trainer states were written after the model's save: the manifest lists
-        # them too, so that resuming refuses a truncated optimizer.pt by name
-        listed = set((read_manifest(written) or {}).get("files", ())) | {MANIFEST_FILE}
-        state = sorted(entry.name for entry in os.scandir(written) if entry.is_file() and entry.name not in listed)
-        add_to_manifest(written, state, training_state=state)
-        if os.path.isdir(final):  # a checkpoint of the same step from an earlier run: replace it whole
-            _remove_checkpoint(final)
-        os.replace(written, final)
-        shutil.rmtree(staging, ignore_errors=True)
+        publish_checkpoint(staging, final)
         if self.args.push_to_hub:  # the stock push was skipped while the checkpoint was incomplete
             self._push_from_checkpoint(final)
-        self._rotate_checkpoints_atomically(run_dir)
-
-    def _rotate_checkpoints_atomically(self, run_dir: str) -> None:
-        """`transformers.trainer_utils.rotate_checkpoints`, but each old checkpoint disappears by one rename before
-        it is deleted: a kill inside `rmtree` would leave a visible half-deleted checkpoint that resume picks up."""
-        limit = self.args.save_total_limit
-        if limit is None or limit <= 0:
-            return
-        checkpoints = sort_checkpoints(run_dir, use_mtime=True)
-        protected = {checkpoints[-1]} if checkpoints else set()  # the newest, to resume from
-        if self.state.best_model_checkpoint is not None:
-            protected.add(str(Path(self.state.best_model_checkpoint)))
-        remaining = len(checkpoints)
-        for checkpoint in checkpoints:
-            if remaining <= max(limit, len(protected)):
-                break
-            if checkpoint not in protected:
-                _remove_checkpoint(checkpoint)
-                remaining -= 1
+        rotate_checkpoints(run_dir, self.args.save_total_limit, self.state.best_model_checkpoint)
 
     def train_noise_report(self) -> Any:
         """The label corruption of the training set: the report given at construction, else the realized one
@@ -727,20 +688,6 @@ def _refuse_undistributed_process_group(args: VariationalTrainingArguments) -> N
         )
 
 
-def _has_optimizer_state(checkpoint: str) -> bool:
-    """Whether the stock Trainer finds optimizer state in `checkpoint`: optimizer.pt, or FSDP's optimizer.bin or
-    sharded optimizer folder."""
-    if any(os.path.isfile(os.path.join(checkpoint, name)) for name in ("optimizer.pt", "optimizer.bin")):
-        return True
-    return any(name.startswith("optimizer") and os.path.isdir(os.path.join(checkpoint, name)) for name in os.listdir(checkpoint))
-
-
-def _remove_checkpoint(path: str) -> None:
-    """Hide the checkpoint under a staging name first (one rename), then delete it (a later save clears leftovers)."""
-    hidden = os.path.join(os.path.dirname(path), DELETING_PREFIX + os.path.basename(path))
-    shutil.rmtree(hidden, ignore_errors=True)
-    os.replace(path, hidden)
-    shutil.rmtree(hidden, ignore_errors=True)
 
 
 def _numpy(array: Any) -> np.ndarray:

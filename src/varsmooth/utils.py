@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
-import tempfile
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
+
+# the file guarantees live in `varsmooth.files`; `atomic_path` and `ordinary_file_mode` stay importable from here
+from .files import atomic_path, ordinary_file_mode, read_manifest
 
 __all__ = ["atomic_path", "checkpoint_to_resume", "deprecated_alias", "evaluate_validation_and_test", "ordinary_file_mode"]
 
@@ -24,34 +25,6 @@ def deprecated_alias(old: str, new: str, target: Callable[..., Any]) -> Callable
 
     alias.__name__ = alias.__qualname__ = old.rsplit(".", 1)[-1]
     return alias
-
-
-def ordinary_file_mode() -> int:
-    """The permissions `open(path, "w")` gives a new file under the process's umask (0644 under umask 022)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    return 0o666 & ~umask
-
-
-@contextlib.contextmanager
-def atomic_path(path: str | os.PathLike) -> Iterator[str]:
-    """Yield a temporary path in the same folder; on success it replaces `path` in one rename.
-
-    A crash while writing leaves the previous file (or none), never half a file.
-    """
-    path = os.fspath(path)
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=os.path.basename(path))
-    os.close(fd)
-    try:
-        yield tmp
-        # mkstemp creates the file private (0600); give it the permissions an ordinary write would have
-        os.chmod(tmp, ordinary_file_mode())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
 
 
 def checkpoint_to_resume(args: Any) -> str | None:
@@ -85,8 +58,6 @@ def checkpoint_to_resume(args: Any) -> str | None:
 
 
 def _refuse_other_seed(args: Any, checkpoint: str) -> None:
-    from .files import read_manifest
-
     seed = (read_manifest(checkpoint) or {}).get("seed")  # recorded by VariationalTrainer's saves
     if seed is not None and seed != args.seed:
         raise ValueError(
