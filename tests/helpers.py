@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib.util
+import os
 import shutil
+import signal
+import socket
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
 
 import datasets
 import numpy as np
+import psutil
 import pytest
 import torch
 import torch.nn.functional as F
@@ -19,6 +25,11 @@ from transformers.modeling_outputs import SequenceClassifierOutput
 import ivon
 from varsmooth import VariationalTrainingArguments
 from varsmooth.posterior import derive_seed
+
+TESTS = Path(__file__).resolve().parent
+#: the scripts the tests run as processes of their own (not collected by pytest)
+WORKERS = TESTS / "workers"
+LAUNCHERS = ("torchrun", "accelerate", "python")
 
 
 class TinyClassifier(torch.nn.Module):
@@ -185,3 +196,60 @@ def noisy_digits_images(n_val: int):
                 "labels": torch.as_tensor(batch["label"])}
 
     return train, data["test"].select(range(n_val)), processor, transform
+
+
+def run_script(script: str | os.PathLike, *args: str, launcher: str = "torchrun", nproc: int = 2,
+               env: dict[str, str | None] | None = None, timeout: float = 300, check: bool = True,
+               ) -> subprocess.CompletedProcess:
+    """Runs `script` with `args` in processes of its own and waits for them: under `torchrun --nproc_per_node nproc`,
+    under the README's `accelerate launch --multi_gpu --num_processes nproc` (both meeting on a free local port), or as
+    one plain `python` process (nproc=1).
+
+    The processes get this one's environment with no GPU, OMP_NUM_THREADS=1 and tests/ and examples/ on PYTHONPATH (the
+    workers import helpers, test modules and example_utils, as the tests do under pytest), then `env` on top (a None
+    value unsets that variable). A run still going after `timeout` seconds is killed, all its processes with it, and
+    fails the test. With `check`, so does a nonzero exit, with the tail of its stderr; without, the caller checks it.
+    """
+    if launcher not in LAUNCHERS:
+        raise ValueError(f"launcher={launcher!r} is not one of {LAUNCHERS}")
+    if launcher == "python" and nproc != 1:
+        raise ValueError(f"launcher='python' runs one process, not nproc={nproc}: pass nproc=1 or launcher='torchrun'")
+    bin_dir = os.path.dirname(sys.executable)
+    if launcher == "python":
+        command = [sys.executable]
+    else:
+        with socket.socket() as sock:  # a free port for the rendezvous
+            sock.bind(("127.0.0.1", 0))
+            port = str(sock.getsockname()[1])
+        command = ([os.path.join(bin_dir, "torchrun"), "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1",
+                    "--master_port", port] if launcher == "torchrun" else
+                   [os.path.join(bin_dir, "accelerate"), "launch", "--multi_gpu", "--num_processes", str(nproc),
+                    "--main_process_port", port])
+    path = [str(TESTS), str(TESTS.parent / "examples"), *filter(None, [os.environ.get("PYTHONPATH")])]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": os.pathsep.join(path)}
+    for name, value in (env or {}).items():
+        if value is None:
+            full_env.pop(name, None)
+        else:
+            full_env[name] = value
+    proc = subprocess.Popen([*command, os.fspath(script), *args], env=full_env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        # torchrun starts each worker in a session of its own, out of reach of a kill of the launcher's process
+        # group: find the whole tree while the launcher still holds it, then kill all of it
+        tree = []
+        with contextlib.suppress(psutil.NoSuchProcess):
+            tree = psutil.Process(proc.pid).children(recursive=True)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        for child in tree:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                child.kill()
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"{os.path.basename(script)} ran past {timeout} s and was killed with all its processes; "
+                    f"the tail of its stderr:\n{stderr[-4000:]}")
+    if check:
+        assert proc.returncode == 0, f"{os.path.basename(script)} exited with {proc.returncode}:\n{stderr[-4000:]}"
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)

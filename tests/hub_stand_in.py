@@ -10,13 +10,12 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
-import os
-import subprocess
-import sys
 import threading
 from pathlib import Path
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import unquote, urlparse
+
+from helpers import WORKERS, run_script
 
 
 class HubStandIn:
@@ -141,14 +140,13 @@ def _sha(data: bytes) -> str:
 
 
 def run_hub_worker(worker: str, out: Path) -> tuple[HubStandIn, dict]:
-    """Run tests/`worker` (a script taking the output folder) against a fresh stand-in Hub, offline from the real one;
-    returns the Hub (closed, its repos kept) and the worker's results.json."""
+    """Run tests/workers/`worker` (a script taking the output folder) against a fresh stand-in Hub, offline from the
+    real one; returns the Hub (closed, its repos kept) and the worker's results.json."""
     hub = HubStandIn()
-    env = {**os.environ, "HF_ENDPOINT": hub.endpoint, "HF_HUB_DISABLE_XET": "1", "HF_TOKEN": "hf_offline_dummy_token",
-           "HF_HOME": str(out / "hf_home"), "OMP_NUM_THREADS": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
-    env.pop("HF_HUB_OFFLINE", None)
-    result = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), worker), str(out)],
-                            env=env, capture_output=True, text=True, timeout=600)
-    hub.close()
-    assert result.returncode == 0, result.stderr[-4000:]
+    try:
+        run_script(WORKERS / worker, str(out), launcher="python", nproc=1, timeout=600, env={
+            "HF_ENDPOINT": hub.endpoint, "HF_HUB_DISABLE_XET": "1", "HF_TOKEN": "hf_offline_dummy_token",
+            "HF_HOME": str(out / "hf_home"), "HF_HUB_DISABLE_TELEMETRY": "1", "HF_HUB_OFFLINE": None})
+    finally:
+        hub.close()
     return hub, json.loads((out / "results.json").read_text())

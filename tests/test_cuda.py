@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import SeededIVON, TinyClassifier, digits_dataset, indexed_noise, make_args, reference_ivon_loop
+from helpers import (WORKERS, SeededIVON, TinyClassifier, digits_dataset, indexed_noise, make_args, reference_ivon_loop,
+                     run_script)
 from varsmooth import VariationalIVON, VariationalModel, VariationalTrainer, pipeline
 from varsmooth.modeling import load_posterior
 
@@ -225,18 +226,9 @@ def test_fsdp2_training_matches_unsharded_run_and_saves(tmp_path, kind):
     """One-GPU FSDP2 (fsdp_config version 2) through VariationalTrainer: the same weights, Hessian and BMA evaluation as
     the run without FSDP from the same seed, and a save that reloads (weights and posterior) like the unsharded one.
     `vit`: a tiny HF ViT, sharded beforehand as README's Multi-GPU section says."""
-    import os
-    import shutil
-    import subprocess
-    import sys
+    from workers.trainer_fsdp_worker import FSDP_STEPS, fsdp_setup
 
-    from trainer_fsdp_worker import FSDP_STEPS, fsdp_setup
-
-    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
-    cmd = [torchrun, "--nproc_per_node", "1", "--master_port", str(29600 + os.getpid() % 1000),
-           os.path.join(os.path.dirname(__file__), "trainer_fsdp_worker.py"), str(tmp_path / "fsdp"), kind]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "CUDA_VISIBLE_DEVICES": "0"})
-    assert result.returncode == 0, result.stderr[-4000:]
+    run_script(WORKERS / "trainer_fsdp_worker.py", str(tmp_path / "fsdp"), kind, nproc=1, env={"CUDA_VISIBLE_DEVICES": "0"})
     fsdp = torch.load(tmp_path / "fsdp" / "fsdp.pt", weights_only=False)
 
     model, ds, args = fsdp_setup(str(tmp_path / "plain"), kind)

@@ -6,30 +6,21 @@ two ranks' samples in turn and lets IVON's Welford mean average them.
 """
 
 import copy
-import os
-import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
 
 import torch.nn.functional as F
 
-from helpers import SeededIVON, TinyClassifier, digits_dataset
+from helpers import WORKERS, SeededIVON, TinyClassifier, digits_dataset, run_script
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.mark.parametrize("grad_accum", [1, 2])
 def test_ddp_replicas_identical_and_posterior_correct(tmp_path, grad_accum):
-    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
     steps, world, batch = 3, 2, 16
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    cmd = [torchrun, "--nproc_per_node", str(world), "--master_port", str(29500 + grad_accum + os.getpid() % 1000),
-           os.path.join(os.path.dirname(__file__), "ddp_worker.py"), str(tmp_path), str(steps), str(grad_accum)]
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
+    run_script(WORKERS / "ddp_worker.py", str(tmp_path), str(steps), str(grad_accum), nproc=world)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(world)]
     assert ranks[0]["world_size"] == world and ranks[0]["sync"]
     for p0, p1 in zip(ranks[0]["params"], ranks[1]["params"]):
@@ -75,12 +66,7 @@ def _reference_ddp(init, rank_batches, steps, grad_accum):
 @pytest.mark.parametrize("method", ["ols", "alasca"])
 def test_ddp_method_state_is_shared(tmp_path, method):
     """OLS all-reduces its soft-label statistics, ALASCA gathers its EMA: every rank holds the same state."""
-    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    cmd = [torchrun, "--nproc_per_node", "2", "--master_port", str(29600 + len(method) + os.getpid() % 1000),
-           os.path.join(os.path.dirname(__file__), "ddp_methods_worker.py"), str(tmp_path), method]
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
+    run_script(WORKERS / "ddp_methods_worker.py", str(tmp_path), method)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2))
     assert all(torch.equal(a, b) for a, b in zip(r0["params"], r1["params"]))
     assert r0["state"] and r0["state"].keys() == r1["state"].keys()

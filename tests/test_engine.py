@@ -2,7 +2,6 @@
 
 import copy
 import os
-import shutil
 import subprocess
 import sys
 
@@ -11,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import ivon
-from helpers import SeededIVON, indexed_noise, skip_without_compiler
+from helpers import WORKERS, SeededIVON, indexed_noise, run_script, skip_without_compiler
 from varsmooth.posterior import VariationalIVON, kernels
 
 STEPS = 50
@@ -461,12 +460,7 @@ def test_bad_settings_are_refused():
 @pytest.mark.slow
 def test_ddp_sync_matches_ivon_opt(tmp_path):
     """2 processes (gloo): the engine's all-reduce of ḡ and the Hessian estimate gives ivon-opt(sync=True)'s run."""
-    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    cmd = [torchrun, "--nproc_per_node", "2", "--master_port", str(29700 + os.getpid() % 1000),
-           os.path.join(os.path.dirname(__file__), "engine_ddp_worker.py"), str(tmp_path)]
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
+    run_script(WORKERS / "engine_ddp_worker.py", str(tmp_path))
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2))
     for key in ("ours", "ref", "compiled_1", "ref_1"):
         assert all(torch.equal(a, b) for a, b in zip(r0[key][-1], r1[key][-1])), key  # replicas identical
@@ -482,12 +476,7 @@ def test_fsdp2_shards_match_one_process_and_resume_from_dcp(tmp_path):
     shards form the whole draw of one process, the run equals that process on the same global batches; a
     torch.distributed.checkpoint restore continues it exactly. Without given noise, the shards' own draws form one
     sample: all ranks train the same gathered weights."""
-    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    cmd = [torchrun, "--nproc_per_node", "2", "--master_port", str(29800 + os.getpid() % 1000),
-           os.path.join(os.path.dirname(__file__), "engine_fsdp_worker.py"), str(tmp_path)]
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
+    run_script(WORKERS / "engine_fsdp_worker.py", str(tmp_path))
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2))
     assert all(torch.equal(a, b) for a, b in zip(r0["trajectory"][-1], r1["trajectory"][-1]))
     assert all(torch.equal(a, b) for a, b in zip(r0["own_noise"], r1["own_noise"]))
@@ -521,12 +510,7 @@ def test_fsdp2_params_swapped_in_after_construction_train_predict_and_save(tmp_p
     predicts by BMA as the unsharded one (the samples reach FSDP2's gathered weights) and saves the same file."""
     from safetensors import safe_open
 
-    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    cmd = [torchrun, "--nproc_per_node", "2", "--master_port", str(29900 + os.getpid() % 1000),
-           os.path.join(os.path.dirname(__file__), "posterior_fsdp_worker.py"), str(tmp_path)]
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
+    run_script(WORKERS / "posterior_fsdp_worker.py", str(tmp_path))
     r0, r1 = (torch.load(tmp_path / f"posterior_rank{r}.pt", weights_only=True) for r in range(2))
     sharded, plain = r0["sharded"], r0["plain"]
     torch.testing.assert_close(sharded["weights"], plain["weights"], atol=1e-5, rtol=1e-5)
@@ -554,12 +538,7 @@ def test_fsdp2_trains_hf_vit_and_bert_sharded_as_the_readme_says(tmp_path):
     resume from torch.distributed.checkpoint."""
     from safetensors.torch import load_file
 
-    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    cmd = [torchrun, "--nproc_per_node", "2", "--master_port", str(29600 + os.getpid() % 100),
-           os.path.join(os.path.dirname(__file__), "hf_fsdp_worker.py"), str(tmp_path)]
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
+    run_script(WORKERS / "hf_fsdp_worker.py", str(tmp_path), timeout=600)
     r0, r1 = (torch.load(tmp_path / f"hf_rank{r}.pt", weights_only=True) for r in range(2))
     for kind in ("vit", "bert"):
         sharded, plain, resumed = r0[kind]["sharded"], r0[kind]["plain"], r0[kind]["resumed"]

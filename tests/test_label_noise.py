@@ -6,10 +6,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import signal
-import socket
-import subprocess
-import sys
 
 import datasets
 import numpy as np
@@ -21,6 +17,7 @@ from scipy.special import expit
 from transformers import default_data_collator
 from transformers.utils import ModelOutput
 
+from helpers import WORKERS, run_script
 from varsmooth import DiagonalGaussianPosterior, VariationalTrainer, VariationalTrainingArguments
 from varsmooth.label_noise import (
     LabelNoiseCallback,
@@ -394,53 +391,9 @@ def test_add_callback_connects_and_a_plain_trainer_is_refused(tmp_path):
         plain.train()
 
 
-DDP_SCRIPT = '''
-import os, sys
-import torch
-sys.path.insert(0, sys.argv[2])
-from test_label_noise import TinyClassifier, make_data
-from varsmooth import VariationalTrainer, VariationalTrainingArguments
-from varsmooth.label_noise import LabelNoiseCallback, compute_label_noise
-
-out = sys.argv[1]
-data = make_data(n=23)  # 23 rows in batches of 4 over 2 processes: the last step is padded with repeated rows
-args = VariationalTrainingArguments(
-    output_dir=out, num_train_epochs=1, per_device_train_batch_size=4, per_device_eval_batch_size=4, learning_rate=0.05,
-    beta2=0.99, report_to="none", save_strategy="no", logging_strategy="no", disable_tqdm=True, seed=0, use_cpu=True)
-torch.manual_seed(0)
-trainer = VariationalTrainer(TinyClassifier(), args, train_dataset=data, callbacks=[LabelNoiseCallback(num_samples=4)])
-trainer.train()
-assert trainer.args.world_size == 2, trainer.args.world_size
-if trainer.args.process_index == 0:
-    model = trainer.accelerator.unwrap_model(trainer.model)
-    single = compute_label_noise(model, trainer.posterior(), data, num_samples=4, seed=args.eval_seed)
-    single.to_parquet(os.path.join(out, "single_process.parquet"))
-trainer.accelerator.wait_for_everyone()
-trainer.end()
-os._exit(0)  # gloo's threads can abort interpreter teardown after all work is done
-'''
-
-
 @pytest.mark.slow
 def test_ddp_export_is_one_file_in_dataset_order(tmp_path):
-    script = tmp_path / "ddp_label_noise.py"
-    script.write_text(DDP_SCRIPT)
-    with socket.socket() as sock:  # a free port for the rendezvous
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    command = [torchrun, "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(port),
-               str(script), str(tmp_path / "out"), os.path.dirname(__file__)]
-    # own process group, so that a hang cannot leave worker processes behind
-    proc = subprocess.Popen(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        _, stderr = proc.communicate(timeout=180)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        raise
-    assert proc.returncode == 0, stderr[-3000:]
+    run_script(WORKERS / "label_noise_ddp_worker.py", str(tmp_path / "out"), timeout=180)
     ddp = datasets.Dataset.from_parquet(str(tmp_path / "out" / "label_noise.parquet")).with_format("numpy")[:]
     single = datasets.Dataset.from_parquet(str(tmp_path / "out" / "single_process.parquet")).with_format("numpy")[:]
     assert len(ddp["example_index"]) == 23

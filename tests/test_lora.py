@@ -10,7 +10,6 @@ import copy
 import json
 import os
 import shutil
-import subprocess
 import sys
 
 import datasets
@@ -18,7 +17,7 @@ import pytest
 import torch
 from transformers import BertConfig, BertForSequenceClassification
 
-from helpers import load_example, make_args, reference_ivon_loop
+from helpers import WORKERS, load_example, make_args, reference_ivon_loop, run_script
 from varsmooth import LabelNoiseCallback, VariationalTrainer, VariationalTrainingArguments
 from varsmooth.presets import LORA_PRESET
 from varsmooth.methods import METHODS
@@ -257,12 +256,7 @@ def test_every_method_trains_only_the_adapters(tmp_path, method):
 
 @pytest.mark.slow
 def test_ddp_adapter_replicas_identical(tmp_path):
-    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    cmd = [torchrun, "--nproc_per_node", "2", "--master_port", str(29700 + os.getpid() % 1000),
-           os.path.join(os.path.dirname(__file__), "ddp_lora_worker.py"), str(tmp_path)]
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
+    run_script(WORKERS / "ddp_lora_worker.py", str(tmp_path))
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
     assert ranks[0]["world_size"] == 2 and ranks[0]["sync"]
     assert ranks[0]["params"].keys() == ranks[1]["params"].keys()

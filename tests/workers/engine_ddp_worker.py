@@ -6,10 +6,9 @@ import sys
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(__file__))
-from helpers import SeededIVON  # noqa: E402
-from test_engine import IVON_KW, STEPS, _run, MLP  # noqa: E402
-from varsmooth.posterior import VariationalIVON  # noqa: E402
+from helpers import SeededIVON
+from test_engine import IVON_KW, STEPS, _run, MLP
+from varsmooth.posterior import VariationalIVON
 
 
 def main(out: str) -> None:

@@ -8,12 +8,9 @@ import sys
 import torch
 from transformers import BertConfig, BertForSequenceClassification
 
-sys.path.insert(0, os.path.dirname(__file__))
-# test_lora imports the examples' helpers (pytest puts examples/ on the path; a torchrun worker must do it itself)
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "examples"))
-from test_lora import CLASSES, LENGTH, VOCAB, _args, _train_rows, tiny_tokenizer, token_dataset  # noqa: E402
-from varsmooth import VariationalModel, VariationalTrainer, pipeline  # noqa: E402
-from varsmooth.adapters import add_lora_adapters  # noqa: E402
+from test_lora import CLASSES, LENGTH, VOCAB, _args, _train_rows, tiny_tokenizer, token_dataset
+from varsmooth import VariationalModel, VariationalTrainer, pipeline
+from varsmooth.adapters import add_lora_adapters
 
 
 def main(out: str) -> None:

@@ -9,9 +9,8 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-from test_methods import image_data, tiny_resnet  # noqa: E402
-from varsmooth import VariationalTrainer, VariationalTrainingArguments  # noqa: E402
+from test_methods import image_data, tiny_resnet
+from varsmooth import VariationalTrainer, VariationalTrainingArguments
 
 
 def main(out: str, method: str) -> None:

@@ -11,9 +11,8 @@ import sys
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-from helpers import TinyClassifier, digits_dataset, make_args  # noqa: E402
-from varsmooth import VariationalTrainer  # noqa: E402
+from helpers import TinyClassifier, digits_dataset, make_args
+from varsmooth import VariationalTrainer
 
 FSDP_STEPS = 8
 

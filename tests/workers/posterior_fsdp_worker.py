@@ -14,10 +14,9 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-sys.path.insert(0, os.path.dirname(__file__))
-from helpers import indexed_noise  # noqa: E402
-from test_engine import FSDP_STEPS, IVON_KW, MLP, _data  # noqa: E402
-from varsmooth.posterior import DiagonalGaussianPosterior, VariationalIVON, predictive_distribution  # noqa: E402
+from helpers import indexed_noise
+from test_engine import FSDP_STEPS, IVON_KW, MLP, _data
+from varsmooth.posterior import DiagonalGaussianPosterior, VariationalIVON, predictive_distribution
 
 
 class Classifier(torch.nn.Module):  # predictive_distribution reads logits from a model called with keywords

@@ -19,10 +19,9 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.fsdp import fully_shard
 from transformers import BertConfig, BertForSequenceClassification, ViTConfig, ViTForImageClassification
 
-sys.path.insert(0, os.path.dirname(__file__))
-from helpers import indexed_noise  # noqa: E402
-from varsmooth.posterior import DiagonalGaussianPosterior, VariationalIVON  # noqa: E402
-from varsmooth.posterior.gaussian import _reshard  # noqa: E402
+from helpers import indexed_noise
+from varsmooth.posterior import DiagonalGaussianPosterior, VariationalIVON
+from varsmooth.posterior.gaussian import _reshard
 
 STEPS, BATCH = 6, 8
 IVON_KW = dict(lr=0.1, ess=200.0, hess_init=0.3, beta1=0.9, beta2=0.99, weight_decay=1e-2)

@@ -17,10 +17,9 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-sys.path.insert(0, os.path.dirname(__file__))
-from helpers import indexed_noise  # noqa: E402
-from test_engine import FSDP_STEPS, IVON_KW, MLP, _data, _groups  # noqa: E402
-from varsmooth.posterior import VariationalIVON  # noqa: E402
+from helpers import indexed_noise
+from test_engine import FSDP_STEPS, IVON_KW, MLP, _data, _groups
+from varsmooth.posterior import VariationalIVON
 
 
 def build(mesh, given_noise=True):

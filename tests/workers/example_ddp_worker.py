@@ -1,7 +1,7 @@
 """Run by tests/test_examples.py under a 2-process launch: an example script's `main()`, unchanged, with each rank's
 final weights, Hessian and metrics dumped beside the output folder when the script calls `trainer.end()`.
 
-    python example_ddp_worker.py <example name> <dump folder> <example flags...>
+    example_ddp_worker.py <example name> <dump folder> <example flags...>
 """
 
 import os
@@ -9,9 +9,8 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-from helpers import load_example  # noqa: E402
-from varsmooth import VariationalTrainer  # noqa: E402
+from helpers import load_example
+from varsmooth import VariationalTrainer
 
 
 def main(name: str, dump: str, flags: list[str]) -> None:

@@ -12,8 +12,7 @@ from transformers import ResNetConfig, ResNetForImageClassification
 
 from varsmooth import VariationalTrainer, VariationalTrainingArguments
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from helpers import digits_dataset  # noqa: E402
+from helpers import digits_dataset
 
 
 def model() -> ResNetForImageClassification:

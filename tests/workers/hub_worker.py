@@ -17,8 +17,7 @@ from varsmooth import LabelNoiseCallback, VariationalModel, VariationalTrainer, 
 from varsmooth.corruption import corrupt_labels
 from varsmooth.posterior import derive_seed
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "examples"))
-from example_utils.data import load_digits_dataset  # noqa: E402
+from example_utils.data import load_digits_dataset
 
 
 def main(out: str) -> None:

@@ -5,11 +5,8 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-# test_lora imports the examples' helpers (pytest puts examples/ on the path; a torchrun worker must do it itself)
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "examples"))
-from test_lora import _args, _train_rows, lora_bert, token_dataset  # noqa: E402
-from varsmooth import VariationalTrainer  # noqa: E402
+from test_lora import _args, _train_rows, lora_bert, token_dataset
+from varsmooth import VariationalTrainer
 
 
 def main(out: str) -> None:
