@@ -248,12 +248,6 @@ def method_available(method: str) -> bool:
     return method in METHODS
 
 
-def uses_ivon(method: str) -> bool:
-    from varsmooth.methods import get_method_class
-
-    return bool(get_method_class(method).uses_ivon)
-
-
 def training_arguments(method: str, **fields: Any) -> Any:
     """`VariationalTrainingArguments(method=method, ...)` from flat keyword arguments as the hyperparameter dicts
     here hold them (and as the run caches are keyed): the fields of the method's config (e.g. ``sam_rho``) go into
@@ -424,7 +418,9 @@ def run(method: str, hyperparams: dict[str, Any] | None = None, noise: str = "sy
     y_train, y_val = noisy_labels(data, noise, seed)
     n_train = len(y_train)
     spe = steps_per_epoch(n_train, batch_size)
-    ivon_method = uses_ivon(method)
+    from varsmooth.methods import learns_posterior
+
+    ivon_method = learns_posterior(method)
     settings = {**(IVON_BASE if ivon_method else SGD_BASE), **hyperparams}
     warmup_epochs = settings.pop("warmup_epochs", 0)
     settings["warmup_steps"] = int(round(warmup_epochs * spe))

@@ -312,9 +312,9 @@ class Task:
 
 
 def settings_for(task: Task, method: str, hyperparams: dict[str, Any]) -> dict[str, Any]:
-    from varsmooth.methods import get_method_class
+    from varsmooth.methods import learns_posterior
 
-    base = IVON_FINETUNE[task.kind] if get_method_class(method).uses_ivon else ADAMW[task.kind]
+    base = IVON_FINETUNE[task.kind] if learns_posterior(method) else ADAMW[task.kind]
     return {**base, **hyperparams}
 
 
@@ -349,7 +349,7 @@ def run(task_name: str, method: str, hyperparams: dict[str, Any] | None = None, 
     `export` also writes the label noise; `analyze(trainer, val, test)`, if given, is stored as the run's "analysis"
     (another script's question about the trained run, e.g. posterior_temperature.py)."""
     from varsmooth import VariationalTrainer
-    from varsmooth.methods import get_method_class
+    from varsmooth.methods import learns_posterior
 
     task = Task.parse(task_name)
     hyperparams = dict(hyperparams or {})
@@ -384,7 +384,7 @@ def run(task_name: str, method: str, hyperparams: dict[str, Any] | None = None, 
         y_clean = torch.as_tensor(np.asarray(train["clean_label"])) if "clean_label" in train.column_names else y_train
         train = train.remove_columns([c for c in ("clean_label", "is_corrupted") if c in train.column_names])
         val = data["val"]
-    ivon = get_method_class(method).uses_ivon
+    ivon = learns_posterior(method)
     settings = settings_for(task, method, hyperparams)
     steps = math.ceil(len(y_train) / cfg["batch_size"]) * cfg["epochs"]
     with tempfile.TemporaryDirectory(prefix="varsmooth-real-noise-") as tmp:
@@ -522,9 +522,9 @@ LONG_METHODS = [("erm", {}), ("ivon", {}), IVON_RULE, ("ls", {"smoothing": 0.1})
 
 
 def _optimizer(method: str) -> str:
-    from varsmooth.methods import get_method_class
+    from varsmooth.methods import learns_posterior
 
-    return "ivon" if get_method_class(method).uses_ivon else "adamw"
+    return "ivon" if learns_posterior(method) else "adamw"
 
 
 def _with_settings(task: Task, method: str, hp: dict[str, Any], chosen: dict[str, float]) -> dict[str, Any]:

@@ -222,7 +222,7 @@ def run_text(job: dict[str, Any]) -> dict[str, Any]:
     from transformers.trainer_callback import PrinterCallback
 
     from varsmooth import VariationalTrainer
-    from varsmooth.methods import get_method_class
+    from varsmooth.methods import learns_posterior
 
     rn = _real_noise()
     path = text_path(job)
@@ -234,7 +234,7 @@ def run_text(job: dict[str, Any]) -> dict[str, Any]:
     config = _text_config(job)
     cfg = config["setup"]
     data = text_data(job["noise"], job["seed"])
-    ivon = get_method_class(job["method"]).uses_ivon
+    ivon = learns_posterior(job["method"])
     settings = rn.settings_for(rn.Task.parse("sst2-clean"), job["method"], job["hyperparams"])
     steps = math.ceil(TEXT_TRAIN / cfg["batch_size"]) * cfg["epochs"]
     model = rn._minilm(len(data["names"]), job["init_seed"])

@@ -45,7 +45,7 @@ from transformers import AutoImageProcessor, HfArgumentParser, ViTImageProcessor
 
 from varsmooth import VariationalTrainer, VariationalTrainingArguments
 from varsmooth.corruption import CorruptionArguments, NoiseReport, noise_report
-from varsmooth.methods import get_method_class, method_config_classes
+from varsmooth.methods import get_method_class, learns_posterior, method_config_classes
 from varsmooth.adapters import LoraArguments
 from varsmooth.utils import checkpoint_to_resume
 
@@ -218,7 +218,7 @@ def parse_arguments(argv: list[str]) -> tuple[ModelArguments, DataArguments, Cor
         logger.info("Pretrained model: IVON uses ivon_preset='finetune' (pass --ivon_preset scratch to train from scratch).")
         overrides["ivon_preset"] = "finetune"
     method = get_method_class(training_args.method)
-    if not pretrained and not method.uses_ivon and "learning_rate" not in given:
+    if not pretrained and not learns_posterior(method) and "learning_rate" not in given:
         # TrainingArguments' 5e-5 is a fine-tuning rate; this one was chosen on the example's noisy validation split
         # (benchmarks/example_learning_rates.py)
         overrides["learning_rate"] = str(method.scratch_learning_rate)

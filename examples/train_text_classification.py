@@ -55,7 +55,7 @@ from transformers import AutoConfig, DataCollatorWithPadding, HfArgumentParser, 
 from varsmooth import VariationalTrainer, VariationalTrainingArguments
 from varsmooth.adapters import LoraArguments
 from varsmooth.mean_pooling_bert import MeanPoolingBertConfig, MeanPoolingBertForSequenceClassification
-from varsmooth.methods import get_method_class, method_config_classes
+from varsmooth.methods import learns_posterior, method_config_classes
 from varsmooth.utils import checkpoint_to_resume
 
 # the data/model helpers beside this script (also when it is imported or launched from another folder)
@@ -193,7 +193,7 @@ class ExampleTrainingArguments(VariationalTrainingArguments, ExportArguments):
         # as in Hugging Face's examples, --do_train/--do_eval choose what runs; with neither given, both run
         if not (self.do_train or self.do_eval):
             self.do_train = self.do_eval = True
-        if self.learning_rate is None and not get_method_class(self.method).uses_ivon:
+        if self.learning_rate is None and not learns_posterior(self.method):
             self.learning_rate = ADAMW_LR  # IVON's rate comes from ivon_preset
         if self.eval_mc_samples is None and self.ivon_preset != "lora":  # the lora preset brings its own 10
             self.eval_mc_samples = 8

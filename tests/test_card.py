@@ -161,7 +161,7 @@ def test_the_card_names_the_task_and_auto_class_the_model_reloads_with(tmp_path)
         pass
 
     model = Digits(ResNetConfig(num_channels=1, embedding_size=8, hidden_sizes=[8], depths=[1], num_labels=3))
-    record = RunRecord(method="erm", uses_ivon=False, hyperparameters={}, repo_id="user/digits", model_name="digits")
+    record = RunRecord(method="erm", learns_posterior=False, hyperparameters={}, repo_id="user/digits", model_name="digits")
     text, meta = _parts(build_model_card(record, model, tmp_path))
     assert meta["pipeline_tag"] == "image-classification"
     assert "AutoModelForImageClassification.from_pretrained" in text

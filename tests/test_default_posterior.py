@@ -47,11 +47,11 @@ def test_the_default_beta2_follows_the_run_length_and_a_given_beta2_wins(tmp_pat
 
 @pytest.mark.parametrize("preset, long_run", [("scratch", 0.99999), ("finetune", 0.999), ("lora", 0.99999)])
 def test_a_preset_keeps_its_beta2_in_runs_long_enough_for_it_to_move_the_hessian(tmp_path, preset, long_run):
-    method = get_method_class("ivon")(make_args(tmp_path, ivon_preset=preset, ess=100.0), num_train_examples=100)
+    method = get_method_class("ivon")(make_args(tmp_path, ivon_preset=preset, ess=100.0).method_config, num_train_examples=100)
     shortest = math.ceil(math.log(0.9) / math.log(long_run))  # from here on 1 − β2^T ≥ 0.1: h can move 10 % from h0
     method.total_steps = shortest + 1
     assert method.beta2() == long_run and method.hyperparameters()["hessian_window"] is None
-    given_clip = method.args.clip_radius
+    given_clip = method.config.clip_radius
     assert method.clip_radius() == (math.inf if given_clip is None else given_clip)
     method.total_steps = shortest - 2  # a shorter run: the run-length rule, with its clip unless the preset sets one
     assert method.beta2() == pytest.approx(beta2_for_window(shortest - 2, 0.1))
@@ -62,7 +62,7 @@ def test_a_preset_keeps_its_beta2_in_runs_long_enough_for_it_to_move_the_hessian
 @pytest.mark.parametrize("preset, fallback", [("scratch", 0.99999), ("finetune", 0.999), ("lora", 0.99999)])
 def test_a_run_of_unknown_length_falls_back_to_the_preset_beta2_with_a_warning(tmp_path, caplog, preset, fallback):
     args = make_args(tmp_path, ivon_preset=preset, ess=100.0)
-    method = get_method_class("ivon")(args, num_train_examples=None)  # total_steps unknown (an IterableDataset)
+    method = get_method_class("ivon")(args.method_config, num_train_examples=None)  # total_steps unknown (an IterableDataset)
     with caplog.at_level(logging.WARNING, logger="varsmooth.methods.ivon"):  # other tests may quiet `varsmooth`
         assert method.beta2() == fallback
     assert "number of optimizer steps is unknown" in caplog.text and "max_steps" in caplog.text

@@ -1,6 +1,5 @@
 """The package's import graph, built from the code's own imports (`TYPE_CHECKING` ones and imports inside functions
-included): values flow down from the trainer, so nothing below it imports it, and no import circle is left but the
-ones named here."""
+included): values flow down from the trainer, so nothing below it imports it, and there is no import circle."""
 
 from __future__ import annotations
 
@@ -11,15 +10,6 @@ PACKAGE = Path(__file__).resolve().parents[1] / "src" / "varsmooth"
 
 #: the modules that sit above the trainer: the package's front door, and the scoring of a trained trainer's predictions
 ABOVE_THE_TRAINER = {"varsmooth", "varsmooth.evaluation"}
-#: circles still in the code, each with why; remove an entry when its circle is gone (the test says so)
-KNOWN_CYCLES = {
-    # methods take the whole VariationalTrainingArguments (annotated under TYPE_CHECKING), which validates the method's
-    # config through the registry: gone once a method gets only its config and a small context
-    frozenset({"varsmooth.methods", "varsmooth.methods.alasca", "varsmooth.methods.base", "varsmooth.methods.gce",
-               "varsmooth.methods.grids", "varsmooth.methods.ivon", "varsmooth.methods.label_smoothing",
-               "varsmooth.methods.logistic_normal", "varsmooth.methods.ols", "varsmooth.methods.sam",
-               "varsmooth.training_args"}),
-}
 
 
 def _module_name(path: Path, package: Path) -> str:
@@ -101,9 +91,6 @@ def test_nothing_below_the_trainer_imports_it():
     assert importers == ABOVE_THE_TRAINER, f"modules below the trainer import it: {sorted(importers - ABOVE_THE_TRAINER)}"
 
 
-def test_no_import_circle_but_the_known_ones():
-    found = set(cycles(import_graph()))
-    new = [sorted(c) for c in found - KNOWN_CYCLES]
-    assert not new, f"new import circles: {new}"
-    gone = [sorted(c) for c in KNOWN_CYCLES - found]
-    assert not gone, f"these circles are gone: remove them from KNOWN_CYCLES: {gone}"
+def test_no_import_circle():
+    found = cycles(import_graph())
+    assert not found, f"import circles: {[sorted(c) for c in found]}"

@@ -19,9 +19,9 @@ import varsmooth.methods
 from helpers import load_example, make_args
 from varsmooth import VariationalTrainingArguments
 from varsmooth.methods import (
-    METHODS, ALASCAConfig, GCEConfig, GeneralizedLabelSmoothingConfig, LabelSmoothingConfig, LogisticNormalConfig,
-    MethodConfig, MethodContext, OnlineLabelSmoothingConfig, SAMConfig, TrainingMethod, get_method_class,
-    list_methods, method_config_classes, method_config_from_flags, register_method,
+    METHODS, ALASCAConfig, GCEConfig, GeneralizedLabelSmoothingConfig, IVONConfig, LabelSmoothingConfig,
+    LogisticNormalConfig, MethodConfig, MethodContext, OnlineLabelSmoothingConfig, SAMConfig, TrainingMethod,
+    get_method_class, learns_posterior, list_methods, method_config_classes, method_config_from_flags, register_method,
 )
 from varsmooth.methods.base import IGNORE_INDEX
 from varsmooth.methods.sam import sam_perturbation
@@ -29,7 +29,7 @@ from varsmooth.methods.sam import sam_perturbation
 #: written out by hand: every method and its config class
 EXPECTED_CONFIGS = {
     "alasca": ALASCAConfig, "erm": MethodConfig, "gce": GCEConfig, "gls": GeneralizedLabelSmoothingConfig,
-    "ivon": MethodConfig, "ivon_fixed_hessian": MethodConfig, "logistic_normal": LogisticNormalConfig,
+    "ivon": IVONConfig, "ivon_fixed_hessian": IVONConfig, "logistic_normal": LogisticNormalConfig,
     "ls": LabelSmoothingConfig, "ols": OnlineLabelSmoothingConfig, "sam": SAMConfig,
 }
 #: the baselines' settings, which used to be fields of VariationalTrainingArguments (and stay the examples' flags)
@@ -68,7 +68,7 @@ def test_each_listed_method_prints_one_line_with_its_description_settings_and_pa
         for name in _fields(m.config_class):  # every setting of its config, with the config's default
             assert m.settings[name] == getattr(m.config_class(), name), (m.name, name)
             assert f"{name}={getattr(m.config_class(), name)}" in line
-        if m.method_class.uses_ivon:
+        if learns_posterior(m.method_class):
             assert {"ivon_preset", "ess", "hess_init", "prior_precision", "mc_samples"} <= set(m.settings)
         else:  # the rate a network trained from scratch gets in the image example
             assert m.settings["scratch_learning_rate"] == m.method_class.scratch_learning_rate
@@ -110,12 +110,29 @@ def test_register_method_refuses_a_duplicate_name_and_a_colliding_field(monkeypa
 
 
 # -- the config inside the training arguments ----------------------------------------------------------
+def test_ivon_config_is_the_arguments_own_fields_after_the_preset():
+    """IVON is configured like the other methods (an `IVONConfig` in `method_config`), built from the arguments'
+    fields once the preset filled those left unset; a method_config that disagrees with them is refused."""
+    args = make_args("out", ivon_preset="finetune", ess=123.0, mc_samples=2)
+    assert args.method_config == IVONConfig(learning_rate=0.3, ess=123.0, hess_init=1e-3, beta2=None, prior_precision=0.0,
+                                            clip_radius=1e-3, rescale_lr=False, mc_samples=2, eval_mc_samples=args.eval_mc_samples,
+                                            ivon_preset="finetune")
+    assert args.method_config.eval_mc_samples == 32 and args.beta1 == args.method_config.beta1 == 0.9
+    again = VariationalTrainingArguments(**{k: v for k, v in args.to_dict().items() if k in ("output_dir", "method", "method_config",
+                                            "ivon_preset", "ess", "mc_samples", "use_cpu")})  # a saved config round-trips
+    assert again.method_config == args.method_config
+    with pytest.raises(ValueError, match="method='ivon' takes its settings from the arguments' own fields.*set those fields"):
+        make_args("out", ess=123.0, method_config={"ess": 5.0})
+    with pytest.raises(ValueError, match="hess_init must be finite and > 0"):
+        make_args("out", hess_init=0.0)
+
+
 def test_unknown_or_invalid_config_fields_are_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match=r"\['rho'\].*method='sam' \(SAMConfig\).*sam_adaptive, sam_rho"):
         make_args(tmp_path, method="sam", method_config={"rho": 0.1})
     with pytest.raises(ValueError, match=r"\['sam_rho'\].*method='ls'.*smoothing"):
         make_args(tmp_path, method="ls", method_config={"sam_rho": 0.1})
-    with pytest.raises(ValueError, match=r"\['smoothing'\].*method='ivon'.*none"):
+    with pytest.raises(ValueError, match=r"\['smoothing'\].*method='ivon' \(IVONConfig\)"):
         make_args(tmp_path, method="ivon", method_config={"smoothing": 0.1})
     with pytest.raises(TypeError, match="SAMConfig, but method='ls' is configured by LabelSmoothingConfig"):
         make_args(tmp_path, method="ls", method_config=SAMConfig())
@@ -129,10 +146,10 @@ def test_method_config_defaults_copies_and_reaches_the_method(tmp_path):
     assert make_args(tmp_path, method="sam").method_config == SAMConfig(sam_rho=0.05, sam_adaptive=False)
     given = SAMConfig(sam_rho=0.3)
     args = make_args(tmp_path, method="sam", method_config=given)
-    method = get_method_class("sam")(args)
+    method = get_method_class("sam")(args.method_config)
     method.config.sam_rho = 1.0
     assert given.sam_rho == 0.3 and args.method_config.sam_rho == 0.3  # the user's object is never changed
-    hyper = get_method_class("alasca")(make_args(tmp_path, method="alasca", method_config={"alasca_lambda": 1.5})).hyperparameters()
+    hyper = get_method_class("alasca")(make_args(tmp_path, method="alasca", method_config={"alasca_lambda": 1.5}).method_config).hyperparameters()
     assert hyper["method"] == "alasca" and hyper["alasca_lambda"] == 1.5 and hyper["alasca_ema"] == 0.7
 
 
@@ -203,7 +220,7 @@ def test_every_method_loss_runs_on_a_context_alone(tmp_path, name):
     torch.manual_seed(0)
     model = _tiny_resnet().train()
     config = {"alasca_num_classifiers": 1} if name == "alasca" else None
-    method = get_method_class(name)(make_args(tmp_path, method=name, method_config=config), num_train_examples=6)
+    method = get_method_class(name)(make_args(tmp_path, method=name, method_config=config).method_config, num_train_examples=6)
     method.attach(model)
     x, labels = torch.randn(4, 1, 8, 8), torch.tensor([0, 1, 2, IGNORE_INDEX])
     logits = model(pixel_values=x).logits
@@ -219,15 +236,17 @@ def test_every_method_loss_runs_on_a_context_alone(tmp_path, name):
 
 
 def test_sam_training_step_runs_on_a_context_alone():
-    """SAM's two passes with the context's loss and plain autograd: the gradient is ∇L(w + ε̂), w is unchanged."""
+    """SAM's two passes with its own loss and plain autograd: the gradient is ∇L(w + ε̂), w is unchanged, and the
+    loss and complete gradients are noted for the finiteness check."""
     torch.manual_seed(0)
     model = nn.Linear(4, 3)
     x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
-    method = get_method_class("sam")(make_args("out", method="sam", method_config={"sam_rho": 0.3}))
+    method = get_method_class("sam")(make_args("out", method="sam", method_config={"sam_rho": 0.3}).method_config)
     w0 = [p.detach().clone() for p in model.parameters()]
-    context = MethodContext(compute_loss=lambda m, inputs: F.cross_entropy(m(inputs["x"]), inputs["y"]),
-                            gradient_accumulation_steps=2)
-    logged = method.training_step(model, {"x": x, "y": y}, context)
+    noted = []
+    context = MethodContext(gradient_accumulation_steps=2, note_finite=lambda loss, params: noted.append((loss, params)))
+    logged = method.training_step(model, {"input": x, "labels": y}, context)
+    assert len(noted) == 1 and noted[0][1] == list(model.parameters())
     reference = copy.deepcopy(model)
     F.cross_entropy(reference(x), y).backward()
     eps = sam_perturbation(list(reference.parameters()), 0.3)

@@ -25,7 +25,8 @@ from transformers.trainer_pt_utils import LabelSmoother
 
 from helpers import make_args
 from varsmooth import VariationalTrainer, VariationalTrainingArguments
-from varsmooth.methods import DEFAULT_GRIDS, METHODS, MethodContext, get_method_class, grid_points, optimal_smoothing_rate
+from varsmooth.methods import (DEFAULT_GRIDS, METHODS, MethodContext, get_method_class, grid_points, learns_posterior,
+                               optimal_smoothing_rate)
 from varsmooth.methods.alasca import _pool, alasca_targets, auxiliary_positions
 from varsmooth.methods.gce import generalized_cross_entropy
 from varsmooth.methods.heads import AUX_MODULE_NAME
@@ -67,7 +68,7 @@ def vector_data(n: int = 8, d: int = 6, k: int = 3) -> list[dict]:
 
 def method(name: str, tmp_path, **kw):
     args = VariationalTrainingArguments(output_dir=str(tmp_path), method=name, report_to=[], use_cpu=True, method_config=kw)
-    return get_method_class(name)(args)
+    return get_method_class(name)(args.method_config)
 
 
 # -- LS / GLS / NLS ------------------------------------------------------------------------------------
@@ -335,7 +336,7 @@ def test_every_method_trains_and_the_saved_model_reloads_as_a_plain_model(tmp_pa
         erm = dict(train(tmp_path / "erm", "erm")[1].named_parameters())
         assert any(not torch.equal(trained[k], erm[k]) for k in erm), f"{name} trained exactly like ERM"
     assert bool(heads) == (name in ("alasca", "logistic_normal")) and heads <= moved
-    if get_method_class(name).uses_ivon:
+    if learns_posterior(name):
         hess, h0 = trainer.ivon.hessian(), trainer.args.hess_init
         if name == "ivon_fixed_hessian":
             assert torch.all(hess == h0)  # β2 = 1: h stays at h0 exactly

@@ -67,13 +67,13 @@ def test_trainer_hessian_window_keeps_an_explicit_clip_radius_and_validates(tmp_
     args = make_args(tmp_path, hessian_window=0.1, clip_radius=0.2)
     from varsmooth.methods import get_method_class
 
-    method = get_method_class("ivon")(args, num_train_examples=100)
+    method = get_method_class("ivon")(args.method_config, num_train_examples=100)
     method.total_steps = 10_000
     assert method.ivon_settings()["clip_radius"] == 0.2
     assert method.ivon_settings()["beta2"] == pytest.approx(1 - 1 / 1000)
     with pytest.raises(ValueError, match="hessian_window"):
         make_args(tmp_path, hessian_window=0.0)
     # a beta2 given turns the rule off: beta2 as given, no clipping
-    plain = get_method_class("ivon")(make_args(tmp_path, beta2=0.99999), num_train_examples=100)
+    plain = get_method_class("ivon")(make_args(tmp_path, beta2=0.99999).method_config, num_train_examples=100)
     plain.total_steps = 10_000
     assert plain.ivon_settings()["beta2"] == 0.99999 and plain.ivon_settings()["clip_radius"] == math.inf

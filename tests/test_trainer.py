@@ -15,7 +15,7 @@ from transformers import HfArgumentParser
 from helpers import TinyClassifier, digits_dataset, make_args, reference_ivon_loop
 from varsmooth import VariationalTrainer, VariationalTrainingArguments
 from varsmooth.posterior import VariationalIVON
-from varsmooth.training_args import check_ivon_sharding
+from varsmooth.methods.ivon import check_ivon_sharding
 
 IVON_KW = dict(lr=0.2, hess_init=0.5, beta1=0.9, beta2=0.999, wd=2e-4)
 

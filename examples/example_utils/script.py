@@ -19,7 +19,7 @@ from transformers import HfArgumentParser
 
 from varsmooth import LabelNoiseCallback, VariationalTrainer
 from varsmooth.corruption import CorruptionArguments
-from varsmooth.methods import get_method_class, method_config_from_flags
+from varsmooth.methods import learns_posterior, method_config_from_flags
 from varsmooth.evaluation import predictive_outputs
 from varsmooth.utils import atomic_path, evaluate_validation_and_test
 
@@ -70,7 +70,7 @@ class ExportArguments:
 
 def label_noise_callbacks(training_args: Any) -> list[LabelNoiseCallback] | None:
     """The export callback when the run's method learns a posterior (IVON) and `label_noise_samples` > 0."""
-    if training_args.label_noise_samples > 0 and get_method_class(training_args.method).uses_ivon:
+    if training_args.label_noise_samples > 0 and learns_posterior(training_args.method):
         return [LabelNoiseCallback(training_args.label_noise_samples, plots=True)]
     return None
 

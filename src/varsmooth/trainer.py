@@ -24,7 +24,6 @@ The trainer's other jobs live beside it: the model card and Hub pushes in `varsm
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 import logging
@@ -45,21 +44,20 @@ from .corruption import realized_noise_report
 from .ensemble import DeepEnsemble
 from .files import (METHOD_STATE_FILE, STAGING_PREFIX, FolderSave, atomic_path, check_manifest, clear_leftover_stagings,
                     has_optimizer_state, publish_checkpoint, rotate_checkpoints)
-from .methods import EXAMPLE_INDEX_KEY, ExampleIndexDataset, MethodContext, OptimizerContext, TrainingMethod, get_method_class
-from .methods.base import IGNORE_INDEX
+from .finite import NonFiniteGuard, non_finite_step_error
+from .methods import (EXAMPLE_INDEX_KEY, ExampleIndexDataset, MethodContext, OptimizerContext, TrainingMethod, get_method_class,
+                      learns_posterior)
 from .hub import VariationalHubMixin
 from .label_noise import LabelNoiseCallback, LabelNoiseMixin
 from .metrics import classification_metrics, reliability_diagram
 from .posterior import (POSTERIOR_FILE, DiagonalGaussianPosterior, VariationalClassifierOutput, VariationalIVON,
                         mc_dropout_predictive, predictive_distribution, unwrap_ivon)
 from .posterior.diagnostics import HessianDiagnosticsCallback, hessian_summary
-from .posterior.gaussian import TEMPERATURE_KEY, _reshard, non_finite_tensors
-from .posterior.optimizer import _local
+from .posterior.gaussian import TEMPERATURE_KEY, non_finite_tensors
 from .posterior.resume import load_ivon_state
-from .posterior.prediction import logits_of, model_outputs
 from .posterior.temperature import (SELECTION_SAMPLES, PosteriorTemperatureCallback, check_transition_matrix,
                                     select_temperature, temperature_logs)
-from .training_args import VariationalTrainingArguments, check_ivon_sharding
+from .training_args import VariationalTrainingArguments
 from .utils import length_order
 
 __all__ = ["VariationalTrainer"]
@@ -131,17 +129,16 @@ class VariationalTrainer(VariationalHubMixin, LabelNoiseMixin, Trainer):
                              "examples (check the select/filter/split that built it), or train_dataset=None to only evaluate.")
         for role, dataset in (("train_dataset", self.train_dataset), ("eval_dataset", self.eval_dataset)):
             _refuse_string_labels(role, dataset)
-        self.method: TrainingMethod = get_method_class(args.method)(args, num_train_examples=train_size)
-        if self.method.uses_ivon:  # FSDP or DeepSpeed set up by `accelerate launch` rather than by the arguments
-            fsdp = getattr(self.accelerator.state, "fsdp_plugin", None)
-            check_ivon_sharding(getattr(fsdp, "fsdp_version", 1) if fsdp is not None else None, self.is_deepspeed_enabled)
+        self.method: TrainingMethod = get_method_class(args.method)(args.method_config, num_train_examples=train_size)
+        fsdp = getattr(self.accelerator.state, "fsdp_plugin", None)  # set up by `accelerate launch`, not by the arguments
+        self.method.check_parallelism(getattr(fsdp, "fsdp_version", 1) if fsdp is not None else None, self.is_deepspeed_enabled)
         if self.compute_loss_func is not None and type(self.method).loss is not TrainingMethod.loss:
             raise ValueError(
                 f"compute_loss_func would replace the training loss of method={args.method!r}, which is the method "
                 "itself. Use it with method='ivon', 'ivon_fixed_hessian', 'erm' or 'sam' (cross-entropy by default), "
                 "or drop compute_loss_func."
             )
-        if posterior is not None and not self.method.uses_ivon:
+        if posterior is not None and not learns_posterior(self.method):
             raise ValueError(f"posterior= is for IVON methods (BMA over the posterior); method={args.method!r} predicts at the weights.")
         self._saved_posterior = posterior if posterior is not None else self._posterior_beside_model()
         if self.model is not None:  # extra heads must exist before the optimizer is built
@@ -170,10 +167,9 @@ class VariationalTrainer(VariationalHubMixin, LabelNoiseMixin, Trainer):
         self._ivon_param_names: list[str] | None = None
         self._run_files: dict[str, set[str]] = {}  # folder -> files this trainer wrote there outside `_save`
         self._staging_dir: str | None = None
-        self._last_grad_norm: torch.Tensor | None = None
-        self._finite_flags: torch.Tensor | None = None  # (loss finite, gradients finite) over the step so far
+        self._finite_guard = NonFiniteGuard()
         self._gathered_posterior: DiagonalGaussianPosterior | None = None  # σ gathered by save_model under FSDP
-        if self.method.uses_ivon and self.optimizer is not None and not isinstance(self.optimizer, VariationalIVON):
+        if learns_posterior(self.method) and self.optimizer is not None and not isinstance(self.optimizer, VariationalIVON):
             raise ValueError(
                 f"method={args.method!r} trains with IVON, which the trainer builds itself; got a "
                 f"{type(self.optimizer).__name__} in `optimizers`. Drop `optimizers=` (or pass a varsmooth.VariationalIVON)."
@@ -193,7 +189,7 @@ class VariationalTrainer(VariationalHubMixin, LabelNoiseMixin, Trainer):
     @property
     def ivon(self) -> VariationalIVON | None:
         """The IVON optimizer behind accelerate's wrapper, or None before training / for non-IVON methods."""
-        return unwrap_ivon(self.optimizer) if self.method.uses_ivon else None
+        return unwrap_ivon(self.optimizer) if learns_posterior(self.method) else None
 
     def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
         """The method's optimizer (IVON for IVON methods, `TrainingMethod.create_optimizer`), else the Trainer's own."""
@@ -229,7 +225,7 @@ class VariationalTrainer(VariationalHubMixin, LabelNoiseMixin, Trainer):
     def _posterior_beside_model(self) -> DiagonalGaussianPosterior | None:
         """The posterior an IVON run saved next to the weights this trainer's model was loaded from, if any."""
         folder = getattr(self.model, "name_or_path", None) or ""
-        if not self.method.uses_ivon or not os.path.isfile(os.path.join(folder, POSTERIOR_FILE)):
+        if not learns_posterior(self.method) or not os.path.isfile(os.path.join(folder, POSTERIOR_FILE)):
             return None
         try:
             posterior = DiagonalGaussianPosterior.load(self.model, folder)
@@ -315,129 +311,59 @@ class VariationalTrainer(VariationalHubMixin, LabelNoiseMixin, Trainer):
 
     # -- training ----------------------------------------------------------------------------------
     def compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch: Any = None) -> Any:
-        """The method's mean loss on this micro-batch; `num_items_in_batch` is ignored on purpose (IVON averages).
+        """The method's mean loss on this micro-batch (`TrainingMethod.compute_loss`); `num_items_in_batch` is ignored
+        on purpose (IVON averages).
 
         A `compute_loss_func` given to the trainer replaces the cross-entropy: it is called as the stock Trainer calls
         it, `compute_loss_func(outputs, labels, num_items_in_batch=None)`, where None asks for the mean over this
         micro-batch (the loss IVON needs per posterior sample; the Trainer divides it by the accumulation steps for
         other methods).
         """
-        labels = inputs.get("labels")
-        if labels is None:
-            raise ValueError(f"The training batch has no 'labels' (keys: {sorted(inputs)}); name the label column 'label' or 'labels'.")
-        outputs = model_outputs(model, inputs, exclude=(EXAMPLE_INDEX_KEY,))
-        logits = logits_of(outputs)
-        if labels.numel() and (labels == IGNORE_INDEX).all():
-            loss = logits.sum() * 0.0  # nothing to learn from: a zero-gradient step, for every method
-        elif self.compute_loss_func is not None:
-            loss = self.compute_loss_func(outputs, labels, num_items_in_batch=None)
-        else:
-            loss = self.method.loss(logits, labels, self.method_context(model, example_index=inputs.get(EXAMPLE_INDEX_KEY)))
+        loss, outputs = self.method.compute_loss(model, inputs, self.method_context(model))
         return (loss, outputs) if return_outputs else loss
 
     def method_context(self, model: torch.nn.Module, **kwargs: Any) -> MethodContext:
         """What `self.method` may know of the run at this micro-batch (it never sees the trainer itself)."""
         return MethodContext(step=self.state.global_step, epoch=float(self.state.epoch or 0.0), is_training=model.training,
-                             accelerator=self.accelerator, **kwargs)
-
-    def _method_compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
-        with self.compute_loss_context_manager():
-            return self.compute_loss(model, inputs)
+                             accelerator=self.accelerator, loss_func=self.compute_loss_func, **kwargs)
 
     def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
-        if not self.method.uses_ivon:
-            if type(self.method).training_step is TrainingMethod.training_step:
-                loss = super().training_step(model, inputs, num_items_in_batch)
-            else:  # the method schedules its own passes, e.g. SAM's two
-                model.train()
-                if callable(getattr(self.optimizer, "train", None)):  # schedule-free optimizers (as the stock step)
-                    self.optimizer.train()
-                context = self.method_context(
-                    model, num_items_in_batch=num_items_in_batch, compute_loss=self._method_compute_loss,
-                    gradient_accumulation_steps=self.current_gradient_accumulation_steps)
-                loss = self.method.training_step(model, self._prepare_inputs(inputs), context)
+        if type(self.method).training_step is TrainingMethod.training_step:
+            loss = super().training_step(model, inputs, num_items_in_batch)
             # the gradients are complete (accumulated, all-reduced) only on the step's last micro-batch
-            trainable = [p for p in model.parameters() if p.requires_grad] if self.accelerator.sync_gradients else None
-            self._note_finite(loss, trainable)
-            self._stop_if_non_finite()
-            return loss
-        model.train()
-        inputs = self._prepare_inputs(inputs)
-        opt = self.ivon
-        params = [p for g in opt.param_groups for p in g["params"]]
-        total = torch.zeros((), device=self.args.device)
-        for _ in range(self.args.mc_samples):
-            # DDP all-reduce off for every sample: IVON(sync=True) averages g and ε⊙g over ranks in step(); FSDP2
-            # reduce-scatters each sample's gradient onto the shards IVON updates
+            self._note_finite(loss, [p for p in model.parameters() if p.requires_grad] if self.accelerator.sync_gradients else None)
+        else:  # the method schedules its own passes: IVON's posterior samples, SAM's two
+            model.train()
+            if callable(getattr(self.optimizer, "train", None)):  # schedule-free optimizers (as the stock step)
+                self.optimizer.train()
             ddp = self.args.world_size > 1 and not self.is_fsdp_enabled
-            no_sync = self.accelerator.no_sync(model) if ddp else contextlib.nullcontext()
-            if self.is_fsdp_enabled:  # IVON writes the sample into the shards: no forward may reuse gathered weights
-                _reshard(model)
-            with opt.sampled_params(train=True), no_sync:
-                model.zero_grad(set_to_none=True)  # the Trainer zeroes only after step(); each sample needs its own g
-                with self.compute_loss_context_manager():
-                    loss = self.compute_loss(model, dict(inputs))
-                self.accelerator.backward(loss)
-                # IVON records the gradients when the sample ends: they are checked here, before (no host sync)
-                self._note_finite(loss, params)
-                if self.args.max_grad_norm and self.args.max_grad_norm > 0:
-                    self._last_grad_norm = torch.nn.utils.clip_grad_norm_(params, self.args.max_grad_norm)
-            total += loss.detach()
+            context = self.method_context(
+                model, num_items_in_batch=num_items_in_batch, gradient_accumulation_steps=self.current_gradient_accumulation_steps,
+                loss_context=self.compute_loss_context_manager, optimizer=unwrap_ivon(self.optimizer) or self.optimizer,
+                sharded=self.is_fsdp_enabled, **({"no_sync": self.accelerator.no_sync} if ddp else {}),
+                max_grad_norm=self.args.max_grad_norm or 0.0, gradients_complete=self.accelerator.sync_gradients,
+                note_finite=self._note_finite, **({"loss_override": self.compute_loss} if self._overrides_compute_loss() else {}))
+            loss = self.method.training_step(model, self._prepare_inputs(inputs), context)
         self._stop_if_non_finite()
-        # for logging only: the Trainer sums this over micro-batches and divides by the optimizer steps
-        return total / self.args.mc_samples / self.current_gradient_accumulation_steps
+        return loss
+
+    def _overrides_compute_loss(self) -> bool:
+        return type(self).compute_loss is not VariationalTrainer.compute_loss
 
     def _note_finite(self, loss: torch.Tensor, params: list[torch.Tensor] | None) -> None:
-        """Record on the device whether `loss`, the gradients of `params` (None: not yet complete) and, with them, the
-        model's floating-point buffers (e.g. BatchNorm's running statistics, updated by the forward) are finite."""
-        loss_ok = torch.isfinite(loss.detach()).all()
-
-        def finite(tensors: list[torch.Tensor]) -> torch.Tensor:
-            # a NaN or ±inf entry makes the sum non-finite (as would a sum past float32's 3e38, far beyond any
-            # trainable gradient); one sum per tensor costs ~2 % of a ResNet-18 forward+backward on a CPU core, where
-            # a max-norm costs ~25 %
-            if not tensors:
-                return torch.ones_like(loss_ok)
-            return torch.isfinite(torch.stack([t.sum(dtype=torch.float32).to(loss_ok.device) for t in tensors]).sum())
-
         # with fp16's gradient scaler, inf gradients are expected: the scaler skips those steps itself
-        scaled = self.accelerator.scaler is not None
-        grads = [_local(p.grad) for p in params or () if p.grad is not None] if not scaled else []
-        buffers = [_local(b) for b in self.model.buffers() if b.is_floating_point()] if params is not None else []
-        flags = torch.stack([loss_ok, finite(grads), finite(buffers)])  # no copy to the host until the step ends
-        self._finite_flags = flags if self._finite_flags is None else self._finite_flags & flags
+        self._finite_guard.note(loss, params, self.model.buffers(), check_gradients=self.accelerator.scaler is None)
 
     def _stop_if_non_finite(self) -> None:
-        """On the last micro-batch of an optimizer step, before the step: one host sync (and, with several
-        processes, one all-reduce) for every loss, gradient and buffer of the step noted by `_note_finite`; raise if
-        one is NaN or inf. The update is then not applied, so the weights (and IVON's posterior) stay those of the last
-        finite step: no checkpoint or save gets non-finite weights."""
-        if not self.accelerator.sync_gradients or self._finite_flags is None:
-            return
-        flags, self._finite_flags = self._finite_flags.to(self.args.device).int(), None
-        if self.args.world_size > 1:  # IVON under DDP and FSDP shards: each process saw other gradients
-            torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MIN)
-        loss_ok, grads_ok, buffers_ok = flags.tolist()
-        if loss_ok and grads_ok and buffers_ok:
+        """On the last micro-batch of an optimizer step, before the step: raise if a loss, gradient or buffer of the
+        step was NaN or inf (`varsmooth.finite`); the update is then not applied."""
+        verdict = self._finite_guard.verdict(self.args.device, self.args.world_size > 1) if self.accelerator.sync_gradients else None
+        if verdict is None or all(verdict):
             return
         if self.ivon is not None:
             self.ivon._reset_samples()  # the step's samples are dropped: IVON stays at the last finite step
-        what = ("training loss" if not loss_ok else
-                "gradients (NaN, inf or past float32's range, with a finite loss)" if not grads_ok else
-                "buffers (running statistics the forward pass updates)")
-        kept = "weights and posterior" if self.ivon is not None else "weights and optimizer state"
-        after = f"after step {self.state.global_step}" if self.state.global_step else "the initial ones"
-        network = self.accelerator.unwrap_model(self.model)
-        bad = [] if buffers_ok else non_finite_tensors(network.named_buffers())
-        state = ("and saving them is safe" if not bad else
-                 f"but the forward pass made the buffers {bad[:5]} non-finite, so saving is refused: resume from the last "
-                 "checkpoint, or load the last save")
-        raise FloatingPointError(
-            f"Non-finite {what} in optimizer step {self.state.global_step + 1} with method={self.args.method!r}. That "
-            f"step was not applied: the {kept} are those of the last finite step ({after}), {state}. "
-            "Check the inputs for NaN or inf values (a single inf feature gives a finite loss but inf gradients), or "
-            "lower learning_rate / set max_grad_norm" + (" or clip_radius (e.g. 0.05)." if self.ivon is not None else ".")
-        )
+        bad = [] if verdict[2] else non_finite_tensors(self.accelerator.unwrap_model(self.model).named_buffers())
+        raise non_finite_step_error(verdict, self.state.global_step + 1, self.args.method, self.ivon is not None, bad)
 
     def _get_dataloader(self, dataset: Any, description: str, batch_size: int, sampler_fn: Any = None,
                         is_training: bool = False, dataloader_key: str | None = None) -> Any:
@@ -456,8 +382,8 @@ class VariationalTrainer(VariationalHubMixin, LabelNoiseMixin, Trainer):
             self._signature_columns.append(EXAMPLE_INDEX_KEY)  # or the column removal would drop the index
 
     def _clip_grad_norm(self, model: torch.nn.Module) -> Any:
-        if self.method.uses_ivon:  # already clipped inside each sample; clipping now would not reach IVON
-            return self._last_grad_norm
+        if learns_posterior(self.method):  # already clipped inside each sample; clipping now would not reach IVON
+            return self.method.last_grad_norm
         return super()._clip_grad_norm(model)
 
     def _remove_unused_columns(self, dataset: Any, description: str | None = None) -> Any:
@@ -535,7 +461,7 @@ class VariationalTrainer(VariationalHubMixin, LabelNoiseMixin, Trainer):
             del self._eval_posterior
 
     def _bma_without_posterior(self) -> bool:
-        return self.method.uses_ivon and self.args.eval_mc_samples > 0 and self._eval_posterior.is_point_mass
+        return learns_posterior(self.method) and self.args.eval_mc_samples > 0 and self._eval_posterior.is_point_mass
 
     def _compute_metrics(self, eval_pred: EvalPrediction, compute_result: bool | None = None) -> dict[str, float]:
         """Metrics of the BMA prediction (and mean_* of the posterior mean), then the user's `compute_metrics`, which
@@ -564,9 +490,9 @@ class VariationalTrainer(VariationalHubMixin, LabelNoiseMixin, Trainer):
             metrics = {f"mean_{k}": v for k, v in classification_metrics(mean_probs, labels).items()}
         else:
             metrics = classification_metrics(np.exp(log_probs), labels)
-            if self.method.uses_ivon and self.args.eval_mc_samples > 0:
+            if learns_posterior(self.method) and self.args.eval_mc_samples > 0:
                 metrics.update({f"mean_{k}": v for k, v in classification_metrics(mean_probs, labels).items()})
-        if self.method.uses_ivon and not isinstance(self.accelerator.unwrap_model(self.model), DeepEnsemble):
+        if learns_posterior(self.method) and not isinstance(self.accelerator.unwrap_model(self.model), DeepEnsemble):
             # what was computed: 0 samples averaged = a prediction at the posterior mean
             posterior = self._eval_posterior
             averaged = 0 if posterior.is_point_mass or posterior.temperature == 0 else self.args.eval_mc_samples

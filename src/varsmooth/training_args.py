@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 import numbers
 from dataclasses import dataclass, field
 from typing import Any
@@ -11,7 +10,7 @@ from typing import Any
 from transformers import TrainingArguments
 
 from .presets import DEFAULT_HESSIAN_WINDOW, FINETUNE_PRESET, IVON_PRESETS, LORA_PRESET, MIN_HESSIAN_WINDOW_STEPS, SCRATCH_PRESET
-from .methods import METHODS, MethodConfig, build_method_config, get_method_class
+from .methods import METHODS, MethodConfig, build_method_config, get_method_class, get_method_config_class, learns_posterior
 
 __all__ = ["VariationalTrainingArguments"]
 
@@ -166,49 +165,43 @@ class VariationalTrainingArguments(TrainingArguments):
             if isinstance(value, bool) or not isinstance(value, numbers.Real) or not float(value).is_integer():
                 raise ValueError(f"{name} is a number of samples, a whole number, got {value!r}: pass e.g. {name}=2.")
             setattr(self, name, int(value))
-        # always the method's own config class from here on (a copy: the caller's object is not changed)
-        self.method_config = build_method_config(self.method, self.method_config)
-        if self.ivon_preset not in IVON_PRESETS:
-            raise ValueError(f"ivon_preset must be one of {list(IVON_PRESETS)}, got {self.ivon_preset!r}.")
+        learns = learns_posterior(method_cls)
         # None = not set by the user: the preset fills it (finetune and lora only for IVON methods, others keep
         # their own learning rate); ess and clip_radius stay None in the scratch preset (training-set size, no clip)
-        preset = {**SCRATCH_PRESET, **(IVON_PRESETS[self.ivon_preset] if method_cls.uses_ivon else {})}
+        if self.ivon_preset not in IVON_PRESETS:
+            raise ValueError(f"ivon_preset must be one of {list(IVON_PRESETS)}, got {self.ivon_preset!r}.")
+        preset = {**SCRATCH_PRESET, **(IVON_PRESETS[self.ivon_preset] if learns else {})}
         preset.pop("long_run_beta2")  # not a field: IVONMethod.beta2 reads it (varsmooth.presets.default_beta2)
         for name, value in preset.items():
             if getattr(self, name) is None:
                 setattr(self, name, value)
         if self.learning_rate is None:
             self.learning_rate = method_cls.default_learning_rate
-        if method_cls.uses_ivon:
-            if self.fp16:
+        # always the method's own config class from here on (a copy: the caller's object is not changed)
+        config_cls = get_method_config_class(self.method)
+        if config_cls.mirrors_training_arguments:  # IVON's: built from these fields, which it also checks
+            config = config_cls.from_training_arguments(self)
+            given = self.method_config
+            if given is not None and given != {} and build_method_config(self.method, given) != config:
                 raise ValueError(
-                    "fp16 with a gradient scaler is not supported with IVON: IVON reads the gradients when each weight "
-                    "sample ends, before the scaler unscales them, so every update would be ~65536x too large. "
-                    "Use bf16=True (autocast with fp32 weights) or full precision."
+                    f"method={self.method!r} takes its settings from the arguments' own fields, and method_config "
+                    f"({given!r}) differs from them: set those fields instead (e.g. ess=..., beta2=...), and drop method_config."
                 )
-            if not 0 <= self.learning_rate < math.inf:
-                raise ValueError(f"learning_rate must be finite and >= 0, got {self.learning_rate}.")
-            if self.mc_samples < 1:
-                raise ValueError(f"mc_samples must be >= 1, got {self.mc_samples}.")
-            if not 0 < self.hess_init < math.inf:
-                raise ValueError(f"hess_init must be finite and > 0 (IVON's posterior std is 1/sqrt(ess (h + δ))), got {self.hess_init}.")
-            if not 0.0 <= (self.beta2 if self.beta2 is not None else 0.0) <= 1.0 or not 0.0 <= self.beta1 < 1.0:
-                raise ValueError(f"Need 0 <= beta1 < 1 and 0 <= beta2 <= 1, got beta1={self.beta1}, beta2={self.beta2}.")
-            if not 0 <= self.prior_precision < math.inf:
-                raise ValueError(f"prior_precision must be finite and >= 0, got {self.prior_precision}.")
-            if self.ess is not None and not 0 < self.ess < math.inf:
-                raise ValueError(f"ess must be finite and > 0, got {self.ess}.")
-            if not 0 < self.hessian_window < math.inf:
-                raise ValueError(f"hessian_window must be finite and > 0 (a fraction of the run's steps), got "
-                                 f"{self.hessian_window}; to fix β2 instead, pass beta2.")
-            if self.clip_radius is not None and not self.clip_radius > 0:
-                raise ValueError(f"clip_radius must be > 0 or None, got {self.clip_radius}.")
+            self.method_config = config
+        else:
+            self.method_config = build_method_config(self.method, self.method_config)
+        if learns and self.fp16:
+            raise ValueError(
+                "fp16 with a gradient scaler is not supported with IVON: IVON reads the gradients when each weight "
+                "sample ends, before the scaler unscales them, so every update would be ~65536x too large. "
+                "Use bf16=True (autocast with fp32 weights) or full precision."
+            )
         if self.posterior_temperature is not None and not 0 <= self.posterior_temperature < float("inf"):
             raise ValueError(f"posterior_temperature must be a finite number >= 0 or None (choose it on the eval dataset), "
                              f"got {self.posterior_temperature}.")
         if self.mc_dropout_samples < 0:
             raise ValueError(f"mc_dropout_samples must be >= 0 (0 = no MC dropout), got {self.mc_dropout_samples}.")
-        if self.mc_dropout_samples and method_cls.uses_ivon:
+        if self.mc_dropout_samples and learns:
             raise ValueError(
                 f"mc_dropout_samples={self.mc_dropout_samples} with method={self.method!r}: IVON methods predict by "
                 "Bayesian model averaging over their posterior (eval_mc_samples). Use MC dropout with a method without "
@@ -217,9 +210,8 @@ class VariationalTrainingArguments(TrainingArguments):
         if self.eval_mc_samples < 0:
             raise ValueError(f"eval_mc_samples must be >= 0 (0 = predict at the posterior mean), got {self.eval_mc_samples}.")
         super().__post_init__()
-        if method_cls.uses_ivon:
-            fsdp_version = (getattr(self, "fsdp_plugin_args", None) or {}).get("fsdp_version") if self.fsdp else None
-            check_ivon_sharding(fsdp_version, bool(self.deepspeed))
+        fsdp_version = (getattr(self, "fsdp_plugin_args", None) or {}).get("fsdp_version") if self.fsdp else None
+        method_cls.check_parallelism(fsdp_version, bool(self.deepspeed))
 
     def to_dict(self) -> dict[str, Any]:
         """`TrainingArguments.to_dict` with `method_config` as a dict of its fields, so that `to_json_string`, the
@@ -228,20 +220,3 @@ class VariationalTrainingArguments(TrainingArguments):
         if isinstance(self.method_config, MethodConfig):
             d["method_config"] = dataclasses.asdict(self.method_config)
         return d
-
-def check_ivon_sharding(fsdp_version: int | None, deepspeed: bool) -> None:
-    """Refuse what IVON cannot train under: FSDP1 (its FlatParameters hide the per-parameter weights IVON samples
-    and keeps state for) and DeepSpeed (ZeRO steps the optimizer itself, outside IVON's weight sampling); FSDP2
-    (`fully_shard`, DTensor parameters) is supported. `fsdp_version` is None without FSDP."""
-    if deepspeed:
-        raise ValueError(
-            "IVON is not supported with DeepSpeed: ZeRO partitions and steps the optimizer itself, outside IVON's "
-            "weight sampling. Shard with FSDP2 instead (fsdp='full_shard', fsdp_config={'version': 2}; or "
-            "`accelerate launch` with fsdp_version: 2), or use DDP (accelerate launch --multi_gpu)."
-        )
-    if fsdp_version is not None and int(fsdp_version) != 2:
-        raise ValueError(
-            f"IVON needs FSDP2 (fully_shard, DTensor parameters), got FSDP version {fsdp_version}: FSDP1 flattens the "
-            "weights into FlatParameters that IVON cannot sample per parameter. Set fsdp_config={'version': 2} "
-            "(--fsdp_config '{\"version\": 2}', or fsdp_version: 2 in the accelerate config), or use DDP."
-        )

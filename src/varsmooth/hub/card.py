@@ -135,7 +135,7 @@ def _better_prediction_text(metrics: dict[str, float]) -> str | None:
 def _prediction(record: RunRecord) -> str:
     """What the model's predictions are: "bma" (averaged over posterior samples), "mean" (an IVON model predicting
     at its posterior mean) or "weights" (a method without a posterior)."""
-    if not record.uses_ivon:
+    if not record.learns_posterior:
         return "weights"
     return "bma" if record.eval_mc_samples > 0 and record.posterior_temperature > 0 else "mean"
 
@@ -173,7 +173,7 @@ def _method_text(record: RunRecord) -> str:
 def _posterior_text(record: RunRecord) -> str | None:
     """What IVON's posterior did during training, from the last training log (`RunRecord.posterior_log`)."""
     log = record.posterior_log
-    if not record.uses_ivon or not log:
+    if not record.learns_posterior or not log:
         return None
     hp = record.hyperparameters
     h0, ess, prior = hp.get("hess_init"), hp.get("ess"), hp.get("weight_decay")
@@ -281,7 +281,7 @@ def build_model_card(record: RunRecord, model: Any, folder: str | os.PathLike) -
     metrics, scored_on = record.metrics, record.scored_on
     method = record.method
     report = record.noise_report
-    is_ivon = record.uses_ivon
+    is_ivon = record.learns_posterior
     datasets = record.datasets
     hub_datasets = [d for d in record.dataset_tags or datasets if is_hub_dataset_id(d)]
     # a local folder is named by its last component: its path on the training machine means nothing to readers

@@ -18,6 +18,7 @@ from transformers.utils.hub import PushInProgress, hf_api
 
 from ..files import (MANIFEST_FILE, OWNED_PATTERNS, FolderSave, add_to_manifest, check_manifest,
                      read_manifest, shareable_files, written_by_varsmooth)
+from ..methods import learns_posterior
 from ..utils import atomic_path
 from .card import build_model_card, write_reliability_diagram
 from .record import POSTERIOR_LOG_KEYS, RunRecord, as_list, last_eval_metrics, last_posterior_log, training_schedule
@@ -39,7 +40,7 @@ class VariationalHubMixin:
             return
         self._refuse_to_replace_own_card(replace_model_card)
         picture = write_reliability_diagram(self.reliability_diagram, self.args.output_dir,
-                                            bma=self.method.uses_ivon and self.args.eval_mc_samples > 0
+                                            bma=learns_posterior(self.method) and self.args.eval_mc_samples > 0
                                             and self.posterior_temperature > 0)
         if picture is not None:  # beside the model, in the manifest (uploaded) and so embedded by the card
             self.record_output(picture)
@@ -63,7 +64,7 @@ class VariationalHubMixin:
         method_hyperparameters = self.method.hyperparameters()
         return RunRecord(
             method=self.method.name,
-            uses_ivon=self.method.uses_ivon,
+            learns_posterior=learns_posterior(self.method),
             hyperparameters={**method_hyperparameters, **training_schedule(args, method_hyperparameters),
                              "per_device_train_batch_size": args.per_device_train_batch_size,
                              "gradient_accumulation_steps": args.gradient_accumulation_steps,
@@ -89,7 +90,7 @@ class VariationalHubMixin:
     def _posterior_log(self) -> dict[str, float] | None:
         """IVON's Hessian and σ statistics of the optimizer now (after training: the posterior that was saved), else
         of the last training log; None for a method without a posterior."""
-        if not self.method.uses_ivon:
+        if not learns_posterior(self.method):
             return None
         summary = self.hessian_summary()
         if summary:

@@ -3,6 +3,7 @@ builds it (`VariationalTrainer.run_record`) from the values it holds."""
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -53,7 +54,7 @@ class RunRecord:
 
     Args:
         method: the training method (`VariationalTrainingArguments.method`).
-        uses_ivon: whether the method learns a posterior with IVON (the model then predicts by posterior averaging).
+        learns_posterior: whether the method learns a posterior (IVON; the model then predicts by posterior averaging).
         hyperparameters: the method's settings (IVON's for IVON methods) and the training schedule.
         repo_id: the Hub repository (or, unshared, the output folder's name); model_name: the model's name.
         metrics: the latest scores without their prefix (`nll`, `mean_nll`, ...); scored_on: the split they come from.
@@ -69,7 +70,7 @@ class RunRecord:
     """
 
     method: str
-    uses_ivon: bool
+    learns_posterior: bool
     hyperparameters: dict[str, Any]
     repo_id: str
     model_name: str
@@ -87,11 +88,16 @@ class RunRecord:
     tags: list[str] | None = None
     language: str | None = None
 
+    @property
+    def uses_ivon(self) -> bool:
+        """Deprecated: `learns_posterior`."""
+        warnings.warn("RunRecord.uses_ivon is deprecated and will be removed in the next release: use "
+                      "RunRecord.learns_posterior.", FutureWarning, stacklevel=2)
+        return self.learns_posterior
+
     @classmethod
     def from_trainer(cls, trainer: Any, **kwargs: Any) -> "RunRecord":
         """Deprecated: `trainer.run_record(**kwargs)` (the record is built by the trainer, which holds the values)."""
-        import warnings
-
         warnings.warn("RunRecord.from_trainer(trainer, ...) is deprecated and will be removed in the next release: use "
                       "trainer.run_record(...).", FutureWarning, stacklevel=2)
         return trainer.run_record(**kwargs)

@@ -11,7 +11,7 @@ from .base import (
 )
 from .gce import GCEConfig, GCEMethod
 from .grids import DEFAULT_GRIDS, grid_points
-from .ivon import IVONFixedHessianMethod, IVONMethod
+from .ivon import IVONConfig, IVONFixedHessianMethod, IVONMethod, learns_posterior
 from .label_smoothing import (
     GeneralizedLabelSmoothingConfig, GeneralizedLabelSmoothingMethod, LabelSmoothingConfig, LabelSmoothingMethod,
     optimal_smoothing_rate,
@@ -30,6 +30,7 @@ __all__ = [
     "GCEMethod",
     "GeneralizedLabelSmoothingConfig",
     "GeneralizedLabelSmoothingMethod",
+    "IVONConfig",
     "IVONFixedHessianMethod",
     "IVONMethod",
     "LabelSmoothingConfig",
@@ -50,6 +51,7 @@ __all__ = [
     "get_method_class",
     "get_method_config_class",
     "grid_points",
+    "learns_posterior",
     "list_methods",
     "method_config_classes",
     "method_config_from_flags",

@@ -49,8 +49,6 @@ from .heads import AuxiliaryHeads, attach_heads, output_layer, tie_to_logits
 if TYPE_CHECKING:
     from accelerate import Accelerator
 
-    from ..training_args import VariationalTrainingArguments
-
 __all__ = ["ALASCAConfig", "ALASCAMethod", "alasca_targets", "auxiliary_positions"]
 
 
@@ -133,8 +131,8 @@ class ALASCAMethod(TrainingMethod):
     needs_example_index: ClassVar[bool] = True
     config: ALASCAConfig
 
-    def __init__(self, args: "VariationalTrainingArguments", num_train_examples: int | None = None) -> None:
-        super().__init__(args, num_train_examples)
+    def __init__(self, config: Any = None, num_train_examples: int | None = None) -> None:
+        super().__init__(config, num_train_examples)
         self.heads: AuxiliaryHeads | None = None
         self.positions: list[int] = []
         self.ema: torch.Tensor | None = None

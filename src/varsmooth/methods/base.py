@@ -13,22 +13,22 @@ Its settings are its own config dataclass (`MethodConfig` subclass), registered 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
+import warnings
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
-from ..posterior.prediction import IGNORE_INDEX  # the label every loss skips, as in `F.cross_entropy`
+from ..posterior.prediction import IGNORE_INDEX, logits_of, model_outputs  # IGNORE_INDEX: the label every loss skips
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
-
-    from ..training_args import VariationalTrainingArguments
 
 __all__ = [
     "EXAMPLE_INDEX_KEY", "IGNORE_INDEX", "METHODS", "ExampleIndexDataset", "MethodConfig", "MethodContext", "MethodInfo",
@@ -42,12 +42,23 @@ EXAMPLE_INDEX_KEY = "example_index"
 
 @dataclass
 class MethodConfig:
-    """Settings of a method that has none (ERM, IVON: IVON's settings are `VariationalTrainingArguments` fields).
+    """Settings of a method that has none (ERM).
 
     Subclasses are dataclasses whose field names carry the method's prefix (`sam_rho`, `gce_q`, ...): they are the
     command-line flags of the examples, which parse every method's config with one `HfArgumentParser`. Values are
-    checked in `__post_init__`.
+    checked in `__post_init__`. A config whose fields are `VariationalTrainingArguments` fields already
+    (`mirrors_training_arguments`, IVON's) is built from those arguments instead of parsed as flags of its own.
     """
+
+    #: the fields are `VariationalTrainingArguments` fields of the same names, and the config is built from them
+    #: (`VariationalTrainingArguments.__post_init__`): they are not flags of their own
+    mirrors_training_arguments: ClassVar[bool] = False
+
+    @classmethod
+    def from_training_arguments(cls, args: Any) -> "MethodConfig":
+        """The config of a `mirrors_training_arguments` class: the fields of `args` (a `VariationalTrainingArguments`)
+        of the same names."""
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if f.init})
 
 
 @dataclass(frozen=True)
@@ -72,8 +83,28 @@ class MethodContext:
     num_items_in_batch: Any = None
     #: micro-batches per optimizer step: a `training_step` returns and backpropagates its loss divided by this
     gradient_accumulation_steps: int = 1
-    #: for `training_step` only: the trainer's loss of (model, inputs) under its autocast context
-    compute_loss: Callable[[torch.nn.Module, dict[str, Any]], torch.Tensor] | None = None
+    #: a loss given to the trainer (`compute_loss_func(outputs, labels, num_items_in_batch=None)`) that replaces the
+    #: method's cross-entropy (only for methods whose `loss` is the plain one)
+    loss_func: Callable[..., torch.Tensor] | None = None
+    # -- for `training_step` only -----------------------------------------------------------------------------
+    #: a trainer subclass's own `compute_loss(model, inputs)` (the Trainer's extension point), which then replaces
+    #: `TrainingMethod.compute_loss` in every pass (`training_loss`)
+    loss_override: Callable[[torch.nn.Module, dict[str, Any]], torch.Tensor] | None = None
+    #: the context a loss is computed under (the Trainer's autocast)
+    loss_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    #: the optimizer behind accelerate's wrapper (IVON's samples the weights)
+    optimizer: torch.optim.Optimizer | None = None
+    #: DDP with the gradient all-reduce off for the passes inside it (a null context without DDP)
+    no_sync: Callable[[torch.nn.Module], contextlib.AbstractContextManager] = lambda model: contextlib.nullcontext()
+    #: whether the parameters are FSDP2 shards
+    sharded: bool = False
+    #: gradient-norm clipping (0: none)
+    max_grad_norm: float = 0.0
+    #: whether this micro-batch's backward completes the step's gradients (accumulated, all-reduced)
+    gradients_complete: bool = True
+    #: records whether a loss and the gradients of the given parameters (None: not complete yet) are finite; the
+    #: trainer stops the step before it is applied when one is not
+    note_finite: Callable[[torch.Tensor, list[torch.Tensor] | None], None] = lambda loss, params: None
 
     def backward(self, loss: torch.Tensor) -> None:
         """`accelerator.backward` (gradient scaling, DeepSpeed, ...) or plain `loss.backward()` without one."""
@@ -119,19 +150,14 @@ class MethodInfo:
     @property
     def settings(self) -> dict[str, Any]:
         """The method's main settings with their defaults: the learning rate it gets when none is given (and, for a
-        method without IVON, `scratch_learning_rate`, the image example's rate for a network trained from scratch),
-        then its config's fields; for IVON methods, the IVON fields of `VariationalTrainingArguments` with the
-        defaults of `ivon_preset="scratch"` (`varsmooth.presets`)."""
-        rates = {"learning_rate": self.method_class.default_learning_rate}
-        if self.method_class.uses_ivon:
-            from ..presets import SCRATCH_PRESET  # presets imports nothing of the methods; here only to avoid a cycle
-
-            return {**rates, "ivon_preset": "scratch", "ess": "training-set size",
-                    **{k: SCRATCH_PRESET[k] for k in ("hess_init", "prior_precision", "eval_mc_samples") if k in SCRATCH_PRESET},
-                    "mc_samples": 1}
+        method with flags of its own, `scratch_learning_rate`, the image example's rate for a network trained from
+        scratch), then its config's fields (for IVON, those of `ivon_preset="scratch"`; None: decided by the run)."""
         config = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
                   for f in dataclasses.fields(self.config_class) if f.init}
-        return {**rates, "scratch_learning_rate": self.method_class.scratch_learning_rate, **config}
+        if self.config_class.mirrors_training_arguments:
+            return {"learning_rate": self.method_class.default_learning_rate, **config}
+        return {"learning_rate": self.method_class.default_learning_rate,
+                "scratch_learning_rate": self.method_class.scratch_learning_rate, **config}
 
     def __str__(self) -> str:
         """One line: name, description, main settings and paper."""
@@ -162,7 +188,7 @@ def register_method(name: str, config_cls: type[MethodConfig], method_cls: type[
         if info.method_class is method_cls:
             raise ValueError(f"{method_cls.__name__} is already registered as {info.name!r}; subclass it to register it again.")
         if info.config_class is not config_cls:
-            shared = _field_names(info.config_class) & _field_names(config_cls)
+            shared = _flag_names(info.config_class) & _flag_names(config_cls)
             if shared:
                 raise ValueError(f"{config_cls.__name__} and {info.config_class.__name__} (method {info.name!r}) both have "
                                  f"the fields {sorted(shared)}: prefix them with the method's name.")
@@ -193,6 +219,11 @@ def get_method_config_class(name: str) -> type[MethodConfig]:
 
 def _field_names(config_cls: type[MethodConfig]) -> set[str]:
     return {f.name for f in dataclasses.fields(config_cls) if f.init}
+
+
+def _flag_names(config_cls: type[MethodConfig]) -> set[str]:
+    """The command-line flags of a method's config: its fields, unless they are `VariationalTrainingArguments`'."""
+    return set() if config_cls.mirrors_training_arguments else _field_names(config_cls)
 
 
 def build_method_config(method: str, config: MethodConfig | Mapping[str, Any] | str | None) -> MethodConfig:
@@ -228,7 +259,7 @@ def method_config_classes() -> list[type[MethodConfig]]:
     method's settings as flags (`--sam_rho 0.1`), then pick the chosen method's with `method_config_from_flags`."""
     classes = []
     for info in METHODS.values():
-        if _field_names(info.config_class) and info.config_class not in classes:
+        if _flag_names(info.config_class) and info.config_class not in classes:
             classes.append(info.config_class)
     return classes
 
@@ -241,11 +272,11 @@ def method_config_from_flags(method: str, configs: Iterable[MethodConfig], given
     is an error, not silently ignored: with `--method ls --sam_rho 0.1` the user expects a SAM run.
     """
     config_cls = get_method_config_class(method)
-    own = _field_names(config_cls)
+    own = _flag_names(config_cls)
     foreign = {}
     for other in METHODS.values():
         if other.config_class is not config_cls:
-            for flag in _field_names(other.config_class) & set(given):
+            for flag in _flag_names(other.config_class) & set(given):
                 foreign.setdefault(flag, other.name)
     if foreign:
         listed = ", ".join(f"--{flag} (method {name!r})" for flag, name in sorted(foreign.items()))
@@ -270,7 +301,6 @@ class TrainingMethod:
     name: ClassVar[str]
     #: the paper the method comes from (authors, year, title), shown by `list_methods()`
     paper: ClassVar[str | None] = None
-    uses_ivon: ClassVar[bool] = False
     #: per-example state (e.g. ALASCA's EMA): the trainer adds `EXAMPLE_INDEX_KEY` to every training batch
     needs_example_index: ClassVar[bool] = False
     #: learning rate used when the user gives none (TrainingArguments' own default for optimizer-agnostic methods)
@@ -279,10 +309,17 @@ class TrainingMethod:
     #: the image example's default, chosen on its noisy validation split (benchmarks/example_learning_rates.py)
     scratch_learning_rate: ClassVar[float] = 1e-4
 
-    def __init__(self, args: "VariationalTrainingArguments", num_train_examples: int | None = None) -> None:
-        self.args = args
-        self.config = build_method_config(self.name, args.method_config)
+    def __init__(self, config: MethodConfig | Mapping[str, Any] | None = None, num_train_examples: int | None = None) -> None:
+        if hasattr(config, "method_config"):  # the previous release passed the whole VariationalTrainingArguments
+            warnings.warn(f"{type(self).__name__}(args) is deprecated and will be removed in the next release: pass the "
+                          "method's config, args.method_config.", FutureWarning, stacklevel=2)
+            config = config.method_config
+        self.config = build_method_config(self.name, config)
         self.num_train_examples = num_train_examples
+
+    @staticmethod
+    def check_parallelism(fsdp_version: int | None, deepspeed: bool) -> None:
+        """Refuse a sharding the method cannot train under (`fsdp_version` None: no FSDP); every method can by default."""
 
     def create_optimizer(self, params: list[torch.nn.Parameter], run: OptimizerContext) -> torch.optim.Optimizer | None:
         """The optimizer of the trainable `params`; None (the default): the Trainer's own, as `optim` names it."""
@@ -292,14 +329,37 @@ class TrainingMethod:
         """Mean training loss of one micro-batch (labels equal to -100 are ignored)."""
         return F.cross_entropy(logits.float(), labels)
 
+    def compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any], context: MethodContext) -> tuple[torch.Tensor, Any]:
+        """(mean loss, model outputs) of one micro-batch: `loss` on the model's logits (or `context.loss_func` on its
+        outputs); a micro-batch without any label gives a zero-gradient loss, for every method."""
+        labels = inputs.get("labels")
+        if labels is None:
+            raise ValueError(f"The training batch has no 'labels' (keys: {sorted(inputs)}); name the label column 'label' or 'labels'.")
+        outputs = model_outputs(model, inputs, exclude=(EXAMPLE_INDEX_KEY,))
+        logits = logits_of(outputs)
+        if labels.numel() and (labels == IGNORE_INDEX).all():
+            return logits.sum() * 0.0, outputs
+        if context.loss_func is not None:
+            return context.loss_func(outputs, labels, num_items_in_batch=None), outputs
+        return self.loss(logits, labels, dataclasses.replace(context, example_index=inputs.get(EXAMPLE_INDEX_KEY))), outputs
+
+    def training_loss(self, model: torch.nn.Module, inputs: dict[str, Any], context: MethodContext) -> torch.Tensor:
+        """The loss a `training_step` backpropagates: `compute_loss` (or `context.loss_override`) under
+        `context.loss_context()`."""
+        with context.loss_context():
+            if context.loss_override is not None:
+                return context.loss_override(model, dict(inputs))
+            return self.compute_loss(model, dict(inputs), context)[0]
+
     def attach(self, model: torch.nn.Module) -> None:
         """Called once by the trainer before the optimizer exists: add extra heads or hooks to `model`."""
 
     def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], context: MethodContext) -> torch.Tensor:
         """Override to schedule the forward/backward passes of one micro-batch yourself (the Trainer's own
         `training_step` runs otherwise). `model` is in training mode and `inputs` are on its device; compute losses
-        with `context.compute_loss`, backpropagate `loss / context.gradient_accumulation_steps` and return the
-        detached loss to log, divided the same way."""
+        with `training_loss`, backpropagate `loss / context.gradient_accumulation_steps`,
+        note the loss and the complete gradients with `context.note_finite`, and return the detached loss to log,
+        divided the same way."""
         raise NotImplementedError(f"{self.name} uses the Trainer's training_step")
 
     def state_dict(self) -> dict[str, Any]:

@@ -9,15 +9,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 
 from .base import IGNORE_INDEX, MethodConfig, MethodContext, TrainingMethod, register_method
-
-if TYPE_CHECKING:
-    from ..training_args import VariationalTrainingArguments
 
 __all__ = [
     "GeneralizedLabelSmoothingConfig", "GeneralizedLabelSmoothingMethod", "LabelSmoothingConfig", "LabelSmoothingMethod",
@@ -121,8 +118,8 @@ class GeneralizedLabelSmoothingMethod(TrainingMethod):
     paper: ClassVar[str] = "Wei et al. 2022, To Smooth or Not? When Label Smoothing Meets Noisy Labels"
     config: GeneralizedLabelSmoothingConfig
 
-    def __init__(self, args: "VariationalTrainingArguments", num_train_examples: int | None = None) -> None:
-        super().__init__(args, num_train_examples)
+    def __init__(self, config: Any = None, num_train_examples: int | None = None) -> None:
+        super().__init__(config, num_train_examples)
         self._warmup_ended_logged = False
         self._negative_loss_logged = False
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -31,9 +31,6 @@ from torch import nn
 
 from .base import IGNORE_INDEX, MethodConfig, MethodContext, TrainingMethod, register_method
 from .heads import AuxiliaryHeads, attach_heads, output_layer, tie_to_logits
-
-if TYPE_CHECKING:
-    from ..training_args import VariationalTrainingArguments
 
 __all__ = ["LogisticNormalConfig", "LogisticNormalMethod", "logistic_normal_nll", "logistic_normal_targets"]
 
@@ -84,8 +81,8 @@ class LogisticNormalMethod(TrainingMethod):
     paper: ClassVar[str] = "Englesson et al. 2023, Logistic-Normal Likelihoods for Heteroscedastic Label Noise"
     config: LogisticNormalConfig
 
-    def __init__(self, args: "VariationalTrainingArguments", num_train_examples: int | None = None) -> None:
-        super().__init__(args, num_train_examples)
+    def __init__(self, config: Any = None, num_train_examples: int | None = None) -> None:
+        super().__init__(config, num_train_examples)
         self.heads: AuxiliaryHeads | None = None
         self._features: torch.Tensor | None = None
         self._factor: torch.Tensor | None = None

@@ -11,7 +11,7 @@ epoch 0; 1/K for empty classes).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -19,9 +19,6 @@ import torch.nn.functional as F
 from transformers import TrainerCallback
 
 from .base import IGNORE_INDEX, MethodConfig, MethodContext, TrainingMethod, register_method
-
-if TYPE_CHECKING:
-    from ..training_args import VariationalTrainingArguments
 
 __all__ = ["OnlineLabelSmoothingConfig", "OnlineLabelSmoothingMethod"]
 
@@ -74,8 +71,8 @@ class OnlineLabelSmoothingMethod(TrainingMethod):
     paper: ClassVar[str] = "Zhang et al. 2021, Delving Deep into Label Smoothing"
     config: OnlineLabelSmoothingConfig
 
-    def __init__(self, args: "VariationalTrainingArguments", num_train_examples: int | None = None) -> None:
-        super().__init__(args, num_train_examples)
+    def __init__(self, config: Any = None, num_train_examples: int | None = None) -> None:
+        super().__init__(config, num_train_examples)
         self.soft_labels: torch.Tensor | None = None
         self.accumulator: torch.Tensor | None = None
         self.counts: torch.Tensor | None = None

@@ -114,7 +114,7 @@ class SAMMethod(TrainingMethod):
             p.grad = None
         no_sync = context.accelerator.no_sync(model) if context.accelerator is not None else contextlib.nullcontext()
         with no_sync:
-            loss = context.compute_loss(model, dict(inputs))
+            loss = self.training_loss(model, inputs, context)
             context.backward(loss)
         perturbations = sam_perturbation(params, self.config.sam_rho, self.config.sam_adaptive)
         originals = []
@@ -126,13 +126,14 @@ class SAMMethod(TrainingMethod):
                 p.grad = g
         try:
             with batchnorm_stats_frozen(model):
-                perturbed_loss = context.compute_loss(model, dict(inputs))
+                perturbed_loss = self.training_loss(model, inputs, context)
             context.backward(perturbed_loss / context.gradient_accumulation_steps)
         finally:
             with torch.no_grad():
                 for p, original in zip(params, originals):
                     if original is not None:
                         p.copy_(original)
+        context.note_finite(loss, params if context.gradients_complete else None)
         # what the Trainer logs: the loss at w, the usual training loss
         return loss.detach() / context.gradient_accumulation_steps
 
