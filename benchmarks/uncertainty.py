@@ -273,11 +273,11 @@ def run_text(job: dict[str, Any]) -> dict[str, Any]:
 # -------------------------------------------------------------------------------------------------------------------
 @torch.no_grad()
 def mc_dropout_predictions(task: str, run: dict[str, Any], noise: str, seed: int) -> None:
-    """Predict val, test and OOD with `MC_SAMPLES` dropout masks (`varsmooth.posterior.mc_dropout_predictive`) from
+    """Predict val, test and OOD with `MC_SAMPLES` dropout masks (`varsmooth.mc_dropout.mc_dropout_predictive`) from
     the weights the run saved, and cache them as the run's predictions."""
     from transformers import DataCollatorWithPadding
 
-    from varsmooth.posterior import mc_dropout_predictive
+    from varsmooth.mc_dropout import mc_dropout_predictive
 
     state = torch.load(CACHE_DIR / run["analysis"]["weights"], weights_only=True)
     if task == "mnist":
@@ -318,7 +318,7 @@ def _entropy(probs: np.ndarray) -> np.ndarray:
 
 def _temperature_scaled(pred: dict[str, dict[str, np.ndarray]], val_labels: np.ndarray) -> tuple[dict[str, dict[str, np.ndarray]], float]:
     """`pred` with softmax(log p / T), T fitted by NLL on the noisy validation split (logits divided by T too)."""
-    from varsmooth.calibration import TemperatureScaling
+    from varsmooth.temperature_scaling import TemperatureScaling
 
     scaling = TemperatureScaling.fit(np.log(np.clip(pred["val"]["probs"], 1e-30, None)), val_labels)
     out = {}

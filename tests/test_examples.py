@@ -328,6 +328,11 @@ def test_a_multi_process_launch_that_does_not_distribute_is_refused(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_the_readme_is_a_front_page():
+    """Studies and tables live in benchmarks/README.md; the front page stays short enough to read."""
+    assert len((REPO / "README.md").read_bytes()) <= 15_000
+
+
 def test_ci_runs_the_readme_commands_verbatim():
     readme = (REPO / "README.md").read_text()
     commands = [block.strip() for block in readme.split("```bash\n")[1:3]]

@@ -153,6 +153,12 @@ def test_non_finite_loss_is_a_clear_error_and_weights_survive(tmp_path):
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
 
 
+def test_weight_decay_is_refused_with_ivon_and_names_prior_precision(tmp_path):
+    with pytest.raises(ValueError, match="IVON's weight decay is the precision of its Gaussian prior, `prior_precision`"):
+        make_args(tmp_path, weight_decay=0.01)
+    assert make_args(tmp_path, method="erm", weight_decay=0.01).weight_decay == 0.01  # AdamW's, as in TrainingArguments
+
+
 def test_fp16_refused_with_clear_error(tmp_path):
     with pytest.raises(ValueError, match="fp16 with a gradient scaler is not supported with IVON"):
         make_args(tmp_path, fp16=True)
@@ -265,9 +271,9 @@ def test_label_smoothing_factor_is_refused(tmp_path):
         VariationalTrainer(model=TinyClassifier(), args=make_args(tmp_path, label_smoothing_factor=0.1))
 
 
-def test_prior_precision_is_not_overridden_by_weight_decay(tmp_path):
-    """The stock optimizer groups would write args.weight_decay into IVON's δ (the prior precision)."""
-    args = _trainer_args(tmp_path, max_steps=1, weight_decay=0.1, prior_precision=5e-3)
+def test_prior_precision_is_ivons_weight_decay(tmp_path):
+    """IVON's δ is `prior_precision` (weight_decay is refused with IVON methods: test above)."""
+    args = _trainer_args(tmp_path, max_steps=1, prior_precision=5e-3)
     trainer = VariationalTrainer(model=TinyClassifier(), args=args, train_dataset=digits_dataset(32))
     trainer.train()
     assert [g["weight_decay"] for g in trainer.ivon.param_groups] == [5e-3]

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from .calibration import TemperatureScaling, network_fingerprint
+from .temperature_scaling import TemperatureScaling, network_fingerprint
 from .files import MANIFEST_FILE, FolderSave, check_manifest, read_manifest
 from .modeling import FOLDER_LOADERS, VariationalModel, load_temperature_scaling
 from .posterior import VariationalClassifierOutput

@@ -11,10 +11,10 @@ import torch
 from transformers import AutoConfig, AutoModelForImageClassification, AutoModelForSequenceClassification, PreTrainedModel
 
 from .adapters import has_adapter, is_peft_model, load_adapter_model, save_classifier_config
-from .calibration import TEMPERATURE_SCALING_FILE, TemperatureScaling, describe_prediction
+from .temperature_scaling import TEMPERATURE_SCALING_FILE, TemperatureScaling, describe_prediction
 from .files import FolderSave, check_manifest
-from .posterior import (OUTPUT_DROPOUT_KEY, POSTERIOR_FILE, DiagonalGaussianPosterior, VariationalClassifierOutput,
-                        add_output_dropout, mc_dropout_predictive, predictive_distribution)
+from .mc_dropout import OUTPUT_DROPOUT_KEY, add_output_dropout, mc_dropout_predictive
+from .posterior import POSTERIOR_FILE, DiagonalGaussianPosterior, VariationalClassifierOutput, predictive_distribution
 from .posterior.gaussian import non_finite_tensors
 
 #: marker file of a saved folder that another class loads -> that class's `from_pretrained` (a `DeepEnsemble` folder
@@ -53,8 +53,8 @@ class VariationalModel(torch.nn.Module):
     For the same `seed` the draws are those of `VariationalTrainer.evaluate()` (common random numbers), scaled by
     the posterior temperature `posterior.temperature` chosen in training (saved with the posterior).
 
-    `mc_dropout_samples > 0` predicts by MC dropout instead (`varsmooth.posterior.mc_dropout`), for models trained
-    without a posterior. A `temperature_scaling` (`varsmooth.calibration.TemperatureScaling`) rescales the final
+    `mc_dropout_samples > 0` predicts by MC dropout instead (`varsmooth.mc_dropout`), for models trained
+    without a posterior. A `temperature_scaling` (`varsmooth.temperature_scaling.TemperatureScaling`) rescales the final
     prediction: `logits`, `probs` and `entropy` are then the calibrated ones.
     """
 

@@ -26,7 +26,7 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PredictionOutput
 
 from .adapters import is_peft_model
-from .calibration import TemperatureScaling, TemperatureScalingCallback, describe_prediction, fit_on_batches
+from .temperature_scaling import TemperatureScaling, TemperatureScalingCallback, describe_prediction, fit_on_batches
 from .checkpointing import CheckpointingMixin
 from .checks import check_arguments, check_compute_metrics, check_datasets, check_method_inputs
 from .corruption import realized_noise_report
@@ -36,9 +36,10 @@ from .methods import (EXAMPLE_INDEX_KEY, ExampleIndexDataset, MethodContext, Opt
                       learns_posterior)
 from .hub import VariationalHubMixin
 from .label_noise import LabelNoiseCallback, LabelNoiseMixin
+from .mc_dropout import mc_dropout_predictive
 from .metrics.evaluation_metrics import EvaluationMetrics
 from .posterior import (POSTERIOR_FILE, DiagonalGaussianPosterior, VariationalClassifierOutput, VariationalIVON,
-                        mc_dropout_predictive, predictive_distribution, unwrap_ivon)
+                        predictive_distribution, unwrap_ivon)
 from .posterior.diagnostics import HessianDiagnosticsCallback, hessian_summary
 from .posterior.gaussian import TEMPERATURE_KEY, non_finite_tensors
 from .posterior.temperature import (SELECTION_SAMPLES, PosteriorTemperatureCallback, check_transition_matrix,
@@ -213,7 +214,7 @@ class VariationalTrainer(CheckpointingMixin, VariationalHubMixin, LabelNoiseMixi
     def fit_temperature_scaling(self, eval_dataset: Any = None) -> TemperatureScaling:
         """Fit the post-hoc temperature T on `eval_dataset` (default: the eval datasets) by NLL and predict with it from
         now on; done when training ends with `args.temperature_scaling`. `trainer.temperature_scaling = None` goes back
-        to the uncalibrated prediction. See `varsmooth.calibration`. Every process must call this."""
+        to the uncalibrated prediction. See `varsmooth.temperature_scaling`. Every process must call this."""
         eval_dataset = self.eval_dataset if eval_dataset is None else eval_dataset
         self.model.eval()
         posterior = self.posterior()

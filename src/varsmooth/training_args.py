@@ -109,8 +109,8 @@ class VariationalTrainingArguments(TrainingArguments):
     )
     prior_precision: float | None = field(
         default=None,
-        metadata={"help": "IVON weight decay δ = precision of the Gaussian prior. Replaces `weight_decay`, which IVON "
-                          "ignores. " + _preset_default("prior_precision")},
+        metadata={"help": "IVON weight decay δ = precision of the Gaussian prior. Replaces `weight_decay`, which is "
+                          "refused with IVON methods. " + _preset_default("prior_precision")},
     )
     mc_samples: int = field(default=1, metadata={"help": "Posterior samples (forward+backward) per micro-batch during training."})
     ivon_fused: bool | None = field(
@@ -190,6 +190,12 @@ class VariationalTrainingArguments(TrainingArguments):
             self.method_config = config
         else:
             self.method_config = build_method_config(self.method, self.method_config)
+        if learns and self.weight_decay:
+            raise ValueError(
+                f"weight_decay={self.weight_decay} with method={self.method!r}: IVON's weight decay is the precision of its "
+                "Gaussian prior, `prior_precision` (δ, which also sets the posterior's σ); IVON would ignore weight_decay. "
+                "Pass prior_precision= instead and leave weight_decay at 0."
+            )
         if learns and self.fp16:
             raise ValueError(
                 "fp16 with a gradient scaler is not supported with IVON: IVON reads the gradients when each weight "

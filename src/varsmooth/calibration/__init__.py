@@ -1,6 +1,10 @@
-"""Post-hoc calibration of any varsmooth prediction (temperature scaling)."""
+"""Deprecated name of `varsmooth.temperature_scaling` (one release): "calibration" also named the calibration
+metrics (`varsmooth.metrics`), and the posterior has a temperature of its own."""
 
-from .callback import TemperatureScalingCallback, fit_on_batches, fit_trainer_temperature_scaling
-from .temperature_scaling import TEMPERATURE_SCALING_FILE, TemperatureScaling, describe_prediction, network_fingerprint, scaled_nll
+import warnings
 
-__all__ = ["TEMPERATURE_SCALING_FILE", "TemperatureScaling", "TemperatureScalingCallback", "describe_prediction", "fit_on_batches", "network_fingerprint", "fit_trainer_temperature_scaling", "scaled_nll"]
+from ..temperature_scaling import *  # noqa: F401,F403
+from ..temperature_scaling import __all__  # noqa: F401
+
+warnings.warn("varsmooth.calibration is deprecated and will be removed in the next release: use "
+              "varsmooth.temperature_scaling.", FutureWarning, stacklevel=2)

@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 
 from ..peft_keys import saved_names
 from ..utils import atomic_path
-from .noise import derive_seed
+from .seeds import derive_seed
 from .optimizer import DTensor, _local, _local_slice, _whole
 
 __all__ = ["POSTERIOR_FILE", "DiagonalGaussianPosterior", "non_finite_tensors", "std_summary", "weights_fingerprint"]

@@ -1,14 +1,11 @@
-"""Seeds derived from counters (base seed, rank, step, draw, ...), for reproducible noise that resumes exactly."""
+"""Deprecated name of `varsmooth.posterior.seeds` (one release): the package has three other "noise"s (the label
+corruption, the label noise ε̄ and IVON's weight noise), and this module only derives seeds."""
+
+import warnings
+
+from .seeds import derive_seed  # noqa: F401
 
 __all__ = ["derive_seed"]
 
-
-def derive_seed(*keys: int) -> int:
-    """A 63-bit seed that depends on every key (SplitMix64 mixing), for torch generators."""
-    state = 0x9E3779B97F4A7C15
-    for key in keys:
-        state = (state ^ (int(key) & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
-        state ^= state >> 31
-        state = state * 0x94D049BB133111EB & 0xFFFFFFFFFFFFFFFF
-        state ^= state >> 29
-    return state & ((1 << 63) - 1)
+warnings.warn("varsmooth.posterior.noise is deprecated and will be removed in the next release: use "
+              "varsmooth.posterior.seeds.", FutureWarning, stacklevel=2)

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from .kernels import Dispatch, noise_times_grad, perturb, seeded, update
-from .noise import derive_seed
+from .seeds import derive_seed
 
 try:
     from torch.distributed.tensor import DTensor

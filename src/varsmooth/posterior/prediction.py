@@ -17,7 +17,7 @@ import torch
 from transformers.utils import ModelOutput
 
 from .gaussian import DiagonalGaussianPosterior
-from .noise import derive_seed
+from .seeds import derive_seed
 
 __all__ = ["VariationalClassifierOutput", "average_predictions", "draw_seeds", "entropy", "predictive_distribution", "sampled_probs", "model_logits", "model_outputs", "logits_of",
            "IGNORE_INDEX", "LABEL_KEYS"]

@@ -11,7 +11,7 @@ from transformers import TrainerCallback
 
 from ..posterior.prediction import LABEL_KEYS, VariationalClassifierOutput
 from ..utils import deprecated_alias
-from .temperature_scaling import TemperatureScaling
+from .scaling import TemperatureScaling
 
 __all__ = ["TemperatureScalingCallback", "fit_on_batches", "fit_trainer_temperature_scaling"]
 
