@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from .model_parts import output_layer
 from .posterior.prediction import VariationalClassifierOutput, average_predictions, model_logits
 from .posterior.seeds import derive_seed
 
@@ -43,8 +44,6 @@ def add_output_dropout(model: torch.nn.Module, p: float) -> torch.nn.Module:
     rate is recorded in `model.config` (as `varsmooth_output_dropout`), so `VariationalModel.from_pretrained` puts the
     layer back when it loads the saved model.
     """
-    from ..methods.heads import output_layer  # methods import the posterior package
-
     if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p < 1.0:
         raise ValueError(f"The dropout rate must be a number in [0, 1), got {p!r}.")
     if hasattr(model, OUTPUT_DROPOUT_KEY):

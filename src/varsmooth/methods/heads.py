@@ -19,9 +19,9 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["AUX_MODULE_NAME", "AuxiliaryHeads", "attach_heads", "output_layer", "tie_to_logits"]
+from ..model_parts import AUX_MODULE_NAME, output_layer
 
-AUX_MODULE_NAME = "varsmooth_aux"
+__all__ = ["AUX_MODULE_NAME", "AuxiliaryHeads", "attach_heads", "output_layer", "tie_to_logits"]
 
 
 def _drop_own_keys(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
@@ -80,27 +80,3 @@ def tie_to_logits(output: Any, tensors: list[torch.Tensor]) -> Any:
     if isinstance(output, tuple):
         return (output[0] + anchor.to(output[0].dtype), *output[1:])
     raise TypeError(f"Expected a ModelOutput, dict or tuple with the logits first, got {type(output).__name__}.")
-
-
-def output_layer(model: nn.Module) -> nn.Linear:
-    """The final linear layer that produces the logits (its input is the penultimate feature vector).
-
-    HF classifiers keep it in `model.classifier` (a Linear, or a Sequential ending in one); timm models and
-    `TimmWrapperForImageClassification` expose it through `get_classifier()` / `timm_model`.
-    """
-    candidates = []
-    for owner in (model, getattr(model, "timm_model", None)):
-        if owner is None:
-            continue
-        if callable(getattr(owner, "get_classifier", None)):
-            candidates.append(owner.get_classifier())
-        candidates.append(getattr(owner, "classifier", None))
-    for head in candidates:
-        if isinstance(head, nn.Module):
-            linears = [m for m in head.modules() if isinstance(m, nn.Linear)]
-            if linears:
-                return linears[-1]
-    raise ValueError(
-        f"Cannot find the output layer of {type(model).__name__}: expected an nn.Linear in `model.classifier` "
-        "(transformers) or `get_classifier()` (timm)."
-    )

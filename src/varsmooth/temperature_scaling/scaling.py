@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..methods.heads import AUX_MODULE_NAME
+from ..model_parts import AUX_MODULE_NAME
 from ..posterior.gaussian import DiagonalGaussianPosterior, weights_fingerprint
 from ..posterior.prediction import VariationalClassifierOutput, entropy
 from ..utils import atomic_path
@@ -48,7 +48,7 @@ def scaled_nll(log_probs: torch.Tensor, labels: torch.Tensor, temperature: float
 
 def network_fingerprint(network: torch.nn.Module) -> tuple[str, str | None]:
     """(SHA-256, dtype) of the parameters a saved model holds: all of `network`'s, less training-only method heads
-    (they are not saved with the model, see `varsmooth.methods.heads`)."""
+    (they are not saved with the model, see `varsmooth.methods.heads`; `varsmooth.model_parts`)."""
     names = [name for name, _ in network.named_parameters() if AUX_MODULE_NAME not in name.split(".")]
     params = dict(network.named_parameters())
     dtypes = sorted({str(params[name].dtype) for name in names})
