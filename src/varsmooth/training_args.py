@@ -35,7 +35,14 @@ class VariationalTrainingArguments(TrainingArguments):
 
     The other methods' settings are not fields here: `method_config` holds the chosen method's own config
     (`VariationalTrainingArguments(method="sam", method_config={"sam_rho": 0.1})`, or a `SAMConfig`); after
-    `__post_init__` it is always an instance of that method's config class.
+    `__post_init__` it is always an instance of that method's config class (for IVON an `IVONConfig` built from the
+    IVON fields here).
+
+    Names of draws and seeds: `mc_samples` posterior samples per training micro-batch and `seed` (the run, and IVON's
+    weight noise during training); `eval_mc_samples` samples per prediction and `eval_seed` (every draw of evaluation,
+    τ's choice and the label-noise export). A function that draws takes `num_samples` and `seed` for that call, with
+    these as the trainer's defaults. `weight_decay` is refused with IVON methods: their weight decay is
+    `prior_precision`, the precision of the Gaussian prior.
 
     Defaults of `TrainingArguments` that varsmooth overrides (the fields are redefined below, in one block):
 
