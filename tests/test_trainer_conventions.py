@@ -240,3 +240,34 @@ def test_readme_states_the_threshold_of_the_code():
     readme = (REPO / "README.md").read_text(encoding="utf-8")
     stated = re.findall(r"hardly moved \(median relative change from `hess_init` below (\d+) %", readme)
     assert stated == [f"{HESSIAN_STUCK_TOLERANCE * 100:.0f}"]
+
+
+class _WeightedLossTrainer(VariationalTrainer):
+    """The Trainer's extension point: a subclass's own `compute_loss` (here, twice the cross-entropy)."""
+
+    calls = 0
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        type(self).calls += 1
+        loss = 2.0 * F.cross_entropy(model(pixel_values=inputs["pixel_values"]).logits, inputs["labels"])
+        return (loss, None) if return_outputs else loss
+
+
+def test_a_subclass_compute_loss_is_what_every_posterior_sample_backpropagates(tmp_path):
+    """IVON's Monte-Carlo step runs in the method (it never calls back into the trainer), but a trainer subclass that
+    overrides `compute_loss` still computes the loss of every sample: the run equals one with a doubled loss."""
+    data = digits_dataset(32)
+    common = dict(max_steps=3, mc_samples=2, learning_rate=0.1, beta2=0.99, train_sampling_strategy="sequential",
+                  lr_scheduler_type="constant", per_device_train_batch_size=16, logging_strategy="steps", logging_steps=1)
+    torch.manual_seed(0)
+    init = TinyClassifier()
+    _WeightedLossTrainer.calls = 0
+    weighted = _WeightedLossTrainer(model=copy.deepcopy(init), args=make_args(tmp_path / "a", **common), train_dataset=data)
+    weighted.train()
+    assert _WeightedLossTrainer.calls == 3 * 2  # steps × samples
+    plain = VariationalTrainer(model=copy.deepcopy(init), args=make_args(tmp_path / "b", **common), train_dataset=data)
+    plain.train()
+    # the first step: the same weights and the same posterior draws, so the logged loss is exactly doubled
+    first = [next(e["loss"] for e in t.state.log_history if "loss" in e) for t in (weighted, plain)]
+    assert first[0] == pytest.approx(2 * first[1], rel=1e-4)
+    assert not torch.equal(weighted.model.head.weight, plain.model.head.weight)  # and the doubled gradient moved it
