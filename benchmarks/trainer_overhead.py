@@ -121,7 +121,7 @@ def hand_block(kind: str, model, x, y, steps: int, seed: int) -> list[float]:
     elif kind == "hand_ivon":
         opt = ivon.IVON(params, **IVON_KW)
     elif kind == "hand_vivon":
-        opt = VariationalIVON(params, noise_seed=seed, **IVON_KW)
+        opt = VariationalIVON(params, sample_seed=seed, **IVON_KW)
     else:
         raise ValueError(kind)
     sched = get_cosine_schedule_with_warmup(opt, 0, steps)

@@ -81,3 +81,17 @@ def test_a_method_built_from_the_training_arguments_warns_and_takes_their_config
     with pytest.warns(FutureWarning, match=r"SAMMethod\(args\) is deprecated.*args.method_config"):
         method = get_method_class("sam")(args)
     assert method.config == args.method_config and method.config is not args.method_config
+
+
+def test_the_optimizers_noise_seed_is_now_sample_seed():
+    """`noise_seed` also named the label corruption's seed (`--noise_seed`); the optimizer's is `sample_seed`."""
+    import torch
+
+    from varsmooth import VariationalIVON
+
+    weights = [torch.nn.Parameter(torch.zeros(3))]
+    with pytest.warns(FutureWarning, match=r"VariationalIVON\(noise_seed=\) is deprecated.*sample_seed="):
+        old = VariationalIVON(weights, lr=0.1, ess=10.0, noise_seed=7)
+    assert old.sample_seed == 7 == VariationalIVON(weights, lr=0.1, ess=10.0, sample_seed=7).sample_seed
+    with pytest.raises(TypeError, match=r"unexpected keyword arguments \['seed'\]"):
+        VariationalIVON(weights, lr=0.1, ess=10.0, seed=7)

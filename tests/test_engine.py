@@ -115,7 +115,7 @@ def _same_noise(path, seed):
 def _engine(seed, path_kw, noise_source=None, **fixed):
     """A factory of VariationalIVON(params, **kw) on one path, with a test's noise source if given."""
     def make(params, **kw):
-        opt = VariationalIVON(params, noise_seed=seed, **path_kw, **fixed, **kw)
+        opt = VariationalIVON(params, sample_seed=seed, **path_kw, **fixed, **kw)
         opt.noise_source = noise_source
         return opt
     return make
@@ -170,7 +170,7 @@ def test_in_kernel_path_holds_one_buffer_besides_the_state(samples_per_step, mon
     path_kw = _on_path("in_kernel", monkeypatch)
     torch.manual_seed(0)
     model = MLP()
-    opt = VariationalIVON(model.parameters(), noise_seed=0, **path_kw, **IVON_KW)
+    opt = VariationalIVON(model.parameters(), sample_seed=0, **path_kw, **IVON_KW)
     x, y = _data(3 * samples_per_step)
     seen = []
     for step in range(3):
@@ -188,7 +188,7 @@ def test_in_kernel_path_holds_one_buffer_besides_the_state(samples_per_step, mon
         assert max(seen) == 3.0 and seen[-1] == 2.0  # mean + mean(e⊙g) + ḡ while accumulating; then mean and ḡ
     monkeypatch.undo()
     for path in ("compiled", "foreach"):
-        kept = VariationalIVON(copy.deepcopy(model).parameters(), noise_seed=0, **_on_path(path, monkeypatch),
+        kept = VariationalIVON(copy.deepcopy(model).parameters(), sample_seed=0, **_on_path(path, monkeypatch),
                                **IVON_KW)
         with kept.sampled_params():
             assert _held_buffers(kept) == 2.0, path
@@ -238,7 +238,7 @@ def test_kernels_that_do_not_compile_fall_back_to_foreach_or_raise(monkeypatch):
     torch.manual_seed(0)
     model = MLP()
     with pytest.warns(RuntimeWarning, match="do not compile.*No working C\\+\\+ compiler") as caught:
-        ours, _, opt = _run(lambda g, **k: VariationalIVON(g, noise_seed=3, **k), model, 5, 1, **IVON_KW)
+        ours, _, opt = _run(lambda g, **k: VariationalIVON(g, sample_seed=3, **k), model, 5, 1, **IVON_KW)
     assert len(caught) == 1 and not opt._dispatch.compiles
     ref, _, _ = _run(lambda g, **k: SeededIVON(g, seed=3, **k), model, 5, 1, **IVON_KW)
     _assert_same_trajectory(ours, ref)
@@ -256,7 +256,7 @@ def test_mixed_dtypes_one_step_matches_ivon_opt_formulas(path, monkeypatch):
     # small bfloat16 means: the noise read off the sample, θ - m, is then rounded relative to σ, not to m
     c = torch.nn.Parameter(0.01 * torch.randn(4, dtype=torch.bfloat16))
     kw = dict(lr=0.1, ess=50.0, hess_init=0.4, beta1=0.9, beta2=0.9, weight_decay=1e-2, clip_radius=0.5)
-    opt = VariationalIVON([a, b, c], noise_seed=1, **path_kw, **kw)
+    opt = VariationalIVON([a, b, c], sample_seed=1, **path_kw, **kw)
     means = [p.detach().clone() for p in (a, b, c)]
     with opt.sampled_params(train=True):
         noise = [p.detach() - m for p, m in zip((a, b, c), means)]
@@ -290,7 +290,7 @@ def test_noise_is_seeded_by_counters_and_parameters_are_never_replaced(path, mon
     storage = [p.data_ptr() for p in model.parameters()]
 
     def draw(rank, m=model, **extra):
-        opt = VariationalIVON(m.parameters(), noise_seed=7, rank=rank, **path_kw, **kw, **extra)
+        opt = VariationalIVON(m.parameters(), sample_seed=7, rank=rank, **path_kw, **kw, **extra)
         samples = []
         for _ in range(2):
             with opt.sampled_params():
@@ -316,7 +316,7 @@ def test_one_seed_per_bucket_and_draw(monkeypatch):
     seeds = []
     monkeypatch.setattr(engine, "derive_seed", lambda *keys: seeds.append(keys) or hash(keys) % (1 << 62))
     model = torch.nn.Sequential(*(torch.nn.Linear(4, 4) for _ in range(5)))
-    opt = VariationalIVON(_groups(model, 1e-2), noise_seed=0, fused=False, **{k: v for k, v in IVON_KW.items()
+    opt = VariationalIVON(_groups(model, 1e-2), sample_seed=0, fused=False, **{k: v for k, v in IVON_KW.items()
                                                                              if k != "weight_decay"})
     with opt.sampled_params(train=True):
         model(torch.ones(4)).sum().backward()
@@ -338,7 +338,7 @@ def test_crash_inside_sampling_restores_means_and_records_nothing(path, monkeypa
     path_kw = _on_path(path, monkeypatch)
     torch.manual_seed(0)
     model = MLP()
-    opt = VariationalIVON(_groups(model, 1e-2), noise_seed=0, **path_kw, **{k: v for k, v in IVON_KW.items()
+    opt = VariationalIVON(_groups(model, 1e-2), sample_seed=0, **path_kw, **{k: v for k, v in IVON_KW.items()
                                                                             if k != "weight_decay"})
     before = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(ZeroDivisionError):
@@ -396,7 +396,7 @@ def test_resume_from_per_parameter_checkpoint_is_exact(path, samples_per_step, m
 def test_restore_from_posterior_inverts_the_posterior_std():
     torch.manual_seed(0)
     model = MLP()
-    make = lambda g, **k: VariationalIVON(g, noise_seed=5, **k)  # noqa: E731
+    make = lambda g, **k: VariationalIVON(g, sample_seed=5, **k)  # noqa: E731
     _, _, trained = _run(make, model, 6, 2, **IVON_KW)
     fresh_model = copy.deepcopy(model)
     fresh = make(_groups(fresh_model, IVON_KW["weight_decay"]), **{k: v for k, v in IVON_KW.items() if k != "weight_decay"})
@@ -421,7 +421,7 @@ def test_flat_ivon_opt_checkpoint_loads_and_continues_the_trajectory():
     old = ref_opt.state_dict()
     old["state"]["current_step"] = ref_opt.current_step  # the earlier VariationalIVON stored its step there
     ours_model = copy.deepcopy(ref_model)
-    ours = VariationalIVON(_groups(ours_model, IVON_KW["weight_decay"]), noise_seed=2, **kw)
+    ours = VariationalIVON(_groups(ours_model, IVON_KW["weight_decay"]), sample_seed=2, **kw)
     saved = copy.deepcopy(old)
     ours.load_state_dict(old)
     assert ours.current_step == 4

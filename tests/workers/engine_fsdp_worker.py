@@ -28,7 +28,7 @@ def build(mesh, given_noise=True):
     fully_shard(model.fc1, mesh=mesh)
     fully_shard(model, mesh=mesh)
     kw = {k: v for k, v in IVON_KW.items() if k != "weight_decay"}
-    opt = VariationalIVON(_groups(model, IVON_KW["weight_decay"]), noise_seed=4, rank=dist.get_rank(), fused=True, **kw)
+    opt = VariationalIVON(_groups(model, IVON_KW["weight_decay"]), sample_seed=4, rank=dist.get_rank(), fused=True, **kw)
     opt.noise_source = indexed_noise(4) if given_noise else None
     return model, opt
 

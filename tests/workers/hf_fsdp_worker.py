@@ -62,7 +62,7 @@ def build(kind, sharded):
     model = make_model(kind)
     if sharded:
         shard(model)
-    opt = VariationalIVON(model.parameters(), noise_seed=4, rank=dist.get_rank(), **IVON_KW)
+    opt = VariationalIVON(model.parameters(), sample_seed=4, rank=dist.get_rank(), **IVON_KW)
     opt.noise_source = indexed_noise(4)
     return model, opt
 

@@ -42,7 +42,7 @@ def run(sharded, rank, world, out):
     torch.manual_seed(0)
     model = Classifier()
     kw = {k: v for k, v in IVON_KW.items() if k != "weight_decay"}
-    opt = VariationalIVON(model.parameters(), noise_seed=4, weight_decay=IVON_KW["weight_decay"], **kw)
+    opt = VariationalIVON(model.parameters(), sample_seed=4, weight_decay=IVON_KW["weight_decay"], **kw)
     opt.noise_source = indexed_noise(4)  # the shards' parts of the unsharded run's draws
     if sharded:
         fully_shard(model.net.fc1, mesh=init_device_mesh("cpu", (world,)))

@@ -3,7 +3,7 @@ Deep Networks", Alg. 1, 'price' estimate) in torch.optim's shape: state (per-par
 groups, `sampled_params` and checkpoints here, the arithmetic per (device, dtype) bucket in `kernels`. Parameters may
 mix devices and dtypes, are never replaced, are restored if the body of `sampled_params` raises, and count as a zero
 gradient where they got none. Draw d after step t of bucket b on process r is seeded by derive_seed(derive_seed(
-noise_seed, t, d), r, b): the same seed, device and path give the same samples; resumes are exact. FSDP2 (DTensor)
+sample_seed, t, d), r, b): the same seed, device and path give the same samples; resumes are exact. FSDP2 (DTensor)
 shards draw with their mesh coordinate for r and together form one sample (`sync` off: FSDP2 averages gradients).
 Nothing in a sample or a step waits for the device.
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
@@ -70,8 +71,8 @@ class VariationalIVON(torch.optim.Optimizer):
 
     Args: `params` (trainable only: frozen ones would get noise and weight decay; groups may set lr, weight_decay,
     ess, hess_init, beta1, beta2, clip_radius), the rest as in `ivon.IVON` (weight_decay: the prior precision δ;
-    `sync` all-reduces ḡ and mean(e⊙g) in `step()`; hess_approx 'price' only), `noise_seed` (None: from the global
-    RNG), `rank` (mixed into the seed: DDP ranks draw independent samples) and `fused` (`kernels.Dispatch`).
+    `sync` all-reduces ḡ and mean(e⊙g) in `step()`; hess_approx 'price' only), `sample_seed`, the seed of the weight samples (None: from the
+    global RNG; `noise_seed`, its name in the previous release, is deprecated: it also named the label corruption's seed), `rank` (mixed into the seed: DDP ranks draw independent samples) and `fused` (`kernels.Dispatch`).
     """
 
     #: for tests, another optimizer's noise on every path: (param, its index, step, draw) -> e of its local tensor
@@ -80,7 +81,13 @@ class VariationalIVON(torch.optim.Optimizer):
     def __init__(self, params: Any, lr: float, ess: float, hess_init: float = 1.0, beta1: float = 0.9,
                  beta2: float = 0.99999, weight_decay: float = 1e-4, mc_samples: int = 1, hess_approx: str = "price",
                  clip_radius: float = math.inf, sync: bool = False, debias: bool = True, rescale_lr: bool = True, *,
-                 noise_seed: int | None = 0, rank: int = 0, fused: bool | None = None) -> None:
+                 sample_seed: int | None = 0, rank: int = 0, fused: bool | None = None, **deprecated: Any) -> None:
+        if "noise_seed" in deprecated:
+            warnings.warn("VariationalIVON(noise_seed=) is deprecated and will be removed in the next release: use "
+                          "sample_seed= (the seed of IVON's weight samples).", FutureWarning, stacklevel=2)
+            sample_seed = deprecated.pop("noise_seed")
+        if deprecated:
+            raise TypeError(f"VariationalIVON got unexpected keyword arguments {sorted(deprecated)}.")
         if hess_approx != "price":
             raise ValueError(f"hess_approx={hess_approx!r} is not implemented; use 'price' (ivon-opt's default).")
         if mc_samples < 1:
@@ -88,7 +95,7 @@ class VariationalIVON(torch.optim.Optimizer):
         defaults = dict(lr=lr, mc_samples=mc_samples, beta1=beta1, beta2=beta2, weight_decay=weight_decay,
                         hess_init=hess_init, ess=ess, clip_radius=clip_radius)
         self.mc_samples, self.hess_approx, self.sync, self.debias = mc_samples, hess_approx, sync, debias
-        self.rescale_lr, self.noise_seed, self.rank, self.fused = rescale_lr, noise_seed, rank, fused
+        self.rescale_lr, self.sample_seed, self.rank, self.fused = rescale_lr, sample_seed, rank, fused
         self._dispatch = Dispatch(fused)
         self.current_step, self._count, self._sampling = 0, 0, False  # _count: MC samples since the last step
         self._draw_seeds: list[int] = []  # base seed of each draw since the last step
@@ -189,7 +196,7 @@ class VariationalIVON(torch.optim.Optimizer):
             if grad is not own:
                 own.copy_(grad)
         draw = len(self._draw_seeds)
-        self._draw_seeds.append(derive_seed(self.noise_seed, self.current_step, draw) if self.noise_seed is not None
+        self._draw_seeds.append(derive_seed(self.sample_seed, self.current_step, draw) if self.sample_seed is not None
                                 else int(torch.randint(0, 1 << 62, ()).item()))  # the CPU generator: no device sync
         for bucket in self._buckets():
             group = bucket.group
