@@ -1,6 +1,10 @@
-"""The tables of benchmarks/README.md (and the front page's headline table) are what the benchmark scripts compute from
-the committed results: a hand edit of a generated block, or a report that no longer reproduces it, fails here.
-Reports only read cached JSON (no training); the MNIST studies need the MNIST file for its size and skip without it."""
+"""The benchmark scripts. The tables of benchmarks/README.md (and the front page's headline table) are what they compute
+from the committed results: a hand edit of a generated block, or a report that no longer reproduces it, fails here.
+Reports only read cached JSON (no training); the MNIST studies need the MNIST file for its size and skip without it.
+
+The selection protocol of benchmarks/real_noise.py `--plan fair`: every optimizer setting is the noisy-validation
+choice (never the test one), IVON's ess is chosen at the chosen rate, and the budget stated beside each number counts
+the trainings behind it."""
 
 from __future__ import annotations
 
@@ -16,10 +20,12 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import common  # noqa: E402
+import real_noise  # noqa: E402
 
 README = REPO / "benchmarks" / "README.md"
 
 
+# -- the tables of benchmarks/README.md ------------------------------------------------------------------------------
 def block(name: str, readme: Path = README) -> str:
     """The committed text between the markers of `name`."""
     text = readme.read_text()
@@ -124,3 +130,108 @@ def test_lora_table_is_the_report(tmp_path, monkeypatch, device):
     written = regenerate(lambda: lora.report(device), tmp_path, monkeypatch)
     assert block(folder, written) == block(folder)
     assert json.loads((tmp_path / folder / "summary.json").read_text())  # the summary is written beside it
+
+
+# -- real_noise.py --plan fair: the selection protocol ---------------------------------------------------------------
+def _fake_runs(monkeypatch: pytest.MonkeyPatch, task: str, scores: dict[tuple[str, float, float], tuple[float, float, float]]) -> None:
+    """Stand-in cache: (optimizer, lr, ess) -> (val acc, val NLL, test acc); a missing entry is a run not yet trained."""
+    t = real_noise.Task.parse(task)
+
+    def cached(job: dict) -> dict | None:
+        s = real_noise.settings_for(t, job["method"], job["hyperparams"])
+        key = (real_noise._optimizer(job["method"]), s["learning_rate"], s["ess"] if "ess" in s else None)
+        if key not in scores:
+            return None
+        val_acc, val_nll, test_acc = scores[key]
+        return {"settings": s, "val_acc": val_acc, "val_nll": val_nll, "test_acc": test_acc}
+
+    monkeypatch.setattr(real_noise, "_cached", cached)
+
+
+def test_choices_are_the_noisy_validation_best_and_ess_is_tuned_at_the_chosen_rate(monkeypatch: pytest.MonkeyPatch) -> None:
+    task = "cifar10n-worse"
+    grid = real_noise.LR_GRID["image"]
+    # AdamW: 3e-3 best on val, 1e-3 best on test (the test must not matter); 1e-3 and 3e-4 tie on val acc
+    scores = {("adamw", grid["adamw"][0], None): (0.40, 1.5, 0.60), ("adamw", grid["adamw"][1], None): (0.40, 1.7, 0.70),
+              ("adamw", grid["adamw"][2], None): (0.45, 1.6, 0.50)}
+    # IVON: rate 3 best on val (acc tie with 1.0 broken by the lower NLL); ess 1e9 best at that rate
+    scores |= {("ivon", grid["ivon"][0], 1e8): (0.30, 1.9, 0.66), ("ivon", grid["ivon"][1], 1e8): (0.50, 1.3, 0.65),
+               ("ivon", grid["ivon"][2], 1e8): (0.50, 1.2, 0.55)}
+    _fake_runs(monkeypatch, task, scores)
+    assert real_noise.chosen_rates(task) == {"adamw": grid["adamw"][2], "ivon": grid["ivon"][2]}
+    assert real_noise.chosen_settings(task) is None  # the ess stage has not run yet
+    ess_jobs = real_noise.ess_tuning_jobs(task, grid["ivon"][2])
+    # one of the ess runs is the learning-rate stage's own run (same hyperparameters, so the same cached file)
+    assert sum(job in real_noise.lr_tuning_jobs(task) for job in ess_jobs) == 1
+    scores |= {("ivon", grid["ivon"][2], 1e7): (0.49, 1.1, 0.70), ("ivon", grid["ivon"][2], 1e9): (0.52, 1.25, 0.40)}
+    assert real_noise.chosen_settings(task) == {"adamw": {"learning_rate": grid["adamw"][2]},
+                                                "ivon": {"learning_rate": grid["ivon"][2], "ess": 1e9}}
+    jobs = real_noise.fair_jobs(task, [0], real_noise.chosen_settings(task))
+    by_method = {(j["method"], tuple(sorted(j["hyperparams"].items()))) for j in jobs}
+    assert ("erm", (("learning_rate", grid["adamw"][2]),)) in by_method
+    assert ("ivon", (("ess", 1e9), ("hessian_window", 0.1), ("learning_rate", grid["ivon"][2]))) in by_method
+    assert all(real_noise.LR_TUNING_SEED != j["seed"] for j in jobs)
+
+
+def test_settings_equal_to_the_preset_keep_their_cached_keys() -> None:
+    task = real_noise.Task.parse("cifar10n-worse")
+    preset = real_noise.IVON_FINETUNE["image"]
+    assert real_noise._with_settings(task, "ivon", {}, {"learning_rate": preset["learning_rate"], "ess": preset["ess"]}) == {}
+    assert real_noise._with_settings(task, "ivon", {"hessian_window": 0.1}, {"learning_rate": 0.3, "ess": preset["ess"]}) == \
+        {"hessian_window": 0.1, "learning_rate": 0.3}
+
+
+def test_stated_budget_counts_every_tuning_training() -> None:
+    task = real_noise.Task.parse("sst2-sym30")
+    n_adamw, n_ivon = len(real_noise.LR_GRID["text"]["adamw"]), len(real_noise.LR_GRID["text"]["ivon"])
+    assert real_noise.tuning_budget(task, "erm", {}) == str(n_adamw)
+    assert real_noise.tuning_budget(task, "gce", {"gce_q": 0.7}) == str(n_adamw)
+    assert real_noise.tuning_budget(task, "ivon", {"hessian_window": 0.1}) == str(n_ivon + len(real_noise.ESS_GRID) - 1)
+    assert real_noise.tuning_budget(task, "ls") == f"{n_adamw} + {len(real_noise.LS_GRID) + 1}/seed"
+    assert real_noise.tuning_budget(task, "sam") == f"{n_adamw} + {len(real_noise.SAM_GRID)}/seed"
+
+
+def test_readme_table_bolds_the_best_mean_of_each_column() -> None:
+    cells = {"a": "1", "b": "2", "c": "3"}
+    assert real_noise._bold_best(cells, {"a": 0.2, "b": 0.9, "c": float("nan")}, lower=False) == {"a": "1", "b": "**2**", "c": "3"}
+    assert real_noise._bold_best(cells, {"a": 0.2, "b": 0.9, "c": 0.5}, lower=True) == {"a": "**1**", "b": "2", "c": "3"}
+
+
+def _run(seed: int, method: str, hp: dict, val_acc: float, val_nll: float = 1.0) -> dict:
+    return {"config": {"seed": seed, "method": method, "hyperparams": hp}, "val_acc": val_acc, "val_nll": val_nll}
+
+
+def test_a_grid_choice_waits_for_every_grid_point_of_the_seed() -> None:
+    task = real_noise.Task.parse("cifar10n-worse")
+    chosen = {"adamw": {"learning_rate": 1e-3}, "ivon": {"learning_rate": 1.0, "ess": 1e8}}
+    grid = real_noise.grid_labels(task, "ls", chosen)
+    assert len(grid) == len(real_noise.LS_GRID)
+    runs = {label: [_run(0, "ls", {}, 0.5 + 0.01 * i)] for i, label in enumerate(grid)}
+    # seed 1 has run only its first LS point, which beats everything of seed 0: choosing from it would report it
+    runs[grid[0]].append(_run(1, "ls", {}, 0.9))
+    erm = [_run(0, "erm", {}, 0.45), _run(1, "erm", {}, 0.4)]
+    picked = real_noise.select_on_val(runs, grid, erm)
+    assert [r["config"]["seed"] for r in picked] == [0]
+    assert picked[0]["val_acc"] == 0.5 + 0.01 * (len(grid) - 1)
+    # α = 0 (the ERM run) belongs to the grid: without it for seed 0 nothing is chosen, and it wins when it is best
+    assert real_noise.select_on_val(runs, grid, erm[1:]) == []
+    assert real_noise.select_on_val(runs, grid, [_run(0, "erm", {}, 0.99)])[0]["config"]["method"] == "erm"
+    # a grid point without validation metrics (an old-protocol run) does not count as run
+    runs[grid[-1]] = [{"config": {"seed": 0, "method": "ls", "hyperparams": {}}, "test_acc": 0.99}]
+    assert real_noise.select_on_val(runs, grid, erm) == []
+
+
+def test_a_table_says_when_its_runs_trained_on_other_devices_or_feature_caches() -> None:
+    def run(seed: int, acc: float, **where: str) -> dict:
+        return {"config": {"seed": seed, "task": "cifar10n-worse", "method": "erm", "hyperparams": {}}, "test_acc": acc,
+                "test_nll": 1.0, "test_ece": 0.1, "n_train": 4000, "realized_noise": 0.4, "steps": 189, **where}
+
+    same = {"erm": ("3", [run(s, 0.6, device="cpu", features_sha="aaa") for s in range(3)]),
+            "ivon": ("5", [run(s, 0.62, device="cpu", features_sha="aaa") for s in range(3)])}
+    text = real_noise._task_section("cifar10n-worse", same)
+    assert "trained on cpu" in text and "Mixed" not in text
+    mixed = {"erm": ("3", [run(s, 0.6, device="cpu") for s in range(3)]),
+             "ivon": ("5", [run(s, 0.62, device="cuda", features_sha="bbb") for s in range(3)])}
+    text = real_noise._task_section("cifar10n-worse", mixed)
+    assert "trained on cpu and cuda" in text and "**Mixed devices**" in text
+    assert "**Mixed feature caches**" in text and "bbb: 3 runs" in text and "unrecorded: 3 runs" in text
