@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU checks of issue 35 in one go, at most 6 minutes (the sum of the step limits) on one H100/H200, so that a lent
-# GPU runs it twice: the CUDA tests (tests/test_cuda.py and test_cuda_baselines.py: the engine's two CUDA paths
+# GPU runs it twice: the CUDA tests (tests/test_cuda.py: the engine's two CUDA paths
 # against ivon-opt with no host sync, and the FSDP2 runs through VariationalTrainer, a plain module and an HF ViT), the
 # engine's cost (whole training step IVON ÷ AdamW(fused), ViT-small and ViT-base, bf16, batch 128, and peak memory
 # IVON − AdamW: benchmarks/cost.py --gpu) and the main job on CUDA (checked by .ci/check_main_job.py). Needs no
@@ -44,12 +44,12 @@ PY
 cat "$OUT/env.txt"
 
 if [ "$DRY" = 1 ]; then  # on a CPU: compiling the kernels for ViT's 200 tensors alone takes minutes there
-  step test_cuda 600 $PY -m pytest -q -rs tests/test_cuda.py tests/test_cuda_baselines.py
+  step test_cuda 600 $PY -m pytest -q -rs tests/test_cuda.py
   step cost_gpu 900 $PY benchmarks/cost.py --gpu --models vit_small --rounds 1 --steps 3 --skip 1 --batch 2 \
     --image-size 32 --out "$OUT/cost"
   main_limit=600
 else  # 360 s in all
-  step test_cuda 150 $PY -m pytest -q -rs --junitxml="$OUT/test_cuda.xml" tests/test_cuda.py tests/test_cuda_baselines.py
+  step test_cuda 150 $PY -m pytest -q -rs --junitxml="$OUT/test_cuda.xml" tests/test_cuda.py
   step cost_gpu 150 $PY benchmarks/cost.py --gpu --rounds 3 --steps 20 --skip 5 --batch 128 --image-size 224 \
     --out "$OUT/cost"
   main_limit=60

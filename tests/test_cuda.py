@@ -79,7 +79,7 @@ def test_engine_on_cuda_matches_ivon_opt_and_never_waits_for_the_device(fused, m
         torch.manual_seed(0)
         model = MLP().cuda()
         runs = []
-        for make in (lambda g: VariationalIVON(g, noise_seed=3, fused=fused, **kw),
+        for make in (lambda g: VariationalIVON(g, sample_seed=3, fused=fused, **kw),
                      lambda g: SeededIVON(g, seed=3, noise=indexed_noise(3), **kw)):
             m = copy.deepcopy(model)
             opt = make(_groups(m, KW["weight_decay"]))
@@ -99,7 +99,7 @@ def test_engine_on_cuda_matches_ivon_opt_and_never_waits_for_the_device(fused, m
 
     torch.manual_seed(0)
     w = torch.nn.Parameter(torch.randn(300, 40, device="cuda"))
-    opt = VariationalIVON([w], lr=0.1, ess=50.0, hess_init=0.4, beta2=0.9, weight_decay=1e-2, noise_seed=1, fused=fused)
+    opt = VariationalIVON([w], lr=0.1, ess=50.0, hess_init=0.4, beta2=0.9, weight_decay=1e-2, sample_seed=1, fused=fused)
     for checked in (True, False):
         m0 = w.detach().clone()
         if not checked:
