@@ -15,10 +15,10 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from transformers import ResNetConfig, ResNetForImageClassification, TrainerCallback
+from transformers import TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint
 
-from helpers import TinyClassifier, digits_dataset, make_args
+from helpers import TinyClassifier, digits_dataset, digits_images, make_args, tiny_digits_resnet
 from varsmooth import POSTERIOR_FILE, DiagonalGaussianPosterior, LabelNoiseCallback, VariationalModel, VariationalTrainer
 from varsmooth.corruption import corrupt_labels
 from varsmooth.files import MANIFEST_FILE, add_to_manifest
@@ -26,20 +26,9 @@ from varsmooth.files import MANIFEST_FILE, add_to_manifest
 IVON = dict(learning_rate=0.2, beta2=0.99, lr_scheduler_type="constant", train_sampling_strategy="sequential")
 
 
-def _resnet(seed: int = 0) -> ResNetForImageClassification:
-    torch.manual_seed(seed)
-    return ResNetForImageClassification(ResNetConfig(num_channels=1, embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1],
-                                                     layer_type="basic", num_labels=10, downsample_in_first_stage=False))
-
-
-def _pixels(n: int) -> datasets.Dataset:
-    ds = digits_dataset(n).with_format(None)
-    return ds.map(lambda b: {"pixel_values": np.asarray(b["pixel_values"], "float32")[:, None]}, batched=True).with_format("torch")
-
-
 def _train_ivon(out, model=None, steps: int = 3, **kw) -> VariationalTrainer:
     args = make_args(out, max_steps=steps, eval_mc_samples=2, **{**IVON, **kw})
-    trainer = VariationalTrainer(model=model if model is not None else _resnet(), args=args, train_dataset=_pixels(64))
+    trainer = VariationalTrainer(model=model if model is not None else tiny_digits_resnet(), args=args, train_dataset=digits_images(64))
     trainer.train()
     return trainer
 
@@ -47,10 +36,10 @@ def _train_ivon(out, model=None, steps: int = 3, **kw) -> VariationalTrainer:
 # -- 1. a posterior is bound to its weights; a save removes the earlier run's files; a folder is whole ---------------
 def test_erm_run_in_a_reused_folder_leaves_nothing_of_the_ivon_run(tmp_path):
     out = tmp_path / "model"
-    train, report = corrupt_labels(_pixels(64).with_format(None), "symmetric", 0.2, seed=0, return_report=True)
+    train, report = corrupt_labels(digits_images(64).with_format(None), "symmetric", 0.2, seed=0, return_report=True)
     train = train.with_format("torch")
     ivon_args = make_args(out, max_steps=2, eval_mc_samples=2, **IVON)
-    ivon = VariationalTrainer(model=_resnet(), args=ivon_args, train_dataset=train, noise_report=report,
+    ivon = VariationalTrainer(model=tiny_digits_resnet(), args=ivon_args, train_dataset=train, noise_report=report,
                               callbacks=[LabelNoiseCallback(num_samples=2)])
     ivon.train()
     ivon.save_model()
@@ -58,7 +47,7 @@ def test_erm_run_in_a_reused_folder_leaves_nothing_of_the_ivon_run(tmp_path):
     assert stale <= set(os.listdir(out))
     (out / "my_notes.txt").write_text("the user's own file")
 
-    erm = VariationalTrainer(model=_resnet(1), args=make_args(out, method="erm", max_steps=2), train_dataset=_pixels(64))
+    erm = VariationalTrainer(model=tiny_digits_resnet(1), args=make_args(out, method="erm", max_steps=2), train_dataset=digits_images(64))
     erm.train()
     erm.save_model()
     assert not stale & set(os.listdir(out))
@@ -70,7 +59,7 @@ def test_erm_run_in_a_reused_folder_leaves_nothing_of_the_ivon_run(tmp_path):
 
 
 def test_a_save_removes_earlier_files_it_did_not_write_unless_they_were_edited(tmp_path):
-    model = _resnet()
+    model = tiny_digits_resnet()
     posterior = DiagonalGaussianPosterior(model, {n: torch.full_like(p, 0.01) for n, p in model.named_parameters()})
     VariationalModel(model, posterior).save_pretrained(tmp_path)
     for name in ("README.md", "tokenizer.json"):  # as if the earlier run had also written these
@@ -86,14 +75,14 @@ def test_posterior_of_replaced_weights_is_refused(tmp_path):
     trainer = _train_ivon(tmp_path / "run")
     trainer.save_model(str(tmp_path / "model"))
     VariationalModel.from_pretrained(tmp_path / "model")  # the pair as saved loads
-    _resnet(5).save_pretrained(tmp_path / "model")  # new weights of the same size, beside the old σ
+    tiny_digits_resnet(5).save_pretrained(tmp_path / "model")  # new weights of the same size, beside the old σ
     with pytest.raises(ValueError, match="truncated or replaced after the save"):  # the manifest notices first
         VariationalModel.from_pretrained(tmp_path / "model")
     os.remove(tmp_path / "model" / MANIFEST_FILE)  # the fingerprint alone is enough
     with pytest.raises(ValueError, match=r"posterior.safetensors belongs to other weights"):
         VariationalModel.from_pretrained(tmp_path / "model")
     with pytest.raises(ValueError, match="fingerprint"):
-        DiagonalGaussianPosterior.load(_resnet(5), tmp_path / "model")
+        DiagonalGaussianPosterior.load(tiny_digits_resnet(5), tmp_path / "model")
 
 
 def test_save_interrupted_between_weights_and_posterior_is_detected(tmp_path, monkeypatch):
@@ -110,9 +99,9 @@ def test_save_interrupted_between_weights_and_posterior_is_detected(tmp_path, mo
 
 
 def test_file_changed_after_the_save_is_refused(tmp_path):
-    train, report = corrupt_labels(_pixels(64).with_format(None), "symmetric", 0.2, seed=0, return_report=True)
+    train, report = corrupt_labels(digits_images(64).with_format(None), "symmetric", 0.2, seed=0, return_report=True)
     args = make_args(tmp_path, max_steps=2, eval_mc_samples=2, **IVON)
-    trainer = VariationalTrainer(model=_resnet(), args=args, train_dataset=train.with_format("torch"), noise_report=report)
+    trainer = VariationalTrainer(model=tiny_digits_resnet(), args=args, train_dataset=train.with_format("torch"), noise_report=report)
     trainer.train()
     trainer.save_model()
     with open(tmp_path / "noise_report.json", "a") as f:
@@ -180,7 +169,7 @@ def test_resume_without_optimizer_state_restores_the_posterior(tmp_path):
     ckpt = tmp_path / "checkpoint-4"
     assert not (ckpt / "optimizer.pt").exists()
     resumed = VariationalTrainer(model=TinyClassifier(), args=make_args(tmp_path, max_steps=4, **IVON, **args),
-                                 train_dataset=_pixels(64))
+                                 train_dataset=digits_images(64))
     resumed.train(resume_from_checkpoint=str(ckpt))
     assert resumed.ivon.current_step == 4  # not restarted at 0
     # h = 1/(ess σ²) − δ inverts σ: the restored IVON gives back the checkpoint's σ (not σ0 from hess_init)
@@ -189,7 +178,7 @@ def test_resume_without_optimizer_state_restores_the_posterior(tmp_path):
 
     os.remove(ckpt / POSTERIOR_FILE)
     again = VariationalTrainer(model=TinyClassifier(), args=make_args(tmp_path, max_steps=4, **IVON, **args),
-                               train_dataset=_pixels(64))
+                               train_dataset=digits_images(64))
     with pytest.raises(ValueError, match=r"lacks \['posterior.safetensors'\]"):  # the checkpoint's manifest first
         again.train(resume_from_checkpoint=str(ckpt))
     os.remove(ckpt / MANIFEST_FILE)
@@ -198,7 +187,7 @@ def test_resume_without_optimizer_state_restores_the_posterior(tmp_path):
 
 
 def test_best_model_reload_brings_its_own_posterior(tmp_path):
-    data = _pixels(64)
+    data = digits_images(64)
     args = make_args(tmp_path, max_steps=6, eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=2,
                      save_only_model=True, load_best_model_at_end=True, metric_for_best_model="loss",
                      greater_is_better=True, eval_mc_samples=2, **IVON)  # "greater loss is better": the first is best
@@ -346,7 +335,7 @@ def image_model_dir(tmp_path_factory):
     from transformers import ViTImageProcessor
 
     out = tmp_path_factory.mktemp("image_model")
-    model = _resnet()
+    model = tiny_digits_resnet()
     model.config.id2label = {i: str(i) for i in range(10)}
     model.config.label2id = {str(i): i for i in range(10)}
     posterior = DiagonalGaussianPosterior(model, {n: torch.full_like(p, 0.02) for n, p in model.named_parameters()})
@@ -459,7 +448,7 @@ def _rewrite_posterior(path, std_factor=1.0, metadata_edit=None):
     ("config.json", lambda p: _replace_text(p, '"relu"', '"gelu"')),
 ])
 def test_edited_file_is_refused_on_load_by_its_hash(tmp_path, name, edit):
-    model = _resnet()
+    model = tiny_digits_resnet()
     posterior = DiagonalGaussianPosterior(model, {n: torch.full_like(p, 0.01) for n, p in model.named_parameters()},
                                           {"posterior_temperature": 1.0})
     VariationalModel(model, posterior).save_pretrained(tmp_path)
@@ -480,7 +469,7 @@ def _truncate(path) -> None:
 
 
 def test_truncated_weights_are_named_before_they_are_read(tmp_path):
-    trainer = VariationalTrainer(model=_resnet(), args=make_args(tmp_path, method="erm", max_steps=1), train_dataset=_pixels(32))
+    trainer = VariationalTrainer(model=tiny_digits_resnet(), args=make_args(tmp_path, method="erm", max_steps=1), train_dataset=digits_images(32))
     trainer.train()
     trainer.save_model()
     _truncate(tmp_path / "model.safetensors")
@@ -491,7 +480,7 @@ def test_truncated_weights_are_named_before_they_are_read(tmp_path):
 def test_truncated_optimizer_state_is_named_on_resume(tmp_path):
     _train_ivon(tmp_path, model=TinyClassifier(), steps=2, save_strategy="steps", save_steps=2)
     _truncate(tmp_path / "checkpoint-2" / "optimizer.pt")
-    resumed = VariationalTrainer(model=TinyClassifier(), args=make_args(tmp_path, max_steps=4, **IVON), train_dataset=_pixels(64))
+    resumed = VariationalTrainer(model=TinyClassifier(), args=make_args(tmp_path, max_steps=4, **IVON), train_dataset=digits_images(64))
     with pytest.raises(ValueError, match=r"optimizer.pt has \d+ bytes, recorded \d+\): they were truncated"):
         resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
 
@@ -547,7 +536,7 @@ def test_a_save_refuses_non_finite_weights_and_leaves_the_folder_as_it_was(tmp_p
     with pytest.raises(FloatingPointError, match=r"Not saving to .*\['head.bias'\] are not finite"):
         trainer.save_model()
     assert {name: (tmp_path / name).read_bytes() for name in os.listdir(tmp_path)} == before
-    model = _resnet()
+    model = tiny_digits_resnet()
     with torch.no_grad():
         next(model.parameters())[0] = float("inf")
     with pytest.raises(FloatingPointError, match="are not finite"):
@@ -558,7 +547,7 @@ def test_a_save_refuses_non_finite_weights_and_leaves_the_folder_as_it_was(tmp_p
 def test_non_finite_weights_are_refused_on_load_for_every_method(tmp_path):
     from varsmooth import pipeline
 
-    model = _resnet()
+    model = tiny_digits_resnet()
     model.config.id2label = {i: str(i) for i in range(10)}
     with torch.no_grad():
         model.classifier[1].weight[0, 0] = float("nan")
@@ -571,7 +560,7 @@ def test_non_finite_weights_are_refused_on_load_for_every_method(tmp_path):
 
 # -- 11. issue 32: reproducible bytes and ordinary permissions ------------------------------------------------------
 def test_posterior_file_is_byte_reproducible(tmp_path):
-    model = _resnet()
+    model = tiny_digits_resnet()
     posterior = DiagonalGaussianPosterior(model, {n: torch.full_like(p, 0.01) for n, p in model.named_parameters()},
                                           {"ess": 64, "posterior_temperature": 1.0, "step": 3})
     saved = {posterior.save(tmp_path / f"{i}.safetensors") and (tmp_path / f"{i}.safetensors").read_bytes() for i in range(12)}
@@ -632,12 +621,12 @@ def test_the_image_example_refuses_a_finished_run_and_another_seeds_checkpoint(t
 
 
 def test_non_finite_running_statistics_stop_training_and_are_not_saved(tmp_path):
-    clean = _pixels(64)
+    clean = digits_images(64)
     pixels = clean[:]["pixel_values"].numpy().copy()
     pixels[20, 0, 3, 3] = np.inf  # BatchNorm's running statistics take it in the forward pass, whatever the update
     ds = datasets.Dataset.from_dict({"pixel_values": pixels, "label": clean[:]["label"].numpy()}).with_format("torch")
     args = make_args(tmp_path, method="erm", max_steps=3, save_strategy="steps", save_steps=1, train_sampling_strategy="sequential")
-    trainer = VariationalTrainer(model=_resnet(), args=args, train_dataset=ds)
+    trainer = VariationalTrainer(model=tiny_digits_resnet(), args=args, train_dataset=ds)
     with pytest.raises(FloatingPointError, match=r"optimizer step 2 .*last finite step \(after step 1\), but the forward "
                                                  r"pass made the buffers \['resnet.embedder.embedder.normalization.running_mean'"
                                                  r".*so saving is refused"):
@@ -663,7 +652,7 @@ def test_a_checkpoint_manifest_lists_its_training_state_apart(tmp_path):
 def test_a_smaller_ensemble_keeps_an_earlier_member_folder_that_was_edited(tmp_path):
     from varsmooth import DeepEnsemble
 
-    networks = [_resnet(seed) for seed in range(3)]
+    networks = [tiny_digits_resnet(seed) for seed in range(3)]
     members = [VariationalModel(m, DiagonalGaussianPosterior.point_mass(m)) for m in networks]
     DeepEnsemble(members).save_pretrained(tmp_path)
     _replace_text(tmp_path / "member-2" / "config.json", '"relu"', '"gelu"')  # edited by hand since

@@ -11,7 +11,7 @@ from scipy.stats import entropy as scipy_entropy
 from sklearn.metrics import brier_score_loss, log_loss
 from transformers import ResNetConfig, ResNetForImageClassification
 
-from helpers import TinyClassifier, digits_dataset, make_args
+from helpers import TinyClassifier, digits_dataset, digits_images, make_args, tiny_digits_resnet
 from varsmooth import DiagonalGaussianPosterior, VariationalModel, VariationalTrainer, classification_metrics
 from varsmooth.metrics import CALIBRATION_METRIC_PATH, expected_calibration_error
 from varsmooth.posterior import POSTERIOR_FILE
@@ -56,25 +56,13 @@ def test_bad_labels_are_refused():
         classification_metrics(np.full((2, 4), 0.25), np.array([0, 7]))
 
 
-def _tiny_resnet():
-    torch.manual_seed(0)
-    return ResNetForImageClassification(ResNetConfig(num_channels=1, embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1],
-                                                     layer_type="basic", num_labels=10, downsample_in_first_stage=False))
-
-
-def _pixels_dataset(n):
-    ds = digits_dataset(n).with_format(None)
-    return ds.map(lambda b: {"pixel_values": np.asarray(b["pixel_values"], "float32")[:, None]}, batched=True,
-                  features=None).with_format("torch")
-
-
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     out = tmp_path_factory.mktemp("trained")
-    train, test = _pixels_dataset(256), _pixels_dataset(96)
+    train, test = digits_images(256), digits_images(96)
     # τ fixed at 1: these tests are about the learned posterior's BMA (the temperature has tests of its own)
     args = make_args(out, max_steps=30, eval_mc_samples=8, beta2=0.999, eval_seed=3, posterior_temperature=1.0)
-    trainer = VariationalTrainer(model=_tiny_resnet(), args=args, train_dataset=train, eval_dataset=test)
+    trainer = VariationalTrainer(model=tiny_digits_resnet(), args=args, train_dataset=train, eval_dataset=test)
     trainer.train()
     trainer.save_model(str(out))
     return trainer, test, out
@@ -152,7 +140,7 @@ def test_saved_model_predicts_like_the_trainer(trained):
 
 
 def test_model_without_posterior_predicts_at_mean_with_warning(tmp_path):
-    model = _tiny_resnet().eval()
+    model = tiny_digits_resnet().eval()
     model.save_pretrained(tmp_path)
     with pytest.warns(UserWarning, match="Predicting at the posterior mean"):
         loaded = VariationalModel.from_pretrained(tmp_path)
@@ -239,7 +227,7 @@ def test_pipeline_on_a_one_channel_timm_model(tmp_path):
     model = create_image_classifier("test_resnet", {i: str(i) for i in range(10)}, num_channels=1)
     processor = ViTImageProcessor(do_resize=False, image_mean=[0.5], image_std=[0.5], do_convert_rgb=False)
     trainer = VariationalTrainer(model=model, args=make_args(tmp_path, max_steps=3, eval_mc_samples=4, beta2=0.99),
-                                 train_dataset=_pixels_dataset(64), processing_class=processor)
+                                 train_dataset=digits_images(64), processing_class=processor)
     trainer.train()
     trainer.save_model(str(tmp_path))
     images = [Image.fromarray((image.numpy() * 255).astype("uint8"), mode="L") for image in digits_dataset(3)[:]["pixel_values"]]

@@ -16,9 +16,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from sklearn.metrics import log_loss
-from transformers import HfArgumentParser, ResNetConfig, ResNetForImageClassification
+from transformers import HfArgumentParser, ResNetForImageClassification
 
-from helpers import TinyClassifier, digits_dataset, make_args, reference_ivon_loop
+from helpers import TinyClassifier, digits_dataset, digits_images, make_args, reference_ivon_loop, tiny_digits_resnet
 from varsmooth import (POSTERIOR_FILE, DiagonalGaussianPosterior, VariationalModel, VariationalTrainer,
                        VariationalTrainingArguments)
 from varsmooth.posterior import VariationalIVON
@@ -487,22 +487,11 @@ def test_batch_eval_metrics_needs_compute_result_in_the_users_function(tmp_path)
 
 
 # -- a saved IVON model in a new trainer ----------------------------------------------------------------
-def _tiny_resnet():
-    torch.manual_seed(0)
-    return ResNetForImageClassification(ResNetConfig(num_channels=1, embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1],
-                                                     layer_type="basic", num_labels=10, downsample_in_first_stage=False))
-
-
-def _pixels(n):
-    ds = digits_dataset(n).with_format(None)
-    return ds.map(lambda b: {"pixel_values": np.asarray(b["pixel_values"], "float32")[:, None]}, batched=True).with_format("torch")
-
-
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     out = tmp_path_factory.mktemp("saved")
-    train, test = _pixels(128), _pixels(48)
-    trainer = VariationalTrainer(model=_tiny_resnet(), args=make_args(out, max_steps=8, eval_mc_samples=4, beta2=0.99),
+    train, test = digits_images(128), digits_images(48)
+    trainer = VariationalTrainer(model=tiny_digits_resnet(), args=make_args(out, max_steps=8, eval_mc_samples=4, beta2=0.99),
                                  train_dataset=train, eval_dataset=test)
     trainer.train()
     trainer.save_model(str(out))
@@ -540,9 +529,9 @@ def test_posterior_passed_to_the_trainer_is_used(saved, tmp_path):
 
 
 def test_bma_without_posterior_warns_and_names_the_metrics_after_the_mean(tmp_path, caplog):
-    _tiny_resnet().save_pretrained(tmp_path / "plain")
+    tiny_digits_resnet().save_pretrained(tmp_path / "plain")
     model = ResNetForImageClassification.from_pretrained(tmp_path / "plain")
-    test = _pixels(32)
+    test = digits_images(32)
     trainer = VariationalTrainer(model=model, args=make_args(tmp_path, eval_mc_samples=4), eval_dataset=test)
     with caplog.at_level("WARNING", logger="varsmooth.trainer"):
         metrics = trainer.evaluate()
