@@ -218,7 +218,7 @@ def _compile_rss_bytes(model: torch.nn.Module, loss: Callable[[torch.nn.Module],
 
     before = _rss_bytes()
     model = copy.deepcopy(model)
-    opt = VariationalIVON(list(model.parameters()), noise_seed=0, fused=True, **ENGINE_IVON_KW)
+    opt = VariationalIVON(list(model.parameters()), sample_seed=0, fused=True, **ENGINE_IVON_KW)
     with opt.sampled_params(train=True):
         loss(model).backward()
     opt.step()
@@ -329,7 +329,7 @@ def _engine_optimizer(kind: str, params: list) -> torch.optim.Optimizer:
     if kind == "adamw_foreach":
         return torch.optim.AdamW(params, lr=1e-3, foreach=True)
     if kind in ("ivon_engine", "ivon_engine_foreach"):  # the compiled kernels, or the foreach fallback
-        return VariationalIVON(params, noise_seed=0, fused=kind == "ivon_engine", **ENGINE_IVON_KW)
+        return VariationalIVON(params, sample_seed=0, fused=kind == "ivon_engine", **ENGINE_IVON_KW)
     return ivon.IVON(params, **ENGINE_IVON_KW)  # ivon-opt 0.1.3, the engine's predecessor and reference
 
 
