@@ -3,14 +3,14 @@
 from . import mean_pooling_bert  # noqa: F401  (registers the mean-pooling BERT with the Auto classes)
 from . import evaluation, metrics
 from .adapters import LoraArguments, add_lora_adapters
-from .temperature_scaling import TemperatureScaling
 from .ensemble import DeepEnsemble
 from .label_noise import LabelNoiseCallback, compute_label_noise
+from .mc_dropout import add_output_dropout, mc_dropout_predictive
 from .metrics import classification_metrics
 from .modeling import VariationalModel
 from .pipelines import pipeline
-from .mc_dropout import add_output_dropout, mc_dropout_predictive
 from .posterior import POSTERIOR_FILE, DiagonalGaussianPosterior, VariationalClassifierOutput, VariationalIVON
+from .temperature_scaling import TemperatureScaling
 from .trainer import VariationalTrainer
 from .training_args import VariationalTrainingArguments
 from .utils import deprecated_alias

@@ -26,17 +26,16 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PredictionOutput
 
 from .adapters import is_peft_model
-from .temperature_scaling import TemperatureScaling, TemperatureScalingCallback, describe_prediction, fit_on_batches
 from .checkpointing import CheckpointingMixin
 from .checks import check_arguments, check_compute_metrics, check_datasets, check_method_inputs
 from .corruption import realized_noise_report
 from .ensemble import DeepEnsemble
 from .finite import NonFiniteGuard, non_finite_step_error
-from .methods import (EXAMPLE_INDEX_KEY, ExampleIndexDataset, MethodContext, OptimizerContext, TrainingMethod, get_method_class,
-                      learns_posterior)
 from .hub import VariationalHubMixin
 from .label_noise import LabelNoiseCallback, LabelNoiseMixin
 from .mc_dropout import mc_dropout_predictive
+from .methods import (EXAMPLE_INDEX_KEY, ExampleIndexDataset, MethodContext, OptimizerContext, TrainingMethod, get_method_class,
+                      learns_posterior)
 from .metrics.evaluation_metrics import EvaluationMetrics
 from .posterior import (POSTERIOR_FILE, DiagonalGaussianPosterior, VariationalClassifierOutput, VariationalIVON,
                         predictive_distribution, unwrap_ivon)
@@ -44,6 +43,7 @@ from .posterior.diagnostics import HessianDiagnosticsCallback, hessian_summary
 from .posterior.gaussian import TEMPERATURE_KEY, non_finite_tensors
 from .posterior.temperature import (SELECTION_SAMPLES, PosteriorTemperatureCallback, check_transition_matrix,
                                     select_temperature, temperature_logs)
+from .temperature_scaling import TemperatureScaling, TemperatureScalingCallback, describe_prediction, fit_on_batches
 from .training_args import VariationalTrainingArguments
 from .utils import length_order
 
