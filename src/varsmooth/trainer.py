@@ -31,6 +31,7 @@ from .checks import check_arguments, check_compute_metrics, check_datasets, chec
 from .corruption import realized_noise_report
 from .ensemble import DeepEnsemble
 from .finite import NonFiniteGuard, non_finite_step_error
+from .fsdp import keep_presharded_model
 from .hub import VariationalHubMixin
 from .label_noise import LabelNoiseCallback, LabelNoiseMixin
 from .mc_dropout import mc_dropout_predictive
@@ -88,6 +89,7 @@ class VariationalTrainer(CheckpointingMixin, VariationalHubMixin, LabelNoiseMixi
         self.method: TrainingMethod = get_method_class(args.method)(args.method_config, num_train_examples=train_size)
         fsdp = getattr(self.accelerator.state, "fsdp_plugin", None)  # set up by `accelerate launch`, not by the arguments
         self.method.check_parallelism(getattr(fsdp, "fsdp_version", 1) if fsdp is not None else None, self.is_deepspeed_enabled)
+        keep_presharded_model(fsdp, self.model)
         check_method_inputs(self.method, self.compute_loss_func, posterior, self.optimizer)
         self._saved_posterior = posterior if posterior is not None else self._posterior_beside_model()
         if self.model is not None:  # extra heads must exist before the optimizer is built

@@ -1,7 +1,8 @@
 """Run by tests/test_engine.py under `torchrun --nproc_per_node 2`: HF's ViT and BERT (tiny configs) under FSDP2.
 
 The models are sharded as README's Multi-GPU section tells users to (`fully_shard` on each of `_no_split_modules`'
-layers, then the root: accelerate then keeps the model as it is), and trained as VariationalTrainer trains them:
+layers, then the root: accelerate then keeps the model as it is, once VariationalTrainer has turned off the wrap
+policy that accelerate would otherwise look up by class name), and trained as VariationalTrainer trains them:
 reshard, one IVON sample per step, forward and backward on each rank's half of the global batch. Halfway the model
 and optimizer are saved with torch.distributed.checkpoint; a fresh sharded model restored from it finishes the run
 again. The posterior is gathered and saved (rank 0 writes). Rank 0 repeats the run unsharded on the whole batches.
@@ -11,6 +12,7 @@ The noise is given (`indexed_noise`), so that the sharded run and the unsharded 
 import os
 import sys
 
+from accelerate.utils import FullyShardedDataParallelPlugin
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -20,6 +22,7 @@ from torch.distributed.fsdp import fully_shard
 from transformers import BertConfig, BertForSequenceClassification, ViTConfig, ViTForImageClassification
 
 from helpers import indexed_noise
+from varsmooth.fsdp import keep_presharded_model
 from varsmooth.posterior import DiagonalGaussianPosterior, VariationalIVON
 from varsmooth.posterior.gaussian import _reshard
 
@@ -91,6 +94,11 @@ def main(out: str) -> None:
     for kind in ("vit", "bert"):
         model, opt = build(kind, sharded=True)
         assert type(next(model.parameters())).__name__ == "DTensor"
+        # what `Accelerator.prepare` does first with `fsdp_config={"version": 2}` (transformer-based wrap policy)
+        plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap")
+        keep_presharded_model(plugin, model)  # as VariationalTrainer does; accelerate 1.15 raises without it
+        plugin.set_auto_wrap_policy(model)
+        wraps_nothing = plugin.auto_wrap_policy is None
         train(kind, model, opt, range(STEPS // 2), rank, world)
         msd, osd = get_state_dict(model, opt)
         dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(out, kind, "ckpt"))
@@ -99,7 +107,7 @@ def main(out: str) -> None:
         gathered = DiagonalGaussianPosterior.from_ivon(model, opt, names, {"step": opt.current_step}).gathered()
         if rank == 0:
             gathered.save(os.path.join(out, kind, "sharded.safetensors"))
-        result = {"sharded": snapshot(model, opt)}
+        result = {"sharded": snapshot(model, opt), "wraps_nothing": wraps_nothing}
 
         fresh, fresh_opt = build(kind, sharded=True)
         msd, osd = get_state_dict(fresh, fresh_opt)

@@ -1,0 +1,163 @@
+"""`CheckpointingMixin`: the saves and resumes of `VariationalTrainer`. A save writes the posterior (σ per parameter),
+the fitted temperature, the training set's noise report and the folder's manifest beside the weights, and refuses
+non-finite weights; a checkpoint appears by one rename once complete (`varsmooth.files`); a resume checks the
+checkpoint's files first and restores IVON's Hessian and step with its weights (`varsmooth.posterior.resume`)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+from .adapters import is_peft_model, save_classifier_config
+from .files import (METHOD_STATE_FILE, STAGING_PREFIX, FolderSave, atomic_path, check_manifest, clear_leftover_stagings,
+                    has_optimizer_state, publish_checkpoint, rotate_checkpoints)
+from .posterior import POSTERIOR_FILE, DiagonalGaussianPosterior
+from .posterior.gaussian import non_finite_tensors
+from .posterior.resume import load_ivon_state
+
+__all__ = ["CheckpointingMixin"]
+
+logger = logging.getLogger(__name__)
+
+
+class CheckpointingMixin:
+    """For `VariationalTrainer` (a `transformers.Trainer` with `posterior()`, `ivon`, a training `method`, an optional
+    `temperature_scaling` and `train_noise_report()`). Private `Trainer` hooks it overrides, and what would not work
+    without each:
+
+    * `_save`: the only step every save (final, checkpoint, FSDP's gathered state dict) takes on the writing process:
+      non-finite weights are refused and the posterior, temperature, noise report and manifest written there;
+    * `_save_checkpoint`: a checkpoint (with the method's state) appears by one rename once complete, then is pushed
+      and rotated (`varsmooth.files`); without it a kill can leave a half checkpoint that resume picks up;
+    * `_get_output_dir`: the stock `_save_checkpoint` writes where it says, so this sends it into the staging folder;
+    * `_load_from_checkpoint`: checks the checkpoint against its manifest before any weight is read; without it a
+      truncated file fails inside safetensors or torch.load instead of being named;
+    * `_load_optimizer_and_scheduler`: the stock one skips the optimizer without a scheduler.pt, restarting IVON's
+      Hessian and step silently (here they come from optimizer.pt or the posterior); also loads the method's state;
+    * `_load_best_model`: the stock one reloads only the weights; the saved posterior would pair them with the last
+      step's σ.
+    """
+
+    def _init_checkpointing(self) -> None:
+        self._run_files: dict[str, set[str]] = {}  # folder -> files this trainer wrote there outside `_save`
+        self._staging_dir: str | None = None
+        self._gathered_posterior: DiagonalGaussianPosterior | None = None  # σ gathered by save_model under FSDP
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        # under FSDP σ and the weights are sharded: every process gathers them here, since the stock save_model
+        # may leave the writing (`_save`) to the main process alone
+        self._gathered_posterior = self.posterior().gathered() if self.is_fsdp_enabled and self.ivon is not None else None
+        try:
+            super().save_model(output_dir, _internal_call)
+        finally:
+            self._gathered_posterior = None
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        if self.args.should_save:
+            network = self.accelerator.unwrap_model(self.model)
+            bad = non_finite_tensors(state_dict.items() if state_dict is not None else
+                                     [*network.named_parameters(), *network.named_buffers()])
+            if bad:
+                raise FloatingPointError(
+                    f"Not saving to {output_dir}: the weights {bad[:5]}{' ...' if len(bad) > 5 else ''} are not finite "
+                    "(NaN or inf); nothing was written. Resume from the last checkpoint (or load the last save) instead."
+                )
+        folder = FolderSave(output_dir).begin() if self.args.should_save else None
+        super()._save(output_dir, state_dict)
+        if self.args.should_save and is_peft_model(self.accelerator.unwrap_model(self.model)):
+            save_classifier_config(self.accelerator.unwrap_model(self.model), output_dir)
+        if self.ivon is not None and self.args.should_save:
+            (self._gathered_posterior or self.posterior()).save(output_dir)
+        if self.temperature_scaling is not None and self.args.should_save:
+            self.temperature_scaling.save(output_dir, self.accelerator.unwrap_model(self.model))
+        report = self.train_noise_report() if self.args.should_save else None
+        if report is not None:
+            report.save(output_dir)
+        if folder is not None:
+            stale = folder.finish(also=self._run_files.get(os.path.abspath(output_dir), ()), method=self.method.name,
+                                  global_step=self.state.global_step, seed=self.args.seed)
+            if stale:
+                logger.warning("Removed files of an earlier run from %s that this run did not write: %s", output_dir, stale)
+
+    def record_output(self, path: str) -> None:
+        """Note a file this run wrote next to its saves (label noise, pictures): the next save keeps it and lists it
+        in the folder's manifest, so that it is uploaded; files of earlier runs are removed instead."""
+        folder, name = os.path.split(os.path.abspath(path))
+        self._run_files.setdefault(folder, set()).add(name)
+
+    def _get_output_dir(self, trial: Any) -> str:
+        # while a checkpoint is being written, the stock `_save_checkpoint` writes into the staging folder
+        return self._staging_dir if self._staging_dir is not None else super()._get_output_dir(trial)
+
+    def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
+        """The stock checkpoint and the method's state, written into `.partial-checkpoint-N/` and renamed to
+        `checkpoint-N` when complete: a kill leaves either the whole checkpoint or none (`varsmooth.files`)."""
+        run_dir = super()._get_output_dir(trial)
+        name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        staging, final = os.path.join(run_dir, STAGING_PREFIX + name), os.path.join(run_dir, name)
+        if self.args.should_save:
+            clear_leftover_stagings(run_dir)
+        self.accelerator.wait_for_everyone()
+        self._staging_dir = staging
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self._staging_dir = None
+        written = os.path.join(staging, name)
+        if not self.args.save_only_model:  # beside the optimizer state, as the stock checkpoint keeps it
+            state = self.method.state_dict()  # on every process: a collective for some methods (OLS)
+            if state and self.args.should_save:
+                with atomic_path(os.path.join(written, METHOD_STATE_FILE)) as tmp:
+                    torch.save(state, tmp)
+        self.accelerator.wait_for_everyone()  # every rank's files (rng states) are in
+        if not self.args.should_save:
+            return
+        if self.state.best_model_checkpoint == written:  # the stock code recorded the staging path
+            self.state.best_model_checkpoint = final
+            self.state.save_to_json(os.path.join(written, "trainer_state.json"))
+        publish_checkpoint(staging, final)
+        if self.args.push_to_hub:  # the stock push was skipped while the checkpoint was incomplete
+            self._push_from_checkpoint(final)
+        rotate_checkpoints(run_dir, self.args.save_total_limit, self.state.best_model_checkpoint)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: torch.nn.Module | None = None) -> None:
+        # every file against the checkpoint's manifest before any is read: a truncated model.safetensors or
+        # optimizer.pt is named, instead of failing inside safetensors or torch.load
+        check_manifest(resume_from_checkpoint)
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+    def _load_best_model(self) -> None:
+        # the stock version reloads only the weights: the Hessian must come from the same checkpoint, or the
+        # saved and evaluated posterior would pair the best mean with the last step's variances
+        if self.state.best_model_checkpoint:
+            check_manifest(self.state.best_model_checkpoint)
+        super()._load_best_model()
+        if self.ivon is not None and self.state.best_model_checkpoint:
+            self._load_ivon_state(self.state.best_model_checkpoint)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        super()._load_optimizer_and_scheduler(checkpoint)
+        # the stock Trainer loads the optimizer only together with the scheduler, and silently starts afresh without
+        # them: IVON would restart its Hessian and step count
+        if checkpoint is not None and self.ivon is not None and not (
+                has_optimizer_state(checkpoint) and os.path.isfile(os.path.join(checkpoint, "scheduler.pt"))):
+            if self._load_ivon_state(checkpoint) == POSTERIOR_FILE:
+                logger.warning("%s has no optimizer state (save_only_model=True?): IVON's Hessian and step count were "
+                               "restored from its %s; the gradient momentum restarts at zero and the learning-rate "
+                               "schedule from its start.", checkpoint, POSTERIOR_FILE)
+            else:
+                logger.warning("%s has no scheduler.pt: IVON's state was restored, the learning-rate schedule restarts.", checkpoint)
+        if checkpoint is not None and os.path.isfile(os.path.join(checkpoint, METHOD_STATE_FILE)):
+            state = torch.load(os.path.join(checkpoint, METHOD_STATE_FILE), map_location="cpu", weights_only=True)
+            self.method.load_state_dict(state)
+
+    def _load_ivon_state(self, checkpoint: str) -> str:
+        """IVON's state from `checkpoint` (without optimizer.pt, from the posterior saved there for the weights just
+        loaded from it); returns the file it came from (`varsmooth.posterior.resume`)."""
+        return load_ivon_state(self.ivon, self.accelerator.unwrap_model(self.model), checkpoint, self._ivon_param_names,
+                               self.state.global_step)

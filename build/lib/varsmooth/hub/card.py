@@ -1,0 +1,410 @@
+"""Model cards for models trained with varsmooth (huggingface_hub `ModelCard`, template in model_cards/)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from importlib import resources
+from importlib.metadata import version
+from typing import Any
+
+from huggingface_hub import EvalResult, ModelCard, ModelCardData
+from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+from ..corruption import NOISE_REPORT_FILE
+from ..files import read_manifest
+from ..methods import METHODS
+from ..modeling import AUTO_CLASSES, classification_task
+from ..posterior.diagnostics import HESSIAN_STUCK_TOLERANCE
+from .record import RunRecord
+
+__all__ = ["DEFAULT_LICENSE", "MODEL_CARD_TEMPLATE", "build_model_card", "is_hub_dataset_id"]
+
+MODEL_CARD_TEMPLATE = resources.files("varsmooth").joinpath("templates/model_card.md")
+
+_FILE_DESCRIPTIONS = {
+    "model.safetensors": "weights",
+    "config.json": "model configuration",
+    "posterior.safetensors": "posterior standard deviation of every trainable weight (varsmooth)",
+    "label_noise.parquet": "per-example label noise of the training set (load with `datasets.load_dataset('parquet', ...)`)",
+    "label_noise_summary.json": "summary of the label noise and mislabel-detection scores",
+    NOISE_REPORT_FILE: "the label corruption: intended and realized transition matrices",
+    "preprocessor_config.json": "image processor",
+    "tokenizer.json": "tokenizer",
+    "adapter_model.safetensors": "PEFT adapter weights",
+    "adapter_config.json": "PEFT adapter configuration",
+    "mean_pooling_bert.py": "modeling code of the mean-pooling classifier, named by config.json's `auto_map` "
+                            "(transformers runs it with `trust_remote_code=True`)",
+}
+#: the weights files, which hold the posterior mean of an IVON run
+_WEIGHT_FILES = frozenset({"model.safetensors", "adapter_model.safetensors"})
+#: the card's `license:` when the user names none: varsmooth cannot know the terms of the data or the base model, and
+#: "unknown" is the Hub's identifier for that ("other" would need a license_name and license_link)
+DEFAULT_LICENSE = "unknown"
+_METRIC_NAMES = {"accuracy": "Accuracy", "nll": "Negative log-likelihood", "ece": "Expected calibration error (15 bins)",
+                 "brier": "Brier score"}
+
+
+def _adapter(model: Any) -> Any:
+    """The active peft configuration of an adapter model, else None."""
+    from ..adapters import is_peft_model
+
+    return model.peft_config[model.active_adapter] if is_peft_model(model) else None
+
+
+def _adapter_text(adapter: Any, is_ivon: bool) -> str | None:
+    if adapter is None:
+        return None
+    kind = str(getattr(adapter.peft_type, "value", adapter.peft_type))
+    targets = getattr(adapter, "target_modules", None)
+    fields = {"r": getattr(adapter, "r", None), "lora_alpha": getattr(adapter, "lora_alpha", None),
+              "lora_dropout": getattr(adapter, "lora_dropout", None),
+              "target_modules": sorted(targets) if isinstance(targets, (set, list)) else targets,
+              "modules_to_save": getattr(adapter, "modules_to_save", None)}
+    shown = ", ".join(f"{k}={v}" for k, v in fields.items() if v is not None)
+    return (f"{kind} ({shown}); only the adapter weights and `modules_to_save` were trained"
+            + (", and the posterior is over them" if is_ivon else "") + ". `peft.PeftModel.from_pretrained` loads the "
+            "adapter into the base model; `VariationalModel.from_pretrained` loads both, and the posterior.")
+
+
+def _base_model(model: Any) -> str | None:
+    config = getattr(model, "config", None)
+    return _hub_id(getattr(config, "_name_or_path", "") or "")
+
+
+def _base_model_text(base_model: str | None, model: Any, adapter: Any) -> str:
+    """The card's base-model line: a link to a Hub id, else the local folder's name (its path on the training machine
+    means nothing to readers), else that the model was built from a configuration."""
+    if base_model:
+        return f"[{base_model}](https://huggingface.co/{base_model})"
+    local = adapter.base_model_name_or_path if adapter is not None else getattr(getattr(model, "config", None), "_name_or_path", "")
+    if local:
+        return f"`{os.path.basename(os.path.normpath(local))}` (local)"
+    return "not recorded" if adapter is not None else "none (trained from a configuration)"
+
+
+def _hub_id(name: str) -> str | None:
+    """`name` if it can be a Hub model id, None for a local path (which means nothing to the card's readers)."""
+    if name and not os.path.isabs(name) and not name.startswith(".") and name.count("/") <= 1 and not os.path.isdir(name):
+        return name
+    return None
+
+
+def is_hub_dataset_id(name: str) -> bool:
+    """Whether `name` can name a dataset on the Hub ("user/name" or "name"), as opposed to a local path: a valid repo
+    id by huggingface_hub's rules ("/tmp/x", "./data" and "a/b/c" are not) that is no file or folder here."""
+    if os.path.exists(os.path.expanduser(name)):
+        return False
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
+
+
+def _json_block(value: Any) -> str:
+    """A ```json block that any JSON parser reads: non-finite numbers (e.g. an AUROC without corrupted examples) as null."""
+    def finite(v: Any) -> Any:
+        if isinstance(v, float) and not math.isfinite(v):
+            return None
+        if isinstance(v, dict):
+            return {k: finite(x) for k, x in v.items()}
+        if isinstance(v, list):
+            return [finite(x) for x in v]
+        return v
+
+    return "```json\n" + json.dumps(finite(value), indent=2, allow_nan=False) + "\n```"
+
+
+def _better_prediction_text(metrics: dict[str, float]) -> str | None:
+    """One sentence naming the better of the two predictions on this run, by NLL (a proper scoring rule)."""
+    if "nll" not in metrics or "mean_nll" not in metrics:
+        return None
+    bma, mean = round(metrics["nll"], 4), round(metrics["mean_nll"], 4)  # as the table shows them
+    if bma == mean:
+        return f"On this run both predictions have the same negative log-likelihood ({bma:.4f})."
+    if bma < mean:
+        return (f"On this run the **posterior-averaged** prediction is the better one by negative log-likelihood (lower "
+                f"is better): {bma:.4f} vs {mean:.4f} at the posterior mean.")
+    return (f"On this run the **posterior-mean** prediction is the better one by negative log-likelihood (lower is "
+            f"better): {mean:.4f} vs {bma:.4f} with posterior averaging; `VariationalModel.from_pretrained(..., "
+            f"num_samples=0)` predicts at the mean.")
+
+
+def _prediction(record: RunRecord) -> str:
+    """What the model's predictions are: "bma" (averaged over posterior samples), "mean" (an IVON model predicting
+    at its posterior mean) or "weights" (a method without a posterior)."""
+    if not record.learns_posterior:
+        return "weights"
+    return "bma" if record.eval_mc_samples > 0 and record.posterior_temperature > 0 else "mean"
+
+
+def _mean_reason(record: RunRecord) -> str:
+    """Why an IVON model predicts at its posterior mean."""
+    if record.eval_mc_samples <= 0:
+        return "`eval_mc_samples=0` was set, so no posterior samples are averaged"
+    report = record.temperature_selection
+    if report is None:
+        return "the posterior temperature was fixed at τ = 0 (`posterior_temperature=0`)"
+    criterion, nll = report.get("criterion", "validation NLL"), report["nll"]
+    others = [f"{v:.4f} at τ = {t}" for t, v in nll.items() if float(t) > 0]
+    return (f"the posterior temperature τ = 0 was chosen after training, because the posterior mean scored best by the "
+            f"{criterion} on the validation split ({nll['0']:.4f}, against " + ", ".join(others) + ")")
+
+
+def _method_text(record: RunRecord) -> str:
+    """The card's first paragraph after "trained with varsmooth": what the method computed and how the model predicts."""
+    prediction = _prediction(record)
+    if prediction == "weights":
+        info = METHODS.get(record.method)
+        description = f" ({info.summary.rstrip('.')})" if info is not None else ""
+        return (f" with the `{record.method}` method{description}. It learns no posterior over the weights: predictions "
+                "are made at the trained weights.")
+    text = (" by variational learning (IVON): training learned a Gaussian posterior over the weights, whose mean is "
+            "the model's weights (`model.safetensors`) and whose standard deviation σ ships in `posterior.safetensors`.")
+    if prediction == "bma":
+        return text + (f" Predictions average the softmax over {record.eval_mc_samples} samples of that posterior, with "
+                       f"σ scaled by the posterior temperature τ = {record.posterior_temperature:g} (Bayesian model "
+                       "averaging).")
+    return text + f" Predictions are made at the posterior mean, without averaging: {_mean_reason(record)}."
+
+
+def _posterior_text(record: RunRecord) -> str | None:
+    """What IVON's posterior did during training, from the last training log (`RunRecord.posterior_log`)."""
+    log = record.posterior_log
+    if not record.learns_posterior or not log:
+        return None
+    hp = record.hyperparameters
+    h0, ess, prior = hp.get("hess_init"), hp.get("ess"), hp.get("weight_decay")
+    text = (f"At step {log.get('step')} of training, IVON's Hessian estimate h had median "
+            f"{log['hess_median']:.4g} and mean {log.get('hess_mean', math.nan):.4g}"
+            + (f", starting from h0 = {h0:g}" if h0 is not None else "") + ".")
+    change = log.get("hess_change_median")
+    if change is not None:
+        text += f" The median relative change |h − h0|/h0 over the weights is {change:.1%}"
+        text += (": the Hessian hardly moved, so σ is still mostly set by `ess` and `hess_init` rather than learned from "
+                 "the data." if change < HESSIAN_STUCK_TOLERANCE else ": the posterior adapted to the data.")
+    if "posterior_std_median" in log:
+        text += (f" The posterior standard deviation σ = 1/sqrt(ess·(h + δ)) had median {log['posterior_std_median']:.4g}"
+                 f" and mean {log.get('posterior_std_mean', math.nan):.4g}")
+        if h0 is not None and ess and prior is not None:
+            text += f" (σ0 = {1 / math.sqrt(ess * (h0 + prior)):.4g} at the start)"
+        text += "."
+    return text
+
+
+def _adaptivity_text(adaptivity: dict | None) -> str:
+    """Whether this run's ε̄ is larger for ambiguous examples, as the paper finds, by its measured correlation."""
+    if not adaptivity:
+        return "The paper finds it larger for ambiguous or atypical examples."
+    rho, spread = adaptivity["noise_l1_entropy_spearman"], adaptivity["noise_l1_q90_over_q10"]
+    if rho > 0:
+        return (f"On this run it is larger for ambiguous examples, as the paper finds (Spearman ρ = {rho:.2f} between "
+                f"‖ε̄‖₁ and the entropy of the posterior-mean prediction; its 90th percentile is {spread:.2g}× its 10th).")
+    return (f"On this run it is *not* larger for ambiguous examples (Spearman ρ = {rho:.2f} between ‖ε̄‖₁ and the "
+            "entropy of the posterior-mean prediction): the learned posterior is wide enough to flatten the averaged "
+            f"prediction P̂, so ε̄ grows with the confidence of p̄ (its 90th percentile is {spread:.2g}× its 10th).")
+
+
+def _label_noise_numbers(summary: dict[str, Any]) -> str | None:
+    """One sentence of measured label-noise magnitudes |ε̄|₁ from `label_noise_summary.json`."""
+    l1 = summary.get("all", {}).get("noise_l1")
+    if not l1:
+        return None
+    how = (f" ({summary['num_samples']} posterior samples" if "num_samples" in summary else "") + (
+        f" at τ = {summary['posterior_temperature']:g}" if "posterior_temperature" in summary else "") + (
+        ")" if "num_samples" in summary else "")
+    text = (f"Over the {summary.get('num_examples', 'training')} training examples{how}, |ε̄|₁ has mean {l1['mean']:.3g} "
+            f"and median {l1['q50']:.3g}, from {l1['q10']:.3g} (10th percentile) to {l1['q90']:.3g} (90th).")
+    clean, corrupted = (summary.get(k, {}).get("noise_l1") for k in ("clean", "corrupted"))
+    if clean and corrupted:
+        text += f" Its mean is {corrupted['mean']:.3g} on the corrupted labels and {clean['mean']:.3g} on the clean ones."
+    return text
+
+
+def _matrix_table(matrix: list[list[float]], names: list[str]) -> str:
+    header = "| clean \\ label | " + " | ".join(names) + " |\n|---|" + "---|" * len(names) + "\n"
+    rows = "".join(f"| {names[i]} | " + " | ".join(f"{v:.3f}" for v in row) + " |\n" for i, row in enumerate(matrix))
+    return header + rows
+
+
+def _temperature_text(record: RunRecord) -> str:
+    """The posterior temperature τ the model predicts with, and the validation NLL it was chosen by."""
+    tau = record.posterior_temperature
+    intro = (f"Predictions sample the weights with the posterior standard deviation scaled by **τ = {tau:g}** "
+             "(0: the prediction at the posterior mean, 1: the learned posterior). ")
+    report = record.temperature_selection
+    if report is None:
+        how = "fixed by `posterior_temperature`" if record.temperature_fixed else "no validation data to choose it by"
+        return intro + f"τ = {tau:g} was {how}."
+    rows = "".join(f"| {t}{' (chosen)' if float(t) == tau else ''} | {nll:.4f} |\n" for t, nll in report["nll"].items())
+    criterion = report.get("criterion", "validation NLL")  # posteriors saved before the criterion was recorded
+    return (intro + f"τ was chosen after training by the {criterion} on the eval dataset ({report['num_samples']} "
+            "posterior samples, the same draws for every τ); an evaluation on that same set is slightly optimistic."
+            f"\n\n| τ | {criterion.split(' (')[0]} |\n|---|---|\n" + rows)
+
+
+RELIABILITY_DIAGRAM_FILE = "reliability_diagram.png"
+
+
+def write_reliability_diagram(diagram: dict[str, Any] | None, folder: str | os.PathLike, bma: bool) -> str | None:
+    """Draw `diagram` (`varsmooth.metrics.reliability_diagram` of the last evaluation) into
+    `folder/reliability_diagram.png` (the card embeds every picture of the run) and return its path; None when there
+    is nothing to draw (no evaluation yet)."""
+    if diagram is None or diagram["count"].sum() == 0:
+        return None
+    from ..plots import plot_reliability_diagram  # matplotlib only when there is something to draw
+
+    os.makedirs(folder, exist_ok=True)
+    prediction = "posterior-averaged prediction" if bma else "prediction"
+    return plot_reliability_diagram(diagram, os.fspath(folder), RELIABILITY_DIAGRAM_FILE,
+                                    title=f"Reliability of the {prediction}")
+
+
+def build_model_card(record: RunRecord, model: Any, folder: str | os.PathLike) -> ModelCard:
+    """The card of `model` trained by the run `record` and saved in `folder`: base model, data, injected label noise,
+    method, metrics, label noise, usage.
+
+    `record.datasets` names the data in the text; the `datasets:` metadata lists `record.dataset_tags` (default:
+    `record.datasets`) that are Hub dataset ids, never local paths (`is_hub_dataset_id`); the license defaults to
+    `DEFAULT_LICENSE`. The files listed are those of `folder`'s manifest, and its label-noise summary is shown.
+    """
+    output_dir = os.fspath(folder)
+    adapter = _adapter(model)
+    if adapter is not None:  # the card describes the base with its adapters, as peft's own cards do
+        model = model.get_base_model()
+    task = classification_task(model)
+    auto_class = AUTO_CLASSES[task].__name__
+    repo_id, model_name = record.repo_id, record.model_name
+    base_model = _base_model(model) if adapter is None else _hub_id(adapter.base_model_name_or_path or "")
+    metrics, scored_on = record.metrics, record.scored_on
+    method = record.method
+    report = record.noise_report
+    is_ivon = record.learns_posterior
+    datasets = record.datasets
+    hub_datasets = [d for d in record.dataset_tags or datasets if is_hub_dataset_id(d)]
+    # a local folder is named by its last component: its path on the training machine means nothing to readers
+    shown = [(d, True) if is_hub_dataset_id(d) else (os.path.basename(os.path.normpath(d)), False) for d in datasets]
+    dataset_name = ", ".join(name for name, _ in shown) if shown else None
+    license = record.license or DEFAULT_LICENSE
+    tags, language = record.tags, record.language
+
+    eval_results = []
+    prediction = _prediction(record)
+    if prediction == "bma":
+        predictions = (("", "posterior-averaged"), ("mean_", "posterior mean"))
+        if metrics.get("mean_nll", math.inf) < metrics.get("nll", math.inf):  # the better prediction first
+            predictions = predictions[::-1]
+    elif prediction == "mean":  # τ = 0 also reports the (equal) mean_* scores
+        predictions = (("mean_" if "mean_nll" in metrics else "", "posterior mean"),)
+    else:
+        predictions = (("", ""),)
+    for key, pretty in _METRIC_NAMES.items():
+        for prefix, label in predictions:
+            if prefix + key in metrics:
+                eval_results.append(EvalResult(
+                    task_type=task, dataset_type=hub_datasets[0] if hub_datasets else "custom",
+                    dataset_name=dataset_name or scored_on,
+                    metric_type=key, metric_value=float(metrics[prefix + key]),
+                    metric_name=f"{pretty} ({label})" if label else pretty,
+                ))
+    card_data = ModelCardData(
+        language=language, license=license, library_name="transformers" if adapter is None else "peft", base_model=base_model,
+        datasets=hub_datasets or None, pipeline_tag=task, model_name=model_name,
+        tags=sorted({"varsmooth", "noisy-labels", task, *(["ivon", "variational-learning"] if is_ivon else [method]), *(tags or []),
+                     *([str(getattr(adapter.peft_type, "value", adapter.peft_type)).lower()]
+                       + ([f"base_model:adapter:{base_model}"] if base_model else []) if adapter is not None else [])}),
+        eval_results=eval_results or None,
+    )
+
+    names = list(getattr(model.config, "id2label", {}).values()) if getattr(model, "config", None) else []
+    if report is None:
+        corruption_text = "No label corruption was injected: the model was trained on the dataset's own labels."
+        transition_table = None
+    else:
+        intended = report.intended_rate
+        corruption_text = (
+            f"Noise type **{report.noise_type or 'unknown (recomputed from clean_label)'}**"
+            + (f", parameters `{json.dumps(report.params)}`" if report.params else "")
+            + (f", seed {report.seed}" if report.seed is not None else "") + ". "
+            + (f"Intended rate {intended:.3f}; " if intended is not None else "")
+            + f"realized rate **{report.realized_rate:.3f}** ({report.num_corrupted} of {report.num_examples} training labels differ from the clean ones)."
+        )
+        transition_table = _matrix_table(report.realized_transition, report.class_names or names or [str(i) for i in range(report.num_classes)])
+
+    if metrics:
+        columns = {"bma": (("", f"posterior-averaged ({record.eval_mc_samples} samples, τ = {record.posterior_temperature:g})"),
+                           ("mean_", "posterior mean")),
+                   "mean": ((predictions[0][0], "posterior mean (no averaging)"),),
+                   "weights": (("", "trained weights"),)}[prediction]
+        rows = [f"| {pretty} | " + " | ".join(
+            f"{metrics[p + key]:.4f}" if p + key in metrics else "–" for p, _ in columns) + " |"
+            for key, pretty in _METRIC_NAMES.items() if any(p + key in metrics for p, _ in columns)]
+        metrics_text = f"On the {scored_on}" + (f" of `{dataset_name}`" if dataset_name else "") + ":"
+        metrics_table = ("| metric | " + " | ".join(label for _, label in columns) + " |\n|---|"
+                         + "---|" * len(columns) + "\n" + "\n".join(rows) + "\n")
+    else:
+        metrics_text, metrics_table = "The model was not evaluated.", None
+    better_text = _better_prediction_text(metrics) if prediction == "bma" else None
+
+    temperature_text = _temperature_text(record) if is_ivon else None
+
+    summary_path = os.path.join(output_dir, "label_noise_summary.json")
+    if os.path.isfile(summary_path):
+        with open(summary_path) as f:
+            summary = json.load(f)
+        detection = summary.get("detection")
+        numbers = _label_noise_numbers(summary)
+        label_noise_text = (
+            "`label_noise.parquet` holds, for every training example, the label noise ε̄ = p̄ − P̂ that IVON's posterior "
+            "induces (Yang et al. 2025, \"Variational Learning Induces Adaptive Label Smoothing\", Eq. 15). "
+            + _adaptivity_text(summary.get("adaptivity"))
+            + " To find wrong labels, rank by the posterior-predictive confidence in the given label instead."
+            + (f" {numbers}" if numbers else "")
+            + ("\n\nHow well each score ranks the training labels known to be wrong (`detection` of "
+               "`label_noise_summary.json`):\n\n" + _json_block(detection) if detection is not None else "")
+            + "\n\n<details>\n<summary>label_noise_summary.json</summary>\n\n" + _json_block(summary) + "\n\n</details>"
+        )
+    else:
+        label_noise_text = "No per-example label noise was exported for this model."
+    present = sorted(os.listdir(output_dir)) if os.path.isdir(output_dir) else []
+    manifest = read_manifest(output_dir) if present else None
+    if manifest is not None:  # the card describes what a push uploads: this run's files, not strays beside them
+        present = [f for f in present if f in manifest["files"]]
+    pictures = [f for f in present if f.endswith(".png")]
+    files = {f: _FILE_DESCRIPTIONS[f] + (" (the posterior mean)" if is_ivon and f in _WEIGHT_FILES else "")
+             for f in present if f in _FILE_DESCRIPTIONS}
+    files.update({p: "picture" for p in pictures})
+
+    auto_map = getattr(getattr(model, "config", None), "auto_map", None) or {}
+    return ModelCard.from_template(
+        card_data,
+        template_str=MODEL_CARD_TEMPLATE.read_text(encoding="utf-8"),
+        model_name=model_name,
+        repo_id=repo_id,
+        task_name=task,
+        auto_class=auto_class,
+        method=method,
+        method_text=_method_text(record),
+        prediction=prediction,
+        remote_code=auto_class in auto_map,
+        posterior_text=_posterior_text(record),
+        base_model_text=_base_model_text(base_model, model, adapter),
+        adapter_text=_adapter_text(adapter, is_ivon),
+        dataset_text=", ".join(f"[`{name}`](https://huggingface.co/datasets/{name})" if on_hub else f"`{name}` (local data)"
+                               for name, on_hub in shown) if shown else "not recorded",
+        license=license,
+        labels_text=", ".join(names) if names else "see config.json",
+        corruption_text=corruption_text,
+        transition_table=transition_table,
+        hyperparameters=record.hyperparameters,
+        metrics_text=metrics_text,
+        metrics_table=metrics_table,
+        better_text=better_text,
+        temperature_text=temperature_text,
+        label_noise_text=label_noise_text,
+        pictures=pictures,
+        files=files,
+        version=version("varsmooth"),
+    )

@@ -1,0 +1,38 @@
+"""`LabelNoiseMixin`: `VariationalTrainer.label_noise()`, the per-example label noise measured with the trainer's batches."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import datasets
+from torch.utils.data import SequentialSampler
+
+from ..utils import length_order
+from .compute import compute_label_noise
+
+__all__ = ["LabelNoiseMixin"]
+
+
+class LabelNoiseMixin:
+    """For a `transformers.Trainer` subclass with a `posterior()` (`VariationalTrainer`)."""
+
+    def label_noise(self, dataset: Any = None, num_samples: int = 64, **kwargs: Any) -> datasets.Dataset:
+        """Per-example label noise ε̄ = p̄ − P̂ of the current posterior (Variational Learning Induces Adaptive Label
+        Smoothing, 2025, Eq. 15) as a `datasets.Dataset`.
+
+        One row per example of `dataset` (default: the training set), in dataset order, with its `clean_label` and
+        `is_corrupted` columns carried over; the columns and `kwargs` are those of
+        `varsmooth.label_noise.compute_label_noise` (`seed` defaults to `args.eval_seed`). The batches come from the
+        Trainer's own machinery (column removal, collator, device, DDP sharding); every process must call this.
+        """
+        dataset = self.train_dataset if dataset is None else dataset
+        # not get_eval_dataloader(): it may return the cached loader of eval_dataset; sentences go by length (each
+        # batch pads to its longest), and the rows come back in dataset order
+        order = length_order(dataset)
+        sampler_fn = SequentialSampler if order is None else (lambda _: order)
+        loader = self._get_dataloader(dataset, "Label noise", self.args.eval_batch_size, sampler_fn=sampler_fn)
+        kwargs.setdefault("seed", self.args.eval_seed)
+        return compute_label_noise(
+            self.accelerator.unwrap_model(self.model), self.posterior(), dataset, num_samples=num_samples,
+            dataloader=loader, accelerator=self.accelerator, device=self.args.device, order=order, **kwargs,
+        )

@@ -1,0 +1,413 @@
+"""The one small interface every training method implements, and the registry of methods (peft-style).
+
+A method decides three things for `VariationalTrainer`: whether IVON is the optimizer (and with which
+settings), the training loss computed from the model's logits, and any extra state it must checkpoint.
+Optional hooks: `attach` (extra heads trained with the model, see `heads.py`), `training_step` (methods with
+their own forward/backward schedule, e.g. SAM's two passes) and `needs_example_index` (per-example state).
+
+A method never sees the trainer: each call gets a `MethodContext` (step, epoch, training or not, the accelerator,
+the batch's example indices) built by the trainer, so that a method can be run and tested without one.
+Its settings are its own config dataclass (`MethodConfig` subclass), registered together with it by
+`register_method(name, config_cls, method_cls)`; `VariationalTrainingArguments.method_config` holds one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+from collections.abc import Callable, Collection, Iterable, Mapping
+from dataclasses import dataclass
+import warnings
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import Dataset
+
+from ..posterior.prediction import IGNORE_INDEX, logits_of, model_outputs  # IGNORE_INDEX: the label every loss skips
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+
+__all__ = [
+    "EXAMPLE_INDEX_KEY", "IGNORE_INDEX", "METHODS", "ExampleIndexDataset", "MethodConfig", "MethodContext", "MethodInfo",
+    "OptimizerContext", "TrainingMethod", "build_method_config", "get_method_class", "get_method_config_class", "list_methods",
+    "method_config_classes", "method_config_from_flags", "register_method",
+]
+
+#: batch key holding each example's position in the training set (added by the trainer, never seen by the model)
+EXAMPLE_INDEX_KEY = "example_index"
+
+
+@dataclass
+class MethodConfig:
+    """Settings of a method that has none (ERM).
+
+    Subclasses are dataclasses whose field names carry the method's prefix (`sam_rho`, `gce_q`, ...): they are the
+    command-line flags of the examples, which parse every method's config with one `HfArgumentParser`. Values are
+    checked in `__post_init__`. A config whose fields are `VariationalTrainingArguments` fields already
+    (`mirrors_training_arguments`, IVON's) is built from those arguments instead of parsed as flags of its own.
+    """
+
+    #: the fields are `VariationalTrainingArguments` fields of the same names, and the config is built from them
+    #: (`VariationalTrainingArguments.__post_init__`): they are not flags of their own
+    mirrors_training_arguments: ClassVar[bool] = False
+
+    @classmethod
+    def from_training_arguments(cls, args: Any) -> "MethodConfig":
+        """The config of a `mirrors_training_arguments` class: the fields of `args` (a `VariationalTrainingArguments`)
+        of the same names."""
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if f.init})
+
+
+@dataclass(frozen=True)
+class MethodContext:
+    """What a method may know about the run when the trainer calls it on one micro-batch.
+
+    The defaults describe a single-process training pass at step 0, so a method's loss can be called directly:
+    `method.loss(logits, labels, MethodContext())`.
+    """
+
+    #: optimizer steps done so far (`TrainerState.global_step`)
+    step: int = 0
+    #: fractional epoch (`TrainerState.epoch`; 0 before training)
+    epoch: float = 0.0
+    #: whether the model runs in training mode (False in evaluation passes: collect no statistics then)
+    is_training: bool = True
+    #: the run's `accelerate.Accelerator` (gather / backward / no_sync under DDP); None: one process, plain autograd
+    accelerator: Accelerator | None = None
+    #: position of each example of the batch in the training set (only for methods with `needs_example_index`)
+    example_index: torch.Tensor | None = None
+    #: the Trainer's count of labels in the whole accumulated batch (the losses here are micro-batch means)
+    num_items_in_batch: Any = None
+    #: micro-batches per optimizer step: a `training_step` returns and backpropagates its loss divided by this
+    gradient_accumulation_steps: int = 1
+    #: a loss given to the trainer (`compute_loss_func(outputs, labels, num_items_in_batch=None)`) that replaces the
+    #: method's cross-entropy (only for methods whose `loss` is the plain one)
+    loss_func: Callable[..., torch.Tensor] | None = None
+    # -- for `training_step` only -----------------------------------------------------------------------------
+    #: a trainer subclass's own `compute_loss(model, inputs)` (the Trainer's extension point), which then replaces
+    #: `TrainingMethod.compute_loss` in every pass (`training_loss`)
+    loss_override: Callable[[torch.nn.Module, dict[str, Any]], torch.Tensor] | None = None
+    #: the context a loss is computed under (the Trainer's autocast)
+    loss_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    #: the optimizer behind accelerate's wrapper (IVON's samples the weights)
+    optimizer: torch.optim.Optimizer | None = None
+    #: DDP with the gradient all-reduce off for the passes inside it (a null context without DDP)
+    no_sync: Callable[[torch.nn.Module], contextlib.AbstractContextManager] = lambda model: contextlib.nullcontext()
+    #: whether the parameters are FSDP2 shards
+    sharded: bool = False
+    #: gradient-norm clipping (0: none)
+    max_grad_norm: float = 0.0
+    #: whether this micro-batch's backward completes the step's gradients (accumulated, all-reduced)
+    gradients_complete: bool = True
+    #: records whether a loss and the gradients of the given parameters (None: not complete yet) are finite; the
+    #: trainer stops the step before it is applied when one is not
+    note_finite: Callable[[torch.Tensor, list[torch.Tensor] | None], None] = lambda loss, params: None
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """`accelerator.backward` (gradient scaling, DeepSpeed, ...) or plain `loss.backward()` without one."""
+        if self.accelerator is not None:
+            self.accelerator.backward(loss)
+        else:
+            loss.backward()
+
+
+@dataclass(frozen=True)
+class OptimizerContext:
+    """What a method may know of the run when it builds its optimizer (`TrainingMethod.create_optimizer`)."""
+
+    #: optimizer steps of the whole run (`TrainerState.max_steps`); None when unknown (an IterableDataset)
+    total_steps: int | None = None
+    #: the run's seed (IVON's weight-noise seed)
+    seed: int = 0
+    #: this process's rank (IVON draws other noise on each rank)
+    rank: int = 0
+    #: whether the optimizer averages its gradient statistics over processes itself (DDP with the all-reduce off)
+    sync: bool = False
+    #: IVON's fused kernels: True, False, or None (on where they apply)
+    fused: bool | None = None
+
+
+@dataclass(frozen=True)
+class MethodInfo:
+    """One registered method, as `list_methods()` describes it."""
+
+    name: str
+    config_class: type[MethodConfig]
+    method_class: type["TrainingMethod"]
+
+    @property
+    def summary(self) -> str:
+        """The first paragraph of the method class's docstring, on one line."""
+        return " ".join((self.method_class.__doc__ or "").strip().split("\n\n")[0].split())
+
+    @property
+    def paper(self) -> str | None:
+        return self.method_class.paper
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        """The method's main settings with their defaults: the learning rate it gets when none is given (and, for a
+        method with flags of its own, `scratch_learning_rate`, the image example's rate for a network trained from
+        scratch), then its config's fields (for IVON, those of `ivon_preset="scratch"`; None: decided by the run)."""
+        config = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+                  for f in dataclasses.fields(self.config_class) if f.init}
+        if self.config_class.mirrors_training_arguments:
+            return {"learning_rate": self.method_class.default_learning_rate, **config}
+        return {"learning_rate": self.method_class.default_learning_rate,
+                "scratch_learning_rate": self.method_class.scratch_learning_rate, **config}
+
+    def __str__(self) -> str:
+        """One line: name, description, main settings and paper."""
+        settings = ", ".join(f"{k}={v}" for k, v in self.settings.items())
+        return f"{self.name}: {self.summary} Settings: {settings}." + (f" Paper: {self.paper}." if self.paper else "")
+
+
+#: method name -> its registration, in the order of registration
+METHODS: dict[str, MethodInfo] = {}
+
+
+def register_method(name: str, config_cls: type[MethodConfig], method_cls: type["TrainingMethod"]) -> type["TrainingMethod"]:
+    """Make `method_cls` the training method `name` (`VariationalTrainingArguments(method=name)`), configured by
+    `config_cls`. Sets `method_cls.name`; returns `method_cls`.
+
+    Raises if `name` is taken, if `method_cls` is already registered under another name, or if a field of
+    `config_cls` is also a field of another method's config (the examples parse all of them as flags at once).
+    """
+    if name in METHODS:
+        existing = METHODS[name]
+        raise ValueError(f"A training method named {name!r} is already registered ({existing.method_class.__name__} with "
+                         f"{existing.config_class.__name__}); choose another name.")
+    if not (isinstance(method_cls, type) and issubclass(method_cls, TrainingMethod)):
+        raise TypeError(f"method_cls must be a subclass of TrainingMethod, got {method_cls!r}.")
+    if not (isinstance(config_cls, type) and issubclass(config_cls, MethodConfig) and dataclasses.is_dataclass(config_cls)):
+        raise TypeError(f"config_cls must be a dataclass subclassing MethodConfig, got {config_cls!r}.")
+    for info in METHODS.values():
+        if info.method_class is method_cls:
+            raise ValueError(f"{method_cls.__name__} is already registered as {info.name!r}; subclass it to register it again.")
+        if info.config_class is not config_cls:
+            shared = _flag_names(info.config_class) & _flag_names(config_cls)
+            if shared:
+                raise ValueError(f"{config_cls.__name__} and {info.config_class.__name__} (method {info.name!r}) both have "
+                                 f"the fields {sorted(shared)}: prefix them with the method's name.")
+    method_cls.name = name
+    METHODS[name] = MethodInfo(name, config_cls, method_cls)
+    return method_cls
+
+
+def list_methods() -> list[MethodInfo]:
+    """Every registered method, sorted by name: its name, config and method classes, one-line `summary`, main
+    `settings` with their defaults, and `paper`; `print(*list_methods(), sep="\n")` shows one line each."""
+    return [METHODS[name] for name in sorted(METHODS)]
+
+
+def _info(name: str) -> MethodInfo:
+    if name not in METHODS:
+        raise ValueError(f"Unknown method {name!r}. Choose one of: {', '.join(sorted(METHODS))}.")
+    return METHODS[name]
+
+
+def get_method_class(name: str) -> type["TrainingMethod"]:
+    return _info(name).method_class
+
+
+def get_method_config_class(name: str) -> type[MethodConfig]:
+    return _info(name).config_class
+
+
+def _field_names(config_cls: type[MethodConfig]) -> set[str]:
+    return {f.name for f in dataclasses.fields(config_cls) if f.init}
+
+
+def _flag_names(config_cls: type[MethodConfig]) -> set[str]:
+    """The command-line flags of a method's config: its fields, unless they are `VariationalTrainingArguments`'."""
+    return set() if config_cls.mirrors_training_arguments else _field_names(config_cls)
+
+
+def build_method_config(method: str, config: MethodConfig | Mapping[str, Any] | str | None) -> MethodConfig:
+    """The config of `method` from None (its defaults), a dict or JSON object string of its fields, or a config
+    instance of its class (copied, so that the caller's object is never changed)."""
+    config_cls = get_method_config_class(method)
+    if config is None:
+        return config_cls()
+    if isinstance(config, MethodConfig):
+        if type(config) is not config_cls:
+            raise TypeError(f"method_config is a {type(config).__name__}, but method={method!r} is configured by "
+                            f"{config_cls.__name__}.")
+        return dataclasses.replace(config)
+    if isinstance(config, str):
+        try:
+            config = json.loads(config)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"method_config must be a JSON object of {config_cls.__name__}'s fields, got {config!r} "
+                             f"({error}).") from None
+    if not isinstance(config, Mapping):
+        raise TypeError(f"method_config must be a {config_cls.__name__}, a dict or a JSON object string, got "
+                        f"{type(config).__name__}.")
+    valid = _field_names(config_cls)
+    unknown = sorted(set(config) - valid)
+    if unknown:
+        raise ValueError(f"method_config has {unknown}, which method={method!r} ({config_cls.__name__}) does not know; "
+                         f"its fields are: {', '.join(sorted(valid)) or 'none'}.")
+    return config_cls(**config)
+
+
+def method_config_classes() -> list[type[MethodConfig]]:
+    """The registered config classes that have fields, once each: add them to an `HfArgumentParser` to get every
+    method's settings as flags (`--sam_rho 0.1`), then pick the chosen method's with `method_config_from_flags`."""
+    classes = []
+    for info in METHODS.values():
+        if _flag_names(info.config_class) and info.config_class not in classes:
+            classes.append(info.config_class)
+    return classes
+
+
+def method_config_from_flags(method: str, configs: Iterable[MethodConfig], given: Collection[str]) -> MethodConfig | None:
+    """The parsed config of `method` among `configs` (what `HfArgumentParser` built from `method_config_classes()`),
+    or None when none of its flags was given (then `method_config` itself, or the defaults, apply).
+
+    `given` names the flags on the command line (or keys of the config file). A flag of another method's config
+    is an error, not silently ignored: with `--method ls --sam_rho 0.1` the user expects a SAM run.
+    """
+    config_cls = get_method_config_class(method)
+    own = _flag_names(config_cls)
+    foreign = {}
+    for other in METHODS.values():
+        if other.config_class is not config_cls:
+            for flag in _flag_names(other.config_class) & set(given):
+                foreign.setdefault(flag, other.name)
+    if foreign:
+        listed = ", ".join(f"--{flag} (method {name!r})" for flag, name in sorted(foreign.items()))
+        raise ValueError(f"{listed} given, but --method is {method!r}, whose flags are: "
+                         f"{', '.join('--' + f for f in sorted(own)) or 'none'}.")
+    if not own & set(given):
+        return None
+    if "method_config" in given:
+        raise ValueError(f"Give the settings of method {method!r} either as flags ({', '.join('--' + f for f in sorted(own & set(given)))}) "
+                         "or in --method_config, not both.")
+    return next(c for c in configs if type(c) is config_cls)
+
+
+class TrainingMethod:
+    """Empirical risk minimisation: plain cross-entropy with whatever optimizer the Trainer's `optim` names.
+
+    Subclasses override `loss` (and `create_optimizer` to train with an optimizer of their own), and may keep state that is
+    saved in checkpoints through `state_dict`/`load_state_dict`. `self.config` is the method's `MethodConfig`.
+    """
+
+    #: the registered name (set by `register_method`)
+    name: ClassVar[str]
+    #: the paper the method comes from (authors, year, title), shown by `list_methods()`
+    paper: ClassVar[str | None] = None
+    #: per-example state (e.g. ALASCA's EMA): the trainer adds `EXAMPLE_INDEX_KEY` to every training batch
+    needs_example_index: ClassVar[bool] = False
+    #: learning rate used when the user gives none (TrainingArguments' own default for optimizer-agnostic methods)
+    default_learning_rate: ClassVar[float] = 5e-5
+    #: the rate for a network trained from scratch, where `default_learning_rate` (a fine-tuning rate) hardly moves it:
+    #: the image example's default, chosen on its noisy validation split (benchmarks/example_learning_rates.py)
+    scratch_learning_rate: ClassVar[float] = 1e-4
+
+    def __init__(self, config: MethodConfig | Mapping[str, Any] | None = None, num_train_examples: int | None = None) -> None:
+        if hasattr(config, "method_config"):  # the previous release passed the whole VariationalTrainingArguments
+            warnings.warn(f"{type(self).__name__}(args) is deprecated and will be removed in the next release: pass the "
+                          "method's config, args.method_config.", FutureWarning, stacklevel=2)
+            config = config.method_config
+        self.config = build_method_config(self.name, config)
+        self.num_train_examples = num_train_examples
+
+    @staticmethod
+    def check_parallelism(fsdp_version: int | None, deepspeed: bool) -> None:
+        """Refuse a sharding the method cannot train under (`fsdp_version` None: no FSDP); every method can by default."""
+
+    def create_optimizer(self, params: list[torch.nn.Parameter], run: OptimizerContext) -> torch.optim.Optimizer | None:
+        """The optimizer of the trainable `params`; None (the default): the Trainer's own, as `optim` names it."""
+        return None
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor, context: MethodContext) -> torch.Tensor:
+        """Mean training loss of one micro-batch (labels equal to -100 are ignored)."""
+        return F.cross_entropy(logits.float(), labels)
+
+    def compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any], context: MethodContext) -> tuple[torch.Tensor, Any]:
+        """(mean loss, model outputs) of one micro-batch: `loss` on the model's logits (or `context.loss_func` on its
+        outputs); a micro-batch without any label gives a zero-gradient loss, for every method."""
+        labels = inputs.get("labels")
+        if labels is None:
+            raise ValueError(f"The training batch has no 'labels' (keys: {sorted(inputs)}); name the label column 'label' or 'labels'.")
+        outputs = model_outputs(model, inputs, exclude=(EXAMPLE_INDEX_KEY,))
+        logits = logits_of(outputs)
+        if labels.numel() and (labels == IGNORE_INDEX).all():
+            return logits.sum() * 0.0, outputs
+        if context.loss_func is not None:
+            return context.loss_func(outputs, labels, num_items_in_batch=None), outputs
+        return self.loss(logits, labels, dataclasses.replace(context, example_index=inputs.get(EXAMPLE_INDEX_KEY))), outputs
+
+    def training_loss(self, model: torch.nn.Module, inputs: dict[str, Any], context: MethodContext) -> torch.Tensor:
+        """The loss a `training_step` backpropagates: `compute_loss` (or `context.loss_override`) under
+        `context.loss_context()`."""
+        with context.loss_context():
+            if context.loss_override is not None:
+                return context.loss_override(model, dict(inputs))
+            return self.compute_loss(model, dict(inputs), context)[0]
+
+    def attach(self, model: torch.nn.Module) -> None:
+        """Called once by the trainer before the optimizer exists: add extra heads or hooks to `model`."""
+
+    def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], context: MethodContext) -> torch.Tensor:
+        """Override to schedule the forward/backward passes of one micro-batch yourself (the Trainer's own
+        `training_step` runs otherwise). `model` is in training mode and `inputs` are on its device; compute losses
+        with `training_loss`, backpropagate `loss / context.gradient_accumulation_steps`,
+        note the loss and the complete gradients with `context.note_finite`, and return the detached loss to log,
+        divided the same way."""
+        raise NotImplementedError(f"{self.name} uses the Trainer's training_step")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+    def callbacks(self) -> list[Any]:
+        """`TrainerCallback`s the method needs (e.g. end-of-epoch updates)."""
+        return []
+
+    def hyperparameters(self) -> dict[str, Any]:
+        """What the model card reports about this method: its name and config."""
+        return {"method": self.name, **dataclasses.asdict(self.config)}
+
+
+register_method("erm", MethodConfig, TrainingMethod)
+
+
+class ExampleIndexDataset(Dataset):
+    """A map-style dataset whose rows also carry their position, under `EXAMPLE_INDEX_KEY`.
+
+    Wrapping (instead of adding a column) keeps `set_transform`/`with_transform` outputs intact, and the
+    index survives the Trainer's column removal because the trainer lists it among the signature columns.
+    """
+
+    def __init__(self, dataset: Any) -> None:
+        if not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__"):
+            raise TypeError(
+                f"This method keeps per-example state and needs a map-style training dataset with a length, got "
+                f"{type(dataset).__name__} (an IterableDataset has no stable example index)."
+            )
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def _with_index(self, row: Any, index: int) -> dict[str, Any]:
+        if not isinstance(row, Mapping):
+            raise TypeError(f"Training examples must be dicts to carry {EXAMPLE_INDEX_KEY!r}, got {type(row).__name__}.")
+        return {**row, EXAMPLE_INDEX_KEY: index}
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return self._with_index(self.dataset[index], index)
+
+    def __getitems__(self, indices: list[int]) -> list[dict[str, Any]]:
+        # `datasets.Dataset` fetches a whole batch at once; keep that fast path
+        getitems = getattr(self.dataset, "__getitems__", None)
+        rows = getitems(indices) if getitems is not None else [self.dataset[i] for i in indices]
+        return [self._with_index(row, i) for row, i in zip(rows, indices)]

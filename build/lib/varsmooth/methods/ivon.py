@@ -1,0 +1,234 @@
+"""IVON (Shen et al. 2024, Variational Learning is Effective for Large Deep Networks) — training by variational
+learning, the method of "Variational Learning Induces Adaptive Label Smoothing" (2025) — and its fixed-Hessian ablation.
+
+IVON's settings are `VariationalTrainingArguments` fields (ess, hess_init, beta2, ...), filled by its `ivon_preset`
+where the user left them unset; `IVONConfig` holds them as the run uses them, and is all the method sees.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from ..posterior.gaussian import _reshard
+from ..posterior.optimizer import VariationalIVON
+from ..presets import DEFAULT_HESSIAN_WINDOW, HESSIAN_WINDOW_CLIP_RADIUS, IVON_PRESETS, SCRATCH_PRESET, default_beta2
+from .base import MethodConfig, MethodContext, OptimizerContext, TrainingMethod, get_method_class, register_method
+
+__all__ = ["IVONConfig", "IVONFixedHessianMethod", "IVONMethod", "check_ivon_sharding", "learns_posterior"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class IVONConfig(MethodConfig):
+    """IVON's settings as a run uses them: the `VariationalTrainingArguments` fields of the same names after the
+    `ivon_preset` filled those left unset (`VariationalTrainingArguments.__post_init__` builds it; see their help).
+    None means "decided by the run": `ess` the training-set size, `beta2` the run-length rule, `clip_radius` none."""
+
+    mirrors_training_arguments: ClassVar[bool] = True
+
+    learning_rate: float = 0.2
+    ess: float | None = None
+    hess_init: float = float(SCRATCH_PRESET["hess_init"])
+    beta1: float = 0.9
+    beta2: float | None = None
+    hessian_window: float = DEFAULT_HESSIAN_WINDOW
+    prior_precision: float = float(SCRATCH_PRESET["prior_precision"])
+    clip_radius: float | None = None
+    rescale_lr: bool = bool(SCRATCH_PRESET["rescale_lr"])
+    mc_samples: int = 1
+    eval_mc_samples: int = int(SCRATCH_PRESET["eval_mc_samples"])
+    ivon_preset: str = "scratch"
+
+    def __post_init__(self) -> None:
+        if self.ivon_preset not in IVON_PRESETS:
+            raise ValueError(f"ivon_preset must be one of {list(IVON_PRESETS)}, got {self.ivon_preset!r}.")
+        if not 0 <= self.learning_rate < math.inf:
+            raise ValueError(f"learning_rate must be finite and >= 0, got {self.learning_rate}.")
+        if self.mc_samples < 1:
+            raise ValueError(f"mc_samples must be >= 1, got {self.mc_samples}.")
+        if not 0 < self.hess_init < math.inf:
+            raise ValueError(f"hess_init must be finite and > 0 (IVON's posterior std is 1/sqrt(ess (h + δ))), got {self.hess_init}.")
+        if not 0.0 <= (self.beta2 if self.beta2 is not None else 0.0) <= 1.0 or not 0.0 <= self.beta1 < 1.0:
+            raise ValueError(f"Need 0 <= beta1 < 1 and 0 <= beta2 <= 1, got beta1={self.beta1}, beta2={self.beta2}.")
+        if not 0 <= self.prior_precision < math.inf:
+            raise ValueError(f"prior_precision must be finite and >= 0, got {self.prior_precision}.")
+        if self.ess is not None and not 0 < self.ess < math.inf:
+            raise ValueError(f"ess must be finite and > 0, got {self.ess}.")
+        if not 0 < self.hessian_window < math.inf:
+            raise ValueError(f"hessian_window must be finite and > 0 (a fraction of the run's steps), got "
+                             f"{self.hessian_window}; to fix β2 instead, pass beta2.")
+        if self.clip_radius is not None and not self.clip_radius > 0:
+            raise ValueError(f"clip_radius must be > 0 or None, got {self.clip_radius}.")
+
+
+def learns_posterior(method: "str | TrainingMethod | type[TrainingMethod]") -> bool:
+    """Whether a method (its name, class or instance) learns a posterior, which predictions then average over."""
+    cls = get_method_class(method) if isinstance(method, str) else method if isinstance(method, type) else type(method)
+    return issubclass(cls, IVONMethod)
+
+
+def check_ivon_sharding(fsdp_version: int | None, deepspeed: bool) -> None:
+    """Refuse what IVON cannot train under: FSDP1 (its FlatParameters hide the per-parameter weights IVON samples
+    and keeps state for) and DeepSpeed (ZeRO steps the optimizer itself, outside IVON's weight sampling); FSDP2
+    (`fully_shard`, DTensor parameters) is supported. `fsdp_version` is None without FSDP."""
+    if deepspeed:
+        raise ValueError(
+            "IVON is not supported with DeepSpeed: ZeRO partitions and steps the optimizer itself, outside IVON's "
+            "weight sampling. Shard with FSDP2 instead (fsdp='full_shard', fsdp_config={'version': 2}; or "
+            "`accelerate launch` with fsdp_version: 2), or use DDP (accelerate launch --multi_gpu)."
+        )
+    if fsdp_version is not None and int(fsdp_version) != 2:
+        raise ValueError(
+            f"IVON needs FSDP2 (fully_shard, DTensor parameters), got FSDP version {fsdp_version}: FSDP1 flattens the "
+            "weights into FlatParameters that IVON cannot sample per parameter. Set fsdp_config={'version': 2} "
+            "(--fsdp_config '{\"version\": 2}', or fsdp_version: 2 in the accelerate config), or use DDP."
+        )
+
+class IVONMethod(TrainingMethod):
+    """Cross-entropy minimised in expectation over q = N(m, diag σ²) by IVON (variational learning).
+
+    The objective is Eq. 6 of "Variational Learning Induces Adaptive Label Smoothing" with λ = `ess`; the update is
+    Shen et al. 2024, Alg. 1.
+    """
+
+    paper: ClassVar[str] = ("Shen et al. 2024, Variational Learning is Effective for Large Deep Networks; Variational "
+                            "Learning Induces Adaptive Label Smoothing (2025)")
+    config: IVONConfig
+    default_learning_rate: ClassVar[float] = 0.2
+    #: optimizer steps of the run, known when IVON is built (`create_optimizer`; for the run-length β2 rule)
+    total_steps: int | None = None
+    #: the gradient norm of the last posterior sample, before clipping (what the Trainer logs as grad_norm)
+    last_grad_norm: torch.Tensor | None = None
+
+    def create_optimizer(self, params: list[torch.nn.Parameter], run: OptimizerContext) -> VariationalIVON:
+        """IVON over the trainable `params` with `ivon_settings()` for a run of `run.total_steps` steps."""
+        low_precision = sorted({str(p.dtype) for p in params if p.dtype not in (torch.float32, torch.float64)})
+        if low_precision:
+            raise ValueError(
+                f"IVON needs fp32 trainable weights, found {low_precision}: in bf16 β2=0.99999 rounds to 1 and the "
+                "Hessian never updates. Load the model in float32 and use bf16=True for mixed precision."
+            )
+        self.total_steps = run.total_steps
+        return VariationalIVON(params, sample_seed=run.seed, rank=run.rank, fused=run.fused, sync=run.sync,
+                               **self.ivon_settings())
+
+    def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], context: MethodContext) -> torch.Tensor:
+        """`mc_samples` posterior samples, each running forward *and* backward inside one weight-sampling context: IVON's
+        Hessian estimate ε⊙g is unbiased only when g was computed at the same ε. The gradients are zeroed before each
+        sample (the Trainer zeroes only after `step()`), the loss is the micro-batch *mean* (IVON averages its samples
+        itself: no division by the accumulation steps), and gradient-norm clipping happens inside the sample, since
+        IVON has read the gradients before the Trainer would clip. DDP's all-reduce is off for every sample: IVON
+        (sync=True) averages g and ε⊙g over ranks in `step()`, where DDP's would average g over other ranks' draws;
+        FSDP2 reduce-scatters each sample's gradient onto the shards IVON updates."""
+        opt = context.optimizer
+        params = [p for g in opt.param_groups for p in g["params"]]
+        losses = []
+        for _ in range(self.config.mc_samples):
+            if context.sharded:  # IVON writes the sample into the shards: no forward may reuse gathered weights
+                _reshard(model)
+            with opt.sampled_params(train=True), context.no_sync(model):
+                model.zero_grad(set_to_none=True)
+                loss = self.training_loss(model, inputs, context)
+                context.backward(loss)
+                # IVON records the gradients when the sample ends: they are checked here, before (no host sync)
+                context.note_finite(loss, params)
+                if context.max_grad_norm > 0:
+                    self.last_grad_norm = torch.nn.utils.clip_grad_norm_(params, context.max_grad_norm)
+            losses.append(loss.detach())
+        # for logging only: the Trainer sums this over micro-batches and divides by the optimizer steps
+        return torch.stack(losses).mean() / context.gradient_accumulation_steps
+
+    @staticmethod
+    def check_parallelism(fsdp_version: int | None, deepspeed: bool) -> None:
+        check_ivon_sharding(fsdp_version, deepspeed)
+
+    def follows_run_length(self) -> bool:
+        """Whether β2 is the library's default (`varsmooth.presets.default_beta2`): no `beta2` was given."""
+        return self.config.beta2 is None
+
+    def _long_run_beta2(self) -> float:
+        return float({**SCRATCH_PRESET, **IVON_PRESETS[self.config.ivon_preset]}["long_run_beta2"])
+
+    def _window_rule_applies(self) -> bool:
+        """Whether β2 comes from the run-length rule: the default, and a run too short for the preset's β2."""
+        return (self.follows_run_length() and bool(self.total_steps)
+                and default_beta2(self._long_run_beta2(), self.total_steps, self.config.hessian_window) != self._long_run_beta2())
+
+    def beta2(self) -> float:
+        """`beta2` if given, else `default_beta2`: the preset's β2 in a run long enough for it to move the Hessian, the
+        run-length rule 1 − 1/max(c·T, 300) (c = `hessian_window`) in a shorter one; the preset's when T is unknown."""
+        if not self.follows_run_length():
+            return self.config.beta2
+        if self.total_steps:
+            return default_beta2(self._long_run_beta2(), self.total_steps, self.config.hessian_window)
+        logger.warning(
+            "The run's number of optimizer steps is unknown (an IterableDataset without max_steps?), so β2 cannot follow "
+            "the run's length: using the %s preset's beta2=%s, under which the Hessian may hardly move in a short run. "
+            "Set max_steps, or pass beta2.", self.config.ivon_preset, self._long_run_beta2(),
+        )
+        return self._long_run_beta2()
+
+    def clip_radius(self) -> float:
+        """`clip_radius` if given; 0.05 under the run-length rule (the Hessian may fall far below h0, which would
+        blow up the step lr·(h0+δ)/(h+δ), as the run-length β2 did in 100-epoch runs without it); else no clipping."""
+        if self.config.clip_radius is not None:
+            return self.config.clip_radius
+        return HESSIAN_WINDOW_CLIP_RADIUS if self._window_rule_applies() else math.inf
+
+    def ess(self) -> float:
+        """λ in Eq. 6 of the adaptive-label-smoothing paper: the user's `ess`, else the training-set size N (the authors'
+        choice)."""
+        if self.config.ess is not None:
+            return float(self.config.ess)
+        if not self.num_train_examples:
+            raise ValueError(
+                "IVON needs the effective sample size `ess`, which defaults to the training-set size, but the "
+                "training dataset has no length (an IterableDataset?). Pass `ess=<number of training examples>`."
+            )
+        return float(self.num_train_examples)
+
+    def ivon_settings(self) -> dict[str, Any]:
+        """Keyword arguments for `VariationalIVON`."""
+        return self._settings(self.beta2())
+
+    def _settings(self, beta2: float | None) -> dict[str, Any]:
+        a = self.config
+        return {
+            "lr": a.learning_rate,
+            "ess": self.ess(),
+            "hess_init": a.hess_init,
+            "beta1": a.beta1,
+            "beta2": beta2,
+            "weight_decay": a.prior_precision,
+            "clip_radius": self.clip_radius(),
+            "rescale_lr": a.rescale_lr,
+        }
+
+    def hyperparameters(self) -> dict[str, Any]:
+        known = not self.follows_run_length() or self.total_steps  # the default β2 is known once T is
+        settings = self._settings(self.beta2() if known else None)
+        return {"method": self.name, **settings,
+                "hessian_window": self.config.hessian_window if self._window_rule_applies() else None,
+                "mc_samples": self.config.mc_samples, "eval_mc_samples": self.config.eval_mc_samples}
+
+
+class IVONFixedHessianMethod(IVONMethod):
+    """IVON with β2 = 1: h stays at hess_init and σ never adapts (the ablation of Fig. 6 of the adaptive-label-smoothing paper)."""
+
+    paper: ClassVar[str] = "Variational Learning Induces Adaptive Label Smoothing (2025), Fig. 6 and App. C.2"
+
+    def follows_run_length(self) -> bool:
+        return False
+
+    def beta2(self) -> float:
+        return 1.0
+
+
+register_method("ivon", IVONConfig, IVONMethod)
+register_method("ivon_fixed_hessian", IVONConfig, IVONFixedHessianMethod)

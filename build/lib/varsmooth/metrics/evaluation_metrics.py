@@ -1,0 +1,69 @@
+"""`EvaluationMetrics`: the `compute_metrics` of `VariationalTrainer`, scoring the prediction `evaluate()` made."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+from transformers.trainer_utils import EvalPrediction
+
+from .classification import classification_metrics, reliability_diagram
+
+__all__ = ["EvaluationMetrics"]
+
+
+class EvaluationMetrics:
+    """Metrics of the prediction (`classification_metrics` of P̂, the BMA), `mean_*` of the posterior mean beside them,
+    what was computed (`describe`), then the user's `compute_metrics`, which gets log P̂ as predictions, with inputs
+    and losses passed through as the stock Trainer does.
+
+    The trainer calls `start` before each evaluation with what it predicts; predictions are (log P̂, mean logits). With
+    `batch_eval_metrics` the Trainer calls this once per batch (`compute_result` True on the last): the user's function
+    sees every call; these metrics keep the batches' probabilities (N·K numbers) until the last.
+    """
+
+    def __init__(self, user_metrics: Callable[..., dict[str, float]] | None = None) -> None:
+        self.user_metrics = user_metrics
+        #: per-bin confidence/accuracy/count of the last prediction scored (`reliability_diagram`)
+        self.reliability_diagram: dict[str, np.ndarray] | None = None
+        self._batches: list[tuple[np.ndarray, ...]] = []
+        self._at_mean_only, self._with_mean, self._describe = False, False, {}
+
+    def start(self, *, at_mean_only: bool, with_mean: bool, describe: dict[str, float] | None = None) -> None:
+        """Before an evaluation. `at_mean_only`: a BMA was asked for without a posterior, so the prediction is the
+        mean's and its metrics are named `mean_*`; `with_mean`: the posterior mean is scored too (as `mean_*`);
+        `describe`: entries saying what was computed (posterior temperature, samples averaged)."""
+        self._batches = []
+        self._at_mean_only, self._with_mean, self._describe = at_mean_only, with_mean, dict(describe or {})
+
+    def __call__(self, eval_pred: EvalPrediction, compute_result: bool | None = None) -> dict[str, float]:
+        log_probs, mean_logits = eval_pred.predictions
+        user_pred = EvalPrediction(predictions=log_probs, label_ids=eval_pred.label_ids, inputs=eval_pred.inputs,
+                                   losses=eval_pred.losses)
+        user_kwargs = {} if compute_result is None else {"compute_result": compute_result}
+        user_metrics = self.user_metrics(user_pred, **user_kwargs) if self.user_metrics is not None else None
+        if compute_result is None:
+            log_probs, mean_logits, labels = (np.asarray(a) for a in (log_probs, mean_logits, eval_pred.label_ids))
+        else:
+            self._batches.append(tuple(_numpy(a) for a in (log_probs, mean_logits, eval_pred.label_ids)))
+            if not compute_result:
+                return {}
+            log_probs, mean_logits, labels = (np.concatenate(parts) for parts in zip(*self._batches))
+            self._batches = []
+        mean_probs = torch.as_tensor(mean_logits).float().softmax(-1).numpy()
+        self.reliability_diagram = reliability_diagram(mean_probs if self._at_mean_only else np.exp(log_probs), labels)
+        if self._at_mean_only:  # no posterior: name the metrics after the prediction they measure
+            metrics = {f"mean_{k}": v for k, v in classification_metrics(mean_probs, labels).items()}
+        else:
+            metrics = classification_metrics(np.exp(log_probs), labels)
+            if self._with_mean:
+                metrics.update({f"mean_{k}": v for k, v in classification_metrics(mean_probs, labels).items()})
+        metrics.update(self._describe)
+        metrics.update(user_metrics or {})
+        return metrics
+
+
+def _numpy(array: Any) -> np.ndarray:
+    return array.detach().cpu().numpy() if isinstance(array, torch.Tensor) else np.asarray(array)

@@ -1,0 +1,224 @@
+"""`VariationalModel`: a trained classifier together with its posterior, predicting by Bayesian model averaging."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForImageClassification, AutoModelForSequenceClassification, PreTrainedModel
+
+from .adapters import has_adapter, is_peft_model, load_adapter_model, save_classifier_config
+from .temperature_scaling import TEMPERATURE_SCALING_FILE, TemperatureScaling, describe_prediction
+from .files import FolderSave, check_manifest
+from .mc_dropout import OUTPUT_DROPOUT_KEY, add_output_dropout, mc_dropout_predictive
+from .posterior import POSTERIOR_FILE, DiagonalGaussianPosterior, VariationalClassifierOutput, predictive_distribution
+from .posterior.gaussian import non_finite_tensors
+
+#: marker file of a saved folder that another class loads -> that class's `from_pretrained` (a `DeepEnsemble` folder
+#: registers itself here: the ensemble is made of `VariationalModel`s, so this module cannot import it)
+FOLDER_LOADERS: dict[str, Callable[..., torch.nn.Module]] = {}
+
+__all__ = ["AUTO_CLASSES", "FOLDER_LOADERS", "VariationalModel", "check_finite_weights", "classification_task", "load_posterior",
+           "load_temperature_scaling", "sampling_settings"]
+
+#: the Auto class that loads a classifier of each task varsmooth serves
+AUTO_CLASSES = {"image-classification": AutoModelForImageClassification,
+                "text-classification": AutoModelForSequenceClassification}
+
+
+def classification_task(model_or_config: Any) -> str:
+    """The pipeline task of a classifier or of its configuration: `image-classification` when the model's class name,
+    the architectures its configuration records (set by `save_pretrained`) or, for a configuration never saved, the
+    configuration's class say so; else `text-classification`."""
+    is_model = isinstance(model_or_config, torch.nn.Module)
+    config = getattr(model_or_config, "config", None) if is_model else model_or_config
+    names = [*([type(model_or_config).__name__] if is_model else []), *(getattr(config, "architectures", None) or [])]
+    if any("ImageClassification" in name for name in names) or type(config) in AutoModelForImageClassification._model_mapping:
+        return "image-classification"
+    return "text-classification"
+
+
+def _auto_class(config: Any) -> type:
+    return AUTO_CLASSES[classification_task(config)]
+
+
+class VariationalModel(torch.nn.Module):
+    """A classifier whose forward averages softmax probabilities over `num_samples` posterior draws.
+
+    `forward(**inputs)` returns a `VariationalClassifierOutput` whose `logits` are log P̂, so argmax/softmax
+    code written for ordinary logits gets the BMA prediction; `num_samples=0` predicts at the posterior mean.
+    For the same `seed` the draws are those of `VariationalTrainer.evaluate()` (common random numbers), scaled by
+    the posterior temperature `posterior.temperature` chosen in training (saved with the posterior).
+
+    `mc_dropout_samples > 0` predicts by MC dropout instead (`varsmooth.mc_dropout`), for models trained
+    without a posterior. A `temperature_scaling` (`varsmooth.temperature_scaling.TemperatureScaling`) rescales the final
+    prediction: `logits`, `probs` and `entropy` are then the calibrated ones.
+    """
+
+    def __init__(self, model: torch.nn.Module, posterior: DiagonalGaussianPosterior, num_samples: int = 32, seed: int = 0,
+                 temperature_scaling: TemperatureScaling | None = None, mc_dropout_samples: int = 0) -> None:
+        super().__init__()
+        if mc_dropout_samples < 0:
+            raise ValueError(f"mc_dropout_samples must be >= 0 (0 = no MC dropout), got {mc_dropout_samples}.")
+        if mc_dropout_samples and not posterior.is_point_mass:
+            raise ValueError("mc_dropout_samples is for models without a posterior: this one predicts by Bayesian model "
+                             "averaging over its posterior (num_samples). Set mc_dropout_samples=0.")
+        self.model = model
+        self.posterior = posterior
+        self.num_samples, self.seed = sampling_settings(posterior, num_samples, seed)
+        self.temperature_scaling = temperature_scaling
+        self.mc_dropout_samples = mc_dropout_samples
+
+    @property
+    def prediction_settings(self) -> dict[str, Any]:
+        """What `forward` predicts (recorded with a fitted temperature; see `describe_prediction`)."""
+        return describe_prediction(self.posterior, self.num_samples, self.mc_dropout_samples)
+
+    @property
+    def config(self) -> Any:
+        return getattr(self.model, "config", None)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        pretrained_model_name_or_path: str | os.PathLike,
+        *,
+        num_samples: int | None = None,
+        seed: int | None = None,
+        temperature: float | None = None,
+        temperature_scaling: bool = True,
+        mc_dropout_samples: int = 0,
+        model_class: type | None = None,
+        revision: str | None = None,
+        token: str | None = None,
+        **model_kwargs: Any,
+    ) -> torch.nn.Module:
+        """Load weights (the posterior mean) and `posterior.safetensors` from a folder or a Hub repo.
+
+        A folder or repo with a peft adapter (`adapter_config.json`) loads as its base model
+        (`base_model_name_or_path`) + the adapter, and the posterior over the adapter weights; BMA then averages over
+        adapter samples; a base whose weights differ from those the adapter was trained on is refused. `model_kwargs`
+        go to the base model's `from_pretrained` (e.g. `dtype=torch.bfloat16`).
+
+        Without a posterior file the model predicts at the mean, with a warning. Defaults for `num_samples`, `seed`
+        and the posterior `temperature` are those the model was evaluated with during training (`temperature=1`: the
+        learned posterior, 0: the posterior mean). A local folder must match its manifest (sizes and SHA-256, checked
+        before any weight is read), the weights must be finite, and the posterior must belong to them (see
+        `DiagonalGaussianPosterior.load`).
+
+        The temperature fitted by temperature scaling (`temperature_scaling.json`) is applied when the folder has one
+        (`temperature_scaling=False`: the uncalibrated prediction); a file fitted for other weights is refused.
+        `mc_dropout_samples > 0` predicts by MC dropout. A deep-ensemble folder (`ensemble_config.json`, written by
+        `varsmooth.DeepEnsemble.save_pretrained`) loads as a `DeepEnsemble`, its members with these settings.
+        """
+        path = os.fspath(pretrained_model_name_or_path)
+        for marker, load in FOLDER_LOADERS.items():
+            if os.path.isfile(os.path.join(path, marker)):
+                return load(path, num_samples=num_samples, seed=seed, temperature=temperature,
+                            temperature_scaling=temperature_scaling, mc_dropout_samples=mc_dropout_samples,
+                            model_class=model_class, **model_kwargs)
+        if os.path.isdir(path):  # before any weight is read: a truncated or edited file is named, not half-loaded
+            check_manifest(path)
+        if has_adapter(path, revision, token):
+            model = load_adapter_model(path, model_class, _auto_class, revision, token, **model_kwargs)
+        else:
+            if model_class is None:
+                model_class = _auto_class(AutoConfig.from_pretrained(path, revision=revision, token=token))
+            model = model_class.from_pretrained(path, revision=revision, token=token, **model_kwargs)
+        check_finite_weights(model, path)
+        if getattr(model.config, OUTPUT_DROPOUT_KEY, None) is not None:  # trained with `add_output_dropout`
+            add_output_dropout(model, getattr(model.config, OUTPUT_DROPOUT_KEY))
+        model.eval()
+        posterior = load_posterior(model, path, revision=revision, token=token)
+        if temperature is not None:
+            posterior.temperature = temperature
+        num_samples, seed = sampling_settings(posterior, num_samples, seed)
+        loaded = cls(model, posterior, num_samples=num_samples, seed=seed, mc_dropout_samples=mc_dropout_samples)
+        if temperature_scaling:
+            loaded.temperature_scaling = load_temperature_scaling(model, path, revision=revision, token=token)
+            if loaded.temperature_scaling is not None:
+                loaded.temperature_scaling.check_prediction(loaded.prediction_settings, path)
+        return loaded
+
+    def forward(self, **inputs: Any) -> VariationalClassifierOutput:
+        if self.mc_dropout_samples:
+            out = mc_dropout_predictive(self.model, inputs, self.mc_dropout_samples, self.seed)
+        else:
+            out = predictive_distribution(self.model, self.posterior, inputs, self.num_samples, self.seed)
+        return out if self.temperature_scaling is None else self.temperature_scaling.calibrate(out)
+
+    def save_pretrained(self, save_directory: str | os.PathLike, **kwargs: Any) -> None:
+        adapter = is_peft_model(self.model)
+        if not isinstance(self.model, PreTrainedModel) and not adapter:
+            raise TypeError(f"save_pretrained needs a transformers PreTrainedModel or a peft model, got {type(self.model).__name__}.")
+        check_finite_weights(self.model, os.fspath(save_directory), saving=True)
+        save = FolderSave(save_directory).begin()
+        self.model.save_pretrained(save_directory, **kwargs)
+        if adapter:
+            save_classifier_config(self.model, os.fspath(save_directory))
+        if not self.posterior.is_point_mass:
+            self.posterior.metadata = {**self.posterior.metadata, "eval_mc_samples": self.num_samples, "eval_seed": self.seed}
+            self.posterior.save(save_directory)
+        if self.temperature_scaling is not None:
+            self.temperature_scaling.save(save_directory, self.model)
+        save.finish()
+
+
+def check_finite_weights(model: torch.nn.Module, where: str, saving: bool = False) -> None:
+    """Refuse a network with NaN or ±inf weights (parameters or buffers), loaded from or about to be saved to `where`:
+    it would predict NaN scores without a word."""
+    bad = non_finite_tensors([*model.named_parameters(), *model.named_buffers()])
+    if not bad:
+        return
+    names = f"{bad[:5]}{' ...' if len(bad) > 5 else ''}"
+    if saving:
+        raise FloatingPointError(f"Not saving to {where}: the weights {names} are not finite (NaN or inf); nothing "
+                                 "was written. Save a model with finite weights (e.g. loaded from an earlier save).")
+    raise ValueError(f"The weights loaded from {where} are not finite (NaN or inf) in {names}: the model was saved after "
+                     "training diverged, or the file was edited. Load an earlier checkpoint, or train again.")
+
+
+def sampling_settings(posterior: DiagonalGaussianPosterior, num_samples: int | None = None,
+                      seed: int | None = None) -> tuple[int, int]:
+    """The posterior samples and seed of predictions: those given, else those the model was evaluated with in training
+    (saved with the posterior), else 32 samples and seed 0."""
+    meta = posterior.metadata
+    num_samples = int(meta.get("eval_mc_samples", 32)) if num_samples is None else num_samples
+    if num_samples < 0:
+        raise ValueError(f"num_samples must be >= 0 (0 = predict at the posterior mean), got {num_samples}.")
+    return num_samples, int(meta.get("eval_seed", 0)) if seed is None else seed
+
+
+def load_posterior(model: torch.nn.Module, path: str | os.PathLike, revision: str | None = None, token: str | None = None) -> DiagonalGaussianPosterior:
+    """The posterior saved next to `model`'s weights (folder or Hub repo); a point mass, with a warning, if none."""
+    posterior_path = _resolve_file(os.fspath(path), POSTERIOR_FILE, revision, token)
+    if posterior_path is None:
+        warnings.warn(
+            f"No {POSTERIOR_FILE} in {os.fspath(path)!r}: the model was not trained with IVON (or the file was not "
+            "uploaded). Predicting at the posterior mean (a point estimate).", UserWarning, stacklevel=3,
+        )
+        return DiagonalGaussianPosterior.point_mass(model)
+    return DiagonalGaussianPosterior.load(model, posterior_path)
+
+
+def load_temperature_scaling(model: torch.nn.Module, path: str | os.PathLike, revision: str | None = None,
+                             token: str | None = None) -> TemperatureScaling | None:
+    """The temperature fitted for `model`'s weights and saved next to them (folder or Hub repo), or None if none."""
+    found = _resolve_file(os.fspath(path), TEMPERATURE_SCALING_FILE, revision, token)
+    return None if found is None else TemperatureScaling.load(found, model)
+
+
+def _resolve_file(path: str, name: str, revision: str | None, token: str | None) -> str | None:
+    if os.path.isdir(path):
+        candidate = os.path.join(path, name)
+        return candidate if os.path.isfile(candidate) else None
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError
+
+    try:
+        return hf_hub_download(path, name, revision=revision, token=token)
+    except EntryNotFoundError:
+        return None

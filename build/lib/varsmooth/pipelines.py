@@ -1,0 +1,162 @@
+"""`transformers` pipelines whose scores are posterior-averaged probabilities (Bayesian model averaging).
+
+    classify = varsmooth.pipeline("image-classification", model="user/repo")
+    classify(image)                               # [{"label": ..., "score": P̂(label | image)}, ...]
+    classify(image, return_uncertainty=True)      # {"predictions": [...], "entropy": H[P̂], "mutual_information": ...,
+                                                  #  "uncertainty_temperature": τ of the draws that measured it}
+
+The mutual information is measured with the posterior draws of the prediction; a model that predicts at its posterior
+mean (τ = 0) reports it under the learned posterior (τ = 1) instead, and a model without a posterior reports None.
+
+The model may also be a deep-ensemble folder (`varsmooth.DeepEnsemble`), and a temperature fitted by temperature
+scaling and saved with the model is applied. The pipeline classes can also be passed to
+`transformers.pipeline(..., pipeline_class=...)`; they then read the posterior and the temperature from the model's
+folder or repo.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+import torch
+import transformers
+from transformers import ImageClassificationPipeline, TextClassificationPipeline
+from transformers.image_utils import load_image
+
+from .adapters import is_peft_model
+from .ensemble import DeepEnsemble
+from .files import check_manifest
+from .modeling import VariationalModel, check_finite_weights, load_posterior, load_temperature_scaling, sampling_settings
+from .posterior import DiagonalGaussianPosterior, predictive_distribution
+
+__all__ = ["VariationalImageClassificationPipeline", "VariationalTextClassificationPipeline", "pipeline"]
+
+
+class _VariationalMixin:
+    """Replaces the pipeline's forward pass by `predictor`: a `VariationalModel` around the pipeline's model (BMA over
+    `num_samples` posterior draws, the trainer's draws for the same seed) or a `DeepEnsemble` of which it is member 0."""
+
+    def __init__(self, *args: Any, posterior: DiagonalGaussianPosterior | None = None, num_samples: int | None = None,
+                 seed: int | None = None, predictor: VariationalModel | DeepEnsemble | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if predictor is None:  # built by `transformers.pipeline(..., pipeline_class=...)`, which loaded the model
+            if os.path.isdir(self.model.name_or_path):
+                check_manifest(self.model.name_or_path)
+            check_finite_weights(self.model, self.model.name_or_path)
+            if posterior is None:
+                posterior = load_posterior(self.model, self.model.name_or_path)
+            num_samples, seed = sampling_settings(posterior, num_samples, seed)
+            predictor = VariationalModel(self.model, posterior, num_samples=num_samples, seed=seed,
+                                         temperature_scaling=load_temperature_scaling(self.model, self.model.name_or_path))
+        # the pipeline has moved its model (member 0 of an ensemble) to its device: the other members follow
+        self.predictor = predictor.to(self.model.device)
+
+    def __call__(self, inputs: Any, **kwargs: Any) -> Any:
+        if isinstance(inputs, (list, tuple)) and len(inputs) == 0:  # the stock pipeline fails with an IndexError
+            raise ValueError("The pipeline got an empty list of inputs: pass one input or a non-empty list.")
+        return super().__call__(inputs, **kwargs)
+
+    def _sanitize_parameters(self, return_uncertainty: bool | None = None, **kwargs: Any) -> tuple[dict, dict, dict]:
+        preprocess, forward, postprocess = super()._sanitize_parameters(**kwargs)
+        if return_uncertainty is not None:
+            forward["return_uncertainty"] = postprocess["return_uncertainty"] = return_uncertainty
+        return preprocess, forward, postprocess
+
+    def _forward(self, model_inputs: dict[str, Any], return_uncertainty: bool = False) -> dict[str, Any]:
+        out = self.predictor(**model_inputs)
+        # log P̂ as "logits": the pipeline's softmax turns them back into P̂
+        result = {"logits": out.logits, "entropy": out.entropy, "mutual_information": out.mutual_information,
+                  "uncertainty_temperature": None if out.mutual_information is None else _temperature(self.predictor)}
+        if return_uncertainty and out.mutual_information is None:
+            result.update(_learned_posterior_uncertainty(self.predictor, model_inputs))
+        return result
+
+    def postprocess(self, model_outputs: dict[str, Any], return_uncertainty: bool = False, **kwargs: Any) -> Any:
+        result = super().postprocess(model_outputs, **kwargs)
+        if not return_uncertainty:
+            return result
+        mi = model_outputs["mutual_information"]
+        return {"predictions": result,
+                "entropy": float(model_outputs["entropy"].reshape(-1)[0]),
+                "mutual_information": None if mi is None else float(mi.reshape(-1)[0]),
+                "uncertainty_temperature": model_outputs["uncertainty_temperature"]}
+
+
+def _temperature(predictor: Any) -> float | None:
+    """τ of the draws behind a prediction's mutual information (None for MC dropout or an ensemble)."""
+    return predictor.posterior.temperature if isinstance(predictor, VariationalModel) and not predictor.mc_dropout_samples else None
+
+
+def _learned_posterior_uncertainty(predictor: Any, model_inputs: dict[str, Any]) -> dict[str, Any]:
+    """The mutual information under the learned posterior (τ = 1) for a model that predicts at its posterior mean
+    (τ = 0 chosen, or num_samples=0): the prediction's own is not a measurement, and a 0 would read as "certain". A
+    model without a posterior (or with no draws asked for) has none to report: None."""
+    if not isinstance(predictor, VariationalModel) or predictor.posterior.is_point_mass or predictor.num_samples == 0:
+        return {}
+    out = predictive_distribution(predictor.model, predictor.posterior.at_temperature(1.0), model_inputs,
+                                  predictor.num_samples, predictor.seed)
+    return {"mutual_information": out.mutual_information, "uncertainty_temperature": 1.0}
+
+
+def _num_channels(config: Any) -> int:
+    """Input channels of an image classifier: `num_channels` of transformers' vision configs, or the `in_chans` a
+    `TimmWrapperConfig` builds its timm model with (it has no `num_channels`); 3 when neither says."""
+    channels = getattr(config, "num_channels", None)
+    if channels is None:
+        channels = (getattr(config, "model_args", None) or {}).get("in_chans")
+    return 3 if channels is None else int(channels)
+
+
+class VariationalImageClassificationPipeline(_VariationalMixin, ImageClassificationPipeline):
+    """`ImageClassificationPipeline` with posterior-averaged scores; grayscale models get grayscale images."""
+
+    def preprocess(self, image: Any, timeout: float | None = None) -> Any:
+        channels = _num_channels(self.model.config)
+        if isinstance(image, np.ndarray) and image.ndim == 2:
+            # a (height, width) array is a grayscale image; image processors take only arrays with a channel axis
+            image = np.repeat(image[..., None], channels, axis=-1)
+        # `load_image` always converts to RGB, which a 1-channel model (e.g. trained on digits) cannot take
+        if channels != 1 or isinstance(image, (np.ndarray, torch.Tensor)):
+            return super().preprocess(image, timeout=timeout)
+        image = load_image(image, timeout=timeout).convert("L")
+        return self.image_processor(images=image, return_tensors="pt").to(self.dtype)
+
+
+class VariationalTextClassificationPipeline(_VariationalMixin, TextClassificationPipeline):
+    """`TextClassificationPipeline` with posterior-averaged scores; texts longer than the model takes are truncated."""
+
+    def preprocess(self, inputs: Any, **tokenizer_kwargs: Any) -> Any:
+        # a text longer than the position embeddings would fail inside the model with a tensor-size error
+        tokenizer_kwargs.setdefault("truncation", True)
+        limit = getattr(self.model.config, "max_position_embeddings", None)
+        if tokenizer_kwargs["truncation"] and limit and "max_length" not in tokenizer_kwargs and self.tokenizer.model_max_length > limit:
+            tokenizer_kwargs["max_length"] = limit  # the tokenizer does not know the model's limit
+        return super().preprocess(inputs, **tokenizer_kwargs)
+
+
+_PIPELINES = {"image-classification": VariationalImageClassificationPipeline,
+              "text-classification": VariationalTextClassificationPipeline}
+
+
+def pipeline(task: str, model: str | os.PathLike, *, num_samples: int | None = None, seed: int | None = None,
+             temperature: float | None = None, mc_dropout_samples: int = 0, temperature_scaling: bool = True,
+             **kwargs: Any) -> Any:
+    """`transformers.pipeline` for a varsmooth model or deep-ensemble folder (or Hub repo) that predicts with its
+    posterior (or by MC dropout with `mc_dropout_samples > 0`), calibrated by the temperature saved with it unless
+    `temperature_scaling=False`. `num_samples`, `seed` and the posterior `temperature` τ default to those chosen in
+    training (`VariationalModel.from_pretrained`)."""
+    if task not in _PIPELINES:
+        raise ValueError(f"varsmooth pipelines support {sorted(_PIPELINES)}, got {task!r}.")
+    loaded = VariationalModel.from_pretrained(model, num_samples=num_samples, seed=seed, temperature=temperature,
+                                              mc_dropout_samples=mc_dropout_samples,
+                                              temperature_scaling=temperature_scaling,
+                                              **{k: kwargs.pop(k) for k in ("revision", "token") if k in kwargs})
+    first = loaded.members[0] if isinstance(loaded, DeepEnsemble) else loaded
+    # an adapter model runs as its base with the adapters injected (the pipeline knows only transformers classes);
+    # the posterior still samples the adapter weights, which are the same tensors
+    network = first.model.get_base_model() if is_peft_model(first.model) else first.model
+    return transformers.pipeline(task, model=network, pipeline_class=_PIPELINES[task], predictor=loaded,
+                                 **({"tokenizer": os.fspath(model)} if task == "text-classification" else {"image_processor": os.fspath(model)}),
+                                 **kwargs)

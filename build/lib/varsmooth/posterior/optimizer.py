@@ -1,0 +1,424 @@
+"""varsmooth's IVON optimizer: ivon-opt 0.1.3's update (Shen et al. 2024, "Variational Learning is Effective for Large
+Deep Networks", Alg. 1, 'price' estimate) in torch.optim's shape: state (per-parameter `momentum`, `hess`), param
+groups, `sampled_params` and checkpoints here, the arithmetic per (device, dtype) bucket in `kernels`. Parameters may
+mix devices and dtypes, are never replaced, are restored if the body of `sampled_params` raises, and count as a zero
+gradient where they got none. Draw d after step t of bucket b on process r is seeded by derive_seed(derive_seed(
+sample_seed, t, d), r, b): the same seed, device and path give the same samples; resumes are exact. FSDP2 (DTensor)
+shards draw with their mesh coordinate for r and together form one sample (`sync` off: FSDP2 averages gradients).
+Nothing in a sample or a step waits for the device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import warnings
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from .kernels import Dispatch, noise_times_grad, perturb, seeded, update
+from .seeds import derive_seed
+
+try:
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+except ImportError:  # a torch build without distributed support has no sharded parameters
+    DTensor = ()
+
+__all__ = ["VariationalIVON", "unwrap_ivon"]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor this process holds: a DTensor's (e.g. an FSDP2 parameter's) local shard, else the tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor gathered into one plain tensor on every rank (a collective), else the tensor itself."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _local_slice(t: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
+    """This rank's part of `whole`, a tensor of the global shape of `t` (a DTensor) that every rank holds."""
+    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return whole[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
+
+
+def _on_device(values: list[float], like: torch.Tensor) -> torch.Tensor:
+    """A kernel's scalars on `like`'s device (no wait for it), as a tensor: new values compile no new graph."""
+    dtype = torch.float64 if like.dtype == torch.float64 else torch.float32
+    if like.device.type == "cpu":
+        return torch.tensor(values, dtype=dtype)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(like.device, non_blocking=True)
+
+
+class _Bucket(NamedTuple):
+    """A param group's parameters of one device, dtype and noise key (rank or shard coordinate, bucket number)."""
+    group: dict[str, Any]
+    params: list[torch.Tensor]
+    indices: list[int]
+    seed_key: tuple[int, ...]
+
+
+class VariationalIVON(torch.optim.Optimizer):
+    """IVON (Shen et al. 2024, Alg. 1). Use like ivon-opt: forward and backward inside
+    `with optimizer.sampled_params(train=True):` (per MC sample or micro-batch; they are averaged), then `step()`.
+
+    Args: `params` (trainable only: frozen ones would get noise and weight decay; groups may set lr, weight_decay,
+    ess, hess_init, beta1, beta2, clip_radius), the rest as in `ivon.IVON` (weight_decay: the prior precision δ;
+    `sync` all-reduces ḡ and mean(e⊙g) in `step()`; hess_approx 'price' only), `sample_seed`, the seed of the weight samples (None: from the
+    global RNG; `noise_seed`, its name in the previous release, is deprecated: it also named the label corruption's seed), `rank` (mixed into the seed: DDP ranks draw independent samples) and `fused` (`kernels.Dispatch`).
+    """
+
+    #: for tests, another optimizer's noise on every path: (param, its index, step, draw) -> e of its local tensor
+    noise_source: Callable[[torch.Tensor, int, int, int], torch.Tensor] | None = None
+
+    def __init__(self, params: Any, lr: float, ess: float, hess_init: float = 1.0, beta1: float = 0.9,
+                 beta2: float = 0.99999, weight_decay: float = 1e-4, mc_samples: int = 1, hess_approx: str = "price",
+                 clip_radius: float = math.inf, sync: bool = False, debias: bool = True, rescale_lr: bool = True, *,
+                 sample_seed: int | None = 0, rank: int = 0, fused: bool | None = None, **deprecated: Any) -> None:
+        if "noise_seed" in deprecated:
+            warnings.warn("VariationalIVON(noise_seed=) is deprecated and will be removed in the next release: use "
+                          "sample_seed= (the seed of IVON's weight samples).", FutureWarning, stacklevel=2)
+            sample_seed = deprecated.pop("noise_seed")
+        if deprecated:
+            raise TypeError(f"VariationalIVON got unexpected keyword arguments {sorted(deprecated)}.")
+        if hess_approx != "price":
+            raise ValueError(f"hess_approx={hess_approx!r} is not implemented; use 'price' (ivon-opt's default).")
+        if mc_samples < 1:
+            raise ValueError(f"mc_samples must be >= 1, got {mc_samples}.")
+        defaults = dict(lr=lr, mc_samples=mc_samples, beta1=beta1, beta2=beta2, weight_decay=weight_decay,
+                        hess_init=hess_init, ess=ess, clip_radius=clip_radius)
+        self.mc_samples, self.hess_approx, self.sync, self.debias = mc_samples, hess_approx, sync, debias
+        self.rescale_lr, self.sample_seed, self.rank, self.fused = rescale_lr, sample_seed, rank, fused
+        self._dispatch = Dispatch(fused)
+        self.current_step, self._count, self._sampling = 0, 0, False  # _count: MC samples since the last step
+        self._draw_seeds: list[int] = []  # base seed of each draw since the last step
+        self._perturbed: list[tuple[_Bucket, bool]] = []  # buckets holding a sample, and whether they keep e
+        # Per-parameter scratch, reused (on the CPU a fresh buffer costs page faults): "mean" (m while the parameter
+        # holds θ), "noise" (e, where kept), "nxg" (mean(e⊙g), in the buffer e⊙g was formed in) and, with several
+        # samples per step, "avg_grad" (with one, ḡ is the gradient tensor itself).
+        self._buffers: dict[torch.Tensor, dict[str, torch.Tensor | None]] = {}
+        self._avg_grad: dict[torch.Tensor, torch.Tensor] = {}
+        self._pending: set[torch.Tensor] = set()  # parameters whose "nxg" still holds e, not yet e⊙g
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        for key, low, high in (("lr", 0, math.inf), ("weight_decay", 0, math.inf), ("beta1", 0, 1), ("beta2", 0, 1)):
+            if not low <= group[key] <= high:
+                raise ValueError(f"Invalid {key}: {group[key]} (must lie in [{low}, {high}]).")
+        for key in ("ess", "hess_init", "clip_radius"):
+            if not group[key] > 0:
+                raise ValueError(f"Invalid {key}: {group[key]} (must be > 0).")
+        for p in group["params"]:
+            self._init_state(group, p)
+
+    def _init_state(self, group: dict[str, Any], p: torch.Tensor) -> None:
+        if not p.is_floating_point():
+            raise ValueError(f"IVON needs floating-point parameters, got one of dtype {p.dtype}.")
+        if self.sync and isinstance(p, DTensor):
+            raise ValueError("sync=True averages whole gradients over the ranks, but this parameter is sharded (a "
+                             "DTensor, e.g. under FSDP2), whose gradients are already averaged: use sync=False.")
+        self.state[p]["momentum"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        self.state[p]["hess"] = torch.full_like(p, group["hess_init"], memory_format=torch.preserve_format)
+
+    def _follow_replaced_params(self) -> None:
+        """Fresh state for parameters swapped into `param_groups` (accelerate's FSDP2 `prepare` swaps in DTensors)."""
+        params = [(g, p) for g in self.param_groups for p in g["params"]]
+        if len(self.state) == len(params) and all(p in self.state for _, p in params):
+            return
+        if self._count:
+            raise RuntimeError("IVON's parameters were replaced between a gradient sample and step(): replace them "
+                               "(e.g. accelerator.prepare) before training starts.")
+        for p in {p for p in self.state} - {p for _, p in params}:
+            del self.state[p]
+            self._buffers.pop(p, None)
+        for group, p in params:
+            if "hess" not in self.state.get(p, {}):
+                self._init_state(group, p)
+
+    def _buffer(self, params: list[torch.Tensor], name: str) -> list[torch.Tensor]:
+        out = []
+        for p in params:
+            slots = self._buffers.setdefault(p, {})
+            if slots.get(name) is None:
+                # e is drawn in logical (contiguous) order, whatever the parameter's layout
+                layout = torch.contiguous_format if name == "noise" else torch.preserve_format
+                slots[name] = torch.empty_like(_local(p), memory_format=layout)
+            out.append(slots[name])
+        return out
+
+    def _buckets(self) -> list[_Bucket]:
+        """The parameters split by group, device, dtype and (for DTensors) shard coordinate, in a fixed order."""
+        buckets, start = [], 0
+        for group in self.param_groups:
+            split: dict[tuple, list[tuple[int, torch.Tensor]]] = defaultdict(list)
+            for index, p in enumerate(group["params"], start):
+                split[(p.device, p.dtype, self._noise_key(p))].append((index, p))
+            start += len(group["params"])
+            buckets += [_Bucket(group, [p for _, p in v], [i for i, _ in v], (*key[2], len(buckets) + n))
+                        for n, (key, v) in enumerate(split.items())]
+        return buckets
+
+    def _noise_key(self, p: torch.Tensor) -> tuple[int, ...]:
+        """The rank, or for a DTensor its coordinates on the mesh dimensions it is sharded over (replicas alike)."""
+        if isinstance(p, DTensor):
+            return tuple(c for c, pl in zip(p.device_mesh.get_coordinate() or [], p.placements) if pl.is_shard())
+        return (self.rank,)
+
+    # -- sampling ----------------------------------------------------------------------------------
+    def _keeps_noise(self, t: torch.Tensor) -> bool:
+        """Whether e waits in a buffer for the gradient: on the CPU and eagerly; else the kernel draws it again."""
+        return t.device.type == "cpu" or not self._dispatch.compiles
+
+    def _given_noise(self, bucket: _Bucket, draw: int) -> list[torch.Tensor] | None:
+        return None if self.noise_source is None else [self.noise_source(p, i, self.current_step, draw).to(_local(p))
+                                                       for p, i in zip(bucket.params, bucket.indices)]
+
+    def _draw(self, bucket: _Bucket, draw: int, noise: list[torch.Tensor] | None) -> contextlib.AbstractContextManager:
+        """The generator state for the draws of `randn_like` in this bucket's kernels (none where `noise` is given)."""
+        return contextlib.nullcontext() if noise is not None else seeded(
+            bucket.params[0].device, derive_seed(self._draw_seeds[draw], *bucket.seed_key))
+
+    @torch.no_grad()
+    def _sample_params(self) -> None:
+        self._follow_replaced_params()
+        self._multiply_pending()  # a further sample of this step: its backward may zero the gradient holding ḡ
+        for p, grad in list(self._avg_grad.items()):
+            self._avg_grad[p] = own = self._buffer([p], "avg_grad")[0]
+            if grad is not own:
+                own.copy_(grad)
+        draw = len(self._draw_seeds)
+        self._draw_seeds.append(derive_seed(self.sample_seed, self.current_step, draw) if self.sample_seed is not None
+                                else int(torch.randint(0, 1 << 62, ()).item()))  # the CPU generator: no device sync
+        for bucket in self._buckets():
+            group = bucket.group
+            weights = [_local(p) for p in bucket.params]
+            keeps = self._keeps_noise(weights[0])
+            noise = self._given_noise(bucket, draw)
+            if keeps:  # e drawn (or given) into the kept buffer, which the kernels then read
+                kept = self._buffer(bucket.params, "noise")
+                if noise is not None:
+                    torch._foreach_copy_(kept, noise)
+                else:
+                    with self._draw(bucket, draw, None):
+                        for e in kept:
+                            e.normal_()
+                noise = kept
+            self._perturbed.append((bucket, keeps))
+            hess = [_local(self.state[p]["hess"]) for p in bucket.params]
+            with self._draw(bucket, draw, noise):
+                self._dispatch(perturb, weights, self._buffer(bucket.params, "mean"), hess, noise,
+                               _on_device([group["ess"] ** -0.5, group["weight_decay"]], weights[0]))
+
+    @torch.no_grad()
+    def _restore_param_average(self, train: bool) -> None:
+        """Mean weights back into the parameters; with `train`, the gradients folded into the running averages."""
+        perturbed, self._perturbed = self._perturbed, []
+        for bucket, _ in perturbed:
+            torch._foreach_copy_([_local(p) for p in bucket.params], self._buffer(bucket.params, "mean"))
+        if not train:
+            return
+        if any(p.grad is not None and p.grad.is_sparse for bucket, _ in perturbed for p in bucket.params):
+            raise RuntimeError("IVON does not support sparse gradients; use dense embeddings (sparse=False).")
+        count, draw = self._count + 1, len(self._draw_seeds) - 1
+        for bucket, keeps in perturbed:
+            # a trainable parameter the loss did not reach has gradient zero (ivon-opt issue #2)
+            grads = [_local(p.grad) if p.grad is not None and p.requires_grad else torch.zeros_like(_local(p))
+                     for p in bucket.params]
+            # e⊙g, in the buffer that held e or, where e was not kept, in the now free buffer of the mean
+            role = "noise" if keeps else "mean"
+            out = self._buffer(bucket.params, role)
+            if keeps and count == 1:  # e⊙g formed by the step's kernel, which reads e and g anyway
+                self._pending.update(bucket.params)
+            elif keeps:
+                torch._foreach_mul_(out, grads)
+            else:
+                noise = self._given_noise(bucket, draw)
+                with self._draw(bucket, draw, noise):
+                    self._dispatch(noise_times_grad, out, grads, noise)
+            if count == 1:  # the product is the average: its buffer changes role, no copy
+                self._avg_grad.update(zip(bucket.params, grads))
+                for p, product in zip(bucket.params, out):
+                    self._buffers[p].update({"nxg": product, role: None})
+                continue
+            # running means over the samples of this step, a + (x - a)/count as ivon-opt's Welford mean
+            torch._foreach_lerp_(self._buffer(bucket.params, "nxg"), out, 1.0 / count)
+            torch._foreach_lerp_([self._avg_grad[p] for p in bucket.params], grads, 1.0 / count)
+        self._count = count
+
+    @contextlib.contextmanager
+    def sampled_params(self, train: bool = False) -> Iterator[None]:
+        """Weights set to one sample θ = m + σ⊙e for the body, then back to m. With `train=True` the gradients at exit
+        are one MC sample (Alg. 1 lines 2-4): forward and backward run inside. If the body raises, m is restored and
+        nothing recorded. `step()` may read ḡ from the gradient tensors: change them (clip) inside the body only."""
+        if self._sampling:
+            raise RuntimeError("sampled_params() is already active: IVON samples one set of weights at a time.")
+        self._sampling = True
+        try:
+            try:
+                self._sample_params()
+                yield
+            except BaseException:
+                self._restore_param_average(False)
+                raise
+            self._restore_param_average(train)
+        finally:
+            self._sampling = False
+
+    # -- update ------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor | None:
+        loss = None
+        if closure is not None:  # ivon-opt's contract: the closure samples, runs forward/backward, returns the loss
+            with torch.enable_grad():
+                loss = sum(closure() for _ in range(self.mc_samples)) / self.mc_samples
+        if self._count == 0:
+            raise RuntimeError("IVON.step() was called without any gradient sample: run forward and backward inside "
+                               "`optimizer.sampled_params(train=True)` first.")
+        buckets = self._buckets()
+        if self.sync and dist.is_available() and dist.is_initialized():
+            self._multiply_pending()
+            self._sync_samples(buckets)
+        self.current_step += 1
+        for bucket in buckets:
+            group, params = bucket.group, bucket.params
+            b1, b2, wd, root = group["beta1"], group["beta2"], group["weight_decay"], math.sqrt(group["ess"])
+            debias = 1.0 - b1 ** self.current_step if self.debias else 1.0
+            lr = group["lr"] * (group["hess_init"] + wd) if self.rescale_lr else group["lr"]
+            rate = (1.0 - b2) * root
+            coef = _on_device([b1, 1.0 - b1, wd, root, 0.5 * rate, rate, debias, lr], params[0])
+            self._dispatch(update, [_local(p) for p in params], [self._avg_grad[p] for p in params],
+                           [_local(self.state[p]["momentum"]) for p in params],
+                           [_local(self.state[p]["hess"]) for p in params], self._buffer(params, "nxg"), coef,
+                           hessian_moves=b2 < 1.0, radius=group["clip_radius"], times_grad=params[0] in self._pending)
+        for slots in self._buffers.values():  # mean(e⊙g)'s buffer takes the role it had before the first sample
+            free = slots.pop("nxg", None)
+            if slots.get("mean") is None:
+                slots["mean"] = free
+            elif "noise" in slots and slots["noise"] is None:
+                slots["noise"] = free
+        self._reset_samples()
+        return loss
+
+    def _reset_samples(self) -> None:
+        """No gradient sample recorded, no draw made since the last step."""
+        self._draw_seeds, self._count = [], 0
+        self._avg_grad.clear()
+        self._pending.clear()
+
+    def _multiply_pending(self) -> None:
+        """e⊙g where the step's kernel was to form it, for a further sample or a sync."""
+        pending, self._pending = self._pending, set()
+        if pending:
+            torch._foreach_mul_([self._buffers[p]["nxg"] for p in pending], [self._avg_grad[p] for p in pending])
+
+    def _sync_samples(self, buckets: list[_Bucket]) -> None:
+        """Averages ḡ and mean(e⊙g) over the ranks (one all-reduce per bucket)."""
+        for bucket in buckets:
+            tensors = [self._avg_grad[p] for p in bucket.params] + self._buffer(bucket.params, "nxg")
+            flat = _flatten_dense_tensors(tensors)
+            dist.all_reduce(flat)
+            flat.div_(dist.get_world_size())
+            torch._foreach_copy_(tensors, _unflatten_dense_tensors(flat, tensors))
+
+    # -- posterior ---------------------------------------------------------------------------------
+    def posterior_std(self) -> list[torch.Tensor]:
+        """σ = 1/sqrt(ess·(h + δ)) for each parameter, in `param_groups` order (Alg. 1 line 2)."""
+        self._follow_replaced_params()
+        return [(g["ess"] * (self.state[p]["hess"] + g["weight_decay"])).rsqrt() for g in self.param_groups
+                for p in g["params"]]
+
+    def hessian(self) -> torch.Tensor:
+        """All h, flat in `param_groups` order, on the first parameter's device (DTensors gathered: a collective)."""
+        self._follow_replaced_params()
+        hess = [_whole(self.state[p]["hess"]).flatten() for g in self.param_groups for p in g["params"]]
+        return torch.cat([h.to(hess[0].device) for h in hess]) if hess else torch.zeros(0)
+
+    def restore_from_posterior(self, stds: list[torch.Tensor], step: int) -> None:
+        """h = 1/(ess σ²) − δ (σ's inverse), zero momentum and step count `step`: a resume from a saved posterior
+        without optimizer state. `stds` in `param_groups` order, whole (unsharded) parameters."""
+        self._between_steps("restore_from_posterior")
+        params = [(g, p) for g in self.param_groups for p in g["params"]]
+        if len(stds) != len(params):
+            raise ValueError(f"Got {len(stds)} posterior stds for the {len(params)} parameters IVON trains.")
+        for (group, p), std in zip(params, stds):
+            hess = self.state[p]["hess"]
+            if isinstance(hess, DTensor) or tuple(std.shape) != tuple(hess.shape):
+                raise ValueError(f"A posterior std of shape {tuple(std.shape)} cannot restore IVON's Hessian of shape "
+                                 f"{tuple(hess.shape)}{' (sharded)' if isinstance(hess, DTensor) else ''}.")
+            std = std.to(hess)
+            hess.copy_((1.0 / (group["ess"] * std.square()) - group["weight_decay"]).clamp_min(0.0))
+            self.state[p]["momentum"].zero_()
+        self.current_step = int(step)
+        self._reset_samples()
+
+    # -- checkpointing -----------------------------------------------------------------------------
+    def _between_steps(self, what: str) -> None:
+        if self._sampling:
+            raise RuntimeError(f"{what}() inside sampled_params(): the parameters hold a sample, not the mean; call "
+                               "it between optimizer steps.")
+        self._follow_replaced_params()
+
+    def state_dict(self) -> dict[str, Any]:
+        self._between_steps("state_dict")
+        state_dict = super().state_dict()
+        # in every param group, since torch.distributed.checkpoint keeps only "state" and "param_groups"
+        for group in state_dict["param_groups"]:
+            group["current_step"] = self.current_step
+        return state_dict
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Loads a checkpoint of this class, or of the earlier ivon-opt based one (flat `hess`/`momentum` per group)."""
+        self._between_steps("load_state_dict")
+        if "count" in state_dict["state"] or any("hess" in g for g in state_dict["param_groups"]):
+            state_dict, step = self._from_flat_checkpoint(state_dict)
+        else:
+            step = state_dict["param_groups"][0].get("current_step") if state_dict["param_groups"] else None
+        super().load_state_dict(state_dict)
+        # the engine updates its state in place: own copies, laid out like the parameters, leave the input untouched
+        for group in self.param_groups:
+            group.pop("current_step", None)
+            for p, key in ((p, key) for p in group["params"] for key in ("momentum", "hess")):
+                own = torch.empty_like(p)
+                _local(own).copy_(_local(self.state[p][key]))
+                self.state[p][key] = own
+        if step is not None:
+            self.current_step = int(step)
+        self._reset_samples()
+
+    def _from_flat_checkpoint(self, state_dict: dict[str, Any]) -> tuple[dict[str, Any], int | None]:
+        """ivon-opt's layout (one flat hess/momentum vector per group) split into per-parameter state."""
+        old_state, state, groups = state_dict["state"], {}, []
+        if old_state.get("count", 0):
+            raise ValueError("The IVON checkpoint holds gradient samples not yet used by a step; save after step().")
+        if len(state_dict["param_groups"]) != len(self.param_groups):
+            raise ValueError(f"The IVON checkpoint has {len(state_dict['param_groups'])} param groups, this optimizer "
+                             f"{len(self.param_groups)}: it was written for another model or parameter grouping.")
+        for saved, group in zip(state_dict["param_groups"], self.param_groups):
+            saved = {k: v for k, v in saved.items() if k != "numel"}
+            hess, momentum, numel = saved.pop("hess"), saved.pop("momentum"), sum(p.numel() for p in group["params"])
+            if len(saved["params"]) != len(group["params"]) or hess.numel() != numel or momentum.numel() != numel:
+                raise ValueError(f"The IVON checkpoint's param group holds {len(saved['params'])} parameters with "
+                                 f"{hess.numel()} values, this optimizer's {len(group['params'])} with {numel}: it was "
+                                 "written for another model.")
+            ends = torch.tensor([p.numel() for p in group["params"]]).cumsum(0).tolist()
+            for index, p, end in zip(saved["params"], group["params"], ends):
+                state[index] = {"momentum": momentum[end - p.numel():end].view(p.shape),
+                                "hess": hess[end - p.numel():end].view(p.shape)}
+            groups.append(saved)
+        return {"state": state, "param_groups": groups}, old_state.get("current_step")
+
+
+def unwrap_ivon(optimizer: Any) -> VariationalIVON | None:
+    """The IVON inside accelerate's `AcceleratedOptimizer` (which forwards no `sampled_params`), or None."""
+    while optimizer is not None and not isinstance(optimizer, VariationalIVON):
+        optimizer = getattr(optimizer, "optimizer", None)
+    return optimizer

@@ -1,0 +1,156 @@
+"""Variational prediction: Bayesian model averaging over posterior samples.
+
+P̂(y|x) = (1/S) Σ_s softmax(f(x; θ_s)), θ_s ~ q — probabilities are averaged, not logits (as in
+`do_evalbatch_ivon` of the IVON authors' code, Shen et al. 2024). The same sweep gives the posterior-mean prediction
+p̄ = softmax(f(x; m)), the predictive entropy and mutual information, and the per-draw label noise
+p̄ − softmax(f(x; θ_s)) (Variational Learning Induces Adaptive Label Smoothing (2025), Eq. 19) that the label-noise
+export needs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers.utils import ModelOutput
+
+from .gaussian import DiagonalGaussianPosterior
+from .seeds import derive_seed
+
+__all__ = ["VariationalClassifierOutput", "average_predictions", "draw_seeds", "entropy", "predictive_distribution", "sampled_probs", "model_logits", "model_outputs", "logits_of",
+           "IGNORE_INDEX", "LABEL_KEYS"]
+
+LABEL_KEYS = ("labels", "label", "label_ids")
+#: the label of a row without one (torch's and transformers' convention): ignored by every loss and score
+IGNORE_INDEX = -100
+
+
+@dataclass
+class VariationalClassifierOutput(ModelOutput):
+    """Output of a posterior-averaged classifier.
+
+    logits: log P̂, the log of the posterior-averaged probabilities; softmax(logits) == P̂, so code written for
+        ordinary logits (argmax, softmax, pipelines) gives the BMA prediction.
+    probs: P̂ (batch, K). mean_probs: p̄ = softmax at the posterior mean. entropy: H[P̂].
+    mutual_information: H[P̂] − mean_s H[softmax(f(x; θ_s))] (epistemic part of the uncertainty); None for a
+        prediction that averaged no draws (at the posterior mean, or a point estimate), where it was not measured.
+    noise_rms: sqrt(mean_s ‖p̄ − softmax(f(x; θ_s))‖²), the size of the label noise one IVON step injects; None likewise.
+    """
+
+    logits: torch.Tensor | None = None
+    probs: torch.Tensor | None = None
+    mean_logits: torch.Tensor | None = None
+    mean_probs: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
+    mutual_information: torch.Tensor | None = None
+    noise_rms: torch.Tensor | None = None
+
+
+def logits_of(outputs: Any) -> torch.Tensor:
+    """The logits in a model's output: the `logits` entry of a `ModelOutput`/dict, else the first element."""
+    if isinstance(outputs, Mapping):
+        if "logits" not in outputs:
+            raise ValueError(
+                f"The model returned {type(outputs).__name__} with keys {sorted(outputs)} but no 'logits': varsmooth "
+                "needs a classifier that returns its class scores as `logits` (e.g. an AutoModelFor*Classification, "
+                "or wrap the model so that forward returns SequenceClassifierOutput(logits=...))."
+            )
+        return outputs["logits"]
+    if isinstance(outputs, torch.Tensor):
+        return outputs
+    if isinstance(outputs, (tuple, list)) and outputs and isinstance(outputs[0], torch.Tensor):
+        return outputs[0]
+    raise ValueError(f"Cannot find logits in a model output of type {type(outputs).__name__}: return a ModelOutput "
+                     "with `logits`, a tensor, or a tuple whose first element is the logits.")
+
+
+def model_outputs(model: torch.nn.Module, inputs: Mapping[str, Any], exclude: Collection[str] = ()) -> Any:
+    """The output of `model` on `inputs` without their labels (and the keys `exclude`): varsmooth computes every loss
+    from the logits itself, so the model must not compute its own."""
+    return model(**{k: v for k, v in inputs.items() if k not in LABEL_KEYS and k not in exclude})
+
+
+def model_logits(model: torch.nn.Module, inputs: Mapping[str, Any]) -> torch.Tensor:
+    """Logits of `model` on `inputs`, in float32 (labels are not passed, so no loss is computed)."""
+    return logits_of(model_outputs(model, inputs)).float()
+
+
+def entropy(probs: torch.Tensor) -> torch.Tensor:
+    """H[p] = −Σ_k p_k log p_k over the last dimension, in nats (0 log 0 = 0)."""
+    return -(probs * probs.clamp_min(1e-30).log()).sum(-1)
+
+
+def draw_seeds(seed: int, num_samples: int) -> list[tuple[int, bool]]:
+    """(seed, mirrored) of the S draws: antithetic pairs θ = m ± τσ⊙e, the pair k from the seed derive_seed(seed, k).
+
+    The label noise p̄ − P̂ that a prediction measures is second order in σ (Variational Learning Induces Adaptive Label
+    Smoothing, Eq. 19: its first-order term has mean zero); with independent draws that first-order term is what the
+    Monte-Carlo error is made of, and it cancels exactly within a pair (m + σe, m − σe). A pair costs two forward
+    passes and one draw of e; an odd S ends with an unpaired draw.
+    """
+    return [(derive_seed(seed, s // 2), s % 2 == 1) for s in range(num_samples)]
+
+
+@torch.no_grad()
+def predictive_distribution(
+    model: torch.nn.Module,
+    posterior: DiagonalGaussianPosterior,
+    inputs: Mapping[str, Any],
+    num_samples: int,
+    seed: int = 0,
+) -> VariationalClassifierOutput:
+    """BMA over `num_samples` draws of `posterior` and the prediction at the mean, for one batch.
+
+    The draws are the antithetic pairs of `draw_seeds(seed, num_samples)`: the same S models for every batch and every
+    call, so the trainer's evaluation and a model reloaded from disk agree exactly. The draws are scaled by the
+    posterior's temperature τ; `num_samples=0`, τ = 0 or a point-mass posterior predict at the mean (and then
+    `mutual_information` and `noise_rms` are None: nothing was averaged to measure them).
+    """
+    if num_samples < 0:
+        raise ValueError(f"num_samples must be >= 0 (0 = predict at the posterior mean), got {num_samples}.")
+    return average_predictions(model_logits(model, inputs), sampled_probs(model, posterior, inputs, num_samples, seed))
+
+
+def sampled_probs(model: torch.nn.Module, posterior: DiagonalGaussianPosterior, inputs: Mapping[str, Any],
+                  num_samples: int, seed: int = 0) -> Iterator[torch.Tensor]:
+    """softmax(f(x; θ_s)) of the draws of `draw_seeds(seed, num_samples)`, scaled by the posterior's τ; none for τ = 0
+    or a point mass (they would all be the mean prediction)."""
+    if num_samples <= 0 or posterior.is_point_mass or posterior.temperature == 0:
+        return
+    for draw_seed, mirrored in draw_seeds(seed, num_samples):
+        with posterior.sampled(draw_seed, mirrored=mirrored):
+            yield model_logits(model, inputs).softmax(-1)
+
+
+def average_predictions(mean_logits: torch.Tensor, sample_probs: Iterable[torch.Tensor]) -> VariationalClassifierOutput:
+    """The output for the prediction `mean_logits` at the weights and the probabilities of S stochastic draws
+    (posterior samples, dropout masks): P̂ their average, its entropy and mutual information; no draws: the prediction
+    at the weights, with `mutual_information` and `noise_rms` None."""
+    mean_probs = mean_logits.softmax(-1)
+    probs = torch.zeros_like(mean_probs)
+    expected_entropy = torch.zeros(mean_probs.shape[:-1], device=mean_probs.device)
+    noise_sq = torch.zeros_like(expected_entropy)
+    num_samples = 0
+    for sample in sample_probs:
+        probs += sample
+        expected_entropy += entropy(sample)
+        noise_sq += (mean_probs - sample).square().sum(-1)
+        num_samples += 1
+    if num_samples == 0:  # a point prediction: there is no spread over models to report
+        return VariationalClassifierOutput(
+            logits=mean_logits.log_softmax(-1), probs=mean_probs, mean_logits=mean_logits, mean_probs=mean_probs,
+            entropy=entropy(mean_probs),
+        )
+    probs /= num_samples
+    total_entropy = entropy(probs)
+    return VariationalClassifierOutput(
+        logits=probs.clamp_min(1e-30).log(),
+        probs=probs,
+        mean_logits=mean_logits,
+        mean_probs=mean_probs,
+        entropy=total_entropy,
+        mutual_information=(total_entropy - expected_entropy / num_samples).clamp_min(0.0),
+        noise_rms=(noise_sq / num_samples).sqrt(),
+    )

@@ -1,0 +1,392 @@
+"""`VariationalTrainer`: `transformers.Trainer` that trains with a registered method (IVON by default) and predicts by
+Bayesian model averaging over the posterior IVON learns.
+
+The trainer holds one value for the layers below it, the posterior (`posterior()`, with its temperature τ), and hands
+values down, never itself: a method gets its config and a `MethodContext` (`varsmooth.methods`; IVON's Monte-Carlo
+step is `IVONMethod.training_step`), callbacks get handles, τ and the temperature scaling are chosen by functions of
+(model, posterior, batches). Its other jobs live beside it: the checks of its inputs (`varsmooth.checks`), the metrics
+of `evaluate()` (`metrics.evaluation_metrics`), the guard against non-finite steps (`varsmooth.finite`), the file
+guarantees of saves and checkpoints (`varsmooth.files`), IVON's resume (`posterior.resume`), the model card and Hub
+pushes (`VariationalHubMixin`) and `label_noise()` (`LabelNoiseMixin`).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import datasets
+import numpy as np
+import torch
+from transformers import Trainer, TrainerCallback
+from transformers.trainer_utils import PredictionOutput
+
+from .adapters import is_peft_model
+from .checkpointing import CheckpointingMixin
+from .checks import check_arguments, check_compute_metrics, check_datasets, check_method_inputs
+from .corruption import realized_noise_report
+from .ensemble import DeepEnsemble
+from .finite import NonFiniteGuard, non_finite_step_error
+from .hub import VariationalHubMixin
+from .label_noise import LabelNoiseCallback, LabelNoiseMixin
+from .mc_dropout import mc_dropout_predictive
+from .methods import (EXAMPLE_INDEX_KEY, ExampleIndexDataset, MethodContext, OptimizerContext, TrainingMethod, get_method_class,
+                      learns_posterior)
+from .metrics.evaluation_metrics import EvaluationMetrics
+from .posterior import (POSTERIOR_FILE, DiagonalGaussianPosterior, VariationalClassifierOutput, VariationalIVON,
+                        predictive_distribution, unwrap_ivon)
+from .posterior.diagnostics import HessianDiagnosticsCallback, hessian_summary
+from .posterior.gaussian import TEMPERATURE_KEY, non_finite_tensors
+from .posterior.temperature import (SELECTION_SAMPLES, PosteriorTemperatureCallback, check_transition_matrix,
+                                    select_temperature, temperature_logs)
+from .temperature_scaling import TemperatureScaling, TemperatureScalingCallback, describe_prediction, fit_on_batches
+from .training_args import VariationalTrainingArguments
+from .utils import length_order
+
+__all__ = ["VariationalTrainer"]
+
+logger = logging.getLogger(__name__)
+
+
+class VariationalTrainer(CheckpointingMixin, VariationalHubMixin, LabelNoiseMixin, Trainer):
+    """A `Trainer` for single-label classifiers that trains with `args.method` (IVON by default).
+
+    Models may be any module returning logits in a `ModelOutput` or tuple (HF `AutoModelFor*Classification`,
+    timm through `example_utils.models.create_image_classifier` in the examples, ...); the loss is computed here from the logits.
+
+    Private `Trainer` hooks it overrides, and what would not work without each:
+
+    * the saving and resuming hooks: see `CheckpointingMixin` (`varsmooth.checkpointing`);
+    * `_get_dataloader`: adds each training row's index, which methods with per-example state (ALASCA) key on;
+    * `_set_signature_columns_if_needed`: `remove_unused_columns` would drop the example index and the inputs of a
+      `DeepEnsemble` (whose forward takes `**inputs`);
+    * `_remove_unused_columns`: removing the raw columns of a `with_transform` dataset would break its transform;
+    * `_clip_grad_norm`: IVON clips inside each sample; the stock clip after the last sample would rescale gradients
+      IVON still reads (ḡ with one sample) and log a clipped norm;
+    * `_push_from_checkpoint` (in `VariationalHubMixin`): the stock one copies only the config and weights from the
+      checkpoint, so the posterior and processor of a mid-training push would be stale or missing.
+    """
+
+    #: `compute_loss` returns the micro-batch mean (it ignores `num_items_in_batch`), so the stock
+    #: `training_step` must divide by the accumulation steps even for models that accept loss kwargs
+    loss_is_scaled_for_ga = False
+
+    def __init__(self, model: Any = None, args: VariationalTrainingArguments | None = None, *pargs: Any, **kwargs: Any) -> None:
+        args = check_arguments(args)
+        user_metrics = kwargs.pop("compute_metrics", None)
+        check_compute_metrics(args, user_metrics)
+        self._noise_report = kwargs.pop("noise_report", None)
+        eval_noise_transition = kwargs.pop("eval_noise_transition", None)
+        posterior = kwargs.pop("posterior", None)
+        self._metrics = EvaluationMetrics(user_metrics)
+        super().__init__(model, args, *pargs, compute_metrics=self._metrics, **kwargs)
+        train_size = check_datasets(self.train_dataset, self.eval_dataset)
+        self.method: TrainingMethod = get_method_class(args.method)(args.method_config, num_train_examples=train_size)
+        fsdp = getattr(self.accelerator.state, "fsdp_plugin", None)  # set up by `accelerate launch`, not by the arguments
+        self.method.check_parallelism(getattr(fsdp, "fsdp_version", 1) if fsdp is not None else None, self.is_deepspeed_enabled)
+        check_method_inputs(self.method, self.compute_loss_func, posterior, self.optimizer)
+        self._saved_posterior = posterior if posterior is not None else self._posterior_beside_model()
+        if self.model is not None:  # extra heads must exist before the optimizer is built
+            self.method.attach(self.model)
+        for callback in self.callback_handler.callbacks:  # those passed at construction
+            self._connect(callback)
+        for callback in self.method.callbacks():  # `add_callback` binds these
+            self.add_callback(callback)
+        # τ of every prediction; chosen on the eval dataset when training ends, before other train-end callbacks
+        self.posterior_temperature = 1.0 if args.posterior_temperature is None else args.posterior_temperature
+        self.posterior_temperature_report: dict[str, Any] | None = None
+        #: T[i, j] = P(observed j | true i) of the eval dataset's labels, when known (e.g. the noise the example
+        #: injected): τ is then chosen by the forward-corrected validation NLL (`posterior.temperature`)
+        self.eval_noise_transition = None if eval_noise_transition is None else check_transition_matrix(eval_noise_transition)
+        self.callback_handler.callbacks.insert(0, PosteriorTemperatureCallback(
+            select=self.select_posterior_temperature, reset=self._reset_posterior_temperature, save=self.save_model))
+        # post-hoc temperature of every prediction (None: uncalibrated); fitted right after τ, which it calibrates
+        self.temperature_scaling: TemperatureScaling | None = None
+        self.callback_handler.callbacks.insert(1, TemperatureScalingCallback(
+            fit=self.fit_temperature_scaling, reset=lambda: setattr(self, "temperature_scaling", None),
+            has_eval_dataset=lambda: self.eval_dataset is not None))
+        # before the reporting callbacks, which then report the Hessian summary it adds to the training logs
+        self.callback_handler.callbacks.insert(2, HessianDiagnosticsCallback())
+        self._ivon_param_names: list[str] | None = None
+        self._init_checkpointing()
+        self._finite_guard = NonFiniteGuard()
+
+    def add_callback(self, callback: type[TrainerCallback] | TrainerCallback) -> None:
+        """`Trainer.add_callback`, connecting a `LabelNoiseCallback` to this trainer's posterior and batches."""
+        super().add_callback(callback)
+        self._connect(self.callback_handler.callbacks[-1])
+
+    def _connect(self, callback: TrainerCallback) -> None:
+        if isinstance(callback, LabelNoiseCallback):
+            callback.connect(measure=self.label_noise, posterior=self.posterior, record_output=self.record_output,
+                             train_dataset=lambda: self.train_dataset)
+
+    # -- optimizer ---------------------------------------------------------------------------------
+    @property
+    def ivon(self) -> VariationalIVON | None:
+        """The IVON optimizer behind accelerate's wrapper, or None before training / for non-IVON methods."""
+        return unwrap_ivon(self.optimizer) if learns_posterior(self.method) else None
+
+    def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
+        """The method's optimizer (IVON for IVON methods, `TrainingMethod.create_optimizer`), else the Trainer's own."""
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        if self.optimizer is None:
+            params = [p for p in (model or self.model).parameters() if p.requires_grad]
+            # train() knows the run's length before it builds the optimizer; FSDP2 averages the gradients of the
+            # sharded parameters itself, and all ranks draw one sample (IVON's sync off)
+            run = OptimizerContext(total_steps=self.state.max_steps or None, seed=self.args.seed,
+                                   rank=self.args.process_index, fused=self.args.ivon_fused,
+                                   sync=self.args.world_size > 1 and not self.is_fsdp_enabled)
+            self.optimizer = self.method.create_optimizer(params, run)
+            if self.optimizer is None:
+                return super().create_optimizer(model)
+            self._ivon_param_names = [names[id(p)] for p in params]
+        elif self.ivon is not None and self._ivon_param_names is None:  # an IVON passed in `optimizers`
+            self._ivon_param_names = [names[id(p)] for g in self.optimizer.param_groups for p in g["params"]]
+        return self.optimizer
+
+    def posterior(self) -> DiagonalGaussianPosterior:
+        """The current q = N(m, diag σ²): IVON's once it trains; before that the posterior passed as `posterior=` or
+        saved beside the model (`posterior.safetensors` in its `name_or_path` folder); else a point mass."""
+        opt = self.ivon
+        model = self.accelerator.unwrap_model(self.model)
+        if opt is None:
+            return self._saved_posterior if self._saved_posterior is not None else DiagonalGaussianPosterior.point_mass(model)
+        meta = {**self.method.hyperparameters(), "eval_seed": self.args.eval_seed, "step": opt.current_step,
+                TEMPERATURE_KEY: self.posterior_temperature}
+        if self.posterior_temperature_report is not None:
+            meta["posterior_temperature_selection"] = self.posterior_temperature_report
+        return DiagonalGaussianPosterior.from_ivon(model, opt, self._ivon_param_names, meta)
+
+    def _posterior_beside_model(self) -> DiagonalGaussianPosterior | None:
+        """The posterior an IVON run saved next to the weights this trainer's model was loaded from, if any."""
+        folder = getattr(self.model, "name_or_path", None) or ""
+        if not learns_posterior(self.method) or not os.path.isfile(os.path.join(folder, POSTERIOR_FILE)):
+            return None
+        try:
+            posterior = DiagonalGaussianPosterior.load(self.model, folder)
+        except ValueError as error:  # e.g. a new classification head: the saved σ belongs to another network
+            logger.warning("Not using %s from %s: %s", POSTERIOR_FILE, folder, error)
+            return None
+        logger.info("Loaded the posterior saved with the model (%s): evaluation before training predicts by BMA with it.",
+                    os.path.join(folder, POSTERIOR_FILE))
+        return posterior
+
+    def select_posterior_temperature(self, eval_dataset: Any = None) -> dict[str, Any] | None:
+        """Choose the posterior temperature τ by validation NLL and predict with it from now on (done by `train()`
+        when `args.posterior_temperature` is None); returns the NLL at each τ tried, or None without validation data.
+        See `varsmooth.posterior.temperature`."""
+        if self.ivon is None or self.args.eval_mc_samples <= 0:  # no posterior, or a prediction at the mean already
+            return None
+        eval_dataset = self.eval_dataset if eval_dataset is None else eval_dataset
+        if eval_dataset is None:  # not the training set: every example was fitted, it cannot tell which generalizes
+            logger.info("No eval_dataset: predicting with the learned posterior (posterior temperature 1). Pass an "
+                        "eval_dataset (a validation split) to choose the temperature by validation NLL, or set "
+                        "posterior_temperature.")
+            return None
+        report = select_temperature(self.model, self.posterior(), lambda: self.validation_batches(eval_dataset),
+                                    min(self.args.eval_mc_samples, SELECTION_SAMPLES), self.args.eval_seed,
+                                    gather=self.accelerator.gather_for_metrics, transition=self.eval_noise_transition)
+        self.posterior_temperature, self.posterior_temperature_report = report["temperature"], report
+        self.log(temperature_logs(report))
+        return report
+
+    def _reset_posterior_temperature(self) -> None:
+        """A new train() starts again from the learned posterior (or the fixed τ)."""
+        self.posterior_temperature = 1.0 if self.args.posterior_temperature is None else self.args.posterior_temperature
+        self.posterior_temperature_report = None
+
+    def validation_batches(self, eval_dataset: Any) -> Iterator[dict[str, Any]]:
+        """The prepared batches of `eval_dataset` (a dataset or a dict of them, pooled), batched as evaluate() batches
+        them; tokenized sentences by length (each batch pads to its longest, and the scores on them are means over rows)."""
+        named = eval_dataset if isinstance(eval_dataset, dict) else {None: eval_dataset}
+        for dataset in named.values():
+            order = length_order(dataset)
+            loader = (self.get_eval_dataloader(dataset) if order is None else
+                      self._get_dataloader(dataset, "Validation", self.args.eval_batch_size, sampler_fn=lambda _, order=order: order))
+            for batch in loader:
+                yield self._prepare_inputs(batch)
+
+    def fit_temperature_scaling(self, eval_dataset: Any = None) -> TemperatureScaling:
+        """Fit the post-hoc temperature T on `eval_dataset` (default: the eval datasets) by NLL and predict with it from
+        now on; done when training ends with `args.temperature_scaling`. `trainer.temperature_scaling = None` goes back
+        to the uncalibrated prediction. See `varsmooth.temperature_scaling`. Every process must call this."""
+        eval_dataset = self.eval_dataset if eval_dataset is None else eval_dataset
+        self.model.eval()
+        posterior = self.posterior()
+        scaling = fit_on_batches(functools.partial(self.predictive, self.model, posterior=posterior, calibrated=False),
+                                 None if eval_dataset is None else self.validation_batches(eval_dataset),
+                                 self.prediction_settings(posterior), self.accelerator.gather_for_metrics,
+                                 self.accelerator.unwrap_model(self.model))
+        self.temperature_scaling = scaling
+        self.log({"temperature_scaling": scaling.temperature, "eval_nll_uncalibrated": scaling.nll_uncalibrated,
+                  "eval_nll_calibrated": scaling.nll_calibrated})
+        return scaling
+
+    def predictive(self, model: torch.nn.Module, inputs: dict[str, Any], posterior: DiagonalGaussianPosterior | None = None,
+                   calibrated: bool = True) -> VariationalClassifierOutput:
+        """The prediction `evaluate()`/`predict()` score on one prepared batch: a `DeepEnsemble` model's pooled
+        prediction, MC dropout (`args.mc_dropout_samples`), or BMA over `posterior` (default: `self.posterior()`; a
+        point mass predicts at the weights); then the temperature scaling, if fitted and `calibrated`."""
+        if isinstance(self.accelerator.unwrap_model(model), DeepEnsemble):
+            out = model(**inputs)
+        elif self.args.mc_dropout_samples:
+            out = mc_dropout_predictive(model, inputs, self.args.mc_dropout_samples, self.args.eval_seed)
+        else:
+            posterior = self.posterior() if posterior is None else posterior
+            out = predictive_distribution(model, posterior, inputs, self.args.eval_mc_samples, self.args.eval_seed)
+        return self.temperature_scaling.calibrate(out) if calibrated and self.temperature_scaling is not None else out
+
+    def prediction_settings(self, posterior: DiagonalGaussianPosterior | None = None) -> dict[str, Any]:
+        """What `predictive` predicts (recorded with a fitted temperature, compared when the model is loaded)."""
+        network = self.accelerator.unwrap_model(self.model)
+        if isinstance(network, DeepEnsemble):
+            return network.prediction_settings
+        posterior = self.posterior() if posterior is None else posterior
+        return describe_prediction(posterior, self.args.eval_mc_samples, self.args.mc_dropout_samples)
+
+    # -- training ----------------------------------------------------------------------------------
+    def compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch: Any = None) -> Any:
+        """The method's mean loss on this micro-batch (`TrainingMethod.compute_loss`); `num_items_in_batch` is ignored
+        on purpose (IVON averages).
+
+        A `compute_loss_func` given to the trainer replaces the cross-entropy: it is called as the stock Trainer calls
+        it, `compute_loss_func(outputs, labels, num_items_in_batch=None)`, where None asks for the mean over this
+        micro-batch (the loss IVON needs per posterior sample; the Trainer divides it by the accumulation steps for
+        other methods).
+        """
+        loss, outputs = self.method.compute_loss(model, inputs, self.method_context(model))
+        return (loss, outputs) if return_outputs else loss
+
+    def method_context(self, model: torch.nn.Module, **kwargs: Any) -> MethodContext:
+        """What `self.method` may know of the run at this micro-batch (it never sees the trainer itself)."""
+        return MethodContext(step=self.state.global_step, epoch=float(self.state.epoch or 0.0), is_training=model.training,
+                             accelerator=self.accelerator, loss_func=self.compute_loss_func, **kwargs)
+
+    def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
+        if type(self.method).training_step is TrainingMethod.training_step:
+            loss = super().training_step(model, inputs, num_items_in_batch)
+            # the gradients are complete (accumulated, all-reduced) only on the step's last micro-batch
+            self._note_finite(loss, [p for p in model.parameters() if p.requires_grad] if self.accelerator.sync_gradients else None)
+        else:  # the method schedules its own passes: IVON's posterior samples, SAM's two
+            model.train()
+            if callable(getattr(self.optimizer, "train", None)):  # schedule-free optimizers (as the stock step)
+                self.optimizer.train()
+            ddp = self.args.world_size > 1 and not self.is_fsdp_enabled
+            context = self.method_context(
+                model, num_items_in_batch=num_items_in_batch, gradient_accumulation_steps=self.current_gradient_accumulation_steps,
+                loss_context=self.compute_loss_context_manager, optimizer=unwrap_ivon(self.optimizer) or self.optimizer,
+                sharded=self.is_fsdp_enabled, **({"no_sync": self.accelerator.no_sync} if ddp else {}),
+                max_grad_norm=self.args.max_grad_norm or 0.0, gradients_complete=self.accelerator.sync_gradients,
+                note_finite=self._note_finite, **({"loss_override": self.compute_loss} if self._overrides_compute_loss() else {}))
+            loss = self.method.training_step(model, self._prepare_inputs(inputs), context)
+        self._stop_if_non_finite()
+        return loss
+
+    def _overrides_compute_loss(self) -> bool:
+        return type(self).compute_loss is not VariationalTrainer.compute_loss
+
+    def _note_finite(self, loss: torch.Tensor, params: list[torch.Tensor] | None) -> None:
+        # with fp16's gradient scaler, inf gradients are expected: the scaler skips those steps itself
+        self._finite_guard.note(loss, params, self.model.buffers(), check_gradients=self.accelerator.scaler is None)
+
+    def _stop_if_non_finite(self) -> None:
+        """On the last micro-batch of an optimizer step, before the step: raise if a loss, gradient or buffer of the
+        step was NaN or inf (`varsmooth.finite`); the update is then not applied."""
+        verdict = self._finite_guard.verdict(self.args.device, self.args.world_size > 1) if self.accelerator.sync_gradients else None
+        if verdict is None or all(verdict):
+            return
+        if self.ivon is not None:
+            self.ivon._reset_samples()  # the step's samples are dropped: IVON stays at the last finite step
+        bad = [] if verdict[2] else non_finite_tensors(self.accelerator.unwrap_model(self.model).named_buffers())
+        raise non_finite_step_error(verdict, self.state.global_step + 1, self.args.method, self.ivon is not None, bad)
+
+    def _get_dataloader(self, dataset: Any, description: str, batch_size: int, sampler_fn: Any = None,
+                        is_training: bool = False, dataloader_key: str | None = None) -> Any:
+        if is_training and self.method.needs_example_index:  # per-example method state, keyed by row position
+            dataset = ExampleIndexDataset(dataset)
+        return super()._get_dataloader(dataset, description, batch_size, sampler_fn, is_training, dataloader_key)
+
+    def _set_signature_columns_if_needed(self) -> None:
+        network = self.accelerator.unwrap_model(self.model)
+        if self._signature_columns is None and isinstance(network, DeepEnsemble):  # forward(**inputs): ask a member
+            member = network.members[0].model
+            member = member.get_base_model() if is_peft_model(member) else member
+            self._signature_columns = [*inspect.signature(member.forward).parameters, "label", "label_ids", *self.label_names]
+        super()._set_signature_columns_if_needed()
+        if self.method.needs_example_index and EXAMPLE_INDEX_KEY not in self._signature_columns:
+            self._signature_columns.append(EXAMPLE_INDEX_KEY)  # or the column removal would drop the index
+
+    def _clip_grad_norm(self, model: torch.nn.Module) -> Any:
+        if learns_posterior(self.method):  # already clipped inside each sample; clipping now would not reach IVON
+            return self.method.last_grad_norm
+        return super()._clip_grad_norm(model)
+
+    def _remove_unused_columns(self, dataset: Any, description: str | None = None) -> Any:
+        # a `with_transform` dataset reads its raw columns (e.g. "image") when an item is fetched: removing them
+        # would break the transform, and its output is already what the model takes
+        if isinstance(dataset, datasets.Dataset) and dataset.format.get("type") == "custom":
+            return dataset
+        return super()._remove_unused_columns(dataset, description)
+
+    # -- prediction --------------------------------------------------------------------------------
+    def prediction_step(self, model: torch.nn.Module, inputs: dict[str, Any], prediction_loss_only: bool, ignore_keys: list[str] | None = None) -> tuple:
+        """Returns (NLL of the BMA prediction, (log P̂, posterior-mean logits), labels)."""
+        inputs = self._prepare_inputs(inputs)
+        labels = inputs.get("labels")
+        # a point-mass posterior (no IVON state, none loaded) predicts at the weights
+        out = self.predictive(model, inputs, self._eval_posterior)
+        loss = None
+        if labels is not None:
+            loss = torch.nn.functional.nll_loss(out.logits, labels)
+        if prediction_loss_only:
+            return loss, None, None
+        return loss, (out.logits, out.mean_logits), labels
+
+    def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
+        # the posterior is built once per evaluation, from the IVON state of this moment
+        self._eval_posterior = posterior = self.posterior()
+        learns, bma = learns_posterior(self.method), self.args.eval_mc_samples > 0
+        at_mean_only = learns and bma and posterior.is_point_mass
+        if at_mean_only:
+            logger.warning(
+                "eval_mc_samples=%d asks for Bayesian model averaging, but there is no posterior: this trainer has not "
+                "trained and got none (pass posterior=, or load the model from the folder holding its %s). "
+                "Predicting at the weights; the metrics are reported as mean_* (e.g. eval_mean_accuracy).",
+                self.args.eval_mc_samples, POSTERIOR_FILE,
+            )
+        describe = None  # what was computed: 0 samples averaged = a prediction at the posterior mean
+        if learns and not isinstance(self.accelerator.unwrap_model(self.model), DeepEnsemble):
+            averaged = 0 if posterior.is_point_mass or posterior.temperature == 0 else self.args.eval_mc_samples
+            describe = {"posterior_temperature": posterior.temperature, "posterior_samples_averaged": averaged}
+        self._metrics.start(at_mean_only=at_mean_only, with_mean=learns and bma, describe=describe)
+        try:
+            return super().evaluation_loop(*args, **kwargs)
+        finally:
+            del self._eval_posterior
+
+    @property
+    def reliability_diagram(self) -> dict[str, np.ndarray] | None:
+        """Per-bin confidence/accuracy/count of the last evaluation (`varsmooth.metrics.reliability_diagram`)."""
+        return self._metrics.reliability_diagram
+
+    def predict(self, test_dataset: Any, ignore_keys: list[str] | None = None, metric_key_prefix: str = "test") -> PredictionOutput:
+        """As `Trainer.predict`; `predictions` are log P̂ (the log of the posterior-averaged probabilities; at τ = 0 those
+        of the posterior mean)."""
+        output = super().predict(test_dataset, ignore_keys, metric_key_prefix)
+        predictions = output.predictions[0] if isinstance(output.predictions, tuple) else output.predictions
+        return PredictionOutput(predictions=predictions, label_ids=output.label_ids, metrics=output.metrics)
+
+    def train_noise_report(self) -> Any:
+        """The label corruption of the training set: the report given at construction, else the realized one
+        recomputed from a `clean_label` column (None when the labels are the dataset's own)."""
+        return self._noise_report if self._noise_report is not None else realized_noise_report(self.train_dataset)
+
+    def hessian_summary(self) -> dict[str, float]:
+        """Mean/median of IVON's Hessian h and of the posterior std σ (`varsmooth.posterior.diagnostics`)."""
+        return hessian_summary(self.ivon)
+
