@@ -26,6 +26,7 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PredictionOutput
 
 from .adapters import is_peft_model
+from .batchnorm import RECOMPUTED_LOG_KEY, BatchNormRecalibrationCallback, recompute_batchnorm_statistics
 from .checkpointing import CheckpointingMixin
 from .checks import check_arguments, check_compute_metrics, check_datasets, check_method_inputs
 from .corruption import realized_noise_report
@@ -104,15 +105,16 @@ class VariationalTrainer(CheckpointingMixin, VariationalHubMixin, LabelNoiseMixi
         #: T[i, j] = P(observed j | true i) of the eval dataset's labels, when known (e.g. the noise the example
         #: injected): τ is then chosen by the forward-corrected validation NLL (`posterior.temperature`)
         self.eval_noise_transition = None if eval_noise_transition is None else check_transition_matrix(eval_noise_transition)
-        self.callback_handler.callbacks.insert(0, PosteriorTemperatureCallback(
+        self.callback_handler.callbacks.insert(0, BatchNormRecalibrationCallback(self.recompute_batchnorm_statistics))
+        self.callback_handler.callbacks.insert(1, PosteriorTemperatureCallback(
             select=self.select_posterior_temperature, reset=self._reset_posterior_temperature, save=self.save_model))
         # post-hoc temperature of every prediction (None: uncalibrated); fitted right after τ, which it calibrates
         self.temperature_scaling: TemperatureScaling | None = None
-        self.callback_handler.callbacks.insert(1, TemperatureScalingCallback(
+        self.callback_handler.callbacks.insert(2, TemperatureScalingCallback(
             fit=self.fit_temperature_scaling, reset=lambda: setattr(self, "temperature_scaling", None),
             has_eval_dataset=lambda: self.eval_dataset is not None))
         # before the reporting callbacks, which then report the Hessian summary it adds to the training logs
-        self.callback_handler.callbacks.insert(2, HessianDiagnosticsCallback())
+        self.callback_handler.callbacks.insert(3, HessianDiagnosticsCallback())
         self._ivon_param_names: list[str] | None = None
         self._init_checkpointing()
         self._finite_guard = NonFiniteGuard()
@@ -177,6 +179,20 @@ class VariationalTrainer(CheckpointingMixin, VariationalHubMixin, LabelNoiseMixi
         logger.info("Loaded the posterior saved with the model (%s): evaluation before training predicts by BMA with it.",
                     os.path.join(folder, POSTERIOR_FILE))
         return posterior
+
+    def recompute_batchnorm_statistics(self) -> int:
+        """Recompute BatchNorm's running statistics at the posterior mean from the training data (done by `train()` with
+        `args.recompute_batchnorm_statistics`); returns the number of examples used, 0 when there was nothing to do (no
+        posterior learned, no BatchNorm, no training data). See `varsmooth.batchnorm`. Every process must call this."""
+        model = self.accelerator.unwrap_model(self.model)
+        if self.ivon is None or self.train_dataset is None:
+            return 0
+        batches = ({k: v for k, v in self._prepare_inputs(batch).items() if k != EXAMPLE_INDEX_KEY}
+                   for batch in self.get_train_dataloader())
+        examples = recompute_batchnorm_statistics(model, batches)
+        if examples:
+            self.log({RECOMPUTED_LOG_KEY: examples})
+        return examples
 
     def select_posterior_temperature(self, eval_dataset: Any = None) -> dict[str, Any] | None:
         """Choose the posterior temperature τ by validation NLL and predict with it from now on (done by `train()`

@@ -149,6 +149,13 @@ class VariationalTrainingArguments(TrainingArguments):
                           "varsmooth.posterior.temperature.TEMPERATURE_GRID (which holds 0 and 1); 1 without an eval "
                           "dataset. A number fixes τ for every prediction; 1 turns the selection off."},
     )
+    recompute_batchnorm_statistics: bool = field(
+        default=True,
+        metadata={"help": "With a method that learns a posterior (IVON): when training ends, recompute BatchNorm's "
+                          "running statistics at the posterior mean from up to 10,000 training examples (as stochastic "
+                          "weight averaging does), since those gathered while training average over sampled weights. "
+                          "No effect on models without BatchNorm."},
+    )
     temperature_scaling: bool = field(
         default=False,
         metadata={"help": "Post-hoc temperature scaling (Guo et al. 2017): when training ends, fit one temperature T on "

@@ -12,6 +12,7 @@ from typing import Any
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
+from ..batchnorm import RECOMPUTED_LOG_KEY
 from ..corruption import NOISE_REPORT_FILE
 from ..files import read_manifest
 from ..methods import METHODS
@@ -191,6 +192,9 @@ def _posterior_text(record: RunRecord) -> str | None:
         if h0 is not None and ess and prior is not None:
             text += f" (σ0 = {1 / math.sqrt(ess * (h0 + prior)):.4g} at the start)"
         text += "."
+    if log.get(RECOMPUTED_LOG_KEY):
+        text += (f" BatchNorm's running statistics were recomputed at the posterior mean from {log[RECOMPUTED_LOG_KEY]:,} "
+                 "training examples when training ended: those gathered while training average over sampled weights.")
     return text
 
 

@@ -16,6 +16,7 @@ from huggingface_hub import CommitOperationAdd, CommitOperationDelete
 from transformers.trainer_utils import HubStrategy
 from transformers.utils.hub import PushInProgress, hf_api
 
+from ..batchnorm import RECOMPUTED_LOG_KEY
 from ..files import (MANIFEST_FILE, OWNED_PATTERNS, FolderSave, add_to_manifest, check_manifest,
                      read_manifest, shareable_files, written_by_varsmooth)
 from ..methods import learns_posterior
@@ -89,13 +90,16 @@ class VariationalHubMixin:
 
     def _posterior_log(self) -> dict[str, float] | None:
         """IVON's Hessian and σ statistics of the optimizer now (after training: the posterior that was saved), else
-        of the last training log; None for a method without a posterior."""
+        of the last training log, and the examples BatchNorm's statistics were recomputed from at the end of training
+        (`varsmooth.batchnorm`); None for a method without a posterior."""
         if not learns_posterior(self.method):
             return None
         summary = self.hessian_summary()
-        if summary:
-            return {"step": self.state.global_step, **{k: summary[k] for k in POSTERIOR_LOG_KEYS if k in summary}}
-        return last_posterior_log(self.state.log_history)
+        log = ({"step": self.state.global_step, **{k: summary[k] for k in POSTERIOR_LOG_KEYS if k in summary}} if summary
+               else last_posterior_log(self.state.log_history))
+        recomputed = next((entry[RECOMPUTED_LOG_KEY] for entry in reversed(self.state.log_history)
+                           if RECOMPUTED_LOG_KEY in entry), None)
+        return log if log is None or recomputed is None else {**log, RECOMPUTED_LOG_KEY: recomputed}
 
     def _refuse_to_replace_own_card(self, replace_model_card: bool) -> None:
         path = os.path.join(self.args.output_dir, "README.md")

@@ -218,7 +218,8 @@ def temperature_logs(report: Mapping[str, Any]) -> dict[str, float]:
 
 
 class PosteriorTemperatureCallback(TrainerCallback):
-    """Chooses the posterior temperature when training ends (`VariationalTrainer` puts it first, so that callbacks
+    """Chooses the posterior temperature when training ends (`VariationalTrainer` puts it first after the BatchNorm
+    recalibration of `varsmooth.batchnorm`, so that callbacks
     predicting with the posterior at the end of training use the chosen τ).
 
     Args:

@@ -1,0 +1,82 @@
+"""BatchNorm statistics recomputed at the posterior mean when training with a posterior ends (varsmooth.batchnorm)."""
+
+import copy
+
+import pytest
+import torch
+from torch.optim.swa_utils import update_bn
+
+from helpers import digits_images, make_args, tiny_digits_resnet
+from varsmooth import VariationalTrainer
+from varsmooth.batchnorm import batchnorm_layers, recompute_batchnorm_statistics
+from varsmooth.hub.card import build_model_card
+
+
+class _TensorInput(torch.nn.Module):
+    """The HF model called with one tensor, as update_bn calls models."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        return self.model(pixel_values=x).logits
+
+
+def _statistics(model):
+    return [torch.cat([layer.running_mean, layer.running_var]) for layer in batchnorm_layers(model)]
+
+
+def _assert_same_statistics(a, b):
+    for x, y in zip(_statistics(a), _statistics(b), strict=True):
+        torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
+
+
+def test_the_statistics_are_those_of_torchs_update_bn_and_stop_after_max_examples():
+    model = tiny_digits_resnet(0)
+    x = digits_images(100)["pixel_values"]
+    batches = [{"pixel_values": x[i:i + 32], "labels": torch.zeros(len(x[i:i + 32]), dtype=torch.long)}
+               for i in range(0, 100, 32)]
+    momenta = [layer.momentum for layer in batchnorm_layers(model)]
+    model.eval()
+    reference = _TensorInput(copy.deepcopy(model))
+    update_bn([b["pixel_values"] for b in batches], reference)
+    assert recompute_batchnorm_statistics(model, batches) == 100
+    _assert_same_statistics(model, reference.model)
+    assert not model.training and [layer.momentum for layer in batchnorm_layers(model)] == momenta
+
+    first = _TensorInput(copy.deepcopy(model))
+    update_bn([batches[0]["pixel_values"], batches[1]["pixel_values"]], first)
+    assert recompute_batchnorm_statistics(model, batches, max_examples=40) == 64  # whole batches, until 40 are seen
+    _assert_same_statistics(model, first.model)
+
+
+def test_a_model_without_batchnorm_is_left_alone():
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 10), torch.nn.LayerNorm(10))
+    before = copy.deepcopy(model.state_dict())
+    assert recompute_batchnorm_statistics(model, [{"input": torch.randn(4, 64)}]) == 0
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("method, recompute", [("ivon", True), ("ivon", False), ("erm", True)])
+def test_training_with_a_posterior_ends_with_the_statistics_of_the_mean(tmp_path, method, recompute):
+    """With IVON the running statistics gathered under sampled weights are replaced by those of the posterior mean over
+    the training set (the reference: update_bn on the trained weights); turned off, or without a posterior, the
+    statistics are the ones training gathered."""
+    ds = digits_images(96)
+    trainer = VariationalTrainer(
+        model=tiny_digits_resnet(0), train_dataset=ds,
+        args=make_args(tmp_path, method=method, max_steps=6, per_device_train_batch_size=32,
+                       recompute_batchnorm_statistics=recompute, posterior_temperature=1.0, learning_rate=0.05,
+                       train_sampling_strategy="sequential"))  # the reference's batches: statistics depend on them
+    trainer.train()
+    model = trainer.model
+    reference = _TensorInput(copy.deepcopy(model))
+    update_bn([ds["pixel_values"][i:i + 32] for i in range(0, 96, 32)], reference)
+    same = all(torch.allclose(x, y, atol=1e-5, rtol=1e-5) for x, y in zip(_statistics(model), _statistics(reference.model)))
+    assert same == (method == "ivon" and recompute)
+    logged = [entry for entry in trainer.state.log_history if "batchnorm_recomputed_from_examples" in entry]
+    assert [entry["batchnorm_recomputed_from_examples"] for entry in logged] == ([96] if same else [])
+    trainer.save_model()
+    card = build_model_card(trainer.run_record(), trainer.model, tmp_path).text
+    assert ("recomputed at the posterior mean from 96 training examples" in card) == same
