@@ -2,6 +2,7 @@
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 from torch.optim.swa_utils import update_bn
@@ -10,6 +11,8 @@ from helpers import digits_images, make_args, tiny_digits_resnet
 from varsmooth import VariationalTrainer
 from varsmooth.batchnorm import batchnorm_layers, recompute_batchnorm_statistics
 from varsmooth.hub.card import build_model_card
+from varsmooth.label_noise import compute_label_noise
+from varsmooth.posterior.prediction import draw_seeds
 
 
 class _TensorInput(torch.nn.Module):
@@ -80,3 +83,29 @@ def test_training_with_a_posterior_ends_with_the_statistics_of_the_mean(tmp_path
     trainer.save_model()
     card = build_model_card(trainer.run_record(), trainer.model, tmp_path).text
     assert ("recomputed at the posterior mean from 96 training examples" in card) == same
+
+
+def test_the_label_noise_export_draws_normalise_with_their_own_statistics(tmp_path):
+    """ε̄ = p̄ − P̂ of a BatchNorm model: P̂ averages draws that each normalise with statistics recomputed at the drawn
+    weights (the reference loop: update_bn on every draw), p̄ the model's own; the model's statistics are unchanged."""
+    ds = digits_images(64)
+    trainer = VariationalTrainer(model=tiny_digits_resnet(0), train_dataset=ds,
+                                 args=make_args(tmp_path, max_steps=4, per_device_train_batch_size=32,
+                                                posterior_temperature=1.0, learning_rate=0.05))
+    trainer.train()
+    model, posterior = trainer.model.eval(), trainer.posterior()
+    own = [s.clone() for s in _statistics(model)]
+    noise = compute_label_noise(model, posterior, ds, num_samples=4, batch_size=32)
+    x = ds[:]["pixel_values"]
+    expected = 0
+    for draw_seed, mirrored in draw_seeds(0, 4):
+        with posterior.sampled(draw_seed, mirrored=mirrored):
+            drawn = _TensorInput(copy.deepcopy(model))
+        update_bn([x[:32], x[32:]], drawn)
+        expected = expected + drawn.eval()(x).softmax(-1) / 4
+    with torch.no_grad():
+        mean = model(pixel_values=x).logits.softmax(-1)
+    torch.testing.assert_close(torch.as_tensor(np.asarray(noise["predictive_probs"]), dtype=torch.float32), expected.detach(), atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(torch.as_tensor(np.asarray(noise["mean_probs"]), dtype=torch.float32), mean, atol=1e-5, rtol=1e-4)
+    for before, after in zip(own, _statistics(model), strict=True):
+        assert torch.equal(before, after)

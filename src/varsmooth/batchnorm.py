@@ -22,9 +22,11 @@ import torch.distributed as dist
 from torch.nn.modules.batchnorm import _BatchNorm
 from transformers import TrainerCallback
 
-from .posterior.prediction import model_outputs
+from .posterior import DiagonalGaussianPosterior
+from .posterior.prediction import draw_seeds, model_outputs
 
-__all__ = ["RECALIBRATION_EXAMPLES", "RECOMPUTED_LOG_KEY", "BatchNormRecalibrationCallback", "batchnorm_layers", "recompute_batchnorm_statistics"]
+__all__ = ["RECALIBRATION_EXAMPLES", "RECOMPUTED_LOG_KEY", "BatchNormRecalibrationCallback", "batchnorm_layers", "draw_batchnorm_statistics",
+           "recompute_batchnorm_statistics"]
 
 #: training examples the statistics are recomputed from at most: means and variances of activations settle within a
 #: few thousand examples, and the pass then costs a fraction of an epoch on large training sets
@@ -76,6 +78,36 @@ def recompute_batchnorm_statistics(model: torch.nn.Module, batches: Iterable[Map
                 dist.all_reduce(buffer)
                 buffer.div_(dist.get_world_size())
     return seen
+
+
+def draw_batchnorm_statistics(model: torch.nn.Module, posterior: DiagonalGaussianPosterior,
+                              batches: Callable[[], Iterable[Mapping[str, Any]]], num_samples: int, seed: int = 0,
+                              max_examples: int = RECALIBRATION_EXAMPLES) -> list[dict[str, torch.Tensor]] | None:
+    """The BatchNorm buffers of each of the draws `draw_seeds(seed, num_samples)` of `posterior`, recomputed at the
+    drawn weights from `batches()` (a fresh iterable per call) as `recompute_batchnorm_statistics` does; None for a
+    model without BatchNorm. The model's own statistics are unchanged. For `sampled_probs(..., draw_buffers=)`.
+
+    A sampled network normalised with its own batches' statistics while it trained; with the mean's statistics
+    instead, a wide posterior's draws are far worse networks than the ones training saw (the image example's default
+    run: 12 % against 65 % training accuracy), and the label noise p̄ − P̂ measured with them is not the noise training
+    induced."""
+    layers = batchnorm_layers(model)
+    if not layers:
+        return None
+    names = {f"{name}.{buffer}" for name, module in model.named_modules() if module in layers
+             for buffer, _ in module.named_buffers(recurse=False)}
+    named = {name: buffer for name, buffer in model.named_buffers() if name in names}
+    own = {name: buffer.clone() for name, buffer in named.items()}
+    statistics = []
+    try:
+        for draw_seed, mirrored in draw_seeds(seed, num_samples):
+            with posterior.sampled(draw_seed, mirrored=mirrored):
+                recompute_batchnorm_statistics(model, batches(), max_examples)
+            statistics.append({name: buffer.clone() for name, buffer in named.items()})
+    finally:
+        for name, value in own.items():
+            named[name].copy_(value)
+    return statistics
 
 
 def _batch_size(batch: Mapping[str, Any]) -> int:

@@ -30,6 +30,7 @@ import torch
 from torch.utils.data import DataLoader
 from transformers import default_data_collator
 
+from ..batchnorm import batchnorm_layers, draw_batchnorm_statistics
 from ..posterior import DiagonalGaussianPosterior, predictive_distribution
 from ..posterior.prediction import LABEL_KEYS
 from ..utils import atomic_path
@@ -59,6 +60,7 @@ def _batch_label_noise(
     seed: int,
     max_full_classes: int,
     top_k: int,
+    draw_buffers: list[dict[str, torch.Tensor]] | None,
 ) -> dict[str, torch.Tensor]:
     """All per-example quantities of one batch, as tensors of leading size B (memory O(B·K))."""
     label_key = next((key for key in LABEL_KEYS if key in batch), None)
@@ -68,7 +70,7 @@ def _batch_label_noise(
             "Keep the label column ('label' or 'labels') in the dataset and collator."
         )
     labels = batch[label_key].long()
-    out = predictive_distribution(model, posterior, batch, num_samples, seed)
+    out = predictive_distribution(model, posterior, batch, num_samples, seed, draw_buffers)
     num_classes = out.probs.shape[-1]
     if labels.min() < 0 or labels.max() >= num_classes:
         raise ValueError(f"Labels must lie in [0, {num_classes}); got values in [{labels.min().item()}, {labels.max().item()}].")
@@ -170,7 +172,10 @@ def compute_label_noise(
 
     The draws come from the learned posterior (`temperature` = 1), whatever posterior temperature τ the model predicts
     with: ε̄ is by definition the noise that training with q induced, and a τ = 0 chosen for prediction would make it
-    identically zero.
+    identically zero. For the same reason, in a model with BatchNorm each draw normalises with statistics of its own,
+    recomputed from (at most 10,000 of) the batches measured, as each sampled network normalised with its batch's
+    statistics in training (`varsmooth.batchnorm.draw_batchnorm_statistics`; one more forward pass per draw and
+    example); p̄ uses the model's own statistics.
 
     Columns, in dataset order:
         example_index: row of `dataset`. label: the given (possibly noisy) label y.
@@ -216,13 +221,19 @@ def compute_label_noise(
     device = torch.device(device) if device is not None else next(model.parameters()).device
     if dataloader is None:
         dataloader = _default_dataloader(model, dataset, batch_size, collate_fn, label_column)
+    if batchnorm_layers(model) and iter(dataloader) is dataloader:  # read once per draw below, then once more
+        dataloader = list(dataloader)
     was_training = model.training
+    # BatchNorm: each draw normalises with statistics of its own, as each sampled network did while training
+    draw_buffers = draw_batchnorm_statistics(
+        model, posterior, lambda: ({k: v for k, v in _to_device(b, device).items() if k not in LABEL_KEYS} for b in dataloader),
+        num_samples, seed)
     model.eval()
     parts: dict[str, list[np.ndarray]] = {}
     try:
         for batch in dataloader:
             result = _batch_label_noise(
-                model, posterior, _to_device(batch, device), num_samples, seed, max_full_classes, top_k
+                model, posterior, _to_device(batch, device), num_samples, seed, max_full_classes, top_k, draw_buffers
             )
             if accelerator is not None:
                 result = accelerator.gather_for_metrics(result)

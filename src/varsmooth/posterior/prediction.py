@@ -9,7 +9,7 @@ export needs.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Iterator, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -100,28 +100,43 @@ def predictive_distribution(
     inputs: Mapping[str, Any],
     num_samples: int,
     seed: int = 0,
+    draw_buffers: Sequence[Mapping[str, torch.Tensor]] | None = None,
 ) -> VariationalClassifierOutput:
     """BMA over `num_samples` draws of `posterior` and the prediction at the mean, for one batch.
 
     The draws are the antithetic pairs of `draw_seeds(seed, num_samples)`: the same S models for every batch and every
     call, so the trainer's evaluation and a model reloaded from disk agree exactly. The draws are scaled by the
     posterior's temperature τ; `num_samples=0`, τ = 0 or a point-mass posterior predict at the mean (and then
-    `mutual_information` and `noise_rms` are None: nothing was averaged to measure them).
+    `mutual_information` and `noise_rms` are None: nothing was averaged to measure them). `draw_buffers`: see
+    `sampled_probs`.
     """
     if num_samples < 0:
         raise ValueError(f"num_samples must be >= 0 (0 = predict at the posterior mean), got {num_samples}.")
-    return average_predictions(model_logits(model, inputs), sampled_probs(model, posterior, inputs, num_samples, seed))
+    return average_predictions(model_logits(model, inputs),
+                               sampled_probs(model, posterior, inputs, num_samples, seed, draw_buffers))
 
 
 def sampled_probs(model: torch.nn.Module, posterior: DiagonalGaussianPosterior, inputs: Mapping[str, Any],
-                  num_samples: int, seed: int = 0) -> Iterator[torch.Tensor]:
+                  num_samples: int, seed: int = 0, draw_buffers: Sequence[Mapping[str, torch.Tensor]] | None = None,
+                  ) -> Iterator[torch.Tensor]:
     """softmax(f(x; θ_s)) of the draws of `draw_seeds(seed, num_samples)`, scaled by the posterior's τ; none for τ = 0
-    or a point mass (they would all be the mean prediction)."""
+    or a point mass (they would all be the mean prediction).
+
+    `draw_buffers[s]`: buffers of `model` by name that the draw s predicts with (its own BatchNorm statistics,
+    `varsmooth.batchnorm.draw_batchnorm_statistics`); the model's own are back once the draws are done."""
     if num_samples <= 0 or posterior.is_point_mass or posterior.temperature == 0:
         return
-    for draw_seed, mirrored in draw_seeds(seed, num_samples):
-        with posterior.sampled(draw_seed, mirrored=mirrored):
-            yield model_logits(model, inputs).softmax(-1)
+    named = dict(model.named_buffers()) if draw_buffers else {}
+    own = {name: named[name].clone() for name in draw_buffers[0]} if draw_buffers else {}
+    try:
+        for s, (draw_seed, mirrored) in enumerate(draw_seeds(seed, num_samples)):
+            with posterior.sampled(draw_seed, mirrored=mirrored):
+                for name, value in (draw_buffers[s] if draw_buffers else {}).items():
+                    named[name].copy_(value)
+                yield model_logits(model, inputs).softmax(-1)
+    finally:
+        for name, value in own.items():
+            named[name].copy_(value)
 
 
 def average_predictions(mean_logits: torch.Tensor, sample_probs: Iterable[torch.Tensor]) -> VariationalClassifierOutput:
