@@ -25,12 +25,15 @@ from transformers import TrainerCallback
 from .posterior import DiagonalGaussianPosterior
 from .posterior.prediction import draw_seeds, model_outputs
 
-__all__ = ["RECALIBRATION_EXAMPLES", "RECOMPUTED_LOG_KEY", "BatchNormRecalibrationCallback", "batchnorm_layers", "draw_batchnorm_statistics",
-           "recompute_batchnorm_statistics"]
+__all__ = ["DRAW_RECALIBRATION_EXAMPLES", "RECALIBRATION_EXAMPLES", "RECOMPUTED_LOG_KEY", "BatchNormRecalibrationCallback",
+           "batch_rows", "batchnorm_layers", "draw_batchnorm_statistics", "recompute_batchnorm_statistics"]
 
 #: training examples the statistics are recomputed from at most: means and variances of activations settle within a
 #: few thousand examples, and the pass then costs a fraction of an epoch on large training sets
 RECALIBRATION_EXAMPLES = 10_000
+#: examples each posterior draw's statistics are recomputed from in the label-noise export (they are held in memory,
+#: and every draw makes a pass over them)
+DRAW_RECALIBRATION_EXAMPLES = 2_000
 #: the training log's key for the number of examples the statistics were recomputed from (the model card reports it)
 RECOMPUTED_LOG_KEY = "batchnorm_recomputed_from_examples"
 
@@ -71,7 +74,7 @@ def recompute_batchnorm_statistics(model: torch.nn.Module, batches: Iterable[Map
     with _cumulative_training_mode(model, layers), torch.no_grad():
         for batch in itertools.takewhile(lambda _: seen < max_examples, batches):
             model_outputs(model, batch)
-            seen += _batch_size(batch)
+            seen += batch_rows(batch)
     if seen and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         for layer in layers:
             for buffer in (layer.running_mean, layer.running_var):
@@ -110,7 +113,8 @@ def draw_batchnorm_statistics(model: torch.nn.Module, posterior: DiagonalGaussia
     return statistics
 
 
-def _batch_size(batch: Mapping[str, Any]) -> int:
+def batch_rows(batch: Mapping[str, Any]) -> int:
+    """The number of rows of a batch of model inputs (the length of its first tensor with a batch dimension)."""
     return next(len(value) for value in batch.values() if isinstance(value, torch.Tensor) and value.dim() > 0)
 
 

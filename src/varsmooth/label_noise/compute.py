@@ -30,7 +30,8 @@ import torch
 from torch.utils.data import DataLoader
 from transformers import default_data_collator
 
-from ..batchnorm import batchnorm_layers, draw_batchnorm_statistics
+from ..batchnorm import (DRAW_RECALIBRATION_EXAMPLES, batch_rows, batchnorm_layers,
+                         draw_batchnorm_statistics)
 from ..posterior import DiagonalGaussianPosterior, predictive_distribution
 from ..posterior.prediction import LABEL_KEYS
 from ..utils import atomic_path
@@ -173,7 +174,7 @@ def compute_label_noise(
     The draws come from the learned posterior (`temperature` = 1), whatever posterior temperature τ the model predicts
     with: ε̄ is by definition the noise that training with q induced, and a τ = 0 chosen for prediction would make it
     identically zero. For the same reason, in a model with BatchNorm each draw normalises with statistics of its own,
-    recomputed from (at most 10,000 of) the batches measured, as each sampled network normalised with its batch's
+    recomputed from (at most 2,000 of) the examples measured, as each sampled network normalised with its batch's
     statistics in training (`varsmooth.batchnorm.draw_batchnorm_statistics`; one more forward pass per draw and
     example); p̄ uses the model's own statistics.
 
@@ -221,13 +222,21 @@ def compute_label_noise(
     device = torch.device(device) if device is not None else next(model.parameters()).device
     if dataloader is None:
         dataloader = _default_dataloader(model, dataset, batch_size, collate_fn, label_column)
-    if batchnorm_layers(model) and iter(dataloader) is dataloader:  # read once per draw below, then once more
-        dataloader = list(dataloader)
+    draw_buffers = None
+    if batchnorm_layers(model):
+        # each draw normalises with statistics of its own, as each sampled network did while training; the batches
+        # they are computed from are read once (collating them again for every draw cost more than the passes)
+        if iter(dataloader) is dataloader:
+            dataloader = list(dataloader)
+        head, rows = [], 0
+        for batch in dataloader:
+            head.append({k: v for k, v in batch.items() if k not in LABEL_KEYS})
+            rows += batch_rows(batch)
+            if rows >= DRAW_RECALIBRATION_EXAMPLES:
+                break
+        draw_buffers = draw_batchnorm_statistics(model, posterior, lambda: (_to_device(b, device) for b in head),
+                                                 num_samples, seed)
     was_training = model.training
-    # BatchNorm: each draw normalises with statistics of its own, as each sampled network did while training
-    draw_buffers = draw_batchnorm_statistics(
-        model, posterior, lambda: ({k: v for k, v in _to_device(b, device).items() if k not in LABEL_KEYS} for b in dataloader),
-        num_samples, seed)
     model.eval()
     parts: dict[str, list[np.ndarray]] = {}
     try:
