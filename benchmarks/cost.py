@@ -383,7 +383,8 @@ def engine_timing(rounds: int, steps: int, skip: int, reps: int) -> dict:
                         dataloader_num_workers=0, seed=r, max_grad_norm=0.0, **cfg)
                     optimizers = (None, None) if kind.startswith("ivon") else (torch.optim.AdamW(m.parameters(), lr=1e-4, foreach=True), None)
                     clock = StepClock()
-                    trainer = VariationalTrainer(model=m, args=args, train_dataset=ds, callbacks=[clock], optimizers=optimizers)
+                    trainer = VariationalTrainer(model=m, args=args, train_dataset=ds, callbacks=[clock], optimizers=optimizers,
+                                             data_collator=device_batches)
                     trainer.remove_callback(PrinterCallback)
                     trainer.train()
                     times[job] = block_time(clock.ends, skip)
@@ -557,9 +558,16 @@ def _gpu_model_timing(name: str, rounds: int, steps: int, skip: int, batch: int,
 
     model = gpu_vit(name, image_size)
     g = torch.Generator().manual_seed(0)
-    n = batch * 4  # epochs repeat it: enough to shuffle, small in host memory
-    ds = common.ArrayDataset(torch.randn(n, 3, image_size, image_size, generator=g).numpy(),
-                             torch.randint(0, 100, (n,), generator=g).numpy())
+    n = batch * 4
+    # the images live on the device and the collator hands out whole batches of them: the step is the model and the
+    # optimizer alone (from host memory, loading 77 MB of float images per batch took longer than a ViT-small step)
+    images = torch.randn(n, 3, image_size, image_size, generator=g).to("cuda" if cuda else "cpu")
+    labels = torch.randint(0, 100, (n,), generator=g).to(images.device)
+    ds = common.ArrayDataset(torch.arange(n), torch.zeros(n, dtype=torch.long))  # rows are row numbers
+
+    def device_batches(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        index = torch.stack([row["pixel_values"] for row in rows]).to(images.device)
+        return {"pixel_values": images[index], "labels": labels[index]}
     rng = random.Random(0)
     per_round, peaks = [], {"ivon": [], "adamw_fused": []}
     with tempfile.TemporaryDirectory() as tmp:
@@ -573,10 +581,11 @@ def _gpu_model_timing(name: str, rounds: int, steps: int, skip: int, batch: int,
                 args = VariationalTrainingArguments(
                     output_dir=tmp, max_steps=steps, per_device_train_batch_size=batch, use_cpu=not cuda, bf16=True,
                     report_to=[], save_strategy="no", eval_strategy="no", logging_strategy="no", disable_tqdm=True,
-                    dataloader_num_workers=4 if cuda else 0, seed=r, max_grad_norm=0.0, **cfg)
+                    dataloader_num_workers=0, dataloader_pin_memory=False, seed=r, max_grad_norm=0.0, **cfg)
                 optimizers = (torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True), None) if kind != "ivon" else (None, None)
                 clock = _DeviceStepClock()
-                trainer = VariationalTrainer(model=m, args=args, train_dataset=ds, callbacks=[clock], optimizers=optimizers)
+                trainer = VariationalTrainer(model=m, args=args, train_dataset=ds, callbacks=[clock], optimizers=optimizers,
+                                             data_collator=device_batches)
                 trainer.remove_callback(PrinterCallback)
                 if cuda:
                     torch.cuda.empty_cache()
