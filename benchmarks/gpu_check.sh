@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# GPU checks of issue 35 in one go, at most 6.5 minutes (the sum of the step limits) on one H100/H200: the CUDA tests (tests/test_cuda.py: the engine's two CUDA paths
-# against ivon-opt with no host sync, and the FSDP2 runs through VariationalTrainer, a plain module and an HF ViT), the
+# GPU checks of issue 35 in one go, at most 7.5 minutes (the sum of the step limits) on one H100/H200: the CUDA
+# tests (tests/test_cuda.py: the engine's two CUDA paths against ivon-opt with no host sync, and the FSDP2 runs through VariationalTrainer, a plain module and an HF ViT), the
 # engine's cost (whole training step IVON ÷ AdamW(fused), ViT-small and ViT-base, bf16, batch 128, and peak memory
 # IVON − AdamW: benchmarks/cost.py --gpu) and the main job on CUDA (checked by .ci/check_main_job.py). Needs no
 # network. Logs and results go to $OUT.
@@ -47,8 +47,9 @@ if [ "$DRY" = 1 ]; then  # on a CPU: compiling the kernels for ViT's 200 tensors
   step cost_gpu 900 $PY benchmarks/cost.py --gpu --models vit_small --rounds 1 --steps 3 --skip 1 --batch 2 \
     --image-size 32 --out "$OUT/cost"
   main_limit=600
-else  # 390 s in all (an H100 took 115 s for the tests and 85 s for the main job)
-  step test_cuda 130 $PY -m pytest -q -rs --junitxml="$OUT/test_cuda.xml" tests/test_cuda.py
+else  # 440 s in all (an H100 took 115-130 s for the tests, 82 s for the main job)
+  # -v names each test as it ends and --timeout bounds each one, so that a failing run still says which failed
+  step test_cuda 180 $PY -m pytest -v -rs --timeout 60 --tb=short --junitxml="$OUT/test_cuda.xml" tests/test_cuda.py
   step cost_gpu 160 $PY benchmarks/cost.py --gpu --rounds 2 --steps 15 --skip 5 --batch 128 --image-size 224 \
     --out "$OUT/cost"
   main_limit=100
