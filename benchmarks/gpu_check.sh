@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # GPU checks of issue 35 in one go, at most 7.5 minutes (the sum of the step limits) on one H100/H200: the CUDA
-# tests (tests/test_cuda.py: the engine's two CUDA paths against ivon-opt with no host sync, and the FSDP2 runs through VariationalTrainer, a plain module and an HF ViT), the
-# engine's cost (whole training step IVON ÷ AdamW(fused), ViT-small and ViT-base, bf16, batch 128, and peak memory
-# IVON − AdamW: benchmarks/cost.py --gpu) and the main job on CUDA (checked by .ci/check_main_job.py). Needs no
+# tests (tests/test_cuda.py: the engine's two CUDA paths against ivon-opt with no host sync, and the FSDP2 runs through
+# VariationalTrainer, a plain module and an HF ViT), the engine's cost (whole training step IVON ÷ AdamW(fused),
+# ViT-small and ViT-base, bf16, batch 128, and peak memory IVON − AdamW: benchmarks/cost.py --gpu) and the main job on
+# CUDA (checked by .ci/check_main_job.py). Needs no
 # network. Logs and results go to $OUT.
 #
 #   PYTHONPATH=src OUT=/some/folder bash benchmarks/gpu_check.sh
