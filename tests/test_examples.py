@@ -124,8 +124,9 @@ def test_do_train_and_do_eval_choose_what_runs(tmp_path):
 def test_do_predict_logging_steps_and_tensorboard_as_in_hugging_faces_examples(tmp_path):
     pytest.importorskip("tensorboard", reason="tensorboard is not installed (the `tensorboard` or `test` extra)")
     out = tmp_path / "out"
+    # τ fixed at the learned posterior: the prediction averages draws, so the file has their mutual information
     result = _image("--max_steps", "4", "--logging_steps", "2", "--do_train", "--do_eval", "--do_predict",
-                    "--report_to", "tensorboard", "--output_dir", str(out))
+                    "--report_to", "tensorboard", "--posterior_temperature", "1", "--output_dir", str(out))
     assert result.returncode == 0, result.stderr[-3000:]
     # the explicit --logging_steps is honoured (the example's own default logs once an epoch: 4 steps here)
     assert len([line for line in result.stdout.splitlines() if line.startswith("{'loss'")]) == 2
@@ -138,6 +139,8 @@ def test_do_predict_logging_steps_and_tensorboard_as_in_hugging_faces_examples(t
     assert metrics["test_accuracy"] == pytest.approx(np.mean([r[1] == r[2] for r in rows]), abs=1e-4)
     confidence, entropy = (np.array([float(r[i]) for r in rows]) for i in (3, 4))
     assert np.all(confidence >= 0.1 - 1e-6) and np.all((entropy >= 0) & (entropy <= np.log(10) + 1e-6))
+    mutual_information = np.array([float(r[5]) for r in rows])
+    assert np.all((mutual_information >= -1e-6) & (mutual_information <= entropy + 1e-6)) and mutual_information.max() > 0
 
 
 def test_do_predict_is_refused_before_training_without_a_test_split_or_across_processes():
