@@ -244,10 +244,11 @@ def test_the_image_example_default_run_learns_a_posterior_and_exports_adaptive_n
 
 @pytest.mark.slow
 @pytest.mark.xfail(strict=True, reason=(
-    "On the digits default (a ResNet, 1,149 images, ess = N) the learned posterior is wide enough to saturate the "
-    "softmax: P̂ is near uniform, so ‖ε̄‖₁ ≈ ‖p̄ − P̂‖₁ is largest for confident examples (Spearman ρ with the "
-    "entropy at the mean −0.4 to −0.9 with the fixed β2 and with the rule); the paper's small-σ regime needs "
-    "ess = 10N here (ρ = +0.34), at −14 points of test accuracy. benchmarks/README.md, 'The default posterior'."))
+    "On the digits default (a ResNet, 1,149 images, ess = N) the learned σ ≈ 0.25 makes each posterior draw a far "
+    "worse network than the mean (65 % against 94 % training accuracy, each with its own BatchNorm statistics), so "
+    "‖ε̄‖₁ ≈ ‖p̄ − P̂‖₁ is largest for confident examples (Spearman ρ with the entropy at the mean −0.65 ± 0.06 over 3 "
+    "seeds); the paper's small-σ regime (ρ > 0 at τ ≤ 0.3) needs a smaller σ than the one that regularises this small "
+    "noisy set best: ess = 10N gives ρ = +0.53 at −17 points of accuracy. benchmarks/README.md, 'The default posterior'."))
 def test_the_image_example_label_noise_is_larger_for_ambiguous_examples(image_example_run):
     out, _ = image_example_run
     assert _spearman_with_entropy_at_the_mean(out) > 0
