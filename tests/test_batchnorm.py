@@ -1,6 +1,7 @@
 """BatchNorm statistics recomputed at the posterior mean when training with a posterior ends (varsmooth.batchnorm)."""
 
 import copy
+import json
 
 import numpy as np
 import pytest
@@ -8,7 +9,7 @@ import torch
 from torch.optim.swa_utils import update_bn
 
 from helpers import digits_images, make_args, tiny_digits_resnet
-from varsmooth import VariationalTrainer
+from varsmooth import LabelNoiseCallback, VariationalTrainer
 from varsmooth.batchnorm import batchnorm_layers, recompute_batchnorm_statistics
 from varsmooth.hub.card import build_model_card
 from varsmooth.label_noise import compute_label_noise
@@ -109,3 +110,15 @@ def test_the_label_noise_export_draws_normalise_with_their_own_statistics(tmp_pa
     torch.testing.assert_close(torch.as_tensor(np.asarray(noise["mean_probs"]), dtype=torch.float32), mean, atol=1e-5, rtol=1e-4)
     for before, after in zip(own, _statistics(model), strict=True):
         assert torch.equal(before, after)
+
+
+def test_the_export_and_the_card_say_that_each_draw_had_its_own_statistics(tmp_path):
+    out = tmp_path / "run"
+    trainer = VariationalTrainer(model=tiny_digits_resnet(0), train_dataset=digits_images(64),
+                                 callbacks=[LabelNoiseCallback(num_samples=2)],
+                                 args=make_args(out, max_steps=2, per_device_train_batch_size=32, posterior_temperature=1.0))
+    trainer.train()
+    trainer.save_model()
+    assert json.loads((out / "label_noise_summary.json").read_text())["batchnorm_statistics_per_draw"] is True
+    card = build_model_card(trainer.run_record(), trainer.model, out).text
+    assert "(2 posterior samples at τ = 1, each normalised with BatchNorm statistics of its own, as in training)" in card

@@ -218,7 +218,8 @@ def _label_noise_numbers(summary: dict[str, Any]) -> str | None:
         return None
     how = (f" ({summary['num_samples']} posterior samples" if "num_samples" in summary else "") + (
         f" at τ = {summary['posterior_temperature']:g}" if "posterior_temperature" in summary else "") + (
-        ")" if "num_samples" in summary else "")
+        ", each normalised with BatchNorm statistics of its own, as in training" if summary.get(
+            "batchnorm_statistics_per_draw") else "") + (")" if "num_samples" in summary else "")
     text = (f"Over the {summary.get('num_examples', 'training')} training examples{how}, |ε̄|₁ has mean {l1['mean']:.3g} "
             f"and median {l1['q50']:.3g}, from {l1['q10']:.3g} (10th percentile) to {l1['q90']:.3g} (90th).")
     clean, corrupted = (summary.get(k, {}).get("noise_l1") for k in ("clean", "corrupted"))

@@ -11,6 +11,7 @@ from typing import Any
 import datasets
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
+from ..batchnorm import batchnorm_layers
 from .compute import write_label_noise
 
 __all__ = ["LabelNoiseCallback"]
@@ -100,7 +101,8 @@ class LabelNoiseCallback(TrainerCallback):
         # the export samples the learned posterior (τ = 1, `compute_label_noise`); τ of the predictions is noted apart
         metadata = {"epoch": state.epoch, "global_step": state.global_step, "num_samples": self.num_samples,
                     "seed": seed, **posterior.summary(), "posterior_temperature": 1.0,
-                    "prediction_posterior_temperature": posterior.temperature}
+                    "prediction_posterior_temperature": posterior.temperature,
+                    "batchnorm_statistics_per_draw": bool(batchnorm_layers(posterior.model))}  # compute_label_noise
         path, summary_path = write_label_noise(noise, args.output_dir, name, metadata)
         if self.plots:
             self._draw(noise, dataset, args.output_dir, name)
