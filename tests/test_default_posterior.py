@@ -278,3 +278,24 @@ def test_the_pipeline_measures_uncertainty_under_the_learned_posterior_when_it_p
     assert max(a["mutual_information"] for a in answers) > 0
     no_draws = pipeline("image-classification", model=str(out), num_samples=0)
     assert no_draws(images[0], return_uncertainty=True)["mutual_information"] is None  # none measured: none reported
+
+
+@pytest.mark.parametrize("hess_change, noise_l1, test_nll, failures", [
+    (0.97, 0.73, 0.42, []),
+    (0.011, 0.73, 0.42, ["the posterior did not learn"]),
+    (0.97, 0.0, 0.42, ["the label-noise export is zero"]),
+    (0.97, 0.73, 0.50, ["the reported prediction is worse than the posterior mean"]),
+])
+def test_ci_fails_the_main_job_whose_posterior_did_not_learn_or_whose_export_is_zero(tmp_path, hess_change, noise_l1,
+                                                                                     test_nll, failures):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("check_main_job", ROOT / ".ci" / "check_main_job.py")
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    (tmp_path / "label_noise_summary.json").write_text(json.dumps({
+        "hess_change_median": hess_change, "all": {"noise_l1": {"mean": noise_l1}},
+        "adaptivity": {"noise_l1_q90_over_q10": 2.0, "noise_l1_entropy_spearman": -0.7}}))
+    (tmp_path / "all_results.json").write_text(json.dumps({"test_nll": test_nll, "test_mean_nll": 0.42}))
+    found = check.problems(tmp_path)
+    assert [problem.split(":")[0] for problem in found] == failures
