@@ -110,6 +110,10 @@ def test_the_label_noise_export_draws_normalise_with_their_own_statistics(tmp_pa
     torch.testing.assert_close(torch.as_tensor(np.asarray(noise["mean_probs"]), dtype=torch.float32), mean, atol=1e-5, rtol=1e-4)
     for before, after in zip(own, _statistics(model), strict=True):
         assert torch.equal(before, after)
+    # batches that can be read only once: the ones the draws' statistics took are still measured
+    once = iter([{"pixel_values": x[i:i + 32], "labels": ds[i:i + 32]["label"]} for i in (0, 32)])
+    again = compute_label_noise(model, posterior, ds, num_samples=4, dataloader=once)
+    assert np.array_equal(np.asarray(again["predictive_probs"]), np.asarray(noise["predictive_probs"]))
 
 
 def test_the_export_and_the_card_say_that_each_draw_had_its_own_statistics(tmp_path):

@@ -23,7 +23,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from transformers import TrainerCallback
 
 from .posterior import DiagonalGaussianPosterior
-from .posterior.prediction import draw_seeds, model_outputs
+from .posterior.prediction import draw_seeds, model_outputs, restored_buffers
 
 __all__ = ["DRAW_RECALIBRATION_EXAMPLES", "RECALIBRATION_EXAMPLES", "RECOMPUTED_LOG_KEY", "BatchNormRecalibrationCallback",
            "batch_rows", "batchnorm_layers", "draw_batchnorm_statistics", "recompute_batchnorm_statistics"]
@@ -97,19 +97,14 @@ def draw_batchnorm_statistics(model: torch.nn.Module, posterior: DiagonalGaussia
     layers = batchnorm_layers(model)
     if not layers:
         return None
-    names = {f"{name}.{buffer}" for name, module in model.named_modules() if module in layers
-             for buffer, _ in module.named_buffers(recurse=False)}
-    named = {name: buffer for name, buffer in model.named_buffers() if name in names}
-    own = {name: buffer.clone() for name, buffer in named.items()}
+    names = [f"{name}.{buffer}" for name, module in model.named_modules() if module in layers
+             for buffer, _ in module.named_buffers(recurse=False)]
     statistics = []
-    try:
+    with restored_buffers(model, names) as named:
         for draw_seed, mirrored in draw_seeds(seed, num_samples):
             with posterior.sampled(draw_seed, mirrored=mirrored):
                 recompute_batchnorm_statistics(model, batches(), max_examples)
-            statistics.append({name: buffer.clone() for name, buffer in named.items()})
-    finally:
-        for name, value in own.items():
-            named[name].copy_(value)
+            statistics.append({name: named[name].clone() for name in names})
     return statistics
 
 

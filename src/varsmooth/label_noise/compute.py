@@ -18,6 +18,7 @@ found by a low posterior-predictive confidence P̂_y instead (see `varsmooth.lab
 from __future__ import annotations
 
 import inspect
+import itertools
 import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
@@ -226,14 +227,15 @@ def compute_label_noise(
     if batchnorm_layers(model):
         # each draw normalises with statistics of its own, as each sampled network did while training; the batches
         # they are computed from are read once (collating them again for every draw cost more than the passes)
-        if iter(dataloader) is dataloader:
-            dataloader = list(dataloader)
+        batches = iter(dataloader)
         head, rows = [], 0
-        for batch in dataloader:
-            head.append({k: v for k, v in batch.items() if k not in LABEL_KEYS})
+        for batch in batches:
+            head.append(batch)
             rows += batch_rows(batch)
             if rows >= DRAW_RECALIBRATION_EXAMPLES:
                 break
+        if batches is dataloader:  # an iterator: what the head took is measured below all the same
+            dataloader = itertools.chain(head, batches)
         draw_buffers = draw_batchnorm_statistics(model, posterior, lambda: (_to_device(b, device) for b in head),
                                                  num_samples, seed)
     was_training = model.training

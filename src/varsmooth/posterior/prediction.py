@@ -9,6 +9,7 @@ export needs.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -19,7 +20,7 @@ from transformers.utils import ModelOutput
 from .gaussian import DiagonalGaussianPosterior
 from .seeds import derive_seed
 
-__all__ = ["VariationalClassifierOutput", "average_predictions", "draw_seeds", "entropy", "predictive_distribution", "sampled_probs", "model_logits", "model_outputs", "logits_of",
+__all__ = ["VariationalClassifierOutput", "average_predictions", "draw_seeds", "entropy", "predictive_distribution", "sampled_probs", "restored_buffers", "model_logits", "model_outputs", "logits_of",
            "IGNORE_INDEX", "LABEL_KEYS"]
 
 LABEL_KEYS = ("labels", "label", "label_ids")
@@ -126,14 +127,21 @@ def sampled_probs(model: torch.nn.Module, posterior: DiagonalGaussianPosterior, 
     `varsmooth.batchnorm.draw_batchnorm_statistics`); the model's own are back once the draws are done."""
     if num_samples <= 0 or posterior.is_point_mass or posterior.temperature == 0:
         return
-    named = dict(model.named_buffers()) if draw_buffers else {}
-    own = {name: named[name].clone() for name in draw_buffers[0]} if draw_buffers else {}
-    try:
+    with restored_buffers(model, draw_buffers[0] if draw_buffers else ()) as named:
         for s, (draw_seed, mirrored) in enumerate(draw_seeds(seed, num_samples)):
             with posterior.sampled(draw_seed, mirrored=mirrored):
                 for name, value in (draw_buffers[s] if draw_buffers else {}).items():
                     named[name].copy_(value)
                 yield model_logits(model, inputs).softmax(-1)
+
+
+@contextlib.contextmanager
+def restored_buffers(model: torch.nn.Module, names: Iterable[str]) -> Iterator[dict[str, torch.Tensor]]:
+    """The buffers `names` of `model`, by name, to change inside the block; their values are back after it."""
+    named = dict(model.named_buffers())
+    own = {name: named[name].clone() for name in names}
+    try:
+        yield named
     finally:
         for name, value in own.items():
             named[name].copy_(value)
