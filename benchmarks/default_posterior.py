@@ -26,6 +26,7 @@ label-noise export's spread (90th/10th percentile of ‖ε̄‖₁) and its Spea
 at the posterior mean.
 
     OMP_NUM_THREADS=1 python benchmarks/default_posterior.py --part examples      # runs cached in results/default_posterior/
+    OMP_NUM_THREADS=1 python benchmarks/default_posterior.py --part noise-rates   # the image example at 0-40 % noise
     OMP_NUM_THREADS=1 python benchmarks/default_posterior.py --part mnist
     OMP_NUM_THREADS=1 python benchmarks/default_posterior.py --part lora
     python benchmarks/default_posterior.py --report                               # the tables from the cached runs
@@ -62,6 +63,10 @@ MNIST_EPOCHS = 20
 MNIST_TRAIN_SIZE = 9000  # common.load_mnist's training split
 LORA_FIXED = "ivon-lora"  # lora.py's IVON-LoRA with the preset's fixed β2 (0.99999, given explicitly there)
 LORA_RULE = "ivon-lora-default"  # the same with β2 unset: the run-length rule
+#: symmetric noise rates of the image example's default run for the adaptivity table (0.4 is its default)
+NOISE_RATES = (0.0, 0.2, 0.3, 0.4)
+#: where the export's ‖ε̄‖₁ peaks in the posterior mean's confidence (varsmooth.label_noise.compute.noise_adaptivity)
+PEAK_FACTS = ("mean_confidence_median", "noise_l1_peak_confidence", "below_noise_peak_share")
 
 
 def _setting_name(window: float | None, ess_factor: float = 1.0) -> str:
@@ -70,26 +75,33 @@ def _setting_name(window: float | None, ess_factor: float = 1.0) -> str:
 
 
 # -- the examples -------------------------------------------------------------------------------------------------
-def run_example(example: str, seed: int, window: float | None, ess_factor: float = 1.0) -> dict[str, Any]:
-    """One example run at its defaults (+ `--beta2` of the preset for `fixed`, `--hessian_window` for a rule, and
-    `--ess` = `ess_factor` × the training-set size when the factor is not 1)."""
+def run_example(example: str, seed: int, window: float | None, ess_factor: float = 1.0,
+                noise_rate: float | None = None) -> dict[str, Any]:
+    """One example run at its defaults (+ `--beta2` of the preset for `fixed`, `--hessian_window` for a rule,
+    `--ess` = `ess_factor` × the training-set size when the factor is not 1, and symmetric noise at `noise_rate`
+    (0: none) instead of the example's own when it is given)."""
     script, fixed_beta2 = EXAMPLES[example]
     setting = _setting_name(window, ess_factor)
     name = f"{example}_{setting.replace(' ', '_').replace('=', '').replace(',', '')}_s{seed}"
+    if noise_rate is not None:
+        name += f"_sym{noise_rate:g}"
     path = OUT_DIR / "runs" / f"{name}.json"
     if path.is_file():
         return json.loads(path.read_text())
     with tempfile.TemporaryDirectory(prefix="varsmooth-default-posterior-") as tmp:
-        result = _run_example_in(Path(tmp) / name, script, example, seed, window, fixed_beta2, ess_factor, setting)
+        result = _run_example_in(Path(tmp) / name, script, example, seed, window, fixed_beta2, ess_factor, setting,
+                                 noise_rate)
     common.write_json(path, result)
     return result
 
 
 def _run_example_in(folder: Path, script: str, example: str, seed: int, window: float | None, fixed_beta2: float,
-                    ess_factor: float, setting: str) -> dict:
+                    ess_factor: float, setting: str, noise_rate: float | None) -> dict:
     flags = ["--beta2", str(fixed_beta2)] if window is None else ["--hessian_window", str(window)]
     if ess_factor != 1.0:
         flags += ["--ess", str(ess_factor * EXAMPLE_TRAIN_SIZES[example])]
+    if noise_rate is not None:
+        flags += ["--noise_type", "none"] if noise_rate == 0 else ["--noise_type", "symmetric", "--noise_rate", str(noise_rate)]
     command = [sys.executable, script, "--seed", str(seed), "--output_dir", str(folder), *flags]
     print(f"[{SCRIPT}] {' '.join(command)}", flush=True)
     done = subprocess.run(command, cwd=ROOT, check=True, capture_output=True, text=True,
@@ -103,6 +115,8 @@ def _run_example_in(folder: Path, script: str, example: str, seed: int, window: 
               "test_mean_acc": metrics.get("test_mean_accuracy"), "posterior_temperature": metrics.get("test_posterior_temperature"),
               "train_s": metrics.get("train_runtime"), "tau_s": float(tau_s.group(1)) if tau_s else None,
               "export_s": float(export_s.group(1)) if export_s else None, **posterior_facts(folder)}
+    if noise_rate is not None:
+        result["noise_rate"] = noise_rate
     return result
 
 
@@ -129,6 +143,8 @@ def posterior_facts(folder: Path) -> dict[str, Any]:
         q10, q90 = np.quantile(l1, [0.1, 0.9])
         facts.update(noise_l1_mean=float(l1.mean()), noise_l1_q90_over_q10=float(q90 / q10) if q10 > 0 else float("inf"),
                      noise_entropy_spearman=float(spearmanr(l1, entropy).statistic))
+        adaptivity = json.loads((folder / "label_noise_summary.json").read_text())["adaptivity"]
+        facts.update({k: adaptivity[k] for k in PEAK_FACTS})
     return facts
 
 
@@ -170,7 +186,8 @@ def _cached_rows() -> list[dict[str, Any]]:
     rows = [json.loads(p.read_text()) for p in sorted((OUT_DIR / "runs").glob("*.json"))]
     out = []
     for r in rows:
-        out.append({**r, "task": f"{r['example']} example (defaults)"})
+        if "noise_rate" not in r:
+            out.append({**r, "task": f"{r['example']} example (defaults)"})
     for job in mnist_jobs():
         cached = common.cached(**{k: v for k, v in job.items() if k in common._CACHED_KEYS})
         if cached is not None:
@@ -227,9 +244,39 @@ def report() -> str:
     return "\n".join(lines) + "\n"
 
 
+def noise_rate_report() -> str:
+    """ρ(‖ε̄‖₁, entropy at the mean) of the image example's default run against its symmetric noise rate."""
+    rows = [json.loads(p.read_text()) for p in sorted((OUT_DIR / "runs").glob("image_*_sym*.json"))]
+    lines = [
+        "Written by `benchmarks/default_posterior.py --part noise-rates --report`: the image example's default run "
+        "(the library's default posterior) with `--noise_type symmetric --noise_rate r` (r = 0: `--noise_type none`; "
+        "0.4 is the default). `conf. median`: median confidence max_k p̄_k of the posterior mean on the training "
+        "examples; `peak at`: the confidence where ‖ε̄‖₁ is largest (the median of the confidence decile with the "
+        "largest mean ‖ε̄‖₁); `below peak`: the share of examples predicted less confidently than that "
+        "(`varsmooth.label_noise.compute.noise_adaptivity`).",
+        "",
+        "| noise rate | n | acc % | NLL | Δh | ‖ε̄‖₁ q90/q10 | ρ(ε̄, H) | conf. median | peak at | below peak |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+
+    def pm(values: list[Any], scale: float = 1.0, digits: int = 3) -> str:
+        return common.fmt_pm(values, scale=scale, digits=digits)
+
+    for rate in sorted({r["noise_rate"] for r in rows}):
+        rs = [r for r in rows if r["noise_rate"] == rate]
+        col = lambda k: [r[k] for r in rs]  # noqa: E731
+        lines.append(
+            f"| {rate:g} | {len(rs)} | {pm(col('test_acc'), 100, 1)} | {pm(col('test_nll'))} | "
+            f"{pm(col('hess_change_median'), digits=2)} | {pm(col('noise_l1_q90_over_q10'), digits=2)} | "
+            f"{pm(col('noise_entropy_spearman'), digits=2)} | {pm(col('mean_confidence_median'), digits=3)} | "
+            f"{pm(col('noise_l1_peak_confidence'), digits=3)} | {pm(col('below_noise_peak_share'), 100, 0)} % |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--part", choices=["examples", "mnist", "lora"], action="append", default=[])
+    parser.add_argument("--part", choices=["examples", "noise-rates", "mnist", "lora"], action="append", default=[])
     parser.add_argument("--examples", nargs="+", default=list(EXAMPLES), choices=list(EXAMPLES))
     parser.add_argument("--windows", nargs="+", type=float, default=[0.1],
                         help="hessian_window values of the rule runs of the examples (0.1 = the library default)")
@@ -245,6 +292,10 @@ def main(argv: list[str] | None = None) -> None:
                 for window in a.windows:
                     for factor in a.ess_factors:
                         run_example(example, seed, window, factor)
+    if "noise-rates" in a.part:
+        for seed in a.seeds:
+            for rate in NOISE_RATES:
+                run_example("image", seed, 0.1, noise_rate=rate)
     if "mnist" in a.part:  # cached by robustness.py where it ran them
         common.run_parallel([j for j in mnist_jobs() if j["seed"] in a.seeds], workers=1)
     if "lora" in a.part:
@@ -255,11 +306,12 @@ def main(argv: list[str] | None = None) -> None:
                 for name in (LORA_FIXED, LORA_RULE):
                     lora.run(task, name, seed)
     if a.report or not a.part:
-        text = report()
+        text, rates = report(), noise_rate_report()
         OUT_DIR.mkdir(parents=True, exist_ok=True)
-        (OUT_DIR / "README.md").write_text(text)
+        (OUT_DIR / "README.md").write_text(f"{text}\n{rates}")
         common.write_readme_section(SCRIPT, "\n".join(text.splitlines()[2:]))  # the table, under the README's heading
-        print(text)
+        common.write_readme_section(f"{SCRIPT}_noise_rates", rates)
+        print(text, rates, sep="\n")
 
 
 if __name__ == "__main__":

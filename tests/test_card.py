@@ -196,10 +196,17 @@ def test_the_card_reports_max_steps_and_what_the_posterior_learned(run):
 def test_the_card_says_whether_this_runs_label_noise_is_larger_for_ambiguous_examples(run, tmp_path, rho, says):
     trainer, out = run
     summary = json.loads((out / "label_noise_summary.json").read_text())
-    assert set(summary["adaptivity"]) == {"noise_l1_q90_over_q10", "noise_l1_entropy_spearman"}  # measured by the export
-    summary["adaptivity"]["noise_l1_entropy_spearman"] = rho
+    adaptivity = summary["adaptivity"]  # measured by the export
+    assert set(adaptivity) == {"noise_l1_q90_over_q10", "noise_l1_entropy_spearman", "mean_confidence_median",
+                               "noise_l1_peak_confidence", "below_noise_peak_share"}
+    adaptivity["noise_l1_entropy_spearman"] = rho
     text = _card_with_summary(trainer, tmp_path, summary)
     assert f"On this run {says}" in text and f"Spearman ρ = {rho:.2f}" in text
+    # where it is not, the card says where the noise peaks and how many examples sit on its ambiguous side
+    why = (f"largest where the posterior mean predicts with confidence ≈ {adaptivity['noise_l1_peak_confidence']:.2f}"
+           f" and smaller for less confident predictions")
+    assert (why in text) == (rho <= 0)
+    assert (f"{adaptivity['below_noise_peak_share']:.0%} of the examples are predicted less confidently" in text) == (rho <= 0)
 
 
 def test_a_card_at_the_posterior_mean_says_so_and_why(run):

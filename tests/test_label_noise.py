@@ -30,6 +30,7 @@ from varsmooth.label_noise import (
     summarize_label_noise,
     write_label_noise,
 )
+from varsmooth.label_noise.compute import noise_adaptivity
 from varsmooth.posterior import derive_seed
 
 # ε(m, v=1) by 64-node Gauss–Hermite quadrature, computed separately and printed to 5 decimals
@@ -303,6 +304,27 @@ def test_summary_splits_by_corruption():
         assert summary["detection"]["scores"][score]["auroc"] == pytest.approx(auroc)
         top = np.argsort(-values, kind="stable")[: corrupted.sum()]
         assert summary["detection"]["scores"][score]["precision_at_k"] == pytest.approx(corrupted[top].mean())
+
+
+@pytest.mark.parametrize("v, logits, rho_sign", [
+    (1.0, np.linspace(0.05, 1.2, 200), -1),  # every example below Eq. 12's peak (m* = 1.53): noise falls with ambiguity
+    (1.0, np.linspace(2.0, 6.0, 200), 1),  # every example above it: noise grows with ambiguity
+    (0.25, np.linspace(0.05, 6.0, 400), 1),  # most above it (m* = 1.38)
+])
+def test_adaptivity_finds_where_the_expected_noise_peaks(v, logits, rho_sign):
+    # 2 classes, p̄ = σ(m), ‖ε̄‖₁ = 2|ε(m, v)| by the closed form of Eq. 12: the peak and the correlation's sign follow
+    mean_probs = np.stack([expit(-logits), expit(logits)], 1)
+    l1 = 2 * np.abs(logistic_label_noise(logits, v))
+    table = datasets.Dataset.from_dict({"noise_l1": l1, "mean_probs": mean_probs})
+    got = noise_adaptivity(table)
+    confidence = expit(logits)
+    peak_m, _ = logistic_label_noise_peak(v)
+    expected_peak = expit(np.clip(peak_m, logits.min(), logits.max()))  # the peak, or the edge nearest to it
+    decile_width = max(np.ptp(b) for b in np.array_split(np.sort(confidence), 10))  # the peak is a decile's median
+    assert got["noise_l1_peak_confidence"] == pytest.approx(expected_peak, abs=decile_width)
+    assert got["below_noise_peak_share"] == pytest.approx((confidence < got["noise_l1_peak_confidence"]).mean())
+    assert got["mean_confidence_median"] == pytest.approx(np.median(confidence))
+    assert np.sign(got["noise_l1_entropy_spearman"]) == rho_sign
 
 
 # -- trainer end to end -------------------------------------------------------------------------------------------

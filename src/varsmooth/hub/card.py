@@ -206,9 +206,15 @@ def _adaptivity_text(adaptivity: dict | None) -> str:
     if rho > 0:
         return (f"On this run it is larger for ambiguous examples, as the paper finds (Spearman ρ = {rho:.2f} between "
                 f"‖ε̄‖₁ and the entropy of the posterior-mean prediction; its 90th percentile is {spread:.2g}× its 10th).")
-    return (f"On this run it is *not* larger for ambiguous examples (Spearman ρ = {rho:.2f} between ‖ε̄‖₁ and the "
-            "entropy of the posterior-mean prediction): the learned posterior is wide enough to flatten the averaged "
-            f"prediction P̂, so ε̄ grows with the confidence of p̄ (its 90th percentile is {spread:.2g}× its 10th).")
+    text = (f"On this run it is *not* larger for ambiguous examples (Spearman ρ = {rho:.2f} between ‖ε̄‖₁ and the "
+            f"entropy of the posterior-mean prediction; its 90th percentile is {spread:.2g}× its 10th).")
+    if "noise_l1_peak_confidence" in adaptivity:
+        text += (f" ‖ε̄‖₁ is largest where the posterior mean predicts with confidence ≈ "
+                 f"{adaptivity['noise_l1_peak_confidence']:.2f} and smaller for less confident predictions, as the paper's "
+                 "Eq. 12 and Fig. 2 describe (no noise at the decision boundary); "
+                 f"{adaptivity['below_noise_peak_share']:.0%} of the examples are predicted less confidently than that "
+                 f"(median confidence {adaptivity['mean_confidence_median']:.2f}).")
+    return text
 
 
 def _label_noise_numbers(summary: dict[str, Any]) -> str | None:

@@ -321,11 +321,18 @@ def summarize_label_noise(noise: datasets.Dataset) -> dict[str, Any]:
     return summary
 
 
-def noise_adaptivity(noise: datasets.Dataset) -> dict[str, float]:
+def noise_adaptivity(noise: datasets.Dataset, num_bins: int = 10) -> dict[str, float]:
     """Whether the label noise is adaptive, as the paper's first claim says (Yang et al. 2025, Sec. 3 and Fig. 3): its
     size varies across examples (`noise_l1_q90_over_q10`: 90th over 10th percentile of ‖ε̄‖₁, 1 for a constant noise,
     as label smoothing adds) and is larger for ambiguous ones (`noise_l1_entropy_spearman`: Spearman correlation of
-    ‖ε̄‖₁ with the entropy of the posterior-mean prediction p̄)."""
+    ‖ε̄‖₁ with the entropy of the posterior-mean prediction p̄).
+
+    Whether the second holds depends on where the examples sit: the expected noise vanishes at the decision boundary
+    and peaks at a moderately confident p̄ (same paper, Eq. 12 and Fig. 2; for a narrow posterior at p̄ ≈ 0.79 with
+    2 classes, `theory.logistic_label_noise_peak`), so it grows with ambiguity only across examples more confident than
+    that peak. Measured here: `noise_l1_peak_confidence`, the median confidence max_k p̄_k of the one of `num_bins`
+    equal-count confidence bins with the largest mean ‖ε̄‖₁, `below_noise_peak_share`, the share of examples predicted
+    less confidently than it, and `mean_confidence_median`."""
     from scipy.stats import spearmanr
 
     table = noise.with_format("numpy", columns=["noise_l1", "mean_probs"])[:]
@@ -333,7 +340,12 @@ def noise_adaptivity(noise: datasets.Dataset) -> dict[str, float]:
     entropy = -(mean_probs * np.log(np.clip(mean_probs, 1e-30, None))).sum(-1)
     q10, q90 = np.quantile(l1, [0.1, 0.9])
     rho = spearmanr(l1, entropy).statistic if len(l1) > 1 and l1.std() > 0 and entropy.std() > 0 else float("nan")
-    return {"noise_l1_q90_over_q10": float(q90 / q10) if q10 > 0 else float("inf"), "noise_l1_entropy_spearman": float(rho)}
+    confidence = mean_probs.max(-1)
+    bins = [b for b in np.array_split(np.argsort(confidence, kind="stable"), num_bins) if len(b)]
+    peak = float(np.median(confidence[max(bins, key=lambda b: l1[b].mean())]))
+    return {"noise_l1_q90_over_q10": float(q90 / q10) if q10 > 0 else float("inf"), "noise_l1_entropy_spearman": float(rho),
+            "mean_confidence_median": float(np.median(confidence)), "noise_l1_peak_confidence": peak,
+            "below_noise_peak_share": float((confidence < peak).mean())}
 
 
 def write_label_noise(
