@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from safetensors import safe_open
 
 from helpers import TinyClassifier, digits_dataset, make_args
 from varsmooth import LabelNoiseCallback, VariationalModel, VariationalTrainer, pipeline
@@ -242,7 +243,18 @@ def test_the_image_example_default_run_learns_a_posterior_and_exports_adaptive_n
     _check_the_run_means_something(*image_example_run)
     # why the next test fails: most examples sit on the ambiguous side of where ‖ε̄‖₁ peaks (the card says so)
     out, _ = image_example_run
-    assert json.loads((out / "label_noise_summary.json").read_text())["adaptivity"]["below_noise_peak_share"] > 0.5
+    summary = json.loads((out / "label_noise_summary.json").read_text())
+    assert summary["adaptivity"]["below_noise_peak_share"] > 0.5
+    # the card tells forgetting h0 from learning: the share of weights whose h, recovered from the saved σ, ends ≥ 10 %
+    # away from h0·β2^T, where the moving average takes h0 without curvature
+    with safe_open(str(out / "posterior.safetensors"), framework="np") as f:
+        meta = json.loads(f.metadata()["varsmooth"])
+        std = np.concatenate([f.get_tensor(k).ravel() for k in f.keys()]).astype(np.float64)
+    hess = 1.0 / (meta["ess"] * std**2) - meta["weight_decay"]
+    decayed = meta["hess_init"] * meta["beta2"] ** summary["global_step"]
+    share = (np.abs(hess - decayed) >= 0.1 * decayed).mean()
+    assert summary["hess_data_share"] == pytest.approx(share, abs=1e-3)
+    assert f"h ends at least 10% away from that value in {share:.0%} of the weights" in (out / "README.md").read_text()
 
 
 @pytest.mark.slow

@@ -22,7 +22,7 @@ from helpers import TinyClassifier, digits_dataset, digits_images, make_args, re
 from varsmooth import (POSTERIOR_FILE, DiagonalGaussianPosterior, VariationalModel, VariationalTrainer,
                        VariationalTrainingArguments)
 from varsmooth.posterior import VariationalIVON
-from varsmooth.posterior.diagnostics import HESSIAN_STUCK_TOLERANCE
+from varsmooth.posterior.diagnostics import HESSIAN_STUCK_TOLERANCE, hessian_summary
 from varsmooth.methods.ivon import check_ivon_sharding
 
 REPO = Path(__file__).resolve().parents[1]
@@ -569,6 +569,25 @@ def test_hessian_warning_fires_on_a_run_like_the_default_digits_example(tmp_path
     assert "Hessian hardly moved" in caplog.text
     moved = ((trainer.ivon.hessian() - 0.5).abs().median() / 0.5).item()
     assert 0.005 < moved < HESSIAN_STUCK_TOLERANCE  # it moved, by about the digits run's 1.4 %, yet not enough
+
+
+def test_a_hessian_that_only_forgot_h0_is_not_counted_as_learned():
+    """A weight without curvature (gradient 0) only decays from h0 towards h0·β2^t; one with curvature c ≫ h0 moves
+    towards c. Only the second is learned from the data, though both moved far from h0."""
+    torch.manual_seed(0)
+    flat, curved = torch.nn.Parameter(torch.randn(30)), torch.nn.Parameter(torch.randn(10))
+    opt = VariationalIVON([flat, curved], lr=0.01, ess=100.0, hess_init=0.5, beta2=0.99, weight_decay=1e-4, sample_seed=0)
+    for _ in range(100):
+        with opt.sampled_params(train=True):
+            (0.0 * flat.sum() + 25.0 * curved.square().sum()).backward()  # curvature 0 and 50
+        opt.step()
+        opt.zero_grad()
+    got = hessian_summary(opt)
+    assert got["hess_decayed"] == pytest.approx(0.5 * 0.99**100)
+    h = opt.hessian()
+    assert ((h[:30] - 0.5).abs() / 0.5).min() > 0.5  # far from h0, yet
+    assert ((h[:30] - got["hess_decayed"]).abs() / got["hess_decayed"]).max() < 0.01  # only forgotten
+    assert got["hess_data_share"] == pytest.approx(10 / 40)
 
 
 def test_readme_states_the_threshold_of_the_code():

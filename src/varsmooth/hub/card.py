@@ -184,8 +184,16 @@ def _posterior_text(record: RunRecord) -> str | None:
     change = log.get("hess_change_median")
     if change is not None:
         text += f" The median relative change |h − h0|/h0 over the weights is {change:.1%}"
-        text += (": the Hessian hardly moved, so σ is still mostly set by `ess` and `hess_init` rather than learned from "
-                 "the data." if change < HESSIAN_STUCK_TOLERANCE else ": the posterior adapted to the data.")
+        if change < HESSIAN_STUCK_TOLERANCE:
+            text += (": the Hessian hardly moved, so σ is still mostly set by `ess` and `hess_init` rather than learned "
+                     "from the data.")
+        elif "hess_data_share" in log:
+            text += (f". Had the data added no curvature, the moving average would have taken h0 to "
+                     f"{log['hess_decayed']:.3g} (h0·β2^t); h ends at least {HESSIAN_STUCK_TOLERANCE:.0%} away from that "
+                     f"value in {log['hess_data_share']:.0%} of the weights, where σ is learned from the data; in the "
+                     "others σ follows from `hess_init`, `ess` and the run's length.")
+        else:
+            text += ": the posterior adapted to the data."
     if "posterior_std_median" in log:
         text += (f" The posterior standard deviation σ = 1/sqrt(ess·(h + δ)) had median {log['posterior_std_median']:.4g}"
                  f" and mean {log.get('posterior_std_mean', math.nan):.4g}")

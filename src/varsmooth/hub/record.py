@@ -18,7 +18,8 @@ def as_list(value: str | list[str] | None) -> list[str]:
 
 
 #: the IVON statistics of the training logs (`posterior.diagnostics.hessian_summary`) the card reports
-POSTERIOR_LOG_KEYS = ("hess_mean", "hess_median", "hess_change_median", "posterior_std_mean", "posterior_std_median")
+POSTERIOR_LOG_KEYS = ("hess_mean", "hess_median", "hess_change_median", "hess_decayed", "hess_data_share",
+                      "posterior_std_mean", "posterior_std_median")
 
 
 def last_posterior_log(log_history: list[dict[str, Any]]) -> dict[str, float] | None:

@@ -9,7 +9,7 @@ from typing import Any
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from ..presets import HESSIAN_MOVE_THRESHOLD
-from .gaussian import std_summary
+from .gaussian import hessian_movement, std_summary
 from .optimizer import VariationalIVON, unwrap_ivon
 
 __all__ = ["HESSIAN_STUCK_TOLERANCE", "HessianDiagnosticsCallback", "hessian_change", "hessian_summary"]
@@ -24,21 +24,21 @@ HESSIAN_STUCK_TOLERANCE = HESSIAN_MOVE_THRESHOLD
 
 
 def hessian_summary(optimizer: VariationalIVON | None) -> dict[str, float]:
-    """Mean/median of IVON's Hessian h, its median relative change from h0 (`hessian_change`) and the mean/median of
-    the posterior std σ = 1/sqrt(ess·(h + δ)) (Shen et al. 2024, Variational Learning is Effective for Large Deep
-    Networks, Alg. 1); empty without an IVON optimizer."""
+    """Mean/median of IVON's Hessian h, how far it moved from h0 and how much of that the data did (`hessian_movement`),
+    and the mean/median of the posterior std σ = 1/sqrt(ess·(h + δ)) (Shen et al. 2024, Variational Learning is
+    Effective for Large Deep Networks, Alg. 1); empty without an IVON optimizer."""
     if optimizer is None:
         return {}
-    hess = optimizer.hessian().float()
+    hess, group = optimizer.hessian().float(), optimizer.param_groups[0]
     return {"hess_mean": hess.mean().item(), "hess_median": hess.median().item(),
-            "hess_change_median": hessian_change(optimizer), **std_summary(optimizer.posterior_std())}
+            **hessian_movement(hess, group["hess_init"], group["beta2"], optimizer.current_step),
+            **std_summary(optimizer.posterior_std())}
 
 
 def hessian_change(optimizer: VariationalIVON) -> float:
     """Median over the weights of |h − h0|/h0: how far IVON's Hessian, and with it σ, has moved from its initial value
     (0: σ is still 1/sqrt(ess·(h0 + δ)) everywhere, set by the prior settings rather than learned)."""
-    h0 = optimizer.param_groups[0]["hess_init"]
-    return ((optimizer.hessian().float() - h0).abs().median() / h0).item()
+    return hessian_movement(optimizer.hessian(), optimizer.param_groups[0]["hess_init"])["hess_change_median"]
 
 
 class HessianDiagnosticsCallback(TrainerCallback):

@@ -23,11 +23,13 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..peft_keys import saved_names
+from ..presets import HESSIAN_MOVE_THRESHOLD
 from ..utils import atomic_path
 from .seeds import derive_seed
 from .optimizer import DTensor, _local, _local_slice, _whole
 
-__all__ = ["POSTERIOR_FILE", "DiagonalGaussianPosterior", "non_finite_tensors", "std_summary", "weights_fingerprint"]
+__all__ = ["POSTERIOR_FILE", "DiagonalGaussianPosterior", "hessian_movement", "non_finite_tensors", "std_summary",
+           "weights_fingerprint"]
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +68,22 @@ def std_summary(stds: Iterable[torch.Tensor]) -> dict[str, float]:
     and label-noise summaries); FSDP2-sharded (DTensor) ones are gathered whole first."""
     flat = torch.cat([_whole(s).flatten().float() for s in stds])
     return {"posterior_std_mean": flat.mean().item(), "posterior_std_median": flat.median().item()}
+
+
+def hessian_movement(hess: torch.Tensor, hess_init: float, beta2: float | None = None, step: int | None = None,
+                     tolerance: float = HESSIAN_MOVE_THRESHOLD) -> dict[str, float]:
+    """How far IVON's Hessian h (all weights, flat) moved, and how much of that the data did.
+
+    `hess_change_median`: the median of |h − h0|/h0 (0: σ is still its initial 1/sqrt(ess·(h0 + δ))). Its moving
+    average takes h0 to `hess_decayed` = h0·β2^step when the Hessian estimates add nothing, so a change up to there is
+    h0 forgotten, not curvature learned; `hess_data_share` (with `beta2` and `step`) is the share of weights whose h
+    ends at least `tolerance` of that value away from it: those whose σ the data set."""
+    hess = hess.double()
+    movement = {"hess_change_median": ((hess - hess_init).abs().median() / hess_init).item()}
+    if beta2 is not None and step is not None:
+        decayed = hess_init * beta2**step
+        movement.update(hess_decayed=decayed, hess_data_share=((hess - decayed).abs() >= tolerance * decayed).double().mean().item())
+    return movement
 
 
 class DiagonalGaussianPosterior:
@@ -312,8 +330,9 @@ class DiagonalGaussianPosterior:
                 _reshard(self.model)
 
     def summary(self) -> dict[str, float]:
-        """σ's mean and median, τ, and, when the metadata records IVON's ess, hess_init and weight_decay (δ), the median
-        relative change of the Hessian behind σ from h0 (h = 1/(ess σ²) − δ): near 0, σ was never learned."""
+        """σ's mean and median, τ, and, when the metadata records IVON's ess, hess_init and weight_decay (δ), how far
+        the Hessian behind σ (h = 1/(ess σ²) − δ) moved from h0 and, with β2 and the step count, how much of that
+        the data did (`hessian_movement`): near 0, σ was never learned."""
         if self.is_point_mass:
             return {}
         summary = {**std_summary(self.std.values()), TEMPERATURE_KEY: self.temperature}
@@ -321,7 +340,8 @@ class DiagonalGaussianPosterior:
         if all(isinstance(meta.get(k), (int, float)) for k in ("ess", "hess_init", "weight_decay")):
             flat = torch.cat([_whole(s).flatten().double() for s in self.std.values()])
             hess = 1.0 / (meta["ess"] * flat.square()) - meta["weight_decay"]
-            summary["hess_change_median"] = ((hess - meta["hess_init"]).abs().median() / meta["hess_init"]).item()
+            decay = {k: meta[k] for k in ("beta2", "step") if isinstance(meta.get(k), (int, float))}
+            summary.update(hessian_movement(hess, meta["hess_init"], **decay))
         return summary
 
 
