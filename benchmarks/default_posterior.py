@@ -17,7 +17,9 @@ on
   --seed s`), and the text example at its defaults (`examples/train_text_classification.py --seed s`);
 * MNIST with a small CNN, 20 epochs (benchmarks/common.py `run`, the sweep of robustness.py): sym-40, pair-40,
   class-wise κ = 0.4; fixed = the authors' recipe (common.IVON_BASE), rule = the same with `beta2` unset;
-* benchmarks/lora.py's four tasks under the `lora` preset (IVON-LoRA, r = 8 on query/value, 189 steps).
+* benchmarks/lora.py's four tasks under the `lora` preset (IVON-LoRA, r = 8 on query/value, 189 steps);
+* the image example's default run with 0, 20, 30 and 40 % symmetric noise (`--part noise-rates`): whether ε̄ is
+  larger for ambiguous examples, against where the posterior mean's confidence sits relative to the peak of ‖ε̄‖₁.
 
 Columns: test accuracy, NLL and ECE of the prediction each run reports (examples: at the chosen posterior temperature
 τ; MNIST and LoRA: BMA at τ = 1, and at the posterior mean); the median relative change of IVON's Hessian from h0
