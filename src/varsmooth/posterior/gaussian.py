@@ -82,7 +82,8 @@ def hessian_movement(hess: torch.Tensor, hess_init: float, beta2: float | None =
     movement = {"hess_change_median": ((hess - hess_init).abs().median() / hess_init).item()}
     if beta2 is not None and step is not None:
         decayed = hess_init * beta2**step
-        movement.update(hess_decayed=decayed, hess_data_share=((hess - decayed).abs() >= tolerance * decayed).double().mean().item())
+        learned = (hess - decayed).abs() >= tolerance * decayed
+        movement.update(hess_decayed=decayed, hess_data_share=learned.double().mean().item())
     return movement
 
 
