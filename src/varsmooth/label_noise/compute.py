@@ -9,8 +9,11 @@ where m is the posterior mean and θ_s ~ q = N(m, diag σ²). A single weight sa
 ε_{i,s} = p̄_i − softmax(f(x_i; θ_s)) (Eq. 19 is its linearisation); its RMS size is reported too. The entries of
 ε̄_i sum to 0, so the smoothed label y_i + ε̄_i still sums to 1 (its entries may leave [0, 1]).
 
-What the numbers mean: ε̄ is large where the posterior-mean prediction sits on the steep part of the softmax *and*
-the posterior is uncertain — ambiguous or atypical examples (same paper, Fig. 3).
+What the numbers mean: ε̄ is large where the posterior is uncertain *and* the posterior-mean prediction sits where
+the softmax bends most: fairly confident, not at the decision boundary, where it vanishes (same paper, Eq. 12 and
+Fig. 2). With clean labels, where the mean predicts nearly every example confidently, that makes it largest for
+ambiguous or atypical examples (Fig. 3); a mean fitted to heavily noisy labels predicts most examples less confidently
+than that peak, and the noise is then largest for the more confident ones (`noise_adaptivity` measures which).
 A confidently *wrong* label usually gets a tiny |ε̄_y|, because p_y ≈ 0 where the softmax is flat; wrong labels are
 found by a low posterior-predictive confidence P̂_y instead (see `varsmooth.label_noise.detection`).
 """
