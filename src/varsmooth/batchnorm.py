@@ -23,10 +23,12 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from transformers import TrainerCallback
 
 from .posterior import DiagonalGaussianPosterior
+from .posterior.draw_buffers import DrawBuffers
 from .posterior.prediction import draw_seeds, model_outputs, restored_buffers
 
 __all__ = ["DRAW_RECALIBRATION_EXAMPLES", "RECALIBRATION_EXAMPLES", "RECOMPUTED_LOG_KEY", "BatchNormRecalibrationCallback",
-           "batch_rows", "batchnorm_layers", "draw_batchnorm_statistics", "recompute_batchnorm_statistics"]
+           "batch_rows", "batchnorm_layers", "draw_batchnorm_statistics", "head_batches", "prediction_draw_buffers",
+           "recompute_batchnorm_statistics"]
 
 #: training examples the statistics are recomputed from at most: means and variances of activations settle within a
 #: few thousand examples, and the pass then costs a fraction of an epoch on large training sets
@@ -106,6 +108,30 @@ def draw_batchnorm_statistics(model: torch.nn.Module, posterior: DiagonalGaussia
                 recompute_batchnorm_statistics(model, batches(), max_examples)
             statistics.append({name: named[name].clone() for name in names})
     return statistics
+
+
+def prediction_draw_buffers(model: torch.nn.Module, posterior: DiagonalGaussianPosterior,
+                            batches: list[Mapping[str, Any]], num_samples: int, seed: int) -> DrawBuffers | None:
+    """The BatchNorm statistics of each draw a prediction with `num_samples` draws of `seed` makes at the posterior's
+    temperature (`draw_batchnorm_statistics` from `batches`), to attach to the posterior (`posterior.draw_buffers`);
+    None for a model without BatchNorm or a prediction that draws nothing (τ = 0, a point mass, no draws)."""
+    if num_samples <= 0 or posterior.is_point_mass or posterior.temperature == 0:
+        return None
+    statistics = draw_batchnorm_statistics(model, posterior, lambda: iter(batches), num_samples, seed)
+    return None if statistics is None else DrawBuffers(seed, posterior.temperature, statistics)
+
+
+def head_batches(batches: Iterable[Mapping[str, Any]], max_examples: int = DRAW_RECALIBRATION_EXAMPLES) -> list[Mapping[str, Any]]:
+    """The first batches of `batches` that hold `max_examples` examples (or all of them), read once: every draw's
+    statistics are computed from the same examples, and collating them again for every draw would cost more than the
+    passes."""
+    head, rows = [], 0
+    for batch in batches:
+        head.append(batch)
+        rows += batch_rows(batch)
+        if rows >= max_examples:
+            break
+    return head
 
 
 def batch_rows(batch: Mapping[str, Any]) -> int:

@@ -11,6 +11,7 @@ import torch
 from transformers import AutoConfig, AutoModelForImageClassification, AutoModelForSequenceClassification, PreTrainedModel
 
 from .adapters import has_adapter, is_peft_model, load_adapter_model, save_classifier_config
+from .batchnorm import batchnorm_layers
 from .temperature_scaling import TEMPERATURE_SCALING_FILE, TemperatureScaling, describe_prediction
 from .files import FolderSave, check_manifest
 from .mc_dropout import OUTPUT_DROPOUT_KEY, add_output_dropout, mc_dropout_predictive
@@ -71,6 +72,7 @@ class VariationalModel(torch.nn.Module):
         self.num_samples, self.seed = sampling_settings(posterior, num_samples, seed)
         self.temperature_scaling = temperature_scaling
         self.mc_dropout_samples = mc_dropout_samples
+        warn_without_draw_buffers(model, posterior, self.num_samples, self.seed)
 
     @property
     def prediction_settings(self) -> dict[str, Any]:
@@ -179,6 +181,28 @@ def check_finite_weights(model: torch.nn.Module, where: str, saving: bool = Fals
                                  "was written. Save a model with finite weights (e.g. loaded from an earlier save).")
     raise ValueError(f"The weights loaded from {where} are not finite (NaN or inf) in {names}: the model was saved after "
                      "training diverged, or the file was edited. Load an earlier checkpoint, or train again.")
+
+
+def warn_without_draw_buffers(model: torch.nn.Module, posterior: DiagonalGaussianPosterior, num_samples: int,
+                              seed: int) -> None:
+    """Warn when BMA over `num_samples` draws of `seed` would normalise every draw of a BatchNorm network with the
+    statistics of the posterior mean: the posterior holds none of their own for those draws (another τ, seed or more
+    draws than training prepared), and such draws are far worse networks than the ones training fitted
+    (`varsmooth.posterior.draw_buffers`)."""
+    if num_samples <= 0 or posterior.is_point_mass or posterior.temperature == 0 or not batchnorm_layers(model):
+        return
+    prepared = posterior.draw_buffers
+    if prepared is not None and prepared.for_draws(seed, num_samples, posterior.temperature) is not None:
+        return
+    held = ("none" if prepared is None else
+            f"those of {len(prepared.buffers)} draws of seed {prepared.seed} at temperature {prepared.temperature:g}")
+    warnings.warn(
+        f"The {num_samples} posterior draws of seed {seed} at temperature {posterior.temperature:g} have no BatchNorm "
+        f"statistics of their own (the posterior holds {held}): each draw normalises with the posterior mean's, which "
+        "makes it a worse network than training fitted. Predict with the draws training prepared (the defaults of "
+        "from_pretrained), or compute theirs from training data (VariationalTrainer.prepare_prediction_draws after "
+        "setting trainer.posterior_temperature).", UserWarning, stacklevel=3,
+    )
 
 
 def sampling_settings(posterior: DiagonalGaussianPosterior, num_samples: int | None = None,

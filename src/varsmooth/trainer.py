@@ -26,7 +26,8 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PredictionOutput
 
 from .adapters import is_peft_model
-from .batchnorm import RECOMPUTED_LOG_KEY, BatchNormRecalibrationCallback, recompute_batchnorm_statistics
+from .batchnorm import (RECOMPUTED_LOG_KEY, BatchNormRecalibrationCallback, batchnorm_layers, draw_batchnorm_statistics,
+                        head_batches, prediction_draw_buffers, recompute_batchnorm_statistics)
 from .checkpointing import CheckpointingMixin
 from .checks import check_arguments, check_compute_metrics, check_datasets, check_method_inputs
 from .corruption import realized_noise_report
@@ -42,6 +43,7 @@ from .metrics.evaluation_metrics import EvaluationMetrics
 from .posterior import (POSTERIOR_FILE, DiagonalGaussianPosterior, VariationalClassifierOutput, VariationalIVON,
                         predictive_distribution, unwrap_ivon)
 from .posterior.diagnostics import HessianDiagnosticsCallback, hessian_summary
+from .posterior.draw_buffers import DrawBuffers
 from .posterior.gaussian import TEMPERATURE_KEY, non_finite_tensors
 from .posterior.temperature import (SELECTION_SAMPLES, PosteriorTemperatureCallback, check_transition_matrix,
                                     select_temperature, temperature_logs)
@@ -102,12 +104,14 @@ class VariationalTrainer(CheckpointingMixin, VariationalHubMixin, LabelNoiseMixi
         # τ of every prediction; chosen on the eval dataset when training ends, before other train-end callbacks
         self.posterior_temperature = 1.0 if args.posterior_temperature is None else args.posterior_temperature
         self.posterior_temperature_report: dict[str, Any] | None = None
+        self._draw_buffers: DrawBuffers | None = None  # each prediction draw's BatchNorm statistics, set after training
         #: T[i, j] = P(observed j | true i) of the eval dataset's labels, when known (e.g. the noise the example
         #: injected): τ is then chosen by the forward-corrected validation NLL (`posterior.temperature`)
         self.eval_noise_transition = None if eval_noise_transition is None else check_transition_matrix(eval_noise_transition)
         self.callback_handler.callbacks.insert(0, BatchNormRecalibrationCallback(self.recompute_batchnorm_statistics))
         self.callback_handler.callbacks.insert(1, PosteriorTemperatureCallback(
-            select=self.select_posterior_temperature, reset=self._reset_posterior_temperature, save=self.save_model))
+            select=self.select_posterior_temperature, reset=self._reset_posterior_temperature, save=self.save_model,
+            prepare_draws=self.prepare_prediction_draws))
         # post-hoc temperature of every prediction (None: uncalibrated); fitted right after τ, which it calibrates
         self.temperature_scaling: TemperatureScaling | None = None
         self.callback_handler.callbacks.insert(2, TemperatureScalingCallback(
@@ -164,7 +168,12 @@ class VariationalTrainer(CheckpointingMixin, VariationalHubMixin, LabelNoiseMixi
                 TEMPERATURE_KEY: self.posterior_temperature}
         if self.posterior_temperature_report is not None:
             meta["posterior_temperature_selection"] = self.posterior_temperature_report
-        return DiagonalGaussianPosterior.from_ivon(model, opt, self._ivon_param_names, meta)
+        posterior = DiagonalGaussianPosterior.from_ivon(model, opt, self._ivon_param_names, meta)
+        if self._draw_buffers is not None and self._draw_buffers.for_draws(
+                self.args.eval_seed, self.args.eval_mc_samples, self.posterior_temperature or 1.0) is None:
+            return self.prepare_prediction_draws(posterior)  # τ (or the draws) changed since they were prepared
+        posterior.draw_buffers = self._draw_buffers
+        return posterior
 
     def _posterior_beside_model(self) -> DiagonalGaussianPosterior | None:
         """The posterior an IVON run saved next to the weights this trainer's model was loaded from, if any."""
@@ -206,9 +215,13 @@ class VariationalTrainer(CheckpointingMixin, VariationalHubMixin, LabelNoiseMixi
                         "eval_dataset (a validation split) to choose the temperature by validation NLL, or set "
                         "posterior_temperature.")
             return None
+        model, samples = self.accelerator.unwrap_model(self.model), min(self.args.eval_mc_samples, SELECTION_SAMPLES)
+        batches = self._batchnorm_batches(model)
+        draw_buffers = None if batches is None else (
+            lambda posterior: draw_batchnorm_statistics(model, posterior, lambda: iter(batches), samples, self.args.eval_seed))
         report = select_temperature(self.model, self.posterior(), lambda: self.validation_batches(eval_dataset),
-                                    min(self.args.eval_mc_samples, SELECTION_SAMPLES), self.args.eval_seed,
-                                    gather=self.accelerator.gather_for_metrics, transition=self.eval_noise_transition)
+                                    samples, self.args.eval_seed, gather=self.accelerator.gather_for_metrics,
+                                    transition=self.eval_noise_transition, draw_buffers=draw_buffers)
         self.posterior_temperature, self.posterior_temperature_report = report["temperature"], report
         self.log(temperature_logs(report))
         return report
@@ -217,6 +230,33 @@ class VariationalTrainer(CheckpointingMixin, VariationalHubMixin, LabelNoiseMixi
         """A new train() starts again from the learned posterior (or the fixed τ)."""
         self.posterior_temperature = 1.0 if self.args.posterior_temperature is None else self.args.posterior_temperature
         self.posterior_temperature_report = None
+        self._draw_buffers = None
+
+    def prepare_prediction_draws(self, posterior: DiagonalGaussianPosterior | None = None) -> DiagonalGaussianPosterior:
+        """Give each draw that predictions make (`eval_mc_samples` draws of `eval_seed` at τ; at τ = 0, which draws
+        nothing, those of the learned posterior, τ = 1, which the label-noise export and a pipeline's mutual
+        information use) BatchNorm statistics of its own, computed from training data and saved with the posterior
+        (`varsmooth.posterior.draw_buffers`); done by `train()` once τ is known, and again by `posterior()` when τ or
+        the draws change after that. Returns the posterior (default `posterior()`) holding them; none are needed
+        without BatchNorm, training data, a learned posterior or draws. Every process must call it."""
+        self._draw_buffers = None
+        posterior = self.posterior() if posterior is None else posterior
+        model = self.accelerator.unwrap_model(self.model)
+        batches = self._batchnorm_batches(model) if self.ivon is not None else None
+        if batches is not None:
+            self._draw_buffers = prediction_draw_buffers(model, posterior.at_temperature(self.posterior_temperature or 1.0),
+                                                         batches, self.args.eval_mc_samples, self.args.eval_seed)
+        posterior.draw_buffers = self._draw_buffers
+        return posterior
+
+    def _batchnorm_batches(self, model: torch.nn.Module) -> list[dict[str, Any]] | None:
+        """The prepared training batches each posterior draw's BatchNorm statistics are computed from (the first
+        `DRAW_RECALIBRATION_EXAMPLES` examples); None for a model without BatchNorm or no training data."""
+        if not batchnorm_layers(model) or self.train_dataset is None:
+            return None
+        # in the dataset's order, not shuffled: the same examples and batches for every τ and every call
+        return head_batches({k: v for k, v in self._prepare_inputs(batch).items() if k != EXAMPLE_INDEX_KEY}
+                            for batch in self.get_eval_dataloader(self.train_dataset))
 
     def validation_batches(self, eval_dataset: Any) -> Iterator[dict[str, Any]]:
         """The prepared batches of `eval_dataset` (a dataset or a dict of them, pooled), batched as evaluate() batches

@@ -34,8 +34,7 @@ import torch
 from torch.utils.data import DataLoader
 from transformers import default_data_collator
 
-from ..batchnorm import (DRAW_RECALIBRATION_EXAMPLES, batch_rows, batchnorm_layers,
-                         draw_batchnorm_statistics)
+from ..batchnorm import batchnorm_layers, draw_batchnorm_statistics, head_batches
 from ..posterior import DiagonalGaussianPosterior, predictive_distribution
 from ..posterior.prediction import LABEL_KEYS
 from ..utils import atomic_path
@@ -231,12 +230,7 @@ def compute_label_noise(
         # each draw normalises with statistics of its own, as each sampled network did while training; the batches
         # they are computed from are read once (collating them again for every draw cost more than the passes)
         batches = iter(dataloader)
-        head, rows = [], 0
-        for batch in batches:
-            head.append(batch)
-            rows += batch_rows(batch)
-            if rows >= DRAW_RECALIBRATION_EXAMPLES:
-                break
+        head = head_batches(batches)
         if batches is dataloader:  # an iterator: what the head took is measured below all the same
             dataloader = itertools.chain(head, batches)
         draw_buffers = draw_batchnorm_statistics(model, posterior, lambda: (_to_device(b, device) for b in head),

@@ -25,6 +25,7 @@ from safetensors.torch import save_file
 from ..peft_keys import saved_names
 from ..presets import HESSIAN_MOVE_THRESHOLD
 from ..utils import atomic_path
+from .draw_buffers import DRAW_BUFFER_PREFIX, DrawBuffers
 from .seeds import derive_seed
 from .optimizer import DTensor, _local, _local_slice, _whole
 
@@ -97,10 +98,12 @@ class DiagonalGaussianPosterior:
         metadata: JSON-safe facts about how σ was obtained (ess, prior precision, hess_init, ...). Its
             `"posterior_temperature"` entry is the temperature τ (see `temperature`).
         cache_bytes: memory for keeping drawn perturbations σ⊙e (σ is fixed for the object's lifetime).
+        draw_buffers: the buffers (BatchNorm statistics) each draw of a prediction uses, computed for the draws of one
+            seed and τ (`varsmooth.posterior.draw_buffers`); saved and loaded with σ.
     """
 
     def __init__(self, model: torch.nn.Module, std: Mapping[str, torch.Tensor], metadata: Mapping[str, Any] | None = None,
-                 cache_bytes: int = DEFAULT_CACHE_BYTES):
+                 cache_bytes: int = DEFAULT_CACHE_BYTES, draw_buffers: DrawBuffers | None = None):
         params = dict(model.named_parameters())
         missing = [name for name in std if name not in params]
         if missing:
@@ -121,6 +124,7 @@ class DiagonalGaussianPosterior:
         self.metadata = dict(metadata or {})
         _check_temperature(self.metadata.get(TEMPERATURE_KEY, 1.0))
         self.cache_bytes = cache_bytes
+        self.draw_buffers = draw_buffers
         self._cache: dict[int, list[torch.Tensor]] = {}
         self._cache_used = 0
         self._fingerprint: str | None = None  # set by `gathered`
@@ -157,7 +161,7 @@ class DiagonalGaussianPosterior:
         try:
             with safe_open(path, framework="pt") as f:
                 raw = f.metadata() or {}
-                std = {key: f.get_tensor(key) for key in f.keys()}
+                tensors = {key: f.get_tensor(key) for key in f.keys()}
             metadata = json.loads(raw.get("varsmooth", "{}"))
         except FileNotFoundError:
             raise
@@ -166,12 +170,25 @@ class DiagonalGaussianPosterior:
                 f"{path} cannot be read ({type(error).__name__}: {error}): the file is truncated or corrupted. "
                 "Save the model again (trainer.save_model()), or delete the file to predict at the weights."
             ) from error
+        std = {key: t for key, t in tensors.items() if not key.startswith(DRAW_BUFFER_PREFIX)}
+        draw_tensors = {key: t for key, t in tensors.items() if key.startswith(DRAW_BUFFER_PREFIX)}
         _check_std(path, std, metadata)
+        description = metadata.pop("draw_buffers", None)
+        draw_buffers = None
+        if draw_tensors or description is not None:
+            if not draw_tensors or not isinstance(description, dict) or not description.get("num_draws"):
+                raise ValueError(f"{path} holds posterior draws' buffers without their description, or the reverse: the "
+                                 "file was edited. Save the model again (trainer.save_model()).")
+            draw_buffers = DrawBuffers.from_tensors(draw_tensors, description, path)
+            unknown = sorted(set(draw_buffers.buffers[0]) - {name for name, _ in model.named_buffers()})
+            if unknown:
+                raise ValueError(f"{path} holds posterior draws' buffers {unknown[:3]} that the model does not have: the "
+                                 "file belongs to another architecture.")
 
         # an adapter's posterior is keyed as peft keys the adapter weights (`saved_names`): back to the model's names
         model_name = {saved: name for name, saved in saved_names(model, dict(model.named_parameters())).items()}
         std = {model_name.get(key, key): s for key, s in std.items()}
-        posterior = cls(model, std, metadata)
+        posterior = cls(model, std, metadata, draw_buffers=draw_buffers)
         posterior._check_weights(path)
         return posterior
 
@@ -216,10 +233,15 @@ class DiagonalGaussianPosterior:
         key = saved_names(self.model, self.names)
         # IVON's parameters are views of one flat storage: clone so safetensors accepts them.
         tensors = {key[name]: _whole(s.detach()).to("cpu").clone().contiguous() for name, s in self.std.items()}
+        if self.draw_buffers is not None:
+            tensors.update(self.draw_buffers.tensors())
+            binding_draws = {"draw_buffers": self.draw_buffers.describe()}
+        else:
+            binding_draws = {}
         params = dict(self.model.named_parameters())
         fingerprint = self._fingerprint if self._fingerprint is not None else weights_fingerprint(self.model, self.names)
         binding = {"parameters": [key[name] for name in self.names], "weights_sha256": fingerprint,
-                   "weights_dtype": str(params[self.names[0]].dtype) if self.names else None}
+                   "weights_dtype": str(params[self.names[0]].dtype) if self.names else None, **binding_draws}
         bad = non_finite_tensors(tensors.items())
         if bad:
             raise FloatingPointError(f"Not saving {path}: the posterior standard deviations of {bad[:5]} are not finite "

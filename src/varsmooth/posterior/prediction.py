@@ -124,9 +124,12 @@ def sampled_probs(model: torch.nn.Module, posterior: DiagonalGaussianPosterior, 
     or a point mass (they would all be the mean prediction).
 
     `draw_buffers[s]`: buffers of `model` by name that the draw s predicts with (its own BatchNorm statistics,
-    `varsmooth.batchnorm.draw_batchnorm_statistics`); the model's own are back once the draws are done."""
+    `varsmooth.batchnorm.draw_batchnorm_statistics`); by default those the posterior holds for these draws
+    (`posterior.draw_buffers`), if any. The model's own are back once the draws are done."""
     if num_samples <= 0 or posterior.is_point_mass or posterior.temperature == 0:
         return
+    if draw_buffers is None and posterior.draw_buffers is not None:
+        draw_buffers = posterior.draw_buffers.for_draws(seed, num_samples, posterior.temperature)
     with restored_buffers(model, draw_buffers[0] if draw_buffers else ()) as named:
         for s, (draw_seed, mirrored) in enumerate(draw_seeds(seed, num_samples)):
             with posterior.sampled(draw_seed, mirrored=mirrored):

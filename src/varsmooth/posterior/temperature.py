@@ -38,7 +38,8 @@ from ..utils import deprecated_alias
 from .gaussian import DiagonalGaussianPosterior
 from .prediction import IGNORE_INDEX, LABEL_KEYS, average_predictions, model_logits, sampled_probs
 
-__all__ = ["SELECTION_SAMPLES", "TEMPERATURE_EXTENSION", "TEMPERATURE_GRID", "check_transition_matrix", "choose_temperature", "search_temperatures", "select_temperature",
+__all__ = ["SELECTION_SAMPLES", "TEMPERATURE_EXTENSION", "TEMPERATURE_GRID", "check_transition_matrix", "choose_temperature",
+           "paired_standard_errors", "search_temperatures", "select_temperature", "temperature_losses", "tied_temperatures",
            "select_trainer_temperature", "temperature_logs", "temperature_nll", "validation_batches"]
 
 logger = logging.getLogger(__name__)
@@ -79,7 +80,7 @@ def check_transition_matrix(transition: Any, num_classes: int | None = None) -> 
 
 
 @torch.no_grad()
-def temperature_nll(
+def temperature_losses(
     model: torch.nn.Module,
     posterior: DiagonalGaussianPosterior,
     batches: Iterable[Mapping[str, Any]],
@@ -88,21 +89,25 @@ def temperature_nll(
     seed: int = 0,
     gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
     transition: Any = None,
-) -> dict[float, float]:
-    """Mean NLL −log P̂_τ(y|x) of the BMA prediction at each temperature, over labelled `batches` (labels
+    draw_buffers: Callable[[DiagonalGaussianPosterior], Sequence[Mapping[str, torch.Tensor]] | None] | None = None,
+) -> dict[float, torch.Tensor]:
+    """The NLL −log P̂_τ(y|x) of the BMA prediction at each temperature, per labelled example (float64, CPU), over labelled `batches` (labels
     −100 are ignored, as by `evaluate()`).
 
     One BMA evaluation per τ with the draws e of `seed` (those of `predictive_distribution`), so τ = 1 scores the
     prediction of `evaluate()` and τ = 0 that of the posterior mean. `gather` collects the per-example NLLs of all
     processes (e.g. `accelerator.gather_for_metrics`). With `transition` (T, the noise of the labels, see
-    `check_transition_matrix`) the forward-corrected NLL −log (Tᵀ P̂_τ)[y]. The posterior's own temperature is left as
-    it was.
+    `check_transition_matrix`) the forward-corrected NLL −log (Tᵀ P̂_τ)[y]. `draw_buffers(posterior at τ)`: the buffers
+    each draw at τ predicts with (its own BatchNorm statistics, `varsmooth.batchnorm.prediction_draw_buffers`), as the
+    prediction at the chosen τ will. The posterior's own temperature is left as it was.
     """
     log_transition = None  # log T, checked against the model's classes and moved to its device at the first batch
     temperatures = [float(t) for t in temperatures]
     if not temperatures:
         raise ValueError("temperature_nll needs at least one temperature.")
     original = posterior.temperature
+    buffers = {t: draw_buffers(posterior.at_temperature(t)) if draw_buffers is not None and t > 0 else None
+               for t in temperatures}
     chunks = []
     try:
         for batch in batches:
@@ -121,7 +126,7 @@ def temperature_nll(
             mean_logits = model_logits(model, batch)  # one pass at the mean serves every τ
             for t in temperatures:
                 posterior.temperature = t  # validates t
-                out = average_predictions(mean_logits, sampled_probs(model, posterior, batch, num_samples, seed))
+                out = average_predictions(mean_logits, sampled_probs(model, posterior, batch, num_samples, seed, buffers[t]))
                 log_probs = out.logits[keep.to(out.logits.device)]
                 if transition is not None:  # log Σ_i p_i T[i, j], the predicted distribution of the noisy label
                     if log_transition is None:
@@ -135,23 +140,54 @@ def temperature_nll(
     if not chunks:
         raise ValueError(f"temperature_nll got no labelled examples: the validation set is empty or every label is "
                          f"{IGNORE_INDEX}.")
-    means = torch.cat(chunks).mean(0)
-    return {t: float(m) for t, m in zip(temperatures, means)}
+    losses = torch.cat(chunks)
+    return {t: losses[:, i] for i, t in enumerate(temperatures)}
 
 
-#: NLLs closer than this (relative) count as a tie: a narrow posterior (e.g. a fine-tune's σ ≈ 3e-3) changes the NLL
-#: in its fifth digit, where which τ "wins" is rounding; a tie goes to the smallest τ, the mean when it ties, which
-#: predicts in one forward pass instead of S and cannot be worse than a tied average on the test set by more than noise
+def temperature_nll(model: torch.nn.Module, posterior: DiagonalGaussianPosterior, batches: Iterable[Mapping[str, Any]],
+                    temperatures: Sequence[float] = TEMPERATURE_GRID, num_samples: int = 32, seed: int = 0,
+                    **kwargs: Any) -> dict[float, float]:
+    """The mean of `temperature_losses` (same arguments) at each temperature: the validation NLL of each τ."""
+    losses = temperature_losses(model, posterior, batches, temperatures, num_samples, seed, **kwargs)
+    return {t: float(v.mean()) for t, v in losses.items()}
+
+
+
+
+#: NLLs closer than this (relative) count as a tie whatever their standard error: a narrow posterior (e.g. a fine-tune's
+#: σ ≈ 3e-3) changes the NLL in its fifth digit, where which τ "wins" is rounding
 TIE_TOLERANCE = 1e-4
+#: standard errors within which a τ ties with the best: the validation set cannot tell apart NLLs closer than this
+TIE_STANDARD_ERRORS = 2.0
 
 
-def choose_temperature(nll: Mapping[float, float]) -> float:
-    """The τ of lowest NLL; among those within `TIE_TOLERANCE` of it, the smallest (0 = the posterior mean)."""
+def paired_standard_errors(losses: Mapping[float, torch.Tensor]) -> dict[float, float]:
+    """For each τ, the standard error of its mean NLL's difference from the lowest mean NLL's, over the same examples
+    (paired: the examples' own difficulty cancels)."""
+    best = min(losses, key=lambda t: float(losses[t].mean()))
+    out = {}
+    for t, values in losses.items():
+        difference = (values - losses[best]).double()
+        out[t] = float(difference.std() / math.sqrt(len(difference))) if len(difference) > 1 else 0.0
+    return out
+
+
+def tied_temperatures(nll: Mapping[float, float], standard_error: Mapping[float, float] | None = None) -> list[float]:
+    """The τ whose validation NLL ties with the lowest: within `TIE_TOLERANCE` of it, or within `TIE_STANDARD_ERRORS`
+    paired standard errors (`paired_standard_errors`) when given."""
     finite = {t: v for t, v in nll.items() if math.isfinite(v)}
     if not finite:
         raise ValueError(f"No temperature has a finite validation NLL ({dict(nll)}): the model's outputs are not finite.")
     best = min(finite.values())
-    return min(t for t, v in finite.items() if v <= best + TIE_TOLERANCE * abs(best))
+    margin = {t: max(TIE_TOLERANCE * abs(best), TIE_STANDARD_ERRORS * (standard_error or {}).get(t, 0.0)) for t in finite}
+    return sorted(t for t, v in finite.items() if v <= best + margin[t])
+
+
+def choose_temperature(nll: Mapping[float, float], standard_error: Mapping[float, float] | None = None) -> float:
+    """The τ of lowest NLL; among the τ tied with it (`tied_temperatures`), the smallest (0 = the posterior mean): it
+    predicts in one forward pass instead of S, and validation data that cannot tell the two apart gives no reason to
+    pay for the draws."""
+    return min(tied_temperatures(nll, standard_error))
 
 
 def search_temperatures(score: Callable[[Sequence[float]], dict[float, float]]) -> dict[float, float]:
@@ -173,9 +209,10 @@ def select_temperature(
     seed: int = 0,
     gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
     transition: Any = None,
+    draw_buffers: Callable[[DiagonalGaussianPosterior], Sequence[Mapping[str, torch.Tensor]] | None] | None = None,
 ) -> dict[str, Any]:
     """Choose τ for `posterior` by the NLL of `model`'s predictions on the labelled validation batches that `batches()`
-    yields (called once per pass; `gather`, `transition` as in `temperature_nll`).
+    yields (called once per pass; `gather`, `transition`, `draw_buffers` as in `temperature_nll`).
 
     Scores `TEMPERATURE_GRID`, then `TEMPERATURE_EXTENSION` one value at a time while the largest τ tried wins, with
     `num_samples` draws of `seed`. Returns the report: the chosen `temperature`, the `nll` at every τ tried, the
@@ -183,27 +220,36 @@ def select_temperature(
     """
     model.eval()
 
+    losses: dict[float, torch.Tensor] = {}
+
     def score(temperatures: Sequence[float]) -> dict[float, float]:
-        return temperature_nll(model, posterior, batches(), temperatures, num_samples, seed, gather=gather,
-                               transition=transition)
+        losses.update(temperature_losses(model, posterior, batches(), temperatures, num_samples, seed, gather=gather,
+                                         transition=transition, draw_buffers=draw_buffers))
+        return {t: float(losses[t].mean()) for t in temperatures}
 
     start = time.perf_counter()
     nll = search_temperatures(score)
-    chosen = choose_temperature(nll)
+    standard_error = paired_standard_errors({t: losses[t] for t in nll})
+    tied = tied_temperatures(nll, standard_error)
+    chosen = choose_temperature(nll, standard_error)
     criterion = NLL_CRITERION if transition is None else CORRECTED_NLL_CRITERION
     report = {"temperature": chosen, "nll": {f"{t:g}": v for t, v in nll.items()},
+              "standard_error": {f"{t:g}": v for t, v in standard_error.items()}, "tied": tied,
               "num_samples": num_samples, "criterion": criterion}
     seconds = time.perf_counter() - start
     if transition is not None:
         report["transition"] = torch.as_tensor(transition).tolist()
-    logger.info("Posterior temperature %g chosen by %s in %.1f s: %s", chosen, criterion, seconds,
-                ", ".join(f"τ={t:g}: {v:.4f}" for t, v in nll.items()))
+    logger.info("Posterior temperature %g chosen by %s in %.1f s: %s%s", chosen, criterion, seconds,
+                ", ".join(f"τ={t:g}: {v:.4f} ± {standard_error[t]:.4f}" for t, v in nll.items()),
+                f"; τ = {', '.join(f'{t:g}' for t in tied)} tie (within {TIE_STANDARD_ERRORS:g} paired standard errors "
+                "or rounding), and the smallest is used" if len(tied) > 1 else "")
     if chosen == 0:
+        verdict = "tied with" if 1.0 in tied else "scored worse than"
         logger.warning(
-            "Predictions are made at the posterior mean (posterior temperature 0): averaging over the learned "
-            "posterior scored worse by %s (%.4f at τ=1 vs %.4f at τ=0). evaluate(), predict(), the saved model and its "
-            "pipeline predict at the mean; the label-noise export still samples the learned posterior.",
-            criterion, nll[1.0], nll[0.0],
+            "Predictions are made at the posterior mean (posterior temperature 0): by %s, averaging over the learned "
+            "posterior %s the mean's prediction (%.4f at τ=1 vs %.4f at τ=0). evaluate(), predict(), the saved model and "
+            "its pipeline predict at the mean; the label-noise export and the pipeline's mutual information still "
+            "sample the learned posterior.", criterion, verdict, nll[1.0], nll[0.0],
         )
     return report
 
@@ -218,34 +264,39 @@ def temperature_logs(report: Mapping[str, Any]) -> dict[str, float]:
 
 
 class PosteriorTemperatureCallback(TrainerCallback):
-    """Chooses the posterior temperature when training ends (`VariationalTrainer` puts it first after the BatchNorm
-    recalibration of `varsmooth.batchnorm`, so that callbacks
-    predicting with the posterior at the end of training use the chosen τ).
+    """Chooses the posterior temperature when training ends, then prepares the draws predictions make at it
+    (`VariationalTrainer` puts it first after the BatchNorm recalibration of `varsmooth.batchnorm`, so that callbacks
+    predicting with the posterior at the end of training use the chosen τ and its draws).
 
     Args:
         select: chooses τ and makes it the one predictions use (`VariationalTrainer.select_posterior_temperature`).
         reset: goes back to the learned posterior (or the fixed `posterior_temperature`) when training starts again.
         save: saves the trained model, so that a failed choice does not lose the run.
+        prepare_draws: gives the draws at the chosen (or fixed) τ their BatchNorm statistics
+            (`VariationalTrainer.prepare_prediction_draws`).
     """
 
-    def __init__(self, select: Callable[[], Any], reset: Callable[[], None], save: Callable[[], None]) -> None:
-        self.select, self.reset, self.save = select, reset, save
+    def __init__(self, select: Callable[[], Any], reset: Callable[[], None], save: Callable[[], None],
+                 prepare_draws: Callable[[], Any]) -> None:
+        self.select, self.reset, self.save, self.prepare_draws = select, reset, save, prepare_draws
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.reset()
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if args.posterior_temperature is None:
-            try:
+        try:
+            if args.posterior_temperature is None:
                 self.select()
-            except Exception as error:  # the trained run must not be lost to what comes after training
-                self.save()
-                raise RuntimeError(
-                    f"Choosing the posterior temperature failed after training ({type(error).__name__}: {error}). The "
-                    f"trained model and its posterior were saved to {args.output_dir} (predicting with the learned "
-                    "posterior, τ = 1). Fix the eval dataset and call trainer.select_posterior_temperature(), or set "
-                    "posterior_temperature."
-                ) from error
+            self.prepare_draws()
+        except Exception as error:  # the trained run must not be lost to what comes after training
+            self.save()
+            raise RuntimeError(
+                f"Choosing the posterior temperature or preparing its draws failed after training "
+                f"({type(error).__name__}: {error}). The trained model and its posterior were saved to {args.output_dir} "
+                "(predicting with the learned posterior, τ = 1). Fix the eval dataset and call "
+                "trainer.select_posterior_temperature() and trainer.prepare_prediction_draws(), or set "
+                "posterior_temperature."
+            ) from error
 
 
 select_trainer_temperature = deprecated_alias(
