@@ -386,7 +386,7 @@ def test_compute_loss_func_drives_ivon_training(tmp_path):
     calls = []
 
     def tripled(outputs, labels, num_items_in_batch=None):
-        calls.append((labels.shape[0], num_items_in_batch))
+        calls.append((labels.shape[0], int(num_items_in_batch)))
         return 3.0 * F.cross_entropy(outputs.logits, labels)
 
     steps, batch = 3, 16
@@ -403,8 +403,8 @@ def test_compute_loss_func_drives_ivon_training(tmp_path):
     ref1, _ = reference_ivon_loop(init, batches, steps, **kw)
     assert _max_diff(ref3, ref1) > 1e-3  # the factor changes IVON's run (its Hessian estimate scales with g)
     assert _max_diff(trainer.model, ref3) < 1e-6
-    # one call per posterior sample, on the micro-batch, asked for its mean (num_items_in_batch=None)
-    assert calls == [(batch, None)] * steps
+    # one call per posterior sample, on the micro-batch, with its labelled examples as num_items_in_batch
+    assert calls == [(batch, batch)] * steps
 
 
 def test_compute_loss_func_replaces_the_loss_of_non_ivon_methods(tmp_path):
