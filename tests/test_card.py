@@ -175,6 +175,9 @@ def test_the_card_reports_max_steps_and_what_the_posterior_learned(run):
     trainer, out = run
     text, _ = _parts(_card(trainer))
     assert "| max_steps | 6 |" in text and "| epochs |" not in text  # --max_steps overrides the epochs
+    # IVON's settings under the names the arguments (and the CLI) take: weight_decay is refused with IVON
+    assert f"| prior_precision | {trainer.args.prior_precision} |" in text and "| weight_decay |" not in text
+    assert f"| learning_rate | {trainer.args.learning_rate} |" in text and "| lr |" not in text
     # the Hessian's movement and σ of the saved posterior, at the end of training (step 6; the last log was at step 4)
     from varsmooth.posterior.diagnostics import hessian_change
 

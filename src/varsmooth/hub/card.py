@@ -38,6 +38,8 @@ _FILE_DESCRIPTIONS = {
     "mean_pooling_bert.py": "modeling code of the mean-pooling classifier, named by config.json's `auto_map` "
                             "(transformers runs it with `trust_remote_code=True`)",
 }
+#: IVON's optimizer keywords in a run's hyperparameters -> the `VariationalTrainingArguments` fields a user sets them by
+_IVON_ARGUMENT_NAMES = {"lr": "learning_rate", "weight_decay": "prior_precision"}
 #: the weights files, which hold the posterior mean of an IVON run
 _WEIGHT_FILES = frozenset({"model.safetensors", "adapter_model.safetensors"})
 #: the card's `license:` when the user names none: varsmooth cannot know the terms of the data or the base model, and
@@ -417,7 +419,8 @@ def build_model_card(record: RunRecord, model: Any, folder: str | os.PathLike) -
         labels_text=", ".join(names) if names else "see config.json",
         corruption_text=corruption_text,
         transition_table=transition_table,
-        hyperparameters=record.hyperparameters,
+        hyperparameters={(_IVON_ARGUMENT_NAMES.get(k, k) if record.learns_posterior else k): v
+                         for k, v in record.hyperparameters.items()},
         metrics_text=metrics_text,
         metrics_table=metrics_table,
         better_text=better_text,
