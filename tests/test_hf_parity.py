@@ -49,9 +49,10 @@ def _args(tmp_path, method: str, **kw):
 
 
 def _stock_args(tmp_path, **kw) -> TrainingArguments:
-    return TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, save_strategy="no", logging_strategy="no",
-                             disable_tqdm=True, per_device_train_batch_size=16, per_device_eval_batch_size=64, seed=0,
-                             max_grad_norm=0.0, max_steps=4, learning_rate=0.05, **kw)
+    defaults = dict(output_dir=str(tmp_path), report_to=[], use_cpu=True, save_strategy="no", logging_strategy="no",
+                    disable_tqdm=True, per_device_train_batch_size=16, per_device_eval_batch_size=64, seed=0,
+                    max_grad_norm=0.0, max_steps=4, learning_rate=0.05)
+    return TrainingArguments(**{**defaults, **kw})
 
 
 # -- TrainingArguments: every field honoured, or refused / ignored with a reason ------------------------------------
@@ -194,6 +195,26 @@ def test_preprocess_logits_for_metrics_and_compute_metrics_get_logits_as_with_th
                                       posterior=ivon.posterior(), compute_metrics=_accuracy, preprocess_logits_for_metrics=argmax)
     assert preprocessed.evaluate()["eval_acc"] == pytest.approx(metrics["eval_accuracy"])
     np.testing.assert_array_equal(preprocessed.predict(val).predictions, seen["logits"].argmax(-1))
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_eval_do_concat_batches_false_gives_batches_as_the_stock_trainer(tmp_path, method):
+    """compute_metrics gets a list of per-batch predictions as from the stock Trainer; varsmooth's own metrics are
+    those of the concatenated evaluation."""
+    val = digits_dataset(40, seed=1)
+
+    def shapes(eval_pred):
+        return {"batches": len(eval_pred.predictions), "rows": sum(len(b) for b in eval_pred.predictions)}
+
+    stock = Trainer(model=_model(), args=_stock_args(tmp_path, eval_do_concat_batches=False, per_device_eval_batch_size=16),
+                    eval_dataset=val, compute_metrics=shapes).evaluate()
+    ours = VariationalTrainer(model=_model(), eval_dataset=val, compute_metrics=shapes, args=_args(
+        tmp_path, method, eval_do_concat_batches=False, per_device_eval_batch_size=16)).evaluate()
+    concatenated = VariationalTrainer(model=_model(), args=_args(tmp_path, method, per_device_eval_batch_size=16),
+                                      eval_dataset=val).evaluate()
+    assert (ours["eval_batches"], ours["eval_rows"]) == (stock["eval_batches"], stock["eval_rows"]) == (3, 40)
+    scores = [k for k in concatenated if not k.endswith(("_runtime", "_per_second", "_time"))]
+    assert {k: ours[k] for k in scores} == pytest.approx({k: concatenated[k] for k in scores})
 
 
 @pytest.mark.parametrize("method", METHODS)

@@ -121,16 +121,15 @@ _IVON_OPTIMIZER = ("IVON is the optimizer of method={method!r} (its settings: le
 #: may use {name}, {value} and {method}. Every other field is in `HONOURED_ARGUMENTS`; tests/test_hf_parity.py fails
 #: on a field of a new transformers release that is in neither.
 UNHONOURED_ARGUMENTS: dict[str, tuple[str, str, str]] = {
-    **{name: ("ivon", "refuse", _IVON_OPTIMIZER) for name in ("optim", "optim_args", "optim_target_modules")},
-    **{name: ("ivon", "refuse", _IVON_OPTIMIZER.replace("train with", "IVON's own are beta1/beta2 (and no epsilon); train with"))
-       for name in ("adam_beta1", "adam_beta2", "adam_epsilon")},
+    **{name: ("ivon", "refuse", _IVON_OPTIMIZER)
+       for name in ("optim", "optim_args", "optim_target_modules", "adam_beta1", "adam_beta2", "adam_epsilon")},
     "weight_decay": ("ivon", "refuse", "IVON's weight decay is the precision of its Gaussian prior: pass prior_precision= "
                      "instead of {name}={value!r} with method={method!r}."),
     "fp16": ("ivon", "refuse", "fp16's gradient scaler would scale the gradients IVON reads (method={method!r}): use "
              "bf16=True or full precision."),
     "deepspeed": ("ivon", "refuse", "IVON (method={method!r}) cannot train under DeepSpeed, which steps the optimizer "
                   "itself: use FSDP2 (fsdp_config={{'version': 2}}) or DDP."),
-    "label_smoothing_factor": ("all", "refuse", "label_smoothing_factor is not used by VariationalTrainer: choose "
+    "label_smoothing_factor": ("all", "refuse", "VariationalTrainer does not use it: choose "
                                "method='ls' with method_config={{'smoothing': ...}} instead, so that the method is "
                                "recorded and compared fairly."),
     "average_tokens_across_devices": ("all", "ignore", "every method's loss is a mean over its micro-batch's examples, "

@@ -432,7 +432,7 @@ class VariationalTrainer(CheckpointingMixin, VariationalHubMixin, LabelNoiseMixi
         """As `Trainer.predict`; `predictions` are log P̂ (the log of the posterior-averaged probabilities; at τ = 0 those
         of the posterior mean), or what `preprocess_logits_for_metrics` made of them."""
         output = super().predict(test_dataset, ignore_keys, metric_key_prefix)
-        predictions = (self._metrics.user_predictions(output.predictions) if isinstance(output.predictions, tuple)
+        predictions = (self._metrics.user_predictions(output.predictions) if isinstance(output.predictions, (tuple, list))
                        else output.predictions)
         return PredictionOutput(predictions=predictions, label_ids=output.label_ids, metrics=output.metrics)
 

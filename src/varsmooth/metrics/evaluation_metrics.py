@@ -53,21 +53,29 @@ class EvaluationMetrics:
         these metrics score, and adds the user's function of (log P̂, labels)."""
         return (*logits, self.user_preprocess(logits[0], labels))
 
-    def user_predictions(self, predictions: tuple[Any, ...]) -> Any:
-        """What the user's functions see of an evaluation's predictions: the preprocessed ones, else log P̂."""
+    def user_predictions(self, predictions: tuple[Any, ...] | list[tuple[Any, ...]]) -> Any:
+        """What the user's functions see of an evaluation's predictions: the preprocessed ones, else log P̂ (per batch,
+        as a list, with `eval_do_concat_batches=False`)."""
+        if isinstance(predictions, list):
+            return [self.user_predictions(batch) for batch in predictions]
         return predictions[-1] if self.user_preprocess is not None else predictions[0]
 
     def __call__(self, eval_pred: EvalPrediction, compute_result: bool | None = None) -> dict[str, float]:
-        log_probs, mean_logits = eval_pred.predictions[:2]
+        if isinstance(eval_pred.predictions, list):  # eval_do_concat_batches=False: (predictions, labels) per batch
+            log_probs, mean_logits = (np.concatenate(parts) for parts in list(zip(*eval_pred.predictions))[:2])
+            labels = np.concatenate(eval_pred.label_ids)
+        else:
+            log_probs, mean_logits = eval_pred.predictions[:2]
+            labels = eval_pred.label_ids
         user_pred = EvalPrediction(predictions=self.user_predictions(eval_pred.predictions), label_ids=eval_pred.label_ids,
                                    inputs=eval_pred.inputs, losses=eval_pred.losses)
         user_kwargs = {} if compute_result is None else {"compute_result": compute_result}
         user_metrics = self.user_metrics(user_pred, **user_kwargs) if self.user_metrics is not None else None
         self.user_metric_names |= set(user_metrics or ())
         if compute_result is None:
-            log_probs, mean_logits, labels = (np.asarray(a) for a in (log_probs, mean_logits, eval_pred.label_ids))
+            log_probs, mean_logits, labels = (np.asarray(a) for a in (log_probs, mean_logits, labels))
         else:
-            self._batches.append(tuple(_numpy(a) for a in (log_probs, mean_logits, eval_pred.label_ids)))
+            self._batches.append(tuple(_numpy(a) for a in (log_probs, mean_logits, labels)))
             if not compute_result:
                 return {}
             log_probs, mean_logits, labels = (np.concatenate(parts) for parts in zip(*self._batches))
