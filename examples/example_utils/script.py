@@ -152,6 +152,7 @@ def train_evaluate_and_share(trainer: VariationalTrainer, checkpoint: str | None
         trainer.save_model()
         trainer.log_metrics("train", train_metrics)  # train_results.json, as HF's examples write it
         trainer.save_metrics("train", train_metrics)
+        trainer.save_state()  # trainer_state.json (the log history), as HF's examples write it
     if args.do_eval:
         metrics = evaluate_validation_and_test(trainer, test)
     if args.do_predict:

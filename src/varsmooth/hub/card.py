@@ -33,6 +33,10 @@ _FILE_DESCRIPTIONS = {
     NOISE_REPORT_FILE: "the label corruption: intended and realized transition matrices",
     "preprocessor_config.json": "image processor",
     "tokenizer.json": "tokenizer",
+    "tokenizer_config.json": "tokenizer configuration",
+    "special_tokens_map.json": "tokenizer's special tokens",
+    "vocab.txt": "tokenizer vocabulary",
+    "temperature_scaling.json": "the post-hoc temperature every prediction is scaled by (temperature scaling)",
     "adapter_model.safetensors": "PEFT adapter weights",
     "adapter_config.json": "PEFT adapter configuration",
     "mean_pooling_bert.py": "modeling code of the mean-pooling classifier, named by config.json's `auto_map` "
