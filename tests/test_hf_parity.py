@@ -269,3 +269,34 @@ def test_best_metric_is_what_the_loaded_best_model_gives(tmp_path, method):
     trainer.train()
     assert trainer.posterior_temperature == 1.0  # the τ the evaluations during training used: not chosen again
     assert trainer.evaluate()["eval_loss"] == pytest.approx(trainer.state.best_metric)
+
+
+# -- pipelines ----------------------------------------------------------------------------------------------------------
+def test_image_and_text_pipelines_answer_the_uncertainty_in_one_shape(tmp_path):
+    """One input: one dict whose "predictions" is a list of {label, score} (the stock pipeline's answer, the text
+    pipeline's top label in a list as it returns it); a list of inputs: a list of those dicts."""
+    from transformers import ViTImageProcessor
+
+    from example_utils.models import create_text_classifier
+    from helpers import tiny_digits_resnet
+    from varsmooth import DiagonalGaussianPosterior, VariationalModel, pipeline
+
+    def save(model, folder):
+        posterior = DiagonalGaussianPosterior(model, {n: torch.full_like(p, 0.02) for n, p in model.named_parameters()})
+        VariationalModel(model, posterior, num_samples=2).save_pretrained(folder)
+
+    save(tiny_digits_resnet(), tmp_path / "image")
+    ViTImageProcessor(do_resize=False, image_mean=[0.5], image_std=[0.5], do_convert_rgb=False).save_pretrained(tmp_path / "image")
+    text_model, tokenizer = create_text_classifier(None, {0: "neg", 1: "pos"}, train_texts=["a good film", "a bad film"])
+    save(text_model, tmp_path / "text")
+    tokenizer.save_pretrained(tmp_path / "text")
+    image = (np.random.default_rng(0).random((8, 8)) * 255).astype("uint8")
+    for task, x in (("image-classification", image), ("text-classification", "a good film")):
+        classify = pipeline(task, model=str(tmp_path / task.split("-")[0]))
+        one = classify(x, return_uncertainty=True)
+        assert set(one) == {"predictions", "entropy", "mutual_information", "uncertainty_temperature"}, task
+        stock = classify(x)  # without the uncertainty: the stock pipeline's answer
+        assert [p["label"] for p in one["predictions"]] == [p["label"] for p in stock]
+        assert [p["score"] for p in one["predictions"]] == pytest.approx([p["score"] for p in stock])
+        assert isinstance(one["predictions"], list) and all(set(p) == {"label", "score"} for p in one["predictions"])
+        assert classify([x, x], return_uncertainty=True) == [one, one]
