@@ -39,7 +39,7 @@ Every field of ModelArguments (with LoraArguments), DataArguments, CorruptionArg
 is a flag, or a key of a single JSON/YAML file given instead of the flags, and so is every field of the methods'
 configs (`--method gce --gce_q 0.5`; varsmooth.methods.list_methods()): a flag of another method than --method is an
 error. `--do_predict` writes predict_results.txt for the test split (prediction, confidence, entropy, mutual
-information).
+information: n/a for a prediction without posterior draws, e.g. at τ = 0).
 """
 
 from __future__ import annotations

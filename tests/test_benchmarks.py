@@ -79,6 +79,15 @@ def test_json_reports_reproduce_their_tables(script, section, source, tmp_path, 
     assert written.read_text() == README.read_text()  # and nothing else of the file moved
 
 
+def test_hp_search_table_is_the_report():
+    """The search's table is its cached trials, the same number for each method."""
+    import hp_search
+
+    result = json.loads(hp_search.RESULT.read_text())
+    assert hp_search.report(result).strip() == block("hp_search")
+    assert {method: len(trials) for method, trials in result.items()} == {m: hp_search.TRIALS for m in hp_search.SEARCHES}
+
+
 def test_training_length_tables_are_the_reports():
     import training_length_report as report
 

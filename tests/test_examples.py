@@ -143,6 +143,20 @@ def test_do_predict_logging_steps_and_tensorboard_as_in_hugging_faces_examples(t
     assert np.all((mutual_information >= -1e-6) & (mutual_information <= entropy + 1e-6)) and mutual_information.max() > 0
 
 
+def test_predict_results_keep_the_mutual_information_column_without_draws(tmp_path):
+    """A prediction without draws (here a method without a posterior) states the mutual information as n/a: the
+    file's columns do not depend on τ or the method."""
+    from example_utils.script import write_predictions
+    from helpers import TinyClassifier, digits_dataset
+    from varsmooth import VariationalTrainer
+
+    trainer = VariationalTrainer(model=TinyClassifier(), args=make_args(tmp_path, method="erm"))
+    test = digits_dataset(8)
+    lines = Path(write_predictions(trainer, test, [int(y) for y in test["label"]], [str(i) for i in range(10)])).read_text().splitlines()
+    assert lines[0].split("\t") == ["index", "prediction", "label", "confidence", "entropy", "mutual_information"]
+    assert [line.split("\t")[5] for line in lines[1:]] == ["n/a"] * 8
+
+
 def test_do_predict_is_refused_before_training_without_a_test_split_or_across_processes():
     from types import SimpleNamespace
 

@@ -289,3 +289,36 @@ def test_smoothed_label_whiskers_span_the_quantiles_around_the_median(tmp_path, 
     np.testing.assert_allclose(center, np.median(members, 0), atol=1e-7)
     np.testing.assert_allclose(center - below, np.quantile(members, 0.1, axis=0), atol=1e-7)
     np.testing.assert_allclose(center + above, np.quantile(members, 0.9, axis=0), atol=1e-7)
+
+
+def test_smoothed_labels_show_every_class_of_a_ten_class_task_and_the_model_names(tmp_path, drawn):
+    """Ten classes: ten panels (not the first four), titled by the class names given (the callback passes the model's
+    id2label, which a dataset without a ClassLabel column lacks)."""
+    classes = 10
+    labels = np.arange(40) % classes
+    noise = datasets.Dataset.from_dict({"label": labels, "smoothed_label": np.eye(classes, dtype=np.float32)[labels]})
+    names = [f"class {k}" for k in range(classes)]
+    plot_smoothed_labels(noise, tmp_path, class_names=names)
+    assert [ax.get_title() for ax in drawn[-1].axes] == [f"given label: {n}" for n in names]
+
+
+def test_the_reliability_diagrams_legend_shows_the_bars_as_drawn(tmp_path, drawn):
+    """One overconfident and one underconfident bin: the gap bar over the accuracy bar is not blended into a colour
+    the legend lacks."""
+    diagram = {"edges": np.linspace(0, 1, 11), "count": np.array([0, 0, 0, 0, 0, 5, 0, 0, 5, 0]),
+               "confidence": np.array([0, 0, 0, 0, 0, 0.55, 0, 0, 0.85, 0]),
+               "accuracy": np.array([0, 0, 0, 0, 0, 0.8, 0, 0, 0.6, 0])}
+    plots.plot_reliability_diagram(diagram, tmp_path)
+    top = drawn[-1].axes[0]
+    legend = top.get_legend()
+    for handle, text in zip(legend.legend_handles, legend.get_texts()):
+        (bars,) = [c for c in top.containers if c.get_label() == text.get_text()] or [None]
+        if bars is None:  # the diagonal
+            continue
+        for bar in bars:
+            assert bar.get_alpha() in (None, 1.0) and (bar.get_fill() is False or text.get_text() == "accuracy")
+            assert (bar.get_hatch(), bar.get_fill()) == (handle.get_hatch(), handle.get_fill())
+            np.testing.assert_allclose(bar.get_edgecolor(), handle.get_edgecolor())
+            if bar.get_fill():
+                np.testing.assert_allclose(bar.get_facecolor(), handle.get_facecolor())
+

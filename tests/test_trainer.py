@@ -271,7 +271,14 @@ def test_hessian_diagnostics_logged_and_stuck_hessian_warned(tmp_path, caplog):
     assert logged and all({"hess_mean", "hess_median", "posterior_std_mean", "posterior_std_median"} <= set(e) for e in logged)
     expected_std = 1 / np.sqrt(64 * (logged[-1]["hess_median"] + 2e-4))
     assert logged[-1]["posterior_std_median"] == pytest.approx(expected_std, rel=1e-3)
-    assert "Hessian hardly moved" in caplog.text
+    assert "Hessian hardly moved" in caplog.text and "leave beta2 unset" in caplog.text
+    # β2 unset: the run-length rule's window is at its floor here, and the advice is not to leave beta2 unset
+    caplog.clear()
+    unset = VariationalTrainer(model=TinyClassifier(), args=_trainer_args(tmp_path / "u", max_steps=4, beta2=None), train_dataset=ds)
+    with caplog.at_level("WARNING", logger="varsmooth.posterior.diagnostics"):
+        unset.train()
+    assert "Hessian hardly moved" in caplog.text and "leave beta2 unset" not in caplog.text
+    assert "at least 300 steps: pass a smaller beta2" in caplog.text
     # with β2 = 0.9 the Hessian moves and there is no warning
     caplog.clear()
     moving = VariationalTrainer(model=TinyClassifier(), args=_trainer_args(tmp_path / "b", max_steps=4, beta2=0.9), train_dataset=ds)
@@ -386,7 +393,7 @@ def test_compute_loss_func_drives_ivon_training(tmp_path):
     calls = []
 
     def tripled(outputs, labels, num_items_in_batch=None):
-        calls.append((labels.shape[0], num_items_in_batch))
+        calls.append((labels.shape[0], int(num_items_in_batch)))
         return 3.0 * F.cross_entropy(outputs.logits, labels)
 
     steps, batch = 3, 16
@@ -403,8 +410,8 @@ def test_compute_loss_func_drives_ivon_training(tmp_path):
     ref1, _ = reference_ivon_loop(init, batches, steps, **kw)
     assert _max_diff(ref3, ref1) > 1e-3  # the factor changes IVON's run (its Hessian estimate scales with g)
     assert _max_diff(trainer.model, ref3) < 1e-6
-    # one call per posterior sample, on the micro-batch, asked for its mean (num_items_in_batch=None)
-    assert calls == [(batch, None)] * steps
+    # one call per posterior sample, on the micro-batch, with its labelled examples as num_items_in_batch
+    assert calls == [(batch, batch)] * steps
 
 
 def test_compute_loss_func_replaces_the_loss_of_non_ivon_methods(tmp_path):

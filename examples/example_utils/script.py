@@ -113,24 +113,24 @@ def validation_noise_transition(reports: dict[str, Any] | None) -> list[list[flo
 def write_predictions(trainer: VariationalTrainer, test: Any, labels: list[int] | None, names: list[str]) -> str:
     """`--do_predict`: the prediction of every example of `test` (what `evaluate()` scores) into
     output_dir/predict_results.txt, tab-separated: index, prediction, label (when known), confidence, predictive
-    entropy and, when the prediction averages several draws (BMA over the posterior, MC dropout), their mutual
-    information. Returns the file's path."""
+    entropy and the mutual information of the draws the prediction averages (BMA over the posterior, MC dropout),
+    `n/a` for a prediction without draws. Returns the file's path."""
     out = predictive_outputs(trainer, test)
     probs = out["probs"].astype(np.float64)
     entropy = -(probs * np.log(np.clip(probs, 1e-12, None))).sum(-1)
     with_mi = "mutual_information" in out  # absent for a prediction without draws (a point estimate, or τ = 0)
     if not with_mi:
-        logger.info("%s has no mutual_information column: the prediction is made at a single set of weights (the "
-                    "posterior mean, or a method without a posterior: no samples to disagree).", PREDICT_RESULTS_FILE)
+        logger.info("%s's mutual_information is n/a: the prediction is made at a single set of weights (the posterior "
+                    "mean, or a method without a posterior: no samples to disagree).", PREDICT_RESULTS_FILE)
     path = os.path.join(trainer.args.output_dir, PREDICT_RESULTS_FILE)
     with atomic_path(path) as tmp, open(tmp, "w", newline="", encoding="utf-8") as f:
         writer = csv.writer(f, delimiter="\t", lineterminator="\n")
         writer.writerow(["index", "prediction", *(["label"] if labels is not None else []), "confidence", "entropy",
-                         *(["mutual_information"] if with_mi else [])])
+                         "mutual_information"])
         for i, p in enumerate(probs):
             writer.writerow([i, names[int(p.argmax())], *([names[labels[i]]] if labels is not None else []),
                              f"{p.max():.6f}", f"{entropy[i]:.6f}",
-                             *([f"{out['mutual_information'][i]:.6f}"] if with_mi else [])])
+                             f"{out['mutual_information'][i]:.6f}" if with_mi else "n/a"])
     return path
 
 
@@ -152,6 +152,7 @@ def train_evaluate_and_share(trainer: VariationalTrainer, checkpoint: str | None
         trainer.save_model()
         trainer.log_metrics("train", train_metrics)  # train_results.json, as HF's examples write it
         trainer.save_metrics("train", train_metrics)
+        trainer.save_state()  # trainer_state.json (the log history), as HF's examples write it
     if args.do_eval:
         metrics = evaluate_validation_and_test(trainer, test)
     if args.do_predict:

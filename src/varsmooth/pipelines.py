@@ -5,6 +5,9 @@
     classify(image, return_uncertainty=True)      # {"predictions": [...], "entropy": H[P̂], "mutual_information": ...,
                                                   #  "uncertainty_temperature": τ of the draws that measured it}
 
+With `return_uncertainty=True` both tasks answer in one shape: a dict for one input (a list of them for a list of
+inputs) whose "predictions" is a list of {"label", "score"} (the stock text pipeline's top label alone, in a list).
+
 The mutual information is measured with the posterior draws of the prediction; a model that predicts at its posterior
 mean (τ = 0) reports it under the learned posterior (τ = 1) instead, and a model without a posterior reports None.
 
@@ -78,7 +81,7 @@ class _VariationalMixin:
         if not return_uncertainty:
             return result
         mi = model_outputs["mutual_information"]
-        return {"predictions": result,
+        return {"predictions": result if isinstance(result, list) else [result],
                 "entropy": float(model_outputs["entropy"].reshape(-1)[0]),
                 "mutual_information": None if mi is None else float(mi.reshape(-1)[0]),
                 "uncertainty_temperature": model_outputs["uncertainty_temperature"]}
@@ -126,6 +129,14 @@ class VariationalImageClassificationPipeline(_VariationalMixin, ImageClassificat
 
 class VariationalTextClassificationPipeline(_VariationalMixin, TextClassificationPipeline):
     """`TextClassificationPipeline` with posterior-averaged scores; texts longer than the model takes are truncated."""
+
+    def __call__(self, inputs: Any, **kwargs: Any) -> Any:
+        result = super().__call__(inputs, **kwargs)
+        # the stock pipeline wraps one text's answer in a list (its legacy shape); with the uncertainty, one input
+        # gets one dict, as from the image pipeline
+        if kwargs.get("return_uncertainty") and isinstance(inputs, str) and isinstance(result, list):
+            return result[0]
+        return result
 
     def preprocess(self, inputs: Any, **tokenizer_kwargs: Any) -> Any:
         # a text longer than the position embeddings would fail inside the model with a tensor-size error

@@ -159,6 +159,10 @@ def plot_noise_extremes(
 
 
 # -- Fig. 4 ------------------------------------------------------------------------------------------
+#: panels of `plot_smoothed_labels` by default: every class of a 10-class task (CIFAR-10, digits), a readable page of more
+SMOOTHED_LABEL_PANELS = 10
+
+
 def label_smoothing_targets(num_classes: int, alpha: float) -> np.ndarray:
     """Row c is label smoothing's target for class c: (1 − α)·onehot(c) + α/K (Yang et al. 2025, Eq. 1)."""
     return (1.0 - alpha) * np.eye(num_classes) + alpha / num_classes
@@ -186,7 +190,8 @@ def plot_smoothed_labels(
 ) -> str:
     """Seed 000, Fig. 4: per class, the smoothed label IVON trains on, y + ε̄, beside other methods' targets.
 
-    For each class c in `classes` (default the first four) one panel shows, for every class k, the mean over the
+    For each class c in `classes` (default every class with examples, the first `SMOOTHED_LABEL_PANELS` of more)
+    one panel shows, for every class k, the mean over the
     examples labelled c of (y + ε̄)_k, with whiskers from the 10th to the 90th percentile around the median; `others` maps a name to
     a K×K matrix of per-class targets drawn beside it (e.g. `{"LS α=0.1": label_smoothing_targets(K, 0.1)}` or
     OLS's soft-label matrix). The y-axis is symmetric-log: IVON's smoothed labels can be slightly negative (or
@@ -196,7 +201,7 @@ def plot_smoothed_labels(
     labels = _column(noise, "label")
     num_classes = smoothed.shape[1]
     present = np.unique(labels)
-    classes = list(present[:4] if classes is None else classes)
+    classes = list(present[:SMOOTHED_LABEL_PANELS] if classes is None else classes)
     series: dict[str, np.ndarray] = {"IVON y + ε̄": class_smoothed_labels(noise), **dict(others or {})}
     for name, matrix in series.items():
         if np.shape(matrix) != (num_classes, num_classes):
@@ -205,8 +210,14 @@ def plot_smoothed_labels(
     width = 0.8 / len(series)
     x = np.arange(num_classes)
 
-    fig = _figure(min(16.0, max(6.0, 0.3 * num_classes * len(series) + 2.0)), 2.4 * len(classes))
-    axes = fig.subplots(len(classes), 1, squeeze=False)[:, 0]
+    columns = 1 if len(classes) <= 4 else 2
+    rows = -(-len(classes) // columns)
+    fig = _figure(columns * min(16.0, max(6.0, 0.3 * num_classes * len(series) + 2.0)), 2.4 * rows)
+    axes = fig.subplots(rows, columns, squeeze=False).ravel()
+    for ax in axes[len(classes):]:
+        fig.delaxes(ax)
+    if len(classes) < len(present):
+        fig.suptitle(f"{len(classes)} of the {len(present)} given labels", fontsize=9)
     for ax, c in zip(axes, classes):
         for j, (name, matrix) in enumerate(series.items()):
             offset = (j - (len(series) - 1) / 2) * width
@@ -292,8 +303,10 @@ def plot_reliability_diagram(
     top, bottom = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [3, 1]})
     top.bar(edges[:-1][filled], acc[filled], width=widths[filled], align="edge", color="tab:blue", edgecolor="white",
             label="accuracy")
+    # hatched, not translucent: over an accuracy bar (an underconfident bin) a translucent fill would blend into a
+    # colour the legend does not show
     top.bar(edges[:-1][filled], conf[filled] - acc[filled], bottom=acc[filled], width=widths[filled], align="edge",
-            color="tab:red", alpha=0.35, label="gap to confidence")
+            fill=False, hatch="////", edgecolor="tab:red", linewidth=0.8, label="gap to confidence")
     top.plot([0, 1], [0, 1], "k--", lw=1, label="perfect calibration")
     top.set_ylim(0, 1)
     top.set_ylabel("accuracy")

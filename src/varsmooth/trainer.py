@@ -29,11 +29,13 @@ from .adapters import is_peft_model
 from .batchnorm import (RECOMPUTED_LOG_KEY, BatchNormRecalibrationCallback, batchnorm_layers, draw_batchnorm_statistics,
                         head_batches, prediction_draw_buffers, recompute_batchnorm_statistics)
 from .checkpointing import CheckpointingMixin
-from .checks import check_arguments, check_compute_metrics, check_datasets, check_method_inputs
+from .checks import (check_arguments, check_compute_metrics, check_datasets, check_label_names, check_method_inputs,
+                     check_single_label_model, check_unhonoured_arguments)
 from .corruption import realized_noise_report
 from .ensemble import DeepEnsemble
 from .finite import NonFiniteGuard, non_finite_step_error
 from .fsdp import keep_presharded_model
+from .hp_search import HyperparameterSearchMixin
 from .hub import VariationalHubMixin
 from .label_noise import LabelNoiseCallback, LabelNoiseMixin
 from .mc_dropout import mc_dropout_predictive
@@ -56,11 +58,15 @@ __all__ = ["VariationalTrainer"]
 logger = logging.getLogger(__name__)
 
 
-class VariationalTrainer(CheckpointingMixin, VariationalHubMixin, LabelNoiseMixin, Trainer):
+class VariationalTrainer(CheckpointingMixin, VariationalHubMixin, LabelNoiseMixin, HyperparameterSearchMixin, Trainer):
     """A `Trainer` for single-label classifiers that trains with `args.method` (IVON by default).
 
     Models may be any module returning logits in a `ModelOutput` or tuple (HF `AutoModelFor*Classification`,
     timm through `example_utils.models.create_image_classifier` in the examples, ...); the loss is computed here from the logits.
+    Multi-label and regression models are refused. `compute_metrics` and `preprocess_logits_for_metrics` get log P̂ as
+    the logits (softmax of them is P̂; `EvaluationMetrics`); `label_names=[name]` names the label column of training and
+    evaluation alike; for `compute_loss_func` see `compute_loss`, for `hyperparameter_search` `HyperparameterSearchMixin`;
+    the `TrainingArguments` a method cannot honour are refused or warned of as `checks.UNHONOURED_ARGUMENTS` declares.
 
     Private `Trainer` hooks it overrides, and what would not work without each:
 
@@ -81,26 +87,26 @@ class VariationalTrainer(CheckpointingMixin, VariationalHubMixin, LabelNoiseMixi
 
     def __init__(self, model: Any = None, args: VariationalTrainingArguments | None = None, *pargs: Any, **kwargs: Any) -> None:
         args = check_arguments(args)
+        check_label_names(args)
+        check_unhonoured_arguments(args, args.method, learns_posterior(args.method))
         user_metrics = kwargs.pop("compute_metrics", None)
         check_compute_metrics(args, user_metrics)
         self._noise_report = kwargs.pop("noise_report", None)
         eval_noise_transition = kwargs.pop("eval_noise_transition", None)
         posterior = kwargs.pop("posterior", None)
-        self._metrics = EvaluationMetrics(user_metrics)
-        super().__init__(model, args, *pargs, compute_metrics=self._metrics, **kwargs)
-        train_size = check_datasets(self.train_dataset, self.eval_dataset)
-        self.method: TrainingMethod = get_method_class(args.method)(args.method_config, num_train_examples=train_size)
-        fsdp = getattr(self.accelerator.state, "fsdp_plugin", None)  # set up by `accelerate launch`, not by the arguments
-        self.method.check_parallelism(getattr(fsdp, "fsdp_version", 1) if fsdp is not None else None, self.is_deepspeed_enabled)
-        keep_presharded_model(fsdp, self.model)
-        check_method_inputs(self.method, self.compute_loss_func, posterior, self.optimizer)
-        self._saved_posterior = posterior if posterior is not None else self._posterior_beside_model()
-        if self.model is not None:  # extra heads must exist before the optimizer is built
-            self.method.attach(self.model)
+        if model is not None:
+            check_single_label_model(model)
+        user_preprocess = kwargs.pop("preprocess_logits_for_metrics", None)
+        self._metrics = EvaluationMetrics(user_metrics, user_preprocess)
+        super().__init__(model, args, *pargs, compute_metrics=self._metrics,
+                         preprocess_logits_for_metrics=self._metrics.preprocess if user_preprocess else None, **kwargs)
+        self._train_size = check_datasets(self.train_dataset, self.eval_dataset)
         for callback in self.callback_handler.callbacks:  # those passed at construction
             self._connect(callback)
-        for callback in self.method.callbacks():  # `add_callback` binds these
-            self.add_callback(callback)
+        self._method_callbacks: list[TrainerCallback] = []
+        self._build_method()
+        check_method_inputs(self.method, self.compute_loss_func, posterior, self.optimizer)
+        self._saved_posterior = posterior if posterior is not None else self._posterior_beside_model()
         # τ of every prediction; chosen on the eval dataset when training ends, before other train-end callbacks
         self.posterior_temperature = 1.0 if args.posterior_temperature is None else args.posterior_temperature
         self.posterior_temperature_report: dict[str, Any] | None = None
@@ -122,6 +128,28 @@ class VariationalTrainer(CheckpointingMixin, VariationalHubMixin, LabelNoiseMixi
         self._ivon_param_names: list[str] | None = None
         self._init_checkpointing()
         self._finite_guard = NonFiniteGuard()
+
+    def _build_method(self) -> None:
+        """`self.method` from `args.method_config`, at construction and again for each hyperparameter-search trial
+        (whose settings the arguments then hold): a fresh method, its extra heads attached to the model (they must
+        exist before the optimizer is built) and its callbacks in place of the previous method's."""
+        for callback in self._method_callbacks:
+            self.callback_handler.remove_callback(callback)
+        self.method: TrainingMethod = get_method_class(self.args.method)(self.args.method_config, num_train_examples=self._train_size)
+        fsdp = getattr(self.accelerator.state, "fsdp_plugin", None)  # set up by `accelerate launch`, not by the arguments
+        self.method.check_parallelism(getattr(fsdp, "fsdp_version", 1) if fsdp is not None else None, self.is_deepspeed_enabled)
+        keep_presharded_model(fsdp, self.model)
+        if self.model is not None:
+            self.method.attach(self.model)
+        self._method_callbacks = self.method.callbacks()
+        for callback in self._method_callbacks:  # `add_callback` binds these
+            self.add_callback(callback)
+
+    def call_model_init(self, trial: Any = None) -> torch.nn.Module:
+        """`Trainer.call_model_init`, refusing a model this trainer cannot train (multi-label, regression)."""
+        model = super().call_model_init(trial)
+        check_single_label_model(model)
+        return model
 
     def add_callback(self, callback: type[TrainerCallback] | TrainerCallback) -> None:
         """`Trainer.add_callback`, connecting a `LabelNoiseCallback` to this trainer's posterior and batches."""
@@ -313,9 +341,9 @@ class VariationalTrainer(CheckpointingMixin, VariationalHubMixin, LabelNoiseMixi
         on purpose (IVON averages).
 
         A `compute_loss_func` given to the trainer replaces the cross-entropy: it is called as the stock Trainer calls
-        it, `compute_loss_func(outputs, labels, num_items_in_batch=None)`, where None asks for the mean over this
-        micro-batch (the loss IVON needs per posterior sample; the Trainer divides it by the accumulation steps for
-        other methods).
+        it, `compute_loss_func(outputs, labels, num_items_in_batch)`, with the labelled examples of this micro-batch as
+        `num_items_in_batch`, so that HF's `sum / num_items_in_batch` is the mean over this micro-batch (the loss IVON
+        needs per posterior sample; the Trainer divides it by the accumulation steps for other methods).
         """
         loss, outputs = self.method.compute_loss(model, inputs, self.method_context(model))
         return (loss, outputs) if return_outputs else loss
@@ -362,6 +390,14 @@ class VariationalTrainer(CheckpointingMixin, VariationalHubMixin, LabelNoiseMixi
             self.ivon._reset_samples()  # the step's samples are dropped: IVON stays at the last finite step
         bad = [] if verdict[2] else non_finite_tensors(self.accelerator.unwrap_model(self.model).named_buffers())
         raise non_finite_step_error(verdict, self.state.global_step + 1, self.args.method, self.ivon is not None, bad)
+
+    def _prepare_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        inputs = super()._prepare_inputs(inputs)
+        # every loss, metric and selection reads the labels under "labels": `label_names=[name]` renames them
+        name = (self.args.label_names or ["labels"])[0]
+        if name != "labels" and name in inputs:
+            inputs = {**{k: v for k, v in inputs.items() if k != name}, "labels": inputs[name]}
+        return inputs
 
     def _get_dataloader(self, dataset: Any, description: str, batch_size: int, sampler_fn: Any = None,
                         is_training: bool = False, dataloader_key: str | None = None) -> Any:
@@ -434,9 +470,10 @@ class VariationalTrainer(CheckpointingMixin, VariationalHubMixin, LabelNoiseMixi
 
     def predict(self, test_dataset: Any, ignore_keys: list[str] | None = None, metric_key_prefix: str = "test") -> PredictionOutput:
         """As `Trainer.predict`; `predictions` are log P̂ (the log of the posterior-averaged probabilities; at τ = 0 those
-        of the posterior mean)."""
+        of the posterior mean), or what `preprocess_logits_for_metrics` made of them."""
         output = super().predict(test_dataset, ignore_keys, metric_key_prefix)
-        predictions = output.predictions[0] if isinstance(output.predictions, tuple) else output.predictions
+        predictions = (self._metrics.user_predictions(output.predictions) if isinstance(output.predictions, (tuple, list))
+                       else output.predictions)
         return PredictionOutput(predictions=predictions, label_ids=output.label_ids, metrics=output.metrics)
 
     def train_noise_report(self) -> Any:

@@ -105,7 +105,7 @@ class LabelNoiseCallback(TrainerCallback):
                     "batchnorm_statistics_per_draw": bool(batchnorm_layers(posterior.model))}  # compute_label_noise
         path, summary_path = write_label_noise(noise, args.output_dir, name, metadata)
         if self.plots:
-            self._draw(noise, dataset, args.output_dir, name)
+            self._draw(noise, dataset, args.output_dir, name, _model_class_names(posterior.model))
         # the next save keeps these files and lists them in the folder's manifest (they are this run's)
         for written in (path, summary_path, *(os.path.join(args.output_dir, f"{name}_{kind}.png")
                                                 for kind in ("smoothed_labels", "extremes"))):
@@ -116,12 +116,21 @@ class LabelNoiseCallback(TrainerCallback):
         return path
 
     @staticmethod
-    def _draw(noise: datasets.Dataset, dataset: datasets.Dataset, output_dir: str, name: str) -> None:
+    def _draw(noise: datasets.Dataset, dataset: datasets.Dataset, output_dir: str, name: str,
+              class_names: list[str] | None) -> None:
         from .. import plots  # matplotlib is imported only when pictures are asked for
 
         if "smoothed_label" in noise.column_names:
-            plots.plot_smoothed_labels(noise, output_dir, filename=f"{name}_smoothed_labels.png")
+            plots.plot_smoothed_labels(noise, output_dir, class_names=class_names, filename=f"{name}_smoothed_labels.png")
         if plots.find_image_column(dataset) is not None:
-            plots.plot_noise_extremes(noise, dataset, output_dir, filename=f"{name}_extremes.png")
+            plots.plot_noise_extremes(noise, dataset, output_dir, class_names=class_names, filename=f"{name}_extremes.png")
         else:
             logger.info("The dataset has no image column: no picture of the highest/lowest-noise examples.")
+
+
+def _model_class_names(model: Any) -> list[str] | None:
+    """The class names of `model`'s config (`id2label`, in class order); None without a config or with transformers'
+    placeholders LABEL_k, so that the pictures fall back to the dataset's ClassLabel names."""
+    id2label = getattr(getattr(model, "config", None), "id2label", None) or {}
+    names = [str(id2label[k]) for k in sorted(id2label, key=int)]
+    return None if not names or names == [f"LABEL_{k}" for k in range(len(names))] else names

@@ -83,8 +83,8 @@ class MethodContext:
     num_items_in_batch: Any = None
     #: micro-batches per optimizer step: a `training_step` returns and backpropagates its loss divided by this
     gradient_accumulation_steps: int = 1
-    #: a loss given to the trainer (`compute_loss_func(outputs, labels, num_items_in_batch=None)`) that replaces the
-    #: method's cross-entropy (only for methods whose `loss` is the plain one)
+    #: a loss given to the trainer (`compute_loss_func(outputs, labels, num_items_in_batch=<labelled examples of the
+    #: micro-batch>)`) that replaces the method's cross-entropy (only for methods whose `loss` is the plain one)
     loss_func: Callable[..., torch.Tensor] | None = None
     # -- for `training_step` only -----------------------------------------------------------------------------
     #: a trainer subclass's own `compute_loss(model, inputs)` (the Trainer's extension point), which then replaces
@@ -340,7 +340,8 @@ class TrainingMethod:
         if labels.numel() and (labels == IGNORE_INDEX).all():
             return logits.sum() * 0.0, outputs
         if context.loss_func is not None:
-            return context.loss_func(outputs, labels, num_items_in_batch=None), outputs
+            # the labelled examples of this micro-batch: HF's documented `sum / num_items_in_batch` is then its mean
+            return context.loss_func(outputs, labels, num_items_in_batch=(labels != IGNORE_INDEX).sum()), outputs
         return self.loss(logits, labels, dataclasses.replace(context, example_index=inputs.get(EXAMPLE_INDEX_KEY))), outputs
 
     def training_loss(self, model: torch.nn.Module, inputs: dict[str, Any], context: MethodContext) -> torch.Tensor:

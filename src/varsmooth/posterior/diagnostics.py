@@ -8,7 +8,7 @@ from typing import Any
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from ..presets import HESSIAN_MOVE_THRESHOLD
+from ..presets import HESSIAN_MOVE_THRESHOLD, MIN_HESSIAN_WINDOW_STEPS
 from .gaussian import hessian_movement, std_summary
 from .optimizer import VariationalIVON, unwrap_ivon
 
@@ -67,10 +67,14 @@ class HessianDiagnosticsCallback(TrainerCallback):
         moved = hessian_change(opt)
         if moved < HESSIAN_STUCK_TOLERANCE:
             beta2 = opt.param_groups[0]["beta2"]
+            # β2 unset already follows the run's length, down to a window of MIN_HESSIAN_WINDOW_STEPS steps
+            shorten = ("leave beta2 unset so that it follows the run's length (hessian_window), or pass a smaller beta2"
+                       if getattr(args, "beta2", None) is not None else
+                       f"beta2 follows the run's length but averages over at least {MIN_HESSIAN_WINDOW_STEPS} steps: "
+                       "pass a smaller beta2")
             logger.warning(
                 "IVON's Hessian hardly moved during training (median relative change %.2g < %g after %d steps with "
                 "beta2=%s, which averages it over ~%d steps): the posterior std is still set by the prior settings "
-                "(ess, hess_init), not learned. Train for more steps than that window, or shorten it: leave beta2 unset "
-                "so that it follows the run's length (hessian_window), or pass a smaller beta2.",
-                moved, HESSIAN_STUCK_TOLERANCE, opt.current_step, beta2, round(1 / (1 - beta2)),
+                "(ess, hess_init), not learned. Train for more steps than that window, or shorten it: %s.",
+                moved, HESSIAN_STUCK_TOLERANCE, opt.current_step, beta2, round(1 / (1 - beta2)), shorten,
             )

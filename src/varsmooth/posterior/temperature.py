@@ -285,7 +285,13 @@ class PosteriorTemperatureCallback(TrainerCallback):
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         try:
-            if args.posterior_temperature is None:
+            if args.posterior_temperature is None and args.load_best_model_at_end and state.best_model_checkpoint:
+                # best_metric was measured at the τ of the evaluations during training: choosing another τ now would
+                # make the loaded best model predict other than what made it the best
+                logger.info("load_best_model_at_end: keeping τ = 1, at which %s scored best_metric %s; to choose τ on "
+                            "the validation NLL, call trainer.select_posterior_temperature() (the metrics then differ "
+                            "from best_metric).", state.best_model_checkpoint, state.best_metric)
+            elif args.posterior_temperature is None:
                 self.select()
             self.prepare_draws()
         except Exception as error:  # the trained run must not be lost to what comes after training
