@@ -259,3 +259,14 @@ def run_script(script: str | os.PathLike, *args: str, launcher: str = "torchrun"
     if check:
         assert proc.returncode == 0, f"{os.path.basename(script)} exited with {proc.returncode}:\n{stderr[-4000:]}"
     return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+class TensorInput(torch.nn.Module):
+    """An HF image classifier called with one tensor, as torch.optim.swa_utils.update_bn calls models."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        return self.model(pixel_values=x).logits

@@ -8,23 +8,12 @@ import pytest
 import torch
 from torch.optim.swa_utils import update_bn
 
-from helpers import digits_images, make_args, tiny_digits_resnet
+from helpers import TensorInput, digits_images, make_args, tiny_digits_resnet
 from varsmooth import LabelNoiseCallback, VariationalTrainer
 from varsmooth.batchnorm import batchnorm_layers, recompute_batchnorm_statistics
 from varsmooth.hub.card import build_model_card
 from varsmooth.label_noise import compute_label_noise
 from varsmooth.posterior.prediction import draw_seeds
-
-
-class _TensorInput(torch.nn.Module):
-    """The HF model called with one tensor, as update_bn calls models."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, x):
-        return self.model(pixel_values=x).logits
 
 
 def _statistics(model):
@@ -43,13 +32,13 @@ def test_the_statistics_are_those_of_torchs_update_bn_and_stop_after_max_example
                for i in range(0, 100, 32)]
     momenta = [layer.momentum for layer in batchnorm_layers(model)]
     model.eval()
-    reference = _TensorInput(copy.deepcopy(model))
+    reference = TensorInput(copy.deepcopy(model))
     update_bn([b["pixel_values"] for b in batches], reference)
     assert recompute_batchnorm_statistics(model, batches) == 100
     _assert_same_statistics(model, reference.model)
     assert not model.training and [layer.momentum for layer in batchnorm_layers(model)] == momenta
 
-    first = _TensorInput(copy.deepcopy(model))
+    first = TensorInput(copy.deepcopy(model))
     update_bn([batches[0]["pixel_values"], batches[1]["pixel_values"]], first)
     assert recompute_batchnorm_statistics(model, batches, max_examples=40) == 64  # whole batches, until 40 are seen
     _assert_same_statistics(model, first.model)
@@ -75,7 +64,7 @@ def test_training_with_a_posterior_ends_with_the_statistics_of_the_mean(tmp_path
                        train_sampling_strategy="sequential"))  # the reference's batches: statistics depend on them
     trainer.train()
     model = trainer.model
-    reference = _TensorInput(copy.deepcopy(model))
+    reference = TensorInput(copy.deepcopy(model))
     update_bn([ds["pixel_values"][i:i + 32] for i in range(0, 96, 32)], reference)
     same = all(torch.allclose(x, y, atol=1e-5, rtol=1e-5) for x, y in zip(_statistics(model), _statistics(reference.model)))
     assert same == (method == "ivon" and recompute)
@@ -101,7 +90,7 @@ def test_the_label_noise_export_draws_normalise_with_their_own_statistics(tmp_pa
     expected = 0
     for draw_seed, mirrored in draw_seeds(0, 4):
         with posterior.sampled(draw_seed, mirrored=mirrored):
-            drawn = _TensorInput(copy.deepcopy(model))
+            drawn = TensorInput(copy.deepcopy(model))
         update_bn([x[:32], x[32:]], drawn)
         expected = expected + drawn.eval()(x).softmax(-1) / 4
     with torch.no_grad():

@@ -10,21 +10,12 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch.optim.swa_utils import update_bn
 
-from helpers import digits_images, make_args, tiny_digits_resnet
+from helpers import TensorInput, digits_images, make_args, tiny_digits_resnet
 from varsmooth import VariationalModel, VariationalTrainer
 from varsmooth.batchnorm import batchnorm_layers
 from varsmooth.posterior import DiagonalGaussianPosterior
 from varsmooth.posterior.draw_buffers import DrawBuffers
 from varsmooth.posterior.prediction import draw_seeds
-
-
-class _TensorInput(torch.nn.Module):
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, x):
-        return self.model(pixel_values=x).logits
 
 
 def _reference_bma(model, posterior, x, train_x, num_samples, seed, batch_size=32):
@@ -33,7 +24,7 @@ def _reference_bma(model, posterior, x, train_x, num_samples, seed, batch_size=3
     total = 0
     for draw_seed, mirrored in draw_seeds(seed, num_samples):
         with posterior.sampled(draw_seed, mirrored=mirrored):
-            drawn = _TensorInput(copy.deepcopy(model))
+            drawn = TensorInput(copy.deepcopy(model))
         update_bn([train_x[i:i + batch_size] for i in range(0, len(train_x), batch_size)], drawn)
         with torch.no_grad():
             total = total + drawn.eval()(x).softmax(-1)
