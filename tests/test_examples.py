@@ -22,9 +22,9 @@ from safetensors.torch import load_file
 
 from varsmooth.corruption import CorruptionArguments
 from example_utils.data import train_eval_splits
+from example_utils.script import checkpoint_to_resume
 from varsmooth.methods import METHODS, TrainingMethod
 from varsmooth.presets import FINETUNE_PRESET
-from varsmooth.utils import checkpoint_to_resume
 
 from helpers import WORKERS, load_example, make_args, run_script
 

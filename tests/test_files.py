@@ -581,7 +581,7 @@ def test_saved_files_follow_the_umask(tmp_path):
 
 # -- 12. issues 32/33: an example re-run in a used output_dir ----------------------------------------------------
 def test_resuming_another_seeds_checkpoint_is_refused(tmp_path):
-    from varsmooth.utils import checkpoint_to_resume
+    from example_utils.script import checkpoint_to_resume
 
     _erm(tmp_path, seed=0, steps=2, save_strategy="steps", save_steps=1)
     os.rename(tmp_path / "checkpoint-2", tmp_path / "hidden")  # as if killed after step 1 of 2
@@ -592,7 +592,7 @@ def test_resuming_another_seeds_checkpoint_is_refused(tmp_path):
 
 
 def test_relaunching_a_finished_run_is_refused_instead_of_training_one_more_step(tmp_path):
-    from varsmooth.utils import checkpoint_to_resume
+    from example_utils.script import checkpoint_to_resume
 
     _erm(tmp_path, steps=2, save_strategy="steps", save_steps=2)
     with pytest.raises(ValueError, match=r"has finished: its last checkpoint .*checkpoint-2 is at step 2, the end of "

@@ -28,7 +28,7 @@ from .files import MANIFEST_FILE, FolderSave, check_manifest, read_manifest
 from .modeling import FOLDER_LOADERS, VariationalModel, load_temperature_scaling
 from .posterior import VariationalClassifierOutput
 from .posterior.prediction import LABEL_KEYS, entropy
-from .utils import atomic_path
+from .files import atomic_path
 
 __all__ = ["ENSEMBLE_CONFIG_FILE", "DeepEnsemble"]
 

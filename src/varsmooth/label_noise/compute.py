@@ -38,7 +38,7 @@ from ..batchnorm import (DRAW_RECALIBRATION_EXAMPLES, batch_rows, batchnorm_laye
                          draw_batchnorm_statistics)
 from ..posterior import DiagonalGaussianPosterior, predictive_distribution
 from ..posterior.prediction import LABEL_KEYS
-from ..utils import atomic_path
+from ..files import atomic_path
 from .detection import mislabel_detection_report
 
 __all__ = [

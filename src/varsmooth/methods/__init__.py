@@ -10,7 +10,6 @@ from .base import (
     method_config_from_flags, register_method,
 )
 from .gce import GCEConfig, GCEMethod
-from .grids import DEFAULT_GRIDS, grid_points
 from .ivon import IVONConfig, IVONFixedHessianMethod, IVONMethod, learns_posterior
 from .label_smoothing import (
     GeneralizedLabelSmoothingConfig, GeneralizedLabelSmoothingMethod, LabelSmoothingConfig, LabelSmoothingMethod,
@@ -23,7 +22,6 @@ from .sam import SAMConfig, SAMMethod
 __all__ = [
     "ALASCAConfig",
     "ALASCAMethod",
-    "DEFAULT_GRIDS",
     "EXAMPLE_INDEX_KEY",
     "ExampleIndexDataset",
     "GCEConfig",
@@ -50,7 +48,6 @@ __all__ = [
     "build_method_config",
     "get_method_class",
     "get_method_config_class",
-    "grid_points",
     "learns_posterior",
     "list_methods",
     "method_config_classes",

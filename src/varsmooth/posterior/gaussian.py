@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 
 from ..peft_keys import saved_names
 from ..presets import HESSIAN_MOVE_THRESHOLD
-from ..utils import atomic_path
+from ..files import atomic_path
 from .seeds import derive_seed
 from .optimizer import DTensor, _local, _local_slice, _whole
 

@@ -29,7 +29,7 @@ import torch
 from ..model_parts import AUX_MODULE_NAME
 from ..posterior.gaussian import DiagonalGaussianPosterior, weights_fingerprint
 from ..posterior.prediction import VariationalClassifierOutput, entropy
-from ..utils import atomic_path
+from ..files import atomic_path
 
 __all__ = ["TEMPERATURE_SCALING_FILE", "TemperatureScaling", "describe_prediction", "network_fingerprint", "scaled_nll"]
 
