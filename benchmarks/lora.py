@@ -204,7 +204,7 @@ def report(device: str = DEVICE) -> str:
             paired = [r for r in rs if r["config"]["seed"] in base]
             d_acc = [100 * (r["test_acc"] - base[r["config"]["seed"]]["test_acc"]) for r in paired]
             d_ece = [100 * (r["test_ece"] - base[r["config"]["seed"]]["test_ece"]) for r in paired]
-            diff = (lambda v: "" if not v or name == "adamw-lora" else f"{np.mean(v):+.1f}" if len(v) == 1
+            diff = (lambda v: "" if not v or name == "adamw-lora" else f"{np.mean(v):+.1f}" if len(v) == 1  # noqa: B023, E731
                     else f"{np.mean(v):+.1f} ± {np.std(v, ddof=1):.1f}")
             mean_acc = [r.get("test_mean_acc", r["test_acc"]) for r in rs]
             lines.append(

@@ -121,7 +121,7 @@ def plan(a: argparse.Namespace) -> tuple[str, int, list[str], list[int], list[tu
 def select(results: list[tuple[str, str, dict, dict]]) -> dict:
     """family -> chosen run by noisy-val accuracy (ties: lower noisy-val NLL). LS includes ERM as α = 0."""
     fam_runs: dict[str, list] = {}
-    for fam, method, hp, r in results:
+    for fam, _method, hp, r in results:
         fam_runs.setdefault(fam, []).append((hp, r))
         if fam == "erm":
             fam_runs.setdefault("ls", []).append(({"smoothing": 0.0}, r))

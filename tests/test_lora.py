@@ -15,7 +15,7 @@ import sys
 import datasets
 import pytest
 import torch
-from transformers import BertConfig, BertForSequenceClassification
+from transformers import BertConfig, BertForSequenceClassification, BertTokenizer
 
 from helpers import WORKERS, load_example, make_args, reference_ivon_loop, run_script
 from varsmooth import LabelNoiseCallback, VariationalTrainer, VariationalTrainingArguments
@@ -284,9 +284,7 @@ def test_examples_switch_to_the_lora_preset(name):
 
 
 # -- saving, loading, serving ------------------------------------------------------------------------------------
-def tiny_tokenizer(folder) -> "BertTokenizer":
-    from transformers import BertTokenizer
-
+def tiny_tokenizer(folder) -> BertTokenizer:
     os.makedirs(folder, exist_ok=True)
     vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(5, VOCAB)]
     path = os.path.join(folder, "vocab.txt")
