@@ -46,11 +46,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import common  # noqa: E402  (sets OMP_NUM_THREADS before torch is imported)
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from transformers.trainer_callback import PrinterCallback  # noqa: E402
 
+import common  # noqa: E402  (sets OMP_NUM_THREADS before torch is imported)
 import real_noise  # noqa: E402
 
 SCRIPT = "lora"
@@ -79,9 +79,9 @@ def run(task: str, name: str, seed: int) -> dict[str, Any]:
     """Train and evaluate one (task, method, seed); cached as JSON."""
     from transformers import DataCollatorWithPadding
 
+    from example_utils.models import count_parameters
     from varsmooth import VariationalTrainer, VariationalTrainingArguments
     from varsmooth.adapters import add_lora_adapters
-    from example_utils.models import count_parameters
 
     lora, settings = METHODS[name]
     key = common.run_key(dataset=task, noise="", method=name, hyperparams=settings, epochs=SETUP["epochs"], seed=seed,

@@ -50,9 +50,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import common  # noqa: E402  (sets OMP_NUM_THREADS before torch is imported)
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+
+import common  # noqa: E402  (sets OMP_NUM_THREADS before torch is imported)
 
 SCRIPT = "uncertainty"
 OUT_DIR = common.RESULTS_DIR / SCRIPT

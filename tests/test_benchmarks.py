@@ -135,7 +135,6 @@ def test_lora_table_is_the_report(tmp_path, monkeypatch, device):
 # -- grids.py: the baselines' sweeps ---------------------------------------------------------------------------------
 def test_default_grids_are_the_seed_grids_and_valid_arguments(tmp_path):
     from grids import DEFAULT_GRIDS, grid_points
-
     from varsmooth import VariationalTrainingArguments
 
     assert [p["method_config"]["smoothing"] for p in grid_points("ls")] == [0.0, 0.1, 0.3, 0.5, 0.7, 0.9]

@@ -5,11 +5,11 @@ import os
 import subprocess
 import sys
 
+import ivon
 import pytest
 import torch
 import torch.nn.functional as F
 
-import ivon
 from helpers import WORKERS, SeededIVON, indexed_noise, run_script, skip_without_compiler
 from varsmooth.posterior import VariationalIVON, kernels
 

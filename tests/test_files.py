@@ -19,7 +19,13 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint
 
 from helpers import TinyClassifier, digits_dataset, digits_images, make_args, tiny_digits_resnet
-from varsmooth import POSTERIOR_FILE, DiagonalGaussianPosterior, LabelNoiseCallback, VariationalModel, VariationalTrainer
+from varsmooth import (
+    POSTERIOR_FILE,
+    DiagonalGaussianPosterior,
+    LabelNoiseCallback,
+    VariationalModel,
+    VariationalTrainer,
+)
 from varsmooth.corruption import corrupt_labels
 from varsmooth.files import MANIFEST_FILE, add_to_manifest
 
@@ -364,8 +370,8 @@ def test_image_pipeline_takes_a_numpy_array_and_refuses_bad_calls(image_model_di
 
 
 def test_text_pipeline_truncates_texts_longer_than_the_model_takes(tmp_path):
-    from varsmooth import pipeline
     from example_utils.models import create_text_classifier
+    from varsmooth import pipeline
 
     words = ["good", "great", "bad", "awful"]
     model, tokenizer = create_text_classifier(None, {0: "neg", 1: "pos"}, train_texts=[f"the film was {w} ." for w in words])

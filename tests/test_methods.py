@@ -25,8 +25,13 @@ import safetensors.torch
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import (BertConfig, BertForSequenceClassification, HfArgumentParser, ResNetConfig,
-                          ResNetForImageClassification)
+from transformers import (
+    BertConfig,
+    BertForSequenceClassification,
+    HfArgumentParser,
+    ResNetConfig,
+    ResNetForImageClassification,
+)
 from transformers.modeling_outputs import SequenceClassifierOutput
 from transformers.trainer_pt_utils import LabelSmoother
 
@@ -34,10 +39,25 @@ import varsmooth.methods
 from helpers import load_example, make_args
 from varsmooth import VariationalTrainer, VariationalTrainingArguments
 from varsmooth.methods import (
-    METHODS, ALASCAConfig, GCEConfig, GeneralizedLabelSmoothingConfig, IVONConfig, LabelSmoothingConfig,
-    LogisticNormalConfig, MethodConfig, MethodContext, OnlineLabelSmoothingConfig, SAMConfig, TrainingMethod,
-    get_method_class, learns_posterior, list_methods, method_config_classes, method_config_from_flags,
-    optimal_smoothing_rate, register_method,
+    METHODS,
+    ALASCAConfig,
+    GCEConfig,
+    GeneralizedLabelSmoothingConfig,
+    IVONConfig,
+    LabelSmoothingConfig,
+    LogisticNormalConfig,
+    MethodConfig,
+    MethodContext,
+    OnlineLabelSmoothingConfig,
+    SAMConfig,
+    TrainingMethod,
+    get_method_class,
+    learns_posterior,
+    list_methods,
+    method_config_classes,
+    method_config_from_flags,
+    optimal_smoothing_rate,
+    register_method,
 )
 from varsmooth.methods.alasca import _pool, alasca_targets, auxiliary_positions
 from varsmooth.methods.base import IGNORE_INDEX

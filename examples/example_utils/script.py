@@ -20,9 +20,9 @@ from transformers.trainer_utils import get_last_checkpoint
 
 from varsmooth import LabelNoiseCallback, VariationalTrainer
 from varsmooth.corruption import CorruptionArguments
-from varsmooth.methods import learns_posterior, method_config_from_flags
 from varsmooth.evaluation import predictive_outputs
 from varsmooth.files import atomic_path, read_manifest
+from varsmooth.methods import learns_posterior, method_config_from_flags
 
 logger = logging.getLogger(__name__)
 

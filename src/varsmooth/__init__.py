@@ -1,7 +1,7 @@
 """varsmooth: variational learning (IVON) as adaptive label smoothing for noisy labels, in `transformers.Trainer`."""
 
-from . import mean_pooling_bert  # noqa: F401  (registers the mean-pooling BERT with the Auto classes)
-from . import evaluation  # noqa: F401  (varsmooth.evaluation scores a trainer: README)
+# varsmooth.evaluation scores a trainer (README); importing mean_pooling_bert registers its BERT with the Auto classes
+from . import evaluation, mean_pooling_bert  # noqa: F401
 from .adapters import LoraArguments, add_lora_adapters
 from .ensemble import DeepEnsemble
 from .label_noise import LabelNoiseCallback, compute_label_noise

@@ -34,11 +34,10 @@ import torch
 from torch.utils.data import DataLoader
 from transformers import default_data_collator
 
-from ..batchnorm import (DRAW_RECALIBRATION_EXAMPLES, batch_rows, batchnorm_layers,
-                         draw_batchnorm_statistics)
+from ..batchnorm import DRAW_RECALIBRATION_EXAMPLES, batch_rows, batchnorm_layers, draw_batchnorm_statistics
+from ..files import atomic_path
 from ..posterior import DiagonalGaussianPosterior, predictive_distribution
 from ..posterior.prediction import LABEL_KEYS
-from ..files import atomic_path
 from .detection import mislabel_detection_report
 
 __all__ = [
