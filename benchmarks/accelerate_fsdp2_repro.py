@@ -24,8 +24,14 @@ import torch.distributed as dist
 from accelerate.utils import FullyShardedDataParallelPlugin
 from accelerate.utils.fsdp_utils import fsdp2_prepare_model
 from torch.distributed.fsdp import fully_shard
-from transformers import (BertConfig, BertForSequenceClassification, ResNetConfig, ResNetForImageClassification,
-                          ViTConfig, ViTForImageClassification)
+from transformers import (
+    BertConfig,
+    BertForSequenceClassification,
+    ResNetConfig,
+    ResNetForImageClassification,
+    ViTConfig,
+    ViTForImageClassification,
+)
 
 MODELS = {
     "vit": (lambda: ViTForImageClassification(ViTConfig(image_size=8, patch_size=4, num_channels=1, hidden_size=16,

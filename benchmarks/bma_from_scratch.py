@@ -17,6 +17,7 @@ the training-set size N = 1,149, a longer Hessian window, two MC samples per ste
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import subprocess
 import sys
@@ -130,16 +131,17 @@ def ood_auroc(folder: Path, seed: int) -> dict[str, float]:
     return result
 
 
+def _column(runs: list[dict[str, Any]], key: str, scale: float = 100.0, digits: int = 1) -> str:
+    return common.fmt_pm([r[key] for r in runs], scale=scale, digits=digits)
+
+
 def report() -> str:
     rows = ["| setting | mean acc % | BMA acc % | mean NLL | BMA NLL | BMA NLL τ = 0.5 | BMA NLL τ = 0.25 | MI AUROC noise "
             "| MI AUROC CIFAR-10 | τ = 1, mean's statistics: acc % / NLL / MI AUROC noise |",
             "|---|---|---|---|---|---|---|---|---|---|"]
     for setting in SETTINGS:
         runs = [run(setting, seed) for seed in SEEDS]
-
-        def col(key: str, scale: float = 100.0, digits: int = 1) -> str:
-            return common.fmt_pm([r[key] for r in runs], scale=scale, digits=digits)
-
+        col = functools.partial(_column, runs)
         rows.append(f"| {setting} | {col('test_mean_accuracy')} | {col('test_accuracy')} | "
                     f"{col('test_mean_nll', 1.0, 3)} | {col('test_nll', 1.0, 3)} | {col('nll_tau0.5', 1.0, 3)} | "
                     f"{col('nll_tau0.25', 1.0, 3)} | {col('mi_auroc_noise', 1.0, 2)} | {col('mi_auroc_cifar10', 1.0, 2)} | "

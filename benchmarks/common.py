@@ -41,8 +41,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import TrainerCallback
-from transformers.trainer_callback import PrinterCallback
 from transformers.modeling_outputs import ImageClassifierOutput
+from transformers.trainer_callback import PrinterCallback
 from transformers.utils import logging as hf_logging
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -313,8 +313,9 @@ def _versions() -> dict[str, str]:
     import transformers
 
     try:
-        import ivon  # noqa: F401
         from importlib.metadata import version
+
+        import ivon  # noqa: F401
 
         ivon_v = version("ivon-opt")
     except Exception:  # pragma: no cover

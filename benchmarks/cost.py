@@ -42,11 +42,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import common  # noqa: E402
+import logging  # noqa: E402
+
 import torch  # noqa: E402
 from transformers.trainer_callback import PrinterCallback  # noqa: E402
 
-import logging  # noqa: E402
+import common  # noqa: E402
 
 logging.getLogger("varsmooth").setLevel(logging.ERROR)  # blocks of 50 steps: the Hessian-stuck warning is expected
 
@@ -383,8 +384,7 @@ def engine_timing(rounds: int, steps: int, skip: int, reps: int) -> dict:
                         dataloader_num_workers=0, seed=r, max_grad_norm=0.0, **cfg)
                     optimizers = (None, None) if kind.startswith("ivon") else (torch.optim.AdamW(m.parameters(), lr=1e-4, foreach=True), None)
                     clock = StepClock()
-                    trainer = VariationalTrainer(model=m, args=args, train_dataset=ds, callbacks=[clock], optimizers=optimizers,
-                                             data_collator=device_batches)
+                    trainer = VariationalTrainer(model=m, args=args, train_dataset=ds, callbacks=[clock], optimizers=optimizers)
                     trainer.remove_callback(PrinterCallback)
                     trainer.train()
                     times[job] = block_time(clock.ends, skip)
@@ -473,7 +473,7 @@ def engine_report(rounds: int, steps: int, skip: int) -> dict:
          "AdamW step ms | AdamW training step ms |", "|---|---|---|---|---|---|---|---|---|---|"]
     for name, v in timing.items():
         r = v["ratios"]
-        cell = lambda k: f"**{r[k]['median']:.2f}** [{r[k]['min']:.2f}–{r[k]['max']:.2f}]"  # noqa: E731
+        cell = lambda k: f"**{r[k]['median']:.2f}** [{r[k]['min']:.2f}–{r[k]['max']:.2f}]"  # noqa: B023, E731
         L.append(f"| {name} | {v['parameters'] / 1e6:.1f} M | {v['batch_size']} | {cell('opt:ivon_engine / opt:adamw_foreach')} | "
                  f"{cell('opt:ivon_engine_foreach / opt:adamw_foreach')} | {cell('opt:ivon_opt / opt:adamw_foreach')} | "
                  f"{cell('train:ivon / train:adamw_foreach')} | {cell('train:ivon_foreach / train:adamw_foreach')} | "

@@ -216,7 +216,7 @@ def report() -> str:
         return common.fmt_pm(values, scale=scale, digits=digits) if values else "–"
 
     for (task, setting), rs in sorted(groups.items()):
-        col = lambda k: [r.get(k) for r in rs]  # noqa: E731
+        col = lambda k: [r.get(k) for r in rs]  # noqa: B023, E731
         default = "fixed" if task.startswith("text") else "rule c=0.1"  # what varsmooth.presets.default_beta2 picks
         setting = f"**{setting} (default)**" if setting == default else setting
         taus = sorted({r.get("posterior_temperature") for r in rs if r.get("posterior_temperature") is not None})
@@ -249,7 +249,7 @@ def noise_rate_report() -> str:
 
     for rate in sorted({r["noise_rate"] for r in rows}):
         rs = [r for r in rows if r["noise_rate"] == rate]
-        col = lambda k: [r[k] for r in rs]  # noqa: E731
+        col = lambda k: [r[k] for r in rs]  # noqa: B023, E731
         lines.append(
             f"| {rate:g} | {len(rs)} | {pm(col('test_acc'), 100, 1)} | {pm(col('test_nll'))} | "
             f"{pm(col('hess_change_median'), digits=2)} | {pm(col('noise_l1_q90_over_q10'), digits=2)} | "

@@ -24,9 +24,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import common  # noqa: E402
 import torch  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
+
+import common  # noqa: E402
 
 SCRIPT = "hp_search"
 DATASET, NOISE, SEED, EPOCHS, BATCH, TRIALS = "digits", "sym40", 0, 20, 64, 8

@@ -48,11 +48,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import common  # noqa: E402  (sets OMP_NUM_THREADS before torch is imported)
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from transformers.trainer_callback import PrinterCallback  # noqa: E402
 
+import common  # noqa: E402  (sets OMP_NUM_THREADS before torch is imported)
 import real_noise  # noqa: E402
 
 SCRIPT = "lora"
@@ -82,9 +82,9 @@ def run(task: str, name: str, seed: int) -> dict[str, Any]:
     """Train and evaluate one (task, method, seed); cached as JSON."""
     from transformers import DataCollatorWithPadding
 
+    from example_utils.models import count_parameters
     from varsmooth import VariationalTrainer, VariationalTrainingArguments
     from varsmooth.adapters import add_lora_adapters
-    from example_utils.models import count_parameters
 
     lora, settings = METHODS[name]
     key = common.run_key(dataset=task, noise="", method=name, hyperparams=settings, epochs=SETUP["epochs"], seed=seed,
@@ -207,7 +207,7 @@ def report(device: str = DEVICE) -> str:
             paired = [r for r in rs if r["config"]["seed"] in base]
             d_acc = [100 * (r["test_acc"] - base[r["config"]["seed"]]["test_acc"]) for r in paired]
             d_ece = [100 * (r["test_ece"] - base[r["config"]["seed"]]["test_ece"]) for r in paired]
-            diff = (lambda v: "" if not v or name == "adamw-lora" else f"{np.mean(v):+.1f}" if len(v) == 1
+            diff = (lambda v: "" if not v or name == "adamw-lora" else f"{np.mean(v):+.1f}" if len(v) == 1  # noqa: B023, E731
                     else f"{np.mean(v):+.1f} ± {np.std(v, ddof=1):.1f}")
             mean_acc = [r.get("test_mean_acc", r["test_acc"]) for r in rs]
             lines.append(

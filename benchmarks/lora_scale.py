@@ -28,12 +28,12 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import common  # noqa: E402  (sets OMP_NUM_THREADS before torch is imported)
 import datasets  # noqa: E402
 import torch  # noqa: E402
 from transformers import BertConfig, BertForSequenceClassification, TrainerCallback  # noqa: E402
 from transformers.trainer_callback import PrinterCallback  # noqa: E402
 
+import common  # noqa: E402  (sets OMP_NUM_THREADS before torch is imported)
 from varsmooth import VariationalTrainer, VariationalTrainingArguments, add_lora_adapters  # noqa: E402
 
 SIZES = {"bert-base": {"hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12, "intermediate_size": 3072},

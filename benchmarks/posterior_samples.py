@@ -20,8 +20,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import common  # noqa: E402
 import numpy as np  # noqa: E402
+
+import common  # noqa: E402
 
 SCRIPT = "posterior_samples"
 SETUPS = {"digits": {"epochs": 30, "hyperparams": {}, "test_size": None},

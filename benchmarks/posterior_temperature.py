@@ -139,10 +139,10 @@ def digits_run(seed: int, force: bool = False) -> dict[str, Any]:
 
     from transformers import ViTImageProcessor
 
-    from varsmooth import VariationalTrainer
-    from varsmooth.corruption import CorruptionArguments
     from example_utils.data import load_digits_dataset
     from example_utils.models import create_image_classifier
+    from varsmooth import VariationalTrainer
+    from varsmooth.corruption import CorruptionArguments
 
     spec = importlib.util.spec_from_file_location("train_image_classification",
                                                   common.REPO_ROOT / "examples" / "train_image_classification.py")

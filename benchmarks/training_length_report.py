@@ -162,41 +162,41 @@ def report(epochs_list: tuple[int, ...] = (20, 60)) -> dict:
             gap_list += [(lm, "W0.1c", test_key(lm)) for lm in ("W0.1c/mean", "W0.1c/bma") if lm != sel]
             for shown, label, tk in [g for g in gap_list if g[1] in runs]:
                 per = runs[label].get(noise, {})
-                for ref_name, ref in (("LS val-selected", lambda s: chosen.get(s, (None, None))[1]),
-                                      ("ERM", lambda s: runs.get("ERM", {}).get(noise, {}).get(s))):
+                for ref_name, ref in (("LS val-selected", lambda s: chosen.get(s, (None, None))[1]),  # noqa: B023
+                                      ("ERM", lambda s: runs.get("ERM", {}).get(noise, {}).get(s))):  # noqa: B023
                     d = [per[s][tk] - ref(s)["test_acc"] for s in per if ref(s) is not None]
                     if d:
                         gap_lines.append(f"| {shown} − {ref_name} | {len(d)} | {common.fmt_pm(d)} | "
                                          f"{', '.join(f'{x * 100:+.2f}' for x in d)} |")
                 # oracle LS: best mean test over the grid with all seeds that this label has
-                ls_labels = [l for l in ["ERM", *[f"LS{a:g}" for a in tl.LS_ALPHAS_ALL]] if l in runs]
-                full = [l for l in ls_labels if all(s in runs[l].get(noise, {}) for s in per)]
+                ls_labels = [lab for lab in ["ERM", *[f"LS{a:g}" for a in tl.LS_ALPHAS_ALL]] if lab in runs]
+                full = [lab for lab in ls_labels if all(s in runs[lab].get(noise, {}) for s in per)]
                 if full:
-                    best = max(full, key=lambda l: np.mean([runs[l][noise][s]["test_acc"] for s in per]))
+                    best = max(full, key=lambda lab: np.mean([runs[lab][noise][s]["test_acc"] for s in per]))
                     d = [per[s][tk] - runs[best][noise][s]["test_acc"] for s in per]
                     gap_lines.append(f"| {shown} − LS oracle ({best}, chosen on test) | {len(d)} | {common.fmt_pm(d)} | "
                                      f"{', '.join(f'{x * 100:+.2f}' for x in d)} |")
             if gap_lines:
                 md += ["| paired gap (test acc, pp) | seeds | mean ± std | per seed |", "|---|---|---|---|", *gap_lines, ""]
             # curves
-            labels = [l for l in ["ERM", "LS0.5", "LS0.7", "LS0.9", "S1", "fixed", "W0.3c", "W0.1c", "W0.1c-d0.001", "W0.03c"] if l in rows]
+            labels = [lab for lab in ["ERM", "LS0.5", "LS0.7", "LS0.9", "S1", "fixed", "W0.3c", "W0.1c", "W0.1c-d0.001", "W0.03c"] if lab in rows]
             if labels:
-                hist = {l: np.array([[h["test_acc"] for h in r["history"]] for r in rows[l]]) for l in labels}
+                hist = {lab: np.array([[h["test_acc"] for h in r["history"]] for r in rows[lab]]) for lab in labels}
                 n_ep = min(h.shape[1] for h in hist.values())
                 step = max(1, n_ep // 10)
-                md += [f"Clean-test accuracy % at the mean weights during training (2k-image test subset, mean over seeds):", "",
+                md += ["Clean-test accuracy % at the mean weights during training (2k-image test subset, mean over seeds):", "",
                        "| epoch | " + " | ".join(labels) + " |", "|---|" + "---|" * len(labels)]
                 for e in [0, *range(step - 1, n_ep, step)]:
-                    md.append(f"| {e + 1} | " + " | ".join(f"{hist[l][:, e].mean() * 100:.1f}" for l in labels) + " |")
+                    md.append(f"| {e + 1} | " + " | ".join(f"{hist[lab][:, e].mean() * 100:.1f}" for lab in labels) + " |")
                 md.append("")
             summary[epochs]["rows"][noise] = {
-                l: {"seeds": len(rs), "test_acc": common.mean_std([r["test_acc"] for r in rs]),
+                lab: {"seeds": len(rs), "test_acc": common.mean_std([r["test_acc"] for r in rs]),
                     "test_mean_acc": common.mean_std([r["test_mean_acc"] for r in rs]),
                     "test_nll": common.mean_std([r["test_nll"] for r in rs]),
                     "test_ece": common.mean_std([r["test_ece"] for r in rs]),
                     "val_acc": common.mean_std([r["val_acc"] for r in rs]),
                     "fit_flipped": common.mean_std([r["fit_flipped"] for r in rs])}
-                for l, rs in rows.items()}
+                for lab, rs in rows.items()}
             summary[epochs]["rows"][noise]["LS val-selected"] = {s: c[0] for s, c in chosen.items()}
         common.write_readme_section(f"training_length_e{epochs}", readme_table(runs, epochs))
         _plot(runs, epochs, out_dir / f"curves_e{epochs}.png")
@@ -233,7 +233,7 @@ def readme_table(runs: dict, epochs: int) -> str:
         acc = [common.fmt_pm([r[f"test_{mode}acc"] for r in per[n]]) for n in tl.NOISES]
         acc = [f"**{a}**" if best[n] == i else a for a, n in zip(acc, tl.NOISES)]
         stat = lambda key, scale, d: " / ".join(  # noqa: E731
-            f"{scale * common.mean_std([r[key] for r in per[n]])[0]:.{d}f}" for n in tl.NOISES)
+            f"{scale * common.mean_std([r[key] for r in per[n]])[0]:.{d}f}" for n in tl.NOISES)  # noqa: B023
         lines.append(f"| {label} | " + " | ".join(acc) + f" | {stat(f'test_{mode}nll', 1, 2)} | "
                      f"{stat(f'test_{mode}ece', 100, 1)} | {stat('fit_flipped', 100, 0)} |")
     gaps = []

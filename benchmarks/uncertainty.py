@@ -50,9 +50,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import common  # noqa: E402  (sets OMP_NUM_THREADS before torch is imported)
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+
+import common  # noqa: E402  (sets OMP_NUM_THREADS before torch is imported)
 
 SCRIPT = "uncertainty"
 OUT_DIR = common.RESULTS_DIR / SCRIPT
@@ -490,8 +491,8 @@ def report(stored: dict[str, dict[str, dict[str, Any]]]) -> str:
                 rs = [cells[s][method] for s in seeds if method in cells[s]]
                 if not rs:
                     continue
-                col = lambda key, scale=100.0, digits=2: fmt([r.get(key) for r in rs], scale, digits) if any(  # noqa: E731
-                    r.get(key) is not None for r in rs) else "–"
+                col = lambda key, scale=100.0, digits=2: fmt([r.get(key) for r in rs], scale, digits) if any(  # noqa: B023, E731
+                    r.get(key) is not None for r in rs) else "–"  # noqa: B023
                 cost = f"{rs[0]['trainings']} × {np.mean([r['train_s'] / r['trainings'] for r in rs]):.0f} s"
                 lines.append(f"| {method} | {col('accuracy')} | {col('nll', 1.0, 3)} | {col('ece')} | {col('aurc')} | "
                              f"{col('ood_max_prob_auroc', 100.0, 1)} | {col('ood_max_prob_fpr95', 100.0, 1)} | "

@@ -44,18 +44,24 @@ import torch
 from transformers import AutoImageProcessor, HfArgumentParser, ViTImageProcessor, set_seed
 
 from varsmooth import VariationalTrainer, VariationalTrainingArguments
+from varsmooth.adapters import LoraArguments
 from varsmooth.corruption import CorruptionArguments, NoiseReport, noise_report
 from varsmooth.methods import get_method_class, learns_posterior, method_config_classes
-from varsmooth.adapters import LoraArguments
-from varsmooth.utils import checkpoint_to_resume
 
 # the data/model helpers beside this script (also when it is imported or launched from another folder)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from example_utils.data import CIFAR10N_LABEL_SETS, load_cifar10n, load_digits_dataset, train_eval_splits  # noqa: E402
 from example_utils.models import WEIGHT_PACKAGES, count_parameters, create_image_classifier, is_timm_name  # noqa: E402
-from example_utils.script import (ExampleCorruptionArguments, ExportArguments, SplitArguments,  # noqa: E402
-                                  label_noise_callbacks, parse_example_arguments, train_evaluate_and_share,
-                                  validation_noise_transition)
+from example_utils.script import (  # noqa: E402
+    ExampleCorruptionArguments,
+    ExportArguments,
+    SplitArguments,
+    checkpoint_to_resume,
+    label_noise_callbacks,
+    parse_example_arguments,
+    train_evaluate_and_share,
+    validation_noise_transition,
+)
 
 logger = logging.getLogger(__name__)
 

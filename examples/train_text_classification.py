@@ -56,16 +56,27 @@ from varsmooth import VariationalTrainer, VariationalTrainingArguments
 from varsmooth.adapters import LoraArguments
 from varsmooth.mean_pooling_bert import MeanPoolingBertConfig, MeanPoolingBertForSequenceClassification
 from varsmooth.methods import learns_posterior, method_config_classes
-from varsmooth.utils import checkpoint_to_resume
 
 # the data/model helpers beside this script (also when it is imported or launched from another folder)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from example_utils.data import (TEXT_DATASETS, load_sentiment_sentences, load_text_classification_files,  # noqa: E402
-                                load_text_dataset, train_eval_splits)
+from example_utils.data import (  # noqa: E402
+    TEXT_DATASETS,
+    load_sentiment_sentences,
+    load_text_classification_files,
+    load_text_dataset,
+    train_eval_splits,
+)
 from example_utils.models import count_parameters, create_text_classifier, minilm_path  # noqa: E402
-from example_utils.script import (ExampleCorruptionArguments, ExportArguments, SplitArguments,  # noqa: E402
-                                  label_noise_callbacks, parse_example_arguments, train_evaluate_and_share,
-                                  validation_noise_transition)
+from example_utils.script import (  # noqa: E402
+    ExampleCorruptionArguments,
+    ExportArguments,
+    SplitArguments,
+    checkpoint_to_resume,
+    label_noise_callbacks,
+    parse_example_arguments,
+    train_evaluate_and_share,
+    validation_noise_transition,
+)
 
 logger = logging.getLogger(__name__)
 

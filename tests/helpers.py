@@ -15,6 +15,7 @@ from pathlib import Path
 from types import ModuleType
 
 import datasets
+import ivon
 import numpy as np
 import psutil
 import pytest
@@ -22,7 +23,6 @@ import torch
 import torch.nn.functional as F
 from transformers.modeling_outputs import SequenceClassifierOutput
 
-import ivon
 from varsmooth import VariationalTrainingArguments
 from varsmooth.posterior import derive_seed
 

@@ -11,8 +11,8 @@ import base64
 import hashlib
 import json
 import threading
-from pathlib import Path
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from urllib.parse import unquote, urlparse
 
 from helpers import WORKERS, run_script

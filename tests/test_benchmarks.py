@@ -141,6 +141,18 @@ def test_lora_table_is_the_report(tmp_path, monkeypatch, device):
     assert json.loads((tmp_path / folder / "summary.json").read_text())  # the summary is written beside it
 
 
+# -- grids.py: the baselines' sweeps ---------------------------------------------------------------------------------
+def test_default_grids_are_the_seed_grids_and_valid_arguments(tmp_path):
+    from grids import DEFAULT_GRIDS, grid_points
+    from varsmooth import VariationalTrainingArguments
+
+    assert [p["method_config"]["smoothing"] for p in grid_points("ls")] == [0.0, 0.1, 0.3, 0.5, 0.7, 0.9]
+    assert [p["method_config"]["sam_rho"] for p in grid_points("sam")] == [0.01, 0.05, 0.1, 0.2, 0.5]
+    for grid in DEFAULT_GRIDS:
+        for point in grid_points(grid):
+            VariationalTrainingArguments(output_dir=str(tmp_path), report_to=[], **point)
+
+
 # -- real_noise.py --plan fair: the selection protocol ---------------------------------------------------------------
 def _fake_runs(monkeypatch: pytest.MonkeyPatch, task: str, scores: dict[tuple[str, float, float], tuple[float, float, float]]) -> None:
     """Stand-in cache: (optimizer, lr, ess) -> (val acc, val NLL, test acc); a missing entry is a run not yet trained."""

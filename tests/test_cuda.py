@@ -13,12 +13,27 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import (WORKERS, SeededIVON, TinyClassifier, digits_dataset, indexed_noise, make_args, reference_ivon_loop,
-                     run_script, tiny_digits_resnet)
+from helpers import (
+    WORKERS,
+    SeededIVON,
+    TinyClassifier,
+    digits_dataset,
+    indexed_noise,
+    make_args,
+    reference_ivon_loop,
+    run_script,
+    tiny_digits_resnet,
+)
 from test_ensemble import SENTENCES, point, tiny_bert, tiny_tokenizer, with_posterior
 from test_mc_dropout import NormDropoutClassifier
-from varsmooth import (DeepEnsemble, VariationalIVON, VariationalModel, VariationalTrainer, mc_dropout_predictive,
-                       pipeline)
+from varsmooth import (
+    DeepEnsemble,
+    VariationalIVON,
+    VariationalModel,
+    VariationalTrainer,
+    mc_dropout_predictive,
+    pipeline,
+)
 from varsmooth.modeling import load_posterior
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

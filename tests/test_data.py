@@ -21,7 +21,6 @@ import PIL.Image
 import pytest
 import torch
 
-from varsmooth import POSTERIOR_FILE
 from example_utils.data import (
     CIFAR10_CLASSES,
     CIFAR10N_LABEL_SETS,
@@ -32,6 +31,7 @@ from example_utils.data import (
     load_text_dataset,
 )
 from example_utils.models import create_image_classifier, load_state_dict_in_order, resolve_pretrained_weights
+from varsmooth import POSTERIOR_FILE
 
 DATA = default_data_dir()
 needs_cifar10n = pytest.mark.skipif(

@@ -9,7 +9,6 @@ import copy
 
 import pytest
 import torch
-
 import torch.nn.functional as F
 
 from helpers import WORKERS, SeededIVON, TinyClassifier, digits_dataset, run_script

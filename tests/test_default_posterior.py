@@ -24,8 +24,13 @@ from varsmooth import LabelNoiseCallback, VariationalModel, VariationalTrainer, 
 from varsmooth.label_noise import compute_label_noise
 from varsmooth.methods import get_method_class
 from varsmooth.posterior import DiagonalGaussianPosterior
-from varsmooth.posterior.temperature import (TEMPERATURE_EXTENSION, TEMPERATURE_GRID, choose_temperature,
-                                             search_temperatures, temperature_nll)
+from varsmooth.posterior.temperature import (
+    TEMPERATURE_EXTENSION,
+    TEMPERATURE_GRID,
+    choose_temperature,
+    search_temperatures,
+    temperature_nll,
+)
 from varsmooth.presets import HESSIAN_WINDOW_CLIP_RADIUS, beta2_for_window
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -5,11 +5,11 @@ import os
 import subprocess
 import sys
 
+import ivon
 import pytest
 import torch
 import torch.nn.functional as F
 
-import ivon
 from helpers import WORKERS, SeededIVON, indexed_noise, run_script, skip_without_compiler
 from varsmooth.posterior import VariationalIVON, kernels
 
@@ -59,7 +59,7 @@ def _run(opt_cls, model, steps, samples_per_step, clip_norm=0.0, closure_mc=0, d
             return loss
 
         if closure_mc:
-            opt.step(closure=lambda: sample(step))
+            opt.step(closure=lambda: sample(step))  # noqa: B023
         else:
             for k in range(samples_per_step):
                 sample(step * samples_per_step + k)
@@ -82,7 +82,7 @@ def _opt_state(opt):
 def _assert_same_trajectory(ours, ref, tol=1e-6):
     for step, (a, b) in enumerate(zip(ours, ref)):
         for name, x, y in zip(("params", "hess", "momentum"), a, b):
-            torch.testing.assert_close(x, y, atol=tol, rtol=tol, msg=lambda m: f"step {step}, {name}: {m}")
+            torch.testing.assert_close(x, y, atol=tol, rtol=tol, msg=lambda m: f"step {step}, {name}: {m}")  # noqa: B023
 
 
 IVON_KW = dict(lr=0.1, ess=200.0, hess_init=0.3, beta1=0.9, beta2=0.99, weight_decay=1e-2)
@@ -215,10 +215,10 @@ def test_channels_last_weights_get_their_noise_in_logical_order(monkeypatch):
         monkeypatch.undo()
         path_kw = _on_path(path, monkeypatch)
         ours_noise, ref_noise = _same_noise(path, 2)
-        ours = trajectory(lambda params: _engine(2, path_kw, **ours_noise)(params, **IVON_KW))
-        ref = trajectory(lambda params: SeededIVON(params, seed=2, **ref_noise, **IVON_KW))
+        ours = trajectory(lambda params: _engine(2, path_kw, **ours_noise)(params, **IVON_KW))  # noqa: B023
+        ref = trajectory(lambda params: SeededIVON(params, seed=2, **ref_noise, **IVON_KW))  # noqa: B023
         for a, b in zip(ours, ref):
-            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6, msg=lambda m: f"{path}: {m}")
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6, msg=lambda m: f"{path}: {m}")  # noqa: B023
 
 
 def test_kernels_that_do_not_compile_fall_back_to_foreach_or_raise(monkeypatch):
@@ -344,7 +344,7 @@ def test_crash_inside_sampling_restores_means_and_records_nothing(path, monkeypa
     with pytest.raises(ZeroDivisionError):
         with opt.sampled_params(train=True):
             F.cross_entropy(model(torch.randn(4, 6)), torch.zeros(4, dtype=torch.long)).backward()
-            1 / 0
+            raise ZeroDivisionError
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
     with pytest.raises(RuntimeError, match="without any gradient sample"):
         opt.step()

@@ -14,10 +14,10 @@ from transformers import BertConfig, BertForSequenceClassification, BertTokenize
 
 from helpers import TinyClassifier, make_args
 from varsmooth import DeepEnsemble, TemperatureScaling, VariationalModel, VariationalTrainer, classification_metrics
-from varsmooth.temperature_scaling import TEMPERATURE_SCALING_FILE
 from varsmooth.ensemble import ENSEMBLE_CONFIG_FILE
 from varsmooth.posterior import DiagonalGaussianPosterior, derive_seed
 from varsmooth.posterior.prediction import entropy
+from varsmooth.temperature_scaling import TEMPERATURE_SCALING_FILE
 
 VOCAB, LENGTH, CLASSES = 40, 8, 3
 

@@ -20,13 +20,12 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from varsmooth.corruption import CorruptionArguments
 from example_utils.data import train_eval_splits
+from example_utils.script import checkpoint_to_resume
+from helpers import WORKERS, load_example, make_args, run_script
+from varsmooth.corruption import CorruptionArguments
 from varsmooth.methods import METHODS, TrainingMethod
 from varsmooth.presets import FINETUNE_PRESET
-from varsmooth.utils import checkpoint_to_resume
-
-from helpers import WORKERS, load_example, make_args, run_script
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((REPO / "examples").glob("*.py"))

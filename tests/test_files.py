@@ -19,7 +19,13 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint
 
 from helpers import TinyClassifier, digits_dataset, digits_images, make_args, tiny_digits_resnet
-from varsmooth import POSTERIOR_FILE, DiagonalGaussianPosterior, LabelNoiseCallback, VariationalModel, VariationalTrainer
+from varsmooth import (
+    POSTERIOR_FILE,
+    DiagonalGaussianPosterior,
+    LabelNoiseCallback,
+    VariationalModel,
+    VariationalTrainer,
+)
 from varsmooth.corruption import corrupt_labels
 from varsmooth.files import MANIFEST_FILE, add_to_manifest
 
@@ -364,8 +370,8 @@ def test_image_pipeline_takes_a_numpy_array_and_refuses_bad_calls(image_model_di
 
 
 def test_text_pipeline_truncates_texts_longer_than_the_model_takes(tmp_path):
-    from varsmooth import pipeline
     from example_utils.models import create_text_classifier
+    from varsmooth import pipeline
 
     words = ["good", "great", "bad", "awful"]
     model, tokenizer = create_text_classifier(None, {0: "neg", 1: "pos"}, train_texts=[f"the film was {w} ." for w in words])
@@ -581,7 +587,7 @@ def test_saved_files_follow_the_umask(tmp_path):
 
 # -- 12. issues 32/33: an example re-run in a used output_dir ----------------------------------------------------
 def test_resuming_another_seeds_checkpoint_is_refused(tmp_path):
-    from varsmooth.utils import checkpoint_to_resume
+    from example_utils.script import checkpoint_to_resume
 
     _erm(tmp_path, seed=0, steps=2, save_strategy="steps", save_steps=1)
     os.rename(tmp_path / "checkpoint-2", tmp_path / "hidden")  # as if killed after step 1 of 2
@@ -592,7 +598,7 @@ def test_resuming_another_seeds_checkpoint_is_refused(tmp_path):
 
 
 def test_relaunching_a_finished_run_is_refused_instead_of_training_one_more_step(tmp_path):
-    from varsmooth.utils import checkpoint_to_resume
+    from example_utils.script import checkpoint_to_resume
 
     _erm(tmp_path, steps=2, save_strategy="steps", save_steps=2)
     with pytest.raises(ValueError, match=r"has finished: its last checkpoint .*checkpoint-2 is at step 2, the end of "

@@ -15,14 +15,14 @@ import sys
 import datasets
 import pytest
 import torch
-from transformers import BertConfig, BertForSequenceClassification
+from transformers import BertConfig, BertForSequenceClassification, BertTokenizer
 
+from example_utils.models import create_image_classifier
 from helpers import WORKERS, load_example, make_args, reference_ivon_loop, run_script
 from varsmooth import LabelNoiseCallback, VariationalTrainer, VariationalTrainingArguments
-from varsmooth.presets import LORA_PRESET
-from varsmooth.methods import METHODS
 from varsmooth.adapters import add_lora_adapters
-from example_utils.models import create_image_classifier
+from varsmooth.methods import METHODS
+from varsmooth.presets import LORA_PRESET
 
 pytest.importorskip("peft")
 
@@ -286,9 +286,7 @@ def test_examples_switch_to_the_lora_preset(name):
 
 
 # -- saving, loading, serving ------------------------------------------------------------------------------------
-def tiny_tokenizer(folder) -> "BertTokenizer":
-    from transformers import BertTokenizer
-
+def tiny_tokenizer(folder) -> BertTokenizer:
     os.makedirs(folder, exist_ok=True)
     vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(5, VOCAB)]
     path = os.path.join(folder, "vocab.txt")
@@ -364,6 +362,7 @@ def test_pipeline_serves_the_adapter_with_its_posterior(tmp_path):
 @pytest.mark.slow
 def test_push_to_hub_shares_adapter_config_posterior_and_card(tmp_path):
     import yaml
+
     from hub_stand_in import run_hub_worker
 
     hub, results = run_hub_worker("lora_hub_worker.py", tmp_path)
@@ -384,7 +383,6 @@ def test_push_to_hub_shares_adapter_config_posterior_and_card(tmp_path):
 def test_text_example_trains_minilm_adapters_that_reload(tmp_path):
     """The example end to end on the MiniLM wheel cut to one layer: adapters, posterior, reload with the cut."""
     from test_text_example import _run_example, _write_sentiment_files, needs_minilm
-
     from varsmooth import VariationalModel
     from varsmooth.mean_pooling_bert import MeanPoolingBertForSequenceClassification
 

@@ -6,12 +6,12 @@ import os
 
 import datasets
 import matplotlib.image
-from matplotlib.collections import PathCollection
-from matplotlib.contour import ContourSet
 import numpy as np
 import PIL.Image
 import pytest
 import torch
+from matplotlib.collections import PathCollection
+from matplotlib.contour import ContourSet
 from numpy.polynomial.hermite import hermgauss
 from scipy.special import expit
 from transformers.utils import ModelOutput

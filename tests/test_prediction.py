@@ -220,8 +220,8 @@ def test_pipeline_on_a_one_channel_timm_model(tmp_path):
     from PIL import Image
     from transformers import ViTImageProcessor
 
-    from varsmooth import pipeline
     from example_utils.models import create_image_classifier
+    from varsmooth import pipeline
 
     torch.manual_seed(0)
     model = create_image_classifier("test_resnet", {i: str(i) for i in range(10)}, num_channels=1)

@@ -9,11 +9,18 @@ from transformers import HfArgumentParser
 
 from helpers import TinyClassifier, digits_dataset, make_args, noisy_digits_images, tiny_digits_resnet
 from varsmooth import LabelNoiseCallback, VariationalModel, VariationalTrainer, VariationalTrainingArguments, pipeline
+from varsmooth.batchnorm import draw_batchnorm_statistics
 from varsmooth.label_noise import compute_label_noise
 from varsmooth.posterior import DiagonalGaussianPosterior, derive_seed, predictive_distribution
-from varsmooth.batchnorm import draw_batchnorm_statistics
-from varsmooth.posterior.temperature import (SELECTION_SAMPLES, TEMPERATURE_GRID, TIE_STANDARD_ERRORS, choose_temperature,
-                                             paired_standard_errors, temperature_nll, tied_temperatures)
+from varsmooth.posterior.temperature import (
+    SELECTION_SAMPLES,
+    TEMPERATURE_GRID,
+    TIE_STANDARD_ERRORS,
+    choose_temperature,
+    paired_standard_errors,
+    temperature_nll,
+    tied_temperatures,
+)
 
 
 def _model_and_posterior(scale=0.3):

@@ -10,9 +10,9 @@ from transformers import ResNetForImageClassification
 
 from helpers import TinyClassifier, make_args, noisy_digits_images, tiny_digits_resnet
 from varsmooth import TemperatureScaling, VariationalModel, VariationalTrainer, pipeline
-from varsmooth.temperature_scaling import TEMPERATURE_SCALING_FILE
 from varsmooth.files import read_manifest
 from varsmooth.posterior import VariationalClassifierOutput
+from varsmooth.temperature_scaling import TEMPERATURE_SCALING_FILE
 
 
 def _numpy_nll(logits: np.ndarray, labels: np.ndarray, temperature: float) -> float:

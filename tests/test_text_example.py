@@ -20,11 +20,10 @@ import torch
 import yaml
 from transformers import BertForSequenceClassification, HfArgumentParser
 
-from varsmooth import POSTERIOR_FILE
 from example_utils.data import SENTIMENT_SENTENCES_DIR, load_sentiment_sentences
 from example_utils.models import create_text_classifier, minilm_path
-
 from helpers import load_example
+from varsmooth import POSTERIOR_FILE
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "train_text_classification.py"

@@ -19,11 +19,16 @@ from sklearn.metrics import log_loss
 from transformers import HfArgumentParser, ResNetForImageClassification
 
 from helpers import TinyClassifier, digits_dataset, digits_images, make_args, reference_ivon_loop, tiny_digits_resnet
-from varsmooth import (POSTERIOR_FILE, DiagonalGaussianPosterior, VariationalModel, VariationalTrainer,
-                       VariationalTrainingArguments)
+from varsmooth import (
+    POSTERIOR_FILE,
+    DiagonalGaussianPosterior,
+    VariationalModel,
+    VariationalTrainer,
+    VariationalTrainingArguments,
+)
+from varsmooth.methods.ivon import check_ivon_sharding
 from varsmooth.posterior import VariationalIVON
 from varsmooth.posterior.diagnostics import HESSIAN_STUCK_TOLERANCE, hessian_summary
-from varsmooth.methods.ivon import check_ivon_sharding
 
 REPO = Path(__file__).resolve().parents[1]
 IVON_KW = dict(lr=0.2, hess_init=0.5, beta1=0.9, beta2=0.999, wd=2e-4)

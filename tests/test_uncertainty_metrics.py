@@ -14,9 +14,20 @@ import pytest
 
 from helpers import TinyClassifier, digits_dataset, make_args
 from varsmooth import VariationalTrainer
-from varsmooth.metrics import (adaptive_calibration_error, aurc, auroc, classification_metrics,
-                               classwise_calibration_error, expected_calibration_error, fpr_at_tpr, ood_metrics,
-                               optimal_aurc, reliability_diagram, risk_coverage_curve, uncertainty_scores)
+from varsmooth.metrics import (
+    adaptive_calibration_error,
+    aurc,
+    auroc,
+    classification_metrics,
+    classwise_calibration_error,
+    expected_calibration_error,
+    fpr_at_tpr,
+    ood_metrics,
+    optimal_aurc,
+    reliability_diagram,
+    risk_coverage_curve,
+    uncertainty_scores,
+)
 
 
 def _random_probs(n=300, k=4, seed=0):

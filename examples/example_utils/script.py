@@ -1,6 +1,6 @@
 """What both example scripts share around their own data and model: the flags (from the command line or one JSON/YAML
-file), the split, label-noise and export flags, and the end of a run (train, evaluate on validation and test, predict,
-save, share, print the metrics)."""
+file), the split, label-noise and export flags, the checkpoint to resume from, and the end of a run (train, evaluate on
+validation and test, predict, save, share, print the metrics)."""
 
 from __future__ import annotations
 
@@ -16,12 +16,13 @@ from typing import Any
 import numpy as np
 import yaml
 from transformers import HfArgumentParser
+from transformers.trainer_utils import get_last_checkpoint
 
 from varsmooth import LabelNoiseCallback, VariationalTrainer
 from varsmooth.corruption import CorruptionArguments
-from varsmooth.methods import learns_posterior, method_config_from_flags
 from varsmooth.evaluation import predictive_outputs
-from varsmooth.utils import atomic_path, evaluate_validation_and_test
+from varsmooth.files import atomic_path, read_manifest
+from varsmooth.methods import learns_posterior, method_config_from_flags
 
 logger = logging.getLogger(__name__)
 
@@ -169,3 +170,74 @@ def train_evaluate_and_share(trainer: VariationalTrainer, checkpoint: str | None
         print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items()}))
     trainer.accelerator.wait_for_everyone()
     trainer.end()
+
+
+def checkpoint_to_resume(args: Any) -> str | None:
+    """The checkpoint an example script resumes from, as in Hugging Face's example scripts.
+
+    `args.resume_from_checkpoint` when given, else the last `checkpoint-N` in `args.output_dir`. A non-empty
+    `output_dir` without checkpoints is refused unless `args.overwrite_output_dir`, so that a run never mixes its
+    files with an earlier run's; `overwrite_output_dir` also starts from scratch when there are checkpoints. A
+    checkpoint of another `--seed` is refused (resuming it would continue that seed's run under this seed's name, on
+    a data split drawn with this seed), and so is the last checkpoint of a run that has already finished (the stock
+    Trainer would train one step more).
+    """
+    if args.resume_from_checkpoint is not None:
+        if not os.path.isdir(args.resume_from_checkpoint):
+            raise FileNotFoundError(f"--resume_from_checkpoint {args.resume_from_checkpoint!r} is not a folder: pass a "
+                                    f"checkpoint-N folder written by an earlier run.")
+        _refuse_other_seed(args, args.resume_from_checkpoint)
+        return args.resume_from_checkpoint
+    if not os.path.isdir(args.output_dir) or getattr(args, "overwrite_output_dir", False):
+        return None
+    last = get_last_checkpoint(args.output_dir)
+    if last is None and os.listdir(args.output_dir):
+        raise ValueError(f"Output directory ({args.output_dir}) already exists and is not empty. Use "
+                         "--overwrite_output_dir to train into it anyway, or choose another --output_dir.")
+    if last is not None:
+        _refuse_other_seed(args, last)
+        _refuse_finished_run(args, last)
+    return last
+
+
+def _refuse_other_seed(args: Any, checkpoint: str) -> None:
+    seed = (read_manifest(checkpoint) or {}).get("seed")  # recorded by VariationalTrainer's saves
+    if seed is not None and seed != args.seed:
+        raise ValueError(
+            f"{checkpoint} was trained with --seed {seed}, but this run has --seed {args.seed}: resuming would continue "
+            f"the seed-{seed} run under seed {args.seed}'s name, with the data split drawn again. Pass --seed {seed} to "
+            f"resume it, or start the seed-{args.seed} run in another --output_dir (or with --overwrite_output_dir)."
+        )
+
+
+def _refuse_finished_run(args: Any, checkpoint: str) -> None:
+    try:
+        with open(os.path.join(checkpoint, "trainer_state.json"), encoding="utf-8") as f:
+            state = json.load(f)
+        step, max_steps, epochs = int(state["global_step"]), int(state["max_steps"]), float(state["num_train_epochs"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # not a state the stock Trainer wrote: it resumes (or refuses) as usual
+    longer = args.max_steps > step if args.max_steps > 0 else (args.num_train_epochs > epochs or step < max_steps)
+    if not longer:
+        target = f"--max_steps {args.max_steps}" if args.max_steps > 0 else f"--num_train_epochs {args.num_train_epochs:g}"
+        raise ValueError(
+            f"The run in {args.output_dir} has finished: its last checkpoint {checkpoint} is at step {step}, the end of "
+            f"{target}; resuming would train one step more. Its trained model is in {checkpoint} (and in "
+            f"{args.output_dir} once saved). To train on from it, raise --max_steps or --num_train_epochs; to train a "
+            "new run, choose another --output_dir or pass --overwrite_output_dir."
+        )
+
+
+def evaluate_validation_and_test(trainer: Any, test_dataset: Any = None) -> dict[str, float]:
+    """The example scripts' final scores: `eval_*` on the trainer's validation split (where the posterior temperature
+    and any other choice were made) and, when the dataset has one, `test_*` on its test split, scored once and never
+    chosen on. Both are logged and saved (`eval_results.json`, `test_results.json`) as in HF's examples."""
+    metrics = trainer.evaluate()
+    trainer.log_metrics("eval", metrics)
+    trainer.save_metrics("eval", metrics)
+    if test_dataset is not None:
+        test_metrics = trainer.evaluate(test_dataset, metric_key_prefix="test")
+        trainer.log_metrics("test", test_metrics)
+        trainer.save_metrics("test", test_metrics)
+        metrics = {**metrics, **test_metrics}
+    return metrics

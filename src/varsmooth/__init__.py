@@ -1,7 +1,7 @@
 """varsmooth: variational learning (IVON) as adaptive label smoothing for noisy labels, in `transformers.Trainer`."""
 
-from . import mean_pooling_bert  # noqa: F401  (registers the mean-pooling BERT with the Auto classes)
-from . import evaluation, metrics
+# varsmooth.evaluation scores a trainer (README); importing mean_pooling_bert registers its BERT with the Auto classes
+from . import evaluation, mean_pooling_bert  # noqa: F401
 from .adapters import LoraArguments, add_lora_adapters
 from .ensemble import DeepEnsemble
 from .label_noise import LabelNoiseCallback, compute_label_noise
@@ -13,15 +13,6 @@ from .posterior import POSTERIOR_FILE, DiagonalGaussianPosterior, VariationalCla
 from .temperature_scaling import TemperatureScaling
 from .trainer import VariationalTrainer
 from .training_args import VariationalTrainingArguments
-from .utils import deprecated_alias
-
-# deprecated aliases (one release): these score a trainer's predictions, so they moved from varsmooth.metrics (functions
-# of arrays, below the trainer) to varsmooth.evaluation (above it); set here, since metrics may not import upwards
-metrics.DEFAULT_SAMPLE_COUNTS = evaluation.DEFAULT_SAMPLE_COUNTS
-for _name in ("ood_evaluation", "posterior_samples_curve", "predictive_outputs"):
-    setattr(metrics, _name, deprecated_alias(f"varsmooth.metrics.{_name}", f"varsmooth.evaluation.{_name}",
-                                             getattr(evaluation, _name)))
-del _name
 
 __version__ = "0.1.0"
 

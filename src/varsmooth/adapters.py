@@ -46,7 +46,7 @@ def save_classifier_config(model: torch.nn.Module, folder: str) -> None:
     fingerprint of the base weights the adapter was trained on (`BASE_WEIGHTS_KEY`), which it checks."""
     import copy
 
-    from .utils import atomic_path
+    from .files import atomic_path
 
     base = model.get_base_model()
     config = getattr(base, "config", None)

@@ -74,7 +74,7 @@ def recompute_batchnorm_statistics(model: torch.nn.Module, batches: Iterable[Map
         return 0
     seen = 0
     with _cumulative_training_mode(model, layers), torch.no_grad():
-        for batch in itertools.takewhile(lambda _: seen < max_examples, batches):
+        for batch in itertools.takewhile(lambda _: seen < max_examples, batches):  # noqa: B023
             model_outputs(model, batch)
             seen += batch_rows(batch)
     if seen and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:

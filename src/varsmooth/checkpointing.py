@@ -13,8 +13,17 @@ import torch
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from .adapters import is_peft_model, save_classifier_config
-from .files import (METHOD_STATE_FILE, STAGING_PREFIX, FolderSave, atomic_path, check_manifest, clear_leftover_stagings,
-                    has_optimizer_state, publish_checkpoint, rotate_checkpoints)
+from .files import (
+    METHOD_STATE_FILE,
+    STAGING_PREFIX,
+    FolderSave,
+    atomic_path,
+    check_manifest,
+    clear_leftover_stagings,
+    has_optimizer_state,
+    publish_checkpoint,
+    rotate_checkpoints,
+)
 from .posterior import POSTERIOR_FILE, DiagonalGaussianPosterior
 from .posterior.gaussian import non_finite_tensors
 from .posterior.resume import load_ivon_state

@@ -23,12 +23,11 @@ from typing import Any
 
 import torch
 
-from .temperature_scaling import TemperatureScaling, network_fingerprint
-from .files import MANIFEST_FILE, FolderSave, check_manifest, read_manifest
+from .files import MANIFEST_FILE, FolderSave, atomic_path, check_manifest, read_manifest
 from .modeling import FOLDER_LOADERS, VariationalModel, load_temperature_scaling
 from .posterior import VariationalClassifierOutput
 from .posterior.prediction import LABEL_KEYS, entropy
-from .utils import atomic_path
+from .temperature_scaling import TemperatureScaling, network_fingerprint
 
 __all__ = ["ENSEMBLE_CONFIG_FILE", "DeepEnsemble"]
 

@@ -8,15 +8,20 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoModelForImageClassification, AutoModelForSequenceClassification, PreTrainedModel
+from transformers import (
+    AutoConfig,
+    AutoModelForImageClassification,
+    AutoModelForSequenceClassification,
+    PreTrainedModel,
+)
 
 from .adapters import has_adapter, is_peft_model, load_adapter_model, save_classifier_config
 from .batchnorm import batchnorm_layers
-from .temperature_scaling import TEMPERATURE_SCALING_FILE, TemperatureScaling, describe_prediction
 from .files import FolderSave, check_manifest
 from .mc_dropout import OUTPUT_DROPOUT_KEY, add_output_dropout, mc_dropout_predictive
 from .posterior import POSTERIOR_FILE, DiagonalGaussianPosterior, VariationalClassifierOutput, predictive_distribution
 from .posterior.gaussian import non_finite_tensors
+from .temperature_scaling import TEMPERATURE_SCALING_FILE, TemperatureScaling, describe_prediction
 
 #: marker file of a saved folder that another class loads -> that class's `from_pretrained` (a `DeepEnsemble` folder
 #: registers itself here: the ensemble is made of `VariationalModel`s, so this module cannot import it)

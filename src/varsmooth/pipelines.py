@@ -31,7 +31,13 @@ from transformers.image_utils import load_image
 from .adapters import is_peft_model
 from .ensemble import DeepEnsemble
 from .files import check_manifest
-from .modeling import VariationalModel, check_finite_weights, load_posterior, load_temperature_scaling, sampling_settings
+from .modeling import (
+    VariationalModel,
+    check_finite_weights,
+    load_posterior,
+    load_temperature_scaling,
+    sampling_settings,
+)
 from .posterior import DiagonalGaussianPosterior, predictive_distribution
 
 __all__ = ["VariationalImageClassificationPipeline", "VariationalTextClassificationPipeline", "pipeline"]

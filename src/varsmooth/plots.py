@@ -18,8 +18,8 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.colors import Normalize
 from matplotlib.figure import Figure
 
+from .files import atomic_path
 from .label_noise.theory import logistic_label_noise, logistic_label_noise_peak
-from .utils import atomic_path
 
 __all__ = [
     "class_smoothed_labels",

@@ -26,11 +26,25 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PredictionOutput
 
 from .adapters import is_peft_model
-from .batchnorm import (RECOMPUTED_LOG_KEY, BatchNormRecalibrationCallback, batchnorm_layers, draw_batchnorm_statistics,
-                        head_batches, prediction_draw_buffers, recompute_batchnorm_statistics)
+from .batchnorm import (
+    RECOMPUTED_LOG_KEY,
+    BatchNormRecalibrationCallback,
+    batchnorm_layers,
+    draw_batchnorm_statistics,
+    head_batches,
+    prediction_draw_buffers,
+    recompute_batchnorm_statistics,
+)
 from .checkpointing import CheckpointingMixin
-from .checks import (check_arguments, check_compute_metrics, check_datasets, check_label_names, check_method_inputs,
-                     check_single_label_model, check_unhonoured_arguments)
+from .checks import (
+    check_arguments,
+    check_compute_metrics,
+    check_datasets,
+    check_label_names,
+    check_method_inputs,
+    check_single_label_model,
+    check_unhonoured_arguments,
+)
 from .corruption import realized_noise_report
 from .ensemble import DeepEnsemble
 from .finite import NonFiniteGuard, non_finite_step_error
@@ -39,16 +53,34 @@ from .hp_search import HyperparameterSearchMixin
 from .hub import VariationalHubMixin
 from .label_noise import LabelNoiseCallback, LabelNoiseMixin
 from .mc_dropout import mc_dropout_predictive
-from .methods import (EXAMPLE_INDEX_KEY, ExampleIndexDataset, MethodContext, OptimizerContext, TrainingMethod, get_method_class,
-                      learns_posterior)
+from .methods import (
+    EXAMPLE_INDEX_KEY,
+    ExampleIndexDataset,
+    MethodContext,
+    OptimizerContext,
+    TrainingMethod,
+    get_method_class,
+    learns_posterior,
+)
 from .metrics.evaluation_metrics import EvaluationMetrics
-from .posterior import (POSTERIOR_FILE, DiagonalGaussianPosterior, VariationalClassifierOutput, VariationalIVON,
-                        predictive_distribution, unwrap_ivon)
+from .posterior import (
+    POSTERIOR_FILE,
+    DiagonalGaussianPosterior,
+    VariationalClassifierOutput,
+    VariationalIVON,
+    predictive_distribution,
+    unwrap_ivon,
+)
 from .posterior.diagnostics import HessianDiagnosticsCallback, hessian_summary
 from .posterior.draw_buffers import DrawBuffers
 from .posterior.gaussian import TEMPERATURE_KEY, non_finite_tensors
-from .posterior.temperature import (SELECTION_SAMPLES, PosteriorTemperatureCallback, check_transition_matrix,
-                                    select_temperature, temperature_logs)
+from .posterior.temperature import (
+    SELECTION_SAMPLES,
+    PosteriorTemperatureCallback,
+    check_transition_matrix,
+    select_temperature,
+    temperature_logs,
+)
 from .temperature_scaling import TemperatureScaling, TemperatureScalingCallback, describe_prediction, fit_on_batches
 from .training_args import VariationalTrainingArguments
 from .utils import length_order

@@ -9,8 +9,22 @@ from typing import Any
 
 from transformers import TrainingArguments
 
-from .presets import DEFAULT_HESSIAN_WINDOW, FINETUNE_PRESET, IVON_PRESETS, LORA_PRESET, MIN_HESSIAN_WINDOW_STEPS, SCRATCH_PRESET
-from .methods import METHODS, MethodConfig, build_method_config, get_method_class, get_method_config_class, learns_posterior
+from .methods import (
+    METHODS,
+    MethodConfig,
+    build_method_config,
+    get_method_class,
+    get_method_config_class,
+    learns_posterior,
+)
+from .presets import (
+    DEFAULT_HESSIAN_WINDOW,
+    FINETUNE_PRESET,
+    IVON_PRESETS,
+    LORA_PRESET,
+    MIN_HESSIAN_WINDOW_STEPS,
+    SCRATCH_PRESET,
+)
 
 __all__ = ["VariationalTrainingArguments"]
 

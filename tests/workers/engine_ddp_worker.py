@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from helpers import SeededIVON
-from test_engine import IVON_KW, STEPS, _run, MLP
+from test_engine import IVON_KW, MLP, STEPS, _run
 from varsmooth.posterior import VariationalIVON
 
 

@@ -12,11 +12,11 @@ The noise is given (`indexed_noise`), so that the sharded run and the unsharded 
 import os
 import sys
 
-from accelerate.utils import FullyShardedDataParallelPlugin
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
+from accelerate.utils import FullyShardedDataParallelPlugin
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import fully_shard
 from transformers import BertConfig, BertForSequenceClassification, ViTConfig, ViTForImageClassification

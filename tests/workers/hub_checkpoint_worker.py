@@ -10,9 +10,8 @@ import torch
 from huggingface_hub import HfApi, hf_hub_download
 from transformers import ResNetConfig, ResNetForImageClassification
 
-from varsmooth import VariationalTrainer, VariationalTrainingArguments
-
 from helpers import digits_dataset
+from varsmooth import VariationalTrainer, VariationalTrainingArguments
 
 
 def model() -> ResNetForImageClassification:

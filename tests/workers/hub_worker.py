@@ -13,11 +13,10 @@ import numpy as np
 import torch
 from transformers import ResNetConfig, ResNetForImageClassification, ViTImageProcessor
 
+from example_utils.data import load_digits_dataset
 from varsmooth import LabelNoiseCallback, VariationalModel, VariationalTrainer, VariationalTrainingArguments, pipeline
 from varsmooth.corruption import corrupt_labels
 from varsmooth.posterior import derive_seed
-
-from example_utils.data import load_digits_dataset
 
 
 def main(out: str) -> None:

@@ -15,7 +15,6 @@ from scipy.stats import truncnorm
 from ._rng import INSTANCE_RATE_STREAM, INSTANCE_WEIGHT_STREAM, normals, uniforms
 
 
-
 def _is_numeric(dtype: str) -> bool:
     try:
         return np.dtype(dtype).kind in "iufb"

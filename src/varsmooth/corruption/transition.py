@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from ..utils import atomic_path
+from ..files import atomic_path
 
 #: the file a trainer's save writes the training set's `NoiseReport` into, next to the model (the model card reads it)
 NOISE_REPORT_FILE = "noise_report.json"

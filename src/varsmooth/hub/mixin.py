@@ -17,10 +17,18 @@ from transformers.trainer_utils import HubStrategy
 from transformers.utils.hub import PushInProgress, hf_api
 
 from ..batchnorm import RECOMPUTED_LOG_KEY
-from ..files import (MANIFEST_FILE, OWNED_PATTERNS, FolderSave, add_to_manifest, check_manifest,
-                     read_manifest, shareable_files, written_by_varsmooth)
+from ..files import (
+    MANIFEST_FILE,
+    OWNED_PATTERNS,
+    FolderSave,
+    add_to_manifest,
+    atomic_path,
+    check_manifest,
+    read_manifest,
+    shareable_files,
+    written_by_varsmooth,
+)
 from ..methods import learns_posterior
-from ..utils import atomic_path
 from .card import build_model_card, write_reliability_diagram
 from .record import POSTERIOR_LOG_KEYS, RunRecord, as_list, last_eval_metrics, last_posterior_log, training_schedule
 

@@ -3,7 +3,6 @@ builds it (`VariationalTrainer.run_record`) from the values it holds."""
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -88,17 +87,3 @@ class RunRecord:
     license: str | None = None
     tags: list[str] | None = None
     language: str | None = None
-
-    @property
-    def uses_ivon(self) -> bool:
-        """Deprecated: `learns_posterior`."""
-        warnings.warn("RunRecord.uses_ivon is deprecated and will be removed in the next release: use "
-                      "RunRecord.learns_posterior.", FutureWarning, stacklevel=2)
-        return self.learns_posterior
-
-    @classmethod
-    def from_trainer(cls, trainer: Any, **kwargs: Any) -> "RunRecord":
-        """Deprecated: `trainer.run_record(**kwargs)` (the record is built by the trainer, which holds the values)."""
-        warnings.warn("RunRecord.from_trainer(trainer, ...) is deprecated and will be removed in the next release: use "
-                      "trainer.run_record(...).", FutureWarning, stacklevel=2)
-        return trainer.run_record(**kwargs)

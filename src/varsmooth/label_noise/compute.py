@@ -35,9 +35,9 @@ from torch.utils.data import DataLoader
 from transformers import default_data_collator
 
 from ..batchnorm import batchnorm_layers, draw_batchnorm_statistics, head_batches
+from ..files import atomic_path
 from ..posterior import DiagonalGaussianPosterior, predictive_distribution
 from ..posterior.prediction import LABEL_KEYS
-from ..utils import atomic_path
 from .detection import mislabel_detection_report
 
 __all__ = [

@@ -5,15 +5,29 @@
 
 from .alasca import ALASCAConfig, ALASCAMethod
 from .base import (
-    EXAMPLE_INDEX_KEY, METHODS, ExampleIndexDataset, MethodConfig, MethodContext, MethodInfo, OptimizerContext, TrainingMethod,
-    build_method_config, get_method_class, get_method_config_class, list_methods, method_config_classes,
-    method_config_from_flags, register_method,
+    EXAMPLE_INDEX_KEY,
+    METHODS,
+    ExampleIndexDataset,
+    MethodConfig,
+    MethodContext,
+    MethodInfo,
+    OptimizerContext,
+    TrainingMethod,
+    build_method_config,
+    get_method_class,
+    get_method_config_class,
+    list_methods,
+    method_config_classes,
+    method_config_from_flags,
+    register_method,
 )
 from .gce import GCEConfig, GCEMethod
-from .grids import DEFAULT_GRIDS, grid_points
 from .ivon import IVONConfig, IVONFixedHessianMethod, IVONMethod, learns_posterior
 from .label_smoothing import (
-    GeneralizedLabelSmoothingConfig, GeneralizedLabelSmoothingMethod, LabelSmoothingConfig, LabelSmoothingMethod,
+    GeneralizedLabelSmoothingConfig,
+    GeneralizedLabelSmoothingMethod,
+    LabelSmoothingConfig,
+    LabelSmoothingMethod,
     optimal_smoothing_rate,
 )
 from .logistic_normal import LogisticNormalConfig, LogisticNormalMethod
@@ -23,7 +37,6 @@ from .sam import SAMConfig, SAMMethod
 __all__ = [
     "ALASCAConfig",
     "ALASCAMethod",
-    "DEFAULT_GRIDS",
     "EXAMPLE_INDEX_KEY",
     "ExampleIndexDataset",
     "GCEConfig",
@@ -50,7 +63,6 @@ __all__ = [
     "build_method_config",
     "get_method_class",
     "get_method_config_class",
-    "grid_points",
     "learns_posterior",
     "list_methods",
     "method_config_classes",

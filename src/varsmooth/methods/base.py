@@ -18,7 +18,6 @@ import dataclasses
 import json
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
-import warnings
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -310,10 +309,6 @@ class TrainingMethod:
     scratch_learning_rate: ClassVar[float] = 1e-4
 
     def __init__(self, config: MethodConfig | Mapping[str, Any] | None = None, num_train_examples: int | None = None) -> None:
-        if hasattr(config, "method_config"):  # the previous release passed the whole VariationalTrainingArguments
-            warnings.warn(f"{type(self).__name__}(args) is deprecated and will be removed in the next release: pass the "
-                          "method's config, args.method_config.", FutureWarning, stacklevel=2)
-            config = config.method_config
         self.config = build_method_config(self.name, config)
         self.num_train_examples = num_train_examples
 

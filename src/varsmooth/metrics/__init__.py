@@ -17,8 +17,13 @@ second dataset: `varsmooth.evaluation.ood_evaluation(trainer, test_dataset, ood_
 
 from pathlib import Path
 
-from .classification import (adaptive_calibration_error, classification_metrics, classwise_calibration_error,
-                             expected_calibration_error, reliability_diagram)
+from .classification import (
+                             adaptive_calibration_error,
+                             classification_metrics,
+                             classwise_calibration_error,
+                             expected_calibration_error,
+                             reliability_diagram,
+)
 from .ood import OOD_SCORES, auroc, fpr_at_tpr, ood_detection, ood_metrics, uncertainty_scores
 from .selective import aurc, optimal_aurc, risk_coverage_curve
 

@@ -22,12 +22,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from ..files import atomic_path
 from ..peft_keys import saved_names
 from ..presets import HESSIAN_MOVE_THRESHOLD
-from ..utils import atomic_path
 from .draw_buffers import DRAW_BUFFER_PREFIX, DrawBuffers
-from .seeds import derive_seed
 from .optimizer import DTensor, _local, _local_slice, _whole
+from .seeds import derive_seed
 
 __all__ = ["POSTERIOR_FILE", "DiagonalGaussianPosterior", "hessian_movement", "non_finite_tensors", "std_summary",
            "weights_fingerprint"]

@@ -114,6 +114,6 @@ class Dispatch:
                 if self.fused:
                     raise RuntimeError(f"fused=True, but {reason}: install {fix}.") from err
                 warnings.warn(f"{reason}; using foreach ops, which are slower. Install {fix} to silence this.",
-                              RuntimeWarning)
+                              RuntimeWarning, stacklevel=1)
                 self.compiles = False
         fn(*args, **flags)  # with temporaries of up to a few parameter sizes, as torch's foreach AdamW

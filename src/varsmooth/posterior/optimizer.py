@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
@@ -72,7 +71,7 @@ class VariationalIVON(torch.optim.Optimizer):
     Args: `params` (trainable only: frozen ones would get noise and weight decay; groups may set lr, weight_decay,
     ess, hess_init, beta1, beta2, clip_radius), the rest as in `ivon.IVON` (weight_decay: the prior precision δ;
     `sync` all-reduces ḡ and mean(e⊙g) in `step()`; hess_approx 'price' only), `sample_seed`, the seed of the weight samples (None: from the
-    global RNG; `noise_seed`, its name in the previous release, is deprecated: it also named the label corruption's seed), `rank` (mixed into the seed: DDP ranks draw independent samples) and `fused` (`kernels.Dispatch`).
+    global RNG), `rank` (mixed into the seed: DDP ranks draw independent samples) and `fused` (`kernels.Dispatch`).
     """
 
     #: for tests, another optimizer's noise on every path: (param, its index, step, draw) -> e of its local tensor
@@ -81,13 +80,7 @@ class VariationalIVON(torch.optim.Optimizer):
     def __init__(self, params: Any, lr: float, ess: float, hess_init: float = 1.0, beta1: float = 0.9,
                  beta2: float = 0.99999, weight_decay: float = 1e-4, mc_samples: int = 1, hess_approx: str = "price",
                  clip_radius: float = math.inf, sync: bool = False, debias: bool = True, rescale_lr: bool = True, *,
-                 sample_seed: int | None = 0, rank: int = 0, fused: bool | None = None, **deprecated: Any) -> None:
-        if "noise_seed" in deprecated:
-            warnings.warn("VariationalIVON(noise_seed=) is deprecated and will be removed in the next release: use "
-                          "sample_seed= (the seed of IVON's weight samples).", FutureWarning, stacklevel=2)
-            sample_seed = deprecated.pop("noise_seed")
-        if deprecated:
-            raise TypeError(f"VariationalIVON got unexpected keyword arguments {sorted(deprecated)}.")
+                 sample_seed: int | None = 0, rank: int = 0, fused: bool | None = None) -> None:
         if hess_approx != "price":
             raise ValueError(f"hess_approx={hess_approx!r} is not implemented; use 'price' (ivon-opt's default).")
         if mc_samples < 1:

@@ -34,13 +34,12 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
-from ..utils import deprecated_alias
 from .gaussian import DiagonalGaussianPosterior
 from .prediction import IGNORE_INDEX, LABEL_KEYS, average_predictions, model_logits, sampled_probs
 
 __all__ = ["SELECTION_SAMPLES", "TEMPERATURE_EXTENSION", "TEMPERATURE_GRID", "check_transition_matrix", "choose_temperature",
-           "paired_standard_errors", "search_temperatures", "select_temperature", "temperature_losses", "tied_temperatures",
-           "select_trainer_temperature", "temperature_logs", "temperature_nll", "validation_batches"]
+           "paired_standard_errors", "search_temperatures", "select_temperature", "temperature_logs", "temperature_losses",
+           "temperature_nll", "tied_temperatures"]
 
 logger = logging.getLogger(__name__)
 
@@ -304,13 +303,3 @@ class PosteriorTemperatureCallback(TrainerCallback):
                 "posterior_temperature."
             ) from error
 
-
-select_trainer_temperature = deprecated_alias(
-    "varsmooth.posterior.temperature.select_trainer_temperature(trainer, eval_dataset)",
-    "trainer.select_posterior_temperature(eval_dataset)",
-    lambda trainer, eval_dataset=None: trainer.select_posterior_temperature(eval_dataset),
-)
-validation_batches = deprecated_alias(
-    "varsmooth.posterior.temperature.validation_batches(trainer, eval_dataset)", "trainer.validation_batches(eval_dataset)",
-    lambda trainer, eval_dataset: trainer.validation_batches(eval_dataset),
-)

@@ -2,7 +2,7 @@
 prediction (BMA, the posterior mean, MC dropout, an ensemble). Not the posterior temperature τ, which scales the
 posterior's σ (`varsmooth.posterior.temperature`)."""
 
-from .callback import TemperatureScalingCallback, fit_on_batches, fit_trainer_temperature_scaling
+from .callback import TemperatureScalingCallback, fit_on_batches
 from .scaling import TEMPERATURE_SCALING_FILE, TemperatureScaling, describe_prediction, network_fingerprint, scaled_nll
 
-__all__ = ["TEMPERATURE_SCALING_FILE", "TemperatureScaling", "TemperatureScalingCallback", "describe_prediction", "fit_on_batches", "network_fingerprint", "fit_trainer_temperature_scaling", "scaled_nll"]
+__all__ = ["TEMPERATURE_SCALING_FILE", "TemperatureScaling", "TemperatureScalingCallback", "describe_prediction", "fit_on_batches", "network_fingerprint", "scaled_nll"]

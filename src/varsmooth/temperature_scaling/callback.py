@@ -10,10 +10,9 @@ import torch
 from transformers import TrainerCallback
 
 from ..posterior.prediction import LABEL_KEYS, VariationalClassifierOutput
-from ..utils import deprecated_alias
 from .scaling import TemperatureScaling
 
-__all__ = ["TemperatureScalingCallback", "fit_on_batches", "fit_trainer_temperature_scaling"]
+__all__ = ["TemperatureScalingCallback", "fit_on_batches"]
 
 logger = logging.getLogger(__name__)
 
@@ -78,9 +77,3 @@ class TemperatureScalingCallback(TrainerCallback):
         if args.temperature_scaling:
             self.fit()
 
-
-fit_trainer_temperature_scaling = deprecated_alias(
-    "varsmooth.calibration.fit_trainer_temperature_scaling(trainer, eval_dataset)",
-    "trainer.fit_temperature_scaling(eval_dataset)",
-    lambda trainer, eval_dataset=None: trainer.fit_temperature_scaling(eval_dataset),
-)

@@ -26,10 +26,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..files import atomic_path
 from ..model_parts import AUX_MODULE_NAME
 from ..posterior.gaussian import DiagonalGaussianPosterior, weights_fingerprint
 from ..posterior.prediction import VariationalClassifierOutput, entropy
-from ..utils import atomic_path
 
 __all__ = ["TEMPERATURE_SCALING_FILE", "TemperatureScaling", "describe_prediction", "network_fingerprint", "scaled_nll"]
 

@@ -1,4 +1,4 @@
-"""Hyperparameter grids of the papers, for the benchmark sweeps.
+"""Hyperparameter grids of the papers, for the benchmark sweeps (robustness.py).
 
 Keys are `VariationalTrainingArguments` fields or fields of the method's config; `grid_points` turns one grid
 point into keyword arguments for `VariationalTrainingArguments` (the method's fields nested in `method_config`).
@@ -10,7 +10,7 @@ import dataclasses
 import itertools
 from typing import Any
 
-from .base import get_method_config_class
+from varsmooth.methods import get_method_config_class
 
 __all__ = ["DEFAULT_GRIDS", "grid_points"]
 
