@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.nn.modules.batchnorm import _BatchNorm
+from tqdm.auto import tqdm
 from transformers import TrainerCallback
 
 from .posterior import DiagonalGaussianPosterior
@@ -62,19 +63,21 @@ def _cumulative_training_mode(model: torch.nn.Module, layers: list[_BatchNorm]) 
 
 
 def recompute_batchnorm_statistics(model: torch.nn.Module, batches: Iterable[Mapping[str, Any]],
-                                   max_examples: int = RECALIBRATION_EXAMPLES) -> int:
+                                   max_examples: int = RECALIBRATION_EXAMPLES, progress: bool = False) -> int:
     """Recompute the running statistics of `model`'s BatchNorm layers at its current weights from `batches` (dicts of
     model inputs, as the Trainer prepares them), over at most `max_examples` examples; returns the number of examples
     used (0, and nothing changed, for a model without BatchNorm or no batches). Under torch.distributed every process
     must call it with as many batches; the statistics are then averaged over processes, so that all agree.
 
-    Dropout is active during the pass, as in training (update_bn does the same); no gradients are computed."""
+    Dropout is active during the pass, as in training (update_bn does the same); no gradients are computed. `progress`
+    shows a progress bar (tqdm)."""
     layers = batchnorm_layers(model)
     if not layers:
         return 0
     seen = 0
     with _cumulative_training_mode(model, layers), torch.no_grad():
-        for batch in itertools.takewhile(lambda _: seen < max_examples, batches):  # noqa: B023
+        bar = tqdm(batches, desc="BatchNorm statistics at the posterior mean", disable=not progress, leave=False)
+        for batch in itertools.takewhile(lambda _: seen < max_examples, bar):  # noqa: B023
             model_outputs(model, batch)
             seen += batch_rows(batch)
     if seen and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -87,10 +90,12 @@ def recompute_batchnorm_statistics(model: torch.nn.Module, batches: Iterable[Map
 
 def draw_batchnorm_statistics(model: torch.nn.Module, posterior: DiagonalGaussianPosterior,
                               batches: Callable[[], Iterable[Mapping[str, Any]]], num_samples: int, seed: int = 0,
-                              max_examples: int = DRAW_RECALIBRATION_EXAMPLES) -> list[dict[str, torch.Tensor]] | None:
+                              max_examples: int = DRAW_RECALIBRATION_EXAMPLES, progress: bool = False,
+                              ) -> list[dict[str, torch.Tensor]] | None:
     """The BatchNorm buffers of each of the draws `draw_seeds(seed, num_samples)` of `posterior`, recomputed at the
     drawn weights from `batches()` (a fresh iterable per call) as `recompute_batchnorm_statistics` does; None for a
-    model without BatchNorm. The model's own statistics are unchanged. For `sampled_probs(..., draw_buffers=)`.
+    model without BatchNorm. The model's own statistics are unchanged. For `sampled_probs(..., draw_buffers=)`;
+    `progress` shows a progress bar over the draws.
 
     A sampled network normalised with its own batches' statistics while it trained; with the mean's statistics
     instead, a wide posterior's draws are far worse networks than the ones training saw (the image example's default
@@ -103,7 +108,8 @@ def draw_batchnorm_statistics(model: torch.nn.Module, posterior: DiagonalGaussia
              for buffer, _ in module.named_buffers(recurse=False)]
     statistics = []
     with restored_buffers(model, names) as named:
-        for draw_seed, mirrored in draw_seeds(seed, num_samples):
+        for draw_seed, mirrored in tqdm(draw_seeds(seed, num_samples), desc="BatchNorm statistics of each posterior draw",
+                                        disable=not progress, leave=False):
             with posterior.sampled(draw_seed, mirrored=mirrored):
                 recompute_batchnorm_statistics(model, batches(), max_examples)
             statistics.append({name: named[name].clone() for name in names})
@@ -111,13 +117,14 @@ def draw_batchnorm_statistics(model: torch.nn.Module, posterior: DiagonalGaussia
 
 
 def prediction_draw_buffers(model: torch.nn.Module, posterior: DiagonalGaussianPosterior,
-                            batches: list[Mapping[str, Any]], num_samples: int, seed: int) -> DrawBuffers | None:
+                            batches: list[Mapping[str, Any]], num_samples: int, seed: int,
+                            progress: bool = False) -> DrawBuffers | None:
     """The BatchNorm statistics of each draw a prediction with `num_samples` draws of `seed` makes at the posterior's
     temperature (`draw_batchnorm_statistics` from `batches`), to attach to the posterior (`posterior.draw_buffers`);
     None for a model without BatchNorm or a prediction that draws nothing (τ = 0, a point mass, no draws)."""
     if num_samples <= 0 or posterior.is_point_mass or posterior.temperature == 0:
         return None
-    statistics = draw_batchnorm_statistics(model, posterior, lambda: iter(batches), num_samples, seed)
+    statistics = draw_batchnorm_statistics(model, posterior, lambda: iter(batches), num_samples, seed, progress=progress)
     return None if statistics is None else DrawBuffers(seed, posterior.temperature, statistics)
 
 

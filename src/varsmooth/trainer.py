@@ -12,11 +12,9 @@ pushes (`VariationalHubMixin`) and `label_noise()` (`LabelNoiseMixin`).
 
 from __future__ import annotations
 
-import functools
 import inspect
 import logging
 import os
-from collections.abc import Iterator
 from typing import Any
 
 import datasets
@@ -26,14 +24,9 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PredictionOutput
 
 from .adapters import is_peft_model
+from .after_training import AfterTrainingMixin
 from .batchnorm import (
-    RECOMPUTED_LOG_KEY,
     BatchNormRecalibrationCallback,
-    batchnorm_layers,
-    draw_batchnorm_statistics,
-    head_batches,
-    prediction_draw_buffers,
-    recompute_batchnorm_statistics,
 )
 from .checkpointing import CheckpointingMixin
 from .checks import (
@@ -75,22 +68,19 @@ from .posterior.diagnostics import HessianDiagnosticsCallback, hessian_summary
 from .posterior.draw_buffers import DrawBuffers
 from .posterior.gaussian import TEMPERATURE_KEY, non_finite_tensors
 from .posterior.temperature import (
-    SELECTION_SAMPLES,
     PosteriorTemperatureCallback,
     check_transition_matrix,
-    select_temperature,
-    temperature_logs,
 )
-from .temperature_scaling import TemperatureScaling, TemperatureScalingCallback, describe_prediction, fit_on_batches
+from .temperature_scaling import TemperatureScaling, TemperatureScalingCallback, describe_prediction
 from .training_args import VariationalTrainingArguments
-from .utils import length_order
 
 __all__ = ["VariationalTrainer"]
 
 logger = logging.getLogger(__name__)
 
 
-class VariationalTrainer(CheckpointingMixin, VariationalHubMixin, LabelNoiseMixin, HyperparameterSearchMixin, Trainer):
+class VariationalTrainer(AfterTrainingMixin, CheckpointingMixin, VariationalHubMixin, LabelNoiseMixin,
+                         HyperparameterSearchMixin, Trainer):
     """A `Trainer` for single-label classifiers that trains with `args.method` (IVON by default).
 
     Models may be any module returning logits in a `ModelOutput` or tuple (HF `AutoModelFor*Classification`,
@@ -248,102 +238,6 @@ class VariationalTrainer(CheckpointingMixin, VariationalHubMixin, LabelNoiseMixi
         logger.info("Loaded the posterior saved with the model (%s): evaluation before training predicts by BMA with it.",
                     os.path.join(folder, POSTERIOR_FILE))
         return posterior
-
-    def recompute_batchnorm_statistics(self) -> int:
-        """Recompute BatchNorm's running statistics at the posterior mean from the training data (done by `train()` with
-        `args.recompute_batchnorm_statistics`); returns the number of examples used, 0 when there was nothing to do (no
-        posterior learned, no BatchNorm, no training data). See `varsmooth.batchnorm`. Every process must call this."""
-        model = self.accelerator.unwrap_model(self.model)
-        if self.ivon is None or self.train_dataset is None:
-            return 0
-        batches = ({k: v for k, v in self._prepare_inputs(batch).items() if k != EXAMPLE_INDEX_KEY}
-                   for batch in self.get_train_dataloader())
-        examples = recompute_batchnorm_statistics(model, batches)
-        if examples:
-            self.log({RECOMPUTED_LOG_KEY: examples})
-        return examples
-
-    def select_posterior_temperature(self, eval_dataset: Any = None) -> dict[str, Any] | None:
-        """Choose the posterior temperature τ by validation NLL and predict with it from now on (done by `train()`
-        when `args.posterior_temperature` is None); returns the NLL at each τ tried, or None without validation data.
-        See `varsmooth.posterior.temperature`."""
-        if self.ivon is None or self.args.eval_mc_samples <= 0:  # no posterior, or a prediction at the mean already
-            return None
-        eval_dataset = self.eval_dataset if eval_dataset is None else eval_dataset
-        if eval_dataset is None:  # not the training set: every example was fitted, it cannot tell which generalizes
-            logger.info("No eval_dataset: predicting with the learned posterior (posterior temperature 1). Pass an "
-                        "eval_dataset (a validation split) to choose the temperature by validation NLL, or set "
-                        "posterior_temperature.")
-            return None
-        model, samples = self.accelerator.unwrap_model(self.model), min(self.args.eval_mc_samples, SELECTION_SAMPLES)
-        batches = self._batchnorm_batches(model)
-        draw_buffers = None if batches is None else (
-            lambda posterior: draw_batchnorm_statistics(model, posterior, lambda: iter(batches), samples, self.args.eval_seed))
-        report = select_temperature(self.model, self.posterior(), lambda: self.validation_batches(eval_dataset),
-                                    samples, self.args.eval_seed, gather=self.accelerator.gather_for_metrics,
-                                    transition=self.eval_noise_transition, draw_buffers=draw_buffers)
-        self.posterior_temperature, self.posterior_temperature_report = report["temperature"], report
-        self.log(temperature_logs(report))
-        return report
-
-    def _reset_posterior_temperature(self) -> None:
-        """A new train() starts again from the learned posterior (or the fixed τ)."""
-        self.posterior_temperature = 1.0 if self.args.posterior_temperature is None else self.args.posterior_temperature
-        self.posterior_temperature_report = None
-        self._draw_buffers = None
-
-    def prepare_prediction_draws(self, posterior: DiagonalGaussianPosterior | None = None) -> DiagonalGaussianPosterior:
-        """Give each draw that predictions make (`eval_mc_samples` draws of `eval_seed` at τ; at τ = 0, which draws
-        nothing, those of the learned posterior, τ = 1, which the label-noise export and a pipeline's mutual
-        information use) BatchNorm statistics of its own, computed from training data and saved with the posterior
-        (`varsmooth.posterior.draw_buffers`); done by `train()` once τ is known, and again by `posterior()` when τ or
-        the draws change after that. Returns the posterior (default `posterior()`) holding them; none are needed
-        without BatchNorm, training data, a learned posterior or draws. Every process must call it."""
-        self._draw_buffers = None
-        posterior = self.posterior() if posterior is None else posterior
-        model = self.accelerator.unwrap_model(self.model)
-        batches = self._batchnorm_batches(model) if self.ivon is not None else None
-        if batches is not None:
-            self._draw_buffers = prediction_draw_buffers(model, posterior.at_temperature(self.posterior_temperature or 1.0),
-                                                         batches, self.args.eval_mc_samples, self.args.eval_seed)
-        posterior.draw_buffers = self._draw_buffers
-        return posterior
-
-    def _batchnorm_batches(self, model: torch.nn.Module) -> list[dict[str, Any]] | None:
-        """The prepared training batches each posterior draw's BatchNorm statistics are computed from (the first
-        `DRAW_RECALIBRATION_EXAMPLES` examples); None for a model without BatchNorm or no training data."""
-        if not batchnorm_layers(model) or self.train_dataset is None:
-            return None
-        # in the dataset's order, not shuffled: the same examples and batches for every τ and every call
-        return head_batches({k: v for k, v in self._prepare_inputs(batch).items() if k != EXAMPLE_INDEX_KEY}
-                            for batch in self.get_eval_dataloader(self.train_dataset))
-
-    def validation_batches(self, eval_dataset: Any) -> Iterator[dict[str, Any]]:
-        """The prepared batches of `eval_dataset` (a dataset or a dict of them, pooled), batched as evaluate() batches
-        them; tokenized sentences by length (each batch pads to its longest, and the scores on them are means over rows)."""
-        named = eval_dataset if isinstance(eval_dataset, dict) else {None: eval_dataset}
-        for dataset in named.values():
-            order = length_order(dataset)
-            loader = (self.get_eval_dataloader(dataset) if order is None else
-                      self._get_dataloader(dataset, "Validation", self.args.eval_batch_size, sampler_fn=lambda _, order=order: order))
-            for batch in loader:
-                yield self._prepare_inputs(batch)
-
-    def fit_temperature_scaling(self, eval_dataset: Any = None) -> TemperatureScaling:
-        """Fit the post-hoc temperature T on `eval_dataset` (default: the eval datasets) by NLL and predict with it from
-        now on; done when training ends with `args.temperature_scaling`. `trainer.temperature_scaling = None` goes back
-        to the uncalibrated prediction. See `varsmooth.temperature_scaling`. Every process must call this."""
-        eval_dataset = self.eval_dataset if eval_dataset is None else eval_dataset
-        self.model.eval()
-        posterior = self.posterior()
-        scaling = fit_on_batches(functools.partial(self.predictive, self.model, posterior=posterior, calibrated=False),
-                                 None if eval_dataset is None else self.validation_batches(eval_dataset),
-                                 self.prediction_settings(posterior), self.accelerator.gather_for_metrics,
-                                 self.accelerator.unwrap_model(self.model))
-        self.temperature_scaling = scaling
-        self.log({"temperature_scaling": scaling.temperature, "eval_nll_uncalibrated": scaling.nll_uncalibrated,
-                  "eval_nll_calibrated": scaling.nll_calibrated})
-        return scaling
 
     def predictive(self, model: torch.nn.Module, inputs: dict[str, Any], posterior: DiagonalGaussianPosterior | None = None,
                    calibrated: bool = True) -> VariationalClassifierOutput:

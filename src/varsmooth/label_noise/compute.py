@@ -32,6 +32,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
 from transformers import default_data_collator
 
 from ..batchnorm import batchnorm_layers, draw_batchnorm_statistics, head_batches
@@ -166,6 +167,7 @@ def compute_label_noise(
     keep_columns: Sequence[str] = METADATA_COLUMNS,
     temperature: float = 1.0,
     order: Sequence[int] | None = None,
+    progress: bool = False,
 ) -> datasets.Dataset:
     """The label noise IVON adds to every example of `dataset` (Variational Learning Induces
     Adaptive Label Smoothing, 2025, Eq. 15 and Eq. 19), one row per example.
@@ -207,6 +209,7 @@ def compute_label_noise(
         accelerator: an `accelerate.Accelerator` whose `prepare`d `dataloader` is split over processes; the
             per-process results are collected with `gather_for_metrics`, which returns dataset order.
         device: where the batches go (default: the device of the model's first parameter).
+        progress: show progress bars (tqdm) over the draws' BatchNorm statistics and the batches.
     """
     if num_samples < 1:
         raise ValueError(f"num_samples must be >= 1 (posterior draws per example), got {num_samples}.")
@@ -234,12 +237,13 @@ def compute_label_noise(
         if batches is dataloader:  # an iterator: what the head took is measured below all the same
             dataloader = itertools.chain(head, batches)
         draw_buffers = draw_batchnorm_statistics(model, posterior, lambda: (_to_device(b, device) for b in head),
-                                                 num_samples, seed)
+                                                 num_samples, seed, progress=progress)
     was_training = model.training
     model.eval()
     parts: dict[str, list[np.ndarray]] = {}
     try:
-        for batch in dataloader:
+        for batch in tqdm(dataloader, desc=f"Label noise ({num_samples} posterior draws)", disable=not progress,
+                          leave=False):
             result = _batch_label_noise(
                 model, posterior, _to_device(batch, device), num_samples, seed, max_full_classes, top_k, draw_buffers
             )

@@ -34,5 +34,6 @@ class LabelNoiseMixin:
         kwargs.setdefault("seed", self.args.eval_seed)
         return compute_label_noise(
             self.accelerator.unwrap_model(self.model), self.posterior(), dataset, num_samples=num_samples,
-            dataloader=loader, accelerator=self.accelerator, device=self.args.device, order=order, **kwargs,
+            dataloader=loader, accelerator=self.accelerator, device=self.args.device, order=order,
+            progress=self.shows_progress(), **kwargs,
         )

@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
 from transformers import TrainerCallback
 
 from .gaussian import DiagonalGaussianPosterior
@@ -89,6 +90,7 @@ def temperature_losses(
     gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
     transition: Any = None,
     draw_buffers: Callable[[DiagonalGaussianPosterior], Sequence[Mapping[str, torch.Tensor]] | None] | None = None,
+    progress: bool = False,
 ) -> dict[float, torch.Tensor]:
     """The NLL −log P̂_τ(y|x) of the BMA prediction at each temperature, per labelled example (float64, CPU), over labelled `batches` (labels
     −100 are ignored, as by `evaluate()`).
@@ -98,7 +100,8 @@ def temperature_losses(
     processes (e.g. `accelerator.gather_for_metrics`). With `transition` (T, the noise of the labels, see
     `check_transition_matrix`) the forward-corrected NLL −log (Tᵀ P̂_τ)[y]. `draw_buffers(posterior at τ)`: the buffers
     each draw at τ predicts with (its own BatchNorm statistics, `varsmooth.batchnorm.prediction_draw_buffers`), as the
-    prediction at the chosen τ will. The posterior's own temperature is left as it was.
+    prediction at the chosen τ will. `progress` shows a progress bar over the batches. The posterior's own temperature
+    is left as it was.
     """
     log_transition = None  # log T, checked against the model's classes and moved to its device at the first batch
     temperatures = [float(t) for t in temperatures]
@@ -109,7 +112,8 @@ def temperature_losses(
                for t in temperatures}
     chunks = []
     try:
-        for batch in batches:
+        for batch in tqdm(batches, desc=f"Validation NLL at τ = {', '.join(f'{t:g}' for t in temperatures)}",
+                          disable=not progress, leave=False):
             labels = next((batch[k] for k in LABEL_KEYS if k in batch), None)
             if labels is None:
                 raise ValueError(
@@ -209,9 +213,10 @@ def select_temperature(
     gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
     transition: Any = None,
     draw_buffers: Callable[[DiagonalGaussianPosterior], Sequence[Mapping[str, torch.Tensor]] | None] | None = None,
+    progress: bool = False,
 ) -> dict[str, Any]:
     """Choose τ for `posterior` by the NLL of `model`'s predictions on the labelled validation batches that `batches()`
-    yields (called once per pass; `gather`, `transition`, `draw_buffers` as in `temperature_nll`).
+    yields (called once per pass; `gather`, `transition`, `draw_buffers`, `progress` as in `temperature_losses`).
 
     Scores `TEMPERATURE_GRID`, then `TEMPERATURE_EXTENSION` one value at a time while the largest τ tried wins, with
     `num_samples` draws of `seed`. Returns the report: the chosen `temperature`, the `nll` at every τ tried, the
@@ -223,7 +228,7 @@ def select_temperature(
 
     def score(temperatures: Sequence[float]) -> dict[float, float]:
         losses.update(temperature_losses(model, posterior, batches(), temperatures, num_samples, seed, gather=gather,
-                                         transition=transition, draw_buffers=draw_buffers))
+                                         transition=transition, draw_buffers=draw_buffers, progress=progress))
         return {t: float(losses[t].mean()) for t in temperatures}
 
     start = time.perf_counter()
