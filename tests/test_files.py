@@ -85,17 +85,25 @@ def test_posterior_of_replaced_weights_is_refused(tmp_path):
         DiagonalGaussianPosterior.load(tiny_digits_resnet(5), tmp_path / "model")
 
 
-def test_save_interrupted_between_weights_and_posterior_is_detected(tmp_path, monkeypatch):
-    trainer = _train_ivon(tmp_path, steps=2)
-    trainer.save_model()
-    trainer.args.max_steps = 4
-    trainer.train(resume_from_checkpoint=None)  # the weights move on
+@pytest.mark.parametrize("earlier_save", [True, False], ids=["over-an-earlier-save", "into-a-new-folder"])
+def test_save_interrupted_between_weights_and_posterior_is_named_as_incomplete(tmp_path, monkeypatch, earlier_save):
+    trainer = _train_ivon(tmp_path / "run", steps=2)
+    out = tmp_path / "model"
+    if earlier_save:
+        trainer.save_model(str(out))
+        trainer.args.max_steps = 4
+        trainer.train(resume_from_checkpoint=None)  # the weights move on
+    real_save = DiagonalGaussianPosterior.save
     monkeypatch.setattr(DiagonalGaussianPosterior, "save", lambda self, path: (_ for _ in ()).throw(OSError("killed")))
     with pytest.raises(OSError, match="killed"):
-        trainer.save_model()
-    assert not (tmp_path / MANIFEST_FILE).exists()  # the folder says it is incomplete
-    with pytest.raises(ValueError, match="belongs to other weights"):
-        VariationalModel.from_pretrained(tmp_path)
+        trainer.save_model(str(out))
+    assert (out / "model.safetensors").is_file()  # the weights were written, the posterior not (again)
+    for load in (lambda: VariationalModel.from_pretrained(out), lambda: DiagonalGaussianPosterior.load(trainer.model, out)):
+        with pytest.raises(ValueError, match=r"model holds an incomplete save: .*never finished"):
+            load()  # not "not trained with IVON", not a posterior of other weights
+    monkeypatch.setattr(DiagonalGaussianPosterior, "save", real_save)
+    trainer.save_model(str(out))  # the next save completes the folder
+    assert VariationalModel.from_pretrained(out).posterior.names
 
 
 def test_file_changed_after_the_save_is_refused(tmp_path):
@@ -667,19 +675,55 @@ def test_a_smaller_ensemble_keeps_an_earlier_member_folder_that_was_edited(tmp_p
 
 
 def test_rotation_keeps_the_newest_and_the_best_and_leaves_nothing_half_deleted(tmp_path):
-    from varsmooth.files import DELETING_PREFIX, STAGING_PREFIX, clear_leftover_stagings, rotate_checkpoints
+    from varsmooth.files import DELETING_PREFIX, STAGING_PREFIX, clear_leftovers, rotate_checkpoints, write_manifest
 
     for step in range(1, 6):
         (tmp_path / f"checkpoint-{step}").mkdir()
         (tmp_path / f"checkpoint-{step}" / "model.safetensors").write_bytes(b"w")
+        write_manifest(str(tmp_path / f"checkpoint-{step}"), ["model.safetensors"], training_state=[])
         os.utime(tmp_path / f"checkpoint-{step}", (1000 + 10 * step, 1000 + 10 * step))  # ordered by mtime
     (tmp_path / f"{STAGING_PREFIX}checkpoint-6").mkdir()  # left by a killed run
     (tmp_path / f"{DELETING_PREFIX}checkpoint-0").mkdir()
+    (tmp_path / ".tmp-abcd_123model.safetensors").write_bytes(b"half")  # a killed atomic write
     rotate_checkpoints(tmp_path, None, None)  # no limit: all kept
     assert len([d for d in os.listdir(tmp_path) if d.startswith("checkpoint-")]) == 5
     rotate_checkpoints(tmp_path, 2, str(tmp_path / "checkpoint-1"))
-    clear_leftover_stagings(tmp_path)
+    assert clear_leftovers(tmp_path) == sorted([".tmp-abcd_123model.safetensors", f"{DELETING_PREFIX}checkpoint-0",
+                                                f"{STAGING_PREFIX}checkpoint-6"])
     assert sorted(os.listdir(tmp_path)) == ["checkpoint-1", "checkpoint-5"]
+
+
+@pytest.mark.parametrize("name", ["checkpoint-0-backup", "checkpoint-3.old", "checkpoint-20"])
+def test_rotation_never_removes_a_folder_the_run_did_not_write(tmp_path, name):
+    """A user's folder named like a checkpoint, or a checkpoint-N without the manifest a run's checkpoint has (copied
+    in by hand), is not the run's: `save_total_limit` keeps it, however old."""
+    mine = tmp_path / "run" / name
+    mine.mkdir(parents=True)
+    (mine / "model.safetensors").write_bytes(b"the user's weights")
+    os.utime(mine, (1000, 1000))  # older than every checkpoint of the run
+    _erm(tmp_path / "run", steps=4, save_strategy="steps", save_steps=1, save_total_limit=1)
+    assert (mine / "model.safetensors").read_bytes() == b"the user's weights"
+    runs = sorted(d for d in os.listdir(tmp_path / "run") if re.fullmatch(r"checkpoint-\d+", d) and d != name)
+    assert runs == ["checkpoint-4"]  # the run's own checkpoints were rotated as asked
+
+
+def test_leftovers_of_a_killed_save_are_deleted_by_the_next_run_and_never_counted_as_files(tmp_path):
+    """What a kill -9 leaves under a temporary name (an `atomic_path` file, a checkpoint being written or deleted) does
+    not make the example refuse the folder as used, and the next train() deletes it; a user's file is kept."""
+    from varsmooth.files import DELETING_PREFIX, STAGING_PREFIX
+    from varsmooth.utils import checkpoint_to_resume
+
+    tmp_path.mkdir(exist_ok=True)
+    leftovers = [".tmp-k1ll3d_9posterior.safetensors", ".tmp-abcdefghlabel_noise.parquet"]
+    for name in leftovers:
+        (tmp_path / name).write_bytes(b"half a file")
+    (tmp_path / f"{STAGING_PREFIX}checkpoint-3" / "checkpoint-3").mkdir(parents=True)
+    (tmp_path / f"{DELETING_PREFIX}checkpoint-1").mkdir()
+    assert checkpoint_to_resume(make_args(tmp_path, method="erm", max_steps=1)) is None  # not "not empty"
+    (tmp_path / ".tmp-notes").write_text("the user's, not named as atomic_path names")
+    _erm(tmp_path, steps=1).save_model()
+    assert {".tmp-notes", MANIFEST_FILE, "model.safetensors"} <= set(os.listdir(tmp_path))
+    assert not [n for n in os.listdir(tmp_path) if n in leftovers or n.startswith((STAGING_PREFIX, DELETING_PREFIX))]
 
 
 def test_publishing_a_checkpoint_lists_its_training_state_and_replaces_an_earlier_one_whole(tmp_path):

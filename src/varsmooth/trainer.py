@@ -28,7 +28,8 @@ from transformers.trainer_utils import PredictionOutput
 from .adapters import is_peft_model
 from .batchnorm import RECOMPUTED_LOG_KEY, BatchNormRecalibrationCallback, recompute_batchnorm_statistics
 from .checkpointing import CheckpointingMixin
-from .checks import check_arguments, check_compute_metrics, check_datasets, check_method_inputs
+from .checks import (check_arguments, check_compute_metrics, check_datasets, check_input_columns, check_labels,
+                     check_method_inputs, model_num_labels, named_datasets)
 from .corruption import realized_noise_report
 from .ensemble import DeepEnsemble
 from .finite import NonFiniteGuard, non_finite_step_error
@@ -86,8 +87,14 @@ class VariationalTrainer(CheckpointingMixin, VariationalHubMixin, LabelNoiseMixi
         posterior = kwargs.pop("posterior", None)
         self._metrics = EvaluationMetrics(user_metrics)
         super().__init__(model, args, *pargs, compute_metrics=self._metrics, **kwargs)
-        train_size = check_datasets(self.train_dataset, self.eval_dataset)
+        # every label the run will read, the evaluation's and the label-noise export's too, is checked now: one found
+        # bad after training would cost the run
+        train_size = check_datasets(self.train_dataset, self.eval_dataset, model_num_labels(self.model))
         self.method: TrainingMethod = get_method_class(args.method)(args.method_config, num_train_examples=train_size)
+        if self.model is not None:
+            self._set_signature_columns_if_needed()
+            for role, dataset in named_datasets(self.train_dataset, self.eval_dataset):
+                check_input_columns(role, dataset, self._signature_columns, args.remove_unused_columns)
         fsdp = getattr(self.accelerator.state, "fsdp_plugin", None)  # set up by `accelerate launch`, not by the arguments
         self.method.check_parallelism(getattr(fsdp, "fsdp_version", 1) if fsdp is not None else None, self.is_deepspeed_enabled)
         keep_presharded_model(fsdp, self.model)
@@ -107,7 +114,7 @@ class VariationalTrainer(CheckpointingMixin, VariationalHubMixin, LabelNoiseMixi
         self.eval_noise_transition = None if eval_noise_transition is None else check_transition_matrix(eval_noise_transition)
         self.callback_handler.callbacks.insert(0, BatchNormRecalibrationCallback(self.recompute_batchnorm_statistics))
         self.callback_handler.callbacks.insert(1, PosteriorTemperatureCallback(
-            select=self.select_posterior_temperature, reset=self._reset_posterior_temperature, save=self.save_model))
+            select=self.select_posterior_temperature, reset=self._reset_posterior_temperature))
         # post-hoc temperature of every prediction (None: uncalibrated); fitted right after τ, which it calibrates
         self.temperature_scaling: TemperatureScaling | None = None
         self.callback_handler.callbacks.insert(2, TemperatureScalingCallback(
@@ -126,6 +133,7 @@ class VariationalTrainer(CheckpointingMixin, VariationalHubMixin, LabelNoiseMixi
 
     def _connect(self, callback: TrainerCallback) -> None:
         if isinstance(callback, LabelNoiseCallback):
+            check_labels("the dataset of LabelNoiseCallback", callback.dataset, model_num_labels(self.model))
             callback.connect(measure=self.label_noise, posterior=self.posterior, record_output=self.record_output,
                              train_dataset=lambda: self.train_dataset)
 

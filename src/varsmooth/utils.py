@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 # the file guarantees live in `varsmooth.files`; `atomic_path` and `ordinary_file_mode` stay importable from here
-from .files import atomic_path, ordinary_file_mode, read_manifest
+from .files import atomic_path, ordinary_file_mode
 
 __all__ = ["atomic_path", "checkpoint_to_resume", "deprecated_alias", "evaluate_validation_and_test", "ordinary_file_mode"]
 
@@ -33,58 +33,33 @@ def checkpoint_to_resume(args: Any) -> str | None:
     `args.resume_from_checkpoint` when given, else the last `checkpoint-N` in `args.output_dir`. A non-empty
     `output_dir` without checkpoints is refused unless `args.overwrite_output_dir`, so that a run never mixes its
     files with an earlier run's; `overwrite_output_dir` also starts from scratch when there are checkpoints. A
-    checkpoint of another `--seed` is refused (resuming it would continue that seed's run under this seed's name, on
-    a data split drawn with this seed), and so is the last checkpoint of a run that has already finished (the stock
-    Trainer would train one step more).
+    checkpoint of another `--seed` or `--method` is refused (resuming it would continue that run under this one's name,
+    on a data split drawn with this seed), and so is the last checkpoint of a run that has already finished (the stock
+    Trainer would train one step more): `varsmooth.checkpointing`'s checks, which `VariationalTrainer.train` makes too,
+    made here before the data and model are built.
     """
     from transformers.trainer_utils import get_last_checkpoint
+
+    from .checkpointing import refuse_finished_run, refuse_other_run
+    from .files import is_leftover
 
     if args.resume_from_checkpoint is not None:
         if not os.path.isdir(args.resume_from_checkpoint):
             raise FileNotFoundError(f"--resume_from_checkpoint {args.resume_from_checkpoint!r} is not a folder: pass a "
                                     f"checkpoint-N folder written by an earlier run.")
-        _refuse_other_seed(args, args.resume_from_checkpoint)
+        refuse_other_run(args, args.resume_from_checkpoint)
         return args.resume_from_checkpoint
     if not os.path.isdir(args.output_dir) or getattr(args, "overwrite_output_dir", False):
         return None
     last = get_last_checkpoint(args.output_dir)
-    if last is None and os.listdir(args.output_dir):
+    # what a killed run left under a temporary name is no earlier run's file: the next save deletes it
+    if last is None and [name for name in os.listdir(args.output_dir) if not is_leftover(name)]:
         raise ValueError(f"Output directory ({args.output_dir}) already exists and is not empty. Use "
                          "--overwrite_output_dir to train into it anyway, or choose another --output_dir.")
     if last is not None:
-        _refuse_other_seed(args, last)
-        _refuse_finished_run(args, last)
+        refuse_other_run(args, last)
+        refuse_finished_run(args, last)
     return last
-
-
-def _refuse_other_seed(args: Any, checkpoint: str) -> None:
-    seed = (read_manifest(checkpoint) or {}).get("seed")  # recorded by VariationalTrainer's saves
-    if seed is not None and seed != args.seed:
-        raise ValueError(
-            f"{checkpoint} was trained with --seed {seed}, but this run has --seed {args.seed}: resuming would continue "
-            f"the seed-{seed} run under seed {args.seed}'s name, with the data split drawn again. Pass --seed {seed} to "
-            f"resume it, or start the seed-{args.seed} run in another --output_dir (or with --overwrite_output_dir)."
-        )
-
-
-def _refuse_finished_run(args: Any, checkpoint: str) -> None:
-    import json
-
-    try:
-        with open(os.path.join(checkpoint, "trainer_state.json"), encoding="utf-8") as f:
-            state = json.load(f)
-        step, max_steps, epochs = int(state["global_step"]), int(state["max_steps"]), float(state["num_train_epochs"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return  # not a state the stock Trainer wrote: it resumes (or refuses) as usual
-    longer = args.max_steps > step if args.max_steps > 0 else (args.num_train_epochs > epochs or step < max_steps)
-    if not longer:
-        target = f"--max_steps {args.max_steps}" if args.max_steps > 0 else f"--num_train_epochs {args.num_train_epochs:g}"
-        raise ValueError(
-            f"The run in {args.output_dir} has finished: its last checkpoint {checkpoint} is at step {step}, the end of "
-            f"{target}; resuming would train one step more. Its trained model is in {checkpoint} (and in "
-            f"{args.output_dir} once saved). To train on from it, raise --max_steps or --num_train_epochs; to train a "
-            "new run, choose another --output_dir or pass --overwrite_output_dir."
-        )
 
 
 def evaluate_validation_and_test(trainer: Any, test_dataset: Any = None) -> dict[str, float]:

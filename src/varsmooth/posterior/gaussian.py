@@ -29,7 +29,7 @@ from .seeds import derive_seed
 from .optimizer import DTensor, _local, _local_slice, _whole
 
 __all__ = ["POSTERIOR_FILE", "DiagonalGaussianPosterior", "hessian_movement", "non_finite_tensors", "std_summary",
-           "weights_fingerprint"]
+           "tensors_sha256", "weights_fingerprint"]
 
 logger = logging.getLogger(__name__)
 
@@ -48,10 +48,15 @@ def weights_fingerprint(model: torch.nn.Module, names: Iterable[str]) -> str:
     are gathered: every process must call it then.
     """
     params = dict(model.named_parameters())
+    return tensors_sha256({name: _whole(params[name].detach()) for name in names})
+
+
+def tensors_sha256(tensors: Mapping[str, torch.Tensor]) -> str:
+    """SHA-256 over the names (sorted), dtypes, shapes and raw bytes of `tensors` (whole, not sharded)."""
     digest = hashlib.sha256()
-    for name in sorted(names):
-        t = _whole(params[name].detach()).to("cpu").contiguous().reshape(-1)
-        digest.update(f"{name}|{t.dtype}|{tuple(params[name].shape)}|".encode())
+    for name in sorted(tensors):
+        t = tensors[name].detach().to("cpu").contiguous().reshape(-1)
+        digest.update(f"{name}|{t.dtype}|{tuple(tensors[name].shape)}|".encode())
         digest.update(t.view(torch.uint8).numpy())
     return digest.hexdigest()
 
@@ -144,8 +149,9 @@ class DiagonalGaussianPosterior:
         """Read σ saved by `save` for `model`, whose current weights must be the ones σ was saved with.
 
         Refuses (naming the file) a file that differs from its folder's manifest (edited after the save), is
-        unreadable, covers other parameters than it recorded, holds no σ or a σ that is not finite and positive, or
-        belongs to other weights than `model`'s (fingerprint mismatch).
+        unreadable, holds other σ than the hash it records of its own tensors (σ rewritten, even with its metadata
+        kept and without the manifest), covers other parameters than it recorded, holds no σ or a σ that is not
+        finite and positive, or belongs to other weights than `model`'s (fingerprint mismatch).
         """
         path = os.fspath(path)
         if os.path.isdir(path):
@@ -167,6 +173,13 @@ class DiagonalGaussianPosterior:
                 "Save the model again (trainer.save_model()), or delete the file to predict at the weights."
             ) from error
         _check_std(path, std, metadata)
+        if "std_sha256" in metadata and tensors_sha256(std) != metadata["std_sha256"]:
+            raise ValueError(
+                f"{path} holds other standard deviations than the ones it was saved with (the SHA-256 of its tensors "
+                "differs from the one its metadata records): σ was rewritten after the save, and would sample another "
+                "posterior than the one trained. Save the model again (trainer.save_model()), or delete the file to "
+                "predict at the weights."
+            )
 
         # an adapter's posterior is keyed as peft keys the adapter weights (`saved_names`): back to the model's names
         model_name = {saved: name for name, saved in saved_names(model, dict(model.named_parameters())).items()}
@@ -219,7 +232,8 @@ class DiagonalGaussianPosterior:
         params = dict(self.model.named_parameters())
         fingerprint = self._fingerprint if self._fingerprint is not None else weights_fingerprint(self.model, self.names)
         binding = {"parameters": [key[name] for name in self.names], "weights_sha256": fingerprint,
-                   "weights_dtype": str(params[self.names[0]].dtype) if self.names else None}
+                   "weights_dtype": str(params[self.names[0]].dtype) if self.names else None,
+                   "std_sha256": tensors_sha256(tensors)}
         bad = non_finite_tensors(tensors.items())
         if bad:
             raise FloatingPointError(f"Not saving {path}: the posterior standard deviations of {bad[:5]} are not finite "

@@ -220,32 +220,23 @@ def temperature_logs(report: Mapping[str, Any]) -> dict[str, float]:
 class PosteriorTemperatureCallback(TrainerCallback):
     """Chooses the posterior temperature when training ends (`VariationalTrainer` puts it first after the BatchNorm
     recalibration of `varsmooth.batchnorm`, so that callbacks
-    predicting with the posterior at the end of training use the chosen τ).
+    predicting with the posterior at the end of training use the chosen τ). When the choice fails, the trainer saves
+    the trained model before it raises (`CheckpointingMixin.train`).
 
     Args:
         select: chooses τ and makes it the one predictions use (`VariationalTrainer.select_posterior_temperature`).
         reset: goes back to the learned posterior (or the fixed `posterior_temperature`) when training starts again.
-        save: saves the trained model, so that a failed choice does not lose the run.
     """
 
-    def __init__(self, select: Callable[[], Any], reset: Callable[[], None], save: Callable[[], None]) -> None:
-        self.select, self.reset, self.save = select, reset, save
+    def __init__(self, select: Callable[[], Any], reset: Callable[[], None]) -> None:
+        self.select, self.reset = select, reset
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.reset()
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if args.posterior_temperature is None:
-            try:
-                self.select()
-            except Exception as error:  # the trained run must not be lost to what comes after training
-                self.save()
-                raise RuntimeError(
-                    f"Choosing the posterior temperature failed after training ({type(error).__name__}: {error}). The "
-                    f"trained model and its posterior were saved to {args.output_dir} (predicting with the learned "
-                    "posterior, τ = 1). Fix the eval dataset and call trainer.select_posterior_temperature(), or set "
-                    "posterior_temperature."
-                ) from error
+            self.select()
 
 
 select_trainer_temperature = deprecated_alias(
