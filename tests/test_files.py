@@ -160,6 +160,21 @@ def test_truncated_posterior_file_is_named(saved_posterior):
         DiagonalGaussianPosterior.load(model, path)
 
 
+@pytest.mark.parametrize("edit", [lambda t: {k: v * 10 for k, v in t.items()},
+                                  lambda t: {**t, "head.weight": torch.cat([t["head.weight"][:1] * 2, t["head.weight"][1:]])},
+                                  lambda t: {**t, "body.bias": t["body.bias"] + 1e-7}])
+def test_std_rewritten_with_its_metadata_kept_is_refused_without_the_manifest(saved_posterior, edit):
+    """The file records the SHA-256 of its own tensors: σ changed in any way is refused even where no manifest lies
+    beside it (the fingerprint of the weights alone ties σ to the weights, not to its own values)."""
+    model, path, tensors, metadata = saved_posterior
+    assert not os.path.exists(os.path.join(os.path.dirname(path), MANIFEST_FILE))
+    save_file(edit(tensors), path, metadata=metadata)
+    with pytest.raises(ValueError, match=re.escape(path) + r" holds other standard deviations than the ones it was saved with"):
+        DiagonalGaussianPosterior.load(model, path)
+    save_file(tensors, path, metadata=metadata)  # the tensors as saved load again
+    assert DiagonalGaussianPosterior.load(model, path).metadata["step"] == 3
+
+
 # -- 3. resume without optimizer state ----------------------------------------------------------------------------
 def _std_in(folder) -> torch.Tensor:
     with safe_open(os.path.join(folder, POSTERIOR_FILE), framework="pt") as f:
@@ -585,6 +600,122 @@ def test_saved_files_follow_the_umask(tmp_path):
              if os.path.isfile(tmp_path / name)}
     assert {"model.safetensors", POSTERIOR_FILE, MANIFEST_FILE} <= set(modes)
     assert set(modes.values()) == {oct(0o640)}, modes
+
+
+# -- issue 42: nothing lost after training, nothing resumed under another name ---------------------------------------
+class _FailsAfterTraining(TrainerCallback):
+    def on_train_end(self, args, state, control, **kwargs):  # noqa: ANN001
+        raise KeyError("the user's report needs a column 'split'")
+
+
+def _relabelling_transform(label: int):
+    """A batch transform whose labels cannot be checked before it runs: every label becomes `label`."""
+    def transform(batch):
+        return {"pixel_values": torch.as_tensor(np.asarray(batch["pixel_values"], dtype="float32")),
+                "labels": torch.full((len(batch["label"]),), label)}
+    return transform
+
+
+@pytest.mark.parametrize("method, after", [
+    *((method, after) for method in ("ivon", "erm") for after in ("a user's callback", "temperature scaling")),
+    ("ivon", "the posterior temperature"), ("ivon", "the label-noise export")])
+def test_a_step_after_training_that_fails_saves_the_trained_run_first(tmp_path, method, after):
+    """Whatever fails after the last step (reading user data no check at construction could read: a transform's
+    labels, a callback's), the trained model is saved before the error, which names the step's error and the folder."""
+    ivon = method == "ivon"
+    bad_eval = digits_images(16).with_format(None).with_transform(_relabelling_transform(12))
+    kw = dict(IVON, eval_mc_samples=2) if ivon else dict(learning_rate=1e-3)
+    sets, callbacks = {}, []
+    if after == "a user's callback":
+        callbacks = [_FailsAfterTraining()]
+        kw.update(posterior_temperature=1.0) if ivon else None
+    elif after == "the posterior temperature":
+        sets = {"eval_dataset": bad_eval}
+    elif after == "temperature scaling":
+        sets = {"eval_dataset": bad_eval}
+        kw.update(temperature_scaling=True, **({"posterior_temperature": 1.0} if ivon else {}))
+    else:
+        callbacks = [LabelNoiseCallback(num_samples=2, dataset=bad_eval)]
+        kw.update(posterior_temperature=1.0)
+    args = make_args(tmp_path, method=method, max_steps=2, remove_unused_columns=False, **kw)
+    trainer = VariationalTrainer(model=tiny_digits_resnet(), args=args, train_dataset=digits_images(32),
+                                 callbacks=callbacks, **sets)
+    with pytest.raises(RuntimeError, match=r"Training finished \(step 2\), but a step after it failed .*were saved to "
+                                           + re.escape(str(tmp_path))) as failed:
+        trainer.train()
+    assert isinstance(failed.value.__cause__, (KeyError, ValueError, IndexError, RuntimeError))
+    manifest = json.loads((tmp_path / MANIFEST_FILE).read_text())
+    assert manifest["global_step"] == 2 and (POSTERIOR_FILE in manifest["files"]) == ivon
+    loaded = VariationalModel.from_pretrained(tmp_path).model if ivon else type(trainer.model).from_pretrained(tmp_path)
+    trained = dict(trainer.model.named_parameters())
+    assert all(torch.equal(p, trained[name]) for name, p in loaded.named_parameters())  # the trained weights
+
+
+@pytest.mark.parametrize("how", ["callbacks=", "add_callback"])
+def test_the_label_noise_datasets_labels_are_checked_at_construction(tmp_path, how):
+    bad = digits_images(32).with_format(None).cast_column("label", datasets.Value("int64"))
+    bad = bad.map(lambda row, i: {"label": 12 if i == 7 else row["label"]}, with_indices=True).with_format("torch")
+    args = make_args(tmp_path, max_steps=1, eval_mc_samples=2, **IVON)
+    with pytest.raises(ValueError, match=r"'label' column of the dataset of LabelNoiseCallback holds 12 \(row 7;.*"
+                                         r"outside the model's 10 classes"):
+        if how == "callbacks=":
+            VariationalTrainer(model=tiny_digits_resnet(), args=args, train_dataset=digits_images(32),
+                               callbacks=[LabelNoiseCallback(num_samples=2, dataset=bad)])
+        else:
+            trainer = VariationalTrainer(model=tiny_digits_resnet(), args=args, train_dataset=digits_images(32))
+            trainer.add_callback(LabelNoiseCallback(num_samples=2, dataset=bad))
+
+
+def _checkpointed_ivon(out, steps: int = 2, n: int = 64, **kw) -> VariationalTrainer:
+    args = make_args(out, max_steps=steps, eval_mc_samples=2, save_strategy="steps", save_steps=1, posterior_temperature=1.0,
+                     **{**IVON, **kw})
+    trainer = VariationalTrainer(model=tiny_digits_resnet(), args=args, train_dataset=digits_images(n))
+    return trainer
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(seed=1), r"trained with --seed 0, but this run has --seed 1"),
+    (dict(method="ivon_fixed_hessian", beta2=None), r"trained with --method ivon, but this run has --method ivon_fixed_hessian"),
+    (dict(hess_init=0.1), r"other IVON settings than it was trained with: hess_init=0.1 \(the checkpoint's: 0.5\).*Pass hess_init=0.5"),
+    (dict(ess=500.0), r"ess=500.0 \(the checkpoint's: 64.0\)"),
+    (dict(beta2=0.9, prior_precision=1e-3), r"beta2=0.9 \(the checkpoint's: 0.99\), prior_precision=0.001 \(the checkpoint's: 0.0002\)"),
+])
+def test_resuming_through_the_api_under_another_name_is_refused(tmp_path, change, message):
+    """`trainer.train(resume_from_checkpoint=...)` gives the examples' guarantees: another seed, method or explicit
+    IVON setting than the checkpoint's is refused before a step is taken (IVON's state would carry the checkpoint's
+    while the run records the new ones)."""
+    _checkpointed_ivon(tmp_path).train()
+    before = {n: (tmp_path / n / MANIFEST_FILE).read_bytes() for n in ("checkpoint-1", "checkpoint-2")}
+    other = _checkpointed_ivon(tmp_path, steps=3, **change)
+    with pytest.raises(ValueError, match=message):
+        other.train(resume_from_checkpoint=str(tmp_path / "checkpoint-1"))
+    assert not (tmp_path / "checkpoint-3").exists()  # no step was taken, no checkpoint rewritten
+    assert {n: (tmp_path / n / MANIFEST_FILE).read_bytes() for n in before} == before
+
+
+def test_a_setting_left_to_the_run_takes_the_checkpoints_value_and_records_it(tmp_path):
+    """ess left unset is the training-set size: resumed on another number of examples, IVON goes on with the
+    checkpoint's ess, and the posterior and the card say so."""
+    _checkpointed_ivon(tmp_path, n=64).train()
+    resumed = _checkpointed_ivon(tmp_path, steps=3, n=48)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+    assert resumed.ivon.param_groups[0]["ess"] == 64.0
+    assert resumed.posterior().metadata["ess"] == 64.0
+    resumed.save_model()
+    with safe_open(str(tmp_path / POSTERIOR_FILE), "pt") as f:
+        assert json.loads(f.metadata()["varsmooth"])["ess"] == 64.0
+
+
+@pytest.mark.parametrize("resume", [True, "path"])
+def test_a_finished_run_resumed_through_the_api_is_refused_not_trained_one_step_more(tmp_path, resume):
+    _checkpointed_ivon(tmp_path, steps=2).train()
+    again = _checkpointed_ivon(tmp_path, steps=2)
+    with pytest.raises(ValueError, match=r"has finished: its last checkpoint .*checkpoint-2 is at step 2"):
+        again.train(resume_from_checkpoint=True if resume is True else str(tmp_path / "checkpoint-2"))
+    assert not (tmp_path / "checkpoint-3").exists() and again.state.global_step == 0
+    longer = _checkpointed_ivon(tmp_path, steps=3)
+    longer.train(resume_from_checkpoint=True)  # training on is resuming
+    assert longer.state.global_step == 3
 
 
 # -- 12. issues 32/33: an example re-run in a used output_dir ----------------------------------------------------
