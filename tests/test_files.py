@@ -186,21 +186,34 @@ def _std_of(trainer) -> torch.Tensor:
     return torch.cat([std[k].flatten() for k in sorted(std)])
 
 
+class _StdAtFirstStep(TrainerCallback):
+    """σ of the trainer's posterior when the first step (of a resumed run: after the resume) begins."""
+
+    def __init__(self):
+        self.trainer, self.std = None, None
+
+    def on_step_begin(self, args, state, control, **kwargs):  # noqa: ANN001
+        if self.std is None:
+            self.std = _std_of(self.trainer)
+
+
 def test_resume_without_optimizer_state_restores_the_posterior(tmp_path):
     args = dict(save_strategy="steps", save_steps=4, save_only_model=True)
     _train_ivon(tmp_path, model=TinyClassifier(), steps=4, **args)
     ckpt = tmp_path / "checkpoint-4"
     assert not (ckpt / "optimizer.pt").exists()
-    resumed = VariationalTrainer(model=TinyClassifier(), args=make_args(tmp_path, max_steps=4, **IVON, **args),
-                                 train_dataset=digits_images(64))
+    first_step = _StdAtFirstStep()
+    resumed = VariationalTrainer(model=TinyClassifier(), args=make_args(tmp_path, max_steps=5, **IVON, **args),
+                                 train_dataset=digits_images(64), callbacks=[first_step])
+    first_step.trainer = resumed
     resumed.train(resume_from_checkpoint=str(ckpt))
-    assert resumed.ivon.current_step == 4  # not restarted at 0
+    assert resumed.ivon.current_step == 5  # one step on from 4, not restarted at 0
     # h = 1/(ess σ²) − δ inverts σ: the restored IVON gives back the checkpoint's σ (not σ0 from hess_init)
-    torch.testing.assert_close(_std_of(resumed), _std_in(ckpt), rtol=1e-5, atol=0)
+    torch.testing.assert_close(first_step.std, _std_in(ckpt), rtol=1e-5, atol=0)
     assert (_std_in(ckpt) - _std_in(ckpt)[0]).abs().max() > 1e-4  # σ moved away from the uniform σ0
 
     os.remove(ckpt / POSTERIOR_FILE)
-    again = VariationalTrainer(model=TinyClassifier(), args=make_args(tmp_path, max_steps=4, **IVON, **args),
+    again = VariationalTrainer(model=TinyClassifier(), args=make_args(tmp_path, max_steps=5, **IVON, **args),
                                train_dataset=digits_images(64))
     with pytest.raises(ValueError, match=r"lacks \['posterior.safetensors'\]"):  # the checkpoint's manifest first
         again.train(resume_from_checkpoint=str(ckpt))

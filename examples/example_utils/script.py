@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import difflib
 import json
 import logging
 import os
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +29,26 @@ logger = logging.getLogger(__name__)
 
 #: what `--do_predict` writes for the test split, as Hugging Face's run_classification.py does (with uncertainty)
 PREDICT_RESULTS_FILE = "predict_results.txt"
+#: flags of `TrainingArguments` that transformers renamed: the old name is refused with the new one named
+RENAMED_FLAGS = {"evaluation_strategy": "eval_strategy", "no_cuda": "use_cpu",
+                 "per_gpu_train_batch_size": "per_device_train_batch_size",
+                 "per_gpu_eval_batch_size": "per_device_eval_batch_size", "push_to_hub_token": "hub_token"}
+
+
+def _refuse_unknown_flags(parser: HfArgumentParser, given: set[str], source: str) -> None:
+    """Name every flag (or config key) the parser does not know, with the one meant when it can tell (a flag that
+    transformers renamed, or a close spelling), before argparse's "arguments are not used" says neither."""
+    known = {option[2:].replace("-", "_") for action in parser._actions for option in action.option_strings
+             if option.startswith("--")}
+    unknown = sorted(given - known)
+    if not unknown:
+        return
+    hints = []
+    for name in unknown:
+        meant = RENAMED_FLAGS.get(name) or next(iter(difflib.get_close_matches(name, known, n=1, cutoff=0.85)), None)
+        hints.append(f"--{name}" + (f" (did you mean --{meant}?)" if meant else ""))
+    raise ValueError(f"Unknown {'flag' if len(unknown) == 1 else 'flags'} in {source}: {', '.join(hints)}. Fix the "
+                     f"name (--help lists every flag), or drop it.")
 
 
 def parse_example_arguments(parser: HfArgumentParser, argv: list[str], **overrides: str) -> tuple[tuple, set[str]]:
@@ -44,6 +66,7 @@ def parse_example_arguments(parser: HfArgumentParser, argv: list[str], **overrid
         given = set(config)
     else:
         config, given = None, {a[2:].split("=")[0].replace("-", "_") for a in argv if a.startswith("--")}
+    _refuse_unknown_flags(parser, given, argv[0] if config is not None else "the command line")
     if "logging_steps" in given and "logging_strategy" not in given:
         overrides = {"logging_strategy": "steps", **overrides}
     if config is not None:
@@ -132,6 +155,20 @@ def write_predictions(trainer: VariationalTrainer, test: Any, labels: list[int] 
                              f"{p.max():.6f}", f"{entropy[i]:.6f}",
                              *([f"{out['mutual_information'][i]:.6f}"] if with_mi else [])])
     return path
+
+
+def check_output_dir_writable(output_dir: str) -> None:
+    """Refuse an output folder this process cannot write into (creating it if need be): the examples check it first,
+    so that a run does not fail at its first save, after the data, the model or the training."""
+    try:
+        os.makedirs(output_dir, exist_ok=True)
+        with tempfile.TemporaryFile(dir=output_dir):
+            pass
+    except OSError as error:
+        raise PermissionError(
+            f"--output_dir {output_dir} cannot be written ({type(error).__name__}: {error.strerror or error}): the run "
+            "could not save its model. Choose a folder you can write to (--output_dir), or fix its permissions."
+        ) from error
 
 
 def train_evaluate_and_share(trainer: VariationalTrainer, checkpoint: str | None, test: Any, dataset_name: str,
