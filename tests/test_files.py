@@ -692,6 +692,7 @@ def _checkpointed_ivon(out, steps: int = 2, n: int = 64, **kw) -> VariationalTra
     (dict(hess_init=0.1), r"other IVON settings than it was trained with: hess_init=0.1 \(the checkpoint's: 0.5\).*Pass hess_init=0.5"),
     (dict(ess=500.0), r"ess=500.0 \(the checkpoint's: 64.0\)"),
     (dict(beta2=0.9, prior_precision=1e-3), r"beta2=0.9 \(the checkpoint's: 0.99\), prior_precision=0.001 \(the checkpoint's: 0.0002\)"),
+    (dict(learning_rate=0.05), r"learning_rate=0.05 \(the checkpoint's: 0.2\).*Pass learning_rate=0.2"),
 ])
 def test_resuming_through_the_api_under_another_name_is_refused(tmp_path, change, message):
     """`trainer.train(resume_from_checkpoint=...)` gives the examples' guarantees: another seed, method or explicit

@@ -31,9 +31,10 @@ __all__ = ["CheckpointingMixin", "refuse_finished_run", "refuse_other_run"]
 logger = logging.getLogger(__name__)
 
 #: IVON's settings its optimizer state carries (param group key -> argument): a resume from optimizer.pt trains on
-#: with the checkpoint's values of these, whatever this run's arguments say
+#: with the checkpoint's values of these, whatever this run's arguments say (the peak learning rate, `initial_lr`,
+#: through the scheduler's state too)
 RESUMED_IVON_SETTINGS = {"ess": "ess", "hess_init": "hess_init", "beta1": "beta1", "beta2": "beta2",
-                         "weight_decay": "prior_precision", "clip_radius": "clip_radius"}
+                         "weight_decay": "prior_precision", "clip_radius": "clip_radius", "initial_lr": "learning_rate"}
 
 
 def refuse_other_run(args: Any, checkpoint: str) -> None:
@@ -252,7 +253,7 @@ class CheckpointingMixin:
         the posterior's metadata and the model card report what was used."""
         used = self.ivon.param_groups[0]
         differ = {key: (used[key], asked[key]) for key in RESUMED_IVON_SETTINGS
-                  if key in used and not math.isclose(used[key], asked[key], rel_tol=1e-9)}
+                  if key in used and key in asked and not math.isclose(used[key], asked[key], rel_tol=1e-9)}
         config = self.method.config
         derived = {key: old for key, (old, _) in differ.items() if getattr(config, RESUMED_IVON_SETTINGS[key], 0) is None}
         refused = {RESUMED_IVON_SETTINGS[key]: values for key, values in differ.items() if key not in derived}
