@@ -431,6 +431,24 @@ def test_a_renamed_input_column_is_refused_with_the_rename_to_make(tmp_path, rol
                        train_dataset=digits_images(32), eval_dataset=renamed)
 
 
+@pytest.mark.parametrize("method", ["ivon", "erm", "sam"])
+@pytest.mark.parametrize("model, dataset, shape", [
+    (tiny_digits_resnet, lambda: digits_images(32).with_format(None).map(
+        lambda b: {"pixel_values": np.repeat(np.asarray(b["pixel_values"], "float32"), 3, axis=1)}, batched=True
+    ).with_format("torch"), r"pixel_values \(16, 3, 8, 8\) float32"),
+    (lambda: TinyClassifier(in_features=32), lambda: digits_dataset(32), r"pixel_values \(16, 8, 8\) float32"),
+])
+def test_inputs_of_a_shape_the_model_cannot_take_are_named_at_the_first_step(tmp_path, method, model, dataset, shape):
+    """torch's shape error names neither the column nor the fix: the first step, before any update, names both."""
+    trainer = VariationalTrainer(model=model(), args=make_args(tmp_path, max_steps=2, method=method), train_dataset=dataset())
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    # the type of the model's own error is kept (torch raises RuntimeError, HF's ResNet a ValueError)
+    with pytest.raises((RuntimeError, ValueError), match=rf"cannot take the first training batch \((RuntimeError|ValueError): .*\)\. The batch holds: "
+                                           rf"(.*, )?{shape}(, .*)?\. Give the model the inputs"):
+        trainer.train()
+    assert all(torch.equal(p, b) for p, b in zip(trainer.model.parameters(), before))  # no update was applied
+
+
 @pytest.mark.parametrize("method", ["erm", "sam", "ls"])
 @pytest.mark.parametrize("setting", [dict(ess=100.0), dict(hess_init=0.1), dict(mc_samples=2), dict(beta2=0.999),
                                      dict(posterior_temperature=0.5), dict(prior_precision=1e-3), dict(clip_radius=0.1),

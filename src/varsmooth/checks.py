@@ -5,8 +5,10 @@ checked there: a run must not be lost to a bad label found after training."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import datasets
@@ -20,7 +22,7 @@ from .posterior.prediction import IGNORE_INDEX, LABEL_KEYS
 from .training_args import VariationalTrainingArguments
 
 __all__ = ["check_arguments", "check_compute_metrics", "check_datasets", "check_input_columns", "check_labels",
-           "check_method_inputs", "model_num_labels", "named_datasets"]
+           "check_method_inputs", "model_num_labels", "named_datasets", "name_inputs_the_model_cannot_take"]
 
 
 def check_arguments(args: VariationalTrainingArguments | None) -> VariationalTrainingArguments:
@@ -157,6 +159,39 @@ def check_input_columns(role: str, dataset: Any, forward_columns: list[str], rem
         f"remove_unused_columns=True the Trainer would drop {candidates or 'them'} and call the model without inputs. "
         f"Rename the input column to the name forward() takes,{rename}."
     )
+
+
+@contextlib.contextmanager
+def name_inputs_the_model_cannot_take(inputs: Mapping[str, Any], model: Any, first_step: bool) -> Iterator[None]:
+    """Around the micro-batches of the first step, before any update: an error of the model on its inputs (a shape,
+    a channel count, a keyword forward() does not take) is raised again with the batch's columns and shapes and the
+    fix, which torch's message names neither. Later steps, whose inputs the first one proved, pass through."""
+    if not first_step:
+        yield
+        return
+    try:
+        yield
+    except (RuntimeError, TypeError, IndexError, ValueError) as error:
+        # torch's OutOfMemoryError is no input's fault, and varsmooth's own errors already name theirs
+        if type(error) not in (RuntimeError, TypeError, IndexError, ValueError) or _raised_by_varsmooth(error):
+            raise
+        columns = ", ".join(f"{name} {tuple(value.shape)} {str(value.dtype).replace('torch.', '')}"
+                            if isinstance(value, torch.Tensor) else f"{name} ({type(value).__name__})"
+                            for name, value in inputs.items())
+        raise type(error)(
+            f"{type(model).__name__} cannot take the first training batch ({type(error).__name__}: {error}). The batch "
+            f"holds: {columns}. Give the model the inputs its forward() takes, with the shapes it was built for (e.g. "
+            "images with its number of channels, at its image size; token ids within its vocabulary), by fixing the "
+            "dataset's columns or the data_collator, or build the model for these inputs."
+        ) from error
+
+
+def _raised_by_varsmooth(error: BaseException) -> bool:
+    traceback = error.__traceback__
+    while traceback is not None and traceback.tb_next is not None:
+        traceback = traceback.tb_next
+    return traceback is not None and os.path.dirname(os.path.abspath(__file__)) in os.path.abspath(
+        traceback.tb_frame.f_code.co_filename)
 
 
 def _refuse_string_labels(role: str, dataset: Any) -> None:

@@ -29,7 +29,7 @@ from .adapters import is_peft_model
 from .batchnorm import RECOMPUTED_LOG_KEY, BatchNormRecalibrationCallback, recompute_batchnorm_statistics
 from .checkpointing import CheckpointingMixin
 from .checks import (check_arguments, check_compute_metrics, check_datasets, check_input_columns, check_labels,
-                     check_method_inputs, model_num_labels, named_datasets)
+                     check_method_inputs, model_num_labels, name_inputs_the_model_cannot_take, named_datasets)
 from .corruption import realized_noise_report
 from .ensemble import DeepEnsemble
 from .finite import NonFiniteGuard, non_finite_step_error
@@ -294,24 +294,29 @@ class VariationalTrainer(CheckpointingMixin, VariationalHubMixin, LabelNoiseMixi
                              accelerator=self.accelerator, loss_func=self.compute_loss_func, **kwargs)
 
     def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
+        with name_inputs_the_model_cannot_take(inputs, self.accelerator.unwrap_model(model), self.state.global_step == 0):
+            loss = self._method_training_step(model, inputs, num_items_in_batch)
+        self._stop_if_non_finite()
+        return loss
+
+    def _method_training_step(self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: Any) -> torch.Tensor:
         if type(self.method).training_step is TrainingMethod.training_step:
             loss = super().training_step(model, inputs, num_items_in_batch)
             # the gradients are complete (accumulated, all-reduced) only on the step's last micro-batch
             self._note_finite(loss, [p for p in model.parameters() if p.requires_grad] if self.accelerator.sync_gradients else None)
-        else:  # the method schedules its own passes: IVON's posterior samples, SAM's two
-            model.train()
-            if callable(getattr(self.optimizer, "train", None)):  # schedule-free optimizers (as the stock step)
-                self.optimizer.train()
-            ddp = self.args.world_size > 1 and not self.is_fsdp_enabled
-            context = self.method_context(
-                model, num_items_in_batch=num_items_in_batch, gradient_accumulation_steps=self.current_gradient_accumulation_steps,
-                loss_context=self.compute_loss_context_manager, optimizer=unwrap_ivon(self.optimizer) or self.optimizer,
-                sharded=self.is_fsdp_enabled, **({"no_sync": self.accelerator.no_sync} if ddp else {}),
-                max_grad_norm=self.args.max_grad_norm or 0.0, gradients_complete=self.accelerator.sync_gradients,
-                note_finite=self._note_finite, **({"loss_override": self.compute_loss} if self._overrides_compute_loss() else {}))
-            loss = self.method.training_step(model, self._prepare_inputs(inputs), context)
-        self._stop_if_non_finite()
-        return loss
+            return loss
+        # the method schedules its own passes: IVON's posterior samples, SAM's two
+        model.train()
+        if callable(getattr(self.optimizer, "train", None)):  # schedule-free optimizers (as the stock step)
+            self.optimizer.train()
+        ddp = self.args.world_size > 1 and not self.is_fsdp_enabled
+        context = self.method_context(
+            model, num_items_in_batch=num_items_in_batch, gradient_accumulation_steps=self.current_gradient_accumulation_steps,
+            loss_context=self.compute_loss_context_manager, optimizer=unwrap_ivon(self.optimizer) or self.optimizer,
+            sharded=self.is_fsdp_enabled, **({"no_sync": self.accelerator.no_sync} if ddp else {}),
+            max_grad_norm=self.args.max_grad_norm or 0.0, gradients_complete=self.accelerator.sync_gradients,
+            note_finite=self._note_finite, **({"loss_override": self.compute_loss} if self._overrides_compute_loss() else {}))
+        return self.method.training_step(model, self._prepare_inputs(inputs), context)
 
     def _overrides_compute_loss(self) -> bool:
         return type(self).compute_loss is not VariationalTrainer.compute_loss
