@@ -475,10 +475,14 @@ def _text_data_args(**files: str):
 
 
 @pytest.mark.parametrize("name, content, message", [
-    ("train.csv", 'text,label\n"an unclosed quote,1\nfine,0\n', r"--train_file .*train.csv cannot be read as csv .*header row"),
-    ("train.jsonl", '{"text": "good", "label": 1}\n{"text": "bad", "label": \n', r"--train_file .*train.jsonl cannot be read as json .*one JSON object per line"),
-    ("train.csv", "text,label\ngood,1\n,0\nbad,0\n", r"--train_file .*train.csv has 1 empty 'text' cells \(rows \[1\]\).*Fill those cells or drop"),
-    ("train.csv", "text,label\ngood,pos\nbad,\nugly,neg\nfine,pos\n", r"--train_file .*train.csv has 1 empty 'label' cells \(rows \[1\]\)"),
+    ("train.csv", 'text,label\n"an unclosed quote,1\nfine,0\n',
+     r"--train_file .*train.csv cannot be read as csv .*header row"),
+    ("train.jsonl", '{"text": "good", "label": 1}\n{"text": "bad", "label": \n',
+     r"--train_file .*train.jsonl cannot be read as json .*one JSON object per line"),
+    ("train.csv", "text,label\ngood,1\n,0\nbad,0\n",
+     r"--train_file .*train.csv has 1 empty 'text' cells \(rows \[1\]\).*Fill those cells or drop"),
+    ("train.csv", "text,label\ngood,pos\nbad,\nugly,neg\nfine,pos\n",
+     r"--train_file .*train.csv has 1 empty 'label' cells \(rows \[1\]\)"),
     ("train.jsonl", '{"text": "good", "label": 1}\n{"text": "  ", "label": 0}\n{"text": null, "label": 0}\n',
      r"--train_file .*train.jsonl has 2 empty 'text' cells \(rows \[1, 2\]\)"),
 ])
