@@ -158,11 +158,15 @@ def write_predictions(trainer: VariationalTrainer, test: Any, labels: list[int] 
 
 
 def check_output_dir_writable(output_dir: str) -> None:
-    """Refuse an output folder this process cannot write into (creating it if need be): the examples check it first,
-    so that a run does not fail at its first save, after the data, the model or the training."""
+    """Refuse an output folder this process cannot write into (or, when it does not exist yet, create in), before
+    anything is loaded or trained rather than at the first save; nothing is created."""
+    existing = os.path.abspath(output_dir)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
     try:
-        os.makedirs(output_dir, exist_ok=True)
-        with tempfile.TemporaryFile(dir=output_dir):
+        if not os.path.isdir(existing):
+            raise NotADirectoryError(f"{existing} is a file")
+        with tempfile.TemporaryFile(dir=existing):
             pass
     except OSError as error:
         raise PermissionError(
