@@ -115,11 +115,12 @@ def check_labels(role: str, dataset: Any, num_labels: int | None, training: bool
     values = np.asarray(dataset.with_format("numpy")[column])
     if values.ndim != 1 or values.dtype == object:  # one class id per row is all this checks
         return
+    code = role if role.isidentifier() or role.startswith("eval_dataset[") else "dataset"  # for the fix's code
     if np.issubdtype(values.dtype, np.floating):
         raise ValueError(
             f"The {column!r} column of {role} holds floats (e.g. {values[0]!r}), but the trainer needs integer class ids "
-            f"(the cross-entropy would fail or read them as class probabilities). Cast it: {role} = "
-            f"{role}.cast_column({column!r}, datasets.Value('int64')), or encode it as a datasets.ClassLabel."
+            f"(the cross-entropy would fail or read them as class probabilities). Cast it: {code} = "
+            f"{code}.cast_column({column!r}, datasets.Value('int64')), or encode it as a datasets.ClassLabel."
         )
     if not np.issubdtype(values.dtype, np.integer):
         return
@@ -132,7 +133,8 @@ def check_labels(role: str, dataset: Any, num_labels: int | None, training: bool
         raise ValueError(
             f"The {column!r} column of {role} holds {values[rows[0]]} (row {rows[0]}; {len(rows)} rows in all, values "
             f"{sorted(set(values[rows[:20]].tolist()))}), outside {classes}; only {IGNORE_INDEX} may mark a row to "
-            f"ignore. Map the labels to 0..K-1 (or drop those rows: {role}.filter(...)), or build the model with "
+            f"ignore. Map the labels to 0..{num_labels - 1 if num_labels else 'K-1'} (or drop those rows: "
+            f"{code}.filter(...)), or build the model with "
             "num_labels= the number of classes (e.g. from_pretrained(..., num_labels=K))."
         )
     if training and (values == IGNORE_INDEX).all():
