@@ -1,15 +1,14 @@
 """`CheckpointingMixin`: the saves and resumes of `VariationalTrainer`. A save writes the posterior (σ per parameter),
 the fitted temperature, the training set's noise report and the folder's manifest beside the weights, and refuses
 non-finite weights; a checkpoint appears by one rename once complete (`varsmooth.files`); a resume checks the
-checkpoint's files first, refuses to continue another run under this one's name (`refuse_other_run`,
-`refuse_finished_run`, IVON settings other than the checkpoint's) and restores IVON's Hessian and step with its
+checkpoint's files first, refuses to continue another run under this one's name (`files.refuse_other_run`,
+`files.refuse_finished_run`, IVON settings other than the checkpoint's) and restores IVON's Hessian and step with its
 weights (`varsmooth.posterior.resume`). A step after training that fails (an `on_train_end` callback) never loses
 the trained run: it is saved before the error is raised."""
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
 import os
@@ -21,12 +20,12 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from .adapters import is_peft_model, save_classifier_config
 from .files import (METHOD_STATE_FILE, STAGING_PREFIX, FolderSave, atomic_path, check_manifest, clear_leftovers,
-                    has_optimizer_state, publish_checkpoint, read_manifest, rotate_checkpoints)
+                    has_optimizer_state, publish_checkpoint, refuse_finished_run, refuse_other_run, rotate_checkpoints)
 from .posterior import POSTERIOR_FILE, DiagonalGaussianPosterior
 from .posterior.gaussian import non_finite_tensors
 from .posterior.resume import load_ivon_state
 
-__all__ = ["CheckpointingMixin", "refuse_finished_run", "refuse_other_run"]
+__all__ = ["CheckpointingMixin"]
 
 logger = logging.getLogger(__name__)
 
@@ -35,45 +34,6 @@ logger = logging.getLogger(__name__)
 #: through the scheduler's state too)
 RESUMED_IVON_SETTINGS = {"ess": "ess", "hess_init": "hess_init", "beta1": "beta1", "beta2": "beta2",
                          "weight_decay": "prior_precision", "clip_radius": "clip_radius", "initial_lr": "learning_rate"}
-
-
-def refuse_other_run(args: Any, checkpoint: str) -> None:
-    """Refuse to resume `checkpoint` under another `seed` or `method` than the one its manifest records (written by
-    VariationalTrainer's saves): the run would continue under this one's name."""
-    manifest = read_manifest(checkpoint) or {}
-    seed, method = manifest.get("seed"), manifest.get("method")
-    if seed is not None and seed != args.seed:
-        raise ValueError(
-            f"{checkpoint} was trained with --seed {seed}, but this run has --seed {args.seed}: resuming would continue "
-            f"the seed-{seed} run under seed {args.seed}'s name, with the data split drawn again. Pass --seed {seed} to "
-            f"resume it, or start the seed-{args.seed} run in another --output_dir (or with --overwrite_output_dir)."
-        )
-    if method is not None and method != args.method:
-        raise ValueError(
-            f"{checkpoint} was trained with --method {method}, but this run has --method {args.method}: resuming would "
-            f"continue the {method} run's weights under the {args.method} method's name. Pass --method {method} to resume "
-            f"it, or start the {args.method} run in another --output_dir (or with --overwrite_output_dir)."
-        )
-
-
-def refuse_finished_run(args: Any, checkpoint: str) -> None:
-    """Refuse to resume the checkpoint of a run that has reached the end this run's `max_steps` or `num_train_epochs`
-    asks for: the stock Trainer would train one step more."""
-    try:
-        with open(os.path.join(checkpoint, "trainer_state.json"), encoding="utf-8") as f:
-            state = json.load(f)
-        step, max_steps, epochs = int(state["global_step"]), int(state["max_steps"]), float(state["num_train_epochs"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return  # not a state the stock Trainer wrote: it resumes (or refuses) as usual
-    longer = args.max_steps > step if args.max_steps > 0 else (args.num_train_epochs > epochs or step < max_steps)
-    if not longer:
-        target = f"--max_steps {args.max_steps}" if args.max_steps > 0 else f"--num_train_epochs {args.num_train_epochs:g}"
-        raise ValueError(
-            f"The run in {args.output_dir} has finished: its last checkpoint {checkpoint} is at step {step}, the end of "
-            f"{target}; resuming would train one step more. Its trained model is in {checkpoint} (and in "
-            f"{args.output_dir} once saved). To train on from it, raise --max_steps or --num_train_epochs; to train a "
-            "new run, choose another --output_dir or pass --overwrite_output_dir (or train() without resume_from_checkpoint)."
-        )
 
 
 class _TrainingEnded(TrainerCallback):

@@ -34,8 +34,8 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, sort_checkpoints
 __all__ = ["DELETING_PREFIX", "MANIFEST_FILE", "METHOD_STATE_FILE", "OWNED_PATTERNS", "PRIVATE_FILES",
            "SAVE_IN_PROGRESS_KEY", "STAGING_PREFIX", "FolderSave", "add_to_manifest", "atomic_path", "check_manifest",
            "clear_leftovers", "file_sha256", "has_optimizer_state", "is_leftover", "ordinary_file_mode",
-           "publish_checkpoint", "read_manifest", "rotate_checkpoints", "shareable_files", "write_manifest",
-           "written_by_varsmooth"]
+           "publish_checkpoint", "read_manifest", "refuse_finished_run", "refuse_other_run", "rotate_checkpoints",
+           "shareable_files", "write_manifest", "written_by_varsmooth"]
 
 MANIFEST_FILE = "varsmooth_manifest.json"
 #: names of files only varsmooth writes: a push deletes those of earlier pushes from the Hub repo
@@ -319,6 +319,45 @@ def _written_as_checkpoint(path: str) -> bool:
     except ValueError:
         return False
     return manifest is not None and "training_state" in manifest
+
+
+def refuse_other_run(args: Any, checkpoint: str) -> None:
+    """Refuse to resume `checkpoint` under another `seed` or `method` than the one its manifest records (written by
+    VariationalTrainer's saves): the run would continue under this one's name."""
+    manifest = read_manifest(checkpoint) or {}
+    seed, method = manifest.get("seed"), manifest.get("method")
+    if seed is not None and seed != args.seed:
+        raise ValueError(
+            f"{checkpoint} was trained with --seed {seed}, but this run has --seed {args.seed}: resuming would continue "
+            f"the seed-{seed} run under seed {args.seed}'s name, with the data split drawn again. Pass --seed {seed} to "
+            f"resume it, or start the seed-{args.seed} run in another --output_dir (or with --overwrite_output_dir)."
+        )
+    if method is not None and method != args.method:
+        raise ValueError(
+            f"{checkpoint} was trained with --method {method}, but this run has --method {args.method}: resuming would "
+            f"continue the {method} run's weights under the {args.method} method's name. Pass --method {method} to resume "
+            f"it, or start the {args.method} run in another --output_dir (or with --overwrite_output_dir)."
+        )
+
+
+def refuse_finished_run(args: Any, checkpoint: str) -> None:
+    """Refuse to resume the checkpoint of a run that has reached the end this run's `max_steps` or `num_train_epochs`
+    asks for: the stock Trainer would train one step more."""
+    try:
+        with open(os.path.join(checkpoint, "trainer_state.json"), encoding="utf-8") as f:
+            state = json.load(f)
+        step, max_steps, epochs = int(state["global_step"]), int(state["max_steps"]), float(state["num_train_epochs"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # not a state the stock Trainer wrote: it resumes (or refuses) as usual
+    longer = args.max_steps > step if args.max_steps > 0 else (args.num_train_epochs > epochs or step < max_steps)
+    if not longer:
+        target = f"--max_steps {args.max_steps}" if args.max_steps > 0 else f"--num_train_epochs {args.num_train_epochs:g}"
+        raise ValueError(
+            f"The run in {args.output_dir} has finished: its last checkpoint {checkpoint} is at step {step}, the end of "
+            f"{target}; resuming would train one step more. Its trained model is in {checkpoint} (and in "
+            f"{args.output_dir} once saved). To train on from it, raise --max_steps or --num_train_epochs; to train a "
+            "new run, choose another --output_dir or pass --overwrite_output_dir (or train() without resume_from_checkpoint)."
+        )
 
 
 def has_optimizer_state(checkpoint: str | os.PathLike) -> bool:

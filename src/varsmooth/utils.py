@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 # the file guarantees live in `varsmooth.files`; `atomic_path` and `ordinary_file_mode` stay importable from here
-from .files import atomic_path, ordinary_file_mode
+from .files import atomic_path, is_leftover, ordinary_file_mode, refuse_finished_run, refuse_other_run
 
 __all__ = ["atomic_path", "checkpoint_to_resume", "deprecated_alias", "evaluate_validation_and_test", "ordinary_file_mode"]
 
@@ -35,13 +35,11 @@ def checkpoint_to_resume(args: Any) -> str | None:
     files with an earlier run's; `overwrite_output_dir` also starts from scratch when there are checkpoints. A
     checkpoint of another `--seed` or `--method` is refused (resuming it would continue that run under this one's name,
     on a data split drawn with this seed), and so is the last checkpoint of a run that has already finished (the stock
-    Trainer would train one step more): `varsmooth.checkpointing`'s checks, which `VariationalTrainer.train` makes too,
+    Trainer would train one step more): `varsmooth.files`' checks, which `VariationalTrainer.train` makes too,
     made here before the data and model are built.
     """
     from transformers.trainer_utils import get_last_checkpoint
 
-    from .checkpointing import refuse_finished_run, refuse_other_run
-    from .files import is_leftover
 
     if args.resume_from_checkpoint is not None:
         if not os.path.isdir(args.resume_from_checkpoint):
