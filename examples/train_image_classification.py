@@ -50,12 +50,19 @@ from varsmooth.methods import get_method_class, learns_posterior, method_config_
 
 # the data/model helpers beside this script (also when it is imported or launched from another folder)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from example_utils.data import CIFAR10N_LABEL_SETS, load_cifar10n, load_digits_dataset, train_eval_splits  # noqa: E402
+from example_utils.data import (  # noqa: E402
+    CIFAR10N_LABEL_SETS,
+    check_image_sizes,
+    load_cifar10n,
+    load_digits_dataset,
+    train_eval_splits,
+)
 from example_utils.models import WEIGHT_PACKAGES, count_parameters, create_image_classifier, is_timm_name  # noqa: E402
 from example_utils.script import (  # noqa: E402
     ExampleCorruptionArguments,
     ExportArguments,
     SplitArguments,
+    check_output_dir_writable,
     checkpoint_to_resume,
     label_noise_callbacks,
     parse_example_arguments,
@@ -175,6 +182,10 @@ def load_data(data_args: DataArguments, seed: int) -> tuple[datasets.DatasetDict
         raise ValueError("Give either --dataset_name or --train_dir/--validation_dir, not both.")
     if data_args.validation_dir and not data_args.train_dir:
         raise ValueError("--validation_dir needs --train_dir (the training images).")
+    for flag, folder in (("--train_dir", data_args.train_dir), ("--validation_dir", data_args.validation_dir)):
+        if folder and not os.path.isdir(folder):
+            raise FileNotFoundError(f"{flag} {folder}: no such folder. Pass a folder of images with one sub-folder per "
+                                    "class (e.g. train/cat/1.png, train/dog/2.png).")
     if data_args.train_dir:
         files = {"train": os.path.join(data_args.train_dir, "**")}
         if data_args.validation_dir:
@@ -237,6 +248,7 @@ def main() -> None:
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     model_args, data_args, noise_args, training_args = parse_arguments(sys.argv[1:])
     datasets.utils.logging.set_verbosity_warning()
+    check_output_dir_writable(training_args.output_dir)
     checkpoint = checkpoint_to_resume(training_args) if training_args.do_train else None
     if checkpoint is not None:
         logger.info("Resuming training from %s (pass --overwrite_output_dir to train from scratch).", checkpoint)
@@ -274,6 +286,8 @@ def main() -> None:
                                     pretrained=model_args.pretrained, pretrained_weights=model_args.pretrained_weights)
     model = model_args.apply_lora(model)
     processor = build_processor(model_args, num_channels, data_args.image_size)
+    if not getattr(processor, "do_resize", True):  # nothing makes the images one size: they must be already
+        check_image_sizes(data, image_column)
     logger.info("Model: %s with %d trainable parameters", type(model).__name__, count_parameters(model))
 
     def transform(batch: dict) -> dict:

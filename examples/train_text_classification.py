@@ -61,6 +61,8 @@ from varsmooth.methods import learns_posterior, method_config_classes
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from example_utils.data import (  # noqa: E402
     TEXT_DATASETS,
+    check_text_cells,
+    load_data_files,
     load_sentiment_sentences,
     load_text_classification_files,
     load_text_dataset,
@@ -71,6 +73,7 @@ from example_utils.script import (  # noqa: E402
     ExampleCorruptionArguments,
     ExportArguments,
     SplitArguments,
+    check_output_dir_writable,
     checkpoint_to_resume,
     label_noise_callbacks,
     parse_example_arguments,
@@ -211,13 +214,24 @@ class ExampleTrainingArguments(VariationalTrainingArguments, ExportArguments):
         super().__post_init__()
 
 
+#: the flag that names each split's file
+FILE_FLAGS = {"train": "--train_file", "validation": "--validation_file", "test": "--test_file"}
+
+
+def _data_files(data_args: DataArguments) -> dict[str, str]:
+    return {"train": data_args.train_file, **({"validation": data_args.validation_file} if data_args.validation_file else {}),
+            **({"test": data_args.test_file} if data_args.test_file else {})}
+
+
 def _load_files(data_args: DataArguments) -> datasets.DatasetDict:
-    files = {"train": data_args.train_file, **({"validation": data_args.validation_file} if data_args.validation_file else {}),
-             **({"test": data_args.test_file} if data_args.test_file else {})}
+    files = _data_files(data_args)
     extension = os.path.splitext(data_args.train_file)[1].lstrip(".")
     builder = {"csv": "csv", "json": "json", "jsonl": "json", "parquet": "parquet"}.get(extension)
     if builder is not None:
-        return datasets.load_dataset(builder, data_files=files)
+        return load_data_files(files, builder, FILE_FLAGS)
+    missing = [f"{FILE_FLAGS[split]} {path}" for split, path in files.items() if not os.path.isfile(path)]
+    if missing:
+        raise FileNotFoundError(f"{', '.join(missing)}: no such file. Pass the path of an existing file.")
     return load_text_classification_files(files)
 
 
@@ -241,6 +255,8 @@ def load_data(data_args: DataArguments, seed: int) -> datasets.DatasetDict:
         if column not in train.column_names:
             raise ValueError(f"Column {column!r} not found among {train.column_names}: pass --text_column_name / "
                              "--label_column_name.")
+    sources = {split: f"{FILE_FLAGS[split]} {path}" for split, path in _data_files(data_args).items()} if data_args.train_file else None
+    check_text_cells(raw, data_args.text_column_name, data_args.label_column_name, sources)
     if not isinstance(train.features[data_args.label_column_name], datasets.ClassLabel):
         raw = raw.class_encode_column(data_args.label_column_name)  # string or integer labels -> ClassLabel
     return train_eval_splits(raw, data_args.train_split, data_args.eval_split, data_args.train_val_split, seed,
@@ -288,6 +304,7 @@ def main() -> None:
     model_args, data_args, noise_args, training_args = parse_arguments(sys.argv[1:])
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     datasets.utils.logging.set_verbosity_warning()
+    check_output_dir_writable(training_args.output_dir)
     checkpoint = checkpoint_to_resume(training_args) if training_args.do_train else None
     if checkpoint is not None:
         logger.info("Resuming training from %s (pass --overwrite_output_dir to train from scratch).", checkpoint)

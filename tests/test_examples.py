@@ -435,3 +435,95 @@ def test_logging_steps_given_alone_logs_every_that_many_steps(tmp_path):
     assert str(args.logging_strategy) in ("steps", "IntervalStrategy.STEPS") and args.logging_steps == 7
     args = example.parse_arguments([*base, "--logging_steps", "7", "--logging_strategy", "epoch"])[3]
     assert str(args.logging_strategy) in ("epoch", "IntervalStrategy.EPOCH")  # an explicit strategy wins
+
+
+# -- issue 42: the examples' data loading names the file or flag at fault and the fix --------------------------------
+@pytest.mark.parametrize("flag, meant", [("--evaluation_strategy", "--eval_strategy"), ("--no_cuda", "--use_cpu"),
+                                         ("--num_train_epoch", "--num_train_epochs"), ("--lerning_rate", "--learning_rate")])
+def test_an_unknown_flag_is_named_with_the_one_meant(tmp_path, flag, meant):
+    with pytest.raises(ValueError, match=rf"Unknown flag in the command line: {flag} \(did you mean {meant}\?\)"):
+        example.parse_arguments([flag, "1", "--use_cpu", "true"])
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({flag[2:]: 1, "use_cpu": True}))
+    with pytest.raises(ValueError, match=rf"Unknown flag in {config}: {flag} \(did you mean {meant}\?\)"):
+        example.parse_arguments([str(config)])
+    with pytest.raises(ValueError, match=r"Unknown flags in the command line: --frobnicate, --zzz\. Fix the name"):
+        example.parse_arguments(["--zzz", "1", "--frobnicate", "2"])
+
+
+@pytest.mark.parametrize("flag", ["--train_dir", "--validation_dir"])
+def test_a_missing_image_folder_is_named_before_anything_loads(tmp_path, flag):
+    _image_folder(tmp_path / "train", 2)
+    flags = {"--train_dir": str(tmp_path / "train"), flag: str(tmp_path / "typo")}
+    data_args = example.parse_arguments([*(x for kv in flags.items() for x in kv), "--use_cpu", "true"])[1]
+    with pytest.raises(FileNotFoundError, match=rf"{flag} {tmp_path / 'typo'}: no such folder.*one sub-folder per class"):
+        example.load_data(data_args, seed=0)
+
+
+def test_images_of_mixed_sizes_without_image_size_are_refused_before_training(tmp_path):
+    from example_utils.data import check_image_sizes
+
+    _image_folder(tmp_path / "train", 3)
+    odd = tmp_path / "train" / "dog" / "big.png"
+    PIL.Image.fromarray(np.zeros((12, 10), dtype=np.uint8)).save(odd)
+    data = datasets.load_dataset("imagefolder", data_dir=str(tmp_path / "train"))
+    with pytest.raises(ValueError, match=r"Images of different sizes: .*(big.png is 10x12|is 8x8).*--image_size"):
+        check_image_sizes(data, "image")
+    os.remove(odd)
+    check_image_sizes(datasets.load_dataset("imagefolder", data_dir=str(tmp_path / "train")), "image")  # one size
+    run = _image("--train_dir", str(tmp_path / "train"), "--output_dir", str(tmp_path / "out"), "--max_steps", "1")
+    assert run.returncode == 0, run.stderr[-2000:]
+    PIL.Image.fromarray(np.zeros((12, 10), dtype=np.uint8)).save(odd)
+    refused = _image("--train_dir", str(tmp_path / "train"), "--output_dir", str(tmp_path / "out2"), "--max_steps", "1")
+    assert refused.returncode != 0 and "--image_size" in refused.stderr and "big.png" in refused.stderr
+    assert not (tmp_path / "out2" / "model.safetensors").exists()
+
+
+def _text_data_args(**files: str):
+    from transformers import HfArgumentParser
+
+    text = load_example("train_text_classification")
+    flags = [x for name, path in files.items() for x in (f"--{name}", path)]
+    return text, HfArgumentParser(text.DataArguments).parse_args_into_dataclasses(flags)[0]
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("train.csv", 'text,label\n"an unclosed quote,1\nfine,0\n',
+     r"--train_file .*train.csv cannot be read as csv .*header row"),
+    ("train.jsonl", '{"text": "good", "label": 1}\n{"text": "bad", "label": \n',
+     r"--train_file .*train.jsonl cannot be read as json .*one JSON object per line"),
+    ("train.csv", "text,label\ngood,1\n,0\nbad,0\n",
+     r"--train_file .*train.csv has 1 empty 'text' cells \(rows \[1\]\).*Fill those cells or drop"),
+    ("train.csv", "text,label\ngood,pos\nbad,\nugly,neg\nfine,pos\n",
+     r"--train_file .*train.csv has 1 empty 'label' cells \(rows \[1\]\)"),
+    ("train.jsonl", '{"text": "good", "label": 1}\n{"text": "  ", "label": 0}\n{"text": null, "label": 0}\n',
+     r"--train_file .*train.jsonl has 2 empty 'text' cells \(rows \[1, 2\]\)"),
+])
+def test_a_malformed_or_incomplete_text_file_is_named_with_the_fix(tmp_path, name, content, message):
+    (tmp_path / name).write_text(content)
+    text, data_args = _text_data_args(train_file=str(tmp_path / name))
+    with pytest.raises(ValueError, match=message):
+        text.load_data(data_args, seed=0)
+
+
+@pytest.mark.parametrize("flag", ["train_file", "validation_file"])
+@pytest.mark.parametrize("suffix", [".csv", ".txt"])
+def test_a_missing_text_file_is_named_by_its_flag(tmp_path, flag, suffix):
+    (tmp_path / f"train{suffix}").write_text("text,label\ngood,1\n" if suffix == ".csv" else "1 good\n0 bad\n")
+    files = {"train_file": str(tmp_path / f"train{suffix}"), flag: str(tmp_path / f"typo{suffix}")}
+    text, data_args = _text_data_args(**files)
+    with pytest.raises(FileNotFoundError, match=rf"--{flag} {tmp_path / ('typo' + suffix)}: no such file"):
+        text.load_data(data_args, seed=0)
+
+
+def test_an_output_folder_that_cannot_be_written_fails_before_training(tmp_path):
+    from example_utils.script import check_output_dir_writable
+
+    (tmp_path / "a_file").write_text("not a folder")
+    with pytest.raises(PermissionError, match=rf"--output_dir {tmp_path / 'a_file' / 'out'} cannot be written.*Choose a folder"):
+        check_output_dir_writable(str(tmp_path / "a_file" / "out"))
+    refused = _image("--output_dir", str(tmp_path / "a_file" / "out"), "--max_steps", "1")
+    assert refused.returncode != 0 and "cannot be written" in refused.stderr
+    assert "{'loss'" not in refused.stdout and "train_runtime" not in refused.stdout  # not a step was trained
+    check_output_dir_writable(str(tmp_path / "new" / "out"))  # to be created: its writable parent is enough
+    assert not (tmp_path / "new").exists()  # nothing was created

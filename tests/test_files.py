@@ -91,17 +91,25 @@ def test_posterior_of_replaced_weights_is_refused(tmp_path):
         DiagonalGaussianPosterior.load(tiny_digits_resnet(5), tmp_path / "model")
 
 
-def test_save_interrupted_between_weights_and_posterior_is_detected(tmp_path, monkeypatch):
-    trainer = _train_ivon(tmp_path, steps=2)
-    trainer.save_model()
-    trainer.args.max_steps = 4
-    trainer.train(resume_from_checkpoint=None)  # the weights move on
+@pytest.mark.parametrize("earlier_save", [True, False], ids=["over-an-earlier-save", "into-a-new-folder"])
+def test_save_interrupted_between_weights_and_posterior_is_named_as_incomplete(tmp_path, monkeypatch, earlier_save):
+    trainer = _train_ivon(tmp_path / "run", steps=2)
+    out = tmp_path / "model"
+    if earlier_save:
+        trainer.save_model(str(out))
+        trainer.args.max_steps = 4
+        trainer.train(resume_from_checkpoint=None)  # the weights move on
+    real_save = DiagonalGaussianPosterior.save
     monkeypatch.setattr(DiagonalGaussianPosterior, "save", lambda self, path: (_ for _ in ()).throw(OSError("killed")))
     with pytest.raises(OSError, match="killed"):
-        trainer.save_model()
-    assert not (tmp_path / MANIFEST_FILE).exists()  # the folder says it is incomplete
-    with pytest.raises(ValueError, match="belongs to other weights"):
-        VariationalModel.from_pretrained(tmp_path)
+        trainer.save_model(str(out))
+    assert (out / "model.safetensors").is_file()  # the weights were written, the posterior not (again)
+    for load in (lambda: VariationalModel.from_pretrained(out), lambda: DiagonalGaussianPosterior.load(trainer.model, out)):
+        with pytest.raises(ValueError, match=r"model holds an incomplete save: .*never finished"):
+            load()  # not "not trained with IVON", not a posterior of other weights
+    monkeypatch.setattr(DiagonalGaussianPosterior, "save", real_save)
+    trainer.save_model(str(out))  # the next save completes the folder
+    assert VariationalModel.from_pretrained(out).posterior.names
 
 
 def test_file_changed_after_the_save_is_refused(tmp_path):
@@ -158,6 +166,21 @@ def test_truncated_posterior_file_is_named(saved_posterior):
         DiagonalGaussianPosterior.load(model, path)
 
 
+@pytest.mark.parametrize("edit", [lambda t: {k: v * 10 for k, v in t.items()},
+                                  lambda t: {**t, "head.weight": torch.cat([t["head.weight"][:1] * 2, t["head.weight"][1:]])},
+                                  lambda t: {**t, "body.bias": t["body.bias"] + 1e-7}])
+def test_std_rewritten_with_its_metadata_kept_is_refused_without_the_manifest(saved_posterior, edit):
+    """The file records the SHA-256 of its own tensors: σ changed in any way is refused even where no manifest lies
+    beside it (the fingerprint of the weights alone ties σ to the weights, not to its own values)."""
+    model, path, tensors, metadata = saved_posterior
+    assert not os.path.exists(os.path.join(os.path.dirname(path), MANIFEST_FILE))
+    save_file(edit(tensors), path, metadata=metadata)
+    with pytest.raises(ValueError, match=re.escape(path) + r" holds other standard deviations than the ones it was saved with"):
+        DiagonalGaussianPosterior.load(model, path)
+    save_file(tensors, path, metadata=metadata)  # the tensors as saved load again
+    assert DiagonalGaussianPosterior.load(model, path).metadata["step"] == 3
+
+
 # -- 3. resume without optimizer state ----------------------------------------------------------------------------
 def _std_in(folder) -> torch.Tensor:
     with safe_open(os.path.join(folder, POSTERIOR_FILE), framework="pt") as f:
@@ -169,21 +192,34 @@ def _std_of(trainer) -> torch.Tensor:
     return torch.cat([std[k].flatten() for k in sorted(std)])
 
 
+class _StdAtFirstStep(TrainerCallback):
+    """σ of the trainer's posterior when the first step (of a resumed run: after the resume) begins."""
+
+    def __init__(self):
+        self.trainer, self.std = None, None
+
+    def on_step_begin(self, args, state, control, **kwargs):  # noqa: ANN001
+        if self.std is None:
+            self.std = _std_of(self.trainer)
+
+
 def test_resume_without_optimizer_state_restores_the_posterior(tmp_path):
     args = dict(save_strategy="steps", save_steps=4, save_only_model=True)
     _train_ivon(tmp_path, model=TinyClassifier(), steps=4, **args)
     ckpt = tmp_path / "checkpoint-4"
     assert not (ckpt / "optimizer.pt").exists()
-    resumed = VariationalTrainer(model=TinyClassifier(), args=make_args(tmp_path, max_steps=4, **IVON, **args),
-                                 train_dataset=digits_images(64))
+    first_step = _StdAtFirstStep()
+    resumed = VariationalTrainer(model=TinyClassifier(), args=make_args(tmp_path, max_steps=5, **IVON, **args),
+                                 train_dataset=digits_images(64), callbacks=[first_step])
+    first_step.trainer = resumed
     resumed.train(resume_from_checkpoint=str(ckpt))
-    assert resumed.ivon.current_step == 4  # not restarted at 0
+    assert resumed.ivon.current_step == 5  # one step on from 4, not restarted at 0
     # h = 1/(ess σ²) − δ inverts σ: the restored IVON gives back the checkpoint's σ (not σ0 from hess_init)
-    torch.testing.assert_close(_std_of(resumed), _std_in(ckpt), rtol=1e-5, atol=0)
+    torch.testing.assert_close(first_step.std, _std_in(ckpt), rtol=1e-5, atol=0)
     assert (_std_in(ckpt) - _std_in(ckpt)[0]).abs().max() > 1e-4  # σ moved away from the uniform σ0
 
     os.remove(ckpt / POSTERIOR_FILE)
-    again = VariationalTrainer(model=TinyClassifier(), args=make_args(tmp_path, max_steps=4, **IVON, **args),
+    again = VariationalTrainer(model=TinyClassifier(), args=make_args(tmp_path, max_steps=5, **IVON, **args),
                                train_dataset=digits_images(64))
     with pytest.raises(ValueError, match=r"lacks \['posterior.safetensors'\]"):  # the checkpoint's manifest first
         again.train(resume_from_checkpoint=str(ckpt))
@@ -585,6 +621,123 @@ def test_saved_files_follow_the_umask(tmp_path):
     assert set(modes.values()) == {oct(0o640)}, modes
 
 
+# -- issue 42: nothing lost after training, nothing resumed under another name ---------------------------------------
+class _FailsAfterTraining(TrainerCallback):
+    def on_train_end(self, args, state, control, **kwargs):  # noqa: ANN001
+        raise KeyError("the user's report needs a column 'split'")
+
+
+def _relabelling_transform(label: int):
+    """A batch transform whose labels cannot be checked before it runs: every label becomes `label`."""
+    def transform(batch):
+        return {"pixel_values": torch.as_tensor(np.asarray(batch["pixel_values"], dtype="float32")),
+                "labels": torch.full((len(batch["label"]),), label)}
+    return transform
+
+
+@pytest.mark.parametrize("method, after", [
+    *((method, after) for method in ("ivon", "erm") for after in ("a user's callback", "temperature scaling")),
+    ("ivon", "the posterior temperature"), ("ivon", "the label-noise export")])
+def test_a_step_after_training_that_fails_saves_the_trained_run_first(tmp_path, method, after):
+    """Whatever fails after the last step (reading user data no check at construction could read: a transform's
+    labels, a callback's), the trained model is saved before the error, which names the step's error and the folder."""
+    ivon = method == "ivon"
+    bad_eval = digits_images(16).with_format(None).with_transform(_relabelling_transform(12))
+    kw = dict(IVON, eval_mc_samples=2) if ivon else dict(learning_rate=1e-3)
+    sets, callbacks = {}, []
+    if after == "a user's callback":
+        callbacks = [_FailsAfterTraining()]
+        kw.update(posterior_temperature=1.0) if ivon else None
+    elif after == "the posterior temperature":
+        sets = {"eval_dataset": bad_eval}
+    elif after == "temperature scaling":
+        sets = {"eval_dataset": bad_eval}
+        kw.update(temperature_scaling=True, **({"posterior_temperature": 1.0} if ivon else {}))
+    else:
+        callbacks = [LabelNoiseCallback(num_samples=2, dataset=bad_eval)]
+        kw.update(posterior_temperature=1.0)
+    args = make_args(tmp_path, method=method, max_steps=2, remove_unused_columns=False, **kw)
+    trainer = VariationalTrainer(model=tiny_digits_resnet(), args=args, train_dataset=digits_images(32),
+                                 callbacks=callbacks, **sets)
+    with pytest.raises(RuntimeError, match=r"Training finished \(step 2\), but a step after it failed .*were saved to "
+                                           + re.escape(str(tmp_path))) as failed:
+        trainer.train()
+    assert isinstance(failed.value.__cause__, (KeyError, ValueError, IndexError, RuntimeError))
+    manifest = json.loads((tmp_path / MANIFEST_FILE).read_text())
+    assert manifest["global_step"] == 2 and (POSTERIOR_FILE in manifest["files"]) == ivon
+    loaded = VariationalModel.from_pretrained(tmp_path).model if ivon else type(trainer.model).from_pretrained(tmp_path)
+    trained = dict(trainer.model.named_parameters())
+    assert all(torch.equal(p, trained[name]) for name, p in loaded.named_parameters())  # the trained weights
+
+
+@pytest.mark.parametrize("how", ["callbacks=", "add_callback"])
+def test_the_label_noise_datasets_labels_are_checked_at_construction(tmp_path, how):
+    bad = digits_images(32).with_format(None).cast_column("label", datasets.Value("int64"))
+    bad = bad.map(lambda row, i: {"label": 12 if i == 7 else row["label"]}, with_indices=True).with_format("torch")
+    args = make_args(tmp_path, max_steps=1, eval_mc_samples=2, **IVON)
+    with pytest.raises(ValueError, match=r"'label' column of the dataset of LabelNoiseCallback holds 12 \(row 7;.*"
+                                         r"outside the model's 10 classes"):
+        if how == "callbacks=":
+            VariationalTrainer(model=tiny_digits_resnet(), args=args, train_dataset=digits_images(32),
+                               callbacks=[LabelNoiseCallback(num_samples=2, dataset=bad)])
+        else:
+            trainer = VariationalTrainer(model=tiny_digits_resnet(), args=args, train_dataset=digits_images(32))
+            trainer.add_callback(LabelNoiseCallback(num_samples=2, dataset=bad))
+
+
+def _checkpointed_ivon(out, steps: int = 2, n: int = 64, **kw) -> VariationalTrainer:
+    args = make_args(out, max_steps=steps, eval_mc_samples=2, save_strategy="steps", save_steps=1, posterior_temperature=1.0,
+                     **{**IVON, **kw})
+    trainer = VariationalTrainer(model=tiny_digits_resnet(), args=args, train_dataset=digits_images(n))
+    return trainer
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(seed=1), r"trained with --seed 0, but this run has --seed 1"),
+    (dict(method="ivon_fixed_hessian", beta2=None), r"trained with --method ivon, but this run has --method ivon_fixed_hessian"),
+    (dict(hess_init=0.1), r"other IVON settings than it was trained with: hess_init=0.1 \(the checkpoint's: 0.5\).*Pass hess_init=0.5"),
+    (dict(ess=500.0), r"ess=500.0 \(the checkpoint's: 64.0\)"),
+    (dict(beta2=0.9, prior_precision=1e-3), r"beta2=0.9 \(the checkpoint's: 0.99\), prior_precision=0.001 \(the checkpoint's: 0.0002\)"),
+    (dict(learning_rate=0.05), r"learning_rate=0.05 \(the checkpoint's: 0.2\).*Pass learning_rate=0.2"),
+])
+def test_resuming_through_the_api_under_another_name_is_refused(tmp_path, change, message):
+    """`trainer.train(resume_from_checkpoint=...)` gives the examples' guarantees: another seed, method or explicit
+    IVON setting than the checkpoint's is refused before a step is taken (IVON's state would carry the checkpoint's
+    while the run records the new ones)."""
+    _checkpointed_ivon(tmp_path).train()
+    before = {n: (tmp_path / n / MANIFEST_FILE).read_bytes() for n in ("checkpoint-1", "checkpoint-2")}
+    other = _checkpointed_ivon(tmp_path, steps=3, **change)
+    with pytest.raises(ValueError, match=message):
+        other.train(resume_from_checkpoint=str(tmp_path / "checkpoint-1"))
+    assert not (tmp_path / "checkpoint-3").exists()  # no step was taken, no checkpoint rewritten
+    assert {n: (tmp_path / n / MANIFEST_FILE).read_bytes() for n in before} == before
+
+
+def test_a_setting_left_to_the_run_takes_the_checkpoints_value_and_records_it(tmp_path):
+    """ess left unset is the training-set size: resumed on another number of examples, IVON goes on with the
+    checkpoint's ess, and the posterior and the card say so."""
+    _checkpointed_ivon(tmp_path, n=64).train()
+    resumed = _checkpointed_ivon(tmp_path, steps=3, n=48)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+    assert resumed.ivon.param_groups[0]["ess"] == 64.0
+    assert resumed.posterior().metadata["ess"] == 64.0
+    resumed.save_model()
+    with safe_open(str(tmp_path / POSTERIOR_FILE), "pt") as f:
+        assert json.loads(f.metadata()["varsmooth"])["ess"] == 64.0
+
+
+@pytest.mark.parametrize("resume", [True, "path"])
+def test_a_finished_run_resumed_through_the_api_is_refused_not_trained_one_step_more(tmp_path, resume):
+    _checkpointed_ivon(tmp_path, steps=2).train()
+    again = _checkpointed_ivon(tmp_path, steps=2)
+    with pytest.raises(ValueError, match=r"has finished: its last checkpoint .*checkpoint-2 is at step 2"):
+        again.train(resume_from_checkpoint=True if resume is True else str(tmp_path / "checkpoint-2"))
+    assert not (tmp_path / "checkpoint-3").exists() and again.state.global_step == 0
+    longer = _checkpointed_ivon(tmp_path, steps=3)
+    longer.train(resume_from_checkpoint=True)  # training on is resuming
+    assert longer.state.global_step == 3
+
+
 # -- 12. issues 32/33: an example re-run in a used output_dir ----------------------------------------------------
 def test_resuming_another_seeds_checkpoint_is_refused(tmp_path):
     from example_utils.script import checkpoint_to_resume
@@ -673,19 +826,55 @@ def test_a_smaller_ensemble_keeps_an_earlier_member_folder_that_was_edited(tmp_p
 
 
 def test_rotation_keeps_the_newest_and_the_best_and_leaves_nothing_half_deleted(tmp_path):
-    from varsmooth.files import DELETING_PREFIX, STAGING_PREFIX, clear_leftover_stagings, rotate_checkpoints
+    from varsmooth.files import DELETING_PREFIX, STAGING_PREFIX, clear_leftovers, rotate_checkpoints, write_manifest
 
     for step in range(1, 6):
         (tmp_path / f"checkpoint-{step}").mkdir()
         (tmp_path / f"checkpoint-{step}" / "model.safetensors").write_bytes(b"w")
+        write_manifest(str(tmp_path / f"checkpoint-{step}"), ["model.safetensors"], training_state=[])
         os.utime(tmp_path / f"checkpoint-{step}", (1000 + 10 * step, 1000 + 10 * step))  # ordered by mtime
     (tmp_path / f"{STAGING_PREFIX}checkpoint-6").mkdir()  # left by a killed run
     (tmp_path / f"{DELETING_PREFIX}checkpoint-0").mkdir()
+    (tmp_path / ".tmp-abcd_123model.safetensors").write_bytes(b"half")  # a killed atomic write
     rotate_checkpoints(tmp_path, None, None)  # no limit: all kept
     assert len([d for d in os.listdir(tmp_path) if d.startswith("checkpoint-")]) == 5
     rotate_checkpoints(tmp_path, 2, str(tmp_path / "checkpoint-1"))
-    clear_leftover_stagings(tmp_path)
+    assert clear_leftovers(tmp_path) == sorted([".tmp-abcd_123model.safetensors", f"{DELETING_PREFIX}checkpoint-0",
+                                                f"{STAGING_PREFIX}checkpoint-6"])
     assert sorted(os.listdir(tmp_path)) == ["checkpoint-1", "checkpoint-5"]
+
+
+@pytest.mark.parametrize("name", ["checkpoint-0-backup", "checkpoint-3.old", "checkpoint-20"])
+def test_rotation_never_removes_a_folder_the_run_did_not_write(tmp_path, name):
+    """A user's folder named like a checkpoint, or a checkpoint-N without the manifest a run's checkpoint has (copied
+    in by hand), is not the run's: `save_total_limit` keeps it, however old."""
+    mine = tmp_path / "run" / name
+    mine.mkdir(parents=True)
+    (mine / "model.safetensors").write_bytes(b"the user's weights")
+    os.utime(mine, (1000, 1000))  # older than every checkpoint of the run
+    _erm(tmp_path / "run", steps=4, save_strategy="steps", save_steps=1, save_total_limit=1)
+    assert (mine / "model.safetensors").read_bytes() == b"the user's weights"
+    runs = sorted(d for d in os.listdir(tmp_path / "run") if re.fullmatch(r"checkpoint-\d+", d) and d != name)
+    assert runs == ["checkpoint-4"]  # the run's own checkpoints were rotated as asked
+
+
+def test_leftovers_of_a_killed_save_are_deleted_by_the_next_run_and_never_counted_as_files(tmp_path):
+    """What a kill -9 leaves under a temporary name (an `atomic_path` file, a checkpoint being written or deleted) does
+    not make the example refuse the folder as used, and the next train() deletes it; a user's file is kept."""
+    from varsmooth.files import DELETING_PREFIX, STAGING_PREFIX
+    from varsmooth.utils import checkpoint_to_resume
+
+    tmp_path.mkdir(exist_ok=True)
+    leftovers = [".tmp-k1ll3d_9posterior.safetensors", ".tmp-abcdefghlabel_noise.parquet"]
+    for name in leftovers:
+        (tmp_path / name).write_bytes(b"half a file")
+    (tmp_path / f"{STAGING_PREFIX}checkpoint-3" / "checkpoint-3").mkdir(parents=True)
+    (tmp_path / f"{DELETING_PREFIX}checkpoint-1").mkdir()
+    assert checkpoint_to_resume(make_args(tmp_path, method="erm", max_steps=1)) is None  # not "not empty"
+    (tmp_path / ".tmp-notes").write_text("the user's, not named as atomic_path names")
+    _erm(tmp_path, steps=1).save_model()
+    assert {".tmp-notes", MANIFEST_FILE, "model.safetensors"} <= set(os.listdir(tmp_path))
+    assert not [n for n in os.listdir(tmp_path) if n in leftovers or n.startswith((STAGING_PREFIX, DELETING_PREFIX))]
 
 
 def test_publishing_a_checkpoint_lists_its_training_state_and_replaces_an_earlier_one_whole(tmp_path):

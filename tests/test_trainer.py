@@ -6,6 +6,7 @@ evaluated by a new trainer, and a warning that says when the posterior did not l
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import re
 from pathlib import Path
@@ -386,6 +387,93 @@ def test_an_empty_training_set_is_refused(tmp_path):
     empty = digits_dataset(32).select([])
     with pytest.raises(ValueError, match="train_dataset has no examples"):
         VariationalTrainer(model=TinyClassifier(), args=_trainer_args(tmp_path, max_steps=1), train_dataset=empty)
+
+
+def _relabelled(dataset: datasets.Dataset, rows: dict[int, object] | None = None, dtype: str = "int64",
+                default: object = None) -> datasets.Dataset:
+    """`dataset` with a plain `label` column (no ClassLabel, which would refuse values outside its names) of `dtype`,
+    `rows` set to the values given, every other row to `default` when given."""
+    rows = rows or {}
+    plain = dataset.with_format(None)
+    labels = [rows.get(i, label if default is None else default) for i, label in enumerate(plain["label"])]
+    plain = plain.remove_columns("label").add_column("label", labels)
+    return plain.cast_column("label", datasets.Value(dtype)).with_format("torch")
+
+
+@pytest.mark.parametrize("role", ["train_dataset", "eval_dataset"])
+@pytest.mark.parametrize("rows, dtype, message", [
+    ({5: 10}, "int64", r"holds 10 \(row 5; 1 rows in all, values \[10\]\), outside the model's 10 classes \[0, 10\)"),
+    ({0: 57, 9: -3}, "int64", r"holds 57 \(row 0; 2 rows in all, values \[-3, 57\]\).*only -100 may mark"),
+    ({3: -7}, "int32", r"holds -7 \(row 3;.*num_labels="),
+    ({}, "float32", r"holds floats \(e.g. .*cast_column\('label', datasets.Value\('int64'\)\)"),
+])
+def test_labels_the_model_cannot_take_are_refused_before_the_first_step(tmp_path, role, rows, dtype, message):
+    """Labels are checked at construction, in the training and every evaluation set, against the model's number of
+    classes: a bad one found after training would cost the run (issue 42, classes 1 and 6)."""
+    bad = _relabelled(digits_images(32), rows, dtype)
+    sets = {"train_dataset": bad if role == "train_dataset" else digits_images(32)}
+    if role == "eval_dataset":
+        sets["eval_dataset"] = {"noisy": bad, "clean": digits_images(16)}
+    with pytest.raises(ValueError, match=rf"'label' column of {role}.*" + message):
+        VariationalTrainer(model=tiny_digits_resnet(), args=_trainer_args(tmp_path, max_steps=1), **sets)
+    assert not os.path.exists(tmp_path / "checkpoint-1")
+    ignored = _relabelled(digits_images(32), {0: -100, 1: -100})  # the ignore index is no error, in either role
+    VariationalTrainer(model=tiny_digits_resnet(), args=_trainer_args(tmp_path, max_steps=1), train_dataset=ignored,
+                       eval_dataset=ignored)
+
+
+def test_a_training_set_of_ignored_labels_only_is_refused(tmp_path):
+    ignored = _relabelled(digits_images(32), default=-100)
+    with pytest.raises(ValueError, match=r"Every row of train_dataset has 'label' = -100.*loss of 0"):
+        VariationalTrainer(model=tiny_digits_resnet(), args=_trainer_args(tmp_path, max_steps=1), train_dataset=ignored)
+    # as evaluation data it scores nothing but is no error
+    VariationalTrainer(model=tiny_digits_resnet(), args=_trainer_args(tmp_path, max_steps=1),
+                       train_dataset=digits_images(32), eval_dataset=ignored)
+
+
+@pytest.mark.parametrize("role", ["train_dataset", "eval_dataset"])
+def test_a_renamed_input_column_is_refused_with_the_rename_to_make(tmp_path, role):
+    renamed = digits_images(32).rename_column("pixel_values", "image_array")
+    sets = {"train_dataset": renamed} if role == "train_dataset" else {"train_dataset": digits_images(32), "eval_dataset": renamed}
+    with pytest.raises(ValueError, match=rf"No column of {role} \(\['image_array', 'label'\]\) is an input of the "
+                                         r"model's forward \(\['pixel_values', .*rename_column\('image_array', 'pixel_values'\)"):
+        VariationalTrainer(model=tiny_digits_resnet(), args=_trainer_args(tmp_path, max_steps=1), **sets)
+    # with remove_unused_columns=False the columns go to forward() as they are: a collator may rename them
+    VariationalTrainer(model=tiny_digits_resnet(), args=_trainer_args(tmp_path, max_steps=1, remove_unused_columns=False),
+                       train_dataset=digits_images(32), eval_dataset=renamed)
+
+
+@pytest.mark.parametrize("method", ["ivon", "erm", "sam"])
+@pytest.mark.parametrize("model, dataset, shape", [
+    (tiny_digits_resnet, lambda: digits_images(32).with_format(None).map(
+        lambda b: {"pixel_values": np.repeat(np.asarray(b["pixel_values"], "float32"), 3, axis=1)}, batched=True
+    ).with_format("torch"), r"pixel_values \(16, 3, 8, 8\) float32"),
+    (lambda: TinyClassifier(in_features=32), lambda: digits_dataset(32), r"pixel_values \(16, 8, 8\) float32"),
+])
+def test_inputs_of_a_shape_the_model_cannot_take_are_named_at_the_first_step(tmp_path, method, model, dataset, shape):
+    """torch's shape error names neither the column nor the fix: the first step, before any update, names both."""
+    trainer = VariationalTrainer(model=model(), args=make_args(tmp_path, max_steps=2, method=method), train_dataset=dataset())
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    # the type of the model's own error is kept (torch raises RuntimeError, HF's ResNet a ValueError)
+    with pytest.raises((RuntimeError, ValueError), match=rf"cannot take the first training batch \((RuntimeError|ValueError): .*\)\. The batch holds: "
+                                           rf"(.*, )?{shape}(, .*)?\. Give the model the inputs"):
+        trainer.train()
+    assert all(torch.equal(p, b) for p, b in zip(trainer.model.parameters(), before))  # no update was applied
+
+
+@pytest.mark.parametrize("method", ["erm", "sam", "ls"])
+@pytest.mark.parametrize("setting", [dict(ess=100.0), dict(hess_init=0.1), dict(mc_samples=2), dict(beta2=0.999),
+                                     dict(posterior_temperature=0.5), dict(prior_precision=1e-3), dict(clip_radius=0.1),
+                                     dict(rescale_lr=False), dict(ivon_fused=False), dict(hessian_window=0.5)])
+def test_ivon_settings_with_a_method_without_ivon_are_refused_by_name(tmp_path, method, setting):
+    (name, value), = setting.items()
+    with pytest.raises(ValueError, match=rf"^{name}={value!r} is an IVON setting, and method='{method}' does not train "
+                                         rf"with IVON.*Drop {name}, or choose an IVON method"):
+        make_args(tmp_path, method=method, **setting)
+    args = make_args(tmp_path, method=method)  # the defaults are no setting: accepted, copied and left unset
+    assert args.hess_init is None and args.prior_precision is None
+    assert dataclasses.replace(args).method == method
+    make_args(tmp_path, method="ivon", **setting)  # IVON takes them
 
 
 # -- compute_loss_func ---------------------------------------------------------------------------------

@@ -33,6 +33,9 @@ __all__ = [
     "load_sentiment_sentences",
     "load_text_classification_files",
     "load_text_dataset",
+    "check_image_sizes",
+    "check_text_cells",
+    "load_data_files",
     "train_eval_splits",
 ]
 
@@ -289,3 +292,63 @@ def train_eval_splits(
     if "test" in raw and "test" not in (train_split, validation):
         out["test"] = raw["test"]
     return out
+
+
+def load_data_files(files: Mapping[str, str | os.PathLike], builder: str, flags: Mapping[str, str]) -> datasets.DatasetDict:
+    """The splits of local `files` (split -> path) read by the `datasets` `builder` (csv, json, parquet), each file on
+    its own, so that a missing or malformed one is named with its flag (`flags`: split -> flag) and the fix."""
+    splits = {}
+    for split, path in files.items():
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{flags[split]} {path}: no such file. Pass the path of an existing {builder} file.")
+        try:
+            splits[split] = datasets.load_dataset(builder, data_files={split: os.fspath(path)})[split]
+        except Exception as error:  # pyarrow's and datasets' own errors name neither the file nor the fix
+            expected = {"csv": "comma-separated values with a header row naming the columns (e.g. text,label)",
+                        "json": "one JSON object per line (JSON lines), e.g. {\"text\": \"...\", \"label\": 0}",
+                        "parquet": "a Parquet file"}[builder]
+            raise ValueError(f"{flags[split]} {path} cannot be read as {builder} ({type(error).__name__}: "
+                             f"{str(error)[:300]}). Expected {expected}; fix the file, or convert it.") from None
+    return datasets.DatasetDict(splits)
+
+
+def check_text_cells(raw: datasets.DatasetDict, text_column: str, label_column: str,
+                     sources: Mapping[str, str] | None = None) -> None:
+    """Refuse empty text or label cells (None, or text of whitespace only) in any split, naming the split's file
+    (`sources`: split -> file), the first rows (counted from 0, as `dataset[i]`) and the fix: they would train on an
+    empty sentence, or fail inside `class_encode_column`."""
+    for split, dataset in raw.items():
+        where = (sources or {}).get(split, f"the {split!r} split")
+        for column in (text_column, label_column):
+            if column not in dataset.column_names:
+                continue
+            rows = [i for i, value in enumerate(dataset[column]) if value is None or (isinstance(value, str) and not value.strip())]
+            if rows:
+                raise ValueError(f"{where} has {len(rows)} empty {column!r} cells (rows {rows[:5]}"
+                                 f"{' ...' if len(rows) > 5 else ''}): every example needs a text and a label. Fill "
+                                 "those cells or drop the rows.")
+
+
+def check_image_sizes(splits: Mapping[str, datasets.Dataset], column: str) -> None:
+    """Refuse images of mixed sizes (read from their headers only, nothing decoded) when nothing resizes them: the
+    batches could not be stacked, and the run would fail at its first batch of mixed sizes."""
+    import io
+
+    import PIL.Image
+
+    first: tuple[tuple[int, int], str] | None = None
+    for split, dataset in splits.items():
+        raw = dataset.cast_column(column, datasets.Image(decode=False))
+        for i, image in enumerate(raw[column]):
+            source = image.get("path") or f"row {i} of the {split!r} split"
+            if image.get("bytes") is not None:
+                size = PIL.Image.open(io.BytesIO(image["bytes"])).size
+            else:
+                with PIL.Image.open(image["path"]) as opened:
+                    size = opened.size
+            if first is None:
+                first = (size, source)
+            elif size != first[0]:
+                raise ValueError(f"Images of different sizes: {source} is {size[0]}x{size[1]}, {first[1]} is "
+                                 f"{first[0][0]}x{first[0][1]}, and nothing resizes them. Pass --image_size N (e.g. "
+                                 f"--image_size {max(first[0])}) to resize every image to NxN.")

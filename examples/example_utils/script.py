@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import difflib
 import json
 import logging
 import os
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,13 +23,33 @@ from transformers.trainer_utils import get_last_checkpoint
 from varsmooth import LabelNoiseCallback, VariationalTrainer
 from varsmooth.corruption import CorruptionArguments
 from varsmooth.evaluation import predictive_outputs
-from varsmooth.files import atomic_path, read_manifest
+from varsmooth.files import atomic_path, is_leftover, refuse_finished_run, refuse_other_run
 from varsmooth.methods import learns_posterior, method_config_from_flags
 
 logger = logging.getLogger(__name__)
 
 #: what `--do_predict` writes for the test split, as Hugging Face's run_classification.py does (with uncertainty)
 PREDICT_RESULTS_FILE = "predict_results.txt"
+#: flags of `TrainingArguments` that transformers renamed: the old name is refused with the new one named
+RENAMED_FLAGS = {"evaluation_strategy": "eval_strategy", "no_cuda": "use_cpu",
+                 "per_gpu_train_batch_size": "per_device_train_batch_size",
+                 "per_gpu_eval_batch_size": "per_device_eval_batch_size", "push_to_hub_token": "hub_token"}
+
+
+def _refuse_unknown_flags(parser: HfArgumentParser, given: set[str], source: str) -> None:
+    """Name every flag (or config key) the parser does not know, with the one meant when it can tell (a flag that
+    transformers renamed, or a close spelling), before argparse's "arguments are not used" says neither."""
+    known = {option[2:].replace("-", "_") for action in parser._actions for option in action.option_strings
+             if option.startswith("--")}
+    unknown = sorted(given - known)
+    if not unknown:
+        return
+    hints = []
+    for name in unknown:
+        meant = RENAMED_FLAGS.get(name) or next(iter(difflib.get_close_matches(name, known, n=1, cutoff=0.85)), None)
+        hints.append(f"--{name}" + (f" (did you mean --{meant}?)" if meant else ""))
+    raise ValueError(f"Unknown {'flag' if len(unknown) == 1 else 'flags'} in {source}: {', '.join(hints)}. Fix the "
+                     f"name (--help lists every flag), or drop it.")
 
 
 def parse_example_arguments(parser: HfArgumentParser, argv: list[str], **overrides: str) -> tuple[tuple, set[str]]:
@@ -45,6 +67,7 @@ def parse_example_arguments(parser: HfArgumentParser, argv: list[str], **overrid
         given = set(config)
     else:
         config, given = None, {a[2:].split("=")[0].replace("-", "_") for a in argv if a.startswith("--")}
+    _refuse_unknown_flags(parser, given, argv[0] if config is not None else "the command line")
     if "logging_steps" in given and "logging_strategy" not in given:
         overrides = {"logging_strategy": "steps", **overrides}
     if config is not None:
@@ -135,6 +158,24 @@ def write_predictions(trainer: VariationalTrainer, test: Any, labels: list[int] 
     return path
 
 
+def check_output_dir_writable(output_dir: str) -> None:
+    """Refuse an output folder this process cannot write into (or, when it does not exist yet, create in), before
+    anything is loaded or trained rather than at the first save; nothing is created."""
+    existing = os.path.abspath(output_dir)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    try:
+        if not os.path.isdir(existing):
+            raise NotADirectoryError(f"{existing} is a file")
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as error:
+        raise PermissionError(
+            f"--output_dir {output_dir} cannot be written ({type(error).__name__}: {error.strerror or error}): the run "
+            "could not save its model. Choose a folder you can write to (--output_dir), or fix its permissions."
+        ) from error
+
+
 def train_evaluate_and_share(trainer: VariationalTrainer, checkpoint: str | None, test: Any, dataset_name: str,
                              dataset_tags: list[str] | None = None, test_labels: list[int] | None = None) -> None:
     """Train (resuming from `checkpoint`) and save; evaluate on the validation split and once on `test`; with
@@ -178,54 +219,28 @@ def checkpoint_to_resume(args: Any) -> str | None:
     `args.resume_from_checkpoint` when given, else the last `checkpoint-N` in `args.output_dir`. A non-empty
     `output_dir` without checkpoints is refused unless `args.overwrite_output_dir`, so that a run never mixes its
     files with an earlier run's; `overwrite_output_dir` also starts from scratch when there are checkpoints. A
-    checkpoint of another `--seed` is refused (resuming it would continue that seed's run under this seed's name, on
-    a data split drawn with this seed), and so is the last checkpoint of a run that has already finished (the stock
-    Trainer would train one step more).
+    checkpoint of another `--seed` or `--method` is refused (resuming it would continue that run under this one's name,
+    on a data split drawn with this seed), and so is the last checkpoint of a run that has already finished (the stock
+    Trainer would train one step more): `varsmooth.files`' checks, which `VariationalTrainer.train` makes too,
+    made here before the data and model are built.
     """
     if args.resume_from_checkpoint is not None:
         if not os.path.isdir(args.resume_from_checkpoint):
             raise FileNotFoundError(f"--resume_from_checkpoint {args.resume_from_checkpoint!r} is not a folder: pass a "
                                     f"checkpoint-N folder written by an earlier run.")
-        _refuse_other_seed(args, args.resume_from_checkpoint)
+        refuse_other_run(args, args.resume_from_checkpoint)
         return args.resume_from_checkpoint
     if not os.path.isdir(args.output_dir) or getattr(args, "overwrite_output_dir", False):
         return None
     last = get_last_checkpoint(args.output_dir)
-    if last is None and os.listdir(args.output_dir):
+    # what a killed run left under a temporary name is no earlier run's file: the next save deletes it
+    if last is None and [name for name in os.listdir(args.output_dir) if not is_leftover(name)]:
         raise ValueError(f"Output directory ({args.output_dir}) already exists and is not empty. Use "
                          "--overwrite_output_dir to train into it anyway, or choose another --output_dir.")
     if last is not None:
-        _refuse_other_seed(args, last)
-        _refuse_finished_run(args, last)
+        refuse_other_run(args, last)
+        refuse_finished_run(args, last)
     return last
-
-
-def _refuse_other_seed(args: Any, checkpoint: str) -> None:
-    seed = (read_manifest(checkpoint) or {}).get("seed")  # recorded by VariationalTrainer's saves
-    if seed is not None and seed != args.seed:
-        raise ValueError(
-            f"{checkpoint} was trained with --seed {seed}, but this run has --seed {args.seed}: resuming would continue "
-            f"the seed-{seed} run under seed {args.seed}'s name, with the data split drawn again. Pass --seed {seed} to "
-            f"resume it, or start the seed-{args.seed} run in another --output_dir (or with --overwrite_output_dir)."
-        )
-
-
-def _refuse_finished_run(args: Any, checkpoint: str) -> None:
-    try:
-        with open(os.path.join(checkpoint, "trainer_state.json"), encoding="utf-8") as f:
-            state = json.load(f)
-        step, max_steps, epochs = int(state["global_step"]), int(state["max_steps"]), float(state["num_train_epochs"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return  # not a state the stock Trainer wrote: it resumes (or refuses) as usual
-    longer = args.max_steps > step if args.max_steps > 0 else (args.num_train_epochs > epochs or step < max_steps)
-    if not longer:
-        target = f"--max_steps {args.max_steps}" if args.max_steps > 0 else f"--num_train_epochs {args.num_train_epochs:g}"
-        raise ValueError(
-            f"The run in {args.output_dir} has finished: its last checkpoint {checkpoint} is at step {step}, the end of "
-            f"{target}; resuming would train one step more. Its trained model is in {checkpoint} (and in "
-            f"{args.output_dir} once saved). To train on from it, raise --max_steps or --num_train_epochs; to train a "
-            "new run, choose another --output_dir or pass --overwrite_output_dir."
-        )
 
 
 def evaluate_validation_and_test(trainer: Any, test_dataset: Any = None) -> dict[str, float]:

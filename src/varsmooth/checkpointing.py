@@ -1,15 +1,21 @@
 """`CheckpointingMixin`: the saves and resumes of `VariationalTrainer`. A save writes the posterior (σ per parameter),
 the fitted temperature, the training set's noise report and the folder's manifest beside the weights, and refuses
 non-finite weights; a checkpoint appears by one rename once complete (`varsmooth.files`); a resume checks the
-checkpoint's files first and restores IVON's Hessian and step with its weights (`varsmooth.posterior.resume`)."""
+checkpoint's files first, refuses to continue another run under this one's name (`files.refuse_other_run`,
+`files.refuse_finished_run`, IVON settings other than the checkpoint's) and restores IVON's Hessian and step with its
+weights (`varsmooth.posterior.resume`). A step after training that fails (an `on_train_end` callback) never loses
+the trained run: it is saved before the error is raised."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 import os
 from typing import Any
 
 import torch
+from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from .adapters import is_peft_model, save_classifier_config
@@ -19,9 +25,11 @@ from .files import (
     FolderSave,
     atomic_path,
     check_manifest,
-    clear_leftover_stagings,
+    clear_leftovers,
     has_optimizer_state,
     publish_checkpoint,
+    refuse_finished_run,
+    refuse_other_run,
     rotate_checkpoints,
 )
 from .posterior import POSTERIOR_FILE, DiagonalGaussianPosterior
@@ -31,6 +39,22 @@ from .posterior.resume import load_ivon_state
 __all__ = ["CheckpointingMixin"]
 
 logger = logging.getLogger(__name__)
+
+#: IVON's settings its optimizer state carries (param group key -> argument): a resume from optimizer.pt trains on
+#: with the checkpoint's values of these, whatever this run's arguments say (the peak learning rate, `initial_lr`,
+#: through the scheduler's state too)
+RESUMED_IVON_SETTINGS = {"ess": "ess", "hess_init": "hess_init", "beta1": "beta1", "beta2": "beta2",
+                         "weight_decay": "prior_precision", "clip_radius": "clip_radius", "initial_lr": "learning_rate"}
+
+
+class _TrainingEnded(TrainerCallback):
+    """First of the `on_train_end` callbacks: marks the moment after which a failure must not lose the run."""
+
+    def __init__(self, mark: Any) -> None:
+        self.mark = mark
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.mark()
 
 
 class CheckpointingMixin:
@@ -55,6 +79,29 @@ class CheckpointingMixin:
         self._run_files: dict[str, set[str]] = {}  # folder -> files this trainer wrote there outside `_save`
         self._staging_dir: str | None = None
         self._gathered_posterior: DiagonalGaussianPosterior | None = None  # σ gathered by save_model under FSDP
+        self._training_ended = False
+        self.callback_handler.callbacks.insert(0, _TrainingEnded(lambda: setattr(self, "_training_ended", True)))
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """`Trainer.train`. What a killed run left in `output_dir` under temporary names is deleted first; when a step
+        after training fails (an `on_train_end` callback: the choice of τ, temperature scaling, the label-noise
+        export, yours), the trained model is saved to `output_dir` before the error is raised."""
+        if self.args.should_save:
+            clear_leftovers(self.args.output_dir)
+        self._training_ended = False
+        try:
+            return super().train(*args, **kwargs)
+        except Exception as error:
+            if not self._training_ended:
+                raise
+            self.save_model()
+            raise RuntimeError(
+                f"Training finished (step {self.state.global_step}), but a step after it failed ({type(error).__name__}: "
+                f"{error}). The trained model{' and its posterior' if self.ivon is not None else ''} were saved to "
+                f"{self.args.output_dir}, predicting with what was chosen before the failure. Fix what the error names "
+                "and redo only that step on this trainer (trainer.select_posterior_temperature(eval_dataset), "
+                "trainer.fit_temperature_scaling(eval_dataset), trainer.label_noise(dataset)): there is no need to train again."
+            ) from error
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         # under FSDP σ and the weights are sharded: every process gathers them here, since the stock save_model
@@ -110,7 +157,7 @@ class CheckpointingMixin:
         name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
         staging, final = os.path.join(run_dir, STAGING_PREFIX + name), os.path.join(run_dir, name)
         if self.args.should_save:
-            clear_leftover_stagings(run_dir)
+            clear_leftovers(run_dir)
         self.accelerator.wait_for_everyone()
         self._staging_dir = staging
         try:
@@ -138,6 +185,8 @@ class CheckpointingMixin:
         # every file against the checkpoint's manifest before any is read: a truncated model.safetensors or
         # optimizer.pt is named, instead of failing inside safetensors or torch.load
         check_manifest(resume_from_checkpoint)
+        refuse_other_run(self.args, resume_from_checkpoint)
+        refuse_finished_run(self.args, resume_from_checkpoint)
         super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     def _load_best_model(self) -> None:
@@ -150,7 +199,10 @@ class CheckpointingMixin:
             self._load_ivon_state(self.state.best_model_checkpoint)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        asked = dict(self.ivon.param_groups[0]) if checkpoint is not None and self.ivon is not None else None
         super()._load_optimizer_and_scheduler(checkpoint)
+        if asked is not None:
+            self._settle_resumed_ivon_settings(asked, checkpoint)
         # the stock Trainer loads the optimizer only together with the scheduler, and silently starts afresh without
         # them: IVON would restart its Hessian and step count
         if checkpoint is not None and self.ivon is not None and not (
@@ -164,6 +216,30 @@ class CheckpointingMixin:
         if checkpoint is not None and os.path.isfile(os.path.join(checkpoint, METHOD_STATE_FILE)):
             state = torch.load(os.path.join(checkpoint, METHOD_STATE_FILE), map_location="cpu", weights_only=True)
             self.method.load_state_dict(state)
+
+    def _settle_resumed_ivon_settings(self, asked: dict[str, Any], checkpoint: str) -> None:
+        """After IVON's state was loaded from `checkpoint` (whose settings it carries): refuse a setting this run
+        gives another value than the checkpoint's; one this run left to be derived (ess from the training set, β2
+        and clip_radius from the run's length) takes the checkpoint's value, recorded in the method's config, so that
+        the posterior's metadata and the model card report what was used."""
+        used = self.ivon.param_groups[0]
+        differ = {key: (used[key], asked[key]) for key in RESUMED_IVON_SETTINGS
+                  if key in used and key in asked and not math.isclose(used[key], asked[key], rel_tol=1e-9)}
+        config = self.method.config
+        derived = {key: old for key, (old, _) in differ.items() if getattr(config, RESUMED_IVON_SETTINGS[key], 0) is None}
+        refused = {RESUMED_IVON_SETTINGS[key]: values for key, values in differ.items() if key not in derived}
+        if refused:
+            given = ", ".join(f"{name}={new!r} (the checkpoint's: {old!r})" for name, (old, new) in refused.items())
+            keep = ", ".join(f"{name}={old!r}" for name, (old, _) in refused.items())
+            raise ValueError(
+                f"Resuming {checkpoint} with other IVON settings than it was trained with: {given}. IVON's state would "
+                f"continue with the checkpoint's while the run reports these. Pass {keep} to resume it, or start a new "
+                "run (train() without resume_from_checkpoint, in another output_dir) to train with the new settings."
+            )
+        if derived:
+            self.method.config = dataclasses.replace(config, **{RESUMED_IVON_SETTINGS[key]: old for key, old in derived.items()})
+            logger.info("Resumed IVON from %s with its %s (left unset here, so the checkpoint's values are kept and "
+                        "recorded).", checkpoint, ", ".join(f"{RESUMED_IVON_SETTINGS[k]}={v!r}" for k, v in derived.items()))
 
     def _load_ivon_state(self, checkpoint: str) -> str:
         """IVON's state from `checkpoint` (without optimizer.pt, from the posterior saved there for the weights just

@@ -1,16 +1,19 @@
 """What varsmooth writes into a model folder, and the manifest that makes a folder whole or detectably changed.
 
-A save (`VariationalTrainer._save`, `VariationalModel.save_pretrained`) first removes the folder's manifest, then
-writes its files, then removes the files of the earlier save that it did not write again, and writes the manifest
-last: every file of this save with its size and SHA-256. Only a file that the earlier manifest lists, and that still
-has the recorded hash, is ever removed; any other file in the folder (yours, or one you edited since) is kept. A
-folder whose manifest is missing was interrupted (or written by something else); a file whose size or hash differs
-from its manifest entry was truncated, edited or replaced, and loading refuses it before reading any weights. The
-manifest is also the exact list of files `push_to_hub` uploads.
+A save (`VariationalTrainer._save`, `VariationalModel.save_pretrained`) first marks the folder's manifest as a save in
+progress (`SAVE_IN_PROGRESS_KEY`, keeping the earlier save's entries), then writes its files, then removes the files
+of the earlier save that it did not write again, and writes the manifest last: every file of this save with its size
+and SHA-256. Only a file that the earlier manifest lists, and that still has the recorded hash, is ever removed; any
+other file in the folder (yours, or one you edited since) is kept. A folder whose manifest still marks a save in
+progress was interrupted mid-save (killed between the weights and the posterior, say): loading refuses it as an
+incomplete save; a folder without manifest was written by something else. A file whose size or hash differs from its
+manifest entry was truncated, edited or replaced, and loading refuses it before reading any weights. The manifest is
+also the exact list of files `push_to_hub` uploads.
 
 A checkpoint is written under a staging name and appears as `checkpoint-N` by one rename once complete
-(`publish_checkpoint`); an old one disappears by one rename before it is deleted (`rotate_checkpoints`). A kill
-leaves either a whole checkpoint or none under a name `get_last_checkpoint` matches.
+(`publish_checkpoint`); an old one disappears by one rename before it is deleted (`rotate_checkpoints`), and only the
+checkpoints varsmooth wrote are ever rotated. A kill leaves either a whole checkpoint or none under a name
+`get_last_checkpoint` matches; what it leaves under a temporary name (`is_leftover`) the next run deletes.
 """
 
 from __future__ import annotations
@@ -19,17 +22,19 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from transformers.trainer_utils import sort_checkpoints
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, sort_checkpoints
 
-__all__ = ["DELETING_PREFIX", "MANIFEST_FILE", "METHOD_STATE_FILE", "OWNED_PATTERNS", "PRIVATE_FILES", "STAGING_PREFIX",
-           "FolderSave", "add_to_manifest", "atomic_path", "check_manifest", "clear_leftover_stagings", "file_sha256",
-           "has_optimizer_state", "ordinary_file_mode", "publish_checkpoint", "read_manifest", "rotate_checkpoints",
+__all__ = ["DELETING_PREFIX", "MANIFEST_FILE", "METHOD_STATE_FILE", "OWNED_PATTERNS", "PRIVATE_FILES",
+           "SAVE_IN_PROGRESS_KEY", "STAGING_PREFIX", "FolderSave", "add_to_manifest", "atomic_path", "check_manifest",
+           "clear_leftovers", "file_sha256", "has_optimizer_state", "is_leftover", "ordinary_file_mode",
+           "publish_checkpoint", "read_manifest", "refuse_finished_run", "refuse_other_run", "rotate_checkpoints",
            "shareable_files", "write_manifest", "written_by_varsmooth"]
 
 MANIFEST_FILE = "varsmooth_manifest.json"
@@ -45,6 +50,15 @@ METHOD_STATE_FILE = "method_state.pt"
 STAGING_PREFIX = ".partial-"
 #: an old checkpoint is renamed under this prefix, then deleted
 DELETING_PREFIX = ".deleting-"
+#: `atomic_path` writes under this prefix, then renames
+TEMP_PREFIX = ".tmp-"
+#: set in a manifest from the start of a save to its end: a folder whose manifest still has it holds an incomplete save
+SAVE_IN_PROGRESS_KEY = "save_in_progress"
+#: what `atomic_path` (mkstemp's 8 random characters), a checkpoint being written and one being deleted are named
+_LEFTOVER = re.compile(rf"^({re.escape(TEMP_PREFIX)}[a-z0-9_]{{8}}.+|({re.escape(STAGING_PREFIX)}|{re.escape(DELETING_PREFIX)})"
+                       rf"{re.escape(PREFIX_CHECKPOINT_DIR)}-\d+)$")
+#: a checkpoint folder as the run names it (`get_last_checkpoint`'s pattern): not `checkpoint-0-backup`
+_CHECKPOINT = re.compile(rf"^{re.escape(PREFIX_CHECKPOINT_DIR)}-\d+$")
 
 _Stat = tuple[int, int, int]
 
@@ -76,7 +90,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[str]:
     path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=os.path.basename(path))
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=TEMP_PREFIX, suffix=os.path.basename(path))
     os.close(fd)
     try:
         yield tmp
@@ -124,6 +138,7 @@ def check_manifest(folder: str | os.PathLike, names: Iterable[str] | None = None
     manifest = read_manifest(folder)
     if manifest is None:
         return
+    _refuse_incomplete_save(folder, manifest)
     entries = manifest["files"]
     wanted = sorted(entries) if names is None else sorted(set(names) & set(entries))
     missing = [name for name in wanted if not os.path.isfile(os.path.join(folder, name))]
@@ -144,12 +159,23 @@ def check_manifest(folder: str | os.PathLike, names: Iterable[str] | None = None
                          "copy the whole folder from where it was saved.")
 
 
+def _refuse_incomplete_save(folder: str, manifest: dict[str, Any]) -> None:
+    if manifest.get(SAVE_IN_PROGRESS_KEY):
+        raise ValueError(
+            f"{folder} holds an incomplete save: its {MANIFEST_FILE} says a save into it started and never finished "
+            "(the process was killed or failed while writing, e.g. between the weights and the posterior), so its files "
+            "may mix that save with an earlier one. Save the model again (trainer.save_model()), or resume from the "
+            "last complete checkpoint."
+        )
+
+
 def shareable_files(folder: str | os.PathLike, training_state: bool = False) -> list[str]:
     """The files of `folder`'s manifest that may be uploaded (all but the private ones); a checkpoint's training state
     (optimizer, scheduler, RNG states: its manifest's `training_state`) only with `training_state=True`."""
     manifest = read_manifest(folder)
     if manifest is None:
         raise ValueError(f"{os.fspath(folder)} has no {MANIFEST_FILE}: save the model first (trainer.save_model()).")
+    _refuse_incomplete_save(os.fspath(folder), manifest)
     skip = PRIVATE_FILES | (set() if training_state else set(manifest.get("training_state", ())))
     return sorted(name for name in manifest["files"] if name not in skip)
 
@@ -167,9 +193,12 @@ class FolderSave:
             self.previous = read_manifest(self.folder)
         except ValueError:  # unreadable: nothing is known to be varsmooth's, so nothing is removed
             self.previous = None
-        manifest = os.path.join(self.folder, MANIFEST_FILE)
-        if os.path.isfile(manifest):
-            os.remove(manifest)  # from here until finish() the folder is detectably incomplete
+        clear_leftovers(self.folder)
+        # from here until finish() the folder is detectably incomplete; the earlier entries stay, so that the save
+        # after an interrupted one still knows which files were varsmooth's
+        os.makedirs(self.folder, exist_ok=True)
+        with atomic_path(os.path.join(self.folder, MANIFEST_FILE)) as tmp, open(tmp, "w", encoding="utf-8") as f:
+            json.dump({**(self.previous or {"format": 2, "files": {}}), SAVE_IN_PROGRESS_KEY: True}, f, indent=2)
         self._before = _stats(self.folder)
         return self
 
@@ -207,7 +236,7 @@ def add_to_manifest(folder: str | os.PathLike, names: Iterable[str], **info: Any
     stay as recorded, so that a file edited since its save is still detected."""
     folder = os.fspath(folder)
     manifest = read_manifest(folder)
-    if manifest is None:
+    if manifest is None or manifest.get(SAVE_IN_PROGRESS_KEY):  # nothing to add to: the save did not finish
         return
     names = set(names)
     info = {**{k: v for k, v in manifest.items() if k not in ("format", "files")}, **info}
@@ -222,12 +251,25 @@ def written_by_varsmooth(folder: str | os.PathLike, name: str) -> bool:
 
 
 # -- checkpoints -------------------------------------------------------------------------------------
-def clear_leftover_stagings(run_dir: str | os.PathLike) -> None:
-    """Delete what a killed run left in `run_dir`: checkpoints it was writing or deleting (never a `checkpoint-N`)."""
-    run_dir = os.fspath(run_dir)
-    for leftover in os.listdir(run_dir) if os.path.isdir(run_dir) else ():
-        if leftover.startswith((STAGING_PREFIX, DELETING_PREFIX)):
-            shutil.rmtree(os.path.join(run_dir, leftover), ignore_errors=True)
+def is_leftover(name: str) -> bool:
+    """Whether `name` is what a killed save, export or checkpoint leaves: a temporary file of `atomic_path`, a
+    checkpoint being written (`STAGING_PREFIX`) or deleted (`DELETING_PREFIX`). Never a user's file or `checkpoint-N`."""
+    return bool(_LEFTOVER.match(name))
+
+
+def clear_leftovers(folder: str | os.PathLike) -> list[str]:
+    """Delete what a killed run left in `folder` (`is_leftover`); returns the names deleted. Call it only while no
+    save into `folder` is under way."""
+    folder = os.fspath(folder)
+    found = sorted(name for name in os.listdir(folder) if is_leftover(name)) if os.path.isdir(folder) else []
+    for name in found:
+        path = os.path.join(folder, name)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
+    return found
 
 
 def publish_checkpoint(staging: str | os.PathLike, final: str | os.PathLike) -> None:
@@ -249,10 +291,11 @@ def publish_checkpoint(staging: str | os.PathLike, final: str | os.PathLike) -> 
 def rotate_checkpoints(run_dir: str | os.PathLike, limit: int | None, best_checkpoint: str | None) -> None:
     """`transformers.trainer_utils.rotate_checkpoints`, but each old checkpoint disappears by one rename before it is
     deleted: a kill inside `rmtree` would leave a visible half-deleted checkpoint that resume picks up. Keeps the
-    newest `limit` checkpoints (`save_total_limit`; None or ≤ 0 keeps all), and always the newest and `best_checkpoint`."""
+    newest `limit` checkpoints (`save_total_limit`; None or ≤ 0 keeps all), and always the newest and `best_checkpoint`;
+    only the checkpoints a varsmooth run wrote count and are removed (`_written_as_checkpoint`)."""
     if limit is None or limit <= 0:
         return
-    checkpoints = sort_checkpoints(os.fspath(run_dir), use_mtime=True)
+    checkpoints = [c for c in sort_checkpoints(os.fspath(run_dir), use_mtime=True) if _written_as_checkpoint(c)]
     protected = {checkpoints[-1]} if checkpoints else set()  # the newest, to resume from
     if best_checkpoint is not None:
         protected.add(str(Path(best_checkpoint)))
@@ -263,6 +306,58 @@ def rotate_checkpoints(run_dir: str | os.PathLike, limit: int | None, best_check
         if checkpoint not in protected:
             _remove_checkpoint(checkpoint)
             remaining -= 1
+
+
+def _written_as_checkpoint(path: str) -> bool:
+    """Whether `path` is a checkpoint a varsmooth run wrote: named `checkpoint-N` exactly, with the manifest
+    `publish_checkpoint` completes (it lists the training state). A user's `checkpoint-0-backup/`, or a copy of a
+    checkpoint under another name, is no checkpoint of the run and is never rotated away."""
+    if not _CHECKPOINT.match(os.path.basename(path)):
+        return False
+    try:
+        manifest = read_manifest(path)
+    except ValueError:
+        return False
+    return manifest is not None and "training_state" in manifest
+
+
+def refuse_other_run(args: Any, checkpoint: str) -> None:
+    """Refuse to resume `checkpoint` under another `seed` or `method` than the one its manifest records (written by
+    VariationalTrainer's saves): the run would continue under this one's name."""
+    manifest = read_manifest(checkpoint) or {}
+    seed, method = manifest.get("seed"), manifest.get("method")
+    if seed is not None and seed != args.seed:
+        raise ValueError(
+            f"{checkpoint} was trained with --seed {seed}, but this run has --seed {args.seed}: resuming would continue "
+            f"the seed-{seed} run under seed {args.seed}'s name, with the data split drawn again. Pass --seed {seed} to "
+            f"resume it, or start the seed-{args.seed} run in another --output_dir (or with --overwrite_output_dir)."
+        )
+    if method is not None and method != args.method:
+        raise ValueError(
+            f"{checkpoint} was trained with --method {method}, but this run has --method {args.method}: resuming would "
+            f"continue the {method} run's weights under the {args.method} method's name. Pass --method {method} to resume "
+            f"it, or start the {args.method} run in another --output_dir (or with --overwrite_output_dir)."
+        )
+
+
+def refuse_finished_run(args: Any, checkpoint: str) -> None:
+    """Refuse to resume the checkpoint of a run that has reached the end this run's `max_steps` or `num_train_epochs`
+    asks for: the stock Trainer would train one step more."""
+    try:
+        with open(os.path.join(checkpoint, "trainer_state.json"), encoding="utf-8") as f:
+            state = json.load(f)
+        step, max_steps, epochs = int(state["global_step"]), int(state["max_steps"]), float(state["num_train_epochs"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # not a state the stock Trainer wrote: it resumes (or refuses) as usual
+    longer = args.max_steps > step if args.max_steps > 0 else (args.num_train_epochs > epochs or step < max_steps)
+    if not longer:
+        target = f"--max_steps {args.max_steps}" if args.max_steps > 0 else f"--num_train_epochs {args.num_train_epochs:g}"
+        raise ValueError(
+            f"The run in {args.output_dir} has finished: its last checkpoint {checkpoint} is at step {step}, the end of "
+            f"{target}; resuming would train one step more. Its trained model is in {checkpoint} (and in "
+            f"{args.output_dir} once saved). To train on from it, raise --max_steps or --num_train_epochs; to train a "
+            "new run, choose another --output_dir or pass --overwrite_output_dir (or train() without resume_from_checkpoint)."
+        )
 
 
 def has_optimizer_state(checkpoint: str | os.PathLike) -> bool:

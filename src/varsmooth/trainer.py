@@ -33,10 +33,15 @@ from .checks import (
     check_arguments,
     check_compute_metrics,
     check_datasets,
+    check_input_columns,
     check_label_names,
+    check_labels,
     check_method_inputs,
     check_single_label_model,
     check_unhonoured_arguments,
+    model_num_labels,
+    name_inputs_the_model_cannot_take,
+    named_datasets,
 )
 from .corruption import realized_noise_report
 from .ensemble import DeepEnsemble
@@ -122,11 +127,17 @@ class VariationalTrainer(AfterTrainingMixin, CheckpointingMixin, VariationalHubM
         self._metrics = EvaluationMetrics(user_metrics, user_preprocess)
         super().__init__(model, args, *pargs, compute_metrics=self._metrics,
                          preprocess_logits_for_metrics=self._metrics.preprocess if user_preprocess else None, **kwargs)
-        self._train_size = check_datasets(self.train_dataset, self.eval_dataset)
+        # every label the run will read, the evaluation's and the label-noise export's too, is checked now: one found
+        # bad after training would cost the run
+        self._train_size = check_datasets(self.train_dataset, self.eval_dataset, model_num_labels(self.model))
         for callback in self.callback_handler.callbacks:  # those passed at construction
             self._connect(callback)
         self._method_callbacks: list[TrainerCallback] = []
         self._build_method()
+        if self.model is not None:  # the columns the model (and the method) take, known now
+            self._set_signature_columns_if_needed()
+            for role, dataset in named_datasets(self.train_dataset, self.eval_dataset):
+                check_input_columns(role, dataset, self._signature_columns, args.remove_unused_columns)
         check_method_inputs(self.method, self.compute_loss_func, posterior, self.optimizer)
         self._saved_posterior = posterior if posterior is not None else self._posterior_beside_model()
         # τ of every prediction; chosen on the eval dataset when training ends, before other train-end callbacks
@@ -138,7 +149,7 @@ class VariationalTrainer(AfterTrainingMixin, CheckpointingMixin, VariationalHubM
         self.eval_noise_transition = None if eval_noise_transition is None else check_transition_matrix(eval_noise_transition)
         self.callback_handler.callbacks.insert(0, BatchNormRecalibrationCallback(self.recompute_batchnorm_statistics))
         self.callback_handler.callbacks.insert(1, PosteriorTemperatureCallback(
-            select=self.select_posterior_temperature, reset=self._reset_posterior_temperature, save=self.save_model,
+            select=self.select_posterior_temperature, reset=self._reset_posterior_temperature,
             prepare_draws=self.prepare_prediction_draws))
         # post-hoc temperature of every prediction (None: uncalibrated); fitted right after τ, which it calibrates
         self.temperature_scaling: TemperatureScaling | None = None
@@ -180,6 +191,7 @@ class VariationalTrainer(AfterTrainingMixin, CheckpointingMixin, VariationalHubM
 
     def _connect(self, callback: TrainerCallback) -> None:
         if isinstance(callback, LabelNoiseCallback):
+            check_labels("the dataset of LabelNoiseCallback", callback.dataset, model_num_labels(self.model))
             callback.connect(measure=self.label_noise, posterior=self.posterior, record_output=self.record_output,
                              train_dataset=lambda: self.train_dataset)
 
@@ -280,24 +292,29 @@ class VariationalTrainer(AfterTrainingMixin, CheckpointingMixin, VariationalHubM
                              accelerator=self.accelerator, loss_func=self.compute_loss_func, **kwargs)
 
     def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
+        with name_inputs_the_model_cannot_take(inputs, self.accelerator.unwrap_model(model), self.state.global_step == 0):
+            loss = self._method_training_step(model, inputs, num_items_in_batch)
+        self._stop_if_non_finite()
+        return loss
+
+    def _method_training_step(self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: Any) -> torch.Tensor:
         if type(self.method).training_step is TrainingMethod.training_step:
             loss = super().training_step(model, inputs, num_items_in_batch)
             # the gradients are complete (accumulated, all-reduced) only on the step's last micro-batch
             self._note_finite(loss, [p for p in model.parameters() if p.requires_grad] if self.accelerator.sync_gradients else None)
-        else:  # the method schedules its own passes: IVON's posterior samples, SAM's two
-            model.train()
-            if callable(getattr(self.optimizer, "train", None)):  # schedule-free optimizers (as the stock step)
-                self.optimizer.train()
-            ddp = self.args.world_size > 1 and not self.is_fsdp_enabled
-            context = self.method_context(
-                model, num_items_in_batch=num_items_in_batch, gradient_accumulation_steps=self.current_gradient_accumulation_steps,
-                loss_context=self.compute_loss_context_manager, optimizer=unwrap_ivon(self.optimizer) or self.optimizer,
-                sharded=self.is_fsdp_enabled, **({"no_sync": self.accelerator.no_sync} if ddp else {}),
-                max_grad_norm=self.args.max_grad_norm or 0.0, gradients_complete=self.accelerator.sync_gradients,
-                note_finite=self._note_finite, **({"loss_override": self.compute_loss} if self._overrides_compute_loss() else {}))
-            loss = self.method.training_step(model, self._prepare_inputs(inputs), context)
-        self._stop_if_non_finite()
-        return loss
+            return loss
+        # the method schedules its own passes: IVON's posterior samples, SAM's two
+        model.train()
+        if callable(getattr(self.optimizer, "train", None)):  # schedule-free optimizers (as the stock step)
+            self.optimizer.train()
+        ddp = self.args.world_size > 1 and not self.is_fsdp_enabled
+        context = self.method_context(
+            model, num_items_in_batch=num_items_in_batch, gradient_accumulation_steps=self.current_gradient_accumulation_steps,
+            loss_context=self.compute_loss_context_manager, optimizer=unwrap_ivon(self.optimizer) or self.optimizer,
+            sharded=self.is_fsdp_enabled, **({"no_sync": self.accelerator.no_sync} if ddp else {}),
+            max_grad_norm=self.args.max_grad_norm or 0.0, gradients_complete=self.accelerator.sync_gradients,
+            note_finite=self._note_finite, **({"loss_override": self.compute_loss} if self._overrides_compute_loss() else {}))
+        return self.method.training_step(model, self._prepare_inputs(inputs), context)
 
     def _overrides_compute_loss(self) -> bool:
         return type(self).compute_loss is not VariationalTrainer.compute_loss

@@ -26,7 +26,12 @@ from .presets import (
     SCRATCH_PRESET,
 )
 
-__all__ = ["VariationalTrainingArguments"]
+__all__ = ["IVON_ONLY_FIELDS", "VariationalTrainingArguments"]
+
+#: the fields only methods that learn a posterior (IVON) read; with another method a value other than the field's
+#: default is refused (`refuse_ivon_settings_without_ivon`), and the preset leaves them unset
+IVON_ONLY_FIELDS = ("ess", "hess_init", "beta1", "beta2", "hessian_window", "prior_precision", "mc_samples", "ivon_fused",
+                    "clip_radius", "rescale_lr", "posterior_temperature", "recompute_batchnorm_statistics")
 
 
 def _preset_default(name: str) -> str:
@@ -194,12 +199,15 @@ class VariationalTrainingArguments(TrainingArguments):
                 raise ValueError(f"{name} is a number of samples, a whole number, got {value!r}: pass e.g. {name}=2.")
             setattr(self, name, int(value))
         learns = learns_posterior(method_cls)
+        refuse_ivon_settings_without_ivon(self)
         # None = not set by the user: the preset fills it (finetune and lora only for IVON methods, others keep
         # their own learning rate); ess and clip_radius stay None in the scratch preset (training-set size, no clip)
         if self.ivon_preset not in IVON_PRESETS:
             raise ValueError(f"ivon_preset must be one of {list(IVON_PRESETS)}, got {self.ivon_preset!r}.")
         preset = {**SCRATCH_PRESET, **(IVON_PRESETS[self.ivon_preset] if learns else {})}
         preset.pop("long_run_beta2")  # not a field: IVONMethod.beta2 reads it (varsmooth.presets.default_beta2)
+        if not learns:  # left unset, so that a copy (dataclasses.replace) is not refused as if the user had set them
+            preset = {name: value for name, value in preset.items() if name not in IVON_ONLY_FIELDS}
         for name, value in preset.items():
             if getattr(self, name) is None:
                 setattr(self, name, value)
@@ -254,3 +262,19 @@ class VariationalTrainingArguments(TrainingArguments):
         if isinstance(self.method_config, MethodConfig):
             d["method_config"] = dataclasses.asdict(self.method_config)
         return d
+
+
+def refuse_ivon_settings_without_ivon(args: VariationalTrainingArguments) -> None:
+    """Refuse IVON's settings (`IVON_ONLY_FIELDS`) given a value other than their default with a method that does not
+    learn a posterior (`method="erm"`, "sam", ...): the run would train without them and its record would look as if
+    they had been used."""
+    if learns_posterior(get_method_class(args.method)):
+        return
+    defaults = {f.name: f.default for f in dataclasses.fields(VariationalTrainingArguments)}
+    given = [f"{name}={getattr(args, name)!r}" for name in IVON_ONLY_FIELDS if getattr(args, name) != defaults[name]]
+    if given:
+        raise ValueError(
+            f"{', '.join(given)} {'is an IVON setting' if len(given) == 1 else 'are IVON settings'}, and "
+            f"method={args.method!r} does not train with IVON: {'it' if len(given) == 1 else 'they'} would be silently "
+            f"ignored. Drop {', '.join(g.split('=')[0] for g in given)}, or choose an IVON method (method='ivon')."
+        )

@@ -30,7 +30,7 @@ from .optimizer import DTensor, _local, _local_slice, _whole
 from .seeds import derive_seed
 
 __all__ = ["POSTERIOR_FILE", "DiagonalGaussianPosterior", "hessian_movement", "non_finite_tensors", "std_summary",
-           "weights_fingerprint"]
+           "tensors_sha256", "weights_fingerprint"]
 
 logger = logging.getLogger(__name__)
 
@@ -49,10 +49,15 @@ def weights_fingerprint(model: torch.nn.Module, names: Iterable[str]) -> str:
     are gathered: every process must call it then.
     """
     params = dict(model.named_parameters())
+    return tensors_sha256({name: _whole(params[name].detach()) for name in names})
+
+
+def tensors_sha256(tensors: Mapping[str, torch.Tensor]) -> str:
+    """SHA-256 over the names (sorted), dtypes, shapes and raw bytes of `tensors` (whole, not sharded)."""
     digest = hashlib.sha256()
-    for name in sorted(names):
-        t = _whole(params[name].detach()).to("cpu").contiguous().reshape(-1)
-        digest.update(f"{name}|{t.dtype}|{tuple(params[name].shape)}|".encode())
+    for name in sorted(tensors):
+        t = tensors[name].detach().to("cpu").contiguous().reshape(-1)
+        digest.update(f"{name}|{t.dtype}|{tuple(tensors[name].shape)}|".encode())
         digest.update(t.view(torch.uint8).numpy())
     return digest.hexdigest()
 
@@ -148,8 +153,9 @@ class DiagonalGaussianPosterior:
         """Read σ saved by `save` for `model`, whose current weights must be the ones σ was saved with.
 
         Refuses (naming the file) a file that differs from its folder's manifest (edited after the save), is
-        unreadable, covers other parameters than it recorded, holds no σ or a σ that is not finite and positive, or
-        belongs to other weights than `model`'s (fingerprint mismatch).
+        unreadable, holds other σ than the hash it records of its own tensors (σ rewritten, even with its metadata
+        kept and without the manifest), covers other parameters than it recorded, holds no σ or a σ that is not
+        finite and positive, or belongs to other weights than `model`'s (fingerprint mismatch).
         """
         path = os.fspath(path)
         if os.path.isdir(path):
@@ -173,6 +179,14 @@ class DiagonalGaussianPosterior:
         std = {key: t for key, t in tensors.items() if not key.startswith(DRAW_BUFFER_PREFIX)}
         draw_tensors = {key: t for key, t in tensors.items() if key.startswith(DRAW_BUFFER_PREFIX)}
         _check_std(path, std, metadata)
+        # the hash covers every tensor of the file: σ and the draws' BatchNorm statistics
+        if "std_sha256" in metadata and tensors_sha256(tensors) != metadata["std_sha256"]:
+            raise ValueError(
+                f"{path} holds other tensors than the ones it was saved with (the SHA-256 of its σ and draw statistics "
+                "differs from the one its metadata records): σ was rewritten after the save, and would sample another "
+                "posterior than the one trained. Save the model again (trainer.save_model()), or delete the file to "
+                "predict at the weights."
+            )
         description = metadata.pop("draw_buffers", None)
         draw_buffers = None
         if draw_tensors or description is not None:
@@ -241,7 +255,8 @@ class DiagonalGaussianPosterior:
         params = dict(self.model.named_parameters())
         fingerprint = self._fingerprint if self._fingerprint is not None else weights_fingerprint(self.model, self.names)
         binding = {"parameters": [key[name] for name in self.names], "weights_sha256": fingerprint,
-                   "weights_dtype": str(params[self.names[0]].dtype) if self.names else None, **binding_draws}
+                   "weights_dtype": str(params[self.names[0]].dtype) if self.names else None,
+                   "std_sha256": tensors_sha256(tensors), **binding_draws}
         bad = non_finite_tensors(tensors.items())
         if bad:
             raise FloatingPointError(f"Not saving {path}: the posterior standard deviations of {bad[:5]} are not finite "

@@ -270,41 +270,30 @@ def temperature_logs(report: Mapping[str, Any]) -> dict[str, float]:
 class PosteriorTemperatureCallback(TrainerCallback):
     """Chooses the posterior temperature when training ends, then prepares the draws predictions make at it
     (`VariationalTrainer` puts it first after the BatchNorm recalibration of `varsmooth.batchnorm`, so that callbacks
-    predicting with the posterior at the end of training use the chosen τ and its draws).
+    predicting with the posterior at the end of training use the chosen τ and its draws). When either fails, the
+    trainer saves the trained model before it raises (`CheckpointingMixin.train`).
 
     Args:
         select: chooses τ and makes it the one predictions use (`VariationalTrainer.select_posterior_temperature`).
         reset: goes back to the learned posterior (or the fixed `posterior_temperature`) when training starts again.
-        save: saves the trained model, so that a failed choice does not lose the run.
         prepare_draws: gives the draws at the chosen (or fixed) τ their BatchNorm statistics
             (`VariationalTrainer.prepare_prediction_draws`).
     """
 
-    def __init__(self, select: Callable[[], Any], reset: Callable[[], None], save: Callable[[], None],
-                 prepare_draws: Callable[[], Any]) -> None:
-        self.select, self.reset, self.save, self.prepare_draws = select, reset, save, prepare_draws
+    def __init__(self, select: Callable[[], Any], reset: Callable[[], None], prepare_draws: Callable[[], Any]) -> None:
+        self.select, self.reset, self.prepare_draws = select, reset, prepare_draws
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.reset()
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        try:
-            if args.posterior_temperature is None and args.load_best_model_at_end and state.best_model_checkpoint:
-                # best_metric was measured at the τ of the evaluations during training: choosing another τ now would
-                # make the loaded best model predict other than what made it the best
-                logger.info("load_best_model_at_end: keeping τ = 1, at which %s scored best_metric %s; to choose τ on "
-                            "the validation NLL, call trainer.select_posterior_temperature() (the metrics then differ "
-                            "from best_metric).", state.best_model_checkpoint, state.best_metric)
-            elif args.posterior_temperature is None:
-                self.select()
-            self.prepare_draws()
-        except Exception as error:  # the trained run must not be lost to what comes after training
-            self.save()
-            raise RuntimeError(
-                f"Choosing the posterior temperature or preparing its draws failed after training "
-                f"({type(error).__name__}: {error}). The trained model and its posterior were saved to {args.output_dir} "
-                "(predicting with the learned posterior, τ = 1). Fix the eval dataset and call "
-                "trainer.select_posterior_temperature() and trainer.prepare_prediction_draws(), or set "
-                "posterior_temperature."
-            ) from error
+        if args.posterior_temperature is None and args.load_best_model_at_end and state.best_model_checkpoint:
+            # best_metric was measured at the τ of the evaluations during training: choosing another τ now would
+            # make the loaded best model predict other than what made it the best
+            logger.info("load_best_model_at_end: keeping τ = 1, at which %s scored best_metric %s; to choose τ on "
+                        "the validation NLL, call trainer.select_posterior_temperature() (the metrics then differ "
+                        "from best_metric).", state.best_model_checkpoint, state.best_metric)
+        elif args.posterior_temperature is None:
+            self.select()
+        self.prepare_draws()
 
