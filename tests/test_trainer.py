@@ -591,8 +591,9 @@ def test_batch_eval_metrics_needs_compute_result_in_the_users_function(tmp_path)
 def saved(tmp_path_factory):
     out = tmp_path_factory.mktemp("saved")
     train, test = digits_images(128), digits_images(48)
-    trainer = VariationalTrainer(model=tiny_digits_resnet(), args=make_args(out, max_steps=8, eval_mc_samples=4, beta2=0.99),
-                                 train_dataset=train, eval_dataset=test)
+    # τ fixed at 1: the tests below are about predicting with the saved posterior, not about choosing τ
+    trainer = VariationalTrainer(model=tiny_digits_resnet(), train_dataset=train, eval_dataset=test,
+                                 args=make_args(out, max_steps=8, eval_mc_samples=4, beta2=0.99, posterior_temperature=1.0))
     trainer.train()
     trainer.save_model(str(out))
     return out, test, trainer.evaluate()
