@@ -225,6 +225,13 @@ def test_a_card_at_the_posterior_mean_says_so_and_why(run):
         text, meta = _parts(_card(trainer))
         assert "Predictions are made at the posterior mean, without averaging: the posterior temperature τ = 0 was chosen" in text
         assert "noise-corrected validation NLL on the validation split (0.5120, against 0.5340 at τ = 0.5, 0.6010 at τ = 1)" in text
+        assert "because the posterior mean scored best by" in text and "tie with it" not in text
+        # a tie the validation split cannot resolve is said as a tie, the best named whichever it is
+        for nll, verdict in (({"0": 0.512, "0.5": 0.514, "1": 0.601}, "scored best (τ = 0.5 tie with it"),
+                             ({"0": 0.514, "0.5": 0.512, "1": 0.601}, "tied with the best (τ = 0.5 tie with it")):
+            trainer.posterior_temperature_report = {**report, "nll": nll, "tied": [0.0, 0.5]}
+            assert verdict in _parts(_card(trainer))[0]
+        trainer.posterior_temperature_report = report
         assert "posterior-averaged" not in text and "average the softmax" not in text
         names = {m["name"] for r in meta["model-index"][0]["results"] for m in r["metrics"]}
         assert "Negative log-likelihood (posterior mean)" in names and not any("averaged" in n for n in names)

@@ -861,8 +861,8 @@ def test_rotation_never_removes_a_folder_the_run_did_not_write(tmp_path, name):
 def test_leftovers_of_a_killed_save_are_deleted_by_the_next_run_and_never_counted_as_files(tmp_path):
     """What a kill -9 leaves under a temporary name (an `atomic_path` file, a checkpoint being written or deleted) does
     not make the example refuse the folder as used, and the next train() deletes it; a user's file is kept."""
+    from example_utils.script import checkpoint_to_resume
     from varsmooth.files import DELETING_PREFIX, STAGING_PREFIX
-    from varsmooth.utils import checkpoint_to_resume
 
     tmp_path.mkdir(exist_ok=True)
     leftovers = [".tmp-k1ll3d_9posterior.safetensors", ".tmp-abcdefghlabel_noise.parquet"]

@@ -160,9 +160,10 @@ def _mean_reason(record: RunRecord) -> str:
     criterion, nll = report.get("criterion", "validation NLL"), report["nll"]
     others = [f"{v:.4f} at τ = {t}" for t, v in nll.items() if float(t) > 0]
     tied = [t for t in report.get("tied", [0.0]) if t > 0]
-    verdict = ("scored best" if not tied else "tied with the best (the validation split cannot tell apart NLLs within 2 "
-               f"paired standard errors: τ = {', '.join(f'{t:g}' for t in tied)} tie with it, and the mean predicts in "
-               "one pass)")
+    verdict = "scored best" if nll["0"] <= min(nll.values()) else "tied with the best"
+    if tied:  # the validation split cannot tell these apart: the mean predicts in one pass
+        verdict += (f" (τ = {', '.join(f'{t:g}' for t in tied)} tie with it within 2 paired standard errors, and the "
+                    "mean predicts in one pass)")
     return (f"the posterior temperature τ = 0 was chosen after training, because the posterior mean {verdict} by the "
             f"{criterion} on the validation split ({nll['0']:.4f}, against " + ", ".join(others) + ")")
 

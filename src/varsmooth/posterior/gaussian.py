@@ -182,7 +182,8 @@ class DiagonalGaussianPosterior:
         # the hash covers every tensor of the file: σ and the draws' BatchNorm statistics
         if "std_sha256" in metadata and tensors_sha256(tensors) != metadata["std_sha256"]:
             raise ValueError(
-                f"{path} holds other tensors than the ones it was saved with (the SHA-256 of its σ and draw statistics "
+                f"{path} holds other standard deviations than the ones it was saved with (the SHA-256 of its tensors, σ "
+                "and the draws' statistics, "
                 "differs from the one its metadata records): σ was rewritten after the save, and would sample another "
                 "posterior than the one trained. Save the model again (trainer.save_model()), or delete the file to "
                 "predict at the weights."
