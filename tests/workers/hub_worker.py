@@ -64,13 +64,20 @@ def main(out: str) -> None:
     piped_probs = [[next(r["score"] for r in res if r["label"] == str(k)) for k in range(10)] for res in piped]
     uncertain = classify(images[0], return_uncertainty=True)
     # the pipeline's posterior draws one by one (antithetic pairs: draws 2k and 2k+1 are m ± σ⊙e, e from the seed
-    # derive_seed(seed, k)), for the test to recompute the entropy and the mutual information by hand
+    # derive_seed(seed, k)), each with the BatchNorm statistics of its own that came from the Hub with the posterior,
+    # for the test to recompute the entropy and the mutual information by hand
     with torch.no_grad():
         first = processor(images[:1], return_tensors="pt")["pixel_values"]
+        buffers = dict(loaded.model.named_buffers())
+        mean_statistics = {name: value.clone() for name, value in buffers.items()}
         draws = []
         for s in range(loaded.num_samples):
             with loaded.posterior.sampled(derive_seed(loaded.seed, s // 2), mirrored=s % 2 == 1):
+                for name, value in loaded.posterior.draw_buffers.buffers[s].items():
+                    buffers[name].copy_(value)
                 draws.append(loaded.model(pixel_values=first).logits.softmax(-1)[0].tolist())
+        for name, value in mean_statistics.items():
+            buffers[name].copy_(value)
 
     plain = ResNetForImageClassification(config)
     plain.push_to_hub("offline-user/plain-model")
