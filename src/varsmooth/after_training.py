@@ -110,13 +110,18 @@ class AfterTrainingMixin:
         if batches is not None:
             start = time.perf_counter()
             self._draw_buffers = prediction_draw_buffers(
-                model, posterior.at_temperature(self.posterior_temperature or 1.0), batches, self.args.eval_mc_samples,
+                model, posterior.at_temperature(self._draws_temperature()), batches, self.args.eval_mc_samples,
                 self.args.eval_seed, progress=self.shows_progress())
             if self._draw_buffers is not None:
                 logger.info("BatchNorm statistics of each of the %d posterior draws at τ = %g computed in %.1f s.",
                             len(self._draw_buffers.buffers), self._draw_buffers.temperature, time.perf_counter() - start)
         posterior.draw_buffers = self._draw_buffers
         return posterior
+
+    def _draws_temperature(self) -> float:
+        """The τ of the draws whose statistics are prepared: the prediction's, or the learned posterior's (1) when the
+        prediction is at the mean, for the label-noise export and a pipeline's mutual information."""
+        return self.posterior_temperature or 1.0
 
     def _batchnorm_batches(self, model: torch.nn.Module) -> list[dict[str, Any]] | None:
         """The prepared training batches each posterior draw's BatchNorm statistics are computed from (the first

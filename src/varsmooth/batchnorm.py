@@ -25,7 +25,7 @@ from transformers import TrainerCallback
 
 from .posterior import DiagonalGaussianPosterior
 from .posterior.draw_buffers import DrawBuffers
-from .posterior.prediction import draw_seeds, model_outputs, restored_buffers
+from .posterior.prediction import draw_seeds, model_outputs, predicts_at_the_mean, restored_buffers
 
 __all__ = ["DRAW_RECALIBRATION_EXAMPLES", "RECALIBRATION_EXAMPLES", "RECOMPUTED_LOG_KEY", "BatchNormRecalibrationCallback",
            "batch_rows", "batchnorm_layers", "draw_batchnorm_statistics", "head_batches", "prediction_draw_buffers",
@@ -122,7 +122,7 @@ def prediction_draw_buffers(model: torch.nn.Module, posterior: DiagonalGaussianP
     """The BatchNorm statistics of each draw a prediction with `num_samples` draws of `seed` makes at the posterior's
     temperature (`draw_batchnorm_statistics` from `batches`), to attach to the posterior (`posterior.draw_buffers`);
     None for a model without BatchNorm or a prediction that draws nothing (τ = 0, a point mass, no draws)."""
-    if num_samples <= 0 or posterior.is_point_mass or posterior.temperature == 0:
+    if predicts_at_the_mean(posterior, num_samples):
         return None
     statistics = draw_batchnorm_statistics(model, posterior, lambda: iter(batches), num_samples, seed, progress=progress)
     return None if statistics is None else DrawBuffers(seed, posterior.temperature, statistics)

@@ -21,6 +21,7 @@ from .files import FolderSave, check_manifest
 from .mc_dropout import OUTPUT_DROPOUT_KEY, add_output_dropout, mc_dropout_predictive
 from .posterior import POSTERIOR_FILE, DiagonalGaussianPosterior, VariationalClassifierOutput, predictive_distribution
 from .posterior.gaussian import non_finite_tensors
+from .posterior.prediction import predicts_at_the_mean
 from .temperature_scaling import TEMPERATURE_SCALING_FILE, TemperatureScaling, describe_prediction
 
 #: marker file of a saved folder that another class loads -> that class's `from_pretrained` (a `DeepEnsemble` folder
@@ -194,7 +195,7 @@ def warn_without_draw_buffers(model: torch.nn.Module, posterior: DiagonalGaussia
     statistics of the posterior mean: the posterior holds none of their own for those draws (another τ, seed or more
     draws than training prepared), and such draws are far worse networks than the ones training fitted
     (`varsmooth.posterior.draw_buffers`)."""
-    if num_samples <= 0 or posterior.is_point_mass or posterior.temperature == 0 or not batchnorm_layers(model):
+    if predicts_at_the_mean(posterior, num_samples) or not batchnorm_layers(model):
         return
     prepared = posterior.draw_buffers
     if prepared is not None and prepared.for_draws(seed, num_samples, posterior.temperature) is not None:

@@ -232,7 +232,7 @@ class VariationalTrainer(AfterTrainingMixin, CheckpointingMixin, VariationalHubM
             meta["posterior_temperature_selection"] = self.posterior_temperature_report
         posterior = DiagonalGaussianPosterior.from_ivon(model, opt, self._ivon_param_names, meta)
         if self._draw_buffers is not None and self._draw_buffers.for_draws(
-                self.args.eval_seed, self.args.eval_mc_samples, self.posterior_temperature or 1.0) is None:
+                self.args.eval_seed, self.args.eval_mc_samples, self._draws_temperature()) is None:
             return self.prepare_prediction_draws(posterior)  # τ (or the draws) changed since they were prepared
         posterior.draw_buffers = self._draw_buffers
         return posterior

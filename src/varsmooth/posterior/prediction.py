@@ -20,7 +20,7 @@ from transformers.utils import ModelOutput
 from .gaussian import DiagonalGaussianPosterior
 from .seeds import derive_seed
 
-__all__ = ["VariationalClassifierOutput", "average_predictions", "draw_seeds", "entropy", "predictive_distribution", "sampled_probs", "restored_buffers", "model_logits", "model_outputs", "logits_of",
+__all__ = ["VariationalClassifierOutput", "average_predictions", "draw_seeds", "entropy", "predictive_distribution", "sampled_probs", "predicts_at_the_mean", "restored_buffers", "model_logits", "model_outputs", "logits_of",
            "IGNORE_INDEX", "LABEL_KEYS"]
 
 LABEL_KEYS = ("labels", "label", "label_ids")
@@ -117,6 +117,12 @@ def predictive_distribution(
                                sampled_probs(model, posterior, inputs, num_samples, seed, draw_buffers))
 
 
+def predicts_at_the_mean(posterior: DiagonalGaussianPosterior, num_samples: int) -> bool:
+    """Whether a prediction with `num_samples` draws of `posterior` draws nothing: no draws asked for, a point mass, or
+    τ = 0 (every draw would be the posterior mean)."""
+    return num_samples <= 0 or posterior.is_point_mass or posterior.temperature == 0
+
+
 def sampled_probs(model: torch.nn.Module, posterior: DiagonalGaussianPosterior, inputs: Mapping[str, Any],
                   num_samples: int, seed: int = 0, draw_buffers: Sequence[Mapping[str, torch.Tensor]] | None = None,
                   ) -> Iterator[torch.Tensor]:
@@ -126,7 +132,7 @@ def sampled_probs(model: torch.nn.Module, posterior: DiagonalGaussianPosterior, 
     `draw_buffers[s]`: buffers of `model` by name that the draw s predicts with (its own BatchNorm statistics,
     `varsmooth.batchnorm.draw_batchnorm_statistics`); by default those the posterior holds for these draws
     (`posterior.draw_buffers`), if any. The model's own are back once the draws are done."""
-    if num_samples <= 0 or posterior.is_point_mass or posterior.temperature == 0:
+    if predicts_at_the_mean(posterior, num_samples):
         return
     if draw_buffers is None and posterior.draw_buffers is not None:
         draw_buffers = posterior.draw_buffers.for_draws(seed, num_samples, posterior.temperature)

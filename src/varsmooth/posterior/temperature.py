@@ -92,8 +92,8 @@ def temperature_losses(
     draw_buffers: Callable[[DiagonalGaussianPosterior], Sequence[Mapping[str, torch.Tensor]] | None] | None = None,
     progress: bool = False,
 ) -> dict[float, torch.Tensor]:
-    """The NLL −log P̂_τ(y|x) of the BMA prediction at each temperature, per labelled example (float64, CPU), over labelled `batches` (labels
-    −100 are ignored, as by `evaluate()`).
+    """The NLL −log P̂_τ(y|x) of the BMA prediction at each temperature, per labelled example (float64, CPU), over
+    labelled `batches` (labels −100 are ignored, as by `evaluate()`).
 
     One BMA evaluation per τ with the draws e of `seed` (those of `predictive_distribution`), so τ = 1 scores the
     prediction of `evaluate()` and τ = 0 that of the posterior mean. `gather` collects the per-example NLLs of all
@@ -153,8 +153,6 @@ def temperature_nll(model: torch.nn.Module, posterior: DiagonalGaussianPosterior
     """The mean of `temperature_losses` (same arguments) at each temperature: the validation NLL of each τ."""
     losses = temperature_losses(model, posterior, batches, temperatures, num_samples, seed, **kwargs)
     return {t: float(v.mean()) for t, v in losses.items()}
-
-
 
 
 #: NLLs closer than this (relative) count as a tie whatever their standard error: a narrow posterior (e.g. a fine-tune's
