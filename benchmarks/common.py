@@ -257,7 +257,9 @@ def training_arguments(method: str, **fields: Any) -> Any:
     from varsmooth import VariationalTrainingArguments
     from varsmooth.methods import get_method_config_class
 
-    own = {f.name for f in dataclasses.fields(get_method_config_class(method))}
+    config_cls = get_method_config_class(method)
+    # IVON's config is built from the arguments' own fields, which hold its settings
+    own = set() if config_cls.mirrors_training_arguments else {f.name for f in dataclasses.fields(config_cls)}
     config = {name: fields.pop(name) for name in list(fields) if name in own}
     return VariationalTrainingArguments(method=method, method_config=config or None, **fields)
 

@@ -226,7 +226,9 @@ class CheckpointingMixin:
         differ = {key: (used[key], asked[key]) for key in RESUMED_IVON_SETTINGS
                   if key in used and key in asked and not math.isclose(used[key], asked[key], rel_tol=1e-9)}
         config = self.method.config
-        derived = {key: old for key, (old, _) in differ.items() if getattr(config, RESUMED_IVON_SETTINGS[key], 0) is None}
+        # ess is derived too where `ivon_smoothing` sets it from the data as training goes
+        derived = {key: old for key, (old, _) in differ.items() if getattr(config, RESUMED_IVON_SETTINGS[key], 0) is None
+                   or (key == "ess" and getattr(config, "ivon_smoothing", None) is not None)}
         refused = {RESUMED_IVON_SETTINGS[key]: values for key, values in differ.items() if key not in derived}
         if refused:
             given = ", ".join(f"{name}={new!r} (the checkpoint's: {old!r})" for name, (old, new) in refused.items())

@@ -49,7 +49,7 @@ from .finite import NonFiniteGuard, non_finite_step_error
 from .fsdp import keep_presharded_model
 from .hp_search import HyperparameterSearchMixin
 from .hub import VariationalHubMixin
-from .label_noise import LabelNoiseCallback, LabelNoiseMixin
+from .label_noise import LabelNoiseCallback, LabelNoiseMixin, SmoothingStrengthCallback
 from .mc_dropout import mc_dropout_predictive
 from .methods import (
     EXAMPLE_INDEX_KEY,
@@ -78,6 +78,7 @@ from .posterior.temperature import (
 )
 from .temperature_scaling import TemperatureScaling, TemperatureScalingCallback, describe_prediction
 from .training_args import VariationalTrainingArguments
+from .training_health import StalledLossCallback
 
 __all__ = ["VariationalTrainer"]
 
@@ -174,7 +175,7 @@ class VariationalTrainer(AfterTrainingMixin, CheckpointingMixin, VariationalHubM
         keep_presharded_model(fsdp, self.model)
         if self.model is not None:
             self.method.attach(self.model)
-        self._method_callbacks = self.method.callbacks()
+        self._method_callbacks = [*self.method.callbacks(), StalledLossCallback(self.method)]
         for callback in self._method_callbacks:  # `add_callback` binds these
             self.add_callback(callback)
 
@@ -190,6 +191,9 @@ class VariationalTrainer(AfterTrainingMixin, CheckpointingMixin, VariationalHubM
         self._connect(self.callback_handler.callbacks[-1])
 
     def _connect(self, callback: TrainerCallback) -> None:
+        if isinstance(callback, SmoothingStrengthCallback):
+            callback.connect(measure=self.probe_label_noise, seed=self.args.eval_seed,
+                             scale_ess=lambda factor: self.method.scale_ess(self.ivon, factor))
         if isinstance(callback, LabelNoiseCallback):
             check_labels("the dataset of LabelNoiseCallback", callback.dataset, model_num_labels(self.model))
             callback.connect(measure=self.label_noise, posterior=self.posterior, record_output=self.record_output,

@@ -31,7 +31,8 @@ __all__ = ["IVON_ONLY_FIELDS", "VariationalTrainingArguments"]
 #: the fields only methods that learn a posterior (IVON) read; with another method a value other than the field's
 #: default is refused (`refuse_ivon_settings_without_ivon`), and the preset leaves them unset
 IVON_ONLY_FIELDS = ("ess", "hess_init", "beta1", "beta2", "hessian_window", "prior_precision", "mc_samples", "ivon_fused",
-                    "clip_radius", "rescale_lr", "posterior_temperature", "recompute_batchnorm_statistics")
+                    "clip_radius", "rescale_lr", "posterior_temperature", "recompute_batchnorm_statistics",
+                    "ivon_smoothing")
 
 
 def _preset_default(name: str) -> str:
@@ -137,6 +138,13 @@ class VariationalTrainingArguments(TrainingArguments):
         default=None,
         metadata={"help": "IVON weight decay δ = precision of the Gaussian prior. Replaces `weight_decay`, which is "
                           "refused with IVON methods. " + _preset_default("prior_precision")},
+    )
+    ivon_smoothing: float | None = field(
+        default=None,
+        metadata={"help": "How much IVON smooths the labels, as label smoothing's rate α in (0, 1]: ess is rescaled "
+                          "during training so that the mean label noise ‖ε̄‖₁ over a probe of training examples equals "
+                          "LS's 2α(1 - 1/K) (varsmooth.label_noise.strength); ess is then where it starts. Choose it on "
+                          "noisy validation as you would α. None: ess stays as given (the preset's)."},
     )
     mc_samples: int = field(default=1, metadata={"help": "Posterior samples (forward+backward) per micro-batch during training."})
     ivon_fused: bool | None = field(

@@ -15,9 +15,11 @@ from huggingface_hub.utils import HFValidationError, validate_repo_id
 from ..batchnorm import RECOMPUTED_LOG_KEY
 from ..corruption import NOISE_REPORT_FILE
 from ..files import read_manifest
+from ..label_noise.strength import label_smoothing_noise
 from ..methods import METHODS
 from ..modeling import AUTO_CLASSES, classification_task
 from ..posterior.diagnostics import HESSIAN_STUCK_TOLERANCE
+from ..training_health import stalled_loss_text
 from .record import RunRecord
 
 __all__ = ["DEFAULT_LICENSE", "MODEL_CARD_TEMPLATE", "build_model_card", "is_hub_dataset_id"]
@@ -242,8 +244,26 @@ def _adaptivity_text(adaptivity: dict | None) -> str:
     return text
 
 
-def _label_noise_numbers(summary: dict[str, Any]) -> str | None:
-    """One sentence of measured label-noise magnitudes |ε̄|₁ from `label_noise_summary.json`."""
+#: a mean |ε̄|₁ below label smoothing's at this α counts as "hardly smoothed" (a near-point posterior)
+NEAR_POINT_ALPHA = 0.01
+
+
+def _ls_equivalent_text(mean_l1: float, num_classes: int, asked: float | None) -> str:
+    """The measured mean |ε̄|₁ as the α of label smoothing of the same mean size, ‖ε‖₁ = 2α(1 − 1/K)."""
+    alpha = mean_l1 / label_smoothing_noise(1.0, num_classes)
+    text = (f" That is the size of label smoothing with α = {alpha:.2g}, whose ε has |ε|₁ = 2α(1 − 1/K) for every "
+            f"example (α = 0.1: {label_smoothing_noise(0.1, num_classes):.3g})")
+    if asked is not None:
+        return text + f"; IVON was set to smooth as much as α = {asked:g} (`ivon_smoothing`)."
+    if alpha < NEAR_POINT_ALPHA:
+        return text + (f": a near-point posterior, below α = {NEAR_POINT_ALPHA:g}, so training with IVON hardly smoothed "
+                       "the labels at this ess. `ivon_smoothing` (an α, chosen on validation as LS's) sets how much it smooths.")
+    return text + "."
+
+
+def _label_noise_numbers(summary: dict[str, Any], asked: float | None = None) -> str | None:
+    """Sentences of measured label-noise magnitudes |ε̄|₁ from `label_noise_summary.json`, against label smoothing's
+    (`asked`: the run's `ivon_smoothing`, if set)."""
     l1 = summary.get("all", {}).get("noise_l1")
     if not l1:
         return None
@@ -256,6 +276,8 @@ def _label_noise_numbers(summary: dict[str, Any]) -> str | None:
     clean, corrupted = (summary.get(k, {}).get("noise_l1") for k in ("clean", "corrupted"))
     if clean and corrupted:
         text += f" Its mean is {corrupted['mean']:.3g} on the corrupted labels and {clean['mean']:.3g} on the clean ones."
+    if summary.get("num_classes"):
+        text += _ls_equivalent_text(l1["mean"], summary["num_classes"], asked)
     return text
 
 
@@ -383,6 +405,8 @@ def build_model_card(record: RunRecord, model: Any, folder: str | os.PathLike) -
     else:
         metrics_text, metrics_table = "The model was not evaluated.", None
     better_text = _better_prediction_text(metrics) if prediction == "bma" else None
+    if record.stalled_loss is not None:
+        metrics_text = f"**Warning.** {stalled_loss_text(record.stalled_loss)}\n\n{metrics_text}"
 
     temperature_text = _temperature_text(record) if is_ivon else None
 
@@ -391,7 +415,7 @@ def build_model_card(record: RunRecord, model: Any, folder: str | os.PathLike) -
         with open(summary_path) as f:
             summary = json.load(f)
         detection = summary.get("detection")
-        numbers = _label_noise_numbers(summary)
+        numbers = _label_noise_numbers(summary, record.hyperparameters.get("ivon_smoothing"))
         label_noise_text = (
             "`label_noise.parquet` holds, for every training example, the label noise ε̄ = p̄ − P̂ that IVON's posterior "
             "induces (Yang et al. 2025, \"Variational Learning Induces Adaptive Label Smoothing\", Eq. 15). "

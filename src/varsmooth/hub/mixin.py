@@ -29,6 +29,7 @@ from ..files import (
     written_by_varsmooth,
 )
 from ..methods import learns_posterior
+from ..training_health import cross_entropy_classes, stalled_training_loss
 from .card import build_model_card, write_reliability_diagram
 from .record import POSTERIOR_LOG_KEYS, RunRecord, as_list, last_eval_metrics, last_posterior_log, training_schedule
 
@@ -88,6 +89,7 @@ class VariationalHubMixin:
             temperature_selection=self.posterior_temperature_report,
             temperature_fixed=args.posterior_temperature is not None,
             posterior_log=self._posterior_log(),
+            stalled_loss=stalled_training_loss(self.state.log_history, cross_entropy_classes(self.method, self.model)),
             noise_report=self.train_noise_report(),
             datasets=as_list(dataset),
             dataset_tags=as_list(dataset_tags) or None,

@@ -62,6 +62,7 @@ class RunRecord:
         posterior_temperature: the temperature τ the posterior's σ is scaled by when predicting.
         posterior_log: IVON's Hessian and σ statistics (`POSTERIOR_LOG_KEYS`) and the `step` they were measured at: now,
             from the trainer's optimizer, else at the last training log that has them.
+        stalled_loss: the training loss that barely fell below ln K (`varsmooth.training_health`), None if it fell.
         temperature_selection: how τ was chosen (`VariationalTrainer.select_posterior_temperature`), None if not.
         temperature_fixed: whether τ was fixed by `posterior_temperature` instead of chosen.
         noise_report: the label corruption of the training set, None when the labels are the dataset's own.
@@ -81,6 +82,7 @@ class RunRecord:
     temperature_selection: dict[str, Any] | None = None
     temperature_fixed: bool = False
     posterior_log: dict[str, float] | None = None
+    stalled_loss: dict[str, Any] | None = None
     noise_report: NoiseReport | None = None
     datasets: list[str] = field(default_factory=list)
     dataset_tags: list[str] | None = None

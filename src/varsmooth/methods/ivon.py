@@ -7,6 +7,7 @@ where the user left them unset; `IVONConfig` holds them as the run uses them, an
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from dataclasses import dataclass
@@ -14,6 +15,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from ..label_noise.strength import SmoothingStrengthCallback
 from ..posterior.gaussian import _reshard
 from ..posterior.optimizer import VariationalIVON
 from ..presets import DEFAULT_HESSIAN_WINDOW, HESSIAN_WINDOW_CLIP_RADIUS, IVON_PRESETS, SCRATCH_PRESET, default_beta2
@@ -40,6 +42,7 @@ class IVONConfig(MethodConfig):
     hessian_window: float = DEFAULT_HESSIAN_WINDOW
     prior_precision: float = float(SCRATCH_PRESET["prior_precision"])
     clip_radius: float | None = None
+    ivon_smoothing: float | None = None
     rescale_lr: bool = bool(SCRATCH_PRESET["rescale_lr"])
     mc_samples: int = 1
     eval_mc_samples: int = int(SCRATCH_PRESET["eval_mc_samples"])
@@ -65,6 +68,9 @@ class IVONConfig(MethodConfig):
                              f"{self.hessian_window}; to fix β2 instead, pass beta2.")
         if self.clip_radius is not None and not self.clip_radius > 0:
             raise ValueError(f"clip_radius must be > 0 or None, got {self.clip_radius}.")
+        if self.ivon_smoothing is not None and not 0 < self.ivon_smoothing <= 1:
+            raise ValueError(f"ivon_smoothing is a label-smoothing rate α in (0, 1] (or None: ess as given), got "
+                             f"{self.ivon_smoothing}.")
 
 
 def learns_posterior(method: "str | TrainingMethod | type[TrainingMethod]") -> bool:
@@ -193,6 +199,19 @@ class IVONMethod(TrainingMethod):
             )
         return float(self.num_train_examples)
 
+    def callbacks(self) -> list[Any]:
+        """With `ivon_smoothing`, the callback that sets ess from the label noise it measures (the trainer connects it)."""
+        return [] if self.config.ivon_smoothing is None else [SmoothingStrengthCallback(self.config.ivon_smoothing)]
+
+    def scale_ess(self, optimizer: VariationalIVON, factor: float) -> float:
+        """Multiply ess by `factor` in `optimizer` and in the config it is recorded from (the posterior's metadata,
+        the model card and a resume read it there); returns the new ess."""
+        ess = self.ess() * factor
+        self.config = dataclasses.replace(self.config, ess=ess)
+        for group in optimizer.param_groups:
+            group["ess"] = ess
+        return ess
+
     def ivon_settings(self) -> dict[str, Any]:
         """Keyword arguments for `VariationalIVON`."""
         return self._settings(self.beta2())
@@ -215,7 +234,8 @@ class IVONMethod(TrainingMethod):
         settings = self._settings(self.beta2() if known else None)
         return {"method": self.name, **settings,
                 "hessian_window": self.config.hessian_window if self._window_rule_applies() else None,
-                "mc_samples": self.config.mc_samples, "eval_mc_samples": self.config.eval_mc_samples}
+                "mc_samples": self.config.mc_samples, "eval_mc_samples": self.config.eval_mc_samples,
+                **({} if self.config.ivon_smoothing is None else {"ivon_smoothing": self.config.ivon_smoothing})}
 
 
 class IVONFixedHessianMethod(IVONMethod):

@@ -1,0 +1,165 @@
+"""IVON's smoothing strength chosen like label smoothing's α (`ivon_smoothing`), on real label noise with pretrained models.
+
+    OMP_NUM_THREADS=1 python benchmarks/smoothing_strength.py                      # train what is missing, then report
+    OMP_NUM_THREADS=1 python benchmarks/smoothing_strength.py --tasks cifar10n-worse --seeds 0 1 2
+    python benchmarks/smoothing_strength.py --report                              # tables from the cached runs only
+
+The tasks, models, data, optimizer settings and seeds are `real_noise.py`'s (`--plan fair`: IVON's learning rate and
+starting ess as chosen there on noisy validation). IVON trains at `ivon_smoothing` α ∈ {0 (off: ess as chosen), 0.1,
+0.3, 0.5}, LS's grid, and α is chosen per seed on the same noisy validation split by the same rule: four trainings
+per seed for each. ERM and LS train here too, on the same seeds, labels, batch order and code.
+
+Every IVON run also measures what it smooths: the mean ‖ε̄_i‖₁ over the first `NOISE_EXAMPLES` training examples (not
+the 128-example probe the knob targets), with `NOISE_SAMPLES` posterior draws, beside LS's 2α(1 − 1/K) at its chosen
+α. Runs are cached under benchmarks/results/smoothing_strength/runs/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # noqa: E402  (sets OMP_NUM_THREADS before torch is imported)
+import real_noise  # noqa: E402
+
+SCRIPT = "smoothing_strength"
+#: IVON's grid: LS's, with 0 meaning the knob off (as α = 0 is LS's ERM run)
+STRENGTHS = (0.0, *real_noise.LS_GRID)
+NOISE_EXAMPLES = 1000
+NOISE_SAMPLES = 32
+TASKS = ("cifar10n-worse", "cifar10n-random1", "cifar10n-aggre")
+
+
+def measure_smoothing(trainer: Any, val: Any, test: Any) -> dict[str, Any]:
+    """The run's analysis: the mean ‖ε̄‖₁ on the first training examples, the final ess and the knob's updates."""
+    import torch
+
+    from varsmooth.label_noise import SmoothingStrengthCallback, mean_label_noise
+
+    rows = torch.utils.data.Subset(trainer.train_dataset, range(min(NOISE_EXAMPLES, len(trainer.train_dataset))))
+    loader = torch.utils.data.DataLoader(rows, batch_size=256, collate_fn=trainer.data_collator)
+    batches = (trainer._prepare_inputs(batch) for batch in loader)
+    total, count, _ = mean_label_noise(trainer.accelerator.unwrap_model(trainer.model), trainer.posterior(), batches,
+                                       NOISE_SAMPLES, seed=0)
+    knob = next((c for c in trainer.callback_handler.callbacks if isinstance(c, SmoothingStrengthCallback)), None)
+    return {"noise_l1": total / count, "ess": trainer.ivon.param_groups[0]["ess"],
+            "updates": knob.history if knob is not None else []}
+
+
+def jobs(task: str, seed: int) -> list[tuple[str, dict[str, Any]]]:
+    """(method, hyperparameters) of every training of one seed: IVON at each strength, ERM and LS at each α."""
+    return ([("ivon", {"ivon_smoothing": s} if s else {}) for s in STRENGTHS] + [("erm", {})]
+            + [("ls", {"smoothing": a}) for a in real_noise.LS_GRID])
+
+
+def train(task: str, method: str, hp: dict[str, Any], seed: int) -> dict[str, Any]:
+    analyze = measure_smoothing if method == "ivon" else None
+    return real_noise.run(task, method, real_noise.fair_hyperparams(task, method, hp), seed, analyze=analyze, script=SCRIPT)
+
+
+def cached(task: str, method: str, hp: dict[str, Any], seed: int) -> dict[str, Any] | None:
+    """The run of this script's cache (ERM and LS too: rerun with the IVON runs' code and features, since a
+    recomputation of real_noise.py's frozen features or a change of the prediction moves a run by up to ~2 pp)."""
+    path = real_noise.run_path(task, method, real_noise.fair_hyperparams(task, method, hp), seed, script=SCRIPT)
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _chosen(runs: list[tuple[float, dict[str, Any] | None]]) -> tuple[float, dict[str, Any]] | None:
+    """The (strength, run) with the best noisy-validation score (real_noise's rule); None while one is missing."""
+    if any(r is None for _, r in runs):
+        return None
+    return max(runs, key=lambda sr: real_noise._val_score(sr[1]))
+
+
+def _ls_noise(alpha: float, num_classes: int) -> float:
+    from varsmooth.label_noise import label_smoothing_noise
+
+    return label_smoothing_noise(alpha, num_classes) if alpha else 0.0
+
+
+def _num_classes(task: str) -> int:
+    return 10 if task.startswith("cifar10n") else {"sst2": 2, "trec": 6}[task.split("-")[0]]
+
+
+def task_rows(task: str, seeds: list[int]) -> list[dict[str, Any]]:
+    """Per seed: ERM, LS (α chosen), IVON off, IVON (strength chosen), each fixed strength; None where not cached."""
+    rows = []
+    for seed in seeds:
+        erm = cached(task, "erm", {}, seed)
+        ls = _chosen([(0.0, erm)] + [(a, cached(task, "ls", {"smoothing": a}, seed)) for a in real_noise.LS_GRID])
+        ivon = [(s, cached(task, "ivon", {"ivon_smoothing": s} if s else {}, seed)) for s in STRENGTHS]
+        rows.append({"seed": seed, "erm": erm, "ls": ls, "ivon": dict(ivon), "ivon_chosen": _chosen(ivon)})
+    return rows
+
+
+def _mean_se(values: list[float]) -> str:
+    mean, sd = common.mean_std(values)
+    return f"{mean:.3g} ± {sd / max(1, len(values)) ** 0.5:.2g}" if len(values) > 1 else f"{mean:.3g}"
+
+
+def task_table(task: str, seeds: list[int]) -> str:
+    rows = task_rows(task, seeds)
+    k = _num_classes(task)
+    lines = [f"#### {task}", "",
+             "| method | trainings per seed | seeds | acc % | NLL | ECE % | mean ‖ε̄‖₁ (IVON measured; LS 2α(1 − 1/K)) | strength chosen per seed |",
+             "|---|---|---|---|---|---|---|---|"]
+
+    def line(name: str, trainings: str, runs: list[dict[str, Any]], noise: list[float], chosen: str) -> None:
+        if not runs:
+            return
+        lines.append(f"| {name} | {trainings} | {len(runs)} | {_mean_se([100 * r['test_acc'] for r in runs])} | "
+                     f"{_mean_se([r['test_nll'] for r in runs])} | {_mean_se([100 * r['test_ece'] for r in runs])} | "
+                     f"{_mean_se(noise) if noise else '–'} | {chosen} |")
+
+    erm = [r["erm"] for r in rows if r["erm"]]
+    line("erm", "1", erm, [], "–")
+    ls = [r["ls"] for r in rows if r["ls"]]
+    line("ls (α chosen)", str(len(real_noise.LS_GRID) + 1), [run for _, run in ls],
+         [_ls_noise(a, k) for a, _ in ls], ", ".join(f"{a:g}" for a, _ in ls))
+    chosen = [r["ivon_chosen"] for r in rows if r["ivon_chosen"]]
+    line("ivon (strength chosen)", str(len(STRENGTHS)), [run for _, run in chosen],
+         [run["analysis"]["noise_l1"] for _, run in chosen], ", ".join(f"{s:g}" for s, _ in chosen))
+    for s in STRENGTHS:
+        runs = [r["ivon"][s] for r in rows if r["ivon"].get(s)]
+        name = "ivon (knob off)" if s == 0 else f"ivon (ivon_smoothing={s:g}; LS's ‖ε‖₁ {_ls_noise(s, k):.3g})"
+        line(name, "1", runs, [run["analysis"]["noise_l1"] for run in runs], "–")
+    both = [(r["ivon_chosen"][1], r["ls"][1]) for r in rows if r["ivon_chosen"] and r["ls"]]
+    if both:
+        diff = [100 * (a["test_acc"] - b["test_acc"]) for a, b in both]
+        dnll = [a["test_nll"] - b["test_nll"] for a, b in both]
+        mean, sd = common.mean_std(diff)
+        se = sd / len(diff) ** 0.5
+        lines += ["", f"IVON (strength chosen) − LS (α chosen), paired over {len(diff)} seeds: accuracy "
+                      f"{mean:+.2f} ± {se:.2f} pp (SE; {'separated' if len(diff) > 1 and abs(mean) > 2 * se else 'not separated'} "
+                      f"at 2 SE), NLL {common.mean_std(dnll)[0]:+.3f}; ahead in accuracy on "
+                      f"{sum(d > 0 for d in diff)}/{len(diff)} seeds."]
+    return "\n".join(lines)
+
+
+def report(tasks: list[str], seeds: list[int]) -> str:
+    text = "\n\n".join(task_table(t, seeds) for t in tasks)
+    common.write_readme_section(SCRIPT, text)
+    return text
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tasks", nargs="+", default=list(TASKS))
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--report", action="store_true", help="Only write the tables from the cached runs.")
+    args = parser.parse_args()
+    if not args.report:
+        for seed in args.seeds:  # seed-major: a partial run still gives paired rows
+            for task in args.tasks:
+                for method, hp in jobs(task, seed):
+                    train(task, method, hp, seed)
+    print(report(args.tasks, args.seeds))
+
+
+if __name__ == "__main__":
+    main()

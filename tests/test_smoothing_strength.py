@@ -1,0 +1,94 @@
+"""`ivon_smoothing`: IVON's ess set from the label noise it measures, so that it smooths as much as LS's α."""
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import TinyClassifier, digits_dataset, make_args
+from varsmooth import VariationalTrainer
+from varsmooth.label_noise import SmoothingStrengthCallback, label_smoothing_noise
+
+
+def _knob(trainer):
+    return next(c for c in trainer.callback_handler.callbacks if isinstance(c, SmoothingStrengthCallback))
+
+
+@pytest.mark.parametrize("alpha,k", [(0.1, 10), (0.3, 2), (1.0, 6)])
+def test_label_smoothing_noise_is_the_l1_size_of_ls_targets_minus_the_label(alpha, k):
+    y = np.eye(k)[0]
+    assert label_smoothing_noise(alpha, k) == pytest.approx(np.abs((1 - alpha) * y + alpha / k - y).sum())
+
+
+def _train(tmp_path, alpha, **kw):
+    torch.manual_seed(0)
+    data = digits_dataset()
+    args = make_args(tmp_path, num_train_epochs=6, ivon_preset="finetune", clip_radius=1e-2, ivon_smoothing=alpha, **kw)
+    trainer = VariationalTrainer(model=TinyClassifier(), args=args, train_dataset=data.select(range(1200)))
+    trainer.train()
+    return trainer, data.select(range(1200, 1797))
+
+
+@pytest.fixture(scope="module")
+def smoothed(tmp_path_factory):
+    return {alpha: _train(tmp_path_factory.mktemp(f"alpha{alpha}"), alpha) for alpha in (0.05, 0.3)}
+
+
+def test_the_knob_brings_the_measured_label_noise_to_ls_size_from_a_preset_ess_far_off(smoothed):
+    for alpha, (trainer, held_out) in smoothed.items():
+        knob = _knob(trainer)
+        target = label_smoothing_noise(alpha, 10)
+        assert len(knob.history) == 5 and all(h["target"] == pytest.approx(target) for h in knob.history)
+        # the preset's ess (1e8) smooths nothing: the first update moved it by orders of magnitude
+        assert knob.history[0]["label_noise_l1"] < 0.1 * target and trainer.ivon.param_groups[0]["ess"] < 1e6
+        # measured independently: other examples, 32 draws instead of the probe's 8
+        noise = float(np.mean(trainer.label_noise(held_out, num_samples=32)["noise_l1"]))
+        assert 0.5 * target < noise < 1.5 * target, (alpha, noise, target)
+
+
+def test_more_smoothing_means_a_smaller_ess_and_a_larger_label_noise(smoothed):
+    (low, low_data), (high, _) = smoothed[0.05], smoothed[0.3]
+    assert high.ivon.param_groups[0]["ess"] < low.ivon.param_groups[0]["ess"]
+    assert np.mean(high.label_noise(low_data)["noise_l1"]) > 2 * np.mean(low.label_noise(low_data)["noise_l1"])
+
+
+def test_the_posterior_and_the_card_record_the_ess_that_was_used(smoothed):
+    trainer, _ = smoothed[0.3]
+    ess = trainer.ivon.param_groups[0]["ess"]
+    meta = trainer.posterior().metadata
+    assert meta["ess"] == pytest.approx(ess) and meta["ivon_smoothing"] == 0.3
+    # σ = 1/sqrt(ess (h + δ)) with the ess the optimizer samples with
+    assert trainer.ivon.param_groups[0]["ess"] == pytest.approx(trainer.method.config.ess)
+
+
+def test_a_resume_continues_with_the_ess_the_knob_reached(tmp_path):
+    whole, _ = _train(tmp_path / "whole", 0.3, save_strategy="steps", save_steps=300)
+    torch.manual_seed(0)
+    args = make_args(tmp_path / "resumed", num_train_epochs=6, ivon_preset="finetune", clip_radius=1e-2, ivon_smoothing=0.3)
+    resumed = VariationalTrainer(model=TinyClassifier(), args=args, train_dataset=digits_dataset().select(range(1200)))
+    resumed.train(resume_from_checkpoint=str(tmp_path / "whole" / "checkpoint-300"))
+    assert [h["step"] for h in _knob(resumed).history] == [375]  # the updates up to 300 are in the checkpoint's ess
+    assert resumed.ivon.param_groups[0]["ess"] == pytest.approx(whole.ivon.param_groups[0]["ess"], rel=1e-6)
+    for a, b in zip(whole.model.parameters(), resumed.model.parameters()):
+        torch.testing.assert_close(a, b)
+
+
+def test_ivon_smoothing_is_refused_outside_its_range_and_without_ivon(tmp_path):
+    with pytest.raises(ValueError, match="ivon_smoothing"):
+        make_args(tmp_path, ivon_smoothing=1.5)
+    with pytest.raises(ValueError, match="ivon_smoothing"):
+        make_args(tmp_path, method="ls", ivon_smoothing=0.1)
+
+
+def _summary(mean_l1, num_classes):
+    quantiles = {f"q{q:02d}": mean_l1 for q in (0, 10, 25, 50, 75, 90, 99, 100)}
+    return {"num_examples": 100, "num_classes": num_classes, "all": {"noise_l1": {"mean": mean_l1, "std": 0.0, **quantiles}}}
+
+
+def test_the_card_sets_the_measured_label_noise_beside_label_smoothing():
+    from varsmooth.hub.card import _label_noise_numbers
+
+    # the text example's former export: mean |ε̄|₁ 0.0019 on 2 classes, LS at α = 0.1 adds 0.1
+    text = _label_noise_numbers(_summary(0.0019, 2))
+    assert "label smoothing with α = 0.0019" in text and "near-point posterior" in text and "(α = 0.1: 0.1)" in text
+    assert "near-point" not in _label_noise_numbers(_summary(0.09, 10))  # α = 0.05 on 10 classes
+    assert "as much as α = 0.3 (`ivon_smoothing`)" in _label_noise_numbers(_summary(0.5, 10), asked=0.3)
