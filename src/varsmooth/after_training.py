@@ -149,10 +149,10 @@ class AfterTrainingMixin:
         to the uncalibrated prediction. See `varsmooth.temperature_scaling`. Every process must call this."""
         eval_dataset = self.eval_dataset if eval_dataset is None else eval_dataset
         self.model.eval()
-        posterior = self.posterior()
-        scaling = fit_on_batches(functools.partial(self.predictive, self.model, posterior=posterior, calibrated=False),
+        predictor = self.predictor()
+        scaling = fit_on_batches(functools.partial(self.predictive, self.model, predictor=predictor, calibrated=False),
                                  None if eval_dataset is None else self.validation_batches(eval_dataset),
-                                 self.prediction_settings(posterior), self.accelerator.gather_for_metrics,
+                                 predictor.describe(), self.accelerator.gather_for_metrics,
                                  self.accelerator.unwrap_model(self.model))
         self.temperature_scaling = scaling
         self.log({"temperature_scaling": scaling.temperature, "eval_nll_uncalibrated": scaling.nll_uncalibrated,
