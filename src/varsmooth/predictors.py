@@ -17,6 +17,7 @@ other module asks which kind a prediction is. A fitted temperature scaling resca
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -36,16 +37,16 @@ from .temperature_scaling import TemperatureScaling
 __all__ = ["EnsemblePredictor", "MCDropoutPredictor", "PosteriorPredictor", "Predictor", "make_predictor"]
 
 
-class Predictor:
+class Predictor(ABC):
     """One kind of prediction of a classifier: `predict(model, inputs)` for one batch, uncalibrated."""
 
+    @abstractmethod
     def predict(self, model: torch.nn.Module, inputs: Mapping[str, Any]) -> VariationalClassifierOutput:
         """The prediction on one batch: `logits` = log P̂ and what was measured with it (entropy, mutual information)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def describe(self) -> dict[str, Any]:
         """What `predict` computes, as recorded with a fitted temperature scaling and compared when a model is loaded."""
-        raise NotImplementedError
 
     def evaluation_entries(self) -> dict[str, float]:
         """What `evaluate()` reports of the prediction beside its scores (e.g. the posterior temperature)."""
@@ -113,9 +114,9 @@ class PosteriorPredictor(Predictor):
                     prediction: VariationalClassifierOutput | None = None) -> VariationalClassifierOutput:
         """The prediction's own draws; at τ = 0, whose prediction draws nothing (a mutual information of 0 would read
         as "certain"), the BMA of the learned posterior (τ = 1) with the same draws, entropy included."""
-        if self.uncertainty_temperature in (None, self.temperature):
-            return super().uncertainty(model, inputs, prediction)
-        return predictive_distribution(model, self.posterior.at_temperature(1.0), inputs, self.num_samples, self.seed)
+        if self.draws_nothing and self.uncertainty_temperature is not None:
+            return predictive_distribution(model, self.posterior.at_temperature(1.0), inputs, self.num_samples, self.seed)
+        return super().uncertainty(model, inputs, prediction)
 
 
 class MCDropoutPredictor(Predictor):
