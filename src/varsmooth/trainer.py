@@ -4,7 +4,8 @@ Bayesian model averaging over the posterior IVON learns.
 The trainer holds one value for the layers below it, the posterior (`posterior()`, with its temperature τ), and hands
 values down, never itself: a method gets its config and a `MethodContext` (`varsmooth.methods`; IVON's Monte-Carlo
 step is `IVONMethod.training_step`), callbacks get handles, τ and the temperature scaling are chosen by functions of
-(model, posterior, batches). Its other jobs live beside it: the checks of its inputs (`varsmooth.checks`), the metrics
+(model, posterior, batches), and what `evaluate()`/`predict()` predict with is a `Predictor` chosen from (model,
+posterior, arguments) by `varsmooth.predictors.make_predictor`. Its other jobs live beside it: the checks of its inputs (`varsmooth.checks`), the metrics
 of `evaluate()` (`metrics.evaluation_metrics`), the guard against non-finite steps (`varsmooth.finite`), the file
 guarantees of saves and checkpoints (`varsmooth.files`), IVON's resume (`posterior.resume`), the model card and Hub
 pushes (`VariationalHubMixin`) and `label_noise()` (`LabelNoiseMixin`).
