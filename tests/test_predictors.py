@@ -86,3 +86,12 @@ def test_every_kind_reports_a_mutual_information_no_larger_than_the_entropy_besi
         assert measured.mutual_information is not None
         assert (measured.mutual_information <= measured.entropy + 1e-6).all()
         assert (scored.entropy < measured.mutual_information).any()  # the calibrated entropy is not the one measured
+
+
+def test_a_trainer_predicts_an_ensemble_with_its_own_temperature_as_the_ensemble_does(network):
+    x = {"pixel_values": torch.rand(5, 8, 8)}
+    ensemble = DeepEnsemble([VariationalModel(network, _posterior(network), num_samples=2)],
+                            temperature_scaling=TemperatureScaling(2.5))
+    predictor = make_predictor(ensemble, DiagonalGaussianPosterior.point_mass(network), 4)
+    torch.testing.assert_close(predictor.predict(ensemble, x).probs, ensemble(**x).probs, rtol=0, atol=0)
+    assert predictor.describe() == ensemble.predictor.describe()  # what a temperature fitted on top would record
