@@ -34,7 +34,14 @@ from .posterior.prediction import (
 )
 from .temperature_scaling import TemperatureScaling
 
-__all__ = ["EnsemblePredictor", "MCDropoutPredictor", "PosteriorPredictor", "Predictor", "make_predictor"]
+__all__ = ["EnsemblePredictor", "MCDropoutPredictor", "PosteriorPredictor", "Predictor", "make_predictor",
+           "measuring_temperature"]
+
+
+def measuring_temperature(temperature: float) -> float:
+    """τ of the posterior draws that measure the uncertainty of a prediction at `temperature`: its own draws', or at
+    τ = 0, which draws nothing (a mutual information of 0 would read as "certain"), the learned posterior's (τ = 1)."""
+    return temperature or 1.0
 
 
 class Predictor(ABC):
@@ -106,16 +113,16 @@ class PosteriorPredictor(Predictor):
 
     @property
     def uncertainty_temperature(self) -> float | None:
-        if not self.draws_nothing:
-            return self.temperature
-        return None if self.posterior.is_point_mass or self.num_samples == 0 else 1.0
+        return None if self.posterior.is_point_mass or self.num_samples == 0 else measuring_temperature(self.temperature)
 
     def uncertainty(self, model: torch.nn.Module, inputs: Mapping[str, Any],
                     prediction: VariationalClassifierOutput | None = None) -> VariationalClassifierOutput:
-        """The prediction's own draws; at τ = 0, whose prediction draws nothing (a mutual information of 0 would read
-        as "certain"), the BMA of the learned posterior (τ = 1) with the same draws, entropy included."""
-        if self.draws_nothing and self.uncertainty_temperature is not None:
-            return predictive_distribution(model, self.posterior.at_temperature(1.0), inputs, self.num_samples, self.seed)
+        """The prediction's own draws; at τ = 0 the BMA of the learned posterior with the same draws, entropy
+        included (`measuring_temperature`)."""
+        measured_at = self.uncertainty_temperature
+        if measured_at is not None and measured_at != self.temperature:
+            return predictive_distribution(model, self.posterior.at_temperature(measured_at), inputs, self.num_samples,
+                                           self.seed)
         return super().uncertainty(model, inputs, prediction)
 
 
