@@ -239,7 +239,7 @@ def test_pipeline_runs_on_the_gpu(tmp_path, monkeypatch):
     assert on_gpu.model.device.type == "cuda"
     for g in on_gpu(images, top_k=10):  # BMA over the GPU's draws
         assert abs(sum(x["score"] for x in g) - 1.0) < 1e-4
-    assert all(s.device.type == "cuda" for s in on_gpu.predictor.posterior.std.values())  # σ followed the model
+    assert all(s.device.type == "cuda" for s in on_gpu.variational_model.posterior.std.values())  # σ followed the model
     # at the posterior mean the GPU and CPU pipelines agree
     at_mean = [pipeline("image-classification", model=str(tmp_path / "model"), device=d, num_samples=0)(images, top_k=10)
                for d in (0, -1)]
@@ -347,7 +347,7 @@ def test_an_ensemble_pipeline_moves_every_member_to_the_gpu(tmp_path):
     with torch.no_grad():
         expected = [ensemble(**tokenizer(s, return_tensors="pt").to("cuda")).probs[0].cpu().numpy() for s in SENTENCES]
     classify = pipeline("text-classification", model=str(tmp_path / "ens"), device=0)
-    assert all(p.device.type == "cuda" for p in classify.predictor.parameters())
+    assert all(p.device.type == "cuda" for p in classify.variational_model.parameters())
     for sentence, probs in zip(SENTENCES, expected):
         scores = {r["label"]: r["score"] for r in classify(sentence, top_k=None)}
         np.testing.assert_allclose([scores[f"class_{k}"] for k in range(3)], probs, rtol=1e-4, atol=1e-5)

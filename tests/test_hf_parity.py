@@ -294,7 +294,8 @@ def test_image_and_text_pipelines_answer_the_uncertainty_in_one_shape(tmp_path):
     for task, x in (("image-classification", image), ("text-classification", "a good film")):
         classify = pipeline(task, model=str(tmp_path / task.split("-")[0]))
         one = classify(x, return_uncertainty=True)
-        assert set(one) == {"predictions", "entropy", "mutual_information", "uncertainty_temperature"}, task
+        assert set(one) == {"predictions", "entropy", "expected_entropy", "mutual_information",
+                            "uncertainty_temperature"}, task
         stock = classify(x)  # without the uncertainty: the stock pipeline's answer
         assert [p["label"] for p in one["predictions"]] == [p["label"] for p in stock]
         assert [p["score"] for p in one["predictions"]] == pytest.approx([p["score"] for p in stock])

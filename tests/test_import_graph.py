@@ -4,6 +4,7 @@ included): values flow down from the trainer, so nothing below it imports it, an
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "varsmooth"
@@ -94,3 +95,16 @@ def test_nothing_below_the_trainer_imports_it():
 def test_no_import_circle():
     found = cycles(import_graph())
     assert not found, f"import circles: {[sorted(c) for c in found]}"
+
+
+#: the classes that are a kind of prediction: asking whether a model or predictor is one of them chooses a kind
+PREDICTION_KINDS = re.compile(r"isinstance\((?:[^()]|\((?:[^()]|\([^()]*\))*\))*?\b(DeepEnsemble|\w*Predictor)\b")
+
+
+def test_only_the_predictors_module_asks_which_kind_a_prediction_is():
+    """`varsmooth.predictors` chooses the kind of every prediction (`make_predictor`); elsewhere a prediction is made,
+    described and measured through the `Predictor` interface, never by testing for a kind."""
+    asking = {_module_name(path, PACKAGE) for path in PACKAGE.rglob("*.py")
+              if PREDICTION_KINDS.search(path.read_text(encoding="utf-8"))}
+    assert asking <= {"varsmooth.predictors"}, f"modules testing for a kind of prediction: {sorted(asking)}"
+    assert PREDICTION_KINDS.search("if isinstance(self.accelerator.unwrap_model(model), DeepEnsemble):")

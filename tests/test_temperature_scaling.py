@@ -1,5 +1,6 @@
 """Post-hoc temperature scaling (Guo et al. 2017): fit by validation NLL, apply to any prediction, save with the model."""
 
+import contextlib
 import json
 import os
 
@@ -204,3 +205,35 @@ def test_temperature_scaling_without_eval_dataset_is_refused_before_training(tmp
     with pytest.raises(ValueError, match="eval_dataset"):
         trainer.train()
     assert trainer.state.global_step == 0
+
+
+def test_the_pipelines_uncertainty_is_one_measurement_of_the_uncalibrated_draws(fitted_run, tmp_path):
+    """The entropy, expected entropy and mutual information a pipeline reports come from the same draws (the τ = 1 BMA
+    for a model predicting at its posterior mean), uncalibrated, so the mutual information never exceeds the entropy;
+    the scores stay the calibrated prediction at the chosen τ."""
+    trainer, val, transform, _ = fitted_run
+    trainer.save_model(str(tmp_path))
+    ivon = trainer.args.method == "ivon"
+    images, pixels = val[:8]["image"], transform(val[:8])["pixel_values"]
+    measured = VariationalModel.from_pretrained(tmp_path, temperature_scaling=False)
+    assert measured.posterior.temperature == 1.0  # the run's τ: draws at τ = 0 and at the run's τ measure alike
+    with torch.no_grad():
+        draws = measured(pixel_values=pixels)
+    for temperature in (None, 0.0):
+        with pytest.warns(UserWarning) if temperature == 0.0 and ivon else contextlib.nullcontext():
+            classify = pipeline("image-classification", model=str(tmp_path), temperature=temperature)
+            scored = VariationalModel.from_pretrained(tmp_path, temperature=temperature)
+        with torch.no_grad():
+            expected_scores = scored(pixel_values=pixels).probs.numpy()
+        for row, image in enumerate(images):
+            answer = classify(image, return_uncertainty=True, top_k=10)
+            scores = [next(p["score"] for p in answer["predictions"] if p["label"] == str(k)) for k in range(10)]
+            np.testing.assert_allclose(scores, expected_scores[row], rtol=1e-5, atol=1e-6)
+            assert answer["entropy"] == pytest.approx(draws.entropy[row].item(), rel=1e-5, abs=1e-6)
+            if not ivon:  # no draws: the entropy of the prediction, nothing else measured
+                assert answer["mutual_information"] is answer["expected_entropy"] is answer["uncertainty_temperature"] is None
+                continue
+            assert answer["uncertainty_temperature"] == 1.0
+            assert answer["mutual_information"] == pytest.approx(draws.mutual_information[row].item(), rel=1e-5, abs=1e-6)
+            assert answer["expected_entropy"] == pytest.approx(answer["entropy"] - answer["mutual_information"])
+            assert 0 <= answer["mutual_information"] <= answer["entropy"]

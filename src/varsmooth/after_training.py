@@ -31,6 +31,7 @@ from .batchnorm import (
 from .methods import EXAMPLE_INDEX_KEY
 from .posterior import DiagonalGaussianPosterior
 from .posterior.temperature import SELECTION_SAMPLES, select_temperature, temperature_logs
+from .predictors import measuring_temperature
 from .temperature_scaling import TemperatureScaling, fit_on_batches
 from .utils import length_order
 
@@ -119,9 +120,9 @@ class AfterTrainingMixin:
         return posterior
 
     def _draws_temperature(self) -> float:
-        """The τ of the draws whose statistics are prepared: the prediction's, or the learned posterior's (1) when the
-        prediction is at the mean, for the label-noise export and a pipeline's mutual information."""
-        return self.posterior_temperature or 1.0
+        """The τ of the draws whose statistics are prepared: those that measure the prediction's uncertainty (the
+        prediction's own, or at τ = 0 the learned posterior's, which the label-noise export samples too)."""
+        return measuring_temperature(self.posterior_temperature)
 
     def _batchnorm_batches(self, model: torch.nn.Module) -> list[dict[str, Any]] | None:
         """The prepared training batches each posterior draw's BatchNorm statistics are computed from (the first
@@ -149,10 +150,10 @@ class AfterTrainingMixin:
         to the uncalibrated prediction. See `varsmooth.temperature_scaling`. Every process must call this."""
         eval_dataset = self.eval_dataset if eval_dataset is None else eval_dataset
         self.model.eval()
-        posterior = self.posterior()
-        scaling = fit_on_batches(functools.partial(self.predictive, self.model, posterior=posterior, calibrated=False),
+        predictor = self.predictor()
+        scaling = fit_on_batches(functools.partial(self.predictive, self.model, predictor=predictor, calibrated=False),
                                  None if eval_dataset is None else self.validation_batches(eval_dataset),
-                                 self.prediction_settings(posterior), self.accelerator.gather_for_metrics,
+                                 predictor.describe(), self.accelerator.gather_for_metrics,
                                  self.accelerator.unwrap_model(self.model))
         self.temperature_scaling = scaling
         self.log({"temperature_scaling": scaling.temperature, "eval_nll_uncalibrated": scaling.nll_uncalibrated,

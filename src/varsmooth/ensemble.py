@@ -14,6 +14,7 @@ load it; a pipeline reads the tokenizer or image processor saved into the ensemb
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import shutil
@@ -23,10 +24,10 @@ from typing import Any
 
 import torch
 
+from .adapters import is_peft_model
 from .files import MANIFEST_FILE, FolderSave, atomic_path, check_manifest, read_manifest
 from .modeling import FOLDER_LOADERS, VariationalModel, load_temperature_scaling
-from .posterior import VariationalClassifierOutput
-from .posterior.prediction import LABEL_KEYS, entropy
+from .predictors import EnsemblePredictor, PredictiveModel
 from .temperature_scaling import TemperatureScaling, network_fingerprint
 
 __all__ = ["ENSEMBLE_CONFIG_FILE", "DeepEnsemble"]
@@ -43,7 +44,7 @@ def _labels(member: VariationalModel) -> tuple[int | None, dict[int, str] | None
     return getattr(config, "num_labels", None), ({int(k): str(v) for k, v in id2label.items()} if id2label else None)
 
 
-class DeepEnsemble(torch.nn.Module):
+class DeepEnsemble(PredictiveModel):
     """The average of the members' predictive distributions.
 
     `forward(**inputs)` returns a `VariationalClassifierOutput`: `logits` = log P̂ and `probs` = P̂ (the average of the
@@ -80,29 +81,16 @@ class DeepEnsemble(torch.nn.Module):
         return self.members[0].config
 
     @property
-    def prediction_settings(self) -> dict[str, Any]:
-        """What `forward` predicts (recorded with a fitted temperature)."""
-        return {"kind": "ensemble", "members": len(self.members),
-                "member_predictions": [member.prediction_settings for member in self.members]}
+    def predictor(self) -> EnsemblePredictor:
+        """The average of the members' predictions (`varsmooth.predictors.EnsemblePredictor`)."""
+        return EnsemblePredictor(self.members)
 
-    def forward(self, **inputs: Any) -> VariationalClassifierOutput:
-        inputs = {k: v for k, v in inputs.items() if k not in LABEL_KEYS}
-        outputs = [member(**inputs) for member in self.members]
-        shapes = {tuple(out.probs.shape) for out in outputs}
-        if len(shapes) > 1:
-            raise ValueError(f"The ensemble members predict outputs of different shapes {sorted(shapes)}: they do not "
-                             "classify into the same classes. Ensemble models with the same number of classes.")
-        probs = torch.stack([out.probs for out in outputs]).mean(0)
-        # each member's mean entropy of its single models is H[P̂_n] − MI_n (0 for a member without draws)
-        single_entropy = torch.stack([out.entropy if out.mutual_information is None else out.entropy - out.mutual_information
-                                      for out in outputs]).mean(0)
-        total_entropy = entropy(probs)
-        mean_probs = torch.stack([out.mean_probs for out in outputs]).mean(0)
-        out = VariationalClassifierOutput(
-            logits=probs.clamp_min(1e-30).log(), probs=probs, mean_logits=mean_probs.clamp_min(1e-30).log(),
-            mean_probs=mean_probs, entropy=total_entropy, mutual_information=(total_entropy - single_entropy).clamp_min(0.0),
-        )
-        return out if self.temperature_scaling is None else self.temperature_scaling.calibrate(out)
+    @property
+    def input_names(self) -> list[str]:
+        """The inputs the members' networks take (`forward` takes any keywords and passes them on)."""
+        network = self.members[0].model
+        network = network.get_base_model() if is_peft_model(network) else network
+        return list(inspect.signature(network.forward).parameters)
 
     # -- loading -----------------------------------------------------------------------------------
     @classmethod
@@ -116,10 +104,9 @@ class DeepEnsemble(torch.nn.Module):
             raise ValueError("from_members got no model folders.")
         members = []
         for path in paths:
-            member = VariationalModel.from_pretrained(path, temperature_scaling=False, **kwargs)
-            if isinstance(member, DeepEnsemble):
+            if os.path.isfile(os.path.join(os.fspath(path), ENSEMBLE_CONFIG_FILE)):
                 raise ValueError(f"{os.fspath(path)} is itself an ensemble: list its member folders instead.")
-            members.append(member)
+            members.append(VariationalModel.from_pretrained(path, temperature_scaling=False, **kwargs))
         return cls(members)
 
     @classmethod
@@ -163,7 +150,7 @@ class DeepEnsemble(torch.nn.Module):
         if temperature_scaling:
             ensemble.temperature_scaling = load_temperature_scaling(ensemble, folder)
             if ensemble.temperature_scaling is not None:
-                ensemble.temperature_scaling.check_prediction(ensemble.prediction_settings, folder)
+                ensemble.temperature_scaling.check_prediction(ensemble.predictor.describe(), folder)
         return ensemble
 
     # -- saving ------------------------------------------------------------------------------------

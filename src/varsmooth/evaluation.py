@@ -67,11 +67,11 @@ def predictive_outputs(trainer: "VariationalTrainer", dataset: Any) -> dict[str,
     model = trainer.model
     was_training = model.training
     model.eval()
-    posterior = trainer.posterior()
+    predictor = trainer.predictor()
     parts: dict[str, list[np.ndarray]] = {"probs": [], "logits": [], "mutual_information": []}
     try:
         for batch in trainer.get_test_dataloader(dataset):
-            out = trainer.predictive(model, trainer._prepare_inputs(batch), posterior)
+            out = trainer.predictive(model, trainer._prepare_inputs(batch), predictor)
             parts["probs"].append(out.probs.float().cpu().numpy())
             parts["logits"].append(out.mean_logits.float().cpu().numpy())
             if out.mutual_information is not None:  # None: a prediction without draws, where none was measured

@@ -18,11 +18,12 @@ from transformers import (
 from .adapters import has_adapter, is_peft_model, load_adapter_model, save_classifier_config
 from .batchnorm import batchnorm_layers
 from .files import FolderSave, check_manifest
-from .mc_dropout import OUTPUT_DROPOUT_KEY, add_output_dropout, mc_dropout_predictive
-from .posterior import POSTERIOR_FILE, DiagonalGaussianPosterior, VariationalClassifierOutput, predictive_distribution
+from .mc_dropout import OUTPUT_DROPOUT_KEY, add_output_dropout
+from .posterior import POSTERIOR_FILE, DiagonalGaussianPosterior
 from .posterior.gaussian import non_finite_tensors
 from .posterior.prediction import predicts_at_the_mean
-from .temperature_scaling import TEMPERATURE_SCALING_FILE, TemperatureScaling, describe_prediction
+from .predictors import PredictiveModel, Predictor, make_predictor
+from .temperature_scaling import TEMPERATURE_SCALING_FILE, TemperatureScaling
 
 #: marker file of a saved folder that another class loads -> that class's `from_pretrained` (a `DeepEnsemble` folder
 #: registers itself here: the ensemble is made of `VariationalModel`s, so this module cannot import it)
@@ -52,7 +53,7 @@ def _auto_class(config: Any) -> type:
     return AUTO_CLASSES[classification_task(config)]
 
 
-class VariationalModel(torch.nn.Module):
+class VariationalModel(PredictiveModel):
     """A classifier whose forward averages softmax probabilities over `num_samples` posterior draws.
 
     `forward(**inputs)` returns a `VariationalClassifierOutput` whose `logits` are log P̂, so argmax/softmax
@@ -81,9 +82,13 @@ class VariationalModel(torch.nn.Module):
         warn_without_draw_buffers(model, posterior, self.num_samples, self.seed)
 
     @property
-    def prediction_settings(self) -> dict[str, Any]:
-        """What `forward` predicts (recorded with a fitted temperature; see `describe_prediction`)."""
-        return describe_prediction(self.posterior, self.num_samples, self.mc_dropout_samples)
+    def predictor(self) -> Predictor:
+        """What `forward` predicts with these settings (`varsmooth.predictors`)."""
+        return make_predictor(self.model, self.posterior, self.num_samples, self.seed, self.mc_dropout_samples)
+
+    @property
+    def network(self) -> torch.nn.Module:
+        return self.model
 
     @property
     def config(self) -> Any:
@@ -148,15 +153,8 @@ class VariationalModel(torch.nn.Module):
         if temperature_scaling:
             loaded.temperature_scaling = load_temperature_scaling(model, path, revision=revision, token=token)
             if loaded.temperature_scaling is not None:
-                loaded.temperature_scaling.check_prediction(loaded.prediction_settings, path)
+                loaded.temperature_scaling.check_prediction(loaded.predictor.describe(), path)
         return loaded
-
-    def forward(self, **inputs: Any) -> VariationalClassifierOutput:
-        if self.mc_dropout_samples:
-            out = mc_dropout_predictive(self.model, inputs, self.mc_dropout_samples, self.seed)
-        else:
-            out = predictive_distribution(self.model, self.posterior, inputs, self.num_samples, self.seed)
-        return out if self.temperature_scaling is None else self.temperature_scaling.calibrate(out)
 
     def save_pretrained(self, save_directory: str | os.PathLike, **kwargs: Any) -> None:
         adapter = is_peft_model(self.model)

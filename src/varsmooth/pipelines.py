@@ -2,14 +2,18 @@
 
     classify = varsmooth.pipeline("image-classification", model="user/repo")
     classify(image)                               # [{"label": ..., "score": P̂(label | image)}, ...]
-    classify(image, return_uncertainty=True)      # {"predictions": [...], "entropy": H[P̂], "mutual_information": ...,
-                                                  #  "uncertainty_temperature": τ of the draws that measured it}
+    classify(image, return_uncertainty=True)      # {"predictions": [...], "entropy": H[P̂], "expected_entropy": ...,
+                                                  #  "mutual_information": ..., "uncertainty_temperature": τ of the
+                                                  #  draws that measured them}
 
 With `return_uncertainty=True` both tasks answer in one shape: a dict for one input (a list of them for a list of
 inputs) whose "predictions" is a list of {"label", "score"} (the stock text pipeline's top label alone, in a list).
 
-The mutual information is measured with the posterior draws of the prediction; a model that predicts at its posterior
-mean (τ = 0) reports it under the learned posterior (τ = 1) instead, and a model without a posterior reports None.
+The uncertainty is one measurement (`Predictor.uncertainty`): the entropy H[P̂] of the uncalibrated average of the draws,
+their mean entropy ("expected_entropy") and the mutual information, their difference, so the mutual information never
+exceeds the entropy beside it. The draws are the prediction's own; a model that predicts at its posterior mean (τ = 0)
+reports all three under the learned posterior (τ = 1) instead, while its labels and scores stay those at τ = 0. A
+model without a posterior reports the entropy of its prediction and None for the other two.
 
 The model may also be a deep-ensemble folder (`varsmooth.DeepEnsemble`), and a temperature fitted by temperature
 scaling and saved with the model is applied. The pipeline classes can also be passed to
@@ -29,7 +33,6 @@ from transformers import ImageClassificationPipeline, TextClassificationPipeline
 from transformers.image_utils import load_image
 
 from .adapters import is_peft_model
-from .ensemble import DeepEnsemble
 from .files import check_manifest
 from .modeling import (
     VariationalModel,
@@ -38,29 +41,32 @@ from .modeling import (
     load_temperature_scaling,
     sampling_settings,
 )
-from .posterior import DiagonalGaussianPosterior, predictive_distribution
+from .posterior import DiagonalGaussianPosterior
+from .predictors import PredictiveModel
 
 __all__ = ["VariationalImageClassificationPipeline", "VariationalTextClassificationPipeline", "pipeline"]
 
 
 class _VariationalMixin:
-    """Replaces the pipeline's forward pass by `predictor`: a `VariationalModel` around the pipeline's model (BMA over
-    `num_samples` posterior draws, the trainer's draws for the same seed) or a `DeepEnsemble` of which it is member 0."""
+    """Replaces the pipeline's forward pass by `variational_model`: a `VariationalModel` around the pipeline's model
+    (BMA over `num_samples` posterior draws, the trainer's draws for the same seed) or a `DeepEnsemble` of which it is
+    member 0."""
 
     def __init__(self, *args: Any, posterior: DiagonalGaussianPosterior | None = None, num_samples: int | None = None,
-                 seed: int | None = None, predictor: VariationalModel | DeepEnsemble | None = None, **kwargs: Any) -> None:
+                 seed: int | None = None, variational_model: PredictiveModel | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        if predictor is None:  # built by `transformers.pipeline(..., pipeline_class=...)`, which loaded the model
+        if variational_model is None:  # built by `transformers.pipeline(..., pipeline_class=...)`, which loaded the model
             if os.path.isdir(self.model.name_or_path):
                 check_manifest(self.model.name_or_path)
             check_finite_weights(self.model, self.model.name_or_path)
             if posterior is None:
                 posterior = load_posterior(self.model, self.model.name_or_path)
             num_samples, seed = sampling_settings(posterior, num_samples, seed)
-            predictor = VariationalModel(self.model, posterior, num_samples=num_samples, seed=seed,
-                                         temperature_scaling=load_temperature_scaling(self.model, self.model.name_or_path))
+            variational_model = VariationalModel(
+                self.model, posterior, num_samples=num_samples, seed=seed,
+                temperature_scaling=load_temperature_scaling(self.model, self.model.name_or_path))
         # the pipeline has moved its model (member 0 of an ensemble) to its device: the other members follow
-        self.predictor = predictor.to(self.model.device)
+        self.variational_model = variational_model.to(self.model.device)
 
     def __call__(self, inputs: Any, **kwargs: Any) -> Any:
         if isinstance(inputs, (list, tuple)) and len(inputs) == 0:  # the stock pipeline fails with an IndexError
@@ -74,39 +80,22 @@ class _VariationalMixin:
         return preprocess, forward, postprocess
 
     def _forward(self, model_inputs: dict[str, Any], return_uncertainty: bool = False) -> dict[str, Any]:
-        out = self.predictor(**model_inputs)
-        # log P̂ as "logits": the pipeline's softmax turns them back into P̂
-        result = {"logits": out.logits, "entropy": out.entropy, "mutual_information": out.mutual_information,
-                  "uncertainty_temperature": None if out.mutual_information is None else _temperature(self.predictor)}
-        if return_uncertainty and out.mutual_information is None:
-            result.update(_learned_posterior_uncertainty(self.predictor, model_inputs))
-        return result
+        if not return_uncertainty:  # log P̂ as "logits": the pipeline's softmax turns them back into P̂
+            return {"logits": self.variational_model(**model_inputs).logits}
+        out, measured = self.variational_model.predict_with_uncertainty(**model_inputs)
+        measured_with = None if measured.mutual_information is None else self.variational_model.predictor.uncertainty_temperature
+        return {"logits": out.logits, "entropy": measured.entropy, "mutual_information": measured.mutual_information,
+                "uncertainty_temperature": measured_with}
 
     def postprocess(self, model_outputs: dict[str, Any], return_uncertainty: bool = False, **kwargs: Any) -> Any:
         result = super().postprocess(model_outputs, **kwargs)
         if not return_uncertainty:
             return result
-        mi = model_outputs["mutual_information"]
-        return {"predictions": result if isinstance(result, list) else [result],
-                "entropy": float(model_outputs["entropy"].reshape(-1)[0]),
-                "mutual_information": None if mi is None else float(mi.reshape(-1)[0]),
+        entropy, mi = float(model_outputs["entropy"].reshape(-1)[0]), model_outputs["mutual_information"]
+        mi = None if mi is None else float(mi.reshape(-1)[0])
+        return {"predictions": result if isinstance(result, list) else [result], "entropy": entropy,
+                "expected_entropy": None if mi is None else entropy - mi, "mutual_information": mi,
                 "uncertainty_temperature": model_outputs["uncertainty_temperature"]}
-
-
-def _temperature(predictor: Any) -> float | None:
-    """τ of the draws behind a prediction's mutual information (None for MC dropout or an ensemble)."""
-    return predictor.posterior.temperature if isinstance(predictor, VariationalModel) and not predictor.mc_dropout_samples else None
-
-
-def _learned_posterior_uncertainty(predictor: Any, model_inputs: dict[str, Any]) -> dict[str, Any]:
-    """The mutual information under the learned posterior (τ = 1) for a model that predicts at its posterior mean
-    (τ = 0 chosen, or num_samples=0): the prediction's own is not a measurement, and a 0 would read as "certain". A
-    model without a posterior (or with no draws asked for) has none to report: None."""
-    if not isinstance(predictor, VariationalModel) or predictor.posterior.is_point_mass or predictor.num_samples == 0:
-        return {}
-    out = predictive_distribution(predictor.model, predictor.posterior.at_temperature(1.0), model_inputs,
-                                  predictor.num_samples, predictor.seed)
-    return {"mutual_information": out.mutual_information, "uncertainty_temperature": 1.0}
 
 
 def _num_channels(config: Any) -> int:
@@ -170,10 +159,11 @@ def pipeline(task: str, model: str | os.PathLike, *, num_samples: int | None = N
                                               mc_dropout_samples=mc_dropout_samples,
                                               temperature_scaling=temperature_scaling,
                                               **{k: kwargs.pop(k) for k in ("revision", "token") if k in kwargs})
-    first = loaded.members[0] if isinstance(loaded, DeepEnsemble) else loaded
-    # an adapter model runs as its base with the adapters injected (the pipeline knows only transformers classes);
-    # the posterior still samples the adapter weights, which are the same tensors
-    network = first.model.get_base_model() if is_peft_model(first.model) else first.model
-    return transformers.pipeline(task, model=network, pipeline_class=_PIPELINES[task], predictor=loaded,
+    # the pipeline runs one transformers model (an ensemble's first member's); an adapter model runs as its base with the
+    # adapters injected (the pipeline knows only transformers classes), and the posterior still samples the adapter
+    # weights, which are the same tensors
+    first = next(module for module in loaded.modules() if isinstance(module, VariationalModel)).model
+    network = first.get_base_model() if is_peft_model(first) else first
+    return transformers.pipeline(task, model=network, pipeline_class=_PIPELINES[task], variational_model=loaded,
                                  **({"tokenizer": os.fspath(model)} if task == "text-classification" else {"image_processor": os.fspath(model)}),
                                  **kwargs)

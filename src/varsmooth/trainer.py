@@ -4,7 +4,8 @@ Bayesian model averaging over the posterior IVON learns.
 The trainer holds one value for the layers below it, the posterior (`posterior()`, with its temperature τ), and hands
 values down, never itself: a method gets its config and a `MethodContext` (`varsmooth.methods`; IVON's Monte-Carlo
 step is `IVONMethod.training_step`), callbacks get handles, τ and the temperature scaling are chosen by functions of
-(model, posterior, batches). Its other jobs live beside it: the checks of its inputs (`varsmooth.checks`), the metrics
+(model, posterior, batches), and what `evaluate()`/`predict()` predict with is a `Predictor` chosen from (model,
+posterior, arguments) by `varsmooth.predictors.make_predictor`. Its other jobs live beside it: the checks of its inputs (`varsmooth.checks`), the metrics
 of `evaluate()` (`metrics.evaluation_metrics`), the guard against non-finite steps (`varsmooth.finite`), the file
 guarantees of saves and checkpoints (`varsmooth.files`), IVON's resume (`posterior.resume`), the model card and Hub
 pushes (`VariationalHubMixin`) and `label_noise()` (`LabelNoiseMixin`).
@@ -12,7 +13,6 @@ pushes (`VariationalHubMixin`) and `label_noise()` (`LabelNoiseMixin`).
 
 from __future__ import annotations
 
-import inspect
 import logging
 import os
 from typing import Any
@@ -23,7 +23,6 @@ import torch
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PredictionOutput
 
-from .adapters import is_peft_model
 from .after_training import AfterTrainingMixin
 from .batchnorm import (
     BatchNormRecalibrationCallback,
@@ -44,13 +43,11 @@ from .checks import (
     named_datasets,
 )
 from .corruption import realized_noise_report
-from .ensemble import DeepEnsemble
 from .finite import NonFiniteGuard, non_finite_step_error
 from .fsdp import keep_presharded_model
 from .hp_search import HyperparameterSearchMixin
 from .hub import VariationalHubMixin
 from .label_noise import LabelNoiseCallback, LabelNoiseMixin, SmoothingStrengthCallback
-from .mc_dropout import mc_dropout_predictive
 from .methods import (
     EXAMPLE_INDEX_KEY,
     ExampleIndexDataset,
@@ -66,7 +63,6 @@ from .posterior import (
     DiagonalGaussianPosterior,
     VariationalClassifierOutput,
     VariationalIVON,
-    predictive_distribution,
     unwrap_ivon,
 )
 from .posterior.diagnostics import HessianDiagnosticsCallback, hessian_summary
@@ -76,7 +72,8 @@ from .posterior.temperature import (
     PosteriorTemperatureCallback,
     check_transition_matrix,
 )
-from .temperature_scaling import TemperatureScaling, TemperatureScalingCallback, describe_prediction
+from .predictors import Predictor, make_predictor
+from .temperature_scaling import TemperatureScaling, TemperatureScalingCallback
 from .training_args import VariationalTrainingArguments
 from .training_health import StalledLossCallback
 
@@ -255,27 +252,19 @@ class VariationalTrainer(AfterTrainingMixin, CheckpointingMixin, VariationalHubM
                     os.path.join(folder, POSTERIOR_FILE))
         return posterior
 
-    def predictive(self, model: torch.nn.Module, inputs: dict[str, Any], posterior: DiagonalGaussianPosterior | None = None,
-                   calibrated: bool = True) -> VariationalClassifierOutput:
-        """The prediction `evaluate()`/`predict()` score on one prepared batch: a `DeepEnsemble` model's pooled
-        prediction, MC dropout (`args.mc_dropout_samples`), or BMA over `posterior` (default: `self.posterior()`; a
-        point mass predicts at the weights); then the temperature scaling, if fitted and `calibrated`."""
-        if isinstance(self.accelerator.unwrap_model(model), DeepEnsemble):
-            out = model(**inputs)
-        elif self.args.mc_dropout_samples:
-            out = mc_dropout_predictive(model, inputs, self.args.mc_dropout_samples, self.args.eval_seed)
-        else:
-            posterior = self.posterior() if posterior is None else posterior
-            out = predictive_distribution(model, posterior, inputs, self.args.eval_mc_samples, self.args.eval_seed)
-        return self.temperature_scaling.calibrate(out) if calibrated and self.temperature_scaling is not None else out
+    def predictor(self, posterior: DiagonalGaussianPosterior | None = None) -> Predictor:
+        """What `evaluate()`/`predict()` predict with (`varsmooth.predictors.make_predictor`): a `DeepEnsemble` model's
+        pooled prediction, MC dropout (`args.mc_dropout_samples`), or BMA over `args.eval_mc_samples` draws of
+        `posterior` (default: `self.posterior()`; a point mass predicts at the weights)."""
+        return make_predictor(self.accelerator.unwrap_model(self.model), self.posterior() if posterior is None else posterior,
+                              self.args.eval_mc_samples, self.args.eval_seed, self.args.mc_dropout_samples)
 
-    def prediction_settings(self, posterior: DiagonalGaussianPosterior | None = None) -> dict[str, Any]:
-        """What `predictive` predicts (recorded with a fitted temperature, compared when the model is loaded)."""
-        network = self.accelerator.unwrap_model(self.model)
-        if isinstance(network, DeepEnsemble):
-            return network.prediction_settings
-        posterior = self.posterior() if posterior is None else posterior
-        return describe_prediction(posterior, self.args.eval_mc_samples, self.args.mc_dropout_samples)
+    def predictive(self, model: torch.nn.Module, inputs: dict[str, Any], predictor: Predictor | None = None,
+                   calibrated: bool = True) -> VariationalClassifierOutput:
+        """The prediction `evaluate()`/`predict()` score on one prepared batch: `predictor`'s (default:
+        `self.predictor()`), then the temperature scaling, if fitted and `calibrated`."""
+        out = (self.predictor() if predictor is None else predictor).predict(model, inputs)
+        return self.temperature_scaling.calibrate(out) if calibrated and self.temperature_scaling is not None else out
 
     # -- training ----------------------------------------------------------------------------------
     def compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch: Any = None) -> Any:
@@ -353,11 +342,10 @@ class VariationalTrainer(AfterTrainingMixin, CheckpointingMixin, VariationalHubM
         return super()._get_dataloader(dataset, description, batch_size, sampler_fn, is_training, dataloader_key)
 
     def _set_signature_columns_if_needed(self) -> None:
-        network = self.accelerator.unwrap_model(self.model)
-        if self._signature_columns is None and isinstance(network, DeepEnsemble):  # forward(**inputs): ask a member
-            member = network.members[0].model
-            member = member.get_base_model() if is_peft_model(member) else member
-            self._signature_columns = [*inspect.signature(member.forward).parameters, "label", "label_ids", *self.label_names]
+        # a model whose forward takes **inputs (a `DeepEnsemble`) names the inputs its networks take
+        input_names = getattr(self.accelerator.unwrap_model(self.model), "input_names", None)
+        if self._signature_columns is None and input_names is not None:
+            self._signature_columns = [*input_names, "label", "label_ids", *self.label_names]
         super()._set_signature_columns_if_needed()
         if self.method.needs_example_index and EXAMPLE_INDEX_KEY not in self._signature_columns:
             self._signature_columns.append(EXAMPLE_INDEX_KEY)  # or the column removal would drop the index
@@ -380,7 +368,7 @@ class VariationalTrainer(AfterTrainingMixin, CheckpointingMixin, VariationalHubM
         inputs = self._prepare_inputs(inputs)
         labels = inputs.get("labels")
         # a point-mass posterior (no IVON state, none loaded) predicts at the weights
-        out = self.predictive(model, inputs, self._eval_posterior)
+        out = self.predictive(model, inputs, self._eval_predictor)
         loss = None
         if labels is not None:
             loss = torch.nn.functional.nll_loss(out.logits, labels)
@@ -390,7 +378,8 @@ class VariationalTrainer(AfterTrainingMixin, CheckpointingMixin, VariationalHubM
 
     def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
         # the posterior is built once per evaluation, from the IVON state of this moment
-        self._eval_posterior = posterior = self.posterior()
+        posterior = self.posterior()
+        self._eval_predictor = predictor = self.predictor(posterior)
         learns, bma = learns_posterior(self.method), self.args.eval_mc_samples > 0
         at_mean_only = learns and bma and posterior.is_point_mass
         if at_mean_only:
@@ -400,15 +389,13 @@ class VariationalTrainer(AfterTrainingMixin, CheckpointingMixin, VariationalHubM
                 "Predicting at the weights; the metrics are reported as mean_* (e.g. eval_mean_accuracy).",
                 self.args.eval_mc_samples, POSTERIOR_FILE,
             )
-        describe = None  # what was computed: 0 samples averaged = a prediction at the posterior mean
-        if learns and not isinstance(self.accelerator.unwrap_model(self.model), DeepEnsemble):
-            averaged = 0 if posterior.is_point_mass or posterior.temperature == 0 else self.args.eval_mc_samples
-            describe = {"posterior_temperature": posterior.temperature, "posterior_samples_averaged": averaged}
+        # what was computed: 0 samples averaged = a prediction at the posterior mean
+        describe = predictor.evaluation_entries() if learns else None
         self._metrics.start(at_mean_only=at_mean_only, with_mean=learns and bma, describe=describe)
         try:
             return super().evaluation_loop(*args, **kwargs)
         finally:
-            del self._eval_posterior
+            del self._eval_predictor
 
     @property
     def reliability_diagram(self) -> dict[str, np.ndarray] | None:

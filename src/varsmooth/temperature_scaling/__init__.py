@@ -3,6 +3,6 @@ prediction (BMA, the posterior mean, MC dropout, an ensemble). Not the posterior
 posterior's σ (`varsmooth.posterior.temperature`)."""
 
 from .callback import TemperatureScalingCallback, fit_on_batches
-from .scaling import TEMPERATURE_SCALING_FILE, TemperatureScaling, describe_prediction, network_fingerprint, scaled_nll
+from .scaling import TEMPERATURE_SCALING_FILE, TemperatureScaling, network_fingerprint, scaled_nll
 
-__all__ = ["TEMPERATURE_SCALING_FILE", "TemperatureScaling", "TemperatureScalingCallback", "describe_prediction", "fit_on_batches", "network_fingerprint", "scaled_nll"]
+__all__ = ["TEMPERATURE_SCALING_FILE", "TemperatureScaling", "TemperatureScalingCallback", "fit_on_batches", "network_fingerprint", "scaled_nll"]

@@ -26,7 +26,7 @@ def fit_on_batches(
     model: torch.nn.Module | None = None,
 ) -> TemperatureScaling:
     """Fit T by the NLL of `predict(batch)` (the uncalibrated prediction) on labelled validation `batches` (None: there
-    is no validation split). `prediction` describes what `predict` computes (`describe_prediction`: recorded with T,
+    is no validation split). `prediction` describes what `predict` computes (`Predictor.describe`: recorded with T,
     compared when the model is loaded); `gather` collects the logits of all processes (every process must call this);
     `model`, when given, is checked for a temperature of its own (an ensemble's)."""
     if batches is None:

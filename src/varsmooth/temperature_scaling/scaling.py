@@ -28,10 +28,10 @@ import torch
 
 from ..files import atomic_path
 from ..model_parts import AUX_MODULE_NAME
-from ..posterior.gaussian import DiagonalGaussianPosterior, weights_fingerprint
+from ..posterior.gaussian import weights_fingerprint
 from ..posterior.prediction import VariationalClassifierOutput, entropy
 
-__all__ = ["TEMPERATURE_SCALING_FILE", "TemperatureScaling", "describe_prediction", "network_fingerprint", "scaled_nll"]
+__all__ = ["TEMPERATURE_SCALING_FILE", "TemperatureScaling", "network_fingerprint", "scaled_nll"]
 
 TEMPERATURE_SCALING_FILE = "temperature_scaling.json"
 #: the fitted T is kept inside [1/100, 100]: on a validation set the model fits perfectly the NLL keeps falling as
@@ -53,16 +53,6 @@ def network_fingerprint(network: torch.nn.Module) -> tuple[str, str | None]:
     params = dict(network.named_parameters())
     dtypes = sorted({str(params[name].dtype) for name in names})
     return weights_fingerprint(network, names), ",".join(dtypes) or None
-
-
-def describe_prediction(posterior: DiagonalGaussianPosterior | None, num_samples: int, mc_dropout_samples: int = 0) -> dict[str, Any]:
-    """What a trainer or `VariationalModel` predicts with these settings, as recorded with a fitted temperature:
-    MC dropout, Bayesian model averaging (draws and posterior temperature τ), or the prediction at the weights."""
-    if mc_dropout_samples > 0:
-        return {"kind": "mc_dropout", "num_samples": int(mc_dropout_samples)}
-    if posterior is not None and not posterior.is_point_mass and num_samples > 0 and posterior.temperature > 0:
-        return {"kind": "bma", "num_samples": int(num_samples), "posterior_temperature": posterior.temperature}
-    return {"kind": "weights"}
 
 
 @dataclass
