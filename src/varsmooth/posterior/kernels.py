@@ -95,11 +95,12 @@ def _compiled(fn: Callable) -> Callable:
 
 
 class Dispatch:
-    """Runs the functions above compiled or eagerly by torch.optim's `fused` flag: None compiles where torch.compile
-    works, else warns once and runs eagerly (compiling fails before writing); True raises there; False runs eagerly."""
+    """Runs the functions above through torch.compile or eagerly (foreach ops) by the optimizer's `compiled` flag: None
+    compiles where torch.compile works, else warns once and runs eagerly (compiling fails before writing); True raises
+    there; False runs eagerly."""
 
-    def __init__(self, fused: bool | None) -> None:
-        self.fused, self.compiles = fused, fused is not False
+    def __init__(self, compiled: bool | None) -> None:
+        self.compiled, self.compiles = compiled, compiled is not False
 
     def __call__(self, fn: Callable, *args: list[torch.Tensor] | torch.Tensor | None, **flags: Any) -> None:
         if self.compiles:
@@ -110,9 +111,9 @@ class Dispatch:
                 cause = getattr(err, "inner_exception", None) or err
                 first_line = str(cause).strip().split("\n")[0]
                 reason = f"IVON's kernels do not compile ({type(cause).__name__}: {first_line})"
-                fix = "a C++ compiler (g++; on GPUs Triton) for torch.compile, or pass fused=False (--ivon_fused false)"
-                if self.fused:
-                    raise RuntimeError(f"fused=True, but {reason}: install {fix}.") from err
+                fix = "a C++ compiler (g++; on GPUs Triton) for torch.compile, or pass compiled=False (--ivon_fused false)"
+                if self.compiled:
+                    raise RuntimeError(f"compiled=True, but {reason}: install {fix}.") from err
                 warnings.warn(f"{reason}; using foreach ops, which are slower. Install {fix} to silence this.",
                               RuntimeWarning, stacklevel=1)
                 self.compiles = False
