@@ -122,9 +122,9 @@ def _compiled(fn: Callable) -> Callable:
 
 
 class Dispatch:
-    """Runs the functions above through torch.compile or eagerly (foreach ops) by the optimizer's `compiled` flag: None
-    compiles where torch.compile works, else warns once and runs eagerly (compiling fails before writing); True raises
-    there; False runs eagerly."""
+    """Runs `perturb`, `noise_times_grad` and `update` through torch.compile or eagerly (foreach ops) by the
+    optimizer's `compiled` flag: None compiles where torch.compile works, else warns once and runs eagerly (compiling
+    fails before writing); True raises there; False runs eagerly."""
 
     def __init__(self, compiled: bool | None) -> None:
         self.compiled, self.compiles = compiled, compiled is not False
@@ -138,7 +138,8 @@ class Dispatch:
                 cause = getattr(err, "inner_exception", None) or err
                 first_line = str(cause).strip().split("\n")[0]
                 reason = f"IVON's kernels do not compile ({type(cause).__name__}: {first_line})"
-                fix = "a C++ compiler (g++; on GPUs Triton) for torch.compile, or pass compiled=False (--ivon_fused false)"
+                fix = ("a C++ compiler (g++; on GPUs Triton) for torch.compile, or pass compiled=False "
+                       "(--ivon_fused false)")
                 if self.compiled:
                     raise RuntimeError(f"compiled=True, but {reason}: install {fix}.") from err
                 warnings.warn(f"{reason}; using foreach ops, which are slower. Install {fix} to silence this.",
