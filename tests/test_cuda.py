@@ -115,7 +115,8 @@ def test_engine_on_cuda_matches_ivon_opt_and_never_waits_for_the_device(compiled
     monkeypatch.undo()
     torch.manual_seed(0)
     w = torch.nn.Parameter(torch.randn(300, 40, device="cuda"))
-    opt = VariationalIVON([w], lr=0.1, ess=50.0, hess_init=0.4, beta2=0.9, weight_decay=1e-2, sample_seed=1, compiled=compiled)
+    opt = VariationalIVON([w], lr=0.1, ess=50.0, hess_init=0.4, beta2=0.9, weight_decay=1e-2, sample_seed=1,
+                          compiled=compiled)
     for checked in (True, False):
         m0 = w.detach().clone()
         if not checked:

@@ -30,7 +30,8 @@ def build(mesh, given_noise=True):
     fully_shard(model.fc1, mesh=mesh)
     fully_shard(model, mesh=mesh)
     kw = {k: v for k, v in IVON_KW.items() if k != "weight_decay"}
-    opt = VariationalIVON(_groups(model, IVON_KW["weight_decay"]), sample_seed=4, rank=dist.get_rank(), compiled=True, **kw)
+    opt = VariationalIVON(_groups(model, IVON_KW["weight_decay"]), sample_seed=4, rank=dist.get_rank(), compiled=True,
+                          **kw)
     engine.draw_noise = draw_indexed_noise if given_noise else OWN_NOISE
     return model, opt
 

@@ -65,9 +65,9 @@ class VariationalIVON(torch.optim.Optimizer):
 
     Args: `params` (trainable only: frozen ones would get noise and weight decay; groups may set lr, weight_decay,
     ess, hess_init, beta1, beta2, clip_radius), the rest as in `ivon.IVON` (weight_decay: the prior precision δ;
-    `sync` all-reduces ḡ and mean(e⊙g) in `step()`; hess_approx 'price' only), `sample_seed`, the seed of the weight samples (None: from the
-    global RNG), `rank` (mixed into the seed: DDP ranks draw independent samples) and `compiled` (whether the
-    kernels run through torch.compile: `kernels.Dispatch`).
+    `sync` all-reduces ḡ and mean(e⊙g) in `step()`; hess_approx 'price' only), `sample_seed`, the seed of the weight
+    samples (None: from the global RNG), `rank` (mixed into the seed: DDP ranks draw independent samples) and
+    `compiled` (whether the kernels run through torch.compile: `kernels.Dispatch`).
     """
 
     def __init__(self, params: Any, lr: float, ess: float, hess_init: float = 1.0, beta1: float = 0.9,
