@@ -219,7 +219,7 @@ def _compile_rss_bytes(model: torch.nn.Module, loss: Callable[[torch.nn.Module],
 
     before = _rss_bytes()
     model = copy.deepcopy(model)
-    opt = VariationalIVON(list(model.parameters()), sample_seed=0, fused=True, **ENGINE_IVON_KW)
+    opt = VariationalIVON(list(model.parameters()), sample_seed=0, compiled=True, **ENGINE_IVON_KW)
     with opt.sampled_params(train=True):
         loss(model).backward()
     opt.step()
@@ -330,7 +330,7 @@ def _engine_optimizer(kind: str, params: list) -> torch.optim.Optimizer:
     if kind == "adamw_foreach":
         return torch.optim.AdamW(params, lr=1e-3, foreach=True)
     if kind in ("ivon_engine", "ivon_engine_foreach"):  # the compiled kernels, or the foreach fallback
-        return VariationalIVON(params, sample_seed=0, fused=kind == "ivon_engine", **ENGINE_IVON_KW)
+        return VariationalIVON(params, sample_seed=0, compiled=kind == "ivon_engine", **ENGINE_IVON_KW)
     return ivon.IVON(params, **ENGINE_IVON_KW)  # ivon-opt 0.1.3, the engine's predecessor and reference
 
 
@@ -466,7 +466,7 @@ def engine_report(rounds: int, steps: int, skip: int) -> dict:
          "gradients (IVON: one sample with its restore, then the step; ivon-opt: 2 steps). Whole step: "
          f"VariationalTrainer, median step time of {steps} steps after {skip}, IVON vs AdamW(foreach=True) passed to "
          "the same trainer. IVON engine: the default, torch.compile'd kernels per (device, dtype) bucket with e from "
-         "torch's CPU generator; foreach: `fused=False` (`--ivon_fused false`), the same functions run eagerly, what "
+         "torch's CPU generator; foreach: `compiled=False` (`--ivon_fused false`), the same functions run eagerly, what "
          "runs without a C++ compiler.", "",
          "| model | parameters | batch | IVON engine ÷ AdamW, optimizer | foreach ÷ AdamW, optimizer | "
          "ivon-opt ÷ AdamW, optimizer | IVON ÷ AdamW, whole training step | foreach ÷ AdamW, whole training step | "

@@ -24,7 +24,8 @@ import torch.nn.functional as F
 from transformers.modeling_outputs import SequenceClassifierOutput
 
 from varsmooth import VariationalTrainingArguments
-from varsmooth.posterior import derive_seed
+from varsmooth.posterior import derive_seed, optimizer as engine
+from varsmooth.posterior.sharding import DTensor, local_slice, to_local
 
 TESTS = Path(__file__).resolve().parent
 #: the scripts the tests run as processes of their own (not collected by pytest)
@@ -78,23 +79,39 @@ def skip_without_compiler() -> None:
         pytest.skip("no C++ compiler for torch.compile")
 
 
-def indexed_noise(seed: int, rank: int = 0):
-    """A `VariationalIVON.noise_source` (and `SeededIVON`'s `noise`): e of parameter `index` in draw d after step t is
-    float32 `randn` of the whole parameter's shape from a CPU generator seeded by derive_seed(seed, rank, t, d, index)."""
-    from varsmooth.posterior.optimizer import DTensor, _local_slice
+def indexed_noise(p: torch.Tensor, index: int, draw_seed: int) -> torch.Tensor:
+    """e of parameter `index` in the draw seeded by `draw_seed` (derive_seed(sample_seed, step, draw), the same on every
+    rank): float32 `randn` of the whole parameter's shape from a CPU generator seeded by derive_seed(draw_seed, index);
+    of a DTensor, this shard's part of it."""
+    gen = torch.Generator().manual_seed(derive_seed(draw_seed, index))
+    whole = torch.randn(p.shape, generator=gen)
+    return local_slice(p, whole) if isinstance(p, DTensor) else whole  # a shard: its part of the whole draw
 
-    def noise(p: torch.Tensor, index: int, step: int, draw: int) -> torch.Tensor:
-        gen = torch.Generator().manual_seed(derive_seed(seed, rank, step, draw, index))
-        whole = torch.randn(p.shape, generator=gen)
-        return _local_slice(p, whole) if isinstance(p, DTensor) else whole  # a shard: its part of the whole draw
-    return noise
+
+def draw_indexed_noise(bucket, draw_seed: int, into: list[torch.Tensor] | None) -> list[torch.Tensor]:
+    """In place of `varsmooth.posterior.optimizer.draw_noise`: `indexed_noise` on every path, kept or not (the kernels
+    then take e as an argument instead of drawing it), so that other optimizers and layouts can draw the same e."""
+    noise = [indexed_noise(p, i, draw_seed).to(to_local(p)) for p, i in zip(bucket.params, bucket.indices)]
+    if into is None:
+        return noise
+    torch._foreach_copy_(into, noise)
+    return into
+
+
+def give_indexed_noise(monkeypatch: pytest.MonkeyPatch | None = None) -> None:
+    """Every VariationalIVON draws `indexed_noise`: through `monkeypatch`, or for the rest of the process (workers)."""
+    if monkeypatch is None:
+        engine.draw_noise = draw_indexed_noise
+    else:
+        monkeypatch.setattr(engine, "draw_noise", draw_indexed_noise)
 
 
 class SeededIVON(ivon.IVON):
     """ivon-opt's `IVON`, unchanged except for its Gaussian draw: by default the noise VariationalIVON draws on the
     CPU (for draw d after step t, the parameters of each param group split by (device, dtype) into buckets numbered
     b = 0, 1, ... over all groups; bucket b's tensors drawn in turn from one generator seeded by
-    derive_seed(derive_seed(seed, t, d), rank, b)); or `noise(p, index, step, draw)` where given."""
+    derive_seed(derive_seed(seed, t, d), rank, b)); or `noise(p, index, derive_seed(seed, t, d))` where given
+    (`indexed_noise`)."""
 
     def __init__(self, params, *, seed: int = 0, rank: int = 0, noise=None, **kwargs):
         super().__init__(params, **kwargs)
@@ -102,9 +119,9 @@ class SeededIVON(ivon.IVON):
 
     def _draw_all(self) -> list[torch.Tensor]:
         params = [p for g in self.param_groups for p in g["params"]]
-        if self.noise is not None:
-            return [self.noise(p, i, self.current_step, self.draws).to(p) for i, p in enumerate(params)]
         base, noise, number, index = derive_seed(self.seed, self.current_step, self.draws), {}, 0, 0
+        if self.noise is not None:
+            return [self.noise(p, i, base).to(p) for i, p in enumerate(params)]
         for group in self.param_groups:
             buckets: dict = {}
             for p in group["params"]:

@@ -18,6 +18,7 @@ from helpers import (
     SeededIVON,
     TinyClassifier,
     digits_dataset,
+    give_indexed_noise,
     indexed_noise,
     make_args,
     reference_ivon_loop,
@@ -56,7 +57,7 @@ def _max_diff(a, b):
 def test_cuda_training_matches_hand_written_loop_on_the_gpu(tmp_path, monkeypatch):
     """GA 2 × 2 MC samples on the GPU == the ivon-opt README loop on the GPU, on the same (given) noise; all optimizer
     state lives there."""
-    monkeypatch.setattr(VariationalIVON, "noise_source", staticmethod(indexed_noise(0)))
+    give_indexed_noise(monkeypatch)
     ds = digits_dataset(128)
     torch.manual_seed(0)
     model = TinyClassifier()
@@ -75,14 +76,14 @@ def test_cuda_training_matches_hand_written_loop_on_the_gpu(tmp_path, monkeypatc
         return [(x[s + k * batch: s + (k + 1) * batch], y[s + k * batch: s + (k + 1) * batch]) for k in range(ga)]
 
     ref, ref_opt = reference_ivon_loop(init.cuda(), batches, steps, ess=len(ds), seed=0, mc_samples=2,
-                                       noise=indexed_noise(0), **IVON_KW)
+                                       noise=indexed_noise, **IVON_KW)
     assert _max_diff(trainer.model, ref) < 1e-5
     assert torch.allclose(trainer.ivon.hessian(), ref_opt.param_groups[0]["hess"], atol=1e-5, rtol=1e-5)
     assert (trainer.ivon.hessian() - 0.5).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("fused", [True, False])
-def test_engine_on_cuda_matches_ivon_opt_and_never_waits_for_the_device(fused, monkeypatch):
+@pytest.mark.parametrize("compiled", [True, False])
+def test_engine_on_cuda_matches_ivon_opt_and_never_waits_for_the_device(compiled, monkeypatch):
     """Both CUDA paths (Triton kernels drawing e in the kernel; foreach ops) follow ivon-opt on the same given noise,
     with 1 and 2 samples per step; with the engine's own noise the step uses the e of the sample (checked against
     ivon-opt's formulas on θ - m); a sample and a step make no host sync; the Triton path holds one buffer besides
@@ -90,16 +91,15 @@ def test_engine_on_cuda_matches_ivon_opt_and_never_waits_for_the_device(fused, m
     from test_engine import IVON_KW as KW, MLP, _data, _groups
 
     kw = {k: v for k, v in KW.items() if k != "weight_decay"}
+    give_indexed_noise(monkeypatch)
     for samples in (1, 2):
         torch.manual_seed(0)
         model = MLP().cuda()
         runs = []
-        for make in (lambda g: VariationalIVON(g, sample_seed=3, fused=fused, **kw),
-                     lambda g: SeededIVON(g, seed=3, noise=indexed_noise(3), **kw)):
+        for make in (lambda g: VariationalIVON(g, sample_seed=3, compiled=compiled, **kw),
+                     lambda g: SeededIVON(g, seed=3, noise=indexed_noise, **kw)):
             m = copy.deepcopy(model)
             opt = make(_groups(m, KW["weight_decay"]))
-            if isinstance(opt, VariationalIVON):
-                opt.noise_source = indexed_noise(3)
             x, y = (t.cuda() for t in _data(20 * samples))
             for step in range(20):
                 for k in range(samples):
@@ -112,9 +112,11 @@ def test_engine_on_cuda_matches_ivon_opt_and_never_waits_for_the_device(fused, m
     # the engine's own noise, one step against ivon-opt's formulas; then a step with host syncs refused
     import ivon
 
+    monkeypatch.undo()
     torch.manual_seed(0)
     w = torch.nn.Parameter(torch.randn(300, 40, device="cuda"))
-    opt = VariationalIVON([w], lr=0.1, ess=50.0, hess_init=0.4, beta2=0.9, weight_decay=1e-2, sample_seed=1, fused=fused)
+    opt = VariationalIVON([w], lr=0.1, ess=50.0, hess_init=0.4, beta2=0.9, weight_decay=1e-2, sample_seed=1,
+                          compiled=compiled)
     for checked in (True, False):
         m0 = w.detach().clone()
         if not checked:
@@ -125,7 +127,7 @@ def test_engine_on_cuda_matches_ivon_opt_and_never_waits_for_the_device(fused, m
                 n = w.detach() - m0
                 (w.square().sum() + w.pow(3).sum()).backward()
                 g = w.grad.clone()
-                if fused:
+                if compiled:
                     assert sum(t.numel() for t in opt._buffers[w].values() if t is not None) == w.numel()
             h0 = opt.state[w]["hess"].clone()
             mom0 = opt.state[w]["momentum"].clone()

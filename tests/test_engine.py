@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import WORKERS, SeededIVON, indexed_noise, run_script, skip_without_compiler
+from helpers import WORKERS, SeededIVON, give_indexed_noise, indexed_noise, run_script, skip_without_compiler
 from varsmooth.posterior import VariationalIVON, kernels
 
 STEPS = 50
@@ -88,7 +88,7 @@ def _assert_same_trajectory(ours, ref, tol=1e-6):
 IVON_KW = dict(lr=0.1, ess=200.0, hess_init=0.3, beta1=0.9, beta2=0.99, weight_decay=1e-2)
 
 #: the engine's code paths, all run on the CPU: "compiled" (the default: torch.compile'd kernels, e from torch's CPU
-#: generator, kept), "foreach" (fused=False, the same functions run eagerly) and "in_kernel" (what CUDA runs: the
+#: generator, kept), "foreach" (compiled=False, the same functions run eagerly) and "in_kernel" (what CUDA runs: the
 #: compiled kernels draw e themselves with Inductor's Philox and draw it again when the gradient arrives)
 PATHS = ["compiled", "foreach", "in_kernel"]
 
@@ -96,29 +96,26 @@ PATHS = ["compiled", "foreach", "in_kernel"]
 def _on_path(path, monkeypatch):
     """Constructor kwargs (and patches) that put these models on one code path."""
     if path == "foreach":
-        return {"fused": False}
+        return {"compiled": False}
     skip_without_compiler()
     if path == "in_kernel":
         monkeypatch.setattr(VariationalIVON, "_keeps_noise", lambda self, t: not self._dispatch.compiles)
-    return {"fused": True}
+    return {"compiled": True}
 
 
-def _same_noise(path, seed):
-    """(VariationalIVON kwargs, SeededIVON kwargs) that give both the same noise on `path`: on the CPU paths
-    SeededIVON draws as the engine does; Inductor's in-kernel draws cannot be replayed, so there both take
-    `indexed_noise` (the kernels then get e as an argument instead of drawing it)."""
+def _same_noise(path, monkeypatch):
+    """SeededIVON kwargs that give it the engine's noise on `path`: on the CPU paths SeededIVON draws as the engine
+    does; Inductor's in-kernel draws cannot be replayed, so there both take `indexed_noise` (the kernels then get e
+    as an argument instead of drawing it)."""
     if path == "in_kernel":
-        return {"noise_source": indexed_noise(seed)}, {"noise": indexed_noise(seed)}
-    return {}, {}
+        give_indexed_noise(monkeypatch)
+        return {"noise": indexed_noise}
+    return {}
 
 
-def _engine(seed, path_kw, noise_source=None, **fixed):
-    """A factory of VariationalIVON(params, **kw) on one path, with a test's noise source if given."""
-    def make(params, **kw):
-        opt = VariationalIVON(params, sample_seed=seed, **path_kw, **fixed, **kw)
-        opt.noise_source = noise_source
-        return opt
-    return make
+def _engine(seed, path_kw, **fixed):
+    """A factory of VariationalIVON(params, **kw) on one path."""
+    return lambda params, **kw: VariationalIVON(params, sample_seed=seed, **path_kw, **fixed, **kw)
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -134,13 +131,13 @@ def _engine(seed, path_kw, noise_source=None, **fixed):
 ], ids=["base", "accumulate3", "clip", "no_rescale", "no_decay", "closure_mc2", "no_debias", "fixed_hessian"])
 def test_same_trajectory_as_ivon_opt(case, path, monkeypatch):
     path_kw = _on_path(path, monkeypatch)
-    ours_noise, ref_noise = _same_noise(path, 3)
+    ref_noise = _same_noise(path, monkeypatch)
     torch.manual_seed(0)
     model = MLP()
     kw = {**IVON_KW, **case}
     run_kw = dict(samples_per_step=kw.pop("samples_per_step", 1), clip_norm=kw.pop("clip_norm", 0.0),
                   closure_mc=kw.pop("closure_mc", 0))
-    make = _engine(3, path_kw, **ours_noise)
+    make = _engine(3, path_kw)
     ours, _, opt = _run(make, model, STEPS, **run_kw, **kw)
     ref, _, _ = _run(lambda g, **k: SeededIVON(g, seed=3, **ref_noise, **k), model, STEPS, **run_kw, **kw)
     _assert_same_trajectory(ours, ref)
@@ -214,8 +211,8 @@ def test_channels_last_weights_get_their_noise_in_logical_order(monkeypatch):
     for path in PATHS:
         monkeypatch.undo()
         path_kw = _on_path(path, monkeypatch)
-        ours_noise, ref_noise = _same_noise(path, 2)
-        ours = trajectory(lambda params: _engine(2, path_kw, **ours_noise)(params, **IVON_KW))  # noqa: B023
+        ref_noise = _same_noise(path, monkeypatch)
+        ours = trajectory(lambda params: _engine(2, path_kw)(params, **IVON_KW))  # noqa: B023
         ref = trajectory(lambda params: SeededIVON(params, seed=2, **ref_noise, **IVON_KW))  # noqa: B023
         for a, b in zip(ours, ref):
             torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6, msg=lambda m: f"{path}: {m}")  # noqa: B023
@@ -223,7 +220,7 @@ def test_channels_last_weights_get_their_noise_in_logical_order(monkeypatch):
 
 def test_kernels_that_do_not_compile_fall_back_to_foreach_or_raise(monkeypatch):
     """Without a C++ compiler torch.compile fails: the default warns once and trains with foreach ops (ivon-opt's
-    trajectory all the same), fused=True refuses with the fix."""
+    trajectory all the same), compiled=True refuses with the fix."""
     def broken(fn):
         def compile_fails(*args, **kwargs):
             raise torch._dynamo.exc.BackendCompilerFailed(
@@ -231,8 +228,8 @@ def test_kernels_that_do_not_compile_fall_back_to_foreach_or_raise(monkeypatch):
         return compile_fails
 
     monkeypatch.setattr(kernels, "_compiled", broken)
-    opt = VariationalIVON(torch.nn.Linear(2, 2).parameters(), lr=0.1, ess=10, fused=True)
-    with pytest.raises(RuntimeError, match="fused=True, but IVON's kernels do not compile.*fused=False"):
+    opt = VariationalIVON(torch.nn.Linear(2, 2).parameters(), lr=0.1, ess=10, compiled=True)
+    with pytest.raises(RuntimeError, match="compiled=True, but IVON's kernels do not compile.*compiled=False"):
         with opt.sampled_params():
             pass
     torch.manual_seed(0)
@@ -316,7 +313,7 @@ def test_one_seed_per_bucket_and_draw(monkeypatch):
     seeds = []
     monkeypatch.setattr(engine, "derive_seed", lambda *keys: seeds.append(keys) or hash(keys) % (1 << 62))
     model = torch.nn.Sequential(*(torch.nn.Linear(4, 4) for _ in range(5)))
-    opt = VariationalIVON(_groups(model, 1e-2), sample_seed=0, fused=False, **{k: v for k, v in IVON_KW.items()
+    opt = VariationalIVON(_groups(model, 1e-2), sample_seed=0, compiled=False, **{k: v for k, v in IVON_KW.items()
                                                                              if k != "weight_decay"})
     with opt.sampled_params(train=True):
         model(torch.ones(4)).sum().backward()
@@ -485,7 +482,7 @@ def test_fsdp2_shards_match_one_process_and_resume_from_dcp(tmp_path):
     torch.manual_seed(0)
     model = MLP()
     kw = {k: v for k, v in IVON_KW.items() if k != "weight_decay"}
-    opt = SeededIVON(_groups(model, IVON_KW["weight_decay"]), seed=4, noise=indexed_noise(4), **kw)
+    opt = SeededIVON(_groups(model, IVON_KW["weight_decay"]), seed=4, noise=indexed_noise, **kw)
     x, y = _data(2 * FSDP_STEPS, batch=32)
     for step in range(FSDP_STEPS):
         for k in range(2):
@@ -568,7 +565,7 @@ def test_forked_children_can_still_train_after_the_kernels_compiled(tmp_path):
         "    torch.nn.Linear(4, 4)(torch.randn(2, 4)).sum().backward()\n"
         "if __name__ == '__main__':\n"
         "    model = torch.nn.Linear(4, 4)\n"
-        "    opt = VariationalIVON(model.parameters(), lr=0.1, ess=10.0, fused=True)\n"
+        "    opt = VariationalIVON(model.parameters(), lr=0.1, ess=10.0, compiled=True)\n"
         "    with opt.sampled_params(train=True):\n"
         "        model(torch.randn(2, 4)).sum().backward()\n"
         "    opt.step()\n"

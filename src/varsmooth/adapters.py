@@ -54,7 +54,7 @@ def save_classifier_config(model: torch.nn.Module, folder: str) -> None:
         return
     config = copy.deepcopy(config)
     config.architectures = [type(base).__name__]
-    from .posterior.optimizer import DTensor
+    from .posterior.sharding import DTensor
 
     # sharded (FSDP2) weights would need every process to gather them, and only the main one saves: not recorded
     if not any(isinstance(p, DTensor) for p in model.parameters()):

@@ -7,7 +7,7 @@ from collections.abc import Iterable
 
 import torch
 
-from .posterior.optimizer import _local
+from .posterior.sharding import to_local
 
 __all__ = ["NonFiniteGuard", "non_finite_step_error"]
 
@@ -34,8 +34,8 @@ class NonFiniteGuard:
                 return torch.ones_like(loss_ok)
             return torch.isfinite(torch.stack([t.sum(dtype=torch.float32).to(loss_ok.device) for t in tensors]).sum())
 
-        grads = [_local(p.grad) for p in params or () if p.grad is not None] if check_gradients else []
-        floats = [_local(b) for b in buffers if b.is_floating_point()] if params is not None else []
+        grads = [to_local(p.grad) for p in params or () if p.grad is not None] if check_gradients else []
+        floats = [to_local(b) for b in buffers if b.is_floating_point()] if params is not None else []
         flags = torch.stack([loss_ok, finite(grads), finite(floats)])  # no copy to the host until the step ends
         self._flags = flags if self._flags is None else self._flags & flags
 

@@ -210,7 +210,7 @@ class VariationalTrainer(AfterTrainingMixin, CheckpointingMixin, VariationalHubM
             # train() knows the run's length before it builds the optimizer; FSDP2 averages the gradients of the
             # sharded parameters itself, and all ranks draw one sample (IVON's sync off)
             run = OptimizerContext(total_steps=self.state.max_steps or None, seed=self.args.seed,
-                                   rank=self.args.process_index, fused=self.args.ivon_fused,
+                                   rank=self.args.process_index, compiled=self.args.ivon_fused,
                                    sync=self.args.world_size > 1 and not self.is_fsdp_enabled)
             self.optimizer = self.method.create_optimizer(params, run)
             if self.optimizer is None:

@@ -149,7 +149,7 @@ class VariationalTrainingArguments(TrainingArguments):
     mc_samples: int = field(default=1, metadata={"help": "Posterior samples (forward+backward) per micro-batch during training."})
     ivon_fused: bool | None = field(
         default=None,
-        metadata={"help": "IVON's compiled kernels (torch.compile; varsmooth.posterior.VariationalIVON's `fused`): "
+        metadata={"help": "IVON's compiled kernels (torch.compile; varsmooth.posterior.VariationalIVON's `compiled`): "
                           "None uses them where torch.compile works (a C++ compiler on the CPU, Triton on GPUs), "
                           "else warns and uses foreach ops; true requires them; false uses foreach ops."},
     )

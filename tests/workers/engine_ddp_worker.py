@@ -24,7 +24,8 @@ def main(out: str) -> None:
         torch.manual_seed(rank)  # rank-specific data order: each rank sees other batches
         runs[name] = _run(make, model, STEPS, 2, data_seed=rank, **kw)[0]
     # one sample per step through the compiled kernels, whose e⊙g is the gradient sample's buffer until the sync
-    for name, make in (("compiled_1", lambda g, **k: VariationalIVON(g, sample_seed=4, rank=rank, sync=True, fused=True, **k)),
+    for name, make in (("compiled_1", lambda g, **k: VariationalIVON(g, sample_seed=4, rank=rank, sync=True,
+                                                                     compiled=True, **k)),
                        ("ref_1", lambda g, **k: SeededIVON(g, seed=4, rank=rank, sync=True, **k))):
         runs[name] = _run(make, model, STEPS, 1, data_seed=rank, **kw)[0]
     torch.save(runs, os.path.join(out, f"rank{rank}.pt"))

@@ -17,9 +17,11 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from helpers import indexed_noise
+from helpers import draw_indexed_noise
 from test_engine import FSDP_STEPS, IVON_KW, MLP, _data, _groups
-from varsmooth.posterior import VariationalIVON
+from varsmooth.posterior import VariationalIVON, optimizer as engine
+
+OWN_NOISE = engine.draw_noise
 
 
 def build(mesh, given_noise=True):
@@ -28,8 +30,9 @@ def build(mesh, given_noise=True):
     fully_shard(model.fc1, mesh=mesh)
     fully_shard(model, mesh=mesh)
     kw = {k: v for k, v in IVON_KW.items() if k != "weight_decay"}
-    opt = VariationalIVON(_groups(model, IVON_KW["weight_decay"]), sample_seed=4, rank=dist.get_rank(), fused=True, **kw)
-    opt.noise_source = indexed_noise(4) if given_noise else None
+    opt = VariationalIVON(_groups(model, IVON_KW["weight_decay"]), sample_seed=4, rank=dist.get_rank(), compiled=True,
+                          **kw)
+    engine.draw_noise = draw_indexed_noise if given_noise else OWN_NOISE
     return model, opt
 
 

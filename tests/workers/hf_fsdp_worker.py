@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.fsdp import fully_shard
 from transformers import BertConfig, BertForSequenceClassification, ViTConfig, ViTForImageClassification
 
-from helpers import indexed_noise
+from helpers import give_indexed_noise
 from varsmooth.fsdp import keep_presharded_model
 from varsmooth.posterior import DiagonalGaussianPosterior, VariationalIVON
 from varsmooth.posterior.gaussian import _reshard
@@ -66,7 +66,7 @@ def build(kind, sharded):
     if sharded:
         shard(model)
     opt = VariationalIVON(model.parameters(), sample_seed=4, rank=dist.get_rank(), **IVON_KW)
-    opt.noise_source = indexed_noise(4)
+    give_indexed_noise()
     return model, opt
 
 

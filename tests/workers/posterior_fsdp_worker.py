@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from helpers import indexed_noise
+from helpers import give_indexed_noise
 from test_engine import FSDP_STEPS, IVON_KW, MLP, _data
 from varsmooth.posterior import DiagonalGaussianPosterior, VariationalIVON, predictive_distribution
 
@@ -43,7 +43,7 @@ def run(sharded, rank, world, out):
     model = Classifier()
     kw = {k: v for k, v in IVON_KW.items() if k != "weight_decay"}
     opt = VariationalIVON(model.parameters(), sample_seed=4, weight_decay=IVON_KW["weight_decay"], **kw)
-    opt.noise_source = indexed_noise(4)  # the shards' parts of the unsharded run's draws
+    give_indexed_noise()  # the shards' parts of the unsharded run's draws
     if sharded:
         fully_shard(model.net.fc1, mesh=init_device_mesh("cpu", (world,)))
         fully_shard(model, mesh=init_device_mesh("cpu", (world,)))

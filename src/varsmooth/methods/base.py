@@ -125,8 +125,8 @@ class OptimizerContext:
     rank: int = 0
     #: whether the optimizer averages its gradient statistics over processes itself (DDP with the all-reduce off)
     sync: bool = False
-    #: IVON's fused kernels: True, False, or None (on where they apply)
-    fused: bool | None = None
+    #: IVON's kernels through torch.compile: True, False (eager foreach ops), or None (compiled where it works)
+    compiled: bool | None = None
 
 
 @dataclass(frozen=True)

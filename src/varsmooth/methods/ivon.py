@@ -121,7 +121,7 @@ class IVONMethod(TrainingMethod):
                 "Hessian never updates. Load the model in float32 and use bf16=True for mixed precision."
             )
         self.total_steps = run.total_steps
-        return VariationalIVON(params, sample_seed=run.seed, rank=run.rank, fused=run.fused, sync=run.sync,
+        return VariationalIVON(params, sample_seed=run.seed, rank=run.rank, compiled=run.compiled, sync=run.sync,
                                **self.ivon_settings())
 
     def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], context: MethodContext) -> torch.Tensor:

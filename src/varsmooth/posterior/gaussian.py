@@ -26,8 +26,8 @@ from ..files import atomic_path
 from ..peft_keys import saved_names
 from ..presets import HESSIAN_MOVE_THRESHOLD
 from .draw_buffers import DRAW_BUFFER_PREFIX, DrawBuffers
-from .optimizer import DTensor, _local, _local_slice, _whole
 from .seeds import derive_seed
+from .sharding import DTensor, full_tensor, local_slice, to_local
 
 __all__ = ["POSTERIOR_FILE", "DiagonalGaussianPosterior", "hessian_movement", "non_finite_tensors", "std_summary",
            "tensors_sha256", "weights_fingerprint"]
@@ -49,7 +49,7 @@ def weights_fingerprint(model: torch.nn.Module, names: Iterable[str]) -> str:
     are gathered: every process must call it then.
     """
     params = dict(model.named_parameters())
-    return tensors_sha256({name: _whole(params[name].detach()) for name in names})
+    return tensors_sha256({name: full_tensor(params[name].detach()) for name in names})
 
 
 def tensors_sha256(tensors: Mapping[str, torch.Tensor]) -> str:
@@ -66,13 +66,13 @@ def non_finite_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
     """The names of the floating-point tensors (parameters, buffers, state-dict entries) holding a NaN or ±inf; a
     sharded (DTensor) one is checked on this process's shard. For saves and loads: one host sync per tensor."""
     return [name for name, t in named
-            if t is not None and t.is_floating_point() and not bool(torch.isfinite(_local(t.detach())).all())]
+            if t is not None and t.is_floating_point() and not bool(torch.isfinite(to_local(t.detach())).all())]
 
 
 def std_summary(stds: Iterable[torch.Tensor]) -> dict[str, float]:
     """Mean and median of every entry of the posterior standard deviations `stds` (the σ numbers of training logs
     and label-noise summaries); FSDP2-sharded (DTensor) ones are gathered whole first."""
-    flat = torch.cat([_whole(s).flatten().float() for s in stds])
+    flat = torch.cat([full_tensor(s).flatten().float() for s in stds])
     return {"posterior_std_mean": flat.mean().item(), "posterior_std_median": flat.median().item()}
 
 
@@ -233,7 +233,7 @@ class DiagonalGaussianPosterior:
         """This posterior with whole σ and the weights' fingerprint taken now, for one process to `save` alone: for
         sharded (FSDP2 DTensor) parameters this gathers, and every process must call it. (Sample from the original.)"""
         out = copy.copy(self)
-        out.std = {name: _whole(s.detach()) for name, s in self.std.items()}
+        out.std = {name: full_tensor(s.detach()) for name, s in self.std.items()}
         out._fingerprint = weights_fingerprint(self.model, self.names)
         out._cache, out._cache_used = {}, 0
         return out
@@ -247,7 +247,7 @@ class DiagonalGaussianPosterior:
         # an adapter's σ under the keys of the adapter weights in peft's adapter_model.safetensors
         key = saved_names(self.model, self.names)
         # IVON's parameters are views of one flat storage: clone so safetensors accepts them.
-        tensors = {key[name]: _whole(s.detach()).to("cpu").clone().contiguous() for name, s in self.std.items()}
+        tensors = {key[name]: full_tensor(s.detach()).to("cpu").clone().contiguous() for name, s in self.std.items()}
         if self.draw_buffers is not None:
             tensors.update(self.draw_buffers.tensors())
             binding_draws = {"draw_buffers": self.draw_buffers.describe()}
@@ -309,7 +309,7 @@ class DiagonalGaussianPosterior:
             gen.manual_seed(derive_seed(seed, index))
             e = torch.randn(p.shape, generator=gen, device=p.device, dtype=p.dtype)
             if isinstance(p, DTensor):  # every rank draws e whole and keeps its shard of σ⊙e: one global draw
-                perturbation.append(_local_slice(p, e) * _local(self.std[name]))
+                perturbation.append(local_slice(p, e) * to_local(self.std[name]))
             else:
                 perturbation.append(e * self.std[name])
         size = sum(t.numel() * t.element_size() for t in perturbation)
@@ -351,8 +351,8 @@ class DiagonalGaussianPosterior:
                     p = params[name]
                     delta = delta if temperature == 1.0 else temperature * delta
                     if isinstance(p, DTensor):  # FSDP2 gathers from the shard's storage: change it in place
-                        saved.append((p, _local(p).clone()))
-                        _local(p).add_(delta)
+                        saved.append((p, to_local(p).clone()))
+                        to_local(p).add_(delta)
                         continue
                     saved.append((p, p.data))
                     # the cache holds σ⊙e: τ is applied here, so changing τ reuses the same draws e
@@ -362,7 +362,7 @@ class DiagonalGaussianPosterior:
             with torch.no_grad():
                 for p, mean in saved:
                     if isinstance(p, DTensor):
-                        _local(p).copy_(mean)
+                        to_local(p).copy_(mean)
                     else:
                         p.data = mean
             if sharded:  # the forwards gathered the sample: the next one must gather the mean
@@ -377,7 +377,7 @@ class DiagonalGaussianPosterior:
         summary = {**std_summary(self.std.values()), TEMPERATURE_KEY: self.temperature}
         meta = self.metadata
         if all(isinstance(meta.get(k), (int, float)) for k in ("ess", "hess_init", "weight_decay")):
-            flat = torch.cat([_whole(s).flatten().double() for s in self.std.values()])
+            flat = torch.cat([full_tensor(s).flatten().double() for s in self.std.values()])
             hess = 1.0 / (meta["ess"] * flat.square()) - meta["weight_decay"]
             decay = {k: meta[k] for k in ("beta2", "step") if isinstance(meta.get(k), (int, float))}
             summary.update(hessian_movement(hess, meta["hess_init"], **decay))

@@ -1,7 +1,12 @@
 """IVON's arithmetic as functions over the tensor lists of one (device, dtype) bucket, run eagerly or compiled.
 
-Each function is written once with `torch._foreach_*` ops, like torch.optim's `_multi_tensor_*`: run eagerly it is the
-foreach path; `torch.compile` of it (Inductor's C++ on the CPU, Triton on CUDA) fuses each tensor's ops into one pass.
+`_single_tensor_ivon` is the step written formula by formula, one tensor at a time, as torch.optim's
+`_single_tensor_adamw` and ivon-opt write theirs: the reference the others are tested against. The functions the
+optimizer runs are written once with `torch._foreach_*` ops, like torch.optim's `_multi_tensor_*`: run eagerly they are
+the foreach path; `torch.compile` of them (Inductor's C++ on the CPU, Triton on CUDA) fuses each tensor's ops into one
+pass. Their hyperparameters come as one tensor (`coef`), so that new values (a learning-rate schedule) compile no new
+graph, and the Hessian update is rewritten to fewer operations: both read against the reference.
+
 Given `noise=None`, a function draws e with `torch.randn_like` from the device's default generator, seeded by
 `seeded`: compiled, that is Inductor's in-kernel Philox (`tl.randn` on CUDA), so the same seed draws e again when the
 gradient arrives and no buffer keeps it. Not on the CPU: Inductor's `randn_cpu` costs ~42 ns a weight against ~3.5 ns
@@ -23,6 +28,28 @@ __all__ = ["Dispatch", "noise_times_grad", "perturb", "seeded", "update"]
 
 #: compiled graphs per function: one per bucket layout (list length, dtype), as a sweep over models may need
 RECOMPILE_LIMIT = 64
+
+
+def _single_tensor_ivon(weights: list[torch.Tensor], grads: list[torch.Tensor], momentum: list[torch.Tensor],
+                        hess: list[torch.Tensor], nxg: list[torch.Tensor], *, lr: float, beta1: float, beta2: float,
+                        weight_decay: float, ess: float, debias: float, clip_radius: float) -> None:
+    """One IVON step, in place (Shen et al. 2024, "Variational Learning is Effective for Large Deep Networks", Alg. 1:
+    the 'price' Hessian estimate, the two EMAs, the mean update; with ivon-opt's element-wise clip). `grads` is ḡ and
+    `nxg` mean(e⊙g), both averaged over the step's samples θ = m + σ⊙e; `lr` the rate applied (ivon-opt's
+    `rescale_lr`: lr (h0 + δ)), `debias` 1 - β1^t (or 1)."""
+    for m, g, mom, h, n in zip(weights, grads, momentum, hess, nxg):
+        # σ the samples were drawn with: h has not changed since
+        sigma = (ess * (h + weight_decay)).rsqrt()
+        # the 'price' estimate ĥ = ĝ⊙(θ - m)/σ² = ess (h + δ) σ⊙e⊙ĝ (ivon-opt's avg_nxg is σ⊙e⊙ĝ)
+        price = ess * (h + weight_decay) * (sigma * n)
+        # the momentum, an EMA of the gradients
+        mom.mul_(beta1).add_(g * (1.0 - beta1))
+        # the Hessian EMA; its last term keeps h positive where ĥ is negative
+        h.copy_(beta2 * h + (1.0 - beta2) * price
+                + 0.5 * (1.0 - beta2) ** 2 * (h - price).square() / (h + weight_decay))
+        # a Newton-like step on the mean: the debiased momentum, the prior precision δ as weight decay
+        direction = (mom / debias + m * weight_decay) / (h + weight_decay)
+        m.sub_(direction.clamp(-clip_radius, clip_radius) * lr)
 
 
 def perturb(weights: list[torch.Tensor], means: list[torch.Tensor], hess: list[torch.Tensor],
@@ -95,11 +122,12 @@ def _compiled(fn: Callable) -> Callable:
 
 
 class Dispatch:
-    """Runs the functions above compiled or eagerly by torch.optim's `fused` flag: None compiles where torch.compile
-    works, else warns once and runs eagerly (compiling fails before writing); True raises there; False runs eagerly."""
+    """Runs `perturb`, `noise_times_grad` and `update` through torch.compile or eagerly (foreach ops) by the
+    optimizer's `compiled` flag: None compiles where torch.compile works, else warns once and runs eagerly (compiling
+    fails before writing); True raises there; False runs eagerly."""
 
-    def __init__(self, fused: bool | None) -> None:
-        self.fused, self.compiles = fused, fused is not False
+    def __init__(self, compiled: bool | None) -> None:
+        self.compiled, self.compiles = compiled, compiled is not False
 
     def __call__(self, fn: Callable, *args: list[torch.Tensor] | torch.Tensor | None, **flags: Any) -> None:
         if self.compiles:
@@ -110,9 +138,10 @@ class Dispatch:
                 cause = getattr(err, "inner_exception", None) or err
                 first_line = str(cause).strip().split("\n")[0]
                 reason = f"IVON's kernels do not compile ({type(cause).__name__}: {first_line})"
-                fix = "a C++ compiler (g++; on GPUs Triton) for torch.compile, or pass fused=False (--ivon_fused false)"
-                if self.fused:
-                    raise RuntimeError(f"fused=True, but {reason}: install {fix}.") from err
+                fix = ("a C++ compiler (g++; on GPUs Triton) for torch.compile, or pass compiled=False "
+                       "(--ivon_fused false)")
+                if self.compiled:
+                    raise RuntimeError(f"compiled=True, but {reason}: install {fix}.") from err
                 warnings.warn(f"{reason}; using foreach ops, which are slower. Install {fix} to silence this.",
                               RuntimeWarning, stacklevel=1)
                 self.compiles = False

@@ -22,30 +22,9 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from .kernels import Dispatch, noise_times_grad, perturb, seeded, update
 from .seeds import derive_seed
-
-try:
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-except ImportError:  # a torch build without distributed support has no sharded parameters
-    DTensor = ()
+from .sharding import DTensor, full_tensor, to_local
 
 __all__ = ["VariationalIVON", "unwrap_ivon"]
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The tensor this process holds: a DTensor's (e.g. an FSDP2 parameter's) local shard, else the tensor itself."""
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _whole(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor gathered into one plain tensor on every rank (a collective), else the tensor itself."""
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def _local_slice(t: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
-    """This rank's part of `whole`, a tensor of the global shape of `t` (a DTensor) that every rank holds."""
-    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-    return whole[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
 
 
 def _on_device(values: list[float], like: torch.Tensor) -> torch.Tensor:
@@ -63,6 +42,22 @@ class _Bucket(NamedTuple):
     indices: list[int]
     seed_key: tuple[int, ...]
 
+    def noise_seed(self, draw_seed: int) -> int:
+        """The seed of this bucket's e in the draw seeded by `draw_seed` (the same on every rank and shard)."""
+        return derive_seed(draw_seed, *self.seed_key)
+
+
+def draw_noise(bucket: _Bucket, draw_seed: int, into: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
+    """The bucket's e ~ N(0, I) in the draw seeded by `draw_seed`: drawn into `into` (buffers that keep e until the
+    gradient arrives) and returned, or None where nothing keeps it: the kernels then draw e themselves, under the
+    same seed at the sample and at the gradient. The one place e comes from, so that a test can replace it."""
+    if into is None:
+        return None
+    with seeded(into[0].device, bucket.noise_seed(draw_seed)):
+        for e in into:
+            e.normal_()
+    return into
+
 
 class VariationalIVON(torch.optim.Optimizer):
     """IVON (Shen et al. 2024, Alg. 1). Use like ivon-opt: forward and backward inside
@@ -70,17 +65,15 @@ class VariationalIVON(torch.optim.Optimizer):
 
     Args: `params` (trainable only: frozen ones would get noise and weight decay; groups may set lr, weight_decay,
     ess, hess_init, beta1, beta2, clip_radius), the rest as in `ivon.IVON` (weight_decay: the prior precision δ;
-    `sync` all-reduces ḡ and mean(e⊙g) in `step()`; hess_approx 'price' only), `sample_seed`, the seed of the weight samples (None: from the
-    global RNG), `rank` (mixed into the seed: DDP ranks draw independent samples) and `fused` (`kernels.Dispatch`).
+    `sync` all-reduces ḡ and mean(e⊙g) in `step()`; hess_approx 'price' only), `sample_seed`, the seed of the weight
+    samples (None: from the global RNG), `rank` (mixed into the seed: DDP ranks draw independent samples) and
+    `compiled` (whether the kernels run through torch.compile: `kernels.Dispatch`).
     """
-
-    #: for tests, another optimizer's noise on every path: (param, its index, step, draw) -> e of its local tensor
-    noise_source: Callable[[torch.Tensor, int, int, int], torch.Tensor] | None = None
 
     def __init__(self, params: Any, lr: float, ess: float, hess_init: float = 1.0, beta1: float = 0.9,
                  beta2: float = 0.99999, weight_decay: float = 1e-4, mc_samples: int = 1, hess_approx: str = "price",
                  clip_radius: float = math.inf, sync: bool = False, debias: bool = True, rescale_lr: bool = True, *,
-                 sample_seed: int | None = 0, rank: int = 0, fused: bool | None = None) -> None:
+                 sample_seed: int | None = 0, rank: int = 0, compiled: bool | None = None) -> None:
         if hess_approx != "price":
             raise ValueError(f"hess_approx={hess_approx!r} is not implemented; use 'price' (ivon-opt's default).")
         if mc_samples < 1:
@@ -88,8 +81,8 @@ class VariationalIVON(torch.optim.Optimizer):
         defaults = dict(lr=lr, mc_samples=mc_samples, beta1=beta1, beta2=beta2, weight_decay=weight_decay,
                         hess_init=hess_init, ess=ess, clip_radius=clip_radius)
         self.mc_samples, self.hess_approx, self.sync, self.debias = mc_samples, hess_approx, sync, debias
-        self.rescale_lr, self.sample_seed, self.rank, self.fused = rescale_lr, sample_seed, rank, fused
-        self._dispatch = Dispatch(fused)
+        self.rescale_lr, self.sample_seed, self.rank, self.compiled = rescale_lr, sample_seed, rank, compiled
+        self._dispatch = Dispatch(compiled)
         self.current_step, self._count, self._sampling = 0, 0, False  # _count: MC samples since the last step
         self._draw_seeds: list[int] = []  # base seed of each draw since the last step
         self._perturbed: list[tuple[_Bucket, bool]] = []  # buckets holding a sample, and whether they keep e
@@ -144,7 +137,7 @@ class VariationalIVON(torch.optim.Optimizer):
             if slots.get(name) is None:
                 # e is drawn in logical (contiguous) order, whatever the parameter's layout
                 layout = torch.contiguous_format if name == "noise" else torch.preserve_format
-                slots[name] = torch.empty_like(_local(p), memory_format=layout)
+                slots[name] = torch.empty_like(to_local(p), memory_format=layout)
             out.append(slots[name])
         return out
 
@@ -171,14 +164,11 @@ class VariationalIVON(torch.optim.Optimizer):
         """Whether e waits in a buffer for the gradient: on the CPU and eagerly; else the kernel draws it again."""
         return t.device.type == "cpu" or not self._dispatch.compiles
 
-    def _given_noise(self, bucket: _Bucket, draw: int) -> list[torch.Tensor] | None:
-        return None if self.noise_source is None else [self.noise_source(p, i, self.current_step, draw).to(_local(p))
-                                                       for p, i in zip(bucket.params, bucket.indices)]
-
-    def _draw(self, bucket: _Bucket, draw: int, noise: list[torch.Tensor] | None) -> contextlib.AbstractContextManager:
+    def _kernel_draws(self, bucket: _Bucket, draw: int,
+                      noise: list[torch.Tensor] | None) -> contextlib.AbstractContextManager:
         """The generator state for the draws of `randn_like` in this bucket's kernels (none where `noise` is given)."""
         return contextlib.nullcontext() if noise is not None else seeded(
-            bucket.params[0].device, derive_seed(self._draw_seeds[draw], *bucket.seed_key))
+            bucket.params[0].device, bucket.noise_seed(self._draw_seeds[draw]))
 
     @torch.no_grad()
     def _sample_params(self) -> None:
@@ -193,21 +183,12 @@ class VariationalIVON(torch.optim.Optimizer):
                                 else int(torch.randint(0, 1 << 62, ()).item()))  # the CPU generator: no device sync
         for bucket in self._buckets():
             group = bucket.group
-            weights = [_local(p) for p in bucket.params]
+            weights = [to_local(p) for p in bucket.params]
             keeps = self._keeps_noise(weights[0])
-            noise = self._given_noise(bucket, draw)
-            if keeps:  # e drawn (or given) into the kept buffer, which the kernels then read
-                kept = self._buffer(bucket.params, "noise")
-                if noise is not None:
-                    torch._foreach_copy_(kept, noise)
-                else:
-                    with self._draw(bucket, draw, None):
-                        for e in kept:
-                            e.normal_()
-                noise = kept
+            noise = draw_noise(bucket, self._draw_seeds[draw], self._buffer(bucket.params, "noise") if keeps else None)
             self._perturbed.append((bucket, keeps))
-            hess = [_local(self.state[p]["hess"]) for p in bucket.params]
-            with self._draw(bucket, draw, noise):
+            hess = [to_local(self.state[p]["hess"]) for p in bucket.params]
+            with self._kernel_draws(bucket, draw, noise):
                 self._dispatch(perturb, weights, self._buffer(bucket.params, "mean"), hess, noise,
                                _on_device([group["ess"] ** -0.5, group["weight_decay"]], weights[0]))
 
@@ -216,7 +197,7 @@ class VariationalIVON(torch.optim.Optimizer):
         """Mean weights back into the parameters; with `train`, the gradients folded into the running averages."""
         perturbed, self._perturbed = self._perturbed, []
         for bucket, _ in perturbed:
-            torch._foreach_copy_([_local(p) for p in bucket.params], self._buffer(bucket.params, "mean"))
+            torch._foreach_copy_([to_local(p) for p in bucket.params], self._buffer(bucket.params, "mean"))
         if not train:
             return
         if any(p.grad is not None and p.grad.is_sparse for bucket, _ in perturbed for p in bucket.params):
@@ -224,7 +205,7 @@ class VariationalIVON(torch.optim.Optimizer):
         count, draw = self._count + 1, len(self._draw_seeds) - 1
         for bucket, keeps in perturbed:
             # a trainable parameter the loss did not reach has gradient zero (ivon-opt issue #2)
-            grads = [_local(p.grad) if p.grad is not None and p.requires_grad else torch.zeros_like(_local(p))
+            grads = [to_local(p.grad) if p.grad is not None and p.requires_grad else torch.zeros_like(to_local(p))
                      for p in bucket.params]
             # e⊙g, in the buffer that held e or, where e was not kept, in the now free buffer of the mean
             role = "noise" if keeps else "mean"
@@ -234,8 +215,8 @@ class VariationalIVON(torch.optim.Optimizer):
             elif keeps:
                 torch._foreach_mul_(out, grads)
             else:
-                noise = self._given_noise(bucket, draw)
-                with self._draw(bucket, draw, noise):
+                noise = draw_noise(bucket, self._draw_seeds[draw], None)
+                with self._kernel_draws(bucket, draw, noise):
                     self._dispatch(noise_times_grad, out, grads, noise)
             if count == 1:  # the product is the average: its buffer changes role, no copy
                 self._avg_grad.update(zip(bucket.params, grads))
@@ -288,9 +269,9 @@ class VariationalIVON(torch.optim.Optimizer):
             lr = group["lr"] * (group["hess_init"] + wd) if self.rescale_lr else group["lr"]
             rate = (1.0 - b2) * root
             coef = _on_device([b1, 1.0 - b1, wd, root, 0.5 * rate, rate, debias, lr], params[0])
-            self._dispatch(update, [_local(p) for p in params], [self._avg_grad[p] for p in params],
-                           [_local(self.state[p]["momentum"]) for p in params],
-                           [_local(self.state[p]["hess"]) for p in params], self._buffer(params, "nxg"), coef,
+            self._dispatch(update, [to_local(p) for p in params], [self._avg_grad[p] for p in params],
+                           [to_local(self.state[p]["momentum"]) for p in params],
+                           [to_local(self.state[p]["hess"]) for p in params], self._buffer(params, "nxg"), coef,
                            hessian_moves=b2 < 1.0, radius=group["clip_radius"], times_grad=params[0] in self._pending)
         for slots in self._buffers.values():  # mean(e⊙g)'s buffer takes the role it had before the first sample
             free = slots.pop("nxg", None)
@@ -332,7 +313,7 @@ class VariationalIVON(torch.optim.Optimizer):
     def hessian(self) -> torch.Tensor:
         """All h, flat in `param_groups` order, on the first parameter's device (DTensors gathered: a collective)."""
         self._follow_replaced_params()
-        hess = [_whole(self.state[p]["hess"]).flatten() for g in self.param_groups for p in g["params"]]
+        hess = [full_tensor(self.state[p]["hess"]).flatten() for g in self.param_groups for p in g["params"]]
         return torch.cat([h.to(hess[0].device) for h in hess]) if hess else torch.zeros(0)
 
     def restore_from_posterior(self, stds: list[torch.Tensor], step: int) -> None:
@@ -381,7 +362,7 @@ class VariationalIVON(torch.optim.Optimizer):
             group.pop("current_step", None)
             for p, key in ((p, key) for p in group["params"] for key in ("momentum", "hess")):
                 own = torch.empty_like(p)
-                _local(own).copy_(_local(self.state[p][key]))
+                to_local(own).copy_(to_local(self.state[p][key]))
                 self.state[p][key] = own
         if step is not None:
             self.current_step = int(step)
