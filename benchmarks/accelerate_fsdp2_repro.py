@@ -1,4 +1,4 @@
-"""Minimal repro: accelerate's FSDP2 preparation fails on HF's ViT, BERT and ResNet; sharding them beforehand works.
+"""Minimal repro: accelerate 1.15's FSDP2 preparation fails on HF's ViT, BERT, ResNet and on BatchNorm buffers.
 
     OMP_NUM_THREADS=1 torchrun --nproc_per_node 2 benchmarks/accelerate_fsdp2_repro.py
 
