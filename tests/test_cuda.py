@@ -254,7 +254,7 @@ def test_pipeline_runs_on_the_gpu(tmp_path, monkeypatch):
 def test_fsdp2_training_matches_unsharded_run_and_saves(tmp_path, kind):
     """One-GPU FSDP2 (fsdp_config version 2) through VariationalTrainer: the same weights, Hessian and BMA evaluation as
     the run without FSDP from the same seed, and a save that reloads (weights and posterior) like the unsharded one.
-    `vit`: a tiny HF ViT, sharded beforehand as README's Multi-GPU section says."""
+    `vit`: a tiny HF ViT, sharded beforehand by the user (accelerate keeps it as it is)."""
     from workers.trainer_fsdp_worker import FSDP_STEPS, fsdp_setup
 
     run_script(WORKERS / "trainer_fsdp_worker.py", str(tmp_path / "fsdp"), kind, nproc=1, env={"CUDA_VISIBLE_DEVICES": "0"})

@@ -528,8 +528,8 @@ def test_fsdp2_params_swapped_in_after_construction_train_predict_and_save(tmp_p
 
 
 @pytest.mark.slow
-def test_fsdp2_trains_hf_vit_and_bert_sharded_as_the_readme_says(tmp_path):
-    """HF's ViT and BERT (tiny), sharded with `fully_shard` as README's Multi-GPU section tells users (accelerate's
+def test_fsdp2_trains_hf_vit_and_bert_sharded_beforehand(tmp_path):
+    """HF's ViT and BERT (tiny), sharded with `fully_shard` as a user may shard them beforehand (accelerate's
     own FSDP2 preparation shards their embeddings twice), 2 processes over gloo, trained as VariationalTrainer does:
     the same weights and Hessian as one process on the whole batches, the same gathered posterior file, and an exact
     resume from torch.distributed.checkpoint. accelerate's wrap policy, which fails on the sharded classes (renamed by

@@ -44,7 +44,7 @@ from .checks import (
 )
 from .corruption import realized_noise_report
 from .finite import NonFiniteGuard, non_finite_step_error
-from .fsdp import keep_presharded_model
+from .fsdp import keep_presharded_model, shardable_by_accelerate
 from .hp_search import HyperparameterSearchMixin
 from .hub import VariationalHubMixin
 from .label_noise import LabelNoiseCallback, LabelNoiseMixin, SmoothingStrengthCallback
@@ -175,6 +175,11 @@ class VariationalTrainer(AfterTrainingMixin, CheckpointingMixin, VariationalHubM
         self._method_callbacks = [*self.method.callbacks(), StalledLossCallback(self.method)]
         for callback in self._method_callbacks:  # `add_callback` binds these
             self.add_callback(callback)
+
+    def _prepare_for_training(self, *args: Any, **kwargs: Any) -> Any:
+        # where `Trainer.train` calls `Accelerator.prepare`, whose FSDP2 path fails on HF's ViT, BERT and ResNet
+        with shardable_by_accelerate(self.accelerator, self.model):
+            return super()._prepare_for_training(*args, **kwargs)
 
     def call_model_init(self, trial: Any = None) -> torch.nn.Module:
         """`Trainer.call_model_init`, refusing a model this trainer cannot train (multi-label, regression)."""

@@ -1,6 +1,6 @@
 """Run by tests/test_engine.py under `torchrun --nproc_per_node 2`: HF's ViT and BERT (tiny configs) under FSDP2.
 
-The models are sharded as README's Multi-GPU section tells users to (`fully_shard` on each of `_no_split_modules`'
+The models are sharded as a user may shard them beforehand (`fully_shard` on each of `_no_split_modules`'
 layers, then the root: accelerate then keeps the model as it is, once VariationalTrainer has turned off the wrap
 policy that accelerate would otherwise look up by class name), and trained as VariationalTrainer trains them:
 reshard, one IVON sample per step, forward and backward on each rank's half of the global batch. Halfway the model
@@ -42,7 +42,7 @@ def make_model(kind):
 
 
 def shard(model):
-    """README's workaround: each layer of `_no_split_modules` its own FSDP2 unit, then the root."""
+    """Sharded beforehand: each layer of `_no_split_modules` its own FSDP2 unit, then the root."""
     for module in model.modules():
         if type(module).__name__ in model._no_split_modules:
             fully_shard(module)

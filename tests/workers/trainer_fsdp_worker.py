@@ -2,7 +2,7 @@
 
 Trains the model of `fsdp_setup()` (the test builds the same one without FSDP), evaluates by BMA and saves model and
 posterior with `save_model`; writes the weights, the Hessian and the metrics for the test to compare. `vit` (a tiny
-HF ViT) is sharded first as README's Multi-GPU section says, since accelerate's own FSDP2 preparation fails on it.
+HF ViT) is sharded first by hand, the path of a user who shards the model beforehand.
 """
 
 import os
@@ -40,7 +40,7 @@ def fsdp_setup(out: str, kind: str = "mlp", **kw):
 def main(out: str, kind: str) -> None:
     # the string form of `fsdp` works in every transformers 5.x (`fsdp=True` only in later ones)
     model, ds, args = fsdp_setup(os.path.join(out, "run"), kind, fsdp="full_shard", fsdp_config={"version": 2})
-    if kind == "vit":  # README's workaround: accelerate keeps a model that is already an FSDPModule as it is
+    if kind == "vit":  # sharded by hand: accelerate keeps a model that is already an FSDPModule as it is
         from torch.distributed.fsdp import fully_shard
 
         for module in model.modules():

@@ -46,6 +46,8 @@ class VariationalHubMixin:
         A README.md in output_dir that a varsmooth save did not write (your own card) is kept: this raises unless
         `replace_model_card=True`.
         """
+        # on every rank: under FSDP2 the record's Hessian summary gathers the shards
+        record = self.run_record(model_name=model_name, **kwargs)
         if not self.is_world_process_zero():
             return
         self._refuse_to_replace_own_card(replace_model_card)
@@ -56,7 +58,6 @@ class VariationalHubMixin:
             self.record_output(picture)
             add_to_manifest(self.args.output_dir, [os.path.basename(picture)])
         path = os.path.join(self.args.output_dir, "README.md")
-        record = self.run_record(model_name=model_name, **kwargs)
         card = build_model_card(record, self.accelerator.unwrap_model(self.model), self.args.output_dir)
         with atomic_path(path) as tmp:
             card.save(tmp)
