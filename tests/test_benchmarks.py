@@ -256,3 +256,15 @@ def test_a_table_says_when_its_runs_trained_on_other_devices_or_feature_caches()
     text = real_noise._task_section("cifar10n-worse", mixed)
     assert "trained on cpu and cuda" in text and "**Mixed devices**" in text
     assert "**Mixed feature caches**" in text and "bbb: 3 runs" in text and "unrecorded: 3 runs" in text
+
+
+def test_smoothing_strength_table_is_the_report(tmp_path, monkeypatch):
+    import smoothing_strength
+
+    written = regenerate(smoothing_strength.report, tmp_path, monkeypatch, list(smoothing_strength.TASKS), [0, 1, 2])
+    assert block("smoothing_strength", written) == block("smoothing_strength")
+
+
+def test_ivon_settings_of_a_benchmark_run_reach_the_arguments_as_their_fields():
+    args = common.training_arguments("ivon", output_dir="unused", ess=1e7, learning_rate=0.3, ivon_smoothing=0.1)
+    assert (args.ess, args.ivon_smoothing, args.method_config.ess) == (1e7, 0.1, 1e7)
