@@ -19,8 +19,12 @@ def test_a_last_loss_near_ln_k_is_stalled_and_one_below_it_is_not():
     assert stalled_training_loss([{"loss": STALLED_LOSS_SHARE * math.log(10) - 1e-6}], 10) is None
 
 
-def test_without_logged_losses_the_run_mean_is_used_and_without_k_nothing_is_said():
+def test_the_run_mean_counts_too_and_without_k_nothing_is_said():
     assert stalled_training_loss([{"train_loss": 2.25, "step": 5}], 10)["what"] == "its mean over the run"
+    # the text example with ivon_smoothing: a noisy last window at 0.96 ln 2, a run mean at 0.89 ln 2, 81 % accuracy
+    assert stalled_training_loss([{"loss": 0.6657, "step": 50}, {"train_loss": 0.6135, "step": 96}], 2) is None
+    stalled = stalled_training_loss([{"loss": 2.26, "step": 50}, {"train_loss": 2.28, "step": 96}], 10)
+    assert (stalled["loss"], stalled["what"]) == (2.26, "its last logged value")
     assert stalled_training_loss([{"loss": 5.0}], None) is None and stalled_training_loss([], 10) is None
 
 
