@@ -373,7 +373,7 @@ def test_finetune_preset_builds_the_documented_optimizer(tmp_path):
 def test_a_fractional_sample_count_is_refused(tmp_path, value):
     with pytest.raises(ValueError, match=rf"mc_samples is a number of samples, a whole number, got {value!r}"):
         make_args(tmp_path, mc_samples=value)
-    assert make_args(tmp_path, mc_samples=2.0).mc_samples == 2  # a whole float (e.g. from a JSON config) is fine
+    assert make_args(tmp_path, mc_samples=2.0).method_config.mc_samples == 2  # a whole float (e.g. from a JSON config) is fine
 
 
 def test_string_labels_are_refused_with_the_fix(tmp_path):
