@@ -227,8 +227,8 @@ class VariationalTrainer(AfterTrainingMixin, CheckpointingMixin, VariationalHubM
         model = self.accelerator.unwrap_model(self.model)
         if opt is None:
             return self._saved_posterior if self._saved_posterior is not None else DiagonalGaussianPosterior.point_mass(model)
-        meta = {**self.method.hyperparameters(), "eval_mc_samples": self.args.eval_mc_samples, "eval_seed": self.args.eval_seed, "step": opt.current_step,
-                TEMPERATURE_KEY: self.posterior_temperature}
+        meta = {**self.method.hyperparameters(), "eval_mc_samples": self.args.eval_mc_samples,
+                "eval_seed": self.args.eval_seed, "step": opt.current_step, TEMPERATURE_KEY: self.posterior_temperature}
         if self.posterior_temperature_report is not None:
             meta["posterior_temperature_selection"] = self.posterior_temperature_report
         posterior = DiagonalGaussianPosterior.from_ivon(model, opt, self._ivon_param_names, meta)
