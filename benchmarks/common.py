@@ -250,16 +250,14 @@ def method_available(method: str) -> bool:
 
 def training_arguments(method: str, **fields: Any) -> Any:
     """`VariationalTrainingArguments(method=method, ...)` from flat keyword arguments as the hyperparameter dicts
-    here hold them (and as the run caches are keyed): the fields of the method's config (e.g. ``sam_rho``) go into
-    `method_config`."""
+    here hold them (and as the run caches are keyed): the fields of the method's config (e.g. ``sam_rho``, IVON's
+    ``ess``) go into `method_config`."""
     import dataclasses
 
     from varsmooth import VariationalTrainingArguments
     from varsmooth.methods import get_method_config_class
 
-    config_cls = get_method_config_class(method)
-    # IVON's config is built from the arguments' own fields, which hold its settings
-    own = set() if config_cls.mirrors_training_arguments else {f.name for f in dataclasses.fields(config_cls)}
+    own = {f.name for f in dataclasses.fields(get_method_config_class(method))}
     config = {name: fields.pop(name) for name in list(fields) if name in own}
     return VariationalTrainingArguments(method=method, method_config=config or None, **fields)
 

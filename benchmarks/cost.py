@@ -377,7 +377,7 @@ def engine_timing(rounds: int, steps: int, skip: int, reps: int) -> dict:
                         times[job] = _optimizer_step_s(kind, opts[kind], reps if kind != "ivon_opt" else 2)
                         continue
                     m = copy.deepcopy(model)
-                    cfg = dict(method="ivon", ess=1e4, ivon_fused=kind == "ivon") if kind.startswith("ivon") else dict(method="erm")
+                    cfg = dict(method="ivon", method_config={"ess": 1e4, "ivon_fused": kind == "ivon"}) if kind.startswith("ivon") else dict(method="erm")
                     args = VariationalTrainingArguments(
                         output_dir=tmp, max_steps=steps, per_device_train_batch_size=ENGINE_BATCH[name], use_cpu=True,
                         report_to=[], save_strategy="no", eval_strategy="no", logging_strategy="no", disable_tqdm=True,
@@ -577,7 +577,7 @@ def _gpu_model_timing(name: str, rounds: int, steps: int, skip: int, batch: int,
             times = {}
             for kind in order:
                 m = copy.deepcopy(model).to("cuda" if cuda else "cpu")
-                cfg = dict(method="ivon", ess=1e4) if kind == "ivon" else dict(method="erm")
+                cfg = dict(method="ivon", method_config={"ess": 1e4}) if kind == "ivon" else dict(method="erm")
                 args = VariationalTrainingArguments(
                     output_dir=tmp, max_steps=steps, per_device_train_batch_size=batch, use_cpu=not cuda, bf16=True,
                     report_to=[], save_strategy="no", eval_strategy="no", logging_strategy="no", disable_tqdm=True,

@@ -63,7 +63,7 @@ VERSION = 1
 TASKS = ("sst2-clean", "sst2-sym30", "trec-clean", "trec-sym30")
 SETUP = {**real_noise.TEXT, "lora_r": 8, "lora_alpha": 16, "lora_dropout": 0.0, "target_modules": ["query", "value"]}
 ADAMW_LORA_LR = 1e-3
-#: method -> (LoRA?, VariationalTrainingArguments fields)
+#: method -> (LoRA?, flat settings: `common.training_arguments` puts those of the method's config into it)
 METHODS: dict[str, tuple[bool, dict[str, Any]]] = {
     # the preset's β2 given explicitly: the library's default before the run-length rule (default_posterior.py)
     # the anchor's lr 0.03, the `lora` preset's until its runs here showed that it does not train in short runs
@@ -83,7 +83,7 @@ def run(task: str, name: str, seed: int) -> dict[str, Any]:
     from transformers import DataCollatorWithPadding
 
     from example_utils.models import count_parameters
-    from varsmooth import VariationalTrainer, VariationalTrainingArguments
+    from varsmooth import VariationalTrainer
     from varsmooth.adapters import add_lora_adapters
 
     lora, settings = METHODS[name]
@@ -109,7 +109,7 @@ def run(task: str, name: str, seed: int) -> dict[str, Any]:
     train = train.remove_columns([c for c in ("clean_label", "is_corrupted") if c in train.column_names])
     steps = math.ceil(len(train) / SETUP["batch_size"]) * SETUP["epochs"]
     with tempfile.TemporaryDirectory(prefix="varsmooth-lora-") as tmp:
-        args = VariationalTrainingArguments(
+        args = common.training_arguments(
             output_dir=tmp, num_train_epochs=SETUP["epochs"], per_device_train_batch_size=SETUP["batch_size"],
             per_device_eval_batch_size=256, seed=seed, data_seed=seed, use_cpu=DEVICE == "cpu", report_to=[], save_strategy="no",
             eval_strategy="no", logging_strategy="steps", logging_steps=max(1, steps // 8), disable_tqdm=True,
@@ -126,8 +126,9 @@ def run(task: str, name: str, seed: int) -> dict[str, Any]:
     result: dict[str, Any] = {
         "key": key, "config": {"task": task, "method": name, "seed": seed, "setup": SETUP, "version": VERSION},
         "device": DEVICE,
-        "settings": {k: getattr(args, k) for k in ("learning_rate", "ess", "hess_init", "beta2", "clip_radius",
-                                                   "rescale_lr", "eval_mc_samples", "weight_decay")},
+        "settings": {k: getattr(args, k, getattr(args.method_config, k, None))
+                     for k in ("learning_rate", "ess", "hess_init", "beta2", "clip_radius", "rescale_lr", "eval_mc_samples",
+                               "weight_decay")},
         "trainable_parameters": count_parameters(model), "n_train": len(train), "steps": trainer.state.global_step,
         "train_s": train_s, "s_per_step": train_s / max(1, trainer.state.global_step), "eval_s": eval_s,
         "train_loss": training_loss, "diverged": diverged, "realized_noise": float((y_train != y_clean).float().mean()),

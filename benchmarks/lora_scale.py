@@ -34,7 +34,7 @@ from transformers import BertConfig, BertForSequenceClassification, TrainerCallb
 from transformers.trainer_callback import PrinterCallback  # noqa: E402
 
 import common  # noqa: E402  (sets OMP_NUM_THREADS before torch is imported)
-from varsmooth import VariationalTrainer, VariationalTrainingArguments, add_lora_adapters  # noqa: E402
+from varsmooth import VariationalTrainer, add_lora_adapters  # noqa: E402
 
 SIZES = {"bert-base": {"hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12, "intermediate_size": 3072},
          "bert-large": {"hidden_size": 1024, "num_hidden_layers": 24, "num_attention_heads": 16, "intermediate_size": 4096}}
@@ -79,7 +79,7 @@ def measure(size: str, method: str, steps: int, batch: int, length: int) -> dict
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     with tempfile.TemporaryDirectory(prefix="varsmooth-lora-scale-") as tmp:
-        args = VariationalTrainingArguments(
+        args = common.training_arguments(
             output_dir=tmp, max_steps=steps, per_device_train_batch_size=batch, per_device_eval_batch_size=256, bf16=True, use_cpu=not torch.cuda.is_available(),
             report_to=[], save_strategy="no", eval_strategy="no", logging_strategy="no", disable_tqdm=True, seed=0,
             dataloader_num_workers=2, posterior_temperature=1.0, **METHODS[method])

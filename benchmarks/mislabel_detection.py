@@ -48,6 +48,7 @@ from transformers.utils import ModelOutput
 
 from varsmooth import VariationalTrainer, VariationalTrainingArguments
 from varsmooth.label_noise import detection_metrics, suspicion_scores
+from varsmooth.methods import IVONConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
@@ -92,11 +93,11 @@ def corrupt(data: datasets.Dataset, rate: float, seed: int) -> tuple[datasets.Da
 
 
 def train(data: datasets.Dataset, cli: argparse.Namespace, seed: int, output_dir: str) -> VariationalTrainer:
+    ivon = IVONConfig(ess=len(data), hess_init=0.5, prior_precision=cli.prior_precision, beta2=cli.beta2,
+                      clip_radius=cli.clip_radius)
     args = VariationalTrainingArguments(
         output_dir=output_dir, num_train_epochs=cli.epochs, per_device_train_batch_size=64,
-        per_device_eval_batch_size=512, learning_rate=cli.lr, ess=len(data), hess_init=0.5,
-        prior_precision=cli.prior_precision, beta2=cli.beta2, clip_radius=cli.clip_radius,
-        lr_scheduler_type="cosine", eval_mc_samples=0, seed=seed, report_to="none", save_strategy="no",
+        per_device_eval_batch_size=512, learning_rate=cli.lr, method_config=ivon, lr_scheduler_type="cosine", eval_mc_samples=0, seed=seed, report_to="none", save_strategy="no",
         logging_strategy="no", use_cpu=True, disable_tqdm=True,
     )
     torch.manual_seed(seed)

@@ -85,6 +85,7 @@ def load_xy() -> tuple[torch.Tensor, torch.Tensor, str]:
 
 def trainer_block(kind: str, model, x, y, steps: int, tmp: str, seed: int) -> list[float]:
     from varsmooth import VariationalTrainer, VariationalTrainingArguments
+    from varsmooth.methods import IVONConfig
 
     common_kw = dict(output_dir=tmp, max_steps=steps, per_device_train_batch_size=64, use_cpu=True, report_to=[],
                      save_strategy="no", eval_strategy="no", logging_strategy="no", disable_tqdm=True,
@@ -98,9 +99,9 @@ def trainer_block(kind: str, model, x, y, steps: int, tmp: str, seed: int) -> li
         args = VariationalTrainingArguments(method="erm", optim="adamw_torch", learning_rate=ADAMW_KW["lr"], weight_decay=0.0, **common_kw)
         trainer = VariationalTrainer(model=model, args=args, train_dataset=ds, callbacks=[clock])
     elif kind == "vt_ivon":
-        args = VariationalTrainingArguments(method="ivon", learning_rate=IVON_KW["lr"], ess=IVON_KW["ess"],
-                                            hess_init=IVON_KW["hess_init"], beta2=IVON_KW["beta2"],
-                                            prior_precision=IVON_KW["weight_decay"], **common_kw)
+        ivon = IVONConfig(ess=IVON_KW["ess"], hess_init=IVON_KW["hess_init"], beta2=IVON_KW["beta2"],
+                          prior_precision=IVON_KW["weight_decay"])
+        args = VariationalTrainingArguments(method="ivon", learning_rate=IVON_KW["lr"], method_config=ivon, **common_kw)
         trainer = VariationalTrainer(model=model, args=args, train_dataset=ds, callbacks=[clock])
     else:
         raise ValueError(kind)

@@ -26,9 +26,9 @@ projection of a timm ViT, on query/value of an HF ViT:
 
 Every field of ModelArguments (with LoraArguments), DataArguments, CorruptionArguments and VariationalTrainingArguments
 is a flag, or a key of a single JSON/YAML file given instead of the flags (`accelerate launch
-examples/train_image_classification.py run.yaml`). So is every field of the methods' configs (`--method sam --sam_rho
-0.1`, `--method ls --smoothing 0.3`; varsmooth.methods.list_methods()): a flag of another method than --method is an
-error.
+examples/train_image_classification.py run.yaml`). So is every field of the config of the method --method names
+(`--ess 1e4` of the default IVON, `--method sam --sam_rho 0.1`, `--method ls --smoothing 0.3`;
+varsmooth.methods.list_methods(); `--method sam --help` lists them): a flag of another method is an error.
 """
 
 from __future__ import annotations
@@ -41,12 +41,12 @@ from dataclasses import dataclass, field
 
 import datasets
 import torch
-from transformers import AutoImageProcessor, HfArgumentParser, ViTImageProcessor, set_seed
+from transformers import AutoImageProcessor, ViTImageProcessor, set_seed
 
 from varsmooth import VariationalTrainer, VariationalTrainingArguments
 from varsmooth.adapters import LoraArguments
 from varsmooth.corruption import CorruptionArguments, NoiseReport, noise_report
-from varsmooth.methods import get_method_class, learns_posterior, method_config_classes
+from varsmooth.methods import get_method_class, learns_posterior
 
 # the data/model helpers beside this script (also when it is imported or launched from another folder)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -220,27 +220,27 @@ def parse_arguments(argv: list[str]) -> tuple[ModelArguments, DataArguments, Cor
     """Command-line flags, or one JSON/YAML file as in the transformers examples. LoRA switches IVON to
     `ivon_preset="lora"`, else a pretrained model to `ivon_preset="finetune"`, unless the user chose a preset; a model
     trained from scratch gets its method's `scratch_learning_rate` unless the user chose a rate."""
-    parser = HfArgumentParser((ModelArguments, DataArguments, ExampleCorruptionArguments, ExampleTrainingArguments,
-                               *method_config_classes()))
-    parsed, given = parse_example_arguments(parser, argv)
+    types = (ModelArguments, DataArguments, ExampleCorruptionArguments, ExampleTrainingArguments)
+    parsed, given = parse_example_arguments(types, argv)
     model_args, training_args = parsed[0], parsed[3]
+    method = get_method_class(training_args.method)
     overrides = {}
-    if model_args.lora_enabled and "ivon_preset" not in given:
+    presets = learns_posterior(method) and "ivon_preset" not in given and "method_config" not in given
+    if model_args.lora_enabled and presets:
         logger.info("LoRA: IVON uses ivon_preset='lora' (Cong et al. 2024's recipe; pass --ivon_preset to choose another).")
         overrides["ivon_preset"] = "lora"
     pretrained = model_args.pretrained or model_args.pretrained_weights or (
         model_args.model_name_or_path and not is_timm_name(model_args.model_name_or_path))
-    if pretrained and not overrides and "ivon_preset" not in given:
+    if pretrained and not overrides and presets:
         # the authors' from-scratch IVON settings wreck a pretrained model (benchmarks/README.md, "Fine-tuning a pretrained model")
         logger.info("Pretrained model: IVON uses ivon_preset='finetune' (pass --ivon_preset scratch to train from scratch).")
         overrides["ivon_preset"] = "finetune"
-    method = get_method_class(training_args.method)
     if not pretrained and not learns_posterior(method) and "learning_rate" not in given:
         # TrainingArguments' 5e-5 is a fine-tuning rate; this one was chosen on the example's noisy validation split
         # (benchmarks/example_learning_rates.py)
         overrides["learning_rate"] = str(method.scratch_learning_rate)
     if overrides:
-        parsed, _ = parse_example_arguments(parser, argv, **overrides)
+        parsed, _ = parse_example_arguments(types, argv, **overrides)
     return parsed
 
 

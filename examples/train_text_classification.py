@@ -36,9 +36,9 @@ trains adapters on the query/value projections and the new head only, with IVON'
     accelerate launch examples/train_text_classification.py --lora_r 8 --lora_alpha 16
 
 Every field of ModelArguments (with LoraArguments), DataArguments, CorruptionArguments and VariationalTrainingArguments
-is a flag, or a key of a single JSON/YAML file given instead of the flags, and so is every field of the methods'
-configs (`--method gce --gce_q 0.5`; varsmooth.methods.list_methods()): a flag of another method than --method is an
-error. `--do_predict` writes predict_results.txt for the test split (prediction, confidence, entropy, mutual
+is a flag, or a key of a single JSON/YAML file given instead of the flags, and so is every field of the config of the
+method --method names (`--ess 1e7` of the default IVON, `--method gce --gce_q 0.5`; varsmooth.methods.list_methods();
+`--method gce --help` lists them): a flag of another method is an error. `--do_predict` writes predict_results.txt for the test split (prediction, confidence, entropy, mutual
 information: n/a for a prediction without posterior draws, e.g. at τ = 0).
 """
 
@@ -50,12 +50,12 @@ import sys
 from dataclasses import dataclass, field
 
 import datasets
-from transformers import AutoConfig, DataCollatorWithPadding, HfArgumentParser, set_seed
+from transformers import AutoConfig, DataCollatorWithPadding, set_seed
 
 from varsmooth import VariationalTrainer, VariationalTrainingArguments
 from varsmooth.adapters import LoraArguments
 from varsmooth.mean_pooling_bert import MeanPoolingBertConfig, MeanPoolingBertForSequenceClassification
-from varsmooth.methods import learns_posterior, method_config_classes
+from varsmooth.methods import build_method_config, learns_posterior
 
 # the data/model helpers beside this script (also when it is imported or launched from another folder)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -195,21 +195,14 @@ class ExampleTrainingArguments(VariationalTrainingArguments, ExportArguments):
                           "(label_noise.parquet next to the model; IVON methods only): each costs a forward pass over "
                           "the training set, and the export must cost less than training. 0: no export."},
     )
-    ivon_preset: str = field(
-        default="finetune",
-        metadata={"help": "IVON defaults: 'finetune' (varsmooth.presets.FINETUNE_PRESET, for the pretrained MiniLM), "
-                          "'scratch' (the authors' recipe, e.g. for the small BERT built from a config) or 'lora' "
-                          "(varsmooth.presets.LORA_PRESET; the default when --lora_r > 0).",
-                  "choices": ["scratch", "finetune", "lora"]},
-    )
-
     def __post_init__(self) -> None:
         # as in Hugging Face's examples, --do_train/--do_eval choose what runs; with neither given, both run
         if not (self.do_train or self.do_eval):
             self.do_train = self.do_eval = True
         if self.learning_rate is None and not learns_posterior(self.method):
-            self.learning_rate = ADAMW_LR  # IVON's rate comes from ivon_preset
-        if self.eval_mc_samples is None and self.ivon_preset != "lora":  # the lora preset brings its own 10
+            self.learning_rate = ADAMW_LR  # IVON's rate comes from its ivon_preset
+        preset = getattr(build_method_config(self.method, self.method_config), "ivon_preset", None)
+        if self.eval_mc_samples is None and preset != "lora":  # the lora preset brings its own 10
             self.eval_mc_samples = 8
         super().__post_init__()
 
@@ -277,13 +270,12 @@ def default_model() -> str:
 
 
 def parse_arguments(argv: list[str]) -> tuple:
-    """Command-line flags, or one JSON/YAML file as in the transformers examples; LoRA (--lora_r > 0) switches IVON
-    to `ivon_preset="lora"` unless a preset is given."""
-    parser = HfArgumentParser((ModelArguments, DataArguments, ExampleCorruptionArguments, ExampleTrainingArguments,
-                               *method_config_classes()))
-    parsed, given = parse_example_arguments(parser, argv)
-    if parsed[0].lora_enabled and "ivon_preset" not in given:
-        parsed, _ = parse_example_arguments(parser, argv, ivon_preset="lora")
+    """Command-line flags, or one JSON/YAML file as in the transformers examples; IVON takes `ivon_preset="finetune"`
+    (the pretrained MiniLM), `"lora"` with LoRA (--lora_r > 0), unless a preset is given."""
+    types = (ModelArguments, DataArguments, ExampleCorruptionArguments, ExampleTrainingArguments)
+    parsed, given = parse_example_arguments(types, argv)
+    if learns_posterior(parsed[3].method) and "ivon_preset" not in given and "method_config" not in given:
+        parsed, _ = parse_example_arguments(types, argv, ivon_preset="lora" if parsed[0].lora_enabled else "finetune")
     return parsed
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import importlib.util
 import os
 import shutil
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 from transformers.modeling_outputs import SequenceClassifierOutput
 
 from varsmooth import VariationalTrainingArguments
+from varsmooth.methods import get_method_config_class
 from varsmooth.posterior import derive_seed, optimizer as engine
 from varsmooth.posterior.sharding import DTensor, local_slice, to_local
 
@@ -64,6 +66,12 @@ def digits_dataset(n: int | None = None, seed: int = 0) -> datasets.Dataset:
 
 
 def make_args(tmp_path, **kw) -> VariationalTrainingArguments:
+    """Quick CPU arguments; keywords that are fields of the method's config (IVON's `ess`, SAM's `sam_rho`, ...) go
+    into `method_config`, as benchmarks/common.py's `training_arguments` does."""
+    own = {f.name for f in dataclasses.fields(get_method_config_class(kw.get("method", "ivon")))}
+    config = {name: kw.pop(name) for name in list(kw) if name in own}
+    if config:
+        kw["method_config"] = {**kw.get("method_config", {}), **config}
     defaults = dict(
         output_dir=str(tmp_path), report_to=[], use_cpu=True, save_strategy="no", logging_strategy="no",
         disable_tqdm=True, per_device_train_batch_size=16, per_device_eval_batch_size=64, seed=0,

@@ -176,7 +176,7 @@ def test_the_card_reports_max_steps_and_what_the_posterior_learned(run):
     text, _ = _parts(_card(trainer))
     assert "| max_steps | 6 |" in text and "| epochs |" not in text  # --max_steps overrides the epochs
     # IVON's settings under the names the arguments (and the CLI) take: weight_decay is refused with IVON
-    assert f"| prior_precision | {trainer.args.prior_precision} |" in text and "| weight_decay |" not in text
+    assert f"| prior_precision | {trainer.args.method_config.prior_precision} |" in text and "| weight_decay |" not in text
     assert f"| learning_rate | {trainer.args.learning_rate} |" in text and "| lr |" not in text
     # the Hessian's movement and σ of the saved posterior, at the end of training (step 6; the last log was at step 4)
     from varsmooth.posterior.diagnostics import hessian_change
@@ -188,7 +188,7 @@ def test_the_card_reports_max_steps_and_what_the_posterior_learned(run):
     sigma = trainer.hessian_summary()["posterior_std_median"]
     assert f"σ = 1/sqrt(ess·(h + δ)) had median {sigma:.4g}" in text
     args = trainer.args
-    assert f"σ0 = {1 / (trainer.ivon.param_groups[0]['ess'] * (args.hess_init + args.prior_precision)) ** 0.5:.4g}" in text
+    assert f"σ0 = {1 / (trainer.ivon.param_groups[0]['ess'] * (args.method_config.hess_init + args.method_config.prior_precision)) ** 0.5:.4g}" in text
     assert ("hardly moved" in text) == (change < 0.1)
     summary = json.loads((out / "label_noise_summary.json").read_text())
     assert f"|ε̄|₁ has mean {summary['all']['noise_l1']['mean']:.3g}" in text

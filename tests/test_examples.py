@@ -375,9 +375,10 @@ def test_a_pretrained_model_switches_to_the_finetune_preset_whatever_the_config_
         argv = [str(path)]
     model_args, _, _, training_args = example.parse_arguments(argv)
     assert model_args.pretrained_weights == "weights.pth"
-    assert training_args.ivon_preset == "finetune"
-    assert training_args.ess == FINETUNE_PRESET["ess"] and training_args.hess_init == FINETUNE_PRESET["hess_init"]
-    assert training_args.beta2 == 0.99  # the user's value beats the preset's
+    ivon = training_args.method_config
+    assert ivon.ivon_preset == "finetune" and training_args.learning_rate == FINETUNE_PRESET["learning_rate"]
+    assert ivon.ess == FINETUNE_PRESET["ess"] and ivon.hess_init == FINETUNE_PRESET["hess_init"]
+    assert ivon.beta2 == 0.99  # the user's value beats the preset's
 
 
 @pytest.mark.parametrize("how", ["flags", "json"])
@@ -392,8 +393,8 @@ def test_a_chosen_preset_and_a_model_from_scratch_are_left_alone(tmp_path, how):
             path.write_text(json.dumps(config))
             argv = [str(path)]
         training_args = example.parse_arguments(argv)[3]
-        assert training_args.ivon_preset == "scratch"
-        assert training_args.hess_init != FINETUNE_PRESET["hess_init"]  # the from-scratch value
+        assert training_args.method_config.ivon_preset == "scratch"
+        assert training_args.method_config.hess_init != FINETUNE_PRESET["hess_init"]  # the from-scratch value
 
 
 def test_a_config_file_with_an_unknown_key_is_refused(tmp_path):

@@ -331,7 +331,7 @@ def test_adaptivity_finds_where_the_expected_noise_peaks(v, logits, rho_sign):
 def make_trainer(tmp_path, data, callbacks=None, **overrides):
     args = VariationalTrainingArguments(
         output_dir=str(tmp_path), num_train_epochs=2, per_device_train_batch_size=16, per_device_eval_batch_size=10,
-        learning_rate=0.05, ess=len(data), beta2=0.99, report_to="none", save_strategy="no", logging_strategy="no",
+        learning_rate=0.05, method_config={"ess": len(data), "beta2": 0.99}, report_to="none", save_strategy="no", logging_strategy="no",
         use_cpu=True, disable_tqdm=True, eval_mc_samples=4, seed=0, **overrides,
     )
     torch.manual_seed(0)

@@ -81,16 +81,17 @@ def test_lora_preset_is_the_ivon_lora_recipe(tmp_path):
     """Cong et al. 2024's numbers: no lr rescaling, clip 1e-3, ess in 1e6-1e8, h0 in 3e-4-1e-3, 10 samples; the
     learning rate makes the largest step lr·clip_radius AdamW-LoRA's 1e-3 (their 0.03 does not train in short runs)."""
     args = make_args(tmp_path, ivon_preset="lora")
-    assert (args.rescale_lr, args.clip_radius, args.eval_mc_samples) == (False, 1e-3, 10)
-    assert args.learning_rate * args.clip_radius == pytest.approx(1e-3)
-    assert 1e6 <= args.ess <= 1e8 and 3e-4 <= args.hess_init <= 1e-3 and args.prior_precision == 0.0
+    ivon = args.method_config
+    assert (ivon.rescale_lr, ivon.clip_radius, args.eval_mc_samples) == (False, 1e-3, 10)
+    assert args.learning_rate * ivon.clip_radius == pytest.approx(1e-3)
+    assert 1e6 <= ivon.ess <= 1e8 and 3e-4 <= ivon.hess_init <= 1e-3 and ivon.prior_precision == 0.0
     fields = {name: value for name, value in LORA_PRESET.items() if name != "long_run_beta2"}
-    assert {name: getattr(args, name) for name in fields} == fields
-    assert args.beta2 is None  # the default β2: the anchor's 0.99999 only in runs long enough for it to move the Hessian
+    assert {name: getattr(args, name, getattr(ivon, name, None)) for name in fields} == fields
+    assert ivon.beta2 is None  # the default β2: the anchor's 0.99999 only in runs long enough for it to move the Hessian
     kept = make_args(tmp_path, ivon_preset="lora", learning_rate=0.1, eval_mc_samples=4)
-    assert (kept.learning_rate, kept.eval_mc_samples, kept.ess) == (0.1, 4, LORA_PRESET["ess"])
+    assert (kept.learning_rate, kept.eval_mc_samples, kept.method_config.ess) == (0.1, 4, LORA_PRESET["ess"])
     # a non-IVON method keeps its own learning rate; the default number of BMA samples is unchanged elsewhere
-    assert make_args(tmp_path, ivon_preset="lora", method="erm").learning_rate == 5e-5
+    assert make_args(tmp_path, method="erm").learning_rate == 5e-5
     assert make_args(tmp_path).eval_mc_samples == 32
     with pytest.raises(ValueError, match="ivon_preset must be one of"):
         make_args(tmp_path, ivon_preset="qlora")
@@ -278,10 +279,10 @@ def test_examples_switch_to_the_lora_preset(name):
     example = load_example(name)
     model_args, *_, training_args = example.parse_arguments(["--lora_r", "8", "--use_cpu", "true"])
     assert model_args.lora_enabled and (model_args.lora_r, model_args.lora_alpha) == (8, 16)
-    assert training_args.ivon_preset == "lora" and training_args.learning_rate == LORA_PRESET["learning_rate"]
+    assert training_args.method_config.ivon_preset == "lora" and training_args.learning_rate == LORA_PRESET["learning_rate"]
     assert training_args.eval_mc_samples == 10
     chosen = example.parse_arguments(["--lora_r", "8", "--ivon_preset", "finetune", "--use_cpu", "true"])[-1]
-    assert chosen.ivon_preset == "finetune"
+    assert chosen.method_config.ivon_preset == "finetune"
     assert not example.parse_arguments(["--use_cpu", "true"])[0].lora_enabled
 
 

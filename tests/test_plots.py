@@ -209,7 +209,7 @@ def test_callback_draws_figures_for_images(tmp_path, drawn):
         return {"pixel_values": torch.stack([r["pixel_values"] for r in rows]), "labels": torch.tensor([r["labels"] for r in rows])}
 
     args = VariationalTrainingArguments(
-        output_dir=str(tmp_path), num_train_epochs=1, per_device_train_batch_size=8, learning_rate=0.05, beta2=0.99,
+        output_dir=str(tmp_path), num_train_epochs=1, per_device_train_batch_size=8, learning_rate=0.05, method_config={"beta2": 0.99},
         report_to="none", save_strategy="no", logging_strategy="no", use_cpu=True, disable_tqdm=True,
     )
     torch.manual_seed(0)

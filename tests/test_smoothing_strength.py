@@ -76,7 +76,7 @@ def test_ivon_smoothing_is_refused_outside_its_range_and_without_ivon(tmp_path):
     with pytest.raises(ValueError, match="ivon_smoothing"):
         make_args(tmp_path, ivon_smoothing=1.5)
     with pytest.raises(ValueError, match="ivon_smoothing"):
-        make_args(tmp_path, method="ls", ivon_smoothing=0.1)
+        make_args(tmp_path, method="ls", method_config={"ivon_smoothing": 0.1})
 
 
 def _summary(mean_l1, num_classes):

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from transformers import BertForSequenceClassification, HfArgumentParser
+from transformers import BertForSequenceClassification
 
 from example_utils.data import SENTIMENT_SENTENCES_DIR, load_sentiment_sentences
 from example_utils.models import create_text_classifier, minilm_path
@@ -69,14 +69,15 @@ def test_small_bert_learns_its_vocabulary_offline():
 
 def test_example_defaults_are_the_ivon_finetuning_preset():
     module = load_example("train_text_classification")
-    parser = HfArgumentParser(module.ExampleTrainingArguments)
-    (ivon,) = parser.parse_args_into_dataclasses(["--use_cpu"])
+    ivon_args = module.parse_arguments(["--use_cpu"])[3]
+    ivon = ivon_args.method_config
     # σ0 = 1/sqrt(ess (h0 + δ)) a few thousandths, far below the pretrained weights' typical 0.03-0.1
     assert 1 / math.sqrt(ivon.ess * (ivon.hess_init + ivon.prior_precision)) == pytest.approx(3.16e-3, rel=1e-2)
-    (erm,) = parser.parse_args_into_dataclasses(["--use_cpu", "--method", "erm"])
+    erm = module.parse_arguments(["--use_cpu", "--method", "erm"])[3]
     assert erm.learning_rate == pytest.approx(3e-4)  # an AdamW rate for AdamW methods, not IVON's 0.3
     # the largest IVON step of a weight equals the AdamW rate
-    assert not ivon.rescale_lr and ivon.learning_rate * ivon.clip_radius == pytest.approx(erm.learning_rate)
+    assert not ivon.rescale_lr and ivon_args.learning_rate * ivon.clip_radius == pytest.approx(erm.learning_rate)
+    assert ivon_args.eval_mc_samples == 8
 
 
 def test_example_trains_a_small_bert_on_local_files(tmp_path):
@@ -159,7 +160,10 @@ def test_the_text_example_reads_a_json_or_yaml_config_with_the_image_examples_pa
         path.write_text(dump(config))
         model_args, data_args, _, training_args = module.parse_arguments([str(path)])
         assert training_args.method_config.gce_q == 0.5 and model_args.lora_r == 4
-        assert training_args.ivon_preset == "lora"  # LoRA switches the preset from a file too
+        assert not hasattr(training_args.method_config, "ivon_preset")  # GCE has no IVON preset to switch
+        path.write_text(dump({key: value for key, value in config.items() if key not in ("method", "gce_q")}))
+        assert module.parse_arguments([str(path)])[3].method_config.ivon_preset == "lora"  # LoRA switches it from a file
+        path.write_text(dump(config))
         assert (data_args.test_file, data_args.validation_file) == ("test.txt", None)  # no longer an alias
     path.write_text(yaml.safe_dump({**config, "test_fil": "x"}))
     with pytest.raises(ValueError, match="test_fil"):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import os
 import re
 from pathlib import Path
@@ -27,9 +28,10 @@ from varsmooth import (
     VariationalTrainer,
     VariationalTrainingArguments,
 )
-from varsmooth.methods.ivon import check_ivon_sharding
+from varsmooth.methods.ivon import IVONConfig, check_ivon_sharding
 from varsmooth.posterior import VariationalIVON
 from varsmooth.posterior.diagnostics import HESSIAN_STUCK_TOLERANCE, hessian_summary
+from varsmooth.training_args import POSTERIOR_FIELDS
 
 REPO = Path(__file__).resolve().parents[1]
 IVON_KW = dict(lr=0.2, hess_init=0.5, beta1=0.9, beta2=0.999, wd=2e-4)
@@ -232,11 +234,14 @@ def test_bf16_autocast_trains_and_hessian_moves(tmp_path):
 
 
 def test_args_parse_with_hf_argument_parser():
+    (config,) = HfArgumentParser(IVONConfig).parse_args_into_dataclasses(
+        ["--ess", "1e4", "--hess_init", "0.1", "--beta2", "0.9999", "--mc_samples", "2", "--prior_precision", "1e-3",
+         "--clip_radius", "0.05"])
     (args,) = HfArgumentParser(VariationalTrainingArguments).parse_args_into_dataclasses(
-        ["--output_dir", "o", "--ess", "1e4", "--hess_init", "0.1", "--beta2", "0.9999", "--mc_samples", "2",
-         "--eval_mc_samples", "0", "--prior_precision", "1e-3", "--clip_radius", "0.05"])
-    assert (args.ess, args.hess_init, args.beta2, args.mc_samples, args.eval_mc_samples) == (1e4, 0.1, 0.9999, 2, 0)
-    assert args.method == "ivon" and args.learning_rate == 0.2 and args.clip_radius == 0.05
+        ["--output_dir", "o", "--eval_mc_samples", "0", "--method_config", json.dumps(dataclasses.asdict(config))])
+    ivon = args.method_config
+    assert (ivon.ess, ivon.hess_init, ivon.beta2, ivon.mc_samples, args.eval_mc_samples) == (1e4, 0.1, 0.9999, 2, 0)
+    assert args.method == "ivon" and args.learning_rate == 0.2 and ivon.clip_radius == 0.05
     (erm,) = HfArgumentParser(VariationalTrainingArguments).parse_args_into_dataclasses(["--output_dir", "o", "--method", "erm"])
     assert erm.learning_rate == 5e-5
 
@@ -335,18 +340,20 @@ def test_timm_model_keeps_timm_initialisation():
 def test_finetune_preset_fills_only_untouched_ivon_fields():
     from varsmooth.presets import FINETUNE_PRESET
 
-    parser = HfArgumentParser(VariationalTrainingArguments)
-    (args,) = parser.parse_args_into_dataclasses(["--output_dir", "/tmp/x", "--use_cpu", "--ivon_preset", "finetune", "--beta2", "0.99"])
-    assert args.beta2 == 0.99  # set by the user: kept
-    for name in ("ess", "hess_init", "prior_precision", "rescale_lr", "clip_radius", "learning_rate"):
-        assert getattr(args, name) == FINETUNE_PRESET[name], name
+    args = VariationalTrainingArguments(output_dir="/tmp/x", use_cpu=True,
+                                        method_config=IVONConfig(ivon_preset="finetune", beta2=0.99))
+    assert args.method_config.beta2 == 0.99  # set by the user: kept
+    for name in ("ess", "hess_init", "prior_precision", "rescale_lr", "clip_radius"):
+        assert getattr(args.method_config, name) == FINETUNE_PRESET[name], name
+    assert args.learning_rate == FINETUNE_PRESET["learning_rate"]
     scratch = VariationalTrainingArguments(output_dir="/tmp/x", use_cpu=True)
-    assert (scratch.learning_rate, scratch.hess_init, scratch.ess, scratch.rescale_lr) == (0.2, 0.5, None, True)
-    # the preset is about IVON: another method keeps its own defaults
-    erm = VariationalTrainingArguments(output_dir="/tmp/x", use_cpu=True, method="erm", ivon_preset="finetune")
-    assert erm.learning_rate == 5e-5
+    ivon = scratch.method_config
+    assert (scratch.learning_rate, ivon.hess_init, ivon.ess, ivon.rescale_lr) == (0.2, 0.5, None, True)
+    # the preset is about IVON: another method has none
+    with pytest.raises(ValueError, match=r"\['ivon_preset'\], which method='erm'"):
+        VariationalTrainingArguments(output_dir="/tmp/x", use_cpu=True, method="erm", method_config={"ivon_preset": "finetune"})
     with pytest.raises(ValueError, match="ivon_preset must be"):
-        VariationalTrainingArguments(output_dir="/tmp/x", use_cpu=True, ivon_preset="pretrained")
+        IVONConfig(ivon_preset="pretrained")
 
 
 def test_finetune_preset_builds_the_documented_optimizer(tmp_path):
@@ -366,7 +373,7 @@ def test_finetune_preset_builds_the_documented_optimizer(tmp_path):
 def test_a_fractional_sample_count_is_refused(tmp_path, value):
     with pytest.raises(ValueError, match=rf"mc_samples is a number of samples, a whole number, got {value!r}"):
         make_args(tmp_path, mc_samples=value)
-    assert make_args(tmp_path, mc_samples=2.0).mc_samples == 2  # a whole float (e.g. from a JSON config) is fine
+    assert make_args(tmp_path, mc_samples=2.0).method_config.mc_samples == 2  # a whole float (e.g. from a JSON config) is fine
 
 
 def test_string_labels_are_refused_with_the_fix(tmp_path):
@@ -467,11 +474,14 @@ def test_inputs_of_a_shape_the_model_cannot_take_are_named_at_the_first_step(tmp
                                      dict(rescale_lr=False), dict(ivon_fused=False), dict(hessian_window=0.5)])
 def test_ivon_settings_with_a_method_without_ivon_are_refused_by_name(tmp_path, method, setting):
     (name, value), = setting.items()
-    with pytest.raises(ValueError, match=rf"^{name}={value!r} is an IVON setting, and method='{method}' does not train "
-                                         rf"with IVON.*Drop {name}, or choose an IVON method"):
-        make_args(tmp_path, method=method, **setting)
-    args = make_args(tmp_path, method=method)  # the defaults are no setting: accepted, copied and left unset
-    assert args.hess_init is None and args.prior_precision is None
+    if name in POSTERIOR_FIELDS:  # a setting of prediction with a posterior, which the method learns none of
+        with pytest.raises(ValueError, match=rf"^{name}={value!r} is a setting of prediction with IVON's posterior, and "
+                                             rf"method='{method}' learns none.*Drop {name}, or choose an IVON method"):
+            make_args(tmp_path, method=method, **setting)
+    else:  # an IVON setting: not a field of the other method's config
+        with pytest.raises(ValueError, match=rf"method_config has \['{name}'\], which method='{method}'"):
+            make_args(tmp_path, method=method, method_config=setting)
+    args = make_args(tmp_path, method=method)  # the defaults are no setting: accepted and copied
     assert dataclasses.replace(args).method == method
     make_args(tmp_path, method="ivon", **setting)  # IVON takes them
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 
 import pytest
@@ -11,6 +12,7 @@ from transformers import HfArgumentParser, TrainingArguments
 
 from helpers import TinyClassifier, digits_dataset, make_args, reference_ivon_loop
 from varsmooth import VariationalTrainer, VariationalTrainingArguments
+from varsmooth.methods import IVONConfig, MethodConfig
 from varsmooth.presets import FINETUNE_PRESET, SCRATCH_PRESET
 
 PRESET_FIELDS = ("hess_init", "prior_precision", "rescale_lr")  # β2 is not filled: it follows the run (hessian_window)
@@ -22,40 +24,55 @@ def _parse(*flags: str) -> VariationalTrainingArguments:
     return args
 
 
+def _ivon(*flags: str) -> IVONConfig:
+    (config,) = HfArgumentParser(IVONConfig).parse_args_into_dataclasses(list(flags))
+    return config
+
+
 def test_finetune_preset_keeps_values_the_user_gave_even_when_they_equal_the_scratch_defaults():
     """`--beta2 0.99999` is the scratch default; the finetune preset used to replace it by 0.999."""
-    args = _parse("--ivon_preset", "finetune", "--beta2", "0.99999", "--hess_init", "0.5", "--prior_precision", "2e-4",
-                  "--rescale_lr", "true")
-    assert (args.beta2, args.hess_init, args.prior_precision, args.rescale_lr) == (0.99999, 0.5, 2e-4, True)
-    # what the user left unset comes from the preset
-    assert (args.ess, args.clip_radius, args.learning_rate) == (FINETUNE_PRESET["ess"], FINETUNE_PRESET["clip_radius"],
-                                                                FINETUNE_PRESET["learning_rate"])
+    config = _ivon("--ivon_preset", "finetune", "--beta2", "0.99999", "--hess_init", "0.5", "--prior_precision", "2e-4",
+                   "--rescale_lr", "true")
+    assert (config.beta2, config.hess_init, config.prior_precision, config.rescale_lr) == (0.99999, 0.5, 2e-4, True)
+    # what the user left unset comes from the preset, the learning rate (an argument of every method) too
+    args = VariationalTrainingArguments(output_dir="out", use_cpu=True, method_config=config)
+    assert (config.ess, config.clip_radius, args.learning_rate) == (FINETUNE_PRESET["ess"], FINETUNE_PRESET["clip_radius"],
+                                                                    FINETUNE_PRESET["learning_rate"])
+    assert args.method_config == config and args.method_config is not config  # a copy
     # and the scratch preset keeps a value equal to the finetune one
-    scratch = _parse("--beta2", "0.999", "--rescale_lr", "false")
+    scratch = _ivon("--beta2", "0.999", "--rescale_lr", "false")
     assert (scratch.beta2, scratch.rescale_lr, scratch.hess_init) == (0.999, False, SCRATCH_PRESET["hess_init"])
 
 
 @pytest.mark.parametrize("preset", ["scratch", "finetune"])
-@pytest.mark.parametrize("method", ["ivon", "erm"])
-def test_preset_fields_are_concrete_after_post_init_and_serialise(preset, method):
-    """Concrete for IVON; left unset for a method without IVON, which does not use them (and refuses them set)."""
-    args = _parse("--ivon_preset", preset, "--method", method)
-    expected = FINETUNE_PRESET if preset == "finetune" and method == "ivon" else SCRATCH_PRESET
+def test_preset_fields_are_concrete_after_post_init_and_serialise(preset):
+    args = VariationalTrainingArguments(output_dir="out", use_cpu=True, method_config={"ivon_preset": preset})
+    expected = FINETUNE_PRESET if preset == "finetune" else SCRATCH_PRESET
+    config = args.method_config
     for name in PRESET_FIELDS:
-        value = getattr(args, name)
-        if method == "erm":
-            assert value is None, name
-        else:
-            assert value == expected[name] and type(value) is type(SCRATCH_PRESET[name]), name
+        value = getattr(config, name)
+        assert value == expected[name] and type(value) is type(SCRATCH_PRESET[name]), name
     as_json = json.loads(args.to_json_string())
-    assert {name: as_json[name] for name in PRESET_FIELDS} == {name: getattr(args, name) for name in PRESET_FIELDS}
+    assert as_json["method_config"] == dataclasses.asdict(config)
     assert args.to_dict()["max_grad_norm"] == 0.0
-    assert args.beta2 is None and as_json["beta2"] is None and as_json["hessian_window"] == 0.1
+    assert config.beta2 is None and as_json["method_config"]["beta2"] is None
+    assert as_json["method_config"]["hessian_window"] == 0.1
     # the resolved values parse back to the same arguments (e.g. a config file written from to_dict())
     (again,) = HfArgumentParser(VariationalTrainingArguments).parse_dict(
-        {"output_dir": "out", "use_cpu": True, "method": method, "ivon_preset": preset,
-         **{name: as_json[name] for name in PRESET_FIELDS}})
-    assert all(getattr(again, name) == getattr(args, name) for name in PRESET_FIELDS)
+        {"output_dir": "out", "use_cpu": True, "method_config": as_json["method_config"]})
+    assert again.method_config == config and again.learning_rate == args.learning_rate
+
+
+def test_ivon_settings_are_not_fields_of_the_arguments_nor_of_another_method():
+    """Each IVON setting is declared once, in IVONConfig: not a field of the arguments, and refused in the config of
+    another method, which would not use it."""
+    fields = {f.name for f in dataclasses.fields(VariationalTrainingArguments)}
+    assert not fields & {f.name for f in dataclasses.fields(IVONConfig)}
+    with pytest.raises(TypeError, match="ess"):
+        VariationalTrainingArguments(output_dir="out", use_cpu=True, ess=1e4)
+    with pytest.raises(ValueError, match=r"\['ess'\], which method='erm'"):
+        VariationalTrainingArguments(output_dir="out", use_cpu=True, method="erm", method_config={"ess": 1e4})
+    assert VariationalTrainingArguments(output_dir="out", use_cpu=True, method="erm").method_config == MethodConfig()
 
 
 def test_max_grad_norm_defaults_to_no_clipping_unlike_training_arguments():
@@ -102,7 +119,7 @@ def test_default_run_trains_on_unclipped_gradients(tmp_path):
 def test_ivon_fused_reaches_the_optimizer_and_either_path_matches_the_hand_written_loop(tmp_path, fused):
     """`--ivon_fused` parses as HF's optional booleans do and picks IVON's code path (compiled kernels or foreach ops);
     on the CPU both draw the noise from the same generator and train as the ivon-opt reference loop."""
-    assert _parse().ivon_fused is None and _parse("--ivon_fused", "false").ivon_fused is False
+    assert _ivon().ivon_fused is None and _ivon("--ivon_fused", "false").ivon_fused is False
     trainer, init, batches = _train_three_steps(tmp_path, ivon_fused=fused)
     assert trainer.ivon.compiled is fused and trainer.ivon._dispatch.compiles is fused
     ref, _ = reference_ivon_loop(init, batches, 3, **REFERENCE_IVON)

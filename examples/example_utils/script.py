@@ -4,6 +4,7 @@ validation and test, predict, save, share, print the metrics)."""
 
 from __future__ import annotations
 
+import argparse
 import csv
 import dataclasses
 import difflib
@@ -24,7 +25,7 @@ from varsmooth import LabelNoiseCallback, VariationalTrainer
 from varsmooth.corruption import CorruptionArguments
 from varsmooth.evaluation import predictive_outputs
 from varsmooth.files import atomic_path, is_leftover, refuse_finished_run, refuse_other_run
-from varsmooth.methods import learns_posterior, method_config_from_flags
+from varsmooth.methods import METHODS, get_method_config_class, learns_posterior
 
 logger = logging.getLogger(__name__)
 
@@ -36,26 +37,44 @@ RENAMED_FLAGS = {"evaluation_strategy": "eval_strategy", "no_cuda": "use_cpu",
                  "per_gpu_eval_batch_size": "per_device_eval_batch_size", "push_to_hub_token": "hub_token"}
 
 
-def _refuse_unknown_flags(parser: HfArgumentParser, given: set[str], source: str) -> None:
-    """Name every flag (or config key) the parser does not know, with the one meant when it can tell (a flag that
-    transformers renamed, or a close spelling), before argparse's "arguments are not used" says neither."""
+def _refuse_unknown_flags(parser: HfArgumentParser, given: set[str], source: str, method: str) -> None:
+    """Name every flag (or config key) the parser does not know, with the one meant when it can tell (a setting of
+    another method than `method`, a flag that transformers renamed, or a close spelling), before argparse's
+    "arguments are not used" says none of it."""
     known = {option[2:].replace("-", "_") for action in parser._actions for option in action.option_strings
              if option.startswith("--")}
     unknown = sorted(given - known)
     if not unknown:
         return
+    owners = {}
+    for info in METHODS.values():
+        for f in dataclasses.fields(info.config_class):
+            owners.setdefault(f.name, info.name)
     hints = []
     for name in unknown:
+        if name in owners:
+            hints.append(f"--{name} (a setting of --method {owners[name]}, and --method is {method})")
+            continue
         meant = RENAMED_FLAGS.get(name) or next(iter(difflib.get_close_matches(name, known, n=1, cutoff=0.85)), None)
         hints.append(f"--{name}" + (f" (did you mean --{meant}?)" if meant else ""))
     raise ValueError(f"Unknown {'flag' if len(unknown) == 1 else 'flags'} in {source}: {', '.join(hints)}. Fix the "
-                     f"name (--help lists every flag), or drop it.")
+                     f"name (--help lists every flag, --method <name> --help a method's), or drop it.")
 
 
-def parse_example_arguments(parser: HfArgumentParser, argv: list[str], **overrides: str) -> tuple[tuple, set[str]]:
-    """The example's dataclasses (model, data, noise and training arguments, the chosen method's config put into
-    `method_config`) and the names of the arguments given, from command-line flags or from one JSON/YAML file given
-    instead of them (as in the transformers examples). `parser` holds the four dataclasses, then the methods' configs.
+def _chosen_method(training_cls: type, argv: list[str], config: dict[str, Any] | None) -> str:
+    default = next(f.default for f in dataclasses.fields(training_cls) if f.name == "method")
+    if config is not None:
+        return config.get("method", default)
+    method_only = argparse.ArgumentParser(add_help=False)
+    method_only.add_argument("--method", default=default)
+    return method_only.parse_known_args(argv)[0].method
+
+
+def parse_example_arguments(dataclass_types: tuple[type, ...], argv: list[str], **overrides: str) -> tuple[tuple, set[str]]:
+    """The example's dataclasses (model, data, noise and training arguments, in `dataclass_types`) and the names of
+    the arguments given, from command-line flags or from one JSON/YAML file given instead of them (as in the
+    transformers examples). `--method` is read first; its config class's fields are flags too (`--method ivon --ess
+    1e4`), and the config they make is the training arguments' `method_config`, unless `--method_config` gives it.
 
     `overrides` are defaults the script chose from what was given (e.g. `ivon_preset="lora"`); a `--logging_steps`
     given without `--logging_strategy` logs every that many steps (the examples' own default logs once an epoch)."""
@@ -67,18 +86,29 @@ def parse_example_arguments(parser: HfArgumentParser, argv: list[str], **overrid
         given = set(config)
     else:
         config, given = None, {a[2:].split("=")[0].replace("-", "_") for a in argv if a.startswith("--")}
-    _refuse_unknown_flags(parser, given, argv[0] if config is not None else "the command line")
+    *others, training_cls = dataclass_types
+    method = _chosen_method(training_cls, argv, config)
+    config_cls = get_method_config_class(method)
+    parser = HfArgumentParser((*dataclass_types, config_cls))
+    _refuse_unknown_flags(parser, given, argv[0] if config is not None else "the command line", method)
     if "logging_steps" in given and "logging_strategy" not in given:
         overrides = {"logging_strategy": "steps", **overrides}
     if config is not None:
-        parsed = parser.parse_dict({**config, **overrides})
-    else:
-        parsed = parser.parse_args_into_dataclasses(args=argv + [f"--{name}={value}" for name, value in overrides.items()])
-    *arguments, training_args = parsed[:4]
-    method_config = method_config_from_flags(training_args.method, parsed[4:], given)
-    if method_config is not None:
-        training_args = dataclasses.replace(training_args, method_config=method_config)
-    return (*arguments, training_args), given
+        values = {**config, **overrides}
+    else:  # argparse's typed values of every flag (--help prints the chosen method's flags and exits here)
+        values = vars(parser.parse_args(argv + [f"--{name}={value}" for name, value in overrides.items()]))
+    config_fields = {f.name for f in dataclasses.fields(config_cls) if f.init}
+    if "method_config" in given and config_fields & given:
+        raise ValueError(f"Give the settings of method {method!r} either as flags "
+                         f"({', '.join('--' + f for f in sorted(config_fields & given))}) or in --method_config, not both.")
+    # the config is built before the training arguments, whose defaults it may decide (IVON's preset: learning_rate)
+    extra = {} if "method_config" in given else {"method_config": _build(config_cls, values, {})}
+    return (*(_build(cls, values, {}) for cls in others), _build(training_cls, values, extra)), given
+
+
+def _build(cls: type, values: dict[str, Any], extra: dict[str, Any]) -> Any:
+    return cls(**{f.name: values[f.name] for f in dataclasses.fields(cls) if f.init and f.name in values
+                  and f.name not in extra}, **extra)
 
 
 @dataclass

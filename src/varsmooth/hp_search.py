@@ -1,8 +1,9 @@
 """`hyperparameter_search` of `VariationalTrainer`: each trial's settings reach the method and its optimizer, and the
 default objective is the stock Trainer's (the evaluation loss), not a sum over the metrics varsmooth adds.
 
-The stock `Trainer._hp_search_setup` sets a trial's values as attributes of `args`; the method (and IVON, which it
-builds from its config) was built from the arguments at construction, so the trainer rebuilds it per trial here.
+The stock `Trainer._hp_search_setup` sets a trial's values as attributes of `args`; the values of the method's config
+fields (IVON's `ess`, LS's `smoothing`, ...) go into a copy of `args.method_config` instead, and the method (with
+IVON, which it builds) is rebuilt per trial from both.
 """
 
 from __future__ import annotations
@@ -24,20 +25,17 @@ _NOT_SEARCHABLE = ("method", "method_config", "ivon_preset")
 
 
 def trial_method_config(args: VariationalTrainingArguments, settings: dict[str, Any]) -> MethodConfig:
-    """The method's config for a trial: IVON's rebuilt from the arguments (which the trial has set), another method's
-    with the trial's values of its own fields (`settings`, e.g. {"smoothing": 0.2} for method='ls'), checked again."""
-    config = args.method_config
-    if config.mirrors_training_arguments:
-        return type(config).from_training_arguments(args)
-    return dataclasses.replace(config, **settings)
+    """The method's config for a trial: with the trial's values of its fields (`settings`, e.g. {"smoothing": 0.2}
+    for method='ls', {"ess": 1e4} for IVON), checked again."""
+    return dataclasses.replace(args.method_config, **settings)
 
 
 class HyperparameterSearchMixin:
     """`Trainer.hyperparameter_search` for `VariationalTrainer`.
 
-    A trial's hyperparameter space may name `TrainingArguments` fields (`learning_rate`, ...), IVON's fields (`ess`,
-    `hess_init`, `prior_precision`, ...) and the fields of the chosen method's config (`smoothing` of method='ls',
-    `sam_rho`, ...); all of them reach the method and its optimizer. `method`, `method_config` and `ivon_preset` are
+    A trial's hyperparameter space may name `TrainingArguments` fields (`learning_rate`, ...) and the fields of the
+    chosen method's config (IVON's `ess`, `hess_init`, `prior_precision`, ...; `smoothing` of method='ls', `sam_rho`,
+    ...); all of them reach the method and its optimizer. `method`, `method_config` and `ivon_preset` are
     fixed for a search. A trial setting a field the method cannot honour is refused as at construction.
     """
 
@@ -64,7 +62,7 @@ class HyperparameterSearchMixin:
         if fixed:
             raise ValueError(f"The hyperparameter space sets {fixed}, which are fixed for a search: build one trainer per "
                              "method (and ivon_preset), and search the method's own settings by name (e.g. 'smoothing').")
-        own = {f.name for f in dataclasses.fields(self.args.method_config) if f.init} - {f.name for f in dataclasses.fields(self.args)}
+        own = {f.name for f in dataclasses.fields(self.args.method_config) if f.init}
         settings = {k: params.pop(k) for k in list(params) if k in own}
         space = self.hp_space
         self.hp_space = lambda _: params  # the stock setup sets the rest on args (it warns of names it does not know)

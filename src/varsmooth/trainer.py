@@ -215,7 +215,7 @@ class VariationalTrainer(AfterTrainingMixin, CheckpointingMixin, VariationalHubM
             # train() knows the run's length before it builds the optimizer; FSDP2 averages the gradients of the
             # sharded parameters itself, and all ranks draw one sample (IVON's sync off)
             run = OptimizerContext(total_steps=self.state.max_steps or None, seed=self.args.seed,
-                                   rank=self.args.process_index, compiled=self.args.ivon_fused,
+                                   rank=self.args.process_index, learning_rate=self.args.learning_rate,
                                    sync=self.args.world_size > 1 and not self.is_fsdp_enabled)
             self.optimizer = self.method.create_optimizer(params, run)
             if self.optimizer is None:
@@ -232,8 +232,8 @@ class VariationalTrainer(AfterTrainingMixin, CheckpointingMixin, VariationalHubM
         model = self.accelerator.unwrap_model(self.model)
         if opt is None:
             return self._saved_posterior if self._saved_posterior is not None else DiagonalGaussianPosterior.point_mass(model)
-        meta = {**self.method.hyperparameters(), "eval_seed": self.args.eval_seed, "step": opt.current_step,
-                TEMPERATURE_KEY: self.posterior_temperature}
+        meta = {**self.method.hyperparameters(), "eval_mc_samples": self.args.eval_mc_samples,
+                "eval_seed": self.args.eval_seed, "step": opt.current_step, TEMPERATURE_KEY: self.posterior_temperature}
         if self.posterior_temperature_report is not None:
             meta["posterior_temperature_selection"] = self.posterior_temperature_report
         posterior = DiagonalGaussianPosterior.from_ivon(model, opt, self._ivon_param_names, meta)

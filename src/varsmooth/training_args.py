@@ -1,4 +1,4 @@
-"""`VariationalTrainingArguments`: `TrainingArguments` plus IVON's settings and variational prediction."""
+"""`VariationalTrainingArguments`: `TrainingArguments` plus the training method (with its config) and prediction."""
 
 from __future__ import annotations
 
@@ -9,65 +9,40 @@ from typing import Any
 
 from transformers import TrainingArguments
 
-from .methods import (
-    METHODS,
-    MethodConfig,
-    build_method_config,
-    get_method_class,
-    get_method_config_class,
-    learns_posterior,
-)
-from .presets import (
-    DEFAULT_HESSIAN_WINDOW,
-    FINETUNE_PRESET,
-    IVON_PRESETS,
-    LORA_PRESET,
-    MIN_HESSIAN_WINDOW_STEPS,
-    SCRATCH_PRESET,
-)
+from .methods import METHODS, MethodConfig, build_method_config, get_method_class, learns_posterior
+from .presets import SCRATCH_PRESET
 
-__all__ = ["IVON_ONLY_FIELDS", "VariationalTrainingArguments"]
+__all__ = ["POSTERIOR_FIELDS", "VariationalTrainingArguments"]
 
-#: the fields only methods that learn a posterior (IVON) read; with another method a value other than the field's
-#: default is refused (`refuse_ivon_settings_without_ivon`), and the preset leaves them unset
-IVON_ONLY_FIELDS = ("ess", "hess_init", "beta1", "beta2", "hessian_window", "prior_precision", "mc_samples", "ivon_fused",
-                    "clip_radius", "rescale_lr", "posterior_temperature", "recompute_batchnorm_statistics",
-                    "ivon_smoothing")
-
-
-def _preset_default(name: str) -> str:
-    return (f"Default (None): {SCRATCH_PRESET[name]} with ivon_preset scratch, {FINETUNE_PRESET[name]} with finetune, "
-            f"{LORA_PRESET[name]} with lora.")
-
+#: the fields only methods that learn a posterior (IVON) read: with another method a value other than the field's
+#: default is refused (`refuse_posterior_settings_without_posterior`)
+POSTERIOR_FIELDS = ("posterior_temperature", "recompute_batchnorm_statistics")
 
 
 @dataclass
 class VariationalTrainingArguments(TrainingArguments):
-    """Arguments of `VariationalTrainer`; every field parses with `HfArgumentParser` (`--ess 1e4`, ...).
+    """Arguments of `VariationalTrainer`; every field parses with `HfArgumentParser`.
 
-    IVON defaults are the authors' CIFAR recipe for training from scratch (`ivon_preset="scratch"`,
-    varsmooth.presets.SCRATCH_PRESET): lr 0.2, hess_init 0.5, β1 0.9, prior precision 2e-4, ess = training-set size,
-    one MC sample per micro-batch; the authors' β2 = 0.99999 in runs long enough for it to move the Hessian (~10k
-    steps), and in shorter ones β2 follows the run's length (`hessian_window`, every preset), so that the posterior
-    learns there too (in the image example's 1,080 steps σ stayed at its initial value under 0.99999). For a pretrained model, `ivon_preset="finetune"`
-    (varsmooth.presets.FINETUNE_PRESET) fills them instead. The preset-controlled fields default to `None` ("not set")
-    and `__post_init__` resolves them, so a value the user gives is kept even when it equals the other preset's.
+    The training method's settings are not fields here: `method_config` holds the chosen method's own config, where
+    each is declared, defaulted and checked (`VariationalTrainingArguments(method_config=IVONConfig(ess=1e4))`, or
+    `method="sam", method_config={"sam_rho": 0.1}`); after `__post_init__` it is always an instance of that method's
+    config class. The default method is IVON with the authors' CIFAR recipe for training from scratch
+    (`IVONConfig(ivon_preset="scratch")`, varsmooth.presets.SCRATCH_PRESET); for a pretrained model,
+    `ivon_preset="finetune"`. What is declared here serves every method: the fields of `TrainingArguments`, and how a
+    trained model predicts (`eval_mc_samples`, `eval_seed`, `posterior_temperature`, ...), which also applies to a
+    posterior loaded rather than trained.
 
-    The other methods' settings are not fields here: `method_config` holds the chosen method's own config
-    (`VariationalTrainingArguments(method="sam", method_config={"sam_rho": 0.1})`, or a `SAMConfig`); after
-    `__post_init__` it is always an instance of that method's config class (for IVON an `IVONConfig` built from the
-    IVON fields here).
-
-    Names of draws and seeds: `mc_samples` posterior samples per training micro-batch and `seed` (the run, and IVON's
-    weight noise during training); `eval_mc_samples` samples per prediction and `eval_seed` (every draw of evaluation,
-    τ's choice and the label-noise export). A function that draws takes `num_samples` and `seed` for that call, with
-    these as the trainer's defaults. `weight_decay` is refused with IVON methods: their weight decay is
-    `prior_precision`, the precision of the Gaussian prior.
+    Names of draws and seeds: IVON's `mc_samples` posterior samples per training micro-batch and `seed` (the run, and
+    IVON's weight noise during training); `eval_mc_samples` samples per prediction and `eval_seed` (every draw of
+    evaluation, τ's choice and the label-noise export). A function that draws takes `num_samples` and `seed` for that
+    call, with these as the trainer's defaults. `weight_decay` is refused with IVON methods: their weight decay is
+    `IVONConfig.prior_precision`, the precision of the Gaussian prior.
 
     Defaults of `TrainingArguments` that varsmooth overrides (the fields are redefined below, in one block):
 
     - `learning_rate` (`float` or `None`, default `None`): the method's own rate (IVON 0.2, whose first step is an
-      SGD step of that size; the finetune preset 0.3; other methods `TrainingArguments`' 5e-5). Overrides 5e-5.
+      SGD step of that size; the finetune preset 0.3; other methods `TrainingArguments`' 5e-5; the method's config
+      may set it, `MethodConfig.training_argument_defaults`). Overrides 5e-5.
     - `max_grad_norm` (`float`, default `0.0`: no gradient-norm clipping). Overrides 1.0. Under IVON the clipping
       acts on every posterior sample's gradient before IVON reads it, so a norm of 1.0 clips most samples of a
       small network early in training and shrinks the gradient *and* the Hessian estimate IVON builds from it.
@@ -82,16 +57,10 @@ class VariationalTrainingArguments(TrainingArguments):
     )
     method_config: dict | str | MethodConfig | None = field(
         default=None,
-        metadata={"help": "Settings of the chosen method: its config (e.g. varsmooth.methods.SAMConfig), a dict or a "
-                          "JSON object of its fields (e.g. '{\"sam_rho\": 0.1}'); None: the method's defaults. "
-                          "varsmooth.methods.list_methods() lists each method's config class."},
-    )
-    ivon_preset: str = field(
-        default="scratch",
-        metadata={"help": "IVON defaults: 'scratch' (the authors' recipe), 'finetune' (a pretrained model: posterior "
-                          "around the pretrained weights, bounded steps; see varsmooth.presets.FINETUNE_PRESET) or "
-                          "'lora' (LoRA adapters: Cong et al. 2024's IVON-LoRA recipe, varsmooth.presets.LORA_PRESET). "
-                          "Fields you set keep their value.", "choices": list(IVON_PRESETS)},
+        metadata={"help": "Settings of the chosen method: its config (e.g. varsmooth.methods.IVONConfig), a dict or a "
+                          "JSON object of its fields (e.g. '{\"ess\": 1e4}'); None: the method's defaults. "
+                          "varsmooth.methods.list_methods() lists each method's config class; the examples take its "
+                          "fields as flags after --method (--method ivon --ess 1e4)."},
     )
     # -- TrainingArguments defaults overridden by varsmooth (the class docstring says why) -----------------
     learning_rate: float | None = field(
@@ -108,61 +77,6 @@ class VariationalTrainingArguments(TrainingArguments):
     )
 
     # -- varsmooth's own fields -------------------------------------------------------------------------
-    ess: float | None = field(
-        default=None,
-        metadata={"help": "IVON effective sample size λ (Eq. 6 of 'Variational Learning Induces Adaptive Label "
-                          "Smoothing'). Default: the number of training examples."},
-    )
-    hess_init: float | None = field(
-        default=None,
-        metadata={"help": "IVON initial Hessian h0 (> 0); sets the initial posterior std 1/sqrt(ess (h0 + prior_precision)). "
-                          + _preset_default("hess_init")},
-    )
-    beta1: float = field(default=0.9, metadata={"help": "IVON gradient momentum β1."})
-    beta2: float | None = field(
-        default=None,
-        metadata={"help": "IVON Hessian EMA rate β2 (1 = fixed Hessian). Default (None): the preset's (0.99999 scratch "
-                          "and lora, 0.999 finetune) when the run is long enough for it to move the Hessian (1 - β2^T >= "
-                          "0.1) or of unknown length, else the run-length rule of hessian_window "
-                          "(varsmooth.presets.default_beta2). A number fixes β2."},
-    )
-    hessian_window: float = field(
-        default=DEFAULT_HESSIAN_WINDOW,
-        metadata={"help": f"The run-length rule for runs too short for the preset's β2 (beta2 unset): β2 = 1 - "
-                          f"1/max(hessian_window * T, {MIN_HESSIAN_WINDOW_STEPS}), T = the run's optimizer steps "
-                          "(varsmooth.presets), so the Hessian averages over the last fraction hessian_window of the run "
-                          "and the posterior learns whatever the run's length; clip_radius then defaults to 0.05 with "
-                          "ivon_preset scratch. See benchmarks/README.md, 'The default posterior'."},
-    )
-    prior_precision: float | None = field(
-        default=None,
-        metadata={"help": "IVON weight decay δ = precision of the Gaussian prior. Replaces `weight_decay`, which is "
-                          "refused with IVON methods. " + _preset_default("prior_precision")},
-    )
-    ivon_smoothing: float | None = field(
-        default=None,
-        metadata={"help": "How much IVON smooths the labels, as label smoothing's rate α in (0, 1]: ess is rescaled "
-                          "during training so that the mean label noise ‖ε̄‖₁ over a probe of training examples equals "
-                          "LS's 2α(1 - 1/K) (varsmooth.label_noise.strength); ess is then where it starts. Choose it on "
-                          "noisy validation as you would α. None: ess stays as given (the preset's)."},
-    )
-    mc_samples: int = field(default=1, metadata={"help": "Posterior samples (forward+backward) per micro-batch during training."})
-    ivon_fused: bool | None = field(
-        default=None,
-        metadata={"help": "IVON's compiled kernels (torch.compile; varsmooth.posterior.VariationalIVON's `compiled`): "
-                          "None uses them where torch.compile works (a C++ compiler on the CPU, Triton on GPUs), "
-                          "else warns and uses foreach ops; true requires them; false uses foreach ops."},
-    )
-    clip_radius: float | None = field(
-        default=None,
-        metadata={"help": "IVON element-wise clipping of the preconditioned update (None = no clipping). Gradient-norm "
-                          "clipping (`max_grad_norm`) is applied inside each sample, before IVON reads the gradient."},
-    )
-    rescale_lr: bool | None = field(
-        default=None,
-        metadata={"help": "Multiply lr by (hess_init + prior_precision), ivon-opt's default (`--rescale_lr false` to "
-                          "turn it off). " + _preset_default("rescale_lr")},
-    )
     eval_mc_samples: int | None = field(
         default=None,
         metadata={"help": "Posterior samples averaged (BMA) by evaluate()/predict(); 0 predicts at the posterior mean. "
@@ -199,7 +113,7 @@ class VariationalTrainingArguments(TrainingArguments):
 
     def __post_init__(self) -> None:
         method_cls = get_method_class(self.method)
-        for name in ("mc_samples", "eval_mc_samples", "mc_dropout_samples"):  # counts: 2.5 would fail mid-run
+        for name in ("eval_mc_samples", "mc_dropout_samples"):  # counts: 2.5 would fail mid-run
             value = getattr(self, name)
             if value is None:
                 continue
@@ -207,38 +121,21 @@ class VariationalTrainingArguments(TrainingArguments):
                 raise ValueError(f"{name} is a number of samples, a whole number, got {value!r}: pass e.g. {name}=2.")
             setattr(self, name, int(value))
         learns = learns_posterior(method_cls)
-        refuse_ivon_settings_without_ivon(self)
-        # None = not set by the user: the preset fills it (finetune and lora only for IVON methods, others keep
-        # their own learning rate); ess and clip_radius stay None in the scratch preset (training-set size, no clip)
-        if self.ivon_preset not in IVON_PRESETS:
-            raise ValueError(f"ivon_preset must be one of {list(IVON_PRESETS)}, got {self.ivon_preset!r}.")
-        preset = {**SCRATCH_PRESET, **(IVON_PRESETS[self.ivon_preset] if learns else {})}
-        preset.pop("long_run_beta2")  # not a field: IVONMethod.beta2 reads it (varsmooth.presets.default_beta2)
-        if not learns:  # left unset, so that a copy (dataclasses.replace) is not refused as if the user had set them
-            preset = {name: value for name, value in preset.items() if name not in IVON_ONLY_FIELDS}
-        for name, value in preset.items():
+        refuse_posterior_settings_without_posterior(self)
+        # always the method's own config class from here on (a copy: the caller's object is not changed)
+        self.method_config = build_method_config(self.method, self.method_config)
+        # None = not set by the user: the method's config (IVON's preset) may decide, else the method's own rate
+        defaults = {"learning_rate": method_cls.default_learning_rate,
+                    "eval_mc_samples": SCRATCH_PRESET["eval_mc_samples"],
+                    **self.method_config.training_argument_defaults()}
+        for name, value in defaults.items():
             if getattr(self, name) is None:
                 setattr(self, name, value)
-        if self.learning_rate is None:
-            self.learning_rate = method_cls.default_learning_rate
-        # always the method's own config class from here on (a copy: the caller's object is not changed)
-        config_cls = get_method_config_class(self.method)
-        if config_cls.mirrors_training_arguments:  # IVON's: built from these fields, which it also checks
-            config = config_cls.from_training_arguments(self)
-            given = self.method_config
-            if given is not None and given != {} and build_method_config(self.method, given) != config:
-                raise ValueError(
-                    f"method={self.method!r} takes its settings from the arguments' own fields, and method_config "
-                    f"({given!r}) differs from them: set those fields instead (e.g. ess=..., beta2=...), and drop method_config."
-                )
-            self.method_config = config
-        else:
-            self.method_config = build_method_config(self.method, self.method_config)
         if learns and self.weight_decay:
             raise ValueError(
                 f"weight_decay={self.weight_decay} with method={self.method!r}: IVON's weight decay is the precision of its "
                 "Gaussian prior, `prior_precision` (δ, which also sets the posterior's σ); IVON would ignore weight_decay. "
-                "Pass prior_precision= instead and leave weight_decay at 0."
+                "Pass method_config={'prior_precision': ...} (--prior_precision) instead and leave weight_decay at 0."
             )
         if learns and self.fp16:
             raise ValueError(
@@ -272,17 +169,17 @@ class VariationalTrainingArguments(TrainingArguments):
         return d
 
 
-def refuse_ivon_settings_without_ivon(args: VariationalTrainingArguments) -> None:
-    """Refuse IVON's settings (`IVON_ONLY_FIELDS`) given a value other than their default with a method that does not
-    learn a posterior (`method="erm"`, "sam", ...): the run would train without them and its record would look as if
-    they had been used."""
+def refuse_posterior_settings_without_posterior(args: VariationalTrainingArguments) -> None:
+    """Refuse the settings of prediction with a posterior (`POSTERIOR_FIELDS`) given a value other than their default
+    with a method that does not learn one (`method="erm"`, "sam", ...): the run would train without them and its record
+    would look as if they had been used."""
     if learns_posterior(get_method_class(args.method)):
         return
     defaults = {f.name: f.default for f in dataclasses.fields(VariationalTrainingArguments)}
-    given = [f"{name}={getattr(args, name)!r}" for name in IVON_ONLY_FIELDS if getattr(args, name) != defaults[name]]
+    given = [f"{name}={getattr(args, name)!r}" for name in POSTERIOR_FIELDS if getattr(args, name) != defaults[name]]
     if given:
         raise ValueError(
-            f"{', '.join(given)} {'is an IVON setting' if len(given) == 1 else 'are IVON settings'}, and "
-            f"method={args.method!r} does not train with IVON: {'it' if len(given) == 1 else 'they'} would be silently "
-            f"ignored. Drop {', '.join(g.split('=')[0] for g in given)}, or choose an IVON method (method='ivon')."
+            f"{', '.join(given)} {'is a setting' if len(given) == 1 else 'are settings'} of prediction with IVON's "
+            f"posterior, and method={args.method!r} learns none: {'it' if len(given) == 1 else 'they'} would be "
+            f"silently ignored. Drop {', '.join(g.split('=')[0] for g in given)}, or choose an IVON method (method='ivon')."
         )

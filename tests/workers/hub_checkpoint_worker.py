@@ -27,7 +27,7 @@ def data():
 
 def trainer(out: str, steps: int, **kw) -> VariationalTrainer:
     args = VariationalTrainingArguments(output_dir=out, report_to=[], use_cpu=True, max_steps=steps, disable_tqdm=True,
-                                        per_device_train_batch_size=16, learning_rate=0.2, beta2=0.99, seed=0,
+                                        per_device_train_batch_size=16, learning_rate=0.2, method_config={"beta2": 0.99}, seed=0,
                                         lr_scheduler_type="constant", eval_mc_samples=2, **kw)
     return VariationalTrainer(model=model(), args=args, train_dataset=data())
 

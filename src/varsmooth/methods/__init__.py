@@ -17,8 +17,6 @@ from .base import (
     get_method_class,
     get_method_config_class,
     list_methods,
-    method_config_classes,
-    method_config_from_flags,
     register_method,
 )
 from .gce import GCEConfig, GCEMethod
@@ -65,8 +63,6 @@ __all__ = [
     "get_method_config_class",
     "learns_posterior",
     "list_methods",
-    "method_config_classes",
-    "method_config_from_flags",
     "optimal_smoothing_rate",
     "register_method",
 ]

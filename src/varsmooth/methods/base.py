@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 __all__ = [
     "EXAMPLE_INDEX_KEY", "IGNORE_INDEX", "METHODS", "ExampleIndexDataset", "MethodConfig", "MethodContext", "MethodInfo",
     "OptimizerContext", "TrainingMethod", "build_method_config", "get_method_class", "get_method_config_class", "list_methods",
-    "method_config_classes", "method_config_from_flags", "register_method",
+    "register_method",
 ]
 
 #: batch key holding each example's position in the training set (added by the trainer, never seen by the model)
@@ -43,21 +43,15 @@ EXAMPLE_INDEX_KEY = "example_index"
 class MethodConfig:
     """Settings of a method that has none (ERM).
 
-    Subclasses are dataclasses whose field names carry the method's prefix (`sam_rho`, `gce_q`, ...): they are the
-    command-line flags of the examples, which parse every method's config with one `HfArgumentParser`. Values are
-    checked in `__post_init__`. A config whose fields are `VariationalTrainingArguments` fields already
-    (`mirrors_training_arguments`, IVON's) is built from those arguments instead of parsed as flags of its own.
+    Subclasses are dataclasses, the one place each setting of their method is declared, defaulted and checked (in
+    `__post_init__`). The examples parse `--method` first, then that method's config class as flags of their own
+    (`--sam_rho 0.1`), so a field may not share the name of a `VariationalTrainingArguments` field.
     """
 
-    #: the fields are `VariationalTrainingArguments` fields of the same names, and the config is built from them
-    #: (`VariationalTrainingArguments.__post_init__`): they are not flags of their own
-    mirrors_training_arguments: ClassVar[bool] = False
-
-    @classmethod
-    def from_training_arguments(cls, args: Any) -> "MethodConfig":
-        """The config of a `mirrors_training_arguments` class: the fields of `args` (a `VariationalTrainingArguments`)
-        of the same names."""
-        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if f.init})
+    def training_argument_defaults(self) -> dict[str, Any]:
+        """Defaults of `VariationalTrainingArguments` fields left unset (None) that this config decides (IVON's preset
+        its `learning_rate` and `eval_mc_samples`); none by default."""
+        return {}
 
 
 @dataclass(frozen=True)
@@ -125,8 +119,8 @@ class OptimizerContext:
     rank: int = 0
     #: whether the optimizer averages its gradient statistics over processes itself (DDP with the all-reduce off)
     sync: bool = False
-    #: IVON's kernels through torch.compile: True, False (eager foreach ops), or None (compiled where it works)
-    compiled: bool | None = None
+    #: the run's peak learning rate (`TrainingArguments.learning_rate`); None: the method's `default_learning_rate`
+    learning_rate: float | None = None
 
 
 @dataclass(frozen=True)
@@ -148,15 +142,14 @@ class MethodInfo:
 
     @property
     def settings(self) -> dict[str, Any]:
-        """The method's main settings with their defaults: the learning rate it gets when none is given (and, for a
-        method with flags of its own, `scratch_learning_rate`, the image example's rate for a network trained from
-        scratch), then its config's fields (for IVON, those of `ivon_preset="scratch"`; None: decided by the run)."""
-        config = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
-                  for f in dataclasses.fields(self.config_class) if f.init}
-        if self.config_class.mirrors_training_arguments:
-            return {"learning_rate": self.method_class.default_learning_rate, **config}
-        return {"learning_rate": self.method_class.default_learning_rate,
-                "scratch_learning_rate": self.method_class.scratch_learning_rate, **config}
+        """The method's main settings with their defaults: the learning rate it gets when none is given (and, where it
+        differs, `scratch_learning_rate`, the image example's rate for a network trained from scratch), then its
+        config's fields as its default config holds them (for IVON, those of `ivon_preset="scratch"`; None: decided by
+        the run)."""
+        rates = {"learning_rate": self.method_class.default_learning_rate}
+        if self.method_class.scratch_learning_rate is not None:
+            rates["scratch_learning_rate"] = self.method_class.scratch_learning_rate
+        return {**rates, **dataclasses.asdict(self.config_class())}
 
     def __str__(self) -> str:
         """One line: name, description, main settings and paper."""
@@ -172,8 +165,7 @@ def register_method(name: str, config_cls: type[MethodConfig], method_cls: type[
     """Make `method_cls` the training method `name` (`VariationalTrainingArguments(method=name)`), configured by
     `config_cls`. Sets `method_cls.name`; returns `method_cls`.
 
-    Raises if `name` is taken, if `method_cls` is already registered under another name, or if a field of
-    `config_cls` is also a field of another method's config (the examples parse all of them as flags at once).
+    Raises if `name` is taken or if `method_cls` is already registered under another name.
     """
     if name in METHODS:
         existing = METHODS[name]
@@ -186,11 +178,6 @@ def register_method(name: str, config_cls: type[MethodConfig], method_cls: type[
     for info in METHODS.values():
         if info.method_class is method_cls:
             raise ValueError(f"{method_cls.__name__} is already registered as {info.name!r}; subclass it to register it again.")
-        if info.config_class is not config_cls:
-            shared = _flag_names(info.config_class) & _flag_names(config_cls)
-            if shared:
-                raise ValueError(f"{config_cls.__name__} and {info.config_class.__name__} (method {info.name!r}) both have "
-                                 f"the fields {sorted(shared)}: prefix them with the method's name.")
     method_cls.name = name
     METHODS[name] = MethodInfo(name, config_cls, method_cls)
     return method_cls
@@ -218,11 +205,6 @@ def get_method_config_class(name: str) -> type[MethodConfig]:
 
 def _field_names(config_cls: type[MethodConfig]) -> set[str]:
     return {f.name for f in dataclasses.fields(config_cls) if f.init}
-
-
-def _flag_names(config_cls: type[MethodConfig]) -> set[str]:
-    """The command-line flags of a method's config: its fields, unless they are `VariationalTrainingArguments`'."""
-    return set() if config_cls.mirrors_training_arguments else _field_names(config_cls)
 
 
 def build_method_config(method: str, config: MethodConfig | Mapping[str, Any] | str | None) -> MethodConfig:
@@ -253,42 +235,6 @@ def build_method_config(method: str, config: MethodConfig | Mapping[str, Any] | 
     return config_cls(**config)
 
 
-def method_config_classes() -> list[type[MethodConfig]]:
-    """The registered config classes that have fields, once each: add them to an `HfArgumentParser` to get every
-    method's settings as flags (`--sam_rho 0.1`), then pick the chosen method's with `method_config_from_flags`."""
-    classes = []
-    for info in METHODS.values():
-        if _flag_names(info.config_class) and info.config_class not in classes:
-            classes.append(info.config_class)
-    return classes
-
-
-def method_config_from_flags(method: str, configs: Iterable[MethodConfig], given: Collection[str]) -> MethodConfig | None:
-    """The parsed config of `method` among `configs` (what `HfArgumentParser` built from `method_config_classes()`),
-    or None when none of its flags was given (then `method_config` itself, or the defaults, apply).
-
-    `given` names the flags on the command line (or keys of the config file). A flag of another method's config
-    is an error, not silently ignored: with `--method ls --sam_rho 0.1` the user expects a SAM run.
-    """
-    config_cls = get_method_config_class(method)
-    own = _flag_names(config_cls)
-    foreign = {}
-    for other in METHODS.values():
-        if other.config_class is not config_cls:
-            for flag in _flag_names(other.config_class) & set(given):
-                foreign.setdefault(flag, other.name)
-    if foreign:
-        listed = ", ".join(f"--{flag} (method {name!r})" for flag, name in sorted(foreign.items()))
-        raise ValueError(f"{listed} given, but --method is {method!r}, whose flags are: "
-                         f"{', '.join('--' + f for f in sorted(own)) or 'none'}.")
-    if not own & set(given):
-        return None
-    if "method_config" in given:
-        raise ValueError(f"Give the settings of method {method!r} either as flags ({', '.join('--' + f for f in sorted(own & set(given)))}) "
-                         "or in --method_config, not both.")
-    return next(c for c in configs if type(c) is config_cls)
-
-
 class TrainingMethod:
     """Empirical risk minimisation: plain cross-entropy with whatever optimizer the Trainer's `optim` names.
 
@@ -305,8 +251,9 @@ class TrainingMethod:
     #: learning rate used when the user gives none (TrainingArguments' own default for optimizer-agnostic methods)
     default_learning_rate: ClassVar[float] = 5e-5
     #: the rate for a network trained from scratch, where `default_learning_rate` (a fine-tuning rate) hardly moves it:
-    #: the image example's default, chosen on its noisy validation split (benchmarks/example_learning_rates.py)
-    scratch_learning_rate: ClassVar[float] = 1e-4
+    #: the image example's default, chosen on its noisy validation split (benchmarks/example_learning_rates.py); None
+    #: where `default_learning_rate` is already one
+    scratch_learning_rate: ClassVar[float | None] = 1e-4
 
     def __init__(self, config: MethodConfig | Mapping[str, Any] | None = None, num_train_examples: int | None = None) -> None:
         self.config = build_method_config(self.name, config)

@@ -1,8 +1,8 @@
 """IVON (Shen et al. 2024, Variational Learning is Effective for Large Deep Networks) — training by variational
 learning, the method of "Variational Learning Induces Adaptive Label Smoothing" (2025) — and its fixed-Hessian ablation.
 
-IVON's settings are `VariationalTrainingArguments` fields (ess, hess_init, beta2, ...), filled by its `ivon_preset`
-where the user left them unset; `IVONConfig` holds them as the run uses them, and is all the method sees.
+`IVONConfig` declares, defaults (from its `ivon_preset`) and checks every IVON setting; the method and its optimizer
+take them from it as they are, but for `prior_precision`, which ivon-opt's optimizer calls `weight_decay`.
 """
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from dataclasses import dataclass
+import numbers
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -18,7 +19,16 @@ import torch
 from ..label_noise.strength import SmoothingStrengthCallback
 from ..posterior.gaussian import _reshard
 from ..posterior.optimizer import VariationalIVON
-from ..presets import DEFAULT_HESSIAN_WINDOW, HESSIAN_WINDOW_CLIP_RADIUS, IVON_PRESETS, SCRATCH_PRESET, default_beta2
+from ..presets import (
+    DEFAULT_HESSIAN_WINDOW,
+    FINETUNE_PRESET,
+    HESSIAN_WINDOW_CLIP_RADIUS,
+    IVON_PRESETS,
+    LORA_PRESET,
+    MIN_HESSIAN_WINDOW_STEPS,
+    SCRATCH_PRESET,
+    default_beta2,
+)
 from .base import MethodConfig, MethodContext, OptimizerContext, TrainingMethod, get_method_class, register_method
 
 __all__ = ["IVONConfig", "IVONFixedHessianMethod", "IVONMethod", "check_ivon_sharding", "learns_posterior"]
@@ -26,33 +36,97 @@ __all__ = ["IVONConfig", "IVONFixedHessianMethod", "IVONMethod", "check_ivon_sha
 logger = logging.getLogger(__name__)
 
 
+def _preset_default(name: str) -> str:
+    return (f"Default (None): {SCRATCH_PRESET[name]} with ivon_preset scratch, {FINETUNE_PRESET[name]} with finetune, "
+            f"{LORA_PRESET[name]} with lora.")
+
+
 @dataclass
 class IVONConfig(MethodConfig):
-    """IVON's settings as a run uses them: the `VariationalTrainingArguments` fields of the same names after the
-    `ivon_preset` filled those left unset (`VariationalTrainingArguments.__post_init__` builds it; see their help).
-    None means "decided by the run": `ess` the training-set size, `beta2` the run-length rule, `clip_radius` none."""
+    """IVON's settings (`VariationalTrainingArguments(method_config=IVONConfig(ess=1e4))`, or `--ess 1e4` after
+    `--method ivon` in the examples). The preset-controlled fields default to None ("not set") and `__post_init__`
+    fills them from `ivon_preset`, so a value the user gives is kept even when it equals another preset's. None left
+    after that means "decided by the run": `ess` the training-set size, `beta2` the run-length rule, `clip_radius`
+    none (0.05 under the run-length rule)."""
 
-    mirrors_training_arguments: ClassVar[bool] = True
-
-    learning_rate: float = 0.2
-    ess: float | None = None
-    hess_init: float = float(SCRATCH_PRESET["hess_init"])
-    beta1: float = 0.9
-    beta2: float | None = None
-    hessian_window: float = DEFAULT_HESSIAN_WINDOW
-    prior_precision: float = float(SCRATCH_PRESET["prior_precision"])
-    clip_radius: float | None = None
-    ivon_smoothing: float | None = None
-    rescale_lr: bool = bool(SCRATCH_PRESET["rescale_lr"])
-    mc_samples: int = 1
-    eval_mc_samples: int = int(SCRATCH_PRESET["eval_mc_samples"])
-    ivon_preset: str = "scratch"
+    ivon_preset: str = field(
+        default="scratch",
+        metadata={"help": "IVON defaults: 'scratch' (the authors' recipe), 'finetune' (a pretrained model: posterior "
+                          "around the pretrained weights, bounded steps; see varsmooth.presets.FINETUNE_PRESET) or "
+                          "'lora' (LoRA adapters: Cong et al. 2024's IVON-LoRA recipe, varsmooth.presets.LORA_PRESET). "
+                          "Fields you set keep their value.", "choices": list(IVON_PRESETS)},
+    )
+    ess: float | None = field(
+        default=None,
+        metadata={"help": "IVON effective sample size λ (Eq. 6 of 'Variational Learning Induces Adaptive Label "
+                          "Smoothing'). Default: the number of training examples (1e8 with ivon_preset finetune, 1e7 "
+                          "with lora)."},
+    )
+    hess_init: float | None = field(
+        default=None,
+        metadata={"help": "IVON initial Hessian h0 (> 0); sets the initial posterior std 1/sqrt(ess (h0 + "
+                          "prior_precision)). " + _preset_default("hess_init")},
+    )
+    beta1: float = field(default=0.9, metadata={"help": "IVON gradient momentum β1."})
+    beta2: float | None = field(
+        default=None,
+        metadata={"help": "IVON Hessian EMA rate β2 (1 = fixed Hessian). Default (None): the preset's (0.99999 scratch "
+                          "and lora, 0.999 finetune) when the run is long enough for it to move the Hessian (1 - β2^T >= "
+                          "0.1) or of unknown length, else the run-length rule of hessian_window "
+                          "(varsmooth.presets.default_beta2). A number fixes β2."},
+    )
+    hessian_window: float = field(
+        default=DEFAULT_HESSIAN_WINDOW,
+        metadata={"help": f"The run-length rule for runs too short for the preset's β2 (beta2 unset): β2 = 1 - "
+                          f"1/max(hessian_window * T, {MIN_HESSIAN_WINDOW_STEPS}), T = the run's optimizer steps "
+                          "(varsmooth.presets), so the Hessian averages over the last fraction hessian_window of the run "
+                          "and the posterior learns whatever the run's length; clip_radius then defaults to 0.05 with "
+                          "ivon_preset scratch. See benchmarks/README.md, 'The default posterior'."},
+    )
+    prior_precision: float | None = field(
+        default=None,
+        metadata={"help": "IVON weight decay δ = precision of the Gaussian prior (ivon-opt's weight_decay). Replaces "
+                          "`weight_decay`, which is refused with IVON methods. " + _preset_default("prior_precision")},
+    )
+    ivon_smoothing: float | None = field(
+        default=None,
+        metadata={"help": "How much IVON smooths the labels, as label smoothing's rate α in (0, 1]: ess is rescaled "
+                          "during training so that the mean label noise ‖ε̄‖₁ over a probe of training examples equals "
+                          "LS's 2α(1 - 1/K) (varsmooth.label_noise.strength); ess is then where it starts. Choose it on "
+                          "noisy validation as you would α. None: ess stays as given (the preset's)."},
+    )
+    mc_samples: int = field(default=1, metadata={"help": "Posterior samples (forward+backward) per micro-batch during "
+                                                         "training."})
+    ivon_fused: bool | None = field(
+        default=None,
+        metadata={"help": "IVON's compiled kernels (torch.compile; varsmooth.posterior.VariationalIVON's `compiled`): "
+                          "None uses them where torch.compile works (a C++ compiler on the CPU, Triton on GPUs), "
+                          "else warns and uses foreach ops; true requires them; false uses foreach ops."},
+    )
+    clip_radius: float | None = field(
+        default=None,
+        metadata={"help": "IVON element-wise clipping of the preconditioned update (None = no clipping). Gradient-norm "
+                          "clipping (`max_grad_norm`) is applied inside each sample, before IVON reads the gradient. "
+                          "Default: 1e-3 with ivon_preset finetune and lora."},
+    )
+    rescale_lr: bool | None = field(
+        default=None,
+        metadata={"help": "Multiply lr by (hess_init + prior_precision), ivon-opt's default (`--rescale_lr false` to "
+                          "turn it off). " + _preset_default("rescale_lr")},
+    )
 
     def __post_init__(self) -> None:
         if self.ivon_preset not in IVON_PRESETS:
             raise ValueError(f"ivon_preset must be one of {list(IVON_PRESETS)}, got {self.ivon_preset!r}.")
-        if not 0 <= self.learning_rate < math.inf:
-            raise ValueError(f"learning_rate must be finite and >= 0, got {self.learning_rate}.")
+        for name, value in self._preset().items():
+            if name in _PRESET_FIELDS and getattr(self, name) is None:
+                setattr(self, name, value)
+        # a count: 2.5 would fail mid-run
+        if (isinstance(self.mc_samples, bool) or not isinstance(self.mc_samples, numbers.Real)
+                or not float(self.mc_samples).is_integer()):
+            raise ValueError(f"mc_samples is a number of samples, a whole number, got {self.mc_samples!r}: pass e.g. "
+                             "mc_samples=2.")
+        self.mc_samples = int(self.mc_samples)
         if self.mc_samples < 1:
             raise ValueError(f"mc_samples must be >= 1, got {self.mc_samples}.")
         if not 0 < self.hess_init < math.inf:
@@ -71,6 +145,21 @@ class IVONConfig(MethodConfig):
         if self.ivon_smoothing is not None and not 0 < self.ivon_smoothing <= 1:
             raise ValueError(f"ivon_smoothing is a label-smoothing rate α in (0, 1] (or None: ess as given), got "
                              f"{self.ivon_smoothing}.")
+
+    def _preset(self) -> dict[str, float | bool]:
+        return {**SCRATCH_PRESET, **IVON_PRESETS[self.ivon_preset]}
+
+    def training_argument_defaults(self) -> dict[str, Any]:
+        """The preset's learning rate (finetune and lora) and posterior samples per prediction."""
+        return {name: value for name, value in self._preset().items() if name in ("learning_rate", "eval_mc_samples")}
+
+    def long_run_beta2(self) -> float:
+        """The preset's β2, kept in runs long enough for it to move the Hessian (`varsmooth.presets.default_beta2`)."""
+        return float(self._preset()["long_run_beta2"])
+
+
+#: the preset values that are fields of IVONConfig (the others are `VariationalTrainingArguments`' or β2's rule)
+_PRESET_FIELDS = frozenset({"ess", "hess_init", "prior_precision", "clip_radius", "rescale_lr"})
 
 
 def learns_posterior(method: "str | TrainingMethod | type[TrainingMethod]") -> bool:
@@ -107,8 +196,11 @@ class IVONMethod(TrainingMethod):
                             "Learning Induces Adaptive Label Smoothing (2025)")
     config: IVONConfig
     default_learning_rate: ClassVar[float] = 0.2
+    scratch_learning_rate: ClassVar[float | None] = None
     #: optimizer steps of the run, known when IVON is built (`create_optimizer`; for the run-length β2 rule)
     total_steps: int | None = None
+    #: the run's peak learning rate (`TrainingArguments.learning_rate`), known when IVON is built
+    learning_rate: float | None = None
     #: the gradient norm of the last posterior sample, before clipping (what the Trainer logs as grad_norm)
     last_grad_norm: torch.Tensor | None = None
 
@@ -121,7 +213,8 @@ class IVONMethod(TrainingMethod):
                 "Hessian never updates. Load the model in float32 and use bf16=True for mixed precision."
             )
         self.total_steps = run.total_steps
-        return VariationalIVON(params, sample_seed=run.seed, rank=run.rank, compiled=run.compiled, sync=run.sync,
+        self.learning_rate = self.default_learning_rate if run.learning_rate is None else run.learning_rate
+        return VariationalIVON(params, sample_seed=run.seed, rank=run.rank, compiled=self.config.ivon_fused, sync=run.sync,
                                **self.ivon_settings())
 
     def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], context: MethodContext) -> torch.Tensor:
@@ -158,13 +251,10 @@ class IVONMethod(TrainingMethod):
         """Whether β2 is the library's default (`varsmooth.presets.default_beta2`): no `beta2` was given."""
         return self.config.beta2 is None
 
-    def _long_run_beta2(self) -> float:
-        return float({**SCRATCH_PRESET, **IVON_PRESETS[self.config.ivon_preset]}["long_run_beta2"])
-
     def _window_rule_applies(self) -> bool:
         """Whether β2 comes from the run-length rule: the default, and a run too short for the preset's β2."""
         return (self.follows_run_length() and bool(self.total_steps)
-                and default_beta2(self._long_run_beta2(), self.total_steps, self.config.hessian_window) != self._long_run_beta2())
+                and default_beta2(self.config.long_run_beta2(), self.total_steps, self.config.hessian_window) != self.config.long_run_beta2())
 
     def beta2(self) -> float:
         """`beta2` if given, else `default_beta2`: the preset's β2 in a run long enough for it to move the Hessian, the
@@ -172,13 +262,13 @@ class IVONMethod(TrainingMethod):
         if not self.follows_run_length():
             return self.config.beta2
         if self.total_steps:
-            return default_beta2(self._long_run_beta2(), self.total_steps, self.config.hessian_window)
+            return default_beta2(self.config.long_run_beta2(), self.total_steps, self.config.hessian_window)
         logger.warning(
             "The run's number of optimizer steps is unknown (an IterableDataset without max_steps?), so β2 cannot follow "
             "the run's length: using the %s preset's beta2=%s, under which the Hessian may hardly move in a short run. "
-            "Set max_steps, or pass beta2.", self.config.ivon_preset, self._long_run_beta2(),
+            "Set max_steps, or pass beta2.", self.config.ivon_preset, self.config.long_run_beta2(),
         )
-        return self._long_run_beta2()
+        return self.config.long_run_beta2()
 
     def clip_radius(self) -> float:
         """`clip_radius` if given; 0.05 under the run-length rule (the Hessian may fall far below h0, which would
@@ -213,13 +303,13 @@ class IVONMethod(TrainingMethod):
         return ess
 
     def ivon_settings(self) -> dict[str, Any]:
-        """Keyword arguments for `VariationalIVON`."""
+        """Keyword arguments for `VariationalIVON`: the config's as they are, δ under ivon-opt's name `weight_decay`."""
         return self._settings(self.beta2())
 
     def _settings(self, beta2: float | None) -> dict[str, Any]:
         a = self.config
         return {
-            "lr": a.learning_rate,
+            "lr": self.learning_rate,
             "ess": self.ess(),
             "hess_init": a.hess_init,
             "beta1": a.beta1,
@@ -234,7 +324,7 @@ class IVONMethod(TrainingMethod):
         settings = self._settings(self.beta2() if known else None)
         return {"method": self.name, **settings,
                 "hessian_window": self.config.hessian_window if self._window_rule_applies() else None,
-                "mc_samples": self.config.mc_samples, "eval_mc_samples": self.config.eval_mc_samples,
+                "mc_samples": self.config.mc_samples,
                 **({} if self.config.ivon_smoothing is None else {"ivon_smoothing": self.config.ivon_smoothing})}
 
 
