@@ -267,4 +267,4 @@ def test_smoothing_strength_table_is_the_report(tmp_path, monkeypatch):
 
 def test_ivon_settings_of_a_benchmark_run_reach_the_arguments_as_their_fields():
     args = common.training_arguments("ivon", output_dir="unused", ess=1e7, learning_rate=0.3, ivon_smoothing=0.1)
-    assert (args.ess, args.ivon_smoothing, args.method_config.ess) == (1e7, 0.1, 1e7)
+    assert (args.learning_rate, args.method_config.ess, args.method_config.ivon_smoothing) == (0.3, 1e7, 0.1)

@@ -69,7 +69,7 @@ class HessianDiagnosticsCallback(TrainerCallback):
             beta2 = opt.param_groups[0]["beta2"]
             # β2 unset already follows the run's length, down to a window of MIN_HESSIAN_WINDOW_STEPS steps
             shorten = ("leave beta2 unset so that it follows the run's length (hessian_window), or pass a smaller beta2"
-                       if getattr(args, "beta2", None) is not None else
+                       if getattr(getattr(args, "method_config", None), "beta2", None) is not None else
                        f"beta2 follows the run's length but averages over at least {MIN_HESSIAN_WINDOW_STEPS} steps: "
                        "pass a smaller beta2")
             logger.warning(
