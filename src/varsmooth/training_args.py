@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 from dataclasses import dataclass, field
 from typing import Any
@@ -131,6 +132,8 @@ class VariationalTrainingArguments(TrainingArguments):
         for name, value in defaults.items():
             if getattr(self, name) is None:
                 setattr(self, name, value)
+        if not 0 <= self.learning_rate < math.inf:  # a NaN rate would train to NaN weights without an error
+            raise ValueError(f"learning_rate must be finite and >= 0, got {self.learning_rate}.")
         if learns and self.weight_decay:
             raise ValueError(
                 f"weight_decay={self.weight_decay} with method={self.method!r}: IVON's weight decay is the precision of its "

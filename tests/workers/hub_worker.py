@@ -38,7 +38,7 @@ def main(out: str) -> None:
         output_dir=os.path.join(out, "run"), report_to=[], use_cpu=True, max_steps=20, per_device_train_batch_size=32,
         eval_strategy="steps", eval_steps=10, save_strategy="steps", save_steps=10, push_to_hub=True,
         hub_model_id="offline-user/digits-ivon", hub_strategy="every_save", remove_unused_columns=False,
-        eval_mc_samples=4, eval_seed=7, beta2=0.999, disable_tqdm=True,
+        eval_mc_samples=4, eval_seed=7, method_config={"beta2": 0.999}, disable_tqdm=True,
         posterior_temperature=1.0,  # the learned posterior: the pipeline's draws must disagree (mutual information > 0)
     )
     trainer = VariationalTrainer(model=ResNetForImageClassification(config), args=args,
@@ -101,7 +101,7 @@ def tiny_trainer(output_dir: str, hub_model_id: str, train, config, method: str 
     args = VariationalTrainingArguments(output_dir=output_dir, report_to=[], use_cpu=True, max_steps=2, method=method,
                                         per_device_train_batch_size=32, remove_unused_columns=False, disable_tqdm=True,
                                         hub_model_id=hub_model_id, eval_mc_samples=2,
-                                        **({"beta2": 0.999} if method == "ivon" else {}))  # ERM refuses IVON's settings
+                                        **({"method_config": {"beta2": 0.999}} if method == "ivon" else {}))  # ERM has no beta2
     trainer = VariationalTrainer(model=ResNetForImageClassification(config), args=args, train_dataset=train)
     trainer.train()
     return trainer
@@ -139,7 +139,8 @@ def share_edge_cases(out: str, train, config) -> dict:
         r=2, target_modules=["convolution"], modules_to_save=["classifier.1"]))
     args = VariationalTrainingArguments(output_dir=os.path.join(out, "peft"), report_to=[], use_cpu=True, max_steps=2,
                                         per_device_train_batch_size=32, remove_unused_columns=False, disable_tqdm=True,
-                                        hub_model_id="offline-user/peft-ivon", eval_mc_samples=2, beta2=0.999)
+                                        hub_model_id="offline-user/peft-ivon", eval_mc_samples=2,
+                                        method_config={"beta2": 0.999})
     peft_trainer = VariationalTrainer(model=lora, args=args, train_dataset=train)
     peft_trainer.train()
     peft_trainer.push_to_hub()
