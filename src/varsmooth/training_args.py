@@ -132,7 +132,8 @@ class VariationalTrainingArguments(TrainingArguments):
         for name, value in defaults.items():
             if getattr(self, name) is None:
                 setattr(self, name, value)
-        if not 0 <= self.learning_rate < math.inf:  # a NaN rate would train to NaN weights without an error
+        # a NaN rate would train to NaN weights without an error; a config file may give the rate as a string
+        if not 0 <= float(self.learning_rate) < math.inf:
             raise ValueError(f"learning_rate must be finite and >= 0, got {self.learning_rate}.")
         if learns and self.weight_decay:
             raise ValueError(
