@@ -97,12 +97,13 @@ class SmoothingStrengthCallback(TrainerCallback):
         return sorted({s for k in range(1, self.num_updates + 1) if 0 < (s := math.floor(k * interval)) <= max_steps})
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
-        if state.global_step not in self.updates_at(state.max_steps):
+        updates = self.updates_at(state.max_steps)
+        if state.global_step not in updates:
             return
         seed = self._seed + state.global_step  # the same draws on every process and in a resumed run
         measured, num_classes = self._measure(self.num_samples, seed)
         target = label_smoothing_noise(self.alpha, num_classes)
-        if self.history or state.global_step != self.updates_at(state.max_steps)[0]:
+        if self.history or state.global_step != updates[0]:  # a resumed run's first update is a correction too
             ess = self._scale_ess(min(self.max_factor, max(1.0 / self.max_factor, measured / target)))
         else:
             ess = self._solve(measured, target, seed)
