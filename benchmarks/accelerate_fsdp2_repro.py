@@ -17,7 +17,7 @@ configs. With accelerate 1.15 and transformers 5.24:
 
 Sharding beforehand (`fully_shard` each module whose class is in `_no_split_modules`, then the model) avoids the
 first two: `fsdp2_prepare_model` returns a model that is already an FSDP2 module as it is. VariationalTrainer works
-around all three itself (`varsmooth.fsdp.shardable_by_accelerate`).
+around all three itself (`varsmooth.trainer.fsdp.shardable_by_accelerate`).
 """
 
 import os

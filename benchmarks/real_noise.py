@@ -453,8 +453,7 @@ def export_label_noise(trainer: Any, task: Task, data: dict[str, Any], y_train: 
     import datasets
 
     from example_utils.data import load_cifar10n
-    from varsmooth import plots
-    from varsmooth.label_noise import compute_label_noise, write_label_noise
+    from varsmooth.label_noise import compute_label_noise, plots, write_label_noise
 
     if task.kind != "image":
         raise ValueError("The label-noise export is drawn for CIFAR-10N only (the pictures need images).")

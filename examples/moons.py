@@ -24,7 +24,7 @@ from transformers.utils import ModelOutput
 
 from varsmooth import VariationalTrainer, VariationalTrainingArguments
 from varsmooth.label_noise import LabelNoiseCallback
-from varsmooth.plots import plot_noise_2d, plot_noise_vs_mean
+from varsmooth.label_noise.plots import plot_noise_2d, plot_noise_vs_mean
 
 
 class MoonMLP(torch.nn.Module):

@@ -13,7 +13,7 @@ from varsmooth import LabelNoiseCallback, VariationalTrainer
 from varsmooth.batchnorm import batchnorm_layers, recompute_batchnorm_statistics
 from varsmooth.hub.card import build_model_card
 from varsmooth.label_noise import compute_label_noise
-from varsmooth.posterior.prediction import draw_seeds
+from varsmooth.prediction import draw_seeds
 
 
 def _statistics(model):

@@ -16,7 +16,7 @@ from helpers import TinyClassifier, make_args
 from varsmooth import DeepEnsemble, TemperatureScaling, VariationalModel, VariationalTrainer, classification_metrics
 from varsmooth.ensemble import ENSEMBLE_CONFIG_FILE
 from varsmooth.posterior import DiagonalGaussianPosterior, derive_seed
-from varsmooth.posterior.prediction import entropy
+from varsmooth.prediction import entropy
 from varsmooth.temperature_scaling import TEMPERATURE_SCALING_FILE
 
 VOCAB, LENGTH, CLASSES = 40, 8, 3

@@ -826,7 +826,8 @@ def test_a_smaller_ensemble_keeps_an_earlier_member_folder_that_was_edited(tmp_p
 
 
 def test_rotation_keeps_the_newest_and_the_best_and_leaves_nothing_half_deleted(tmp_path):
-    from varsmooth.files import DELETING_PREFIX, STAGING_PREFIX, clear_leftovers, rotate_checkpoints, write_manifest
+    from varsmooth.files import DELETING_PREFIX, STAGING_PREFIX, clear_leftovers, write_manifest
+    from varsmooth.trainer.checkpoint_files import rotate_checkpoints
 
     for step in range(1, 6):
         (tmp_path / f"checkpoint-{step}").mkdir()
@@ -878,7 +879,8 @@ def test_leftovers_of_a_killed_save_are_deleted_by_the_next_run_and_never_counte
 
 
 def test_publishing_a_checkpoint_lists_its_training_state_and_replaces_an_earlier_one_whole(tmp_path):
-    from varsmooth.files import STAGING_PREFIX, check_manifest, publish_checkpoint, write_manifest
+    from varsmooth.files import STAGING_PREFIX, check_manifest, write_manifest
+    from varsmooth.trainer.checkpoint_files import publish_checkpoint
 
     staging, final = tmp_path / f"{STAGING_PREFIX}checkpoint-3", tmp_path / "checkpoint-3"
     written = staging / "checkpoint-3"
@@ -913,3 +915,13 @@ def test_ivon_restored_from_a_posterior_gets_its_std_and_refuses_other_trainable
     head_only = VariationalIVON([model.head.weight, model.head.bias], lr=0.1, ess=100.0)
     with pytest.raises(ValueError, match="covers 4 parameters but IVON trains 2"):
         restore_ivon_from_posterior(head_only, model, str(tmp_path), ["head.weight", "head.bias"], default_step=7)
+
+
+def test_the_checkpoint_prefix_is_the_trainers():
+    """`varsmooth.files` names checkpoint folders without importing transformers; the Trainer names them so."""
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+    from varsmooth.files import CHECKPOINT_PREFIX, is_leftover
+
+    assert CHECKPOINT_PREFIX == PREFIX_CHECKPOINT_DIR
+    assert is_leftover(f".partial-{PREFIX_CHECKPOINT_DIR}-12") and not is_leftover(f"{PREFIX_CHECKPOINT_DIR}-12")

@@ -17,7 +17,7 @@ from transformers.modeling_outputs import SequenceClassifierOutput
 
 from helpers import TinyClassifier, digits_dataset, make_args
 from varsmooth import VariationalTrainer
-from varsmooth.checks import HONOURED_ARGUMENTS, UNHONOURED_ARGUMENTS, check_unhonoured_arguments
+from varsmooth.trainer.checks import HONOURED_ARGUMENTS, UNHONOURED_ARGUMENTS, check_unhonoured_arguments
 
 METHODS = ("ivon", "erm")
 #: a value other than TrainingArguments' default for each field of UNHONOURED_ARGUMENTS
@@ -60,7 +60,7 @@ def test_every_training_argument_is_classified():
     fields = {f.name for f in dataclasses.fields(TrainingArguments)}
     assert not HONOURED_ARGUMENTS & set(UNHONOURED_ARGUMENTS)
     assert fields - HONOURED_ARGUMENTS - set(UNHONOURED_ARGUMENTS) == set(), \
-        "new TrainingArguments fields: add each to HONOURED_ARGUMENTS or UNHONOURED_ARGUMENTS (varsmooth.checks)"
+        "new TrainingArguments fields: add each to HONOURED_ARGUMENTS or UNHONOURED_ARGUMENTS (varsmooth.trainer.checks)"
     assert (HONOURED_ARGUMENTS | set(UNHONOURED_ARGUMENTS)) - fields == set(), "fields transformers no longer has"
     assert set(UNHONOURED_VALUES) == set(UNHONOURED_ARGUMENTS)
 
@@ -77,7 +77,7 @@ def test_unhonoured_arguments_are_refused_or_warned(tmp_path, method, caplog):
             with pytest.raises(ValueError, match=f"{name}="):
                 check_unhonoured_arguments(args, method, method == "ivon")
         else:
-            with caplog.at_level(logging.WARNING, logger="varsmooth.checks"):
+            with caplog.at_level(logging.WARNING, logger="varsmooth.trainer.checks"):
                 check_unhonoured_arguments(args, method, method == "ivon")
             assert (f"{name}=" in caplog.text) == (applies and action == "ignore")
         setattr(args, name, default)

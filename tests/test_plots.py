@@ -16,9 +16,9 @@ from numpy.polynomial.hermite import hermgauss
 from scipy.special import expit
 from transformers.utils import ModelOutput
 
-from varsmooth import VariationalTrainer, VariationalTrainingArguments, plots
-from varsmooth.label_noise import LabelNoiseCallback
-from varsmooth.plots import (
+from varsmooth import VariationalTrainer, VariationalTrainingArguments
+from varsmooth.label_noise import LabelNoiseCallback, plots
+from varsmooth.label_noise.plots import (
     class_smoothed_labels,
     find_image_column,
     label_smoothing_targets,
@@ -44,13 +44,13 @@ def assert_png(path: str, folder) -> None:
 def drawn(monkeypatch):
     """The figures the plot functions save, in order: what is drawn, not only that a PNG exists."""
     figures = []
-    save = plots._save
+    save = plots.save_figure
 
     def keep(fig, output_dir, filename):
         figures.append(fig)
         return save(fig, output_dir, filename)
 
-    monkeypatch.setattr(plots, "_save", keep)
+    monkeypatch.setattr(plots, "save_figure", keep)
     return figures
 
 
@@ -302,13 +302,17 @@ def test_smoothed_labels_show_every_class_of_a_ten_class_task_and_the_model_name
     assert [ax.get_title() for ax in drawn[-1].axes] == [f"given label: {n}" for n in names]
 
 
-def test_the_reliability_diagrams_legend_shows_the_bars_as_drawn(tmp_path, drawn):
+def test_the_reliability_diagrams_legend_shows_the_bars_as_drawn(tmp_path, monkeypatch):
     """One overconfident and one underconfident bin: the gap bar over the accuracy bar is not blended into a colour
     the legend lacks."""
+    from varsmooth import figures
+
+    drawn, save = [], figures.save_figure
+    monkeypatch.setattr(figures, "save_figure", lambda fig, out, name: drawn.append(fig) or save(fig, out, name))
     diagram = {"edges": np.linspace(0, 1, 11), "count": np.array([0, 0, 0, 0, 0, 5, 0, 0, 5, 0]),
                "confidence": np.array([0, 0, 0, 0, 0, 0.55, 0, 0, 0.85, 0]),
                "accuracy": np.array([0, 0, 0, 0, 0, 0.8, 0, 0, 0.6, 0])}
-    plots.plot_reliability_diagram(diagram, tmp_path)
+    figures.plot_reliability_diagram(diagram, tmp_path)
     top = drawn[-1].axes[0]
     legend = top.get_legend()
     for handle, text in zip(legend.legend_handles, legend.get_texts()):

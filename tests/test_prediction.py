@@ -15,7 +15,7 @@ from helpers import TinyClassifier, digits_dataset, digits_images, make_args, ti
 from varsmooth import DiagonalGaussianPosterior, VariationalModel, VariationalTrainer, classification_metrics
 from varsmooth.metrics import CALIBRATION_METRIC_PATH, expected_calibration_error
 from varsmooth.posterior import POSTERIOR_FILE
-from varsmooth.posterior.prediction import entropy
+from varsmooth.prediction import entropy
 
 
 def _random_probs(n=500, k=4, seed=0):

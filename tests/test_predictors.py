@@ -6,7 +6,8 @@ import torch
 
 from helpers import TinyClassifier
 from varsmooth import DeepEnsemble, TemperatureScaling, VariationalModel
-from varsmooth.posterior import DiagonalGaussianPosterior, predictive_distribution
+from varsmooth.posterior import DiagonalGaussianPosterior
+from varsmooth.prediction import predictive_distribution
 from varsmooth.predictors import make_predictor
 
 

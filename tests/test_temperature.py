@@ -11,8 +11,8 @@ from helpers import TinyClassifier, digits_dataset, make_args, noisy_digits_imag
 from varsmooth import LabelNoiseCallback, VariationalModel, VariationalTrainer, VariationalTrainingArguments, pipeline
 from varsmooth.batchnorm import draw_batchnorm_statistics
 from varsmooth.label_noise import compute_label_noise
-from varsmooth.posterior import DiagonalGaussianPosterior, derive_seed, predictive_distribution
-from varsmooth.posterior.temperature import (
+from varsmooth.posterior import DiagonalGaussianPosterior, derive_seed
+from varsmooth.posterior_temperature import (
     SELECTION_SAMPLES,
     TEMPERATURE_GRID,
     TIE_STANDARD_ERRORS,
@@ -21,6 +21,7 @@ from varsmooth.posterior.temperature import (
     temperature_nll,
     tied_temperatures,
 )
+from varsmooth.prediction import predictive_distribution
 
 
 def _model_and_posterior(scale=0.3):
@@ -296,7 +297,7 @@ def test_noise_corrected_nll_prefers_the_clean_prediction_that_plain_nll_rejects
 
     model = Fixed()
     posterior = DiagonalGaussianPosterior(model, {"w": torch.ones(())})
-    import varsmooth.posterior.temperature as temperature
+    import varsmooth.posterior_temperature as temperature
 
     def fake_draws(model, posterior, batch, num_samples, seed, draw_buffers=None):  # τ > 0: the smoothed predictor
         if posterior.temperature > 0:
@@ -320,7 +321,7 @@ def test_noise_corrected_nll_prefers_the_clean_prediction_that_plain_nll_rejects
     (np.full((4, 4), 0.25), "singular"),
 ])
 def test_bad_transition_matrices_are_refused(matrix, message):
-    from varsmooth.posterior.temperature import check_transition_matrix
+    from varsmooth.posterior_temperature import check_transition_matrix
 
     with pytest.raises(ValueError, match=message):
         check_transition_matrix(matrix)
@@ -332,7 +333,7 @@ def test_trainer_chooses_by_the_corrected_nll_and_records_it(tmp_path):
     from safetensors import safe_open
 
     from varsmooth.corruption.transition import symmetric_transition
-    from varsmooth.posterior.temperature import CORRECTED_NLL_CRITERION
+    from varsmooth.posterior_temperature import CORRECTED_NLL_CRITERION
 
     T = symmetric_transition(10, 0.4)
     train, val, processor, transform = noisy_digits_images(60)

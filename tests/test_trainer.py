@@ -31,7 +31,7 @@ from varsmooth import (
 from varsmooth.methods.ivon import IVONConfig, check_ivon_sharding
 from varsmooth.posterior import VariationalIVON
 from varsmooth.posterior.diagnostics import HESSIAN_STUCK_TOLERANCE, hessian_summary
-from varsmooth.training_args import POSTERIOR_FIELDS
+from varsmooth.trainer.arguments import POSTERIOR_FIELDS
 
 REPO = Path(__file__).resolve().parents[1]
 IVON_KW = dict(lr=0.2, hess_init=0.5, beta1=0.9, beta2=0.999, wd=2e-4)
@@ -619,7 +619,7 @@ def test_new_trainer_on_a_saved_model_predicts_by_bma_with_its_posterior(saved, 
     out, test, trained_metrics = saved
     model = ResNetForImageClassification.from_pretrained(out)
     trainer = VariationalTrainer(model=model, args=make_args(tmp_path, eval_mc_samples=4), eval_dataset=test)
-    with caplog.at_level("WARNING", logger="varsmooth.trainer"):
+    with caplog.at_level("WARNING", logger="varsmooth.trainer.trainer"):
         metrics = trainer.evaluate()
     assert "no posterior" not in caplog.text
     labels = test[:]["label"].numpy()
@@ -644,7 +644,7 @@ def test_bma_without_posterior_warns_and_names_the_metrics_after_the_mean(tmp_pa
     model = ResNetForImageClassification.from_pretrained(tmp_path / "plain")
     test = digits_images(32)
     trainer = VariationalTrainer(model=model, args=make_args(tmp_path, eval_mc_samples=4), eval_dataset=test)
-    with caplog.at_level("WARNING", logger="varsmooth.trainer"):
+    with caplog.at_level("WARNING", logger="varsmooth.trainer.trainer"):
         metrics = trainer.evaluate()
     assert "asks for Bayesian model averaging, but there is no posterior" in caplog.text
     assert "eval_accuracy" not in metrics and "eval_nll" not in metrics
@@ -654,7 +654,7 @@ def test_bma_without_posterior_warns_and_names_the_metrics_after_the_mean(tmp_pa
     # asking for the mean (eval_mc_samples=0) is not a reason to warn
     caplog.clear()
     at_mean = VariationalTrainer(model=model, args=make_args(tmp_path, eval_mc_samples=0), eval_dataset=test)
-    with caplog.at_level("WARNING", logger="varsmooth.trainer"):
+    with caplog.at_level("WARNING", logger="varsmooth.trainer.trainer"):
         assert "eval_nll" in at_mean.evaluate()
     assert "no posterior" not in caplog.text
 
@@ -662,7 +662,7 @@ def test_bma_without_posterior_warns_and_names_the_metrics_after_the_mean(tmp_pa
 def test_posterior_of_another_head_is_not_used(saved, tmp_path, caplog):
     out, _, _ = saved
     model = ResNetForImageClassification.from_pretrained(out, num_labels=3, ignore_mismatched_sizes=True)
-    with caplog.at_level("WARNING", logger="varsmooth.trainer"):
+    with caplog.at_level("WARNING", logger="varsmooth.trainer.trainer"):
         trainer = VariationalTrainer(model=model, args=make_args(tmp_path))
     assert trainer.posterior().is_point_mass and "does not belong to this model" in caplog.text
 

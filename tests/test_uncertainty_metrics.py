@@ -266,7 +266,7 @@ def test_evaluate_reports_the_new_metrics_and_the_card_shows_the_diagram(tmp_pat
 # -- how many posterior samples ---------------------------------------------------------------------------------
 def test_posterior_samples_curve_matches_the_bma_of_each_s(tmp_path):
     from varsmooth.evaluation import ood_evaluation, posterior_samples_curve
-    from varsmooth.posterior import predictive_distribution
+    from varsmooth.prediction import predictive_distribution
 
     train, test = digits_dataset(160), digits_dataset(64, seed=1)
     args = make_args(tmp_path, max_steps=6, eval_mc_samples=3, beta2=0.99, posterior_temperature=1.0)
@@ -305,11 +305,11 @@ def test_posterior_samples_curve_matches_the_bma_of_each_s(tmp_path):
 
 
 def test_reliability_picture_draws_the_bins(tmp_path, monkeypatch):
-    from varsmooth import plots
+    from varsmooth import figures as plots
 
     figures = []
-    save = plots._save
-    monkeypatch.setattr(plots, "_save", lambda fig, out, name: figures.append(fig) or save(fig, out, name))
+    save = plots.save_figure
+    monkeypatch.setattr(plots, "save_figure", lambda fig, out, name: figures.append(fig) or save(fig, out, name))
     probs, labels = _random_probs(200, 3, seed=4)
     diagram = reliability_diagram(probs, labels, n_bins=10)
     path = plots.plot_reliability_diagram(diagram, tmp_path)

@@ -24,8 +24,9 @@ from transformers.trainer_utils import get_last_checkpoint
 from varsmooth import LabelNoiseCallback, VariationalTrainer
 from varsmooth.corruption import CorruptionArguments
 from varsmooth.evaluation import predictive_outputs
-from varsmooth.files import atomic_path, is_leftover, refuse_finished_run, refuse_other_run
+from varsmooth.files import atomic_path, is_leftover
 from varsmooth.methods import METHODS, get_method_config_class, learns_posterior
+from varsmooth.trainer.checkpoint_files import refuse_finished_run, refuse_other_run
 
 logger = logging.getLogger(__name__)
 

@@ -9,10 +9,10 @@ from .mc_dropout import add_output_dropout, mc_dropout_predictive
 from .metrics import classification_metrics
 from .modeling import VariationalModel
 from .pipelines import pipeline
-from .posterior import POSTERIOR_FILE, DiagonalGaussianPosterior, VariationalClassifierOutput, VariationalIVON
+from .posterior import POSTERIOR_FILE, DiagonalGaussianPosterior, VariationalIVON
+from .prediction import VariationalClassifierOutput
 from .temperature_scaling import TemperatureScaling
-from .trainer import VariationalTrainer
-from .training_args import VariationalTrainingArguments
+from .trainer import VariationalTrainer, VariationalTrainingArguments
 
 __version__ = "0.1.0"
 

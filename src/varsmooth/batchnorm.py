@@ -21,13 +21,12 @@ import torch
 import torch.distributed as dist
 from torch.nn.modules.batchnorm import _BatchNorm
 from tqdm.auto import tqdm
-from transformers import TrainerCallback
 
 from .posterior import DiagonalGaussianPosterior
 from .posterior.draw_buffers import DrawBuffers
-from .posterior.prediction import draw_seeds, model_outputs, predicts_at_the_mean, restored_buffers
+from .prediction import draw_seeds, model_outputs, predicts_at_the_mean, restored_buffers
 
-__all__ = ["DRAW_RECALIBRATION_EXAMPLES", "RECALIBRATION_EXAMPLES", "RECOMPUTED_LOG_KEY", "BatchNormRecalibrationCallback",
+__all__ = ["DRAW_RECALIBRATION_EXAMPLES", "RECALIBRATION_EXAMPLES", "RECOMPUTED_LOG_KEY",
            "batch_rows", "batchnorm_layers", "draw_batchnorm_statistics", "head_batches", "prediction_draw_buffers",
            "recompute_batchnorm_statistics"]
 
@@ -144,21 +143,3 @@ def head_batches(batches: Iterable[Mapping[str, Any]], max_examples: int = DRAW_
 def batch_rows(batch: Mapping[str, Any]) -> int:
     """The number of rows of a batch of model inputs (the length of its first tensor with a batch dimension)."""
     return next(len(value) for value in batch.values() if isinstance(value, torch.Tensor) and value.dim() > 0)
-
-
-class BatchNormRecalibrationCallback(TrainerCallback):
-    """Recomputes the BatchNorm statistics at the posterior mean when training ends (`VariationalTrainer` puts it
-    first, before the posterior temperature is chosen and anything predicts or saves), when
-    `args.recompute_batchnorm_statistics`.
-
-    Args:
-        recompute: recomputes them and reports how many examples it used
-            (`VariationalTrainer.recompute_batchnorm_statistics`).
-    """
-
-    def __init__(self, recompute: Callable[[], int]) -> None:
-        self.recompute = recompute
-
-    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if args.recompute_batchnorm_statistics:
-            self.recompute()

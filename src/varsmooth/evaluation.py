@@ -16,7 +16,7 @@ import torch
 from .metrics.ood import ood_metrics
 
 if TYPE_CHECKING:
-    from .trainer import VariationalTrainer
+    from .trainer.trainer import VariationalTrainer
 
 __all__ = ["DEFAULT_SAMPLE_COUNTS", "ood_evaluation", "posterior_samples_curve", "predictive_outputs"]
 

@@ -21,7 +21,7 @@ from .files import FolderSave, check_manifest
 from .mc_dropout import OUTPUT_DROPOUT_KEY, add_output_dropout
 from .posterior import POSTERIOR_FILE, DiagonalGaussianPosterior
 from .posterior.gaussian import non_finite_tensors
-from .posterior.prediction import predicts_at_the_mean
+from .prediction import predicts_at_the_mean
 from .predictors import PredictiveModel, Predictor, make_predictor
 from .temperature_scaling import TEMPERATURE_SCALING_FILE, TemperatureScaling
 

@@ -25,7 +25,7 @@ import torch
 
 from .mc_dropout import mc_dropout_predictive
 from .posterior.gaussian import DiagonalGaussianPosterior
-from .posterior.prediction import (
+from .prediction import (
     LABEL_KEYS,
     VariationalClassifierOutput,
     entropy as entropy_of,

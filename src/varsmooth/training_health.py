@@ -16,8 +16,8 @@ from typing import Any
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from .checks import model_num_labels
 from .methods import TrainingMethod
+from .model_parts import model_num_labels
 
 __all__ = ["STALLED_LOSS_SHARE", "StalledLossCallback", "cross_entropy_classes", "stalled_loss_text", "stalled_training_loss"]
 

@@ -22,9 +22,9 @@ from torch.distributed.fsdp import fully_shard
 from transformers import BertConfig, BertForSequenceClassification, ViTConfig, ViTForImageClassification
 
 from helpers import give_indexed_noise
-from varsmooth.fsdp import keep_presharded_model
 from varsmooth.posterior import DiagonalGaussianPosterior, VariationalIVON
 from varsmooth.posterior.gaussian import _reshard
+from varsmooth.trainer.fsdp import keep_presharded_model
 
 STEPS, BATCH = 6, 8
 IVON_KW = dict(lr=0.1, ess=200.0, hess_init=0.3, beta1=0.9, beta2=0.99, weight_decay=1e-2)

@@ -312,7 +312,7 @@ def write_reliability_diagram(diagram: dict[str, Any] | None, folder: str | os.P
     is nothing to draw (no evaluation yet)."""
     if diagram is None or diagram["count"].sum() == 0:
         return None
-    from ..plots import plot_reliability_diagram  # matplotlib only when there is something to draw
+    from ..figures import plot_reliability_diagram  # matplotlib only when there is something to draw
 
     os.makedirs(folder, exist_ok=True)
     prediction = "posterior-averaged prediction" if bma else "prediction"

@@ -37,8 +37,8 @@ from transformers import default_data_collator
 
 from ..batchnorm import batchnorm_layers, draw_batchnorm_statistics, head_batches
 from ..files import atomic_path
-from ..posterior import DiagonalGaussianPosterior, predictive_distribution
-from ..posterior.prediction import LABEL_KEYS
+from ..posterior import DiagonalGaussianPosterior
+from ..prediction import LABEL_KEYS, predictive_distribution
 from .detection import mislabel_detection_report
 
 __all__ = [

@@ -23,7 +23,8 @@ from typing import Any
 import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from ..posterior import DiagonalGaussianPosterior, predictive_distribution
+from ..posterior import DiagonalGaussianPosterior
+from ..prediction import predictive_distribution
 
 __all__ = ["SmoothingStrengthCallback", "label_smoothing_noise", "mean_label_noise"]
 

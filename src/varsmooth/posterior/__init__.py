@@ -1,30 +1,19 @@
-"""The weight posterior: IVON's optimizer state, its detached Gaussian, prediction with it, and whether it learns."""
+"""The weight posterior q = N(m, diag σ²): IVON's optimizer (`optimizer`, `kernels`), its detached Gaussian
+(`gaussian`), each draw's BatchNorm statistics (`draw_buffers`), resume (`resume`) and whether the Hessian learns
+(`diagnostics`). Nothing here knows of `transformers`: predicting with a model is `varsmooth.prediction`'s."""
 
-from .diagnostics import HESSIAN_STUCK_TOLERANCE, HessianDiagnosticsCallback, hessian_summary
+from .diagnostics import HESSIAN_STUCK_TOLERANCE, hessian_summary
 from .gaussian import POSTERIOR_FILE, DiagonalGaussianPosterior, std_summary
 from .optimizer import VariationalIVON, unwrap_ivon
-from .prediction import (
-    VariationalClassifierOutput,
-    average_predictions,
-    model_logits,
-    model_outputs,
-    predictive_distribution,
-)
 from .seeds import derive_seed
 
 __all__ = [
     "HESSIAN_STUCK_TOLERANCE",
     "POSTERIOR_FILE",
     "DiagonalGaussianPosterior",
-    "HessianDiagnosticsCallback",
-    "VariationalClassifierOutput",
     "VariationalIVON",
-    "average_predictions",
     "derive_seed",
     "hessian_summary",
-    "model_logits",
-    "model_outputs",
-    "predictive_distribution",
     "std_summary",
     "unwrap_ivon",
 ]

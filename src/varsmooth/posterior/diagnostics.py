@@ -4,15 +4,12 @@ training when h has hardly left `hess_init` (the posterior std is then set by th
 from __future__ import annotations
 
 import logging
-from typing import Any
-
-from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from ..presets import HESSIAN_MOVE_THRESHOLD, MIN_HESSIAN_WINDOW_STEPS
 from .gaussian import hessian_movement, std_summary
-from .optimizer import VariationalIVON, unwrap_ivon
+from .optimizer import VariationalIVON
 
-__all__ = ["HESSIAN_STUCK_TOLERANCE", "HessianDiagnosticsCallback", "hessian_change", "hessian_summary"]
+__all__ = ["HESSIAN_STUCK_TOLERANCE", "hessian_change", "hessian_summary", "warn_if_hessian_stuck"]
 
 logger = logging.getLogger(__name__)
 
@@ -41,40 +38,22 @@ def hessian_change(optimizer: VariationalIVON) -> float:
     return hessian_movement(optimizer.hessian(), optimizer.param_groups[0]["hess_init"])["hess_change_median"]
 
 
-class HessianDiagnosticsCallback(TrainerCallback):
-    """Adds `hessian_summary` to every training log (the entries with a "loss"), and warns when training ends with a
-    Hessian whose median relative change from `hess_init` is below `HESSIAN_STUCK_TOLERANCE`.
-
-    It reads the IVON optimizer the Trainer passes to every callback (`optimizer`); with another optimizer it does
-    nothing. `VariationalTrainer` adds it ahead of the reporting callbacks, so that they report the summary too.
-    """
-
-    def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-               logs: dict[str, float] | None = None, optimizer: Any = None, **kwargs: Any) -> None:
-        if logs is None or "loss" not in logs:  # training logs: show whether the posterior learns
-            return
-        summary = hessian_summary(unwrap_ivon(optimizer))
-        logs.update(summary)
-        # `Trainer.log` appended a copy of these logs to the history before calling the callbacks
-        if state.log_history and "loss" in state.log_history[-1]:
-            state.log_history[-1].update(summary)
-
-    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, optimizer: Any = None,
-                     **kwargs: Any) -> None:
-        opt = unwrap_ivon(optimizer)
-        if opt is None or opt.param_groups[0]["beta2"] >= 1.0:  # a fixed Hessian (β2 = 1) is meant not to move
-            return
-        moved = hessian_change(opt)
-        if moved < HESSIAN_STUCK_TOLERANCE:
-            beta2 = opt.param_groups[0]["beta2"]
-            # β2 unset already follows the run's length, down to a window of MIN_HESSIAN_WINDOW_STEPS steps
-            shorten = ("leave beta2 unset so that it follows the run's length (hessian_window), or pass a smaller beta2"
-                       if getattr(getattr(args, "method_config", None), "beta2", None) is not None else
-                       f"beta2 follows the run's length but averages over at least {MIN_HESSIAN_WINDOW_STEPS} steps: "
-                       "pass a smaller beta2")
-            logger.warning(
-                "IVON's Hessian hardly moved during training (median relative change %.2g < %g after %d steps with "
-                "beta2=%s, which averages it over ~%d steps): the posterior std is still set by the prior settings "
-                "(ess, hess_init), not learned. Train for more steps than that window, or shorten it: %s.",
-                moved, HESSIAN_STUCK_TOLERANCE, opt.current_step, beta2, round(1 / (1 - beta2)), shorten,
-            )
+def warn_if_hessian_stuck(optimizer: VariationalIVON | None, beta2_given: bool) -> None:
+    """Warn when IVON's Hessian has hardly moved from `hess_init` (`HESSIAN_STUCK_TOLERANCE`): the posterior std is then
+    set by the prior settings, not learned. Nothing for another optimizer, or a Hessian fixed on purpose (β2 = 1).
+    `beta2_given`: the user chose β2, rather than the run-length rule (`varsmooth.presets.default_beta2`)."""
+    if optimizer is None or optimizer.param_groups[0]["beta2"] >= 1.0:
+        return
+    moved = hessian_change(optimizer)
+    if moved >= HESSIAN_STUCK_TOLERANCE:
+        return
+    beta2 = optimizer.param_groups[0]["beta2"]
+    shorten = ("leave beta2 unset so that it follows the run's length (hessian_window), or pass a smaller beta2" if beta2_given
+               else f"beta2 follows the run's length but averages over at least {MIN_HESSIAN_WINDOW_STEPS} steps: pass a "
+                    "smaller beta2")
+    logger.warning(
+        "IVON's Hessian hardly moved during training (median relative change %.2g < %g after %d steps with beta2=%s, "
+        "which averages it over ~%d steps): the posterior std is still set by the prior settings (ess, hess_init), not "
+        "learned. Train for more steps than that window, or shorten it: %s.",
+        moved, HESSIAN_STUCK_TOLERANCE, optimizer.current_step, beta2, round(1 / (1 - beta2)), shorten,
+    )

@@ -273,7 +273,7 @@ class DiagonalGaussianPosterior:
     def temperature(self) -> float:
         """τ ≥ 0: draws are θ = m + τ·σ⊙e, so τ = 0 predicts at the mean and τ = 1 with the learned posterior.
 
-        Kept in `metadata`, so that it is saved and loaded with σ (`varsmooth.posterior.temperature` chooses it).
+        Kept in `metadata`, so that it is saved and loaded with σ (`varsmooth.posterior_temperature` chooses it).
         """
         return float(self.metadata.get(TEMPERATURE_KEY, 1.0))
 
@@ -371,7 +371,8 @@ class DiagonalGaussianPosterior:
     def summary(self) -> dict[str, float]:
         """σ's mean and median, τ, and, when the metadata records IVON's ess, hess_init and weight_decay (δ), how far
         the Hessian behind σ (h = 1/(ess σ²) − δ) moved from h0 and, with β2 and the step count, how much of that
-        the data did (`hessian_movement`): near 0, σ was never learned."""
+        the data did (`hessian_movement`): near 0, σ was never learned. A σ sharded by FSDP2 is gathered: every
+        process must call it then."""
         if self.is_point_mass:
             return {}
         summary = {**std_summary(self.std.values()), TEMPERATURE_KEY: self.temperature}

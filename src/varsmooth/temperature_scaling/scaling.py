@@ -29,7 +29,7 @@ import torch
 from ..files import atomic_path
 from ..model_parts import AUX_MODULE_NAME
 from ..posterior.gaussian import weights_fingerprint
-from ..posterior.prediction import VariationalClassifierOutput, entropy
+from ..prediction import VariationalClassifierOutput, entropy
 
 __all__ = ["TEMPERATURE_SCALING_FILE", "TemperatureScaling", "network_fingerprint", "scaled_nll"]
 

@@ -28,10 +28,17 @@ from ..files import (
     shareable_files,
     written_by_varsmooth,
 )
+from ..hub.card import build_model_card, write_reliability_diagram
+from ..hub.record import (
+    POSTERIOR_LOG_KEYS,
+    RunRecord,
+    as_list,
+    last_eval_metrics,
+    last_posterior_log,
+    training_schedule,
+)
 from ..methods import learns_posterior
 from ..training_health import cross_entropy_classes, stalled_training_loss
-from .card import build_model_card, write_reliability_diagram
-from .record import POSTERIOR_LOG_KEYS, RunRecord, as_list, last_eval_metrics, last_posterior_log, training_schedule
 
 __all__ = ["VariationalHubMixin"]
 

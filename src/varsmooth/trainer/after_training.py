@@ -1,13 +1,18 @@
-"""What `VariationalTrainer` does once training ends, in this order (`train()` runs them from its callbacks):
+"""What `VariationalTrainer` does once training ends, in this order (`AfterTrainingMixin.after_training`):
 
-1. `recompute_batchnorm_statistics`: BatchNorm's running statistics at the posterior mean (`varsmooth.batchnorm`);
-2. `select_posterior_temperature`: τ by validation NLL (`varsmooth.posterior.temperature`), unless it is fixed;
+1. `recompute_batchnorm_statistics`, with `recompute_batchnorm_statistics`: BatchNorm's running statistics at the
+   posterior mean (`varsmooth.batchnorm`);
+2. `select_posterior_temperature`: τ by validation NLL (`varsmooth.posterior_temperature`), unless it is fixed;
 3. `prepare_prediction_draws`: each draw predictions make gets BatchNorm statistics of its own
    (`varsmooth.posterior.draw_buffers`);
-4. `fit_temperature_scaling`, with `temperature_scaling=True` (`varsmooth.temperature_scaling`).
+4. `fit_temperature_scaling`, with `temperature_scaling=True` (`varsmooth.temperature_scaling`);
+5. the warning when IVON's Hessian hardly moved (`varsmooth.posterior.diagnostics`).
 
-Each is also a public method to call again (after changing τ, on another validation set). They show progress bars
-as the evaluation loop does (tqdm, off with `disable_tqdm`, on the main process only) and log how long they took.
+They run from the first `on_train_end` callback (`AfterTraining`), so that every other one (the label-noise export,
+reporting, yours) sees the chosen τ and its draws; a failure among them never loses the trained run
+(`CheckpointingMixin.train`). Each step is also a public method to call again (after changing τ, on another
+validation set). They show progress bars as the evaluation loop does (tqdm, off with `disable_tqdm`, on the main
+process only) and log how long they took.
 """
 
 from __future__ import annotations
@@ -15,12 +20,13 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from transformers import TrainerCallback, TrainerState
 
-from .batchnorm import (
+from ..batchnorm import (
     RECOMPUTED_LOG_KEY,
     batchnorm_layers,
     draw_batchnorm_statistics,
@@ -28,21 +34,63 @@ from .batchnorm import (
     prediction_draw_buffers,
     recompute_batchnorm_statistics,
 )
-from .methods import EXAMPLE_INDEX_KEY
-from .posterior import DiagonalGaussianPosterior
-from .posterior.temperature import SELECTION_SAMPLES, select_temperature, temperature_logs
-from .predictors import measuring_temperature
-from .temperature_scaling import TemperatureScaling, fit_on_batches
-from .utils import length_order
+from ..methods import EXAMPLE_INDEX_KEY
+from ..posterior import DiagonalGaussianPosterior
+from ..posterior.diagnostics import warn_if_hessian_stuck
+from ..posterior_temperature import SELECTION_SAMPLES, select_temperature, temperature_logs
+from ..predictors import measuring_temperature
+from ..temperature_scaling import TemperatureScaling, fit_on_batches
+from ..utils import length_order
 
-__all__ = ["AfterTrainingMixin"]
+__all__ = ["AfterTraining", "AfterTrainingMixin"]
 
 logger = logging.getLogger(__name__)
+
+
+class AfterTraining(TrainerCallback):
+    """The trainer's one hook into the start and end of `train()`: `start` when training begins, `finish` when it ends,
+    before every other `on_train_end` callback (`VariationalTrainer` puts it first)."""
+
+    def __init__(self, start: Callable[[], None], finish: Callable[[TrainerState], None]) -> None:
+        self.start, self.finish = start, finish
+
+    def on_train_begin(self, args: Any, state: TrainerState, control: Any, **kwargs: Any) -> None:
+        self.start()
+
+    def on_train_end(self, args: Any, state: TrainerState, control: Any, **kwargs: Any) -> None:
+        self.finish(state)
 
 
 class AfterTrainingMixin:
     """The steps after training of `VariationalTrainer` (this module's docstring), on the trainer's own state: its
     model, posterior (`posterior()`), τ (`posterior_temperature`), data and arguments."""
+
+    def before_training(self) -> None:
+        """A new `train()` starts from the learned posterior (or the fixed τ), without the previous run's temperature
+        scaling; `temperature_scaling=True` needs an eval dataset, checked now rather than after training."""
+        self._reset_posterior_temperature()
+        self.temperature_scaling = None
+        if self.args.temperature_scaling and self.eval_dataset is None:
+            raise ValueError("temperature_scaling=True fits the temperature on the eval dataset, and the trainer has none: "
+                             "pass eval_dataset= (a validation split), or set temperature_scaling=False.")
+
+    def after_training(self, state: TrainerState) -> None:
+        """The steps after training, in order (this module's docstring). Every process must call this."""
+        self._training_ended = True  # from here on, a failure must not lose the trained run
+        if self.args.recompute_batchnorm_statistics:
+            self.recompute_batchnorm_statistics()
+        if self.args.posterior_temperature is None and self.args.load_best_model_at_end and state.best_model_checkpoint:
+            # best_metric was measured at the τ of the evaluations during training: choosing another τ now would
+            # make the loaded best model predict other than what made it the best
+            logger.info("load_best_model_at_end: keeping τ = 1, at which %s scored best_metric %s; to choose τ on the "
+                        "validation NLL, call trainer.select_posterior_temperature() (the metrics then differ from "
+                        "best_metric).", state.best_model_checkpoint, state.best_metric)
+        elif self.args.posterior_temperature is None:
+            self.select_posterior_temperature()
+        self.prepare_prediction_draws()
+        if self.args.temperature_scaling:
+            self.fit_temperature_scaling()
+        warn_if_hessian_stuck(self.ivon, getattr(self.args.method_config, "beta2", None) is not None)
 
     def shows_progress(self) -> bool:
         """Whether work outside the Trainer's loops shows progress bars: as the Trainer's own, unless `disable_tqdm`,
@@ -69,7 +117,7 @@ class AfterTrainingMixin:
     def select_posterior_temperature(self, eval_dataset: Any = None) -> dict[str, Any] | None:
         """Choose the posterior temperature τ by validation NLL and predict with it from now on (done by `train()`
         when `args.posterior_temperature` is None); returns the NLL at each τ tried, or None without validation data.
-        See `varsmooth.posterior.temperature`."""
+        See `varsmooth.posterior_temperature`."""
         if self.ivon is None or self.args.eval_mc_samples <= 0:  # no posterior, or a prediction at the mean already
             return None
         eval_dataset = self.eval_dataset if eval_dataset is None else eval_dataset

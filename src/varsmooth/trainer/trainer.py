@@ -5,10 +5,11 @@ The trainer holds one value for the layers below it, the posterior (`posterior()
 values down, never itself: a method gets its config and a `MethodContext` (`varsmooth.methods`; IVON's Monte-Carlo
 step is `IVONMethod.training_step`), callbacks get handles, τ and the temperature scaling are chosen by functions of
 (model, posterior, batches), and what `evaluate()`/`predict()` predict with is a `Predictor` chosen from (model,
-posterior, arguments) by `varsmooth.predictors.make_predictor`. Its other jobs live beside it: the checks of its inputs (`varsmooth.checks`), the metrics
-of `evaluate()` (`metrics.evaluation_metrics`), the guard against non-finite steps (`varsmooth.finite`), the file
-guarantees of saves and checkpoints (`varsmooth.files`), IVON's resume (`posterior.resume`), the model card and Hub
-pushes (`VariationalHubMixin`) and `label_noise()` (`LabelNoiseMixin`).
+posterior, arguments) by `varsmooth.predictors.make_predictor`. Its other jobs live beside it in this package: the
+checks of its inputs (`checks`), the steps after training, in one ordered sequence (`after_training`), saves and
+resumes (`checkpointing`, `checkpoint_files`), the guard against non-finite steps (`finite`), FSDP2 (`fsdp`), the
+model card and Hub pushes (`hub`) and hyperparameter search (`hp_search`); the metrics of `evaluate()`
+(`varsmooth.metrics.evaluation_metrics`) and `label_noise()` (`varsmooth.label_noise.LabelNoiseMixin`) come from below.
 """
 
 from __future__ import annotations
@@ -23,10 +24,29 @@ import torch
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PredictionOutput
 
-from .after_training import AfterTrainingMixin
-from .batchnorm import (
-    BatchNormRecalibrationCallback,
+from ..corruption import realized_noise_report
+from ..label_noise import LabelNoiseCallback, LabelNoiseMixin, SmoothingStrengthCallback
+from ..methods import (
+    EXAMPLE_INDEX_KEY,
+    ExampleIndexDataset,
+    MethodContext,
+    OptimizerContext,
+    TrainingMethod,
+    get_method_class,
+    learns_posterior,
 )
+from ..metrics.evaluation_metrics import EvaluationMetrics
+from ..model_parts import model_num_labels
+from ..posterior import POSTERIOR_FILE, DiagonalGaussianPosterior, VariationalIVON, hessian_summary, unwrap_ivon
+from ..posterior.draw_buffers import DrawBuffers
+from ..posterior.gaussian import TEMPERATURE_KEY, non_finite_tensors
+from ..posterior_temperature import check_transition_matrix
+from ..prediction import VariationalClassifierOutput
+from ..predictors import Predictor, make_predictor
+from ..temperature_scaling import TemperatureScaling
+from ..training_health import StalledLossCallback
+from .after_training import AfterTraining, AfterTrainingMixin
+from .arguments import VariationalTrainingArguments
 from .checkpointing import CheckpointingMixin
 from .checks import (
     check_arguments,
@@ -38,44 +58,13 @@ from .checks import (
     check_method_inputs,
     check_single_label_model,
     check_unhonoured_arguments,
-    model_num_labels,
     name_inputs_the_model_cannot_take,
     named_datasets,
 )
-from .corruption import realized_noise_report
 from .finite import NonFiniteGuard, non_finite_step_error
 from .fsdp import keep_presharded_model, shardable_by_accelerate
 from .hp_search import HyperparameterSearchMixin
 from .hub import VariationalHubMixin
-from .label_noise import LabelNoiseCallback, LabelNoiseMixin, SmoothingStrengthCallback
-from .methods import (
-    EXAMPLE_INDEX_KEY,
-    ExampleIndexDataset,
-    MethodContext,
-    OptimizerContext,
-    TrainingMethod,
-    get_method_class,
-    learns_posterior,
-)
-from .metrics.evaluation_metrics import EvaluationMetrics
-from .posterior import (
-    POSTERIOR_FILE,
-    DiagonalGaussianPosterior,
-    VariationalClassifierOutput,
-    VariationalIVON,
-    unwrap_ivon,
-)
-from .posterior.diagnostics import HessianDiagnosticsCallback, hessian_summary
-from .posterior.draw_buffers import DrawBuffers
-from .posterior.gaussian import TEMPERATURE_KEY, non_finite_tensors
-from .posterior.temperature import (
-    PosteriorTemperatureCallback,
-    check_transition_matrix,
-)
-from .predictors import Predictor, make_predictor
-from .temperature_scaling import TemperatureScaling, TemperatureScalingCallback
-from .training_args import VariationalTrainingArguments
-from .training_health import StalledLossCallback
 
 __all__ = ["VariationalTrainer"]
 
@@ -95,7 +84,7 @@ class VariationalTrainer(AfterTrainingMixin, CheckpointingMixin, VariationalHubM
 
     Private `Trainer` hooks it overrides, and what would not work without each:
 
-    * the saving and resuming hooks: see `CheckpointingMixin` (`varsmooth.checkpointing`);
+    * the saving and resuming hooks: see `CheckpointingMixin` (`varsmooth.trainer.checkpointing`);
     * `_get_dataloader`: adds each training row's index, which methods with per-example state (ALASCA) key on;
     * `_set_signature_columns_if_needed`: `remove_unused_columns` would drop the example index and the inputs of a
       `DeepEnsemble` (whose forward takes `**inputs`);
@@ -143,19 +132,12 @@ class VariationalTrainer(AfterTrainingMixin, CheckpointingMixin, VariationalHubM
         self.posterior_temperature_report: dict[str, Any] | None = None
         self._draw_buffers: DrawBuffers | None = None  # each prediction draw's BatchNorm statistics, set after training
         #: T[i, j] = P(observed j | true i) of the eval dataset's labels, when known (e.g. the noise the example
-        #: injected): τ is then chosen by the forward-corrected validation NLL (`posterior.temperature`)
+        #: injected): τ is then chosen by the forward-corrected validation NLL (`varsmooth.posterior_temperature`)
         self.eval_noise_transition = None if eval_noise_transition is None else check_transition_matrix(eval_noise_transition)
-        self.callback_handler.callbacks.insert(0, BatchNormRecalibrationCallback(self.recompute_batchnorm_statistics))
-        self.callback_handler.callbacks.insert(1, PosteriorTemperatureCallback(
-            select=self.select_posterior_temperature, reset=self._reset_posterior_temperature,
-            prepare_draws=self.prepare_prediction_draws))
         # post-hoc temperature of every prediction (None: uncalibrated); fitted right after τ, which it calibrates
         self.temperature_scaling: TemperatureScaling | None = None
-        self.callback_handler.callbacks.insert(2, TemperatureScalingCallback(
-            fit=self.fit_temperature_scaling, reset=lambda: setattr(self, "temperature_scaling", None),
-            has_eval_dataset=lambda: self.eval_dataset is not None))
-        # before the reporting callbacks, which then report the Hessian summary it adds to the training logs
-        self.callback_handler.callbacks.insert(3, HessianDiagnosticsCallback())
+        # first, so that every other train-end callback sees what the steps after training chose
+        self.callback_handler.callbacks.insert(0, AfterTraining(self.before_training, self.after_training))
         self._ivon_param_names: list[str] | None = None
         self._init_checkpointing()
         self._finite_guard = NonFiniteGuard()
@@ -323,7 +305,7 @@ class VariationalTrainer(AfterTrainingMixin, CheckpointingMixin, VariationalHubM
 
     def _stop_if_non_finite(self) -> None:
         """On the last micro-batch of an optimizer step, before the step: raise if a loss, gradient or buffer of the
-        step was NaN or inf (`varsmooth.finite`); the update is then not applied."""
+        step was NaN or inf (`varsmooth.trainer.finite`); the update is then not applied."""
         verdict = self._finite_guard.verdict(self.args.device, self.args.world_size > 1) if self.accelerator.sync_gradients else None
         if verdict is None or all(verdict):
             return
@@ -423,4 +405,11 @@ class VariationalTrainer(AfterTrainingMixin, CheckpointingMixin, VariationalHubM
     def hessian_summary(self) -> dict[str, float]:
         """Mean/median of IVON's Hessian h and of the posterior std σ (`varsmooth.posterior.diagnostics`)."""
         return hessian_summary(self.ivon)
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """`Trainer.log`; a training log (one with a "loss") also shows whether the posterior learns: the Hessian summary
+        (`hessian_summary`), in the history and in what the reporting callbacks get."""
+        if "loss" in logs:
+            logs = {**logs, **self.hessian_summary()}
+        super().log(logs, start_time)
 

@@ -14,12 +14,10 @@ from typing import Any
 
 import datasets
 import numpy as np
-from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.colors import Normalize
-from matplotlib.figure import Figure
 
-from .files import atomic_path
-from .label_noise.theory import logistic_label_noise, logistic_label_noise_peak
+from ..figures import new_figure, save_figure
+from .theory import logistic_label_noise, logistic_label_noise_peak
 
 __all__ = [
     "class_smoothed_labels",
@@ -28,24 +26,10 @@ __all__ = [
     "plot_noise_2d",
     "plot_noise_extremes",
     "plot_noise_vs_mean",
-    "plot_reliability_diagram",
     "plot_smoothed_labels",
 ]
 
 _IMAGE_COLUMNS = ("pixel_values", "image", "img")
-
-
-def _figure(width: float, height: float) -> Figure:
-    fig = Figure(figsize=(width, height))
-    FigureCanvasAgg(fig)  # attaches itself to the figure: Agg rendering without pyplot
-    return fig
-
-
-def _save(fig: Figure, output_dir: str | os.PathLike, filename: str) -> str:
-    path = os.path.join(output_dir, filename)
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=120, bbox_inches="tight")
-    return path
 
 
 def _column(noise: datasets.Dataset, name: str) -> np.ndarray:
@@ -75,7 +59,7 @@ def plot_noise_vs_mean(
     Exact (Gauss–Hermite), with each peak marked: zero at m = 0, largest slightly away from it (m ≈ ±1.53 for v = 1).
     """
     m = np.linspace(*mean_range, 1201)
-    fig = _figure(5.0, 3.4)
+    fig = new_figure(5.0, 3.4)
     ax = fig.add_subplot()
     for v in variances:
         line = ax.plot(m, np.abs(logistic_label_noise(m, v)), label=f"v = {v:g}")[0]
@@ -85,7 +69,7 @@ def plot_noise_vs_mean(
     ax.set_ylabel("label noise magnitude |ε|")
     ax.set_title("Logistic regression: |σ(m) − E_q[σ(f)]| (Eq. 12)")
     ax.legend(frameon=False)
-    return _save(fig, output_dir, filename)
+    return save_figure(fig, output_dir, filename)
 
 
 # -- Fig. 3 ------------------------------------------------------------------------------------------
@@ -141,7 +125,7 @@ def plot_noise_extremes(
     names = _class_names(noise, int(labels.max()) + 1, class_names)
     images = dataset.with_format(None).select_columns([image_column])  # raw images, without any transform
 
-    fig = _figure(1.3 * num_examples, 3.2)
+    fig = new_figure(1.3 * num_examples, 3.2)
     axes = fig.subplots(2, num_examples, squeeze=False)
     for r, (kind, rows_) in enumerate(rows.items()):
         for c, row in enumerate(rows_):
@@ -155,7 +139,7 @@ def plot_noise_extremes(
                 title, color = f"{title}\nclean={names[clean[row]]}", "red"
             ax.set_title(f"{title}\n{values[row]:.3g}", fontsize=7, color=color)
         axes[r, 0].set_ylabel(f"{kind}\n{score}", fontsize=8)
-    return _save(fig, output_dir, filename)
+    return save_figure(fig, output_dir, filename)
 
 
 # -- Fig. 4 ------------------------------------------------------------------------------------------
@@ -212,7 +196,7 @@ def plot_smoothed_labels(
 
     columns = 1 if len(classes) <= 4 else 2
     rows = -(-len(classes) // columns)
-    fig = _figure(columns * min(16.0, max(6.0, 0.3 * num_classes * len(series) + 2.0)), 2.4 * rows)
+    fig = new_figure(columns * min(16.0, max(6.0, 0.3 * num_classes * len(series) + 2.0)), 2.4 * rows)
     axes = fig.subplots(rows, columns, squeeze=False).ravel()
     for ax in axes[len(classes):]:
         fig.delaxes(ax)
@@ -235,7 +219,7 @@ def plot_smoothed_labels(
         ax.set_ylabel("target")
     axes[0].legend(fontsize=7, frameon=False, ncols=len(series))
     fig.tight_layout()
-    return _save(fig, output_dir, filename)
+    return save_figure(fig, output_dir, filename)
 
 
 # -- the blog post (Khan 2025): the Moon picture --------------------------------------------------------------
@@ -259,7 +243,7 @@ def plot_noise_2d(
     xy = points[_column(noise, "example_index")]
     values = _column(noise, score)
     labels = _column(noise, "label")
-    fig = _figure(5.6, 4.2)
+    fig = new_figure(5.6, 4.2)
     ax = fig.add_subplot()
     if boundary is not None:
         pad = 0.5
@@ -278,42 +262,4 @@ def plot_noise_2d(
     fig.colorbar(scatter, ax=ax, label=score)
     ax.legend(fontsize=7, frameon=False, loc="upper right")
     ax.set_title("Per-example label noise of variational learning")
-    return _save(fig, output_dir, filename)
-
-
-# -- calibration ---------------------------------------------------------------------------------------
-def plot_reliability_diagram(
-    diagram: Mapping[str, np.ndarray],
-    output_dir: str | os.PathLike,
-    filename: str = "reliability_diagram.png",
-    title: str = "Reliability diagram",
-) -> str:
-    """Accuracy against confidence per bin (Guo et al. 2017, Fig. 1) from `varsmooth.metrics.reliability_diagram`
-    data: a bar per non-empty bin at its mean confidence, the diagonal of perfect calibration, and the share of
-    examples per bin below. The ECE of the bins is in the title."""
-    count = np.asarray(diagram["count"], dtype=np.float64)
-    if count.sum() == 0:
-        raise ValueError("The reliability diagram has no examples (all bins are empty): evaluate on labelled data first.")
-    edges = np.asarray(diagram["edges"], dtype=np.float64)
-    conf, acc = np.asarray(diagram["confidence"]), np.asarray(diagram["accuracy"])
-    filled = count > 0
-    widths = np.diff(edges)
-    ece = float((count[filled] * np.abs(acc[filled] - conf[filled])).sum() / count.sum())
-    fig = _figure(4.2, 4.8)
-    top, bottom = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [3, 1]})
-    top.bar(edges[:-1][filled], acc[filled], width=widths[filled], align="edge", color="tab:blue", edgecolor="white",
-            label="accuracy")
-    # hatched, not translucent: over an accuracy bar (an underconfident bin) a translucent fill would blend into a
-    # colour the legend does not show
-    top.bar(edges[:-1][filled], conf[filled] - acc[filled], bottom=acc[filled], width=widths[filled], align="edge",
-            fill=False, hatch="////", edgecolor="tab:red", linewidth=0.8, label="gap to confidence")
-    top.plot([0, 1], [0, 1], "k--", lw=1, label="perfect calibration")
-    top.set_ylim(0, 1)
-    top.set_ylabel("accuracy")
-    top.legend(fontsize=7, frameon=False, loc="upper left")
-    top.set_title(f"{title} (ECE {100 * ece:.2f} %)")
-    bottom.bar(edges[:-1][filled], count[filled] / count.sum(), width=widths[filled], align="edge", color="gray")
-    bottom.set_xlim(0, 1)
-    bottom.set_xlabel("confidence (maximum probability)")
-    bottom.set_ylabel("share")
-    return _save(fig, output_dir, filename)
+    return save_figure(fig, output_dir, filename)

@@ -33,9 +33,8 @@ from typing import Any
 
 import torch
 from tqdm.auto import tqdm
-from transformers import TrainerCallback
 
-from .gaussian import DiagonalGaussianPosterior
+from .posterior.gaussian import DiagonalGaussianPosterior
 from .prediction import IGNORE_INDEX, LABEL_KEYS, average_predictions, model_logits, sampled_probs
 
 __all__ = ["SELECTION_SAMPLES", "TEMPERATURE_EXTENSION", "TEMPERATURE_GRID", "check_transition_matrix", "choose_temperature",
@@ -263,35 +262,3 @@ def temperature_logs(report: Mapping[str, Any]) -> dict[str, float]:
     name = "eval_nll" if report["criterion"] == NLL_CRITERION else "eval_corrected_nll"
     return {"posterior_temperature": chosen, f"{name}_temperature_0": nll["0"], f"{name}_temperature_1": nll["1"],
             f"{name}_temperature_chosen": nll[f"{chosen:g}"]}
-
-
-class PosteriorTemperatureCallback(TrainerCallback):
-    """Chooses the posterior temperature when training ends, then prepares the draws predictions make at it
-    (`VariationalTrainer` puts it first after the BatchNorm recalibration of `varsmooth.batchnorm`, so that callbacks
-    predicting with the posterior at the end of training use the chosen τ and its draws). When either fails, the
-    trainer saves the trained model before it raises (`CheckpointingMixin.train`).
-
-    Args:
-        select: chooses τ and makes it the one predictions use (`VariationalTrainer.select_posterior_temperature`).
-        reset: goes back to the learned posterior (or the fixed `posterior_temperature`) when training starts again.
-        prepare_draws: gives the draws at the chosen (or fixed) τ their BatchNorm statistics
-            (`VariationalTrainer.prepare_prediction_draws`).
-    """
-
-    def __init__(self, select: Callable[[], Any], reset: Callable[[], None], prepare_draws: Callable[[], Any]) -> None:
-        self.select, self.reset, self.prepare_draws = select, reset, prepare_draws
-
-    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.reset()
-
-    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if args.posterior_temperature is None and args.load_best_model_at_end and state.best_model_checkpoint:
-            # best_metric was measured at the τ of the evaluations during training: choosing another τ now would
-            # make the loaded best model predict other than what made it the best
-            logger.info("load_best_model_at_end: keeping τ = 1, at which %s scored best_metric %s; to choose τ on "
-                        "the validation NLL, call trainer.select_posterior_temperature() (the metrics then differ "
-                        "from best_metric).", state.best_model_checkpoint, state.best_metric)
-        elif args.posterior_temperature is None:
-            self.select()
-        self.prepare_draws()
-

@@ -14,9 +14,9 @@ from typing import Any
 
 from transformers.trainer_utils import BestRun, HPSearchBackend, default_compute_objective
 
+from ..methods import MethodConfig, learns_posterior
+from .arguments import VariationalTrainingArguments
 from .checks import check_unhonoured_arguments
-from .methods import MethodConfig, learns_posterior
-from .training_args import VariationalTrainingArguments
 
 __all__ = ["HyperparameterSearchMixin", "trial_method_config"]
 

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from transformers.utils import ModelOutput
 
-from .gaussian import DiagonalGaussianPosterior
-from .seeds import derive_seed
+from .posterior.gaussian import DiagonalGaussianPosterior
+from .posterior.seeds import derive_seed
 
 __all__ = ["VariationalClassifierOutput", "average_predictions", "draw_seeds", "entropy", "predictive_distribution", "sampled_probs", "predicts_at_the_mean", "restored_buffers", "model_logits", "model_outputs", "logits_of",
            "IGNORE_INDEX", "LABEL_KEYS"]

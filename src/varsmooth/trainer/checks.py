@@ -19,14 +19,14 @@ import torch
 from transformers import TrainingArguments
 from transformers.training_args import ParallelMode
 
-from .methods import EXAMPLE_INDEX_KEY, TrainingMethod, learns_posterior
-from .posterior.optimizer import VariationalIVON
-from .posterior.prediction import IGNORE_INDEX, LABEL_KEYS
-from .training_args import VariationalTrainingArguments
+from ..methods import EXAMPLE_INDEX_KEY, TrainingMethod, learns_posterior
+from ..posterior.optimizer import VariationalIVON
+from ..prediction import IGNORE_INDEX, LABEL_KEYS
+from .arguments import VariationalTrainingArguments
 
 __all__ = ["HONOURED_ARGUMENTS", "UNHONOURED_ARGUMENTS", "check_arguments", "check_compute_metrics", "check_datasets",
            "check_input_columns", "check_label_names", "check_labels", "check_method_inputs", "check_single_label_model",
-           "check_unhonoured_arguments", "model_num_labels", "named_datasets", "name_inputs_the_model_cannot_take"]
+           "check_unhonoured_arguments", "named_datasets", "name_inputs_the_model_cannot_take"]
 
 logger = logging.getLogger(__name__)
 
@@ -92,13 +92,6 @@ def named_datasets(train_dataset: Any, eval_dataset: Any) -> list[tuple[str, Any
     named = eval_dataset.items() if isinstance(eval_dataset, dict) else [(None, eval_dataset)]
     return [("train_dataset", train_dataset),
             *((("eval_dataset" if name is None else f"eval_dataset[{name!r}]"), dataset) for name, dataset in named)]
-
-
-def model_num_labels(model: Any) -> int | None:
-    """The number of classes the model predicts, from its config (HF models, peft models, `DeepEnsemble`); None when
-    the model does not say."""
-    num_labels = getattr(getattr(model, "config", None), "num_labels", None)
-    return num_labels if isinstance(num_labels, int) else None
 
 
 def check_labels(role: str, dataset: Any, num_labels: int | None, training: bool = False) -> None:

@@ -15,26 +15,20 @@ import os
 from typing import Any
 
 import torch
-from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from .adapters import is_peft_model, save_classifier_config
-from .files import (
-    METHOD_STATE_FILE,
-    STAGING_PREFIX,
-    FolderSave,
-    atomic_path,
-    check_manifest,
-    clear_leftovers,
+from ..adapters import is_peft_model, save_classifier_config
+from ..files import METHOD_STATE_FILE, STAGING_PREFIX, FolderSave, atomic_path, check_manifest, clear_leftovers
+from ..posterior import POSTERIOR_FILE, DiagonalGaussianPosterior
+from ..posterior.gaussian import non_finite_tensors
+from ..posterior.resume import load_ivon_state
+from .checkpoint_files import (
     has_optimizer_state,
     publish_checkpoint,
     refuse_finished_run,
     refuse_other_run,
     rotate_checkpoints,
 )
-from .posterior import POSTERIOR_FILE, DiagonalGaussianPosterior
-from .posterior.gaussian import non_finite_tensors
-from .posterior.resume import load_ivon_state
 
 __all__ = ["CheckpointingMixin"]
 
@@ -45,16 +39,6 @@ logger = logging.getLogger(__name__)
 #: through the scheduler's state too)
 RESUMED_IVON_SETTINGS = {"ess": "ess", "hess_init": "hess_init", "beta1": "beta1", "beta2": "beta2",
                          "weight_decay": "prior_precision", "clip_radius": "clip_radius", "initial_lr": "learning_rate"}
-
-
-class _TrainingEnded(TrainerCallback):
-    """First of the `on_train_end` callbacks: marks the moment after which a failure must not lose the run."""
-
-    def __init__(self, mark: Any) -> None:
-        self.mark = mark
-
-    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.mark()
 
 
 class CheckpointingMixin:
@@ -79,8 +63,7 @@ class CheckpointingMixin:
         self._run_files: dict[str, set[str]] = {}  # folder -> files this trainer wrote there outside `_save`
         self._staging_dir: str | None = None
         self._gathered_posterior: DiagonalGaussianPosterior | None = None  # σ gathered by save_model under FSDP
-        self._training_ended = False
-        self.callback_handler.callbacks.insert(0, _TrainingEnded(lambda: setattr(self, "_training_ended", True)))
+        self._training_ended = False  # set by `after_training`: a failure after it must not lose the run
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         """`Trainer.train`. What a killed run left in `output_dir` under temporary names is deleted first; when a step

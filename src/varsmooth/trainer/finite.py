@@ -7,7 +7,7 @@ from collections.abc import Iterable
 
 import torch
 
-from .posterior.sharding import to_local
+from ..posterior.sharding import to_local
 
 __all__ = ["NonFiniteGuard", "non_finite_step_error"]
 

@@ -10,8 +10,8 @@ from typing import Any
 
 from transformers import TrainingArguments
 
-from .methods import METHODS, MethodConfig, build_method_config, get_method_class, learns_posterior
-from .presets import SCRATCH_PRESET
+from ..methods import METHODS, MethodConfig, build_method_config, get_method_class, learns_posterior
+from ..presets import SCRATCH_PRESET
 
 __all__ = ["POSTERIOR_FIELDS", "VariationalTrainingArguments"]
 
@@ -88,7 +88,7 @@ class VariationalTrainingArguments(TrainingArguments):
         default=None,
         metadata={"help": "τ >= 0 scaling the posterior std σ at prediction time (0 = predict at the posterior mean, 1 = "
                           "the learned posterior). None: chosen when training ends, by the eval dataset's NLL over "
-                          "varsmooth.posterior.temperature.TEMPERATURE_GRID (which holds 0 and 1); 1 without an eval "
+                          "varsmooth.posterior_temperature.TEMPERATURE_GRID (which holds 0 and 1); 1 without an eval "
                           "dataset. A number fixes τ for every prediction; 1 turns the selection off."},
     )
     recompute_batchnorm_statistics: bool = field(

@@ -1,4 +1,4 @@
-"""Temperature scaling fitted on validation batches, and the callback that fits it when training ends."""
+"""Temperature scaling fitted on validation batches (the trainer fits it when training ends, `varsmooth.trainer.after_training`)."""
 
 from __future__ import annotations
 
@@ -7,12 +7,11 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
-from transformers import TrainerCallback
 
-from ..posterior.prediction import LABEL_KEYS, VariationalClassifierOutput
+from ..prediction import LABEL_KEYS, VariationalClassifierOutput
 from .scaling import TemperatureScaling
 
-__all__ = ["TemperatureScalingCallback", "fit_on_batches"]
+__all__ = ["fit_on_batches"]
 
 logger = logging.getLogger(__name__)
 
@@ -52,28 +51,3 @@ def fit_on_batches(
     logger.info("Temperature scaling: T = %.4g fitted on %d validation examples (NLL %.4f -> %.4f).", scaling.temperature,
                 scaling.num_examples, scaling.nll_uncalibrated, scaling.nll_calibrated)
     return scaling
-
-
-class TemperatureScalingCallback(TrainerCallback):
-    """With `args.temperature_scaling`, fits T when training ends (after the posterior temperature, which changes the
-    prediction T calibrates); a new `train()` drops the T of the previous one.
-
-    Args:
-        fit: fits T and makes it the one predictions use (`VariationalTrainer.fit_temperature_scaling`).
-        reset: drops the fitted T.
-        has_eval_dataset: whether there is a validation split to fit T on (checked before training, not after it).
-    """
-
-    def __init__(self, fit: Callable[[], Any], reset: Callable[[], None], has_eval_dataset: Callable[[], bool]) -> None:
-        self.fit, self.reset, self.has_eval_dataset = fit, reset, has_eval_dataset
-
-    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.reset()
-        if args.temperature_scaling and not self.has_eval_dataset():
-            raise ValueError("temperature_scaling=True fits the temperature on the eval dataset, and the trainer has none: "
-                             "pass eval_dataset= (a validation split), or set temperature_scaling=False.")
-
-    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if args.temperature_scaling:
-            self.fit()
-
