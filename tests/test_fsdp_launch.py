@@ -1,6 +1,7 @@
 """FSDP2 as `accelerate launch --use_fsdp --fsdp_version 2` sets it up, on 2 CPU processes over gloo: VariationalTrainer
 trains HF's ViT, BERT and ResNet with accelerate's own FSDP2 preparation, which fails on each of them by itself
-(benchmarks/accelerate_fsdp2_repro.py), and saves weights and posterior that load in another process.
+(benchmarks/accelerate_fsdp2_repro.py), exports each example's label noise, and saves weights and posterior that load
+in another process.
 
 accelerate drops an FSDP plugin on CPU processes (it trains with DDP there): the worker keeps it, as accelerate does
 on GPUs (tests/workers/fsdp_on_cpu.py). The environment is the launcher's, with the transformer-based wrap policy
@@ -9,6 +10,8 @@ on GPUs (tests/workers/fsdp_on_cpu.py). The environment is the launcher's, with 
 
 import math
 
+import datasets
+import numpy as np
 import pytest
 import torch
 
@@ -39,3 +42,8 @@ def test_the_trainer_shards_hf_models_through_accelerates_fsdp2_preparation(tmp_
     assert torch.isfinite(stds).all() and (stds > 0).all() and stds.std() > 0  # σ learned per weight, not the prior's
     for name, p in model.model.named_parameters():  # the gathered full state is what was saved
         assert torch.equal(p.detach(), trained[name]), name
+
+    # the export ran on both processes (σ gathered, each measuring its shard) and wrote every example once
+    noise = datasets.Dataset.from_parquet(str(tmp_path / kind / "label_noise.parquet"))
+    magnitude = np.asarray(noise["noise_l1"])
+    assert len(noise) == 128 and np.isfinite(magnitude).all() and (magnitude > 0).all() and magnitude.std() > 0

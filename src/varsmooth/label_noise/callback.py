@@ -95,14 +95,15 @@ class LabelNoiseCallback(TrainerCallback):
         start = time.perf_counter()
         noise = self._measure(dataset, num_samples=self.num_samples, seed=seed)
         seconds = time.perf_counter() - start
-        if not args.should_save:
-            return None
+        # on every process: under FSDP2 the posterior's σ is sharded, and its summary gathers it (a collective)
         posterior = self._posterior()
         # the export samples the learned posterior (τ = 1, `compute_label_noise`); τ of the predictions is noted apart
         metadata = {"epoch": state.epoch, "global_step": state.global_step, "num_samples": self.num_samples,
                     "seed": seed, **posterior.summary(), "posterior_temperature": 1.0,
                     "prediction_posterior_temperature": posterior.temperature,
                     "batchnorm_statistics_per_draw": bool(batchnorm_layers(posterior.model))}  # compute_label_noise
+        if not args.should_save:
+            return None
         path, summary_path = write_label_noise(noise, args.output_dir, name, metadata)
         if self.plots:
             self._draw(noise, dataset, args.output_dir, name, _model_class_names(posterior.model))
@@ -118,7 +119,7 @@ class LabelNoiseCallback(TrainerCallback):
     @staticmethod
     def _draw(noise: datasets.Dataset, dataset: datasets.Dataset, output_dir: str, name: str,
               class_names: list[str] | None) -> None:
-        from .. import plots  # matplotlib is imported only when pictures are asked for
+        from . import plots  # matplotlib is imported only when pictures are asked for
 
         if "smoothed_label" in noise.column_names:
             plots.plot_smoothed_labels(noise, output_dir, class_names=class_names, filename=f"{name}_smoothed_labels.png")
