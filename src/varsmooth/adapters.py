@@ -18,8 +18,8 @@ from transformers import BertConfig
 
 from .peft_keys import import_peft, is_peft_model, saved_keys, saved_names
 
-__all__ = ["ADAPTER_CONFIG_FILE", "BASE_WEIGHTS_KEY", "LoraArguments", "add_lora_adapters", "base_fingerprint", "has_adapter",
-           "import_peft", "is_peft_model", "load_adapter_model", "save_classifier_config", "saved_names"]
+__all__ = ["ADAPTER_CONFIG_FILE", "BASE_WEIGHTS_KEY", "LoraArguments", "add_lora_adapters", "base_fingerprint",
+           "has_adapter", "import_peft", "is_peft_model", "load_adapter_model", "save_classifier_config", "saved_names"]
 
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 #: entry of the classifier's config.json beside an adapter: SHA-256 and dtype of the base weights it was trained on
@@ -93,13 +93,14 @@ def load_adapter_model(path: str, model_class: type | None, auto_class: Any, rev
     if not base_path:
         raise ValueError(
             f"{config_file} names no base model (base_model_name_or_path is empty): the "
-            "base was built from a config, not loaded. Load that base yourself and pass it to peft.PeftModel.from_pretrained."
+            "base was built from a config, not loaded. Load that base yourself and pass it to "
+            "peft.PeftModel.from_pretrained."
         )
     if not os.path.isdir(base_path) and not _is_repo_id(base_path):
         raise FileNotFoundError(
-            f"The base model of the adapter in {path} was loaded from the folder {base_path!r} (base_model_name_or_path "
-            f"of {config_file}), which no longer exists. Put the base model back there, or set base_model_name_or_path "
-            "to where it is now (a folder or its Hub id)."
+            f"The base model of the adapter in {path} was loaded from the folder {base_path!r} "
+            f"(base_model_name_or_path of {config_file}), which no longer exists. Put the base model back there, or "
+            "set base_model_name_or_path to where it is now (a folder or its Hub id)."
         )
     try:
         config = AutoConfig.from_pretrained(path, revision=revision, token=token)
@@ -176,12 +177,14 @@ def add_lora_adapters(model: torch.nn.Module, r: int = 8, alpha: float = 16, dro
     """
     peft = import_peft()
     if r <= 0 or alpha <= 0 or not 0.0 <= dropout < 1.0:
-        raise ValueError(f"Need LoRA r > 0, alpha > 0 and 0 <= dropout < 1, got r={r}, alpha={alpha}, dropout={dropout}.")
+        raise ValueError(f"Need LoRA r > 0, alpha > 0 and 0 <= dropout < 1, got r={r}, alpha={alpha}, "
+                         f"dropout={dropout}.")
     if isinstance(target_modules, str):
         target_modules = [name.strip() for name in target_modules.split(",") if name.strip()]
     targets = list(target_modules) if target_modules else _lora_target_modules(model)
     heads = list(modules_to_save) if modules_to_save is not None else _classifier_names(model)
-    config = peft.LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, modules_to_save=heads or None)
+    config = peft.LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets,
+                             modules_to_save=heads or None)
     peft_model = peft.get_peft_model(model, config)
     for param in peft_model.parameters():
         if param.requires_grad and param.dtype != torch.float32:
@@ -204,7 +207,8 @@ class LoraArguments:
     lora_target_modules: str | None = field(
         default=None,
         metadata={"help": "Comma-separated names of the layers to adapt (peft's target_modules, e.g. 'query,value'). "
-                          "Default: peft's for the model type (query,value for BERT-like and HF ViT), 'qkv' for timm ViTs."},
+                          "Default: peft's for the model type (query,value for BERT-like and HF ViT), 'qkv' for timm "
+                          "ViTs."},
     )
 
     @property

@@ -107,7 +107,8 @@ def draw_batchnorm_statistics(model: torch.nn.Module, posterior: DiagonalGaussia
              for buffer, _ in module.named_buffers(recurse=False)]
     statistics = []
     with restored_buffers(model, names) as named:
-        for draw_seed, mirrored in tqdm(draw_seeds(seed, num_samples), desc="BatchNorm statistics of each posterior draw",
+        for draw_seed, mirrored in tqdm(draw_seeds(seed, num_samples),
+                                        desc="BatchNorm statistics of each posterior draw",
                                         disable=not progress, leave=False):
             with posterior.sampled(draw_seed, mirrored=mirrored):
                 recompute_batchnorm_statistics(model, batches(), max_examples)
@@ -123,11 +124,13 @@ def prediction_draw_buffers(model: torch.nn.Module, posterior: DiagonalGaussianP
     None for a model without BatchNorm or a prediction that draws nothing (τ = 0, a point mass, no draws)."""
     if predicts_at_the_mean(posterior, num_samples):
         return None
-    statistics = draw_batchnorm_statistics(model, posterior, lambda: iter(batches), num_samples, seed, progress=progress)
+    statistics = draw_batchnorm_statistics(model, posterior, lambda: iter(batches), num_samples, seed,
+                                           progress=progress)
     return None if statistics is None else DrawBuffers(seed, posterior.temperature, statistics)
 
 
-def head_batches(batches: Iterable[Mapping[str, Any]], max_examples: int = DRAW_RECALIBRATION_EXAMPLES) -> list[Mapping[str, Any]]:
+def head_batches(batches: Iterable[Mapping[str, Any]],
+                 max_examples: int = DRAW_RECALIBRATION_EXAMPLES) -> list[Mapping[str, Any]]:
     """The first batches of `batches` that hold `max_examples` examples (or all of them), read once: every draw's
     statistics are computed from the same examples, and collating them again for every draw would cost more than the
     passes."""

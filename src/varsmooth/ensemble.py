@@ -8,8 +8,8 @@ afterwards ("pool-then-calibrate", Rahaman & Thiery 2021).
 
 An ensemble is saved as one folder: its members as `member-0/`, `member-1/`, ... (each a `VariationalModel` folder with
 its own manifest), `ensemble_config.json` (the member folders, a fingerprint of each member's weights and the label
-set) and the folder's manifest, written last. `VariationalModel.from_pretrained`, `DeepEnsemble.from_pretrained` and `varsmooth.pipeline`
-load it; a pipeline reads the tokenizer or image processor saved into the ensemble folder itself.
+set) and the folder's manifest, written last. `VariationalModel.from_pretrained`, `DeepEnsemble.from_pretrained` and
+`varsmooth.pipeline` load it; a pipeline reads the tokenizer or image processor saved into the ensemble folder itself.
 """
 
 from __future__ import annotations
@@ -53,7 +53,8 @@ class DeepEnsemble(PredictiveModel):
     weights. Members must classify into the same labels (same number of classes and the same `id2label`).
     """
 
-    def __init__(self, members: Sequence[VariationalModel], temperature_scaling: TemperatureScaling | None = None) -> None:
+    def __init__(self, members: Sequence[VariationalModel],
+                 temperature_scaling: TemperatureScaling | None = None) -> None:
         super().__init__()
         members = list(members)
         if not members:
@@ -99,7 +100,8 @@ class DeepEnsemble(PredictiveModel):
         with `kwargs` (e.g. `num_samples`) and without its own temperature scaling (the pooled prediction is what
         gets calibrated)."""
         if isinstance(paths, (str, os.PathLike)):
-            raise TypeError("from_members takes a list of model folders; load a saved ensemble folder with from_pretrained.")
+            raise TypeError("from_members takes a list of model folders; load a saved ensemble folder with "
+                            "from_pretrained.")
         if not paths:
             raise ValueError("from_members got no model folders.")
         members = []
@@ -110,7 +112,8 @@ class DeepEnsemble(PredictiveModel):
         return cls(members)
 
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike, *, temperature_scaling: bool = True, **kwargs: Any) -> "DeepEnsemble":
+    def from_pretrained(cls, path: str | os.PathLike, *, temperature_scaling: bool = True,
+                        **kwargs: Any) -> "DeepEnsemble":
         """Load an ensemble folder written by `save_pretrained`; `kwargs` go to each member's
         `VariationalModel.from_pretrained` (num_samples, seed, temperature, mc_dropout_samples, dtype, ...).
 
@@ -120,27 +123,27 @@ class DeepEnsemble(PredictiveModel):
         folder = os.fspath(path)
         config_path = os.path.join(folder, ENSEMBLE_CONFIG_FILE)
         if read_manifest(folder) is None:
-            raise ValueError(f"{folder} has {ENSEMBLE_CONFIG_FILE} but no varsmooth manifest: the ensemble's save did not "
-                             "finish. Save it again (DeepEnsemble.save_pretrained).")
+            raise ValueError(f"{folder} has {ENSEMBLE_CONFIG_FILE} but no varsmooth manifest: the ensemble's save did "
+                             "not finish. Save it again (DeepEnsemble.save_pretrained).")
         check_manifest(folder)
         try:
             with open(config_path, encoding="utf-8") as f:
                 config = json.load(f)
             names, fingerprints = config["members"], config["member_weights"]
         except (ValueError, KeyError, TypeError) as error:
-            raise ValueError(f"{config_path} is not a valid ensemble config ({type(error).__name__}: {error}). Save the "
-                             "ensemble again (DeepEnsemble.save_pretrained).") from None
+            raise ValueError(f"{config_path} is not a valid ensemble config ({type(error).__name__}: {error}). Save "
+                             "the ensemble again (DeepEnsemble.save_pretrained).") from None
         members = []
         for name, recorded in zip(names, fingerprints):
             member_folder = os.path.join(folder, name)
             if not os.path.isdir(member_folder):
-                raise ValueError(f"{member_folder} is missing: the ensemble folder is incomplete. Copy the whole folder, "
-                                 "or save the ensemble again (DeepEnsemble.save_pretrained).")
+                raise ValueError(f"{member_folder} is missing: the ensemble folder is incomplete. Copy the whole "
+                                 "folder, or save the ensemble again (DeepEnsemble.save_pretrained).")
             member = VariationalModel.from_pretrained(member_folder, temperature_scaling=False, **kwargs)
             sha, dtype = network_fingerprint(member.model)
             if dtype != recorded["dtype"]:
-                warnings.warn(f"{member_folder} is loaded as {dtype} but was saved as {recorded['dtype']}: it cannot be "
-                              "checked that it is the member saved with the ensemble.", UserWarning, stacklevel=2)
+                warnings.warn(f"{member_folder} is loaded as {dtype} but was saved as {recorded['dtype']}: it cannot "
+                              "be checked that it is the member saved with the ensemble.", UserWarning, stacklevel=2)
             elif sha != recorded["sha256"]:
                 raise ValueError(f"{member_folder} holds other weights than the member saved with the ensemble (their "
                                  "fingerprint differs): a model was saved over it. Save the ensemble again "
@@ -156,7 +159,8 @@ class DeepEnsemble(PredictiveModel):
     # -- saving ------------------------------------------------------------------------------------
     def save_pretrained(self, save_directory: str | os.PathLike) -> None:
         """Write the members as `member-N/` subfolders, the ensemble config, the temperature (if fitted) and the
-        folder's manifest last. Member folders of an earlier ensemble saved here that this one does not have are removed.
+        folder's manifest last. Member folders of an earlier ensemble saved here that this one does not have are
+        removed.
 
         Save the tokenizer or image processor into the same folder (e.g. `tokenizer.save_pretrained(folder)`) for
         `varsmooth.pipeline` to find it.
@@ -171,7 +175,8 @@ class DeepEnsemble(PredictiveModel):
             _remove_unchanged_member(os.path.join(folder, name))
         num_labels, id2label = _labels(self.members[0])
         config = {"format": 1, "members": names, "num_labels": num_labels, "id2label": id2label,
-                  "member_weights": [dict(zip(("sha256", "dtype"), network_fingerprint(member.model))) for member in self.members]}
+                  "member_weights": [dict(zip(("sha256", "dtype"), network_fingerprint(member.model)))
+                                     for member in self.members]}
         with atomic_path(os.path.join(folder, ENSEMBLE_CONFIG_FILE)) as tmp, open(tmp, "w", encoding="utf-8") as f:
             json.dump(config, f, indent=2)
         if self.temperature_scaling is not None:

@@ -35,10 +35,12 @@ def posterior_samples_curve(trainer: "VariationalTrainer", eval_dataset: Any = N
     """
     counts = list(sample_counts)
     if not counts or any(isinstance(s, bool) or int(s) != s or s < 1 for s in counts):
-        raise ValueError(f"sample_counts must be positive integers (e.g. {DEFAULT_SAMPLE_COUNTS}), got {sample_counts!r}.")
+        raise ValueError(f"sample_counts must be positive integers (e.g. {DEFAULT_SAMPLE_COUNTS}), got "
+                         f"{sample_counts!r}.")
     if trainer.posterior().is_point_mass:
-        raise ValueError(f"This trainer (method={trainer.method.name!r}) has no posterior to sample: every S would give the "
-                         "prediction at the weights. Train with an IVON method first, or pass posterior= to the trainer.")
+        raise ValueError(f"This trainer (method={trainer.method.name!r}) has no posterior to sample: every S would "
+                         "give the prediction at the weights. Train with an IVON method first, or pass posterior= to "
+                         "the trainer.")
     dataset = trainer.eval_dataset if eval_dataset is None else eval_dataset
     if dataset is None:
         raise ValueError("No eval_dataset: pass the (validation) dataset to score the sample counts on.")
@@ -53,7 +55,8 @@ def posterior_samples_curve(trainer: "VariationalTrainer", eval_dataset: Any = N
             rows.append({"num_samples": int(s), "seconds": seconds,
                          **{k.removeprefix("samples_"): float(v) for k, v in metrics.items()
                             if k.startswith("samples_") and not k.startswith("samples_mean_")
-                            and k not in ("samples_runtime", "samples_samples_per_second", "samples_steps_per_second")}})
+                            and k not in ("samples_runtime", "samples_samples_per_second",
+                                          "samples_steps_per_second")}})
     finally:
         trainer.args.eval_mc_samples = original
     return rows

@@ -23,7 +23,8 @@ def new_figure(width: float, height: float) -> Figure:
 
 
 def save_figure(fig: Figure, output_dir: str | os.PathLike, filename: str) -> str:
-    """Write `fig` as `output_dir/filename` (PNG), whole or not at all (`varsmooth.files.atomic_path`); returns the path."""
+    """Write `fig` as `output_dir/filename` (PNG), whole or not at all (`varsmooth.files.atomic_path`); returns the
+    path."""
     path = os.path.join(output_dir, filename)
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png", dpi=120, bbox_inches="tight")
@@ -41,7 +42,8 @@ def plot_reliability_diagram(
     examples per bin below. The ECE of the bins is in the title."""
     count = np.asarray(diagram["count"], dtype=np.float64)
     if count.sum() == 0:
-        raise ValueError("The reliability diagram has no examples (all bins are empty): evaluate on labelled data first.")
+        raise ValueError("The reliability diagram has no examples (all bins are empty): evaluate on labelled data "
+                         "first.")
     edges = np.asarray(diagram["edges"], dtype=np.float64)
     conf, acc = np.asarray(diagram["confidence"]), np.asarray(diagram["accuracy"])
     filled = count > 0

@@ -23,10 +23,10 @@ import tempfile
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-__all__ = ["CHECKPOINT_PREFIX", "DELETING_PREFIX", "MANIFEST_FILE", "METHOD_STATE_FILE", "OWNED_PATTERNS", "PRIVATE_FILES",
-           "SAVE_IN_PROGRESS_KEY", "STAGING_PREFIX", "TEMP_PREFIX", "FolderSave", "add_to_manifest", "atomic_path",
-           "check_manifest", "clear_leftovers", "file_sha256", "is_leftover", "ordinary_file_mode", "read_manifest",
-           "shareable_files", "write_manifest", "written_by_varsmooth"]
+__all__ = ["CHECKPOINT_PREFIX", "DELETING_PREFIX", "MANIFEST_FILE", "METHOD_STATE_FILE", "OWNED_PATTERNS",
+           "PRIVATE_FILES", "SAVE_IN_PROGRESS_KEY", "STAGING_PREFIX", "TEMP_PREFIX", "FolderSave", "add_to_manifest",
+           "atomic_path", "check_manifest", "clear_leftovers", "file_sha256", "is_leftover", "ordinary_file_mode",
+           "read_manifest", "shareable_files", "write_manifest", "written_by_varsmooth"]
 
 MANIFEST_FILE = "varsmooth_manifest.json"
 #: names of files only varsmooth writes: a push deletes those of earlier pushes from the Hub repo
@@ -47,7 +47,8 @@ STAGING_PREFIX = ".partial-"
 #: an old checkpoint is renamed under this prefix, then deleted
 DELETING_PREFIX = ".deleting-"
 #: what `atomic_path` (mkstemp's 8 random characters), a checkpoint being written and one being deleted are named
-_LEFTOVER = re.compile(rf"^({re.escape(TEMP_PREFIX)}[a-z0-9_]{{8}}.+|({re.escape(STAGING_PREFIX)}|{re.escape(DELETING_PREFIX)})"
+_LEFTOVER = re.compile(rf"^({re.escape(TEMP_PREFIX)}[a-z0-9_]{{8}}.+|"
+                       rf"({re.escape(STAGING_PREFIX)}|{re.escape(DELETING_PREFIX)})"
                        rf"{re.escape(CHECKPOINT_PREFIX)}-\d+)$")
 #: set in a manifest from the start of a save to its end: a folder whose manifest still has it holds an incomplete save
 SAVE_IN_PROGRESS_KEY = "save_in_progress"
@@ -142,7 +143,8 @@ def check_manifest(folder: str | os.PathLike, names: Iterable[str] | None = None
     if resized:
         sizes = ", ".join(f"{name} has {got} bytes, recorded {want}" for name, (got, want) in resized.items())
         raise ValueError(f"Files of {folder} differ in size from its {MANIFEST_FILE} ({sizes}): they were truncated or "
-                         "replaced after the save. Save the model again (trainer.save_model()) or copy the whole folder.")
+                         "replaced after the save. Save the model again (trainer.save_model()) or copy the whole "
+                         "folder.")
     edited = [name for name in wanted if not _matches(os.path.join(folder, name), entries[name])]
     if edited:
         raise ValueError(f"Files of {folder} differ from the ones its save wrote (their SHA-256 is not the one "
@@ -155,9 +157,9 @@ def _refuse_incomplete_save(folder: str, manifest: dict[str, Any]) -> None:
     if manifest.get(SAVE_IN_PROGRESS_KEY):
         raise ValueError(
             f"{folder} holds an incomplete save: its {MANIFEST_FILE} says a save into it started and never finished "
-            "(the process was killed or failed while writing, e.g. between the weights and the posterior), so its files "
-            "may mix that save with an earlier one. Save the model again (trainer.save_model()), or resume from the "
-            "last complete checkpoint."
+            "(the process was killed or failed while writing, e.g. between the weights and the posterior), so its "
+            "files may mix that save with an earlier one. Save the model again (trainer.save_model()), or resume from "
+            "the last complete checkpoint."
         )
 
 
@@ -202,7 +204,8 @@ class FolderSave:
         written |= {name for name in also if name in after}
         written.discard(MANIFEST_FILE)
         earlier = (self.previous or {}).get("files", {})
-        # only a file the earlier manifest lists, unchanged since (same hash): one edited since (e.g. your card) is yours
+        # only a file the earlier manifest lists, unchanged since (same hash): one edited since (e.g. your card) is
+        # yours
         stale = sorted(name for name, entry in earlier.items() if name not in written and name != MANIFEST_FILE
                        and os.sep not in name and _matches(os.path.join(self.folder, name), entry))
         for name in stale:
@@ -214,7 +217,8 @@ class FolderSave:
         return stale
 
 
-def write_manifest(folder: str, names: Iterable[str], entries: dict[str, dict[str, Any]] | None = None, **info: Any) -> None:
+def write_manifest(folder: str, names: Iterable[str], entries: dict[str, dict[str, Any]] | None = None,
+                   **info: Any) -> None:
     """Write `folder`'s manifest listing `names` (hashed now; those in `entries` keep the entry given)."""
     entries = entries or {}
     files = {name: entries.get(name) or {"size": os.path.getsize(os.path.join(folder, name)),
@@ -244,7 +248,8 @@ def written_by_varsmooth(folder: str | os.PathLike, name: str) -> bool:
 
 def is_leftover(name: str) -> bool:
     """Whether `name` is what a killed save, export or checkpoint leaves: a temporary file of `atomic_path`, a
-    checkpoint being written (`STAGING_PREFIX`) or deleted (`DELETING_PREFIX`). Never a user's file or `checkpoint-N`."""
+    checkpoint being written (`STAGING_PREFIX`) or deleted (`DELETING_PREFIX`). Never a user's file or
+    `checkpoint-N`."""
     return bool(_LEFTOVER.match(name))
 
 

@@ -47,7 +47,8 @@ def add_output_dropout(model: torch.nn.Module, p: float) -> torch.nn.Module:
     if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p < 1.0:
         raise ValueError(f"The dropout rate must be a number in [0, 1), got {p!r}.")
     if hasattr(model, OUTPUT_DROPOUT_KEY):
-        raise ValueError(f"{type(model).__name__} already has an output dropout ({OUTPUT_DROPOUT_KEY}); add it only once.")
+        raise ValueError(f"{type(model).__name__} already has an output dropout ({OUTPUT_DROPOUT_KEY}); add it only "
+                         "once.")
     layer = output_layer(model)
     dropout = torch.nn.Dropout(p).train(model.training)  # a new module starts in training mode
     model.add_module(OUTPUT_DROPOUT_KEY, dropout)  # a submodule: train()/eval() and dropout_sampling reach it
@@ -100,7 +101,8 @@ def _device_of(model: torch.nn.Module) -> torch.device:
 
 
 @torch.no_grad()
-def mc_dropout_predictive(model: torch.nn.Module, inputs: Mapping[str, Any], num_samples: int, seed: int = 0) -> VariationalClassifierOutput:
+def mc_dropout_predictive(model: torch.nn.Module, inputs: Mapping[str, Any], num_samples: int,
+                          seed: int = 0) -> VariationalClassifierOutput:
     """Average of `num_samples` softmax predictions with dropout on, and the deterministic prediction, for one batch.
 
     `model` should be in evaluation mode (as `evaluate()` and `from_pretrained` leave it): only its dropout layers are

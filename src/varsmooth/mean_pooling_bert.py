@@ -66,4 +66,5 @@ class MeanPoolingBertForSequenceClassification(BertForSequenceClassification):
 # and `varsmooth.pipeline` in any process that imported varsmooth; exist_ok because transformers may also import the
 # copy saved beside a model (trust_remote_code=True) in a process that has varsmooth's
 AutoConfig.register(MeanPoolingBertConfig.model_type, MeanPoolingBertConfig, exist_ok=True)
-AutoModelForSequenceClassification.register(MeanPoolingBertConfig, MeanPoolingBertForSequenceClassification, exist_ok=True)
+AutoModelForSequenceClassification.register(MeanPoolingBertConfig, MeanPoolingBertForSequenceClassification,
+                                            exist_ok=True)

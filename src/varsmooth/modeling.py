@@ -29,8 +29,8 @@ from .temperature_scaling import TEMPERATURE_SCALING_FILE, TemperatureScaling
 #: registers itself here: the ensemble is made of `VariationalModel`s, so this module cannot import it)
 FOLDER_LOADERS: dict[str, Callable[..., torch.nn.Module]] = {}
 
-__all__ = ["AUTO_CLASSES", "FOLDER_LOADERS", "VariationalModel", "check_finite_weights", "classification_task", "load_posterior",
-           "load_temperature_scaling", "sampling_settings"]
+__all__ = ["AUTO_CLASSES", "FOLDER_LOADERS", "VariationalModel", "check_finite_weights", "classification_task",
+           "load_posterior", "load_temperature_scaling", "sampling_settings"]
 
 #: the Auto class that loads a classifier of each task varsmooth serves
 AUTO_CLASSES = {"image-classification": AutoModelForImageClassification,
@@ -44,7 +44,8 @@ def classification_task(model_or_config: Any) -> str:
     is_model = isinstance(model_or_config, torch.nn.Module)
     config = getattr(model_or_config, "config", None) if is_model else model_or_config
     names = [*([type(model_or_config).__name__] if is_model else []), *(getattr(config, "architectures", None) or [])]
-    if any("ImageClassification" in name for name in names) or type(config) in AutoModelForImageClassification._model_mapping:
+    if (any("ImageClassification" in name for name in names)
+            or type(config) in AutoModelForImageClassification._model_mapping):
         return "image-classification"
     return "text-classification"
 
@@ -66,14 +67,15 @@ class VariationalModel(PredictiveModel):
     prediction: `logits`, `probs` and `entropy` are then the calibrated ones.
     """
 
-    def __init__(self, model: torch.nn.Module, posterior: DiagonalGaussianPosterior, num_samples: int = 32, seed: int = 0,
+    def __init__(self, model: torch.nn.Module, posterior: DiagonalGaussianPosterior, num_samples: int = 32,
+                 seed: int = 0,
                  temperature_scaling: TemperatureScaling | None = None, mc_dropout_samples: int = 0) -> None:
         super().__init__()
         if mc_dropout_samples < 0:
             raise ValueError(f"mc_dropout_samples must be >= 0 (0 = no MC dropout), got {mc_dropout_samples}.")
         if mc_dropout_samples and not posterior.is_point_mass:
-            raise ValueError("mc_dropout_samples is for models without a posterior: this one predicts by Bayesian model "
-                             "averaging over its posterior (num_samples). Set mc_dropout_samples=0.")
+            raise ValueError("mc_dropout_samples is for models without a posterior: this one predicts by Bayesian "
+                             "model averaging over its posterior (num_samples). Set mc_dropout_samples=0.")
         self.model = model
         self.posterior = posterior
         self.num_samples, self.seed = sampling_settings(posterior, num_samples, seed)
@@ -159,14 +161,16 @@ class VariationalModel(PredictiveModel):
     def save_pretrained(self, save_directory: str | os.PathLike, **kwargs: Any) -> None:
         adapter = is_peft_model(self.model)
         if not isinstance(self.model, PreTrainedModel) and not adapter:
-            raise TypeError(f"save_pretrained needs a transformers PreTrainedModel or a peft model, got {type(self.model).__name__}.")
+            raise TypeError("save_pretrained needs a transformers PreTrainedModel or a peft model, got "
+                            f"{type(self.model).__name__}.")
         check_finite_weights(self.model, os.fspath(save_directory), saving=True)
         save = FolderSave(save_directory).begin()
         self.model.save_pretrained(save_directory, **kwargs)
         if adapter:
             save_classifier_config(self.model, os.fspath(save_directory))
         if not self.posterior.is_point_mass:
-            self.posterior.metadata = {**self.posterior.metadata, "eval_mc_samples": self.num_samples, "eval_seed": self.seed}
+            self.posterior.metadata = {**self.posterior.metadata, "eval_mc_samples": self.num_samples,
+                                       "eval_seed": self.seed}
             self.posterior.save(save_directory)
         if self.temperature_scaling is not None:
             self.temperature_scaling.save(save_directory, self.model)
@@ -183,8 +187,8 @@ def check_finite_weights(model: torch.nn.Module, where: str, saving: bool = Fals
     if saving:
         raise FloatingPointError(f"Not saving to {where}: the weights {names} are not finite (NaN or inf); nothing "
                                  "was written. Save a model with finite weights (e.g. loaded from an earlier save).")
-    raise ValueError(f"The weights loaded from {where} are not finite (NaN or inf) in {names}: the model was saved after "
-                     "training diverged, or the file was edited. Load an earlier checkpoint, or train again.")
+    raise ValueError(f"The weights loaded from {where} are not finite (NaN or inf) in {names}: the model was saved "
+                     "after training diverged, or the file was edited. Load an earlier checkpoint, or train again.")
 
 
 def warn_without_draw_buffers(model: torch.nn.Module, posterior: DiagonalGaussianPosterior, num_samples: int,
@@ -220,7 +224,8 @@ def sampling_settings(posterior: DiagonalGaussianPosterior, num_samples: int | N
     return num_samples, int(meta.get("eval_seed", 0)) if seed is None else seed
 
 
-def load_posterior(model: torch.nn.Module, path: str | os.PathLike, revision: str | None = None, token: str | None = None) -> DiagonalGaussianPosterior:
+def load_posterior(model: torch.nn.Module, path: str | os.PathLike, revision: str | None = None,
+                   token: str | None = None) -> DiagonalGaussianPosterior:
     """The posterior saved next to `model`'s weights (folder or Hub repo); a point mass, with a warning, if none."""
     posterior_path = _resolve_file(os.fspath(path), POSTERIOR_FILE, revision, token)
     if posterior_path is None:

@@ -9,11 +9,11 @@
 With `return_uncertainty=True` both tasks answer in one shape: a dict for one input (a list of them for a list of
 inputs) whose "predictions" is a list of {"label", "score"} (the stock text pipeline's top label alone, in a list).
 
-The uncertainty is one measurement (`Predictor.uncertainty`): the entropy H[P̂] of the uncalibrated average of the draws,
-their mean entropy ("expected_entropy") and the mutual information, their difference, so the mutual information never
-exceeds the entropy beside it. The draws are the prediction's own; a model that predicts at its posterior mean (τ = 0)
-reports all three under the learned posterior (τ = 1) instead, while its labels and scores stay those at τ = 0. A
-model without a posterior reports the entropy of its prediction and None for the other two.
+The uncertainty is one measurement (`Predictor.uncertainty`): the entropy H[P̂] of the uncalibrated average of the
+draws, their mean entropy ("expected_entropy") and the mutual information, their difference, so the mutual information
+never exceeds the entropy beside it. The draws are the prediction's own; a model that predicts at its posterior mean
+(τ = 0) reports all three under the learned posterior (τ = 1) instead, while its labels and scores stay those at τ = 0.
+A model without a posterior reports the entropy of its prediction and None for the other two.
 
 The model may also be a deep-ensemble folder (`varsmooth.DeepEnsemble`), and a temperature fitted by temperature
 scaling and saved with the model is applied. The pipeline classes can also be passed to
@@ -55,7 +55,8 @@ class _VariationalMixin:
     def __init__(self, *args: Any, posterior: DiagonalGaussianPosterior | None = None, num_samples: int | None = None,
                  seed: int | None = None, variational_model: PredictiveModel | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        if variational_model is None:  # built by `transformers.pipeline(..., pipeline_class=...)`, which loaded the model
+        # built by `transformers.pipeline(..., pipeline_class=...)`, which loaded the model
+        if variational_model is None:
             if os.path.isdir(self.model.name_or_path):
                 check_manifest(self.model.name_or_path)
             check_finite_weights(self.model, self.model.name_or_path)
@@ -83,7 +84,8 @@ class _VariationalMixin:
         if not return_uncertainty:  # log P̂ as "logits": the pipeline's softmax turns them back into P̂
             return {"logits": self.variational_model(**model_inputs).logits}
         out, measured = self.variational_model.predict_with_uncertainty(**model_inputs)
-        measured_with = None if measured.mutual_information is None else self.variational_model.predictor.uncertainty_temperature
+        measured_with = (None if measured.mutual_information is None
+                         else self.variational_model.predictor.uncertainty_temperature)
         return {"logits": out.logits, "entropy": measured.entropy, "mutual_information": measured.mutual_information,
                 "uncertainty_temperature": measured_with}
 
@@ -137,7 +139,8 @@ class VariationalTextClassificationPipeline(_VariationalMixin, TextClassificatio
         # a text longer than the position embeddings would fail inside the model with a tensor-size error
         tokenizer_kwargs.setdefault("truncation", True)
         limit = getattr(self.model.config, "max_position_embeddings", None)
-        if tokenizer_kwargs["truncation"] and limit and "max_length" not in tokenizer_kwargs and self.tokenizer.model_max_length > limit:
+        if (tokenizer_kwargs["truncation"] and limit and "max_length" not in tokenizer_kwargs
+                and self.tokenizer.model_max_length > limit):
             tokenizer_kwargs["max_length"] = limit  # the tokenizer does not know the model's limit
         return super().preprocess(inputs, **tokenizer_kwargs)
 
@@ -159,11 +162,12 @@ def pipeline(task: str, model: str | os.PathLike, *, num_samples: int | None = N
                                               mc_dropout_samples=mc_dropout_samples,
                                               temperature_scaling=temperature_scaling,
                                               **{k: kwargs.pop(k) for k in ("revision", "token") if k in kwargs})
-    # the pipeline runs one transformers model (an ensemble's first member's); an adapter model runs as its base with the
-    # adapters injected (the pipeline knows only transformers classes), and the posterior still samples the adapter
+    # the pipeline runs one transformers model (an ensemble's first member's); an adapter model runs as its base with
+    # the adapters injected (the pipeline knows only transformers classes), and the posterior still samples the adapter
     # weights, which are the same tensors
     first = next(module for module in loaded.modules() if isinstance(module, VariationalModel)).model
     network = first.get_base_model() if is_peft_model(first) else first
     return transformers.pipeline(task, model=network, pipeline_class=_PIPELINES[task], variational_model=loaded,
-                                 **({"tokenizer": os.fspath(model)} if task == "text-classification" else {"image_processor": os.fspath(model)}),
+                                 **({"tokenizer": os.fspath(model)} if task == "text-classification"
+                                    else {"image_processor": os.fspath(model)}),
                                  **kwargs)

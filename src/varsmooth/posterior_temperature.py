@@ -37,9 +37,9 @@ from tqdm.auto import tqdm
 from .posterior.gaussian import DiagonalGaussianPosterior
 from .prediction import IGNORE_INDEX, LABEL_KEYS, average_predictions, model_logits, sampled_probs
 
-__all__ = ["SELECTION_SAMPLES", "TEMPERATURE_EXTENSION", "TEMPERATURE_GRID", "check_transition_matrix", "choose_temperature",
-           "paired_standard_errors", "search_temperatures", "select_temperature", "temperature_logs", "temperature_losses",
-           "temperature_nll", "tied_temperatures"]
+__all__ = ["SELECTION_SAMPLES", "TEMPERATURE_EXTENSION", "TEMPERATURE_GRID", "check_transition_matrix",
+           "choose_temperature", "paired_standard_errors", "search_temperatures", "select_temperature",
+           "temperature_logs", "temperature_losses", "temperature_nll", "tied_temperatures"]
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +68,8 @@ def check_transition_matrix(transition: Any, num_classes: int | None = None) -> 
     if num_classes is not None and t.shape[0] != num_classes:
         raise ValueError(f"The label-noise transition matrix is {t.shape[0]} x {t.shape[0]} but the model predicts "
                          f"{num_classes} classes.")
-    if not torch.isfinite(t).all() or (t < 0).any() or not torch.allclose(t.sum(1), torch.ones(len(t), dtype=t.dtype), atol=1e-6):
+    if (not torch.isfinite(t).all() or (t < 0).any()
+            or not torch.allclose(t.sum(1), torch.ones(len(t), dtype=t.dtype), atol=1e-6)):
         raise ValueError("The label-noise transition matrix must hold probabilities T[i, j] = P(observed j | true i): "
                          "non-negative, each row summing to 1.")
     if torch.linalg.cond(t) > 1e6:
@@ -116,8 +117,8 @@ def temperature_losses(
             labels = next((batch[k] for k in LABEL_KEYS if k in batch), None)
             if labels is None:
                 raise ValueError(
-                    f"A validation batch has no labels (keys: {sorted(batch)}): the temperature is chosen by the NLL of "
-                    "the given labels, so the eval dataset needs a 'label' or 'labels' column."
+                    f"A validation batch has no labels (keys: {sorted(batch)}): the temperature is chosen by the NLL "
+                    "of the given labels, so the eval dataset needs a 'label' or 'labels' column."
                 )
             labels = torch.as_tensor(labels).long()
             keep = labels != IGNORE_INDEX  # unlabelled rows, as evaluate() and the loss ignore them
@@ -128,11 +129,13 @@ def temperature_losses(
             mean_logits = model_logits(model, batch)  # one pass at the mean serves every τ
             for t in temperatures:
                 posterior.temperature = t  # validates t
-                out = average_predictions(mean_logits, sampled_probs(model, posterior, batch, num_samples, seed, buffers[t]))
+                out = average_predictions(mean_logits,
+                                          sampled_probs(model, posterior, batch, num_samples, seed, buffers[t]))
                 log_probs = out.logits[keep.to(out.logits.device)]
                 if transition is not None:  # log Σ_i p_i T[i, j], the predicted distribution of the noisy label
                     if log_transition is None:
-                        log_transition = check_transition_matrix(transition, log_probs.shape[-1]).log().to(log_probs.device)
+                        log_transition = check_transition_matrix(transition,
+                                                                 log_probs.shape[-1]).log().to(log_probs.device)
                     log_probs = torch.logsumexp(log_probs.double()[:, :, None] + log_transition, dim=1)
                 columns.append(-log_probs.gather(-1, labels.to(log_probs.device)[:, None]).squeeze(-1))
             nll = torch.stack(columns, -1)
@@ -177,9 +180,11 @@ def tied_temperatures(nll: Mapping[float, float], standard_error: Mapping[float,
     paired standard errors (`paired_standard_errors`) when given."""
     finite = {t: v for t, v in nll.items() if math.isfinite(v)}
     if not finite:
-        raise ValueError(f"No temperature has a finite validation NLL ({dict(nll)}): the model's outputs are not finite.")
+        raise ValueError(f"No temperature has a finite validation NLL ({dict(nll)}): the model's outputs are not "
+                         "finite.")
     best = min(finite.values())
-    margin = {t: max(TIE_TOLERANCE * abs(best), TIE_STANDARD_ERRORS * (standard_error or {}).get(t, 0.0)) for t in finite}
+    margin = {t: max(TIE_TOLERANCE * abs(best), TIE_STANDARD_ERRORS * (standard_error or {}).get(t, 0.0))
+              for t in finite}
     return sorted(t for t, v in finite.items() if v <= best + margin[t])
 
 
@@ -248,8 +253,8 @@ def select_temperature(
         verdict = "tied with" if 1.0 in tied else "scored worse than"
         logger.warning(
             "Predictions are made at the posterior mean (posterior temperature 0): by %s, averaging over the learned "
-            "posterior %s the mean's prediction (%.4f at τ=1 vs %.4f at τ=0). evaluate(), predict(), the saved model and "
-            "its pipeline predict at the mean; the label-noise export and the pipeline's mutual information still "
+            "posterior %s the mean's prediction (%.4f at τ=1 vs %.4f at τ=0). evaluate(), predict(), the saved model "
+            "and its pipeline predict at the mean; the label-noise export and the pipeline's mutual information still "
             "sample the learned posterior.", criterion, verdict, nll[1.0], nll[0.0],
         )
     return report

@@ -20,7 +20,8 @@ from transformers.utils import ModelOutput
 from .posterior.gaussian import DiagonalGaussianPosterior
 from .posterior.seeds import derive_seed
 
-__all__ = ["VariationalClassifierOutput", "average_predictions", "draw_seeds", "entropy", "predictive_distribution", "sampled_probs", "predicts_at_the_mean", "restored_buffers", "model_logits", "model_outputs", "logits_of",
+__all__ = ["VariationalClassifierOutput", "average_predictions", "draw_seeds", "entropy", "predictive_distribution",
+           "sampled_probs", "predicts_at_the_mean", "restored_buffers", "model_logits", "model_outputs", "logits_of",
            "IGNORE_INDEX", "LABEL_KEYS"]
 
 LABEL_KEYS = ("labels", "label", "label_ids")
@@ -37,7 +38,8 @@ class VariationalClassifierOutput(ModelOutput):
     probs: P̂ (batch, K). mean_probs: p̄ = softmax at the posterior mean. entropy: H[P̂].
     mutual_information: H[P̂] − mean_s H[softmax(f(x; θ_s))] (epistemic part of the uncertainty); None for a
         prediction that averaged no draws (at the posterior mean, or a point estimate), where it was not measured.
-    noise_rms: sqrt(mean_s ‖p̄ − softmax(f(x; θ_s))‖²), the size of the label noise one IVON step injects; None likewise.
+    noise_rms: sqrt(mean_s ‖p̄ − softmax(f(x; θ_s))‖²), the size of the label noise one IVON step injects; None
+    likewise.
     """
 
     logits: torch.Tensor | None = None

@@ -49,11 +49,13 @@ class Predictor(ABC):
 
     @abstractmethod
     def predict(self, model: torch.nn.Module, inputs: Mapping[str, Any]) -> VariationalClassifierOutput:
-        """The prediction on one batch: `logits` = log P̂ and what was measured with it (entropy, mutual information)."""
+        """The prediction on one batch: `logits` = log P̂ and what was measured with it (entropy, mutual
+        information)."""
 
     @abstractmethod
     def describe(self) -> dict[str, Any]:
-        """What `predict` computes, as recorded with a fitted temperature scaling and compared when a model is loaded."""
+        """What `predict` computes, as recorded with a fitted temperature scaling and compared when a model is
+        loaded."""
 
     def evaluation_entries(self) -> dict[str, float]:
         """What `evaluate()` reports of the prediction beside its scores (e.g. the posterior temperature)."""
@@ -113,7 +115,8 @@ class PosteriorPredictor(Predictor):
 
     @property
     def uncertainty_temperature(self) -> float | None:
-        return None if self.posterior.is_point_mass or self.num_samples == 0 else measuring_temperature(self.temperature)
+        return (None if self.posterior.is_point_mass or self.num_samples == 0
+                else measuring_temperature(self.temperature))
 
     def uncertainty(self, model: torch.nn.Module, inputs: Mapping[str, Any],
                     prediction: VariationalClassifierOutput | None = None) -> VariationalClassifierOutput:
@@ -160,13 +163,15 @@ class EnsemblePredictor(Predictor):
                              "classify into the same classes. Ensemble models with the same number of classes.")
         probs = torch.stack([out.probs for out in outputs]).mean(0)
         # each member's mean entropy of its single models is H[P̂_n] − MI_n (0 for a member without draws)
-        single_entropy = torch.stack([out.entropy if out.mutual_information is None else out.entropy - out.mutual_information
+        single_entropy = torch.stack([out.entropy if out.mutual_information is None
+                                      else out.entropy - out.mutual_information
                                       for out in outputs]).mean(0)
         total_entropy = entropy_of(probs)
         mean_probs = torch.stack([out.mean_probs for out in outputs]).mean(0)
         return VariationalClassifierOutput(
             logits=probs.clamp_min(1e-30).log(), probs=probs, mean_logits=mean_probs.clamp_min(1e-30).log(),
-            mean_probs=mean_probs, entropy=total_entropy, mutual_information=(total_entropy - single_entropy).clamp_min(0.0),
+            mean_probs=mean_probs, entropy=total_entropy,
+            mutual_information=(total_entropy - single_entropy).clamp_min(0.0),
         )
 
     def describe(self) -> dict[str, Any]:
@@ -223,7 +228,8 @@ class PredictiveModel(torch.nn.Module):
     def forward(self, **inputs: Any) -> VariationalClassifierOutput:
         return self._calibrated(self.predictor.predict(self.network, inputs))
 
-    def predict_with_uncertainty(self, **inputs: Any) -> tuple[VariationalClassifierOutput, VariationalClassifierOutput]:
+    def predict_with_uncertainty(self,
+                                 **inputs: Any) -> tuple[VariationalClassifierOutput, VariationalClassifierOutput]:
         """(`forward(**inputs)`, the uncalibrated prediction whose entropy and mutual information measure the
         uncertainty, `Predictor.uncertainty`), computing the draws they share once."""
         predictor = self.predictor

@@ -1,10 +1,10 @@
 """IVON's presets, and the run-length rule that lets the posterior adapt in the runs users make.
 
-IVON's Hessian h is an exponential moving average with rate β2 (Variational Learning Induces Adaptive Label Smoothing (Yang et al. 2025), Alg. 1, line 5): it forgets its
-initial value h0 over about 1/(1 − β2) optimizer steps. The authors' β2 = 0.99999 (a window of 1e5 steps) fits
-their 200-epoch CIFAR runs (~2e5 steps); in a run of a few thousand steps h never leaves h0, the posterior std
-σ = 1/sqrt(λ(h + δ)) stays where the prior settings put it, and IVON is in effect the paper's fixed-Hessian
-ablation (benchmarks/training_length.py).
+IVON's Hessian h is an exponential moving average with rate β2 (Variational Learning Induces Adaptive Label Smoothing
+(Yang et al. 2025), Alg. 1, line 5): it forgets its initial value h0 over about 1/(1 − β2) optimizer steps. The authors'
+β2 = 0.99999 (a window of 1e5 steps) fits their 200-epoch CIFAR runs (~2e5 steps); in a run of a few thousand steps h
+never leaves h0, the posterior std σ = 1/sqrt(λ(h + δ)) stays where the prior settings put it, and IVON is in effect the
+paper's fixed-Hessian ablation (benchmarks/training_length.py).
 
 The rule here ties the window to the run instead: with T the number of optimizer steps of the run,
 
@@ -13,10 +13,10 @@ The rule here ties the window to the run instead: with T the number of optimizer
 This rule is the default (`hessian_window=0.1`, `default_beta2`) for every run too short for its preset's β2 to
 move the Hessian (1 − β2^T < 0.1: with the authors' 0.99999, any run under ~10k steps); longer runs keep the preset's
 β2, a `beta2` the user gives turns the rule off, and a run of unknown length (an IterableDataset without max_steps)
-keeps the preset's β2. Under the rule the Hessian averages over the last fraction c of the run whatever its length, dataset size N or batch size B,
-but never over fewer than 300 steps: h starts falling at once (its estimate is ~0 for most weights), and if σ grows
-before the network has begun to fit, training never takes off (scikit-learn digits, 1k examples, 480 steps: a
-48-step window left IVON at chance accuracy, a 300-step window trained normally).
+keeps the preset's β2. Under the rule the Hessian averages over the last fraction c of the run whatever its length,
+dataset size N or batch size B, but never over fewer than 300 steps: h starts falling at once (its estimate is ~0 for
+most weights), and if σ grows before the network has begun to fit, training never takes off (scikit-learn digits, 1k
+examples, 480 steps: a 48-step window left IVON at chance accuracy, a 300-step window trained normally).
 As h falls, IVON's effective step lr·(h0 + δ)/(h + δ) grows; element-wise clipping of the preconditioned update
 (`clip_radius`) keeps it bounded — without it the 100-epoch reference run diverged in 4 of 4 seeds.
 """
@@ -48,11 +48,12 @@ SCRATCH_PRESET: dict[str, float | bool] = {"hess_init": 0.5, "long_run_beta2": 0
                                            "rescale_lr": True, "eval_mc_samples": 32}
 
 #: IVON settings for fine-tuning a pretrained model (`ivon_preset="finetune"`; checked in benchmarks/real_noise.py, see
-#: "Fine-tuning a pretrained model" in benchmarks/README.md). The posterior starts *at* the pretrained weights with σ0 = 1/sqrt(ess·(h0 + δ))
-#: ≈ 3e-3, far below typical weight magnitudes; δ = 0, so nothing pulls the pretrained weights towards 0; β2 follows
-#: 0.999, a ~1,000-step window, in runs of 105 steps or more (shorter ones take the run-length rule); no lr rescaling, and the element-wise clip makes
-#: lr·clip_radius (3e-4, a usual AdamW fine-tuning rate) the largest step of any weight. The authors' defaults instead
-#: (lr 0.2, h0 0.5, ess = N) reached 39.6 % vs 66.0 % on CIFAR-10N "worse" with a pretrained EfficientNet-Lite0.
+#: "Fine-tuning a pretrained model" in benchmarks/README.md). The posterior starts *at* the pretrained weights with σ0 =
+#: 1/sqrt(ess·(h0 + δ)) ≈ 3e-3, far below typical weight magnitudes; δ = 0, so nothing pulls the pretrained weights
+#: towards 0; β2 follows 0.999, a ~1,000-step window, in runs of 105 steps or more (shorter ones take the run-length
+#: rule); no lr rescaling, and the element-wise clip makes lr·clip_radius (3e-4, a usual AdamW fine-tuning rate) the
+#: largest step of any weight. The authors' defaults instead (lr 0.2, h0 0.5, ess = N) reached 39.6 % vs 66.0 % on
+#: CIFAR-10N "worse" with a pretrained EfficientNet-Lite0.
 FINETUNE_PRESET: dict[str, float | bool] = {
     "learning_rate": 0.3, "ess": 1e8, "hess_init": 1e-3, "prior_precision": 0.0, "long_run_beta2": 0.999,
     "rescale_lr": False, "clip_radius": 1e-3,
@@ -99,7 +100,8 @@ MIN_HESSIAN_WINDOW_STEPS = 300
 
 def total_optimizer_steps(num_examples: int, batch_size: int, epochs: float, gradient_accumulation_steps: int = 1,
                           world_size: int = 1) -> int:
-    """T: optimizer steps of a run over `num_examples` for `epochs` epochs at `batch_size` per device per micro-batch."""
+    """T: optimizer steps of a run over `num_examples` for `epochs` epochs at `batch_size` per device per
+    micro-batch."""
     if num_examples <= 0 or batch_size <= 0 or epochs <= 0 or gradient_accumulation_steps <= 0 or world_size <= 0:
         raise ValueError(
             f"Need positive num_examples, batch_size, epochs, gradient_accumulation_steps and world_size; got "
@@ -110,7 +112,8 @@ def total_optimizer_steps(num_examples: int, batch_size: int, epochs: float, gra
     return max(1, math.ceil(epochs * steps_per_epoch))
 
 
-def beta2_for_window(total_steps: int, window_fraction: float, min_window_steps: float = MIN_HESSIAN_WINDOW_STEPS) -> float:
+def beta2_for_window(total_steps: int, window_fraction: float,
+                     min_window_steps: float = MIN_HESSIAN_WINDOW_STEPS) -> float:
     """β2 = 1 − 1/max(c·T, W_min): the Hessian EMA averages over the last fraction `window_fraction` (c) of
     `total_steps` (T), but over at least `min_window_steps` (W_min) steps, and never fewer than one (β2 ≥ 0)."""
     if total_steps <= 0:
@@ -130,7 +133,8 @@ def default_beta2(long_run_beta2: float, total_steps: int, window_fraction: floa
 
 
 def hessian_window_of(beta2: float, total_steps: int) -> float:
-    """The inverse: which fraction of a run of `total_steps` the EMA with rate `beta2` averages over (inf for β2 = 1)."""
+    """The inverse: which fraction of a run of `total_steps` the EMA with rate `beta2` averages over (inf for
+    β2 = 1)."""
     if beta2 >= 1.0:
         return math.inf
     return 1.0 / ((1.0 - beta2) * total_steps)

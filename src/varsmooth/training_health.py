@@ -4,8 +4,8 @@ A run can finish, save and score without having learned: a learning rate too sma
 preset's former 0.03 in 189 steps ended at a training loss of 1.365 on a 4-class task, ln 4 = 1.386) leaves the
 classifier near chance. Over the 251 cached cross-entropy runs of benchmarks/real_noise.py and lora.py, all 47 that
 ended within 10 points of chance accuracy had a last logged training loss and a run mean both at or above 0.95·ln K;
-the 19 others above it were well below the accuracy their task reaches. The best loss a model can reach on noisy labels is the
-labels' own entropy (0.61 = 0.88·ln 2 for 30 % flipped binary labels), so the threshold sits above that.
+the 19 others above it were well below the accuracy their task reaches. The best loss a model can reach on noisy labels
+is the labels' own entropy (0.61 = 0.88·ln 2 for 30 % flipped binary labels), so the threshold sits above that.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 from .methods import TrainingMethod
 from .model_parts import model_num_labels
 
-__all__ = ["STALLED_LOSS_SHARE", "StalledLossCallback", "cross_entropy_classes", "stalled_loss_text", "stalled_training_loss"]
+__all__ = ["STALLED_LOSS_SHARE", "StalledLossCallback", "cross_entropy_classes", "stalled_loss_text",
+           "stalled_training_loss"]
 
 logger = logging.getLogger(__name__)
 

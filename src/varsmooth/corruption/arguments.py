@@ -29,7 +29,8 @@ class CorruptionArguments:
     )
     noise_seed: int = field(default=0, metadata={"help": "Seed of the noise; independent of the training seed."})
     noise_kappa: float = field(
-        default=0.4, metadata={"help": "classwise noise (Yang et al. 2025, Eq. 20-21): starting flip probability kappa."}
+        default=0.4,
+        metadata={"help": "classwise noise (Yang et al. 2025, Eq. 20-21): starting flip probability kappa."}
     )
     noise_beta: float = field(
         default=0.05, metadata={"help": "classwise noise: per-class increase beta; needs kappa + beta*K <= 1."}

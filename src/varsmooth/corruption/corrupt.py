@@ -69,9 +69,10 @@ def corrupt_labels(
     * ``"asymmetric"``: ``class_map=`` ``"mnist"``, ``"cifar10"``, ``"cifar100"`` (published maps, see
       ``ASYMMETRIC_CLASS_MAPS``) or ``{source: target}`` of indices or class names; each source class flips
       to its target with probability ``rate``.
-    * ``"classwise"``: Variational Learning Induces Adaptive Label Smoothing (Yang et al. 2025), Eq. 20-21, with ``kappa=`` (required) and ``beta=`` (default 0.05); label
-      index ``c`` flips with probability ``kappa + beta*(c+1)`` (the paper numbers classes 1..K) to the other
-      classes uniformly. ``rate`` must stay 0: the level is set by kappa and beta.
+    * ``"classwise"``: Variational Learning Induces Adaptive Label Smoothing (Yang et al. 2025), Eq. 20-21, with
+      ``kappa=`` (required) and ``beta=`` (default 0.05); label index ``c`` flips with probability ``kappa +
+      beta*(c+1)`` (the paper numbers classes 1..K) to the other classes uniformly. ``rate`` must stay 0: the level is
+      set by kappa and beta.
     * ``"instance"``: Xia et al. 2020: example i flips with probability ``q_i ~ TruncNormal(rate,
       norm_std², [0, 1])`` (``norm_std=0.1``; the mean is ≈ ``rate`` away from 0 and 1, e.g. 0.08 for
       rate 0) to a class picked by a random linear map of its features, ``feature_column=`` (an image or

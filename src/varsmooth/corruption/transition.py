@@ -35,8 +35,8 @@ _MAP_NUM_CLASSES = {"mnist": 10, "cifar10": 10, "cifar100": 100}
 
 
 def symmetric_transition(num_classes: int, rate: float) -> np.ndarray:
-    """Symmetric flip to a *different* class (Yu et al. 2019, used by Variational Learning Induces Adaptive Label Smoothing (Yang et al. 2025)): ``T_ii = 1-r``,
-    ``T_ij = r/(K-1)``."""
+    """Symmetric flip to a *different* class (Yu et al. 2019, used by Variational Learning Induces Adaptive Label
+    Smoothing (Yang et al. 2025)): ``T_ii = 1-r``, ``T_ij = r/(K-1)``."""
     if num_classes < 2:
         raise ValueError("symmetric noise needs at least 2 classes to flip between.")
     _check_probability(rate, "symmetric")
@@ -72,7 +72,8 @@ def asymmetric_transition(num_classes: int, rate: float, class_map: Mapping[int,
 
 
 def classwise_transition(num_classes: int, kappa: float, beta: float) -> np.ndarray:
-    """Class-wise data-dependent noise of Variational Learning Induces Adaptive Label Smoothing (Yang et al. 2025), Eq. 20-21.
+    """Class-wise data-dependent noise of Variational Learning Induces Adaptive Label Smoothing (Yang et al. 2025), Eq.
+    20-21.
 
     ``T_ii = 1-(κ+β i)`` and ``T_ij = (κ+β i)/(K-1)`` for ``j != i``, with the paper's 1-based class
     number ``i = 1..K``: label index 0 flips with probability κ+β and index K-1 with κ+βK. The mean rate
@@ -83,8 +84,8 @@ def classwise_transition(num_classes: int, kappa: float, beta: float) -> np.ndar
     flip = kappa + beta * np.arange(1, num_classes + 1)
     if not (kappa >= 0 and beta >= 0 and flip[-1] <= 1.0 + 1e-12):  # also refuses NaN, which compares False
         raise ValueError(
-            f"classwise noise (Yang et al. 2025, Eq. 20-21) needs kappa >= 0, beta >= 0 and kappa + beta*K <= 1 so that "
-            f"every flip probability is valid; got kappa={kappa}, beta={beta}, K={num_classes} "
+            "classwise noise (Yang et al. 2025, Eq. 20-21) needs kappa >= 0, beta >= 0 and kappa + beta*K <= 1 so "
+            f"that every flip probability is valid; got kappa={kappa}, beta={beta}, K={num_classes} "
             f"(kappa + beta*K = {flip[-1]:.4g}). Lower kappa or beta, e.g. beta <= {(1 - kappa) / num_classes:.4g}."
         )
     flip = np.minimum(flip, 1.0)  # absorb round-off of an exactly-feasible kappa + beta*K == 1
@@ -96,7 +97,8 @@ def classwise_transition(num_classes: int, kappa: float, beta: float) -> np.ndar
 def _check_probability(rate: float, noise_type: str) -> None:
     # a rate outside [0, 1] (or NaN) gives negative or NaN "probabilities" that sampling would silently misread
     if not 0.0 <= rate <= 1.0:
-        raise ValueError(f"{noise_type} noise needs a flip rate in [0, 1]; got {rate}. For a percentage, divide by 100.")
+        raise ValueError(f"{noise_type} noise needs a flip rate in [0, 1]; got {rate}. For a percentage, divide by "
+                         "100.")
 
 
 def resolve_class_map(

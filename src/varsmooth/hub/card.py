@@ -30,7 +30,8 @@ _FILE_DESCRIPTIONS = {
     "model.safetensors": "weights",
     "config.json": "model configuration",
     "posterior.safetensors": "posterior standard deviation of every trainable weight (varsmooth)",
-    "label_noise.parquet": "per-example label noise of the training set (load with `datasets.load_dataset('parquet', ...)`)",
+    "label_noise.parquet": "per-example label noise of the training set (load with `datasets.load_dataset('parquet', "
+                           "...)`)",
     "label_noise_summary.json": "summary of the label noise and mislabel-detection scores",
     NOISE_REPORT_FILE: "the label corruption: intended and realized transition matrices",
     "preprocessor_config.json": "image processor",
@@ -54,8 +55,8 @@ _WEIGHT_FILES = frozenset({"model.safetensors", "adapter_model.safetensors"})
 #: the card's `license:` when the user names none: varsmooth cannot know the terms of the data or the base model, and
 #: "unknown" is the Hub's identifier for that ("other" would need a license_name and license_link)
 DEFAULT_LICENSE = "unknown"
-_METRIC_NAMES = {"accuracy": "Accuracy", "nll": "Negative log-likelihood", "ece": "Expected calibration error (15 bins)",
-                 "brier": "Brier score"}
+_METRIC_NAMES = {"accuracy": "Accuracy", "nll": "Negative log-likelihood",
+                 "ece": "Expected calibration error (15 bins)", "brier": "Brier score"}
 
 
 def _adapter(model: Any) -> Any:
@@ -90,7 +91,8 @@ def _base_model_text(base_model: str | None, model: Any, adapter: Any) -> str:
     means nothing to readers), else that the model was built from a configuration."""
     if base_model:
         return f"[{base_model}](https://huggingface.co/{base_model})"
-    local = adapter.base_model_name_or_path if adapter is not None else getattr(getattr(model, "config", None), "_name_or_path", "")
+    local = (adapter.base_model_name_or_path if adapter is not None
+             else getattr(getattr(model, "config", None), "_name_or_path", ""))
     if local:
         return f"`{os.path.basename(os.path.normpath(local))}` (local)"
     return "not recorded" if adapter is not None else "none (trained from a configuration)"
@@ -98,7 +100,8 @@ def _base_model_text(base_model: str | None, model: Any, adapter: Any) -> str:
 
 def _hub_id(name: str) -> str | None:
     """`name` if it can be a Hub model id, None for a local path (which means nothing to the card's readers)."""
-    if name and not os.path.isabs(name) and not name.startswith(".") and name.count("/") <= 1 and not os.path.isdir(name):
+    if (name and not os.path.isabs(name) and not name.startswith(".") and name.count("/") <= 1
+            and not os.path.isdir(name)):
         return name
     return None
 
@@ -116,7 +119,8 @@ def is_hub_dataset_id(name: str) -> bool:
 
 
 def _json_block(value: Any) -> str:
-    """A ```json block that any JSON parser reads: non-finite numbers (e.g. an AUROC without corrupted examples) as null."""
+    """A ```json block that any JSON parser reads: non-finite numbers (e.g. an AUROC without corrupted examples) as
+    null."""
     def finite(v: Any) -> Any:
         if isinstance(v, float) and not math.isfinite(v):
             return None
@@ -137,8 +141,8 @@ def _better_prediction_text(metrics: dict[str, float]) -> str | None:
     if bma == mean:
         return f"On this run both predictions have the same negative log-likelihood ({bma:.4f})."
     if bma < mean:
-        return (f"On this run the **posterior-averaged** prediction is the better one by negative log-likelihood (lower "
-                f"is better): {bma:.4f} vs {mean:.4f} at the posterior mean.")
+        return ("On this run the **posterior-averaged** prediction is the better one by negative log-likelihood "
+                f"(lower is better): {bma:.4f} vs {mean:.4f} at the posterior mean.")
     return (f"On this run the **posterior-mean** prediction is the better one by negative log-likelihood (lower is "
             f"better): {mean:.4f} vs {bma:.4f} with posterior averaging; `VariationalModel.from_pretrained(..., "
             f"num_samples=0)` predicts at the mean.")
@@ -171,19 +175,21 @@ def _mean_reason(record: RunRecord) -> str:
 
 
 def _method_text(record: RunRecord) -> str:
-    """The card's first paragraph after "trained with varsmooth": what the method computed and how the model predicts."""
+    """The card's first paragraph after "trained with varsmooth": what the method computed and how the model
+    predicts."""
     prediction = _prediction(record)
     if prediction == "weights":
         info = METHODS.get(record.method)
         description = f" ({info.summary.rstrip('.')})" if info is not None else ""
-        return (f" with the `{record.method}` method{description}. It learns no posterior over the weights: predictions "
-                "are made at the trained weights.")
+        return (f" with the `{record.method}` method{description}. It learns no posterior over the weights: "
+                "predictions are made at the trained weights.")
     text = (" by variational learning (IVON): training learned a Gaussian posterior over the weights, whose mean is "
-            "the model's weights (`model.safetensors`) and whose standard deviation σ ships in `posterior.safetensors`.")
+            "the model's weights (`model.safetensors`) and whose standard deviation σ ships in "
+            "`posterior.safetensors`.")
     if prediction == "bma":
-        return text + (f" Predictions average the softmax over {record.eval_mc_samples} samples of that posterior, with "
-                       f"σ scaled by the posterior temperature τ = {record.posterior_temperature:g} (Bayesian model "
-                       "averaging).")
+        return text + (f" Predictions average the softmax over {record.eval_mc_samples} samples of that posterior, "
+                       f"with σ scaled by the posterior temperature τ = {record.posterior_temperature:g} (Bayesian "
+                       "model averaging).")
     return text + f" Predictions are made at the posterior mean, without averaging: {_mean_reason(record)}."
 
 
@@ -201,24 +207,25 @@ def _posterior_text(record: RunRecord) -> str | None:
     if change is not None:
         text += f" The median relative change |h − h0|/h0 over the weights is {change:.1%}"
         if change < HESSIAN_STUCK_TOLERANCE:
-            text += (": the Hessian hardly moved, so σ is still mostly set by `ess` and `hess_init` rather than learned "
-                     "from the data.")
+            text += (": the Hessian hardly moved, so σ is still mostly set by `ess` and `hess_init` rather than "
+                     "learned from the data.")
         elif "hess_data_share" in log:
             text += (f". Had the data added no curvature, the moving average would have taken h0 to "
-                     f"{log['hess_decayed']:.3g} (h0·β2^t); h ends at least {HESSIAN_STUCK_TOLERANCE:.0%} away from that "
-                     f"value in {log['hess_data_share']:.0%} of the weights, where σ is learned from the data; in the "
-                     "others σ follows from `hess_init`, `ess` and the run's length.")
+                     f"{log['hess_decayed']:.3g} (h0·β2^t); h ends at least {HESSIAN_STUCK_TOLERANCE:.0%} away from "
+                     f"that value in {log['hess_data_share']:.0%} of the weights, where σ is learned from the data; in "
+                     "the others σ follows from `hess_init`, `ess` and the run's length.")
         else:
             text += ": the posterior adapted to the data."
     if "posterior_std_median" in log:
-        text += (f" The posterior standard deviation σ = 1/sqrt(ess·(h + δ)) had median {log['posterior_std_median']:.4g}"
-                 f" and mean {log.get('posterior_std_mean', math.nan):.4g}")
+        text += (" The posterior standard deviation σ = 1/sqrt(ess·(h + δ)) had median "
+                 f"{log['posterior_std_median']:.4g} and mean {log.get('posterior_std_mean', math.nan):.4g}")
         if h0 is not None and ess and prior is not None:
             text += f" (σ0 = {1 / math.sqrt(ess * (h0 + prior)):.4g} at the start)"
         text += "."
     if log.get(RECOMPUTED_LOG_KEY):
-        text += (f" BatchNorm's running statistics were recomputed at the posterior mean from {log[RECOMPUTED_LOG_KEY]:,} "
-                 "training examples when training ended: those gathered while training average over sampled weights.")
+        text += (" BatchNorm's running statistics were recomputed at the posterior mean from "
+                 f"{log[RECOMPUTED_LOG_KEY]:,} training examples when training ended: those gathered while training "
+                 "average over sampled weights.")
     return text
 
 
@@ -237,8 +244,8 @@ def _adaptivity_text(adaptivity: dict | None) -> str:
     text = f"On this run it is *not* {'clearly ' if rho > 0 else ''}larger for ambiguous examples ({measured})."
     if "noise_l1_peak_confidence" in adaptivity:
         text += (f" ‖ε̄‖₁ is largest where the posterior mean predicts with confidence ≈ "
-                 f"{adaptivity['noise_l1_peak_confidence']:.2f} and smaller for less confident predictions, as the paper's "
-                 "Eq. 12 and Fig. 2 describe (no noise at the decision boundary); "
+                 f"{adaptivity['noise_l1_peak_confidence']:.2f} and smaller for less confident predictions, as the "
+                 "paper's Eq. 12 and Fig. 2 describe (no noise at the decision boundary); "
                  f"{adaptivity['below_noise_peak_share']:.0%} of the examples are predicted less confidently than that "
                  f"(median confidence {adaptivity['mean_confidence_median']:.2f}).")
     return text
@@ -256,8 +263,9 @@ def _ls_equivalent_text(mean_l1: float, num_classes: int, asked: float | None) -
     if asked is not None:
         return text + f"; IVON was set to smooth as much as α = {asked:g} (`ivon_smoothing`)."
     if alpha < NEAR_POINT_ALPHA:
-        return text + (f": a near-point posterior, below α = {NEAR_POINT_ALPHA:g}, so training with IVON hardly smoothed "
-                       "the labels at this ess. `ivon_smoothing` (an α, chosen on validation as LS's) sets how much it smooths.")
+        return text + (f": a near-point posterior, below α = {NEAR_POINT_ALPHA:g}, so training with IVON hardly "
+                       "smoothed the labels at this ess. `ivon_smoothing` (an α, chosen on validation as LS's) sets "
+                       "how much it smooths.")
     return text + "."
 
 
@@ -271,11 +279,13 @@ def _label_noise_numbers(summary: dict[str, Any], asked: float | None = None) ->
         f" at τ = {summary['posterior_temperature']:g}" if "posterior_temperature" in summary else "") + (
         ", each normalised with BatchNorm statistics of its own, as in training" if summary.get(
             "batchnorm_statistics_per_draw") else "") + (")" if "num_samples" in summary else "")
-    text = (f"Over the {summary.get('num_examples', 'training')} training examples{how}, |ε̄|₁ has mean {l1['mean']:.3g} "
-            f"and median {l1['q50']:.3g}, from {l1['q10']:.3g} (10th percentile) to {l1['q90']:.3g} (90th).")
+    text = (f"Over the {summary.get('num_examples', 'training')} training examples{how}, |ε̄|₁ has mean "
+            f"{l1['mean']:.3g} and median {l1['q50']:.3g}, from {l1['q10']:.3g} (10th percentile) to {l1['q90']:.3g} "
+            "(90th).")
     clean, corrupted = (summary.get(k, {}).get("noise_l1") for k in ("clean", "corrupted"))
     if clean and corrupted:
-        text += f" Its mean is {corrupted['mean']:.3g} on the corrupted labels and {clean['mean']:.3g} on the clean ones."
+        text += (f" Its mean is {corrupted['mean']:.3g} on the corrupted labels and {clean['mean']:.3g} on the clean "
+                 "ones.")
     if summary.get("num_classes"):
         text += _ls_equivalent_text(l1["mean"], summary["num_classes"], asked)
     return text
@@ -368,10 +378,10 @@ def build_model_card(record: RunRecord, model: Any, folder: str | os.PathLike) -
                     metric_name=f"{pretty} ({label})" if label else pretty,
                 ))
     card_data = ModelCardData(
-        language=language, license=license, library_name="transformers" if adapter is None else "peft", base_model=base_model,
-        datasets=hub_datasets or None, pipeline_tag=task, model_name=model_name,
-        tags=sorted({"varsmooth", "noisy-labels", task, *(["ivon", "variational-learning"] if is_ivon else [method]), *(tags or []),
-                     *([str(getattr(adapter.peft_type, "value", adapter.peft_type)).lower()]
+        language=language, license=license, library_name="transformers" if adapter is None else "peft",
+        base_model=base_model, datasets=hub_datasets or None, pipeline_tag=task, model_name=model_name,
+        tags=sorted({"varsmooth", "noisy-labels", task, *(["ivon", "variational-learning"] if is_ivon else [method]),
+                     *(tags or []), *([str(getattr(adapter.peft_type, "value", adapter.peft_type)).lower()]
                        + ([f"base_model:adapter:{base_model}"] if base_model else []) if adapter is not None else [])}),
         eval_results=eval_results or None,
     )
@@ -387,12 +397,16 @@ def build_model_card(record: RunRecord, model: Any, folder: str | os.PathLike) -
             + (f", parameters `{json.dumps(report.params)}`" if report.params else "")
             + (f", seed {report.seed}" if report.seed is not None else "") + ". "
             + (f"Intended rate {intended:.3f}; " if intended is not None else "")
-            + f"realized rate **{report.realized_rate:.3f}** ({report.num_corrupted} of {report.num_examples} training labels differ from the clean ones)."
+            + f"realized rate **{report.realized_rate:.3f}** ({report.num_corrupted} of {report.num_examples} training "
+              "labels differ from the clean ones)."
         )
-        transition_table = _matrix_table(report.realized_transition, report.class_names or names or [str(i) for i in range(report.num_classes)])
+        transition_table = _matrix_table(report.realized_transition,
+                                         report.class_names or names or [str(i) for i in range(report.num_classes)])
 
     if metrics:
-        columns = {"bma": (("", f"posterior-averaged ({record.eval_mc_samples} samples, τ = {record.posterior_temperature:g})"),
+        columns = {"bma": (("",
+                            f"posterior-averaged ({record.eval_mc_samples} samples, τ = "
+                            f"{record.posterior_temperature:g})"),
                            ("mean_", "posterior mean")),
                    "mean": ((predictions[0][0], "posterior mean (no averaging)"),),
                    "weights": (("", "trained weights"),)}[prediction]
@@ -417,8 +431,8 @@ def build_model_card(record: RunRecord, model: Any, folder: str | os.PathLike) -
         detection = summary.get("detection")
         numbers = _label_noise_numbers(summary, record.hyperparameters.get("ivon_smoothing"))
         label_noise_text = (
-            "`label_noise.parquet` holds, for every training example, the label noise ε̄ = p̄ − P̂ that IVON's posterior "
-            "induces (Yang et al. 2025, \"Variational Learning Induces Adaptive Label Smoothing\", Eq. 15). "
+            "`label_noise.parquet` holds, for every training example, the label noise ε̄ = p̄ − P̂ that IVON's "
+            "posterior induces (Yang et al. 2025, \"Variational Learning Induces Adaptive Label Smoothing\", Eq. 15). "
             + _adaptivity_text(summary.get("adaptivity"))
             + " To find wrong labels, rank by the posterior-predictive confidence in the given label instead."
             + (f" {numbers}" if numbers else "")
@@ -452,7 +466,8 @@ def build_model_card(record: RunRecord, model: Any, folder: str | os.PathLike) -
         posterior_text=_posterior_text(record),
         base_model_text=_base_model_text(base_model, model, adapter),
         adapter_text=_adapter_text(adapter, is_ivon),
-        dataset_text=", ".join(f"[`{name}`](https://huggingface.co/datasets/{name})" if on_hub else f"`{name}` (local data)"
+        dataset_text=", ".join(f"[`{name}`](https://huggingface.co/datasets/{name})" if on_hub
+                               else f"`{name}` (local data)"
                                for name, on_hub in shown) if shown else "not recorded",
         license=license,
         labels_text=", ".join(names) if names else "see config.json",

@@ -25,8 +25,9 @@ class LabelNoiseCallback(TrainerCallback):
     The rows are `compute_label_noise` results (Variational Learning Induces Adaptive Label Smoothing (2025),
     Eq. 15 and Eq. 19), measured with the learned posterior (τ = 1) whatever τ the trainer chose for prediction,
     for every example of `dataset` (default: the training set, with its `clean_label`/
-    `is_corrupted` columns when present), in dataset order; under DDP each process measures its shard and the main process writes one file. Both files are written to a
-    temporary name and renamed, so a crash never leaves half a file.
+    `is_corrupted` columns when present), in dataset order; under DDP each process measures its shard and the main
+    process writes one file. Both files are written to a temporary name and renamed, so a crash never leaves half a
+    file.
 
     `VariationalTrainer(callbacks=[...])` and `VariationalTrainer.add_callback` connect it to what it measures with
     (`connect`); with a plain `transformers.Trainer` (no posterior) it refuses to start.
@@ -66,23 +67,28 @@ class LabelNoiseCallback(TrainerCallback):
         `measure(dataset, num_samples=, seed=)` the label noise (`VariationalTrainer.label_noise`), `posterior()` the
         current posterior (its summary goes into the metadata), `record_output(path)` notes a file the run wrote
         beside its saves, `train_dataset()` the examples measured by default."""
-        self._measure, self._posterior, self._record_output, self._train_dataset = measure, posterior, record_output, train_dataset
+        self._measure, self._posterior, self._record_output, self._train_dataset = (measure, posterior, record_output,
+                                                                                    train_dataset)
         return self
 
-    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                       **kwargs: Any) -> None:
         if self._measure is None:  # fail before training rather than after it
             raise RuntimeError(
-                "LabelNoiseCallback is not connected to a posterior: it needs a varsmooth.VariationalTrainer (pass it in "
-                "VariationalTrainer(callbacks=[...]) or trainer.add_callback(...)), not a plain transformers.Trainer."
+                "LabelNoiseCallback is not connected to a posterior: it needs a varsmooth.VariationalTrainer (pass it "
+                "in VariationalTrainer(callbacks=[...]) or trainer.add_callback(...)), not a plain "
+                "transformers.Trainer."
             )
 
-    def on_epoch_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+    def on_epoch_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                     **kwargs: Any) -> None:
         epoch = round(state.epoch or 0)
         # the last epoch is exported by on_train_end
         if self.every_n_epochs and epoch % self.every_n_epochs == 0 and state.global_step < state.max_steps:
             self.export(args, state, name=f"label_noise_epoch{epoch}")
 
-    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                     **kwargs: Any) -> None:
         self.export(args, state)
 
     def export(self, args: TrainingArguments, state: TrainerState, name: str = "label_noise") -> str | None:
@@ -122,9 +128,11 @@ class LabelNoiseCallback(TrainerCallback):
         from . import plots  # matplotlib is imported only when pictures are asked for
 
         if "smoothed_label" in noise.column_names:
-            plots.plot_smoothed_labels(noise, output_dir, class_names=class_names, filename=f"{name}_smoothed_labels.png")
+            plots.plot_smoothed_labels(noise, output_dir, class_names=class_names,
+                                       filename=f"{name}_smoothed_labels.png")
         if plots.find_image_column(dataset) is not None:
-            plots.plot_noise_extremes(noise, dataset, output_dir, class_names=class_names, filename=f"{name}_extremes.png")
+            plots.plot_noise_extremes(noise, dataset, output_dir, class_names=class_names,
+                                      filename=f"{name}_extremes.png")
         else:
             logger.info("The dataset has no image column: no picture of the highest/lowest-noise examples.")
 

@@ -78,7 +78,8 @@ def _batch_label_noise(
     out = predictive_distribution(model, posterior, batch, num_samples, seed, draw_buffers)
     num_classes = out.probs.shape[-1]
     if labels.min() < 0 or labels.max() >= num_classes:
-        raise ValueError(f"Labels must lie in [0, {num_classes}); got values in [{labels.min().item()}, {labels.max().item()}].")
+        raise ValueError(f"Labels must lie in [0, {num_classes}); got values in [{labels.min().item()}, "
+                         f"{labels.max().item()}].")
     noise = out.mean_probs - out.probs  # Eq. 15 of the paper above, the expectation taken over S posterior samples
     at_label = labels[:, None]
     result = {
@@ -110,7 +111,8 @@ def _to_device(batch: Mapping[str, Any], device: torch.device) -> dict[str, Any]
 def _default_dataloader(
     model: torch.nn.Module, dataset: datasets.Dataset, batch_size: int, collate_fn: Any, label_column: str
 ) -> DataLoader:
-    """Sequential batches of `dataset`: with `collate_fn` the rows as they are, else the columns `model.forward` takes."""
+    """Sequential batches of `dataset`: with `collate_fn` the rows as they are, else the columns `model.forward`
+    takes."""
     if collate_fn is not None:
         return DataLoader(dataset, batch_size=batch_size, shuffle=False, collate_fn=collate_fn)
     if dataset.format.get("type") == "custom":
@@ -214,8 +216,8 @@ def compute_label_noise(
     if num_samples < 1:
         raise ValueError(f"num_samples must be >= 1 (posterior draws per example), got {num_samples}.")
     if temperature == 0:
-        raise ValueError("temperature=0 draws nothing (every draw is the posterior mean): the label noise would be zero by "
-                         "definition. Measure it with the learned posterior, temperature=1 (the default).")
+        raise ValueError("temperature=0 draws nothing (every draw is the posterior mean): the label noise would be "
+                         "zero by definition. Measure it with the learned posterior, temperature=1 (the default).")
     if posterior.is_point_mass:
         raise ValueError(
             "The posterior is a point mass (a model without posterior.safetensors, or trained by a method without "
@@ -291,7 +293,8 @@ def summarize_label_noise(noise: datasets.Dataset) -> dict[str, Any]:
     """Mean, std and quantiles of the per-example magnitudes — overall and, when `is_corrupted` is known, for clean
     and corrupted labels separately —, `noise_adaptivity` (when the full probabilities are kept), plus the
     mislabel-detection metrics of `detection.mislabel_detection_report`."""
-    table = noise.with_format("numpy", columns=[c for c in (*MAGNITUDE_COLUMNS, "is_corrupted") if c in noise.column_names])[:]
+    table = noise.with_format("numpy",
+                              columns=[c for c in (*MAGNITUDE_COLUMNS, "is_corrupted") if c in noise.column_names])[:]
 
     def describe(mask: np.ndarray | None) -> dict[str, Any]:
         stats: dict[str, Any] = {}
@@ -344,13 +347,15 @@ def noise_adaptivity(noise: datasets.Dataset, num_bins: int = 10) -> dict[str, f
     confidence = mean_probs.max(-1)
     bins = [b for b in np.array_split(np.argsort(confidence, kind="stable"), num_bins) if len(b)]
     peak = float(np.median(confidence[max(bins, key=lambda b: l1[b].mean())]))
-    return {"noise_l1_q90_over_q10": float(q90 / q10) if q10 > 0 else float("inf"), "noise_l1_entropy_spearman": float(rho),
+    return {"noise_l1_q90_over_q10": float(q90 / q10) if q10 > 0 else float("inf"),
+            "noise_l1_entropy_spearman": float(rho),
             "mean_confidence_median": float(np.median(confidence)), "noise_l1_peak_confidence": peak,
             "below_noise_peak_share": float((confidence < peak).mean())}
 
 
 def write_label_noise(
-    noise: datasets.Dataset, output_dir: str | os.PathLike, name: str = "label_noise", metadata: Mapping[str, Any] | None = None
+    noise: datasets.Dataset, output_dir: str | os.PathLike, name: str = "label_noise",
+    metadata: Mapping[str, Any] | None = None
 ) -> tuple[str, str]:
     """Write `<name>.parquet` and `<name>_summary.json` into `output_dir`, each whole or not at all.
 

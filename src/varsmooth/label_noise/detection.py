@@ -7,8 +7,8 @@ What to expect (benchmarks/mislabel_detection.py: scikit-learn digits with 20 % 
 posterior-predictive self-confidence is the detector — `one_minus_confidence` = 1 − P̂_y reaches AUROC ≈ 0.999 once
 IVON has not memorised the noise. IVON's label noise is *not* a mislabel detector: its size follows how confidently
 the posterior mean predicts (Variational Learning Induces Adaptive Label Smoothing (2025), Eq. 12), not the label,
-and a confidently rejected wrong label has p̄_y ≈ 0 on the flat part of the softmax, so its `noise_at_label` |ε̄_y| is tiny (AUROC ≈ 0.01–0.02 in
-that raw orientation) and ‖ε̄‖₁ is uninformative (≈ 0.5).
+and a confidently rejected wrong label has p̄_y ≈ 0 on the flat part of the softmax, so its `noise_at_label` |ε̄_y| is
+tiny (AUROC ≈ 0.01–0.02 in that raw orientation) and ‖ε̄‖₁ is uninformative (≈ 0.5).
 These scores are computed on the training data the model was fitted to (in-sample): say so when comparing them
 with detectors fed out-of-sample (cross-validated) probabilities such as cleanlab's.
 

@@ -1,4 +1,5 @@
-"""`LabelNoiseMixin`: `VariationalTrainer.label_noise()`, the per-example label noise measured with the trainer's batches."""
+"""`LabelNoiseMixin`: `VariationalTrainer.label_noise()`, the per-example label noise measured with the trainer's
+batches."""
 
 from __future__ import annotations
 
@@ -46,17 +47,20 @@ class LabelNoiseMixin:
 
     def probe_label_noise(self, num_samples: int, seed: int) -> tuple[float, int]:
         """Mean ‖ε̄‖₁ of the current posterior over a fixed random probe of `SMOOTHING_PROBE_SIZE` training examples
-        (the same rows all run long, drawn with `args.seed`), with `num_samples` draws seeded by `seed`, and the number of classes:
-        what `ivon_smoothing` holds at its target. Every process must call this; each measures its shard and they add up."""
+        (the same rows all run long, drawn with `args.seed`), with `num_samples` draws seeded by `seed`, and the number
+        of classes: what `ivon_smoothing` holds at its target. Every process must call this; each measures its shard and
+        they add up."""
         if getattr(self, "_smoothing_probe", None) is None:
             dataset = self.train_dataset
             rows = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(self.args.seed))
             rows = rows[:SMOOTHING_PROBE_SIZE].tolist()
             subset = dataset.select(rows) if isinstance(dataset, datasets.Dataset) else Subset(dataset, rows)
-            loader = self._get_dataloader(subset, "Smoothing probe", self.args.eval_batch_size, sampler_fn=SequentialSampler)
+            loader = self._get_dataloader(subset, "Smoothing probe", self.args.eval_batch_size,
+                                          sampler_fn=SequentialSampler)
             self._smoothing_probe = list(loader)
         batches = (self._prepare_inputs(batch) for batch in self._smoothing_probe)
-        total, count, num_classes = mean_label_noise(self.accelerator.unwrap_model(self.model), self.posterior(), batches,
+        total, count, num_classes = mean_label_noise(self.accelerator.unwrap_model(self.model), self.posterior(),
+                                                     batches,
                                         num_samples, seed)
         summed = self.accelerator.reduce(torch.tensor([total, float(count)], device=self.args.device), "sum")
         return float(summed[0] / summed[1]), num_classes

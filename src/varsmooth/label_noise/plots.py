@@ -1,5 +1,5 @@
-"""Pictures of the label noise variational learning adds (Variational Learning Induces Adaptive Label Smoothing (Yang et al. 2025), Fig. 2-4;
-the Moon picture of its blog post, Khan 2025).
+"""Pictures of the label noise variational learning adds (Variational Learning Induces Adaptive Label Smoothing (Yang et
+al. 2025), Fig. 2-4; the Moon picture of its blog post, Khan 2025).
 
 Every function draws with matplotlib's Agg canvas (no display, no global pyplot state), writes one PNG into
 `output_dir` (atomically: temporary file, then rename) and returns its path. The inputs are `compute_label_noise`
@@ -114,7 +114,8 @@ def plot_noise_extremes(
     """
     image_column = image_column or find_image_column(dataset)
     if image_column is None:
-        raise ValueError(f"No image column in the dataset (columns: {dataset.column_names}); name it with image_column=.")
+        raise ValueError(f"No image column in the dataset (columns: {dataset.column_names}); name it with "
+                         "image_column=.")
     values = _column(noise, score)
     order = np.argsort(-values, kind="stable")
     num_examples = min(num_examples, len(order))
@@ -143,7 +144,8 @@ def plot_noise_extremes(
 
 
 # -- Fig. 4 ------------------------------------------------------------------------------------------
-#: panels of `plot_smoothed_labels` by default: every class of a 10-class task (CIFAR-10, digits), a readable page of more
+#: panels of `plot_smoothed_labels` by default: every class of a 10-class task (CIFAR-10, digits), a readable page of
+#: more
 SMOOTHED_LABEL_PANELS = 10
 
 
@@ -176,9 +178,9 @@ def plot_smoothed_labels(
 
     For each class c in `classes` (default every class with examples, the first `SMOOTHED_LABEL_PANELS` of more)
     one panel shows, for every class k, the mean over the
-    examples labelled c of (y + ε̄)_k, with whiskers from the 10th to the 90th percentile around the median; `others` maps a name to
-    a K×K matrix of per-class targets drawn beside it (e.g. `{"LS α=0.1": label_smoothing_targets(K, 0.1)}` or
-    OLS's soft-label matrix). The y-axis is symmetric-log: IVON's smoothed labels can be slightly negative (or
+    examples labelled c of (y + ε̄)_k, with whiskers from the 10th to the 90th percentile around the median; `others`
+    maps a name to a K×K matrix of per-class targets drawn beside it (e.g. `{"LS α=0.1": label_smoothing_targets(K,
+    0.1)}` or OLS's soft-label matrix). The y-axis is symmetric-log: IVON's smoothed labels can be slightly negative (or
     exceed 1) where the noise *sharpens* the target, which a plain log axis could not show.
     """
     smoothed = _column(noise, "smoothed_label").astype(np.float64)
@@ -189,7 +191,8 @@ def plot_smoothed_labels(
     series: dict[str, np.ndarray] = {"IVON y + ε̄": class_smoothed_labels(noise), **dict(others or {})}
     for name, matrix in series.items():
         if np.shape(matrix) != (num_classes, num_classes):
-            raise ValueError(f"{name!r} must be a {num_classes}×{num_classes} matrix of per-class targets, got {np.shape(matrix)}.")
+            raise ValueError(f"{name!r} must be a {num_classes}×{num_classes} matrix of per-class targets, got "
+                             f"{np.shape(matrix)}.")
     names = _class_names(noise, num_classes, class_names)
     width = 0.8 / len(series)
     x = np.arange(num_classes)
@@ -214,7 +217,8 @@ def plot_smoothed_labels(
                 whiskers = np.clip([median - low, high - median], 0.0, None)
                 ax.errorbar(x + offset, median, yerr=whiskers, fmt="none", ecolor="black", lw=0.8, capsize=1.5)
         ax.set_yscale("symlog", linthresh=1e-4)
-        ax.set_xticks(x, names if num_classes <= 20 else [str(k) for k in x], fontsize=7, rotation=90 if num_classes > 10 else 0)
+        ax.set_xticks(x, names if num_classes <= 20 else [str(k) for k in x], fontsize=7,
+                      rotation=90 if num_classes > 10 else 0)
         ax.set_title(f"given label: {names[c]}", fontsize=9)
         ax.set_ylabel("target")
     axes[0].legend(fontsize=7, frameon=False, ncols=len(series))

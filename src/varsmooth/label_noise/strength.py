@@ -38,9 +38,9 @@ def label_smoothing_noise(alpha: float, num_classes: int) -> float:
 @torch.no_grad()
 def mean_label_noise(model: torch.nn.Module, posterior: DiagonalGaussianPosterior,
                      batches: Iterable[Mapping[str, Any]], num_samples: int, seed: int) -> tuple[float, int, int]:
-    """(Σ_i ‖ε̄_i‖₁, number of examples, number of classes) over `batches`, with `num_samples` draws of `posterior` at τ = 1 (the noise
-    training with q induces, whatever τ prediction uses), the model in eval mode (no dropout). A sum and a count, so
-    that processes holding different shards can add theirs before dividing."""
+    """(Σ_i ‖ε̄_i‖₁, number of examples, number of classes) over `batches`, with `num_samples` draws of `posterior` at
+    τ = 1 (the noise training with q induces, whatever τ prediction uses), the model in eval mode (no dropout). A sum
+    and a count, so that processes holding different shards can add theirs before dividing."""
     posterior = posterior.at_temperature(1.0)
     was_training = model.training
     model.eval()
@@ -58,8 +58,8 @@ def mean_label_noise(model: torch.nn.Module, posterior: DiagonalGaussianPosterio
 class SmoothingStrengthCallback(TrainerCallback):
     """Sets IVON's ess during training so that its mean label noise matches label smoothing with rate `alpha`.
 
-    At `num_updates` evenly spaced optimizer steps (the last one included) it measures the mean ‖ε̄‖₁ of the current posterior
-    on the trainer's probe. The first update solves for ess: decade steps until the target is bracketed, then
+    At `num_updates` evenly spaced optimizer steps (the last one included) it measures the mean ‖ε̄‖₁ of the current
+    posterior on the trainer's probe. The first update solves for ess: decade steps until the target is bracketed, then
     `bisections` halvings of the bracket in log ess (a preset's ess may be orders of magnitude off). Later ones correct
     by the 1/λ law, ess × measured/target, bounded to [1/`max_factor`, `max_factor`], as the mean and h move. Every
     process must call it, since the measure adds the shards. `history` holds each update (step, measured mean
@@ -72,7 +72,8 @@ class SmoothingStrengthCallback(TrainerCallback):
             raise ValueError(f"ivon_smoothing is a label-smoothing rate α in (0, 1], got {alpha}.")
         if num_updates < 1 or num_samples < 1 or not max_factor > 1 or bisections < 0 or max_decades < 1:
             raise ValueError(f"Need num_updates >= 1, num_samples >= 1, max_factor > 1, bisections >= 0 and "
-                             f"max_decades >= 1, got {num_updates}, {num_samples}, {max_factor}, {bisections}, {max_decades}.")
+                             f"max_decades >= 1, got {num_updates}, {num_samples}, {max_factor}, {bisections}, "
+                             f"{max_decades}.")
         self.alpha, self.num_updates, self.num_samples, self.max_factor = alpha, num_updates, num_samples, max_factor
         self.bisections, self.max_decades = bisections, max_decades
         self.history: list[dict[str, float]] = []
@@ -85,7 +86,8 @@ class SmoothingStrengthCallback(TrainerCallback):
         self._measure, self._scale_ess, self._seed = measure, scale_ess, seed
         return self
 
-    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                       **kwargs: Any) -> None:
         if self._measure is None:
             raise RuntimeError("SmoothingStrengthCallback needs a varsmooth.VariationalTrainer training IVON (it "
                                "measures that trainer's posterior): set ivon_smoothing in its arguments.")

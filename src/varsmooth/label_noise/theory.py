@@ -23,7 +23,8 @@ from scipy.special import expit
 __all__ = ["expected_sigmoid", "logistic_label_noise", "logistic_label_noise_rms", "logistic_label_noise_peak"]
 
 
-def _gauss_hermite(m: np.ndarray | float, v: float, fn: Callable[[np.ndarray, np.ndarray], np.ndarray], num_nodes: int) -> np.ndarray:
+def _gauss_hermite(m: np.ndarray | float, v: float, fn: Callable[[np.ndarray, np.ndarray], np.ndarray],
+                   num_nodes: int) -> np.ndarray:
     """E_{f~N(m, v)}[fn(m, f)] for every entry of `m`."""
     if v < 0:
         raise ValueError(f"The variance must be >= 0, got {v}.")

@@ -53,7 +53,8 @@ __all__ = ["ALASCAConfig", "ALASCAMethod", "alasca_targets", "auxiliary_position
 
 
 def auxiliary_positions(num_blocks: int, num_classifiers: int) -> list[int]:
-    """Evenly spaced intermediate `hidden_states` indices in [1, num_blocks − 1] (0 is the stem, num_blocks the last block)."""
+    """Evenly spaced intermediate `hidden_states` indices in [1, num_blocks − 1] (0 is the stem, num_blocks the last
+    block)."""
     if num_blocks < 2:
         raise ValueError(f"ALASCA needs a model with at least 2 blocks (one intermediate feature), got {num_blocks}.")
     spots = {round(i * num_blocks / (num_classifiers + 1)) for i in range(1, num_classifiers + 1)}
@@ -100,18 +101,23 @@ def _pool(hidden: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Te
 class ALASCAConfig(MethodConfig):
     """Settings of method='alasca' (defaults: the paper's §4.1 and the reference code's warm-up)."""
 
-    alasca_lambda: float = field(default=2.0, metadata={"help": "method='alasca': weight λ of the auxiliary classifiers' loss (Ko et al. 2023)."})
-    alasca_ema: float = field(default=0.7, metadata={"help": "method='alasca': EMA coefficient β of the per-example logits."})
+    alasca_lambda: float = field(default=2.0,
+                                 metadata={"help": "method='alasca': weight λ of the auxiliary classifiers' loss (Ko "
+                                                   "et al. 2023)."})
+    alasca_ema: float = field(default=0.7,
+                              metadata={"help": "method='alasca': EMA coefficient β of the per-example logits."})
     alasca_temperature: float = field(
         default=1 / 3, metadata={"help": "method='alasca': sharpening temperature τ of the EMA logits (softmax(t/τ))."}
     )
     alasca_warmup_epochs: float = field(
         default=30.0,
-        metadata={"help": "method='alasca': epochs over which the AC targets move linearly from hard to adaptive (reference code)."},
+        metadata={"help": "method='alasca': epochs over which the AC targets move linearly from hard to adaptive "
+                          "(reference code)."},
     )
     alasca_num_classifiers: int = field(
         default=3,
-        metadata={"help": "method='alasca': auxiliary classifiers on evenly spaced intermediate blocks (ResNet-34: layers 1-3)."},
+        metadata={"help": "method='alasca': auxiliary classifiers on evenly spaced intermediate blocks (ResNet-34: "
+                          "layers 1-3)."},
     )
 
     def __post_init__(self) -> None:
@@ -146,13 +152,15 @@ class ALASCAMethod(TrainingMethod):
         channels = hidden_state_channels(model)
         num_classes = output_layer(model).out_features
         self.positions = auxiliary_positions(len(channels) - 1, self.config.alasca_num_classifiers)
-        self.heads = attach_heads(model, {f"classifier_{i}": nn.Linear(channels[i], num_classes) for i in self.positions})
+        self.heads = attach_heads(model,
+                                  {f"classifier_{i}": nn.Linear(channels[i], num_classes) for i in self.positions})
         device = next(model.parameters()).device
         self.ema = torch.zeros(self.num_train_examples, num_classes, device=device)
         model.register_forward_pre_hook(self._request_hidden_states, with_kwargs=True)
         model.register_forward_hook(self._auxiliary_logits)
 
-    def _request_hidden_states(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+    def _request_hidden_states(self, module: nn.Module, args: tuple,
+                               kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
         if module.training:
             kwargs = {**kwargs, "output_hidden_states": True}
             self._attention_mask = kwargs.get("attention_mask")
@@ -164,7 +172,8 @@ class ALASCAMethod(TrainingMethod):
             return output
         hidden_states = getattr(output, "hidden_states", None)
         if hidden_states is None:
-            raise ValueError(f"alasca: {type(module).__name__} returned no `hidden_states` for output_hidden_states=True.")
+            raise ValueError(f"alasca: {type(module).__name__} returned no `hidden_states` for "
+                             "output_hidden_states=True.")
         attention_mask, self._attention_mask = self._attention_mask, None
         self._aux_logits = tuple(
             self.heads[f"classifier_{i}"](_pool(hidden_states[i], attention_mask)) for i in self.positions
@@ -185,7 +194,8 @@ class ALASCAMethod(TrainingMethod):
 
     def confidence(self, index: torch.Tensor, labels: torch.Tensor, epoch: int) -> torch.Tensor:
         """conf = r·softmax(t/τ)_y + (1 − r), r = min(1, epoch/warm-up) (reference `ALASCA.forward`)."""
-        conf = F.softmax(self.ema[index] / self.config.alasca_temperature, dim=-1).gather(1, labels.unsqueeze(1)).squeeze(1)
+        conf = F.softmax(self.ema[index] / self.config.alasca_temperature, dim=-1).gather(
+            1, labels.unsqueeze(1)).squeeze(1)
         warmup = self.config.alasca_warmup_epochs
         ramp = min(1.0, epoch / warmup) if warmup > 0 else 1.0
         return ramp * conf + (1.0 - ramp)
@@ -193,7 +203,8 @@ class ALASCAMethod(TrainingMethod):
     def loss(self, logits: torch.Tensor, labels: torch.Tensor, context: MethodContext) -> torch.Tensor:
         if self._aux_logits is None:
             raise RuntimeError(
-                "alasca: the auxiliary classifiers are not attached; build the trainer with `model=` (not `model_init`)."
+                "alasca: the auxiliary classifiers are not attached; build the trainer with `model=` (not "
+                "`model_init`)."
             )
         if context.example_index is None:
             raise KeyError("alasca needs the example index of the training batch (MethodContext.example_index); "
@@ -209,7 +220,8 @@ class ALASCAMethod(TrainingMethod):
             self.update_ema(index, logits.detach(), context.accelerator)
         target = alasca_targets(self.confidence(index, labels, int(context.epoch)), labels, logits.shape[-1])
         for aux in aux_logits:
-            loss = loss + self.config.alasca_lambda * -(target * F.log_softmax(aux[keep].float(), dim=-1)).sum(-1).mean()
+            loss = (loss
+                    + self.config.alasca_lambda * -(target * F.log_softmax(aux[keep].float(), dim=-1)).sum(-1).mean())
         return loss
 
     # -- state -------------------------------------------------------------------------------------
@@ -224,7 +236,8 @@ class ALASCAMethod(TrainingMethod):
         if self.heads is None:
             raise RuntimeError("alasca: cannot restore the auxiliary classifiers before they are attached to a model.")
         if state["ema"].shape != self.ema.shape:
-            raise ValueError(f"alasca: checkpoint EMA has shape {tuple(state['ema'].shape)}, this run needs {tuple(self.ema.shape)}.")
+            raise ValueError(f"alasca: checkpoint EMA has shape {tuple(state['ema'].shape)}, this run needs "
+                             f"{tuple(self.ema.shape)}.")
         self.ema = state["ema"].to(self.ema.device)
         self.heads.load_heads_state_dict(state["heads"])
 

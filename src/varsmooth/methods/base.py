@@ -30,9 +30,9 @@ if TYPE_CHECKING:
     from accelerate import Accelerator
 
 __all__ = [
-    "EXAMPLE_INDEX_KEY", "IGNORE_INDEX", "METHODS", "ExampleIndexDataset", "MethodConfig", "MethodContext", "MethodInfo",
-    "OptimizerContext", "TrainingMethod", "build_method_config", "get_method_class", "get_method_config_class", "list_methods",
-    "register_method",
+    "EXAMPLE_INDEX_KEY", "IGNORE_INDEX", "METHODS", "ExampleIndexDataset", "MethodConfig", "MethodContext",
+    "MethodInfo", "OptimizerContext", "TrainingMethod", "build_method_config", "get_method_class",
+    "get_method_config_class", "list_methods", "register_method",
 ]
 
 #: batch key holding each example's position in the training set (added by the trainer, never seen by the model)
@@ -161,7 +161,8 @@ class MethodInfo:
 METHODS: dict[str, MethodInfo] = {}
 
 
-def register_method(name: str, config_cls: type[MethodConfig], method_cls: type["TrainingMethod"]) -> type["TrainingMethod"]:
+def register_method(name: str, config_cls: type[MethodConfig],
+                    method_cls: type["TrainingMethod"]) -> type["TrainingMethod"]:
     """Make `method_cls` the training method `name` (`VariationalTrainingArguments(method=name)`), configured by
     `config_cls`. Sets `method_cls.name`; returns `method_cls`.
 
@@ -169,15 +170,17 @@ def register_method(name: str, config_cls: type[MethodConfig], method_cls: type[
     """
     if name in METHODS:
         existing = METHODS[name]
-        raise ValueError(f"A training method named {name!r} is already registered ({existing.method_class.__name__} with "
-                         f"{existing.config_class.__name__}); choose another name.")
+        raise ValueError(f"A training method named {name!r} is already registered ({existing.method_class.__name__} "
+                         f"with {existing.config_class.__name__}); choose another name.")
     if not (isinstance(method_cls, type) and issubclass(method_cls, TrainingMethod)):
         raise TypeError(f"method_cls must be a subclass of TrainingMethod, got {method_cls!r}.")
-    if not (isinstance(config_cls, type) and issubclass(config_cls, MethodConfig) and dataclasses.is_dataclass(config_cls)):
+    if not (isinstance(config_cls, type) and issubclass(config_cls, MethodConfig)
+            and dataclasses.is_dataclass(config_cls)):
         raise TypeError(f"config_cls must be a dataclass subclassing MethodConfig, got {config_cls!r}.")
     for info in METHODS.values():
         if info.method_class is method_cls:
-            raise ValueError(f"{method_cls.__name__} is already registered as {info.name!r}; subclass it to register it again.")
+            raise ValueError(f"{method_cls.__name__} is already registered as {info.name!r}; subclass it to register "
+                             "it again.")
     method_cls.name = name
     METHODS[name] = MethodInfo(name, config_cls, method_cls)
     return method_cls
@@ -238,8 +241,8 @@ def build_method_config(method: str, config: MethodConfig | Mapping[str, Any] | 
 class TrainingMethod:
     """Empirical risk minimisation: plain cross-entropy with whatever optimizer the Trainer's `optim` names.
 
-    Subclasses override `loss` (and `create_optimizer` to train with an optimizer of their own), and may keep state that is
-    saved in checkpoints through `state_dict`/`load_state_dict`. `self.config` is the method's `MethodConfig`.
+    Subclasses override `loss` (and `create_optimizer` to train with an optimizer of their own), and may keep state that
+    is saved in checkpoints through `state_dict`/`load_state_dict`. `self.config` is the method's `MethodConfig`.
     """
 
     #: the registered name (set by `register_method`)
@@ -255,13 +258,15 @@ class TrainingMethod:
     #: where `default_learning_rate` is already one
     scratch_learning_rate: ClassVar[float | None] = 1e-4
 
-    def __init__(self, config: MethodConfig | Mapping[str, Any] | None = None, num_train_examples: int | None = None) -> None:
+    def __init__(self, config: MethodConfig | Mapping[str, Any] | None = None,
+                 num_train_examples: int | None = None) -> None:
         self.config = build_method_config(self.name, config)
         self.num_train_examples = num_train_examples
 
     @staticmethod
     def check_parallelism(fsdp_version: int | None, deepspeed: bool) -> None:
-        """Refuse a sharding the method cannot train under (`fsdp_version` None: no FSDP); every method can by default."""
+        """Refuse a sharding the method cannot train under (`fsdp_version` None: no FSDP); every method can by
+        default."""
 
     def create_optimizer(self, params: list[torch.nn.Parameter], run: OptimizerContext) -> torch.optim.Optimizer | None:
         """The optimizer of the trainable `params`; None (the default): the Trainer's own, as `optim` names it."""
@@ -271,12 +276,14 @@ class TrainingMethod:
         """Mean training loss of one micro-batch (labels equal to -100 are ignored)."""
         return F.cross_entropy(logits.float(), labels)
 
-    def compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any], context: MethodContext) -> tuple[torch.Tensor, Any]:
+    def compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any],
+                     context: MethodContext) -> tuple[torch.Tensor, Any]:
         """(mean loss, model outputs) of one micro-batch: `loss` on the model's logits (or `context.loss_func` on its
         outputs); a micro-batch without any label gives a zero-gradient loss, for every method."""
         labels = inputs.get("labels")
         if labels is None:
-            raise ValueError(f"The training batch has no 'labels' (keys: {sorted(inputs)}); name the label column 'label' or 'labels'.")
+            raise ValueError(f"The training batch has no 'labels' (keys: {sorted(inputs)}); name the label column "
+                             "'label' or 'labels'.")
         outputs = model_outputs(model, inputs, exclude=(EXAMPLE_INDEX_KEY,))
         logits = logits_of(outputs)
         if labels.numel() and (labels == IGNORE_INDEX).all():
@@ -284,7 +291,8 @@ class TrainingMethod:
         if context.loss_func is not None:
             # the labelled examples of this micro-batch: HF's documented `sum / num_items_in_batch` is then its mean
             return context.loss_func(outputs, labels, num_items_in_batch=(labels != IGNORE_INDEX).sum()), outputs
-        return self.loss(logits, labels, dataclasses.replace(context, example_index=inputs.get(EXAMPLE_INDEX_KEY))), outputs
+        return self.loss(logits, labels,
+                         dataclasses.replace(context, example_index=inputs.get(EXAMPLE_INDEX_KEY))), outputs
 
     def training_loss(self, model: torch.nn.Module, inputs: dict[str, Any], context: MethodContext) -> torch.Tensor:
         """The loss a `training_step` backpropagates: `compute_loss` (or `context.loss_override`) under
@@ -343,7 +351,8 @@ class ExampleIndexDataset(Dataset):
 
     def _with_index(self, row: Any, index: int) -> dict[str, Any]:
         if not isinstance(row, Mapping):
-            raise TypeError(f"Training examples must be dicts to carry {EXAMPLE_INDEX_KEY!r}, got {type(row).__name__}.")
+            raise TypeError(f"Training examples must be dicts to carry {EXAMPLE_INDEX_KEY!r}, got "
+                            f"{type(row).__name__}.")
         return {**row, EXAMPLE_INDEX_KEY: index}
 
     def __getitem__(self, index: int) -> dict[str, Any]:

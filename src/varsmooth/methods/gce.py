@@ -27,7 +27,8 @@ def generalized_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, q: flo
 class GCEConfig(MethodConfig):
     """Settings of method='gce'."""
 
-    gce_q: float = field(default=0.7, metadata={"help": "method='gce': q in (0, 1] of the generalized cross-entropy (1 - p_y^q)/q."})
+    gce_q: float = field(default=0.7,
+                         metadata={"help": "method='gce': q in (0, 1] of the generalized cross-entropy (1 - p_y^q)/q."})
 
     def __post_init__(self) -> None:
         if not 0.0 < self.gce_q <= 1.0:

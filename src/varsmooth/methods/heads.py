@@ -31,7 +31,8 @@ def _drop_own_keys(module: nn.Module, state_dict: dict[str, Any], prefix: str, l
 
 def _ignore_own_missing_keys(module: nn.Module, incompatible_keys: Any) -> None:
     # a checkpoint of the model never holds the heads (see _drop_own_keys), so loading one must not report them
-    incompatible_keys.missing_keys[:] = [k for k in incompatible_keys.missing_keys if AUX_MODULE_NAME not in k.split(".")]
+    incompatible_keys.missing_keys[:] = [k for k in incompatible_keys.missing_keys
+                                         if AUX_MODULE_NAME not in k.split(".")]
 
 
 class AuxiliaryHeads(nn.ModuleDict):

@@ -71,17 +71,17 @@ class IVONConfig(MethodConfig):
     beta2: float | None = field(
         default=None,
         metadata={"help": "IVON Hessian EMA rate β2 (1 = fixed Hessian). Default (None): the preset's (0.99999 scratch "
-                          "and lora, 0.999 finetune) when the run is long enough for it to move the Hessian (1 - β2^T >= "
-                          "0.1) or of unknown length, else the run-length rule of hessian_window "
+                          "and lora, 0.999 finetune) when the run is long enough for it to move the Hessian (1 - β2^T "
+                          ">= 0.1) or of unknown length, else the run-length rule of hessian_window "
                           "(varsmooth.presets.default_beta2). A number fixes β2."},
     )
     hessian_window: float = field(
         default=DEFAULT_HESSIAN_WINDOW,
         metadata={"help": f"The run-length rule for runs too short for the preset's β2 (beta2 unset): β2 = 1 - "
                           f"1/max(hessian_window * T, {MIN_HESSIAN_WINDOW_STEPS}), T = the run's optimizer steps "
-                          "(varsmooth.presets), so the Hessian averages over the last fraction hessian_window of the run "
-                          "and the posterior learns whatever the run's length; clip_radius then defaults to 0.05 with "
-                          "ivon_preset scratch. See benchmarks/README.md, 'The default posterior'."},
+                          "(varsmooth.presets), so the Hessian averages over the last fraction hessian_window of the "
+                          "run and the posterior learns whatever the run's length; clip_radius then defaults to 0.05 "
+                          "with ivon_preset scratch. See benchmarks/README.md, 'The default posterior'."},
     )
     prior_precision: float | None = field(
         default=None,
@@ -92,8 +92,8 @@ class IVONConfig(MethodConfig):
         default=None,
         metadata={"help": "How much IVON smooths the labels, as label smoothing's rate α in (0, 1]: ess is rescaled "
                           "during training so that the mean label noise ‖ε̄‖₁ over a probe of training examples equals "
-                          "LS's 2α(1 - 1/K) (varsmooth.label_noise.strength); ess is then where it starts. Choose it on "
-                          "noisy validation as you would α. None: ess stays as given (the preset's)."},
+                          "LS's 2α(1 - 1/K) (varsmooth.label_noise.strength); ess is then where it starts. Choose it "
+                          "on noisy validation as you would α. None: ess stays as given (the preset's)."},
     )
     mc_samples: int = field(default=1, metadata={"help": "Posterior samples (forward+backward) per micro-batch during "
                                                          "training."})
@@ -130,7 +130,8 @@ class IVONConfig(MethodConfig):
         if self.mc_samples < 1:
             raise ValueError(f"mc_samples must be >= 1, got {self.mc_samples}.")
         if not 0 < self.hess_init < math.inf:
-            raise ValueError(f"hess_init must be finite and > 0 (IVON's posterior std is 1/sqrt(ess (h + δ))), got {self.hess_init}.")
+            raise ValueError("hess_init must be finite and > 0 (IVON's posterior std is 1/sqrt(ess (h + δ))), got "
+                             f"{self.hess_init}.")
         if not 0.0 <= (self.beta2 if self.beta2 is not None else 0.0) <= 1.0 or not 0.0 <= self.beta1 < 1.0:
             raise ValueError(f"Need 0 <= beta1 < 1 and 0 <= beta2 <= 1, got beta1={self.beta1}, beta2={self.beta2}.")
         if not 0 <= self.prior_precision < math.inf:
@@ -214,15 +215,15 @@ class IVONMethod(TrainingMethod):
             )
         self.total_steps = run.total_steps
         self.learning_rate = self.default_learning_rate if run.learning_rate is None else run.learning_rate
-        return VariationalIVON(params, sample_seed=run.seed, rank=run.rank, compiled=self.config.ivon_fused, sync=run.sync,
-                               **self.ivon_settings())
+        return VariationalIVON(params, sample_seed=run.seed, rank=run.rank, compiled=self.config.ivon_fused,
+                               sync=run.sync, **self.ivon_settings())
 
     def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], context: MethodContext) -> torch.Tensor:
-        """`mc_samples` posterior samples, each running forward *and* backward inside one weight-sampling context: IVON's
-        Hessian estimate ε⊙g is unbiased only when g was computed at the same ε. The gradients are zeroed before each
-        sample (the Trainer zeroes only after `step()`), the loss is the micro-batch *mean* (IVON averages its samples
-        itself: no division by the accumulation steps), and gradient-norm clipping happens inside the sample, since
-        IVON has read the gradients before the Trainer would clip. DDP's all-reduce is off for every sample: IVON
+        """`mc_samples` posterior samples, each running forward *and* backward inside one weight-sampling context:
+        IVON's Hessian estimate ε⊙g is unbiased only when g was computed at the same ε. The gradients are zeroed before
+        each sample (the Trainer zeroes only after `step()`), the loss is the micro-batch *mean* (IVON averages its
+        samples itself: no division by the accumulation steps), and gradient-norm clipping happens inside the sample,
+        since IVON has read the gradients before the Trainer would clip. DDP's all-reduce is off for every sample: IVON
         (sync=True) averages g and ε⊙g over ranks in `step()`, where DDP's would average g over other ranks' draws;
         FSDP2 reduce-scatters each sample's gradient onto the shards IVON updates."""
         opt = context.optimizer
@@ -254,7 +255,8 @@ class IVONMethod(TrainingMethod):
     def _window_rule_applies(self) -> bool:
         """Whether β2 comes from the run-length rule: the default, and a run too short for the preset's β2."""
         return (self.follows_run_length() and bool(self.total_steps)
-                and default_beta2(self.config.long_run_beta2(), self.total_steps, self.config.hessian_window) != self.config.long_run_beta2())
+                and default_beta2(self.config.long_run_beta2(), self.total_steps,
+                                  self.config.hessian_window) != self.config.long_run_beta2())
 
     def beta2(self) -> float:
         """`beta2` if given, else `default_beta2`: the preset's β2 in a run long enough for it to move the Hessian, the
@@ -264,9 +266,9 @@ class IVONMethod(TrainingMethod):
         if self.total_steps:
             return default_beta2(self.config.long_run_beta2(), self.total_steps, self.config.hessian_window)
         logger.warning(
-            "The run's number of optimizer steps is unknown (an IterableDataset without max_steps?), so β2 cannot follow "
-            "the run's length: using the %s preset's beta2=%s, under which the Hessian may hardly move in a short run. "
-            "Set max_steps, or pass beta2.", self.config.ivon_preset, self.config.long_run_beta2(),
+            "The run's number of optimizer steps is unknown (an IterableDataset without max_steps?), so β2 cannot "
+            "follow the run's length: using the %s preset's beta2=%s, under which the Hessian may hardly move in a "
+            "short run. Set max_steps, or pass beta2.", self.config.ivon_preset, self.config.long_run_beta2(),
         )
         return self.config.long_run_beta2()
 
@@ -278,8 +280,8 @@ class IVONMethod(TrainingMethod):
         return HESSIAN_WINDOW_CLIP_RADIUS if self._window_rule_applies() else math.inf
 
     def ess(self) -> float:
-        """λ in Eq. 6 of the adaptive-label-smoothing paper: the user's `ess`, else the training-set size N (the authors'
-        choice)."""
+        """λ in Eq. 6 of the adaptive-label-smoothing paper: the user's `ess`, else the training-set size N (the
+        authors' choice)."""
         if self.config.ess is not None:
             return float(self.config.ess)
         if not self.num_train_examples:
@@ -290,7 +292,8 @@ class IVONMethod(TrainingMethod):
         return float(self.num_train_examples)
 
     def callbacks(self) -> list[Any]:
-        """With `ivon_smoothing`, the callback that sets ess from the label noise it measures (the trainer connects it)."""
+        """With `ivon_smoothing`, the callback that sets ess from the label noise it measures (the trainer connects
+        it)."""
         return [] if self.config.ivon_smoothing is None else [SmoothingStrengthCallback(self.config.ivon_smoothing)]
 
     def scale_ess(self, optimizer: VariationalIVON, factor: float) -> float:
@@ -329,7 +332,8 @@ class IVONMethod(TrainingMethod):
 
 
 class IVONFixedHessianMethod(IVONMethod):
-    """IVON with β2 = 1: h stays at hess_init and σ never adapts (the ablation of Fig. 6 of the adaptive-label-smoothing paper)."""
+    """IVON with β2 = 1: h stays at hess_init and σ never adapts (the ablation of Fig. 6 of the adaptive-label-smoothing
+    paper)."""
 
     paper: ClassVar[str] = "Variational Learning Induces Adaptive Label Smoothing (2025), Fig. 6 and App. C.2"
 

@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from .base import IGNORE_INDEX, MethodConfig, MethodContext, TrainingMethod, register_method
 
 __all__ = [
-    "GeneralizedLabelSmoothingConfig", "GeneralizedLabelSmoothingMethod", "LabelSmoothingConfig", "LabelSmoothingMethod",
-    "optimal_smoothing_rate", "smoothed_cross_entropy",
+    "GeneralizedLabelSmoothingConfig", "GeneralizedLabelSmoothingMethod", "LabelSmoothingConfig",
+    "LabelSmoothingMethod", "optimal_smoothing_rate", "smoothed_cross_entropy",
 ]
 
 logger = logging.getLogger(__name__)
@@ -62,12 +62,14 @@ class LabelSmoothingConfig(MethodConfig):
 
     smoothing: float = field(
         default=0.1,
-        metadata={"help": "method='ls': smoothing rate α in [0, 1]; target (1-α)·onehot + α/K (uniform over all K classes)."},
+        metadata={"help": "method='ls': smoothing rate α in [0, 1]; target (1-α)·onehot + α/K (uniform over all K "
+                          "classes)."},
     )
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.smoothing <= 1.0:
-            raise ValueError(f"smoothing must be in [0, 1], got {self.smoothing} (for negative rates use method='gls').")
+            raise ValueError(f"smoothing must be in [0, 1], got {self.smoothing} (for negative rates use "
+                             "method='gls').")
 
 
 class LabelSmoothingMethod(TrainingMethod):

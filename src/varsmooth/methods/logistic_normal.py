@@ -35,13 +35,15 @@ from .heads import AuxiliaryHeads, attach_heads, output_layer, tie_to_logits
 __all__ = ["LogisticNormalConfig", "LogisticNormalMethod", "logistic_normal_nll", "logistic_normal_targets"]
 
 
-def logistic_normal_targets(labels: torch.Tensor, num_classes: int, temperature: float, target_smoothing: float) -> torch.Tensor:
+def logistic_normal_targets(labels: torch.Tensor, num_classes: int, temperature: float,
+                            target_smoothing: float) -> torch.Tensor:
     """y_t = τ·log(q_{1:K}/q_{K+1}) with q = (1 − t)·e_y + t/(K+1) over K + 1 classes (the last is the dummy)."""
     q = (1.0 - target_smoothing) * F.one_hot(labels, num_classes + 1).float() + target_smoothing / (num_classes + 1)
     return temperature * (q[:, :-1].log() - q[:, -1:].log())
 
 
-def logistic_normal_nll(mean: torch.Tensor, factor: torch.Tensor, target: torch.Tensor, min_scale: float) -> torch.Tensor:
+def logistic_normal_nll(mean: torch.Tensor, factor: torch.Tensor, target: torch.Tensor,
+                        min_scale: float) -> torch.Tensor:
     """Per-example −log N(target; mean, (c cᵀ + λI)²) in O(D) (matrix determinant lemma + Sherman–Morrison)."""
     r = target - mean
     dim = r.shape[-1]
@@ -56,10 +58,13 @@ class LogisticNormalConfig(MethodConfig):
     """Settings of method='logistic_normal'."""
 
     ln_temperature: float = field(
-        default=1.0, metadata={"help": "method='logistic_normal': temperature τ of the softmax-centred link (Englesson et al. 2023)."}
+        default=1.0,
+        metadata={"help": "method='logistic_normal': temperature τ of the softmax-centred link (Englesson et al. "
+                          "2023)."}
     )
     ln_min_scale: float = field(
-        default=1.0, metadata={"help": "method='logistic_normal': λ > 0 in Σ^{1/2} = c cᵀ + λI (reference flag `min_scale`)."}
+        default=1.0,
+        metadata={"help": "method='logistic_normal': λ > 0 in Σ^{1/2} = c cᵀ + λI (reference flag `min_scale`)."}
     )
     ln_target_smoothing: float = field(
         default=0.01, metadata={"help": "method='logistic_normal': t in the observed target (1-t)·onehot + t/(K+1)."}
@@ -67,16 +72,19 @@ class LogisticNormalConfig(MethodConfig):
 
     def __post_init__(self) -> None:
         if not self.ln_temperature > 0 or not self.ln_min_scale > 0:
-            raise ValueError(f"ln_temperature and ln_min_scale must be > 0, got {self.ln_temperature}, {self.ln_min_scale}.")
+            raise ValueError(f"ln_temperature and ln_min_scale must be > 0, got {self.ln_temperature}, "
+                             f"{self.ln_min_scale}.")
         if not 0.0 < self.ln_target_smoothing < 1.0:
             raise ValueError(
-                f"ln_target_smoothing t must be in (0, 1) (t = 0 puts the target at infinity), got {self.ln_target_smoothing}."
+                "ln_target_smoothing t must be in (0, 1) (t = 0 puts the target at infinity), got "
+                f"{self.ln_target_smoothing}."
             )
 
 
 class LogisticNormalMethod(TrainingMethod):
     """Logistic-normal likelihood: an extra head predicts a per-example covariance factor of the labels'
-    logistic-normal distribution (heteroscedastic label noise), with a dummy class, temperature τ = `ln_temperature`, λ = `ln_min_scale`, t = `ln_target_smoothing`."""
+    logistic-normal distribution (heteroscedastic label noise), with a dummy class, temperature τ = `ln_temperature`,
+    λ = `ln_min_scale`, t = `ln_target_smoothing`."""
 
     paper: ClassVar[str] = "Englesson et al. 2023, Logistic-Normal Likelihoods for Heteroscedastic Label Noise"
     config: LogisticNormalConfig
@@ -108,7 +116,8 @@ class LogisticNormalMethod(TrainingMethod):
     def loss(self, logits: torch.Tensor, labels: torch.Tensor, context: MethodContext) -> torch.Tensor:
         if self._factor is None:
             raise RuntimeError(
-                "logistic_normal: the covariance head is not attached; build the trainer with `model=` (not `model_init`)."
+                "logistic_normal: the covariance head is not attached; build the trainer with `model=` (not "
+                "`model_init`)."
             )
         factor, self._factor = self._factor, None
         keep = labels != IGNORE_INDEX
@@ -122,7 +131,8 @@ class LogisticNormalMethod(TrainingMethod):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if "heads" in state:
             if self.heads is None:
-                raise RuntimeError("logistic_normal: cannot restore the covariance head before it is attached to a model.")
+                raise RuntimeError("logistic_normal: cannot restore the covariance head before it is attached to a "
+                                   "model.")
             self.heads.load_heads_state_dict(state["heads"])
 
     def hyperparameters(self) -> dict[str, Any]:

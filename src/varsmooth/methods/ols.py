@@ -52,7 +52,8 @@ class OnlineLabelSmoothingConfig(MethodConfig):
 
     ols_alpha: float = field(
         default=0.5,
-        metadata={"help": "method='ols': weight α of the hard-label CE in α·CE + (1-α)·soft-label CE (Zhang et al. 2021)."},
+        metadata={"help": "method='ols': weight α of the hard-label CE in α·CE + (1-α)·soft-label CE (Zhang et al. "
+                          "2021)."},
     )
 
     def __post_init__(self) -> None:
@@ -92,7 +93,9 @@ class OnlineLabelSmoothingMethod(TrainingMethod):
             self._init_state(logits.shape[-1], logits.device)
         elif self.soft_labels.device != logits.device:  # restored from a checkpoint on the CPU
             device = logits.device
-            self.soft_labels, self.accumulator, self.counts = (t.to(device) for t in (self.soft_labels, self.accumulator, self.counts))
+            self.soft_labels, self.accumulator, self.counts = (t.to(device)
+                                                               for t in (self.soft_labels, self.accumulator,
+                                                                         self.counts))
         log_probs = F.log_softmax(logits, dim=-1)
         if context.is_training:
             self.update(log_probs.detach().exp(), labels)
@@ -131,7 +134,8 @@ class OnlineLabelSmoothingMethod(TrainingMethod):
         if _distributed():
             dist.all_reduce(accumulator)
             dist.all_reduce(counts)
-        return {"epoch": self.epoch, "soft_labels": self.soft_labels.cpu(), "accumulator": accumulator.cpu(), "counts": counts.cpu()}
+        return {"epoch": self.epoch, "soft_labels": self.soft_labels.cpu(), "accumulator": accumulator.cpu(),
+                "counts": counts.cpu()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.epoch = int(state["epoch"])

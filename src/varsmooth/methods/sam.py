@@ -96,7 +96,8 @@ class SAMConfig(MethodConfig):
 
 
 class SAMMethod(TrainingMethod):
-    """Cross-entropy minimised by SAM (ρ = `sam_rho`) or ASAM (`sam_adaptive`, T = |w|) around the Trainer's optimizer."""
+    """Cross-entropy minimised by SAM (ρ = `sam_rho`) or ASAM (`sam_adaptive`, T = |w|) around the Trainer's
+    optimizer."""
 
     paper: ClassVar[str] = ("Foret et al. 2020, Sharpness-Aware Minimization for Efficiently Improving Generalization; "
                             "ASAM: Kwon et al. 2021")

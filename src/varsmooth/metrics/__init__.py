@@ -29,6 +29,7 @@ from .selective import aurc, optimal_aurc, risk_coverage_curve
 
 CALIBRATION_METRIC_PATH = str(Path(__file__).parent / "calibration" / "calibration.py")
 
-__all__ = ["CALIBRATION_METRIC_PATH", "OOD_SCORES", "adaptive_calibration_error", "aurc", "auroc", "classification_metrics",
-           "classwise_calibration_error", "expected_calibration_error", "fpr_at_tpr", "ood_detection", "ood_metrics",
-           "optimal_aurc", "reliability_diagram", "risk_coverage_curve", "uncertainty_scores"]
+__all__ = ["CALIBRATION_METRIC_PATH", "OOD_SCORES", "adaptive_calibration_error", "aurc", "auroc",
+           "classification_metrics", "classwise_calibration_error", "expected_calibration_error", "fpr_at_tpr",
+           "ood_detection", "ood_metrics", "optimal_aurc", "reliability_diagram", "risk_coverage_curve",
+           "uncertainty_scores"]

@@ -14,7 +14,8 @@ def _check(probs: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.ndarra
     probs = np.asarray(probs, dtype=np.float64)
     labels = np.asarray(labels).astype(np.int64)
     if probs.ndim != 2 or labels.shape != probs.shape[:1]:
-        raise ValueError(f"Expected probs of shape (N, K) and labels of shape (N,), got {probs.shape} and {labels.shape}.")
+        raise ValueError(f"Expected probs of shape (N, K) and labels of shape (N,), got {probs.shape} and "
+                         f"{labels.shape}.")
     keep = labels != -100
     probs, labels = probs[keep], labels[keep]
     if len(labels) and (labels.min() < 0 or labels.max() >= probs.shape[1]):
@@ -32,7 +33,8 @@ def _equal_width_bins(values: np.ndarray, n_bins: int) -> np.ndarray:
     return np.clip(np.ceil(values * n_bins).astype(int) - 1, 0, n_bins - 1)
 
 
-def reliability_diagram(probs: np.ndarray, labels: np.ndarray, n_bins: int = 15, adaptive: bool = False) -> dict[str, np.ndarray]:
+def reliability_diagram(probs: np.ndarray, labels: np.ndarray, n_bins: int = 15,
+                        adaptive: bool = False) -> dict[str, np.ndarray]:
     """Per-bin data of a reliability diagram (DeGroot & Fienberg 1983; Guo et al. 2017, Fig. 1) of the top-label
     confidence max_k p_k.
 
@@ -70,7 +72,8 @@ def _calibration_gap(diagram: dict[str, np.ndarray]) -> float:
     if count.sum() == 0:
         return float("nan")
     filled = count > 0
-    return float((count[filled] * np.abs(diagram["accuracy"][filled] - diagram["confidence"][filled])).sum() / count.sum())
+    return float((count[filled] * np.abs(diagram["accuracy"][filled] - diagram["confidence"][filled])).sum()
+                 / count.sum())
 
 
 def expected_calibration_error(probs: np.ndarray, labels: np.ndarray, n_bins: int = 15) -> float:

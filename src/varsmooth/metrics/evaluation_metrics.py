@@ -67,8 +67,8 @@ class EvaluationMetrics:
         else:
             log_probs, mean_logits = eval_pred.predictions[:2]
             labels = eval_pred.label_ids
-        user_pred = EvalPrediction(predictions=self.user_predictions(eval_pred.predictions), label_ids=eval_pred.label_ids,
-                                   inputs=eval_pred.inputs, losses=eval_pred.losses)
+        user_pred = EvalPrediction(predictions=self.user_predictions(eval_pred.predictions),
+                                   label_ids=eval_pred.label_ids, inputs=eval_pred.inputs, losses=eval_pred.losses)
         user_kwargs = {} if compute_result is None else {"compute_result": compute_result}
         user_metrics = self.user_metrics(user_pred, **user_kwargs) if self.user_metrics is not None else None
         self.user_metric_names |= set(user_metrics or ())

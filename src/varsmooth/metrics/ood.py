@@ -93,8 +93,10 @@ def ood_metrics(probs_in: np.ndarray, probs_out: np.ndarray, *, logits_in: np.nd
                 mutual_information_out: np.ndarray | None = None) -> dict[str, float]:
     """`ood_<score>_auroc` and `ood_<score>_fpr95` for every score of `uncertainty_scores` whose inputs are given for
     both sets (max_prob and entropy always; mutual_information and energy when given)."""
-    if (logits_in is None) != (logits_out is None) or (mutual_information_in is None) != (mutual_information_out is None):
-        raise ValueError("Give logits (and mutual_information) for both the in- and the out-of-distribution set, or for neither.")
+    if ((logits_in is None) != (logits_out is None)
+            or (mutual_information_in is None) != (mutual_information_out is None)):
+        raise ValueError("Give logits (and mutual_information) for both the in- and the out-of-distribution set, or "
+                         "for neither.")
     inside = uncertainty_scores(probs_in, logits_in, mutual_information_in)
     outside = uncertainty_scores(probs_out, logits_out, mutual_information_out)
     metrics = {}

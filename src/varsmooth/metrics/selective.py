@@ -19,9 +19,11 @@ def _inputs(confidence: np.ndarray, correct: np.ndarray) -> tuple[np.ndarray, np
     confidence = np.asarray(confidence, dtype=np.float64)
     correct = np.asarray(correct)
     if confidence.ndim != 1 or correct.shape != confidence.shape:
-        raise ValueError(f"Expected confidence and correct of the same shape (N,), got {confidence.shape} and {correct.shape}.")
+        raise ValueError(f"Expected confidence and correct of the same shape (N,), got {confidence.shape} and "
+                         f"{correct.shape}.")
     if correct.dtype != bool and not np.isin(correct, (0, 1)).all():
-        raise ValueError("correct must be booleans (or 0/1): whether each prediction is right, e.g. probs.argmax(-1) == labels.")
+        raise ValueError("correct must be booleans (or 0/1): whether each prediction is right, e.g. probs.argmax(-1) "
+                         "== labels.")
     if np.isnan(confidence).any():
         raise ValueError("confidence contains NaN: every example needs a score to be ranked by.")
     return confidence, correct.astype(bool)

@@ -48,9 +48,10 @@ def warn_if_hessian_stuck(optimizer: VariationalIVON | None, beta2_given: bool) 
     if moved >= HESSIAN_STUCK_TOLERANCE:
         return
     beta2 = optimizer.param_groups[0]["beta2"]
-    shorten = ("leave beta2 unset so that it follows the run's length (hessian_window), or pass a smaller beta2" if beta2_given
-               else f"beta2 follows the run's length but averages over at least {MIN_HESSIAN_WINDOW_STEPS} steps: pass a "
-                    "smaller beta2")
+    shorten = ("leave beta2 unset so that it follows the run's length (hessian_window), or pass a smaller beta2"
+               if beta2_given
+               else f"beta2 follows the run's length but averages over at least {MIN_HESSIAN_WINDOW_STEPS} steps: pass "
+                    "a smaller beta2")
     logger.warning(
         "IVON's Hessian hardly moved during training (median relative change %.2g < %g after %d steps with beta2=%s, "
         "which averages it over ~%d steps): the posterior std is still set by the prior settings (ess, hess_init), not "

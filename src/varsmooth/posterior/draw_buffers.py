@@ -35,7 +35,8 @@ class DrawBuffers:
     buffers: list[dict[str, torch.Tensor]]
 
     def for_draws(self, seed: int, num_samples: int, temperature: float) -> list[dict[str, torch.Tensor]] | None:
-        """The buffers of the first `num_samples` draws of `seed` at `temperature`, or None when these are other draws."""
+        """The buffers of the first `num_samples` draws of `seed` at `temperature`, or None when these are other
+        draws."""
         if seed != self.seed or float(temperature) != self.temperature or num_samples > len(self.buffers):
             return None
         return self.buffers[:num_samples]
@@ -50,7 +51,8 @@ class DrawBuffers:
                 for s, named in enumerate(self.buffers) for name, value in named.items()}
 
     @classmethod
-    def from_tensors(cls, tensors: Mapping[str, torch.Tensor], description: Mapping[str, Any], path: str) -> "DrawBuffers":
+    def from_tensors(cls, tensors: Mapping[str, torch.Tensor], description: Mapping[str, Any],
+                     path: str) -> "DrawBuffers":
         """Read back what `tensors()` wrote, described by `describe()`; refuses (naming `path`) entries that do not
         make the number of draws it records, each with the same buffers."""
         num_draws = int(description["num_draws"])

@@ -107,7 +107,8 @@ class DiagonalGaussianPosterior:
             seed and τ (`varsmooth.posterior.draw_buffers`); saved and loaded with σ.
     """
 
-    def __init__(self, model: torch.nn.Module, std: Mapping[str, torch.Tensor], metadata: Mapping[str, Any] | None = None,
+    def __init__(self, model: torch.nn.Module, std: Mapping[str, torch.Tensor],
+                 metadata: Mapping[str, Any] | None = None,
                  cache_bytes: int = DEFAULT_CACHE_BYTES, draw_buffers: DrawBuffers | None = None):
         params = dict(model.named_parameters())
         missing = [name for name in std if name not in params]
@@ -136,7 +137,8 @@ class DiagonalGaussianPosterior:
 
     # -- construction ------------------------------------------------------------------------------
     @classmethod
-    def from_ivon(cls, model: torch.nn.Module, optimizer: Any, names: list[str], metadata: Mapping[str, Any] | None = None) -> "DiagonalGaussianPosterior":
+    def from_ivon(cls, model: torch.nn.Module, optimizer: Any, names: list[str],
+                  metadata: Mapping[str, Any] | None = None) -> "DiagonalGaussianPosterior":
         """σ = 1/sqrt(ess·(h+δ)) read from a `VariationalIVON` whose parameters are `names` of `model`."""
         stds = optimizer.posterior_std()
         if len(stds) != len(names):
@@ -182,8 +184,8 @@ class DiagonalGaussianPosterior:
         # the hash covers every tensor of the file: σ and the draws' BatchNorm statistics
         if "std_sha256" in metadata and tensors_sha256(tensors) != metadata["std_sha256"]:
             raise ValueError(
-                f"{path} holds other standard deviations than the ones it was saved with (the SHA-256 of its tensors, σ "
-                "and the draws' statistics, "
+                f"{path} holds other standard deviations than the ones it was saved with (the SHA-256 of its tensors, "
+                "σ and the draws' statistics, "
                 "differs from the one its metadata records): σ was rewritten after the save, and would sample another "
                 "posterior than the one trained. Save the model again (trainer.save_model()), or delete the file to "
                 "predict at the weights."
@@ -192,13 +194,13 @@ class DiagonalGaussianPosterior:
         draw_buffers = None
         if draw_tensors or description is not None:
             if not draw_tensors or not isinstance(description, dict) or not description.get("num_draws"):
-                raise ValueError(f"{path} holds posterior draws' buffers without their description, or the reverse: the "
-                                 "file was edited. Save the model again (trainer.save_model()).")
+                raise ValueError(f"{path} holds posterior draws' buffers without their description, or the reverse: "
+                                 "the file was edited. Save the model again (trainer.save_model()).")
             draw_buffers = DrawBuffers.from_tensors(draw_tensors, description, path)
             unknown = sorted(set(draw_buffers.buffers[0]) - {name for name, _ in model.named_buffers()})
             if unknown:
-                raise ValueError(f"{path} holds posterior draws' buffers {unknown[:3]} that the model does not have: the "
-                                 "file belongs to another architecture.")
+                raise ValueError(f"{path} holds posterior draws' buffers {unknown[:3]} that the model does not have: "
+                                 "the file belongs to another architecture.")
 
         # an adapter's posterior is keyed as peft keys the adapter weights (`saved_names`): back to the model's names
         model_name = {saved: name for name, saved in saved_names(model, dict(model.named_parameters())).items()}
@@ -217,9 +219,9 @@ class DiagonalGaussianPosterior:
         params = dict(self.model.named_parameters())
         dtypes = {str(params[name].dtype) for name in self.names}
         if dtypes != {self.metadata.get("weights_dtype")}:
-            warnings.warn(f"The weights are {sorted(dtypes)} but {path} was saved for {self.metadata.get('weights_dtype')} "
-                          "weights: their fingerprint cannot be checked. Load the model in that dtype to check it.",
-                          UserWarning, stacklevel=3)
+            warnings.warn(f"The weights are {sorted(dtypes)} but {path} was saved for "
+                          f"{self.metadata.get('weights_dtype')} weights: their fingerprint cannot be checked. Load "
+                          "the model in that dtype to check it.", UserWarning, stacklevel=3)
             return
         if weights_fingerprint(self.model, self.names) != expected:
             raise ValueError(
@@ -254,15 +256,16 @@ class DiagonalGaussianPosterior:
         else:
             binding_draws = {}
         params = dict(self.model.named_parameters())
-        fingerprint = self._fingerprint if self._fingerprint is not None else weights_fingerprint(self.model, self.names)
+        fingerprint = (self._fingerprint if self._fingerprint is not None
+                       else weights_fingerprint(self.model, self.names))
         binding = {"parameters": [key[name] for name in self.names], "weights_sha256": fingerprint,
                    "weights_dtype": str(params[self.names[0]].dtype) if self.names else None,
                    "std_sha256": tensors_sha256(tensors), **binding_draws}
         bad = non_finite_tensors(tensors.items())
         if bad:
-            raise FloatingPointError(f"Not saving {path}: the posterior standard deviations of {bad[:5]} are not finite "
-                                     "(NaN or inf); nothing was written. Save a posterior with finite σ (e.g. loaded from "
-                                     "an earlier save).")
+            raise FloatingPointError(f"Not saving {path}: the posterior standard deviations of {bad[:5]} are not "
+                                     "finite (NaN or inf); nothing was written. Save a posterior with finite σ (e.g. "
+                                     "loaded from an earlier save).")
         # one metadata entry: safetensors writes several in a random order, and identical runs would differ in bytes
         with atomic_path(path) as tmp:
             save_file(tensors, tmp, metadata={"varsmooth": json.dumps({**self.metadata, **binding})})

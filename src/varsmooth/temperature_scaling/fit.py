@@ -1,4 +1,5 @@
-"""Temperature scaling fitted on validation batches (the trainer fits it when training ends, `varsmooth.trainer.after_training`)."""
+"""Temperature scaling fitted on validation batches (the trainer fits it when training ends,
+`varsmooth.trainer.after_training`)."""
 
 from __future__ import annotations
 
@@ -29,25 +30,26 @@ def fit_on_batches(
     compared when the model is loaded); `gather` collects the logits of all processes (every process must call this);
     `model`, when given, is checked for a temperature of its own (an ensemble's)."""
     if batches is None:
-        raise ValueError("Temperature scaling is fitted on a validation split, and the trainer has no eval_dataset: pass "
-                         "eval_dataset= to the trainer (the example scripts hold out 20 % of the training split) or to "
-                         "fit_temperature_scaling().")
+        raise ValueError("Temperature scaling is fitted on a validation split, and the trainer has no eval_dataset: "
+                         "pass eval_dataset= to the trainer (the example scripts hold out 20 % of the training split) "
+                         "or to fit_temperature_scaling().")
     if getattr(model, "temperature_scaling", None) is not None:
-        raise ValueError("The trainer's model (an ensemble) already applies a temperature of its own, and this one would be "
-                         "fitted on top of it: set model.temperature_scaling = None first (or keep the model's).")
+        raise ValueError("The trainer's model (an ensemble) already applies a temperature of its own, and this one "
+                         "would be fitted on top of it: set model.temperature_scaling = None first (or keep the "
+                         "model's).")
     gather = gather if gather is not None else (lambda tensor: tensor)
     chunks, label_chunks = [], []
     for batch in batches:
         labels = next((batch[k] for k in LABEL_KEYS if k in batch), None)
         if labels is None:
-            raise ValueError(f"A validation batch has no labels (keys: {sorted(batch)}): temperature scaling is fitted by "
-                             "the NLL of the given labels, so the eval dataset needs a 'label' or 'labels' column.")
+            raise ValueError(f"A validation batch has no labels (keys: {sorted(batch)}): temperature scaling is fitted "
+                             "by the NLL of the given labels, so the eval dataset needs a 'label' or 'labels' column.")
         out = predict(batch)
         chunks.append(gather(out.logits.float()).cpu())
         label_chunks.append(gather(torch.as_tensor(labels, device=out.logits.device).long()).cpu())
     if not chunks:
         raise ValueError("Temperature scaling got no validation batches: the eval dataset is empty.")
     scaling = TemperatureScaling.fit(torch.cat(chunks), torch.cat(label_chunks), prediction=prediction)
-    logger.info("Temperature scaling: T = %.4g fitted on %d validation examples (NLL %.4f -> %.4f).", scaling.temperature,
-                scaling.num_examples, scaling.nll_uncalibrated, scaling.nll_calibrated)
+    logger.info("Temperature scaling: T = %.4g fitted on %d validation examples (NLL %.4f -> %.4f).",
+                scaling.temperature, scaling.num_examples, scaling.nll_uncalibrated, scaling.nll_calibrated)
     return scaling

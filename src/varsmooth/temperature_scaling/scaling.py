@@ -92,16 +92,20 @@ class TemperatureScaling:
         z = torch.as_tensor(np.asarray(log_probs), dtype=torch.float64)
         y = torch.as_tensor(np.asarray(labels)).long()
         if z.ndim != 2 or y.shape != z.shape[:1]:
-            raise ValueError(f"Expected log_probs of shape (N, K) and labels of shape (N,), got {tuple(z.shape)} and {tuple(y.shape)}.")
+            raise ValueError(f"Expected log_probs of shape (N, K) and labels of shape (N,), got {tuple(z.shape)} and "
+                             f"{tuple(y.shape)}.")
         keep = y != -100
         if not keep.any():
-            raise ValueError("Temperature scaling got no labelled validation example: fit it on a validation split with labels.")
+            raise ValueError("Temperature scaling got no labelled validation example: fit it on a validation split "
+                             "with labels.")
         if y[keep].min() < 0 or y[keep].max() >= z.shape[1]:
-            raise ValueError(f"Labels must lie in [0, {z.shape[1]}); got range [{int(y[keep].min())}, {int(y[keep].max())}].")
+            raise ValueError(f"Labels must lie in [0, {z.shape[1]}); got range [{int(y[keep].min())}, "
+                             f"{int(y[keep].max())}].")
         # a class the model gives probability 0 has z = -inf; a large finite value keeps the gradient finite
         z = z.clamp_min(-1e4)
         if not torch.isfinite(z).all():
-            raise ValueError("The validation predictions are not finite (NaN or +inf): temperature scaling cannot be fitted.")
+            raise ValueError("The validation predictions are not finite (NaN or +inf): temperature scaling cannot be "
+                             "fitted.")
         log_t = torch.zeros((), dtype=torch.float64, requires_grad=True)
         optimizer = torch.optim.LBFGS([log_t], lr=1.0, max_iter=100, tolerance_grad=1e-10, tolerance_change=1e-12,
                                       line_search_fn="strong_wolfe")
@@ -171,21 +175,24 @@ class TemperatureScaling:
                              f"Fit and save it again, or delete it to predict without temperature scaling.") from None
         sha, dtype = network_fingerprint(network)
         if dtype != expected_dtype:
-            warnings.warn(f"The weights are {dtype} but {path} was fitted for {expected_dtype} weights: its fingerprint "
-                          "cannot be checked. Load the model in that dtype to check it.", UserWarning, stacklevel=2)
+            warnings.warn(f"The weights are {dtype} but {path} was fitted for {expected_dtype} weights: its "
+                          "fingerprint cannot be checked. Load the model in that dtype to check it.", UserWarning,
+                          stacklevel=2)
         elif sha != expected:
             raise ValueError(
                 f"{path} was fitted for other weights than the model's (their fingerprint differs): the weights were "
                 "replaced after the temperature was fitted (e.g. a later run saved into the same folder). Fit it again "
-                f"on the validation split (trainer.fit_temperature_scaling(), then save), or delete {TEMPERATURE_SCALING_FILE}."
+                "on the validation split (trainer.fit_temperature_scaling(), then save), or delete "
+                f"{TEMPERATURE_SCALING_FILE}."
             )
         return scaling
 
     def check_prediction(self, prediction: dict[str, Any], source: str) -> None:
-        """Warn when the model predicts otherwise (other number of draws, posterior temperature...) than T was fitted for."""
+        """Warn when the model predicts otherwise (other number of draws, posterior temperature...) than T was fitted
+        for."""
         differs = {k: (v, prediction.get(k)) for k, v in self.prediction.items() if prediction.get(k) != v}
         if differs:
             warnings.warn(
-                f"The temperature {self.temperature:.4g} of {source} was fitted for another prediction than the one now "
-                f"made ({', '.join(f'{k}: fitted {a!r}, now {b!r}' for k, (a, b) in differs.items())}); it may not calibrate "
-                "this one. Predict as it was fitted, or fit it again.", UserWarning, stacklevel=3)
+                f"The temperature {self.temperature:.4g} of {source} was fitted for another prediction than the one "
+                f"now made ({', '.join(f'{k}: fitted {a!r}, now {b!r}' for k, (a, b) in differs.items())}); it may not "
+                "calibrate this one. Predict as it was fitted, or fit it again.", UserWarning, stacklevel=3)

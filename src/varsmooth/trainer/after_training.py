@@ -71,8 +71,8 @@ class AfterTrainingMixin:
         self._reset_posterior_temperature()
         self.temperature_scaling = None
         if self.args.temperature_scaling and self.eval_dataset is None:
-            raise ValueError("temperature_scaling=True fits the temperature on the eval dataset, and the trainer has none: "
-                             "pass eval_dataset= (a validation split), or set temperature_scaling=False.")
+            raise ValueError("temperature_scaling=True fits the temperature on the eval dataset, and the trainer has "
+                             "none: pass eval_dataset= (a validation split), or set temperature_scaling=False.")
 
     def after_training(self, state: TrainerState) -> None:
         """The steps after training, in order (this module's docstring). Every process must call this."""
@@ -163,7 +163,8 @@ class AfterTrainingMixin:
                 self.args.eval_seed, progress=self.shows_progress())
             if self._draw_buffers is not None:
                 logger.info("BatchNorm statistics of each of the %d posterior draws at τ = %g computed in %.1f s.",
-                            len(self._draw_buffers.buffers), self._draw_buffers.temperature, time.perf_counter() - start)
+                            len(self._draw_buffers.buffers), self._draw_buffers.temperature,
+                            time.perf_counter() - start)
         posterior.draw_buffers = self._draw_buffers
         return posterior
 
@@ -183,12 +184,14 @@ class AfterTrainingMixin:
 
     def validation_batches(self, eval_dataset: Any) -> Iterator[dict[str, Any]]:
         """The prepared batches of `eval_dataset` (a dataset or a dict of them, pooled), batched as evaluate() batches
-        them; tokenized sentences by length (each batch pads to its longest, and the scores on them are means over rows)."""
+        them; tokenized sentences by length (each batch pads to its longest, and the scores on them are means over
+        rows)."""
         named = eval_dataset if isinstance(eval_dataset, dict) else {None: eval_dataset}
         for dataset in named.values():
             order = length_order(dataset)
             loader = (self.get_eval_dataloader(dataset) if order is None else
-                      self._get_dataloader(dataset, "Validation", self.args.eval_batch_size, sampler_fn=lambda _, order=order: order))
+                      self._get_dataloader(dataset, "Validation", self.args.eval_batch_size,
+                                           sampler_fn=lambda _, order=order: order))
             for batch in loader:
                 yield self._prepare_inputs(batch)
 

@@ -54,7 +54,8 @@ class VariationalTrainingArguments(TrainingArguments):
 
     method: str = field(
         default="ivon",
-        metadata={"help": "Training method: " + ", ".join(sorted(METHODS)) + ". 'ivon' trains by variational learning."},
+        metadata={"help": "Training method: " + ", ".join(sorted(METHODS)) + ". 'ivon' trains by variational "
+                                                                             "learning."},
     )
     method_config: dict | str | MethodConfig | None = field(
         default=None,
@@ -83,11 +84,13 @@ class VariationalTrainingArguments(TrainingArguments):
         metadata={"help": "Posterior samples averaged (BMA) by evaluate()/predict(); 0 predicts at the posterior mean. "
                           "Default (None): 32, 10 with ivon_preset lora (IVON-LoRA's test-time samples)."},
     )
-    eval_seed: int = field(default=0, metadata={"help": "Seed of the posterior samples used for prediction (common across evaluations)."})
+    eval_seed: int = field(default=0,
+                           metadata={"help": "Seed of the posterior samples used for prediction (common across "
+                                             "evaluations)."})
     posterior_temperature: float | None = field(
         default=None,
-        metadata={"help": "τ >= 0 scaling the posterior std σ at prediction time (0 = predict at the posterior mean, 1 = "
-                          "the learned posterior). None: chosen when training ends, by the eval dataset's NLL over "
+        metadata={"help": "τ >= 0 scaling the posterior std σ at prediction time (0 = predict at the posterior mean, 1 "
+                          "= the learned posterior). None: chosen when training ends, by the eval dataset's NLL over "
                           "varsmooth.posterior_temperature.TEMPERATURE_GRID (which holds 0 and 1); 1 without an eval "
                           "dataset. A number fixes τ for every prediction; 1 turns the selection off."},
     )
@@ -100,16 +103,16 @@ class VariationalTrainingArguments(TrainingArguments):
     )
     temperature_scaling: bool = field(
         default=False,
-        metadata={"help": "Post-hoc temperature scaling (Guo et al. 2017): when training ends, fit one temperature T on "
-                          "the eval dataset by NLL and predict softmax(log P / T) from then on, for any method (after the "
-                          "posterior temperature of IVON); saved with the model (temperature_scaling.json). Off by "
-                          "default: it changes every reported metric and needs a validation split."},
+        metadata={"help": "Post-hoc temperature scaling (Guo et al. 2017): when training ends, fit one temperature T "
+                          "on the eval dataset by NLL and predict softmax(log P / T) from then on, for any method "
+                          "(after the posterior temperature of IVON); saved with the model (temperature_scaling.json). "
+                          "Off by default: it changes every reported metric and needs a validation split."},
     )
     mc_dropout_samples: int = field(
         default=0,
-        metadata={"help": "MC-dropout prediction (Gal & Ghahramani 2016): evaluate()/predict() average this many softmax "
-                          "predictions with the model's dropout layers on (0 = off). For methods without a posterior (not "
-                          "IVON, which predicts by BMA)."},
+        metadata={"help": "MC-dropout prediction (Gal & Ghahramani 2016): evaluate()/predict() average this many "
+                          "softmax predictions with the model's dropout layers on (0 = off). For methods without a "
+                          "posterior (not IVON, which predicts by BMA)."},
     )
 
     def __post_init__(self) -> None:
@@ -137,9 +140,10 @@ class VariationalTrainingArguments(TrainingArguments):
             raise ValueError(f"learning_rate must be finite and >= 0, got {self.learning_rate}.")
         if learns and self.weight_decay:
             raise ValueError(
-                f"weight_decay={self.weight_decay} with method={self.method!r}: IVON's weight decay is the precision of its "
-                "Gaussian prior, `prior_precision` (δ, which also sets the posterior's σ); IVON would ignore weight_decay. "
-                "Pass method_config={'prior_precision': ...} (--prior_precision) instead and leave weight_decay at 0."
+                f"weight_decay={self.weight_decay} with method={self.method!r}: IVON's weight decay is the precision "
+                "of its Gaussian prior, `prior_precision` (δ, which also sets the posterior's σ); IVON would ignore "
+                "weight_decay. Pass method_config={'prior_precision': ...} (--prior_precision) instead and leave "
+                "weight_decay at 0."
             )
         if learns and self.fp16:
             raise ValueError(
@@ -148,8 +152,8 @@ class VariationalTrainingArguments(TrainingArguments):
                 "Use bf16=True (autocast with fp32 weights) or full precision."
             )
         if self.posterior_temperature is not None and not 0 <= self.posterior_temperature < float("inf"):
-            raise ValueError(f"posterior_temperature must be a finite number >= 0 or None (choose it on the eval dataset), "
-                             f"got {self.posterior_temperature}.")
+            raise ValueError("posterior_temperature must be a finite number >= 0 or None (choose it on the eval "
+                             f"dataset), got {self.posterior_temperature}.")
         if self.mc_dropout_samples < 0:
             raise ValueError(f"mc_dropout_samples must be >= 0 (0 = no MC dropout), got {self.mc_dropout_samples}.")
         if self.mc_dropout_samples and learns:
@@ -159,7 +163,8 @@ class VariationalTrainingArguments(TrainingArguments):
                 "a posterior (e.g. method='erm'), or set mc_dropout_samples=0."
             )
         if self.eval_mc_samples < 0:
-            raise ValueError(f"eval_mc_samples must be >= 0 (0 = predict at the posterior mean), got {self.eval_mc_samples}.")
+            raise ValueError("eval_mc_samples must be >= 0 (0 = predict at the posterior mean), got "
+                             f"{self.eval_mc_samples}.")
         super().__post_init__()
         fsdp_version = (getattr(self, "fsdp_plugin_args", None) or {}).get("fsdp_version") if self.fsdp else None
         method_cls.check_parallelism(fsdp_version, bool(self.deepspeed))
@@ -185,5 +190,6 @@ def refuse_posterior_settings_without_posterior(args: VariationalTrainingArgumen
         raise ValueError(
             f"{', '.join(given)} {'is a setting' if len(given) == 1 else 'are settings'} of prediction with IVON's "
             f"posterior, and method={args.method!r} learns none: {'it' if len(given) == 1 else 'they'} would be "
-            f"silently ignored. Drop {', '.join(g.split('=')[0] for g in given)}, or choose an IVON method (method='ivon')."
+            f"silently ignored. Drop {', '.join(g.split('=')[0] for g in given)}, or choose an IVON method "
+            "(method='ivon')."
         )

@@ -1,7 +1,8 @@
 """The checkpoints of a run, written and removed whole. A checkpoint is written under a staging name and appears as
-`checkpoint-N` by one rename once complete (`publish_checkpoint`); an old one disappears by one rename before it is deleted (`rotate_checkpoints`), and only the
-checkpoints varsmooth wrote are ever rotated. A kill leaves either a whole checkpoint or none under a name
-`get_last_checkpoint` matches; what it leaves under a temporary name (`is_leftover`) the next run deletes.
+`checkpoint-N` by one rename once complete (`publish_checkpoint`); an old one disappears by one rename before it is
+deleted (`rotate_checkpoints`), and only the checkpoints varsmooth wrote are ever rotated. A kill leaves either a whole
+checkpoint or none under a name `get_last_checkpoint` matches; what it leaves under a temporary name (`is_leftover`) the
+next run deletes.
 """
 
 from __future__ import annotations
@@ -79,15 +80,16 @@ def refuse_other_run(args: Any, checkpoint: str) -> None:
     seed, method = manifest.get("seed"), manifest.get("method")
     if seed is not None and seed != args.seed:
         raise ValueError(
-            f"{checkpoint} was trained with --seed {seed}, but this run has --seed {args.seed}: resuming would continue "
-            f"the seed-{seed} run under seed {args.seed}'s name, with the data split drawn again. Pass --seed {seed} to "
-            f"resume it, or start the seed-{args.seed} run in another --output_dir (or with --overwrite_output_dir)."
+            f"{checkpoint} was trained with --seed {seed}, but this run has --seed {args.seed}: resuming would "
+            f"continue the seed-{seed} run under seed {args.seed}'s name, with the data split drawn again. Pass --seed "
+            f"{seed} to resume it, or start the seed-{args.seed} run in another --output_dir (or with "
+            "--overwrite_output_dir)."
         )
     if method is not None and method != args.method:
         raise ValueError(
             f"{checkpoint} was trained with --method {method}, but this run has --method {args.method}: resuming would "
-            f"continue the {method} run's weights under the {args.method} method's name. Pass --method {method} to resume "
-            f"it, or start the {args.method} run in another --output_dir (or with --overwrite_output_dir)."
+            f"continue the {method} run's weights under the {args.method} method's name. Pass --method {method} to "
+            f"resume it, or start the {args.method} run in another --output_dir (or with --overwrite_output_dir)."
         )
 
 
@@ -102,12 +104,14 @@ def refuse_finished_run(args: Any, checkpoint: str) -> None:
         return  # not a state the stock Trainer wrote: it resumes (or refuses) as usual
     longer = args.max_steps > step if args.max_steps > 0 else (args.num_train_epochs > epochs or step < max_steps)
     if not longer:
-        target = f"--max_steps {args.max_steps}" if args.max_steps > 0 else f"--num_train_epochs {args.num_train_epochs:g}"
+        target = (f"--max_steps {args.max_steps}" if args.max_steps > 0
+                  else f"--num_train_epochs {args.num_train_epochs:g}")
         raise ValueError(
-            f"The run in {args.output_dir} has finished: its last checkpoint {checkpoint} is at step {step}, the end of "
-            f"{target}; resuming would train one step more. Its trained model is in {checkpoint} (and in "
+            f"The run in {args.output_dir} has finished: its last checkpoint {checkpoint} is at step {step}, the end "
+            f"of {target}; resuming would train one step more. Its trained model is in {checkpoint} (and in "
             f"{args.output_dir} once saved). To train on from it, raise --max_steps or --num_train_epochs; to train a "
-            "new run, choose another --output_dir or pass --overwrite_output_dir (or train() without resume_from_checkpoint)."
+            "new run, choose another --output_dir or pass --overwrite_output_dir (or train() without "
+            "resume_from_checkpoint)."
         )
 
 
@@ -117,7 +121,8 @@ def has_optimizer_state(checkpoint: str | os.PathLike) -> bool:
     checkpoint = os.fspath(checkpoint)
     if any(os.path.isfile(os.path.join(checkpoint, name)) for name in ("optimizer.pt", "optimizer.bin")):
         return True
-    return any(name.startswith("optimizer") and os.path.isdir(os.path.join(checkpoint, name)) for name in os.listdir(checkpoint))
+    return any(name.startswith("optimizer") and os.path.isdir(os.path.join(checkpoint, name))
+               for name in os.listdir(checkpoint))
 
 
 def _remove_checkpoint(path: str) -> None:

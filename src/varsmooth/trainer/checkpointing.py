@@ -79,17 +79,20 @@ class CheckpointingMixin:
                 raise
             self.save_model()
             raise RuntimeError(
-                f"Training finished (step {self.state.global_step}), but a step after it failed ({type(error).__name__}: "
-                f"{error}). The trained model{' and its posterior' if self.ivon is not None else ''} were saved to "
-                f"{self.args.output_dir}, predicting with what was chosen before the failure. Fix what the error names "
-                "and redo only that step on this trainer (trainer.select_posterior_temperature(eval_dataset), "
-                "trainer.fit_temperature_scaling(eval_dataset), trainer.label_noise(dataset)): there is no need to train again."
+                f"Training finished (step {self.state.global_step}), but a step after it failed "
+                f"({type(error).__name__}: {error}). The trained "
+                f"model{' and its posterior' if self.ivon is not None else ''} were saved to {self.args.output_dir}, "
+                "predicting with what was chosen before the failure. Fix what the error names and redo only that step "
+                "on this trainer (trainer.select_posterior_temperature(eval_dataset), "
+                "trainer.fit_temperature_scaling(eval_dataset), trainer.label_noise(dataset)): there is no need to "
+                "train again."
             ) from error
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         # under FSDP σ and the weights are sharded: every process gathers them here, since the stock save_model
         # may leave the writing (`_save`) to the main process alone
-        self._gathered_posterior = self.posterior().gathered() if self.is_fsdp_enabled and self.ivon is not None else None
+        self._gathered_posterior = (self.posterior().gathered() if self.is_fsdp_enabled and self.ivon is not None
+                                    else None)
         try:
             super().save_model(output_dir, _internal_call)
         finally:
@@ -104,7 +107,8 @@ class CheckpointingMixin:
             if bad:
                 raise FloatingPointError(
                     f"Not saving to {output_dir}: the weights {bad[:5]}{' ...' if len(bad) > 5 else ''} are not finite "
-                    "(NaN or inf); nothing was written. Resume from the last checkpoint (or load the last save) instead."
+                    "(NaN or inf); nothing was written. Resume from the last checkpoint (or load the last save) "
+                    "instead."
                 )
         folder = FolderSave(output_dir).begin() if self.args.should_save else None
         super()._save(output_dir, state_dict)
@@ -121,7 +125,8 @@ class CheckpointingMixin:
             stale = folder.finish(also=self._run_files.get(os.path.abspath(output_dir), ()), method=self.method.name,
                                   global_step=self.state.global_step, seed=self.args.seed)
             if stale:
-                logger.warning("Removed files of an earlier run from %s that this run did not write: %s", output_dir, stale)
+                logger.warning("Removed files of an earlier run from %s that this run did not write: %s", output_dir,
+                               stale)
 
     def record_output(self, path: str) -> None:
         """Note a file this run wrote next to its saves (label noise, pictures): the next save keeps it and lists it
@@ -195,7 +200,8 @@ class CheckpointingMixin:
                                "restored from its %s; the gradient momentum restarts at zero and the learning-rate "
                                "schedule from its start.", checkpoint, POSTERIOR_FILE)
             else:
-                logger.warning("%s has no scheduler.pt: IVON's state was restored, the learning-rate schedule restarts.", checkpoint)
+                logger.warning("%s has no scheduler.pt: IVON's state was restored, the learning-rate schedule "
+                               "restarts.", checkpoint)
         if checkpoint is not None and os.path.isfile(os.path.join(checkpoint, METHOD_STATE_FILE)):
             state = torch.load(os.path.join(checkpoint, METHOD_STATE_FILE), map_location="cpu", weights_only=True)
             self.method.load_state_dict(state)
@@ -210,7 +216,8 @@ class CheckpointingMixin:
                   if key in used and key in asked and not math.isclose(used[key], asked[key], rel_tol=1e-9)}
         config = self.method.config
         # ess is derived too where `ivon_smoothing` sets it from the data as training goes
-        derived = {key: old for key, (old, _) in differ.items() if getattr(config, RESUMED_IVON_SETTINGS[key], 0) is None
+        derived = {key: old for key, (old, _) in differ.items()
+                   if getattr(config, RESUMED_IVON_SETTINGS[key], 0) is None
                    or (key == "ess" and getattr(config, "ivon_smoothing", None) is not None)}
         refused = {RESUMED_IVON_SETTINGS[key]: values for key, values in differ.items() if key not in derived}
         if refused:
@@ -222,9 +229,12 @@ class CheckpointingMixin:
                 "run (train() without resume_from_checkpoint, in another output_dir) to train with the new settings."
             )
         if derived:
-            self.method.config = dataclasses.replace(config, **{RESUMED_IVON_SETTINGS[key]: old for key, old in derived.items()})
+            self.method.config = dataclasses.replace(config,
+                                                     **{RESUMED_IVON_SETTINGS[key]: old
+                                                        for key, old in derived.items()})
             logger.info("Resumed IVON from %s with its %s (left unset here, so the checkpoint's values are kept and "
-                        "recorded).", checkpoint, ", ".join(f"{RESUMED_IVON_SETTINGS[k]}={v!r}" for k, v in derived.items()))
+                        "recorded).", checkpoint,
+                        ", ".join(f"{RESUMED_IVON_SETTINGS[k]}={v!r}" for k, v in derived.items()))
 
     def _load_ivon_state(self, checkpoint: str) -> str:
         """IVON's state from `checkpoint` (without optimizer.pt, from the posterior saved there for the weights just

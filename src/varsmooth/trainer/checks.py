@@ -25,14 +25,16 @@ from ..prediction import IGNORE_INDEX, LABEL_KEYS
 from .arguments import VariationalTrainingArguments
 
 __all__ = ["HONOURED_ARGUMENTS", "UNHONOURED_ARGUMENTS", "check_arguments", "check_compute_metrics", "check_datasets",
-           "check_input_columns", "check_label_names", "check_labels", "check_method_inputs", "check_single_label_model",
+           "check_input_columns", "check_label_names", "check_labels", "check_method_inputs",
+           "check_single_label_model",
            "check_unhonoured_arguments", "named_datasets", "name_inputs_the_model_cannot_take"]
 
 logger = logging.getLogger(__name__)
 
 
 def check_arguments(args: VariationalTrainingArguments | None) -> VariationalTrainingArguments:
-    """`args`, or the defaults for None; refuses other arguments and a multi-process launch the Trainer would not run as one DDP job."""
+    """`args`, or the defaults for None; refuses other arguments and a multi-process launch the Trainer would not run as
+    one DDP job."""
     if args is None:
         return VariationalTrainingArguments(output_dir="trainer_output")
     if not isinstance(args, VariationalTrainingArguments):
@@ -64,7 +66,8 @@ def _refuse_undistributed_process_group(args: VariationalTrainingArguments) -> N
 
 def check_compute_metrics(args: VariationalTrainingArguments, compute_metrics: Callable[..., Any] | None) -> None:
     """The stock Trainer's check of `batch_eval_metrics`, which would only see varsmooth's wrapper of the function."""
-    if args.batch_eval_metrics and compute_metrics is not None and "compute_result" not in inspect.signature(compute_metrics).parameters:
+    if (args.batch_eval_metrics and compute_metrics is not None
+            and "compute_result" not in inspect.signature(compute_metrics).parameters):
         raise ValueError(
             "With batch_eval_metrics=True, compute_metrics must take a boolean `compute_result` argument (True on the "
             "last batch: return the metrics of the whole evaluation then)."
@@ -81,7 +84,8 @@ def check_datasets(train_dataset: Any, eval_dataset: Any, num_labels: int | None
         train_size = None
     if train_size == 0:
         raise ValueError("train_dataset has no examples: nothing to train on. Pass the training split with its "
-                         "examples (check the select/filter/split that built it), or train_dataset=None to only evaluate.")
+                         "examples (check the select/filter/split that built it), or train_dataset=None to only "
+                         "evaluate.")
     for role, dataset in named_datasets(train_dataset, eval_dataset):
         check_labels(role, dataset, num_labels, training=role == "train_dataset")
     return train_size
@@ -111,8 +115,8 @@ def check_labels(role: str, dataset: Any, num_labels: int | None, training: bool
     code = role if role.isidentifier() or role.startswith("eval_dataset[") else "dataset"  # for the fix's code
     if np.issubdtype(values.dtype, np.floating):
         raise ValueError(
-            f"The {column!r} column of {role} holds floats (e.g. {values[0]!r}), but the trainer needs integer class ids "
-            f"(the cross-entropy would fail or read them as class probabilities). Cast it: {code} = "
+            f"The {column!r} column of {role} holds floats (e.g. {values[0]!r}), but the trainer needs integer class "
+            f"ids (the cross-entropy would fail or read them as class probabilities). Cast it: {code} = "
             f"{code}.cast_column({column!r}, datasets.Value('int64')), or encode it as a datasets.ClassLabel."
         )
     if not np.issubdtype(values.dtype, np.integer):
@@ -122,7 +126,8 @@ def check_labels(role: str, dataset: Any, num_labels: int | None, training: bool
         outside |= values >= num_labels
     if outside.any():
         rows = np.flatnonzero(outside)
-        classes = f"the model's {num_labels} classes [0, {num_labels})" if num_labels is not None else "the class ids (>= 0)"
+        classes = (f"the model's {num_labels} classes [0, {num_labels})" if num_labels is not None
+                   else "the class ids (>= 0)")
         raise ValueError(
             f"The {column!r} column of {role} holds {values[rows[0]]} (row {rows[0]}; {len(rows)} rows in all, values "
             f"{sorted(set(values[rows[:20]].tolist()))}), outside {classes}; only {IGNORE_INDEX} may mark a row to "
@@ -132,8 +137,8 @@ def check_labels(role: str, dataset: Any, num_labels: int | None, training: bool
         )
     if training and (values == IGNORE_INDEX).all():
         raise ValueError(
-            f"Every row of {role} has {column!r} = {IGNORE_INDEX} (ignored by the loss): training would run on a loss of "
-            "0 and learn nothing. Give the training rows their class ids (check the map that built the column)."
+            f"Every row of {role} has {column!r} = {IGNORE_INDEX} (ignored by the loss): training would run on a loss "
+            "of 0 and learn nothing. Give the training rows their class ids (check the map that built the column)."
         )
 
 
@@ -214,7 +219,8 @@ def check_method_inputs(method: TrainingMethod, compute_loss_func: Any, posterio
             "or drop compute_loss_func."
         )
     if posterior is not None and not learns_posterior(method):
-        raise ValueError(f"posterior= is for IVON methods (BMA over the posterior); method={method.name!r} predicts at the weights.")
+        raise ValueError(f"posterior= is for IVON methods (BMA over the posterior); method={method.name!r} predicts at "
+                         "the weights.")
     if learns_posterior(method) and optimizer is not None and not isinstance(optimizer, VariationalIVON):
         raise ValueError(
             f"method={method.name!r} trains with IVON, which the trainer builds itself; got a "
@@ -223,7 +229,8 @@ def check_method_inputs(method: TrainingMethod, compute_loss_func: Any, posterio
 
 
 _IVON_OPTIMIZER = ("IVON is the optimizer of method={method!r} (its settings: learning_rate, beta1, beta2, hess_init, "
-                   "prior_precision, ...); train with method='erm' (or another baseline) to use {name}={value!r}, or drop {name}.")
+                   "prior_precision, ...); train with method='erm' (or another baseline) to use {name}={value!r}, or "
+                   "drop {name}.")
 
 #: The `TrainingArguments` fields that some method cannot honour: name -> (methods, action, why). `methods` is "ivon"
 #: (the methods that learn a posterior: IVON is their optimizer) or "all"; `action` "refuse" raises and "ignore"
@@ -233,7 +240,8 @@ _IVON_OPTIMIZER = ("IVON is the optimizer of method={method!r} (its settings: le
 UNHONOURED_ARGUMENTS: dict[str, tuple[str, str, str]] = {
     **{name: ("ivon", "refuse", _IVON_OPTIMIZER)
        for name in ("optim", "optim_args", "optim_target_modules", "adam_beta1", "adam_beta2", "adam_epsilon")},
-    "weight_decay": ("ivon", "refuse", "IVON's weight decay is the precision of its Gaussian prior: pass prior_precision= "
+    "weight_decay": ("ivon", "refuse",
+                     "IVON's weight decay is the precision of its Gaussian prior: pass prior_precision= "
                      "instead of {name}={value!r} with method={method!r}."),
     "fp16": ("ivon", "refuse", "fp16's gradient scaler would scale the gradients IVON reads (method={method!r}): use "
              "bf16=True or full precision."),
@@ -287,8 +295,8 @@ def check_label_names(args: TrainingArguments) -> None:
     """One label column: the trainer reads the labels of every batch under `label_names[0]` (default "labels")."""
     if args.label_names is not None and len(args.label_names) != 1:
         raise ValueError(
-            f"label_names={args.label_names!r}: VariationalTrainer trains single-label classifiers, whose labels are one "
-            "column of class ids. Pass label_names=['<that column>'] (or leave it unset for 'label'/'labels')."
+            f"label_names={args.label_names!r}: VariationalTrainer trains single-label classifiers, whose labels are "
+            "one column of class ids. Pass label_names=['<that column>'] (or leave it unset for 'label'/'labels')."
         )
 
 
@@ -297,7 +305,8 @@ def check_single_label_model(model: Any) -> None:
     the methods, the BMA and the label-noise export are defined for one class per example."""
     config = getattr(model, "config", None)
     problem = getattr(config, "problem_type", None)
-    if problem in ("multi_label_classification", "regression") or (problem is None and getattr(config, "num_labels", None) == 1):
+    if (problem in ("multi_label_classification", "regression")
+            or (problem is None and getattr(config, "num_labels", None) == 1)):
         kind = problem or "regression (num_labels=1)"
         raise ValueError(
             f"The model is configured for {kind}, which VariationalTrainer does not train: its methods, Bayesian model "

@@ -60,8 +60,9 @@ class HyperparameterSearchMixin:
         params = dict(self.hp_space(trial) if self.hp_search_backend == HPSearchBackend.OPTUNA else trial)
         fixed = sorted(set(params) & set(_NOT_SEARCHABLE))
         if fixed:
-            raise ValueError(f"The hyperparameter space sets {fixed}, which are fixed for a search: build one trainer per "
-                             "method (and ivon_preset), and search the method's own settings by name (e.g. 'smoothing').")
+            raise ValueError(f"The hyperparameter space sets {fixed}, which are fixed for a search: build one trainer "
+                             "per method (and ivon_preset), and search the method's own settings by name (e.g. "
+                             "'smoothing').")
         own = {f.name for f in dataclasses.fields(self.args.method_config) if f.init}
         settings = {k: params.pop(k) for k in list(params) if k in own}
         space = self.hp_space

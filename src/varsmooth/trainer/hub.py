@@ -72,8 +72,8 @@ class VariationalHubMixin:
         add_to_manifest(self.args.output_dir, ["README.md"])
 
     def run_record(self, *, model_name: str | None = None, dataset: str | list[str] | None = None,
-                   dataset_tags: str | list[str] | None = None, license: str | None = None, tags: list[str] | None = None,
-                   language: str | None = None, **_: Any) -> RunRecord:
+                   dataset_tags: str | list[str] | None = None, license: str | None = None,
+                   tags: list[str] | None = None, language: str | None = None, **_: Any) -> RunRecord:
         """The record of this run so far, as the card tells it; the keywords are those of `Trainer.create_model_card`
         (others are ignored, as `push_to_hub` passes all of its keywords on)."""
         args = self.args
@@ -113,18 +113,20 @@ class VariationalHubMixin:
         if not learns_posterior(self.method):
             return None
         summary = self.hessian_summary()
-        log = ({"step": self.state.global_step, **{k: summary[k] for k in POSTERIOR_LOG_KEYS if k in summary}} if summary
-               else last_posterior_log(self.state.log_history))
+        log = ({"step": self.state.global_step, **{k: summary[k] for k in POSTERIOR_LOG_KEYS if k in summary}}
+               if summary else last_posterior_log(self.state.log_history))
         recomputed = next((entry[RECOMPUTED_LOG_KEY] for entry in reversed(self.state.log_history)
                            if RECOMPUTED_LOG_KEY in entry), None)
         return log if log is None or recomputed is None else {**log, RECOMPUTED_LOG_KEY: recomputed}
 
     def _refuse_to_replace_own_card(self, replace_model_card: bool) -> None:
         path = os.path.join(self.args.output_dir, "README.md")
-        if os.path.isfile(path) and not replace_model_card and not written_by_varsmooth(self.args.output_dir, "README.md"):
+        if (os.path.isfile(path) and not replace_model_card
+                and not written_by_varsmooth(self.args.output_dir, "README.md")):
             raise FileExistsError(
                 f"{path} was not written by varsmooth (your own model card?) and would be replaced by the generated "
-                "card. Move it away, or pass replace_model_card=True (to push_to_hub or create_model_card) to replace it."
+                "card. Move it away, or pass replace_model_card=True (to push_to_hub or create_model_card) to replace "
+                "it."
             )
 
     def init_hf_repo(self, token: str | None = None, private: bool | None = None) -> None:
@@ -135,15 +137,17 @@ class VariationalHubMixin:
         except Exception as error:  # the HTTP client's errors differ between huggingface_hub versions
             out = self.args.output_dir
             raise RuntimeError(
-                f"push_to_hub: could not create the Hub repository {self.args.hub_model_id or os.path.basename(os.path.abspath(out))!r} "
-                f"({type(error).__name__}: {error}). Either the Hub is unreachable (no network, or HF_HUB_OFFLINE=1) or "
-                "the token is missing or invalid (`hf auth login` with a write token, or --hub_token). Train without "
-                f"--push_to_hub: {out} then holds the model and its card, and can be pushed later with exactly the files a "
-                f"push uploads: huggingface_hub.upload_folder(repo_id=..., folder_path={out!r}, "
+                "push_to_hub: could not create the Hub repository "
+                f"{self.args.hub_model_id or os.path.basename(os.path.abspath(out))!r} ({type(error).__name__}: "
+                f"{error}). Either the Hub is unreachable (no network, or HF_HUB_OFFLINE=1) or the token is missing or "
+                f"invalid (`hf auth login` with a write token, or --hub_token). Train without --push_to_hub: {out} "
+                "then holds the model and its card, and can be pushed later with exactly the files a push uploads: "
+                f"huggingface_hub.upload_folder(repo_id=..., folder_path={out!r}, "
                 f"allow_patterns=varsmooth.files.shareable_files({out!r}))."
             ) from error
 
-    def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True, token: str | None = None,
+    def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True,
+                    token: str | None = None,
                     revision: str | None = None, private: bool | None = None, **kwargs: Any) -> Any:
         """Save, write the card, and upload exactly the files this training wrote (the manifest, less
         `files.PRIVATE_FILES`); varsmooth files of earlier pushes that this run did not write are deleted from the repo.
@@ -160,7 +164,8 @@ class VariationalHubMixin:
         self.save_model(_internal_call=True)
         if not self.is_world_process_zero():
             return None
-        model_name = kwargs.pop("model_name", None) or (self.args.hub_model_id or self.args.output_dir).rstrip("/").split("/")[-1]
+        model_name = (kwargs.pop("model_name", None)
+                      or (self.args.hub_model_id or self.args.output_dir).rstrip("/").split("/")[-1])
         self.create_model_card(model_name=model_name, replace_model_card=replace_card, **kwargs)
         self._finish_current_push()
         return hf_api().upload_folder(
@@ -197,7 +202,8 @@ class VariationalHubMixin:
             run_as_future=True, allow_patterns=_exact(shareable_files(output_dir)), revision=self.args.hub_revision,
         )]
         if self.args.hub_strategy in (HubStrategy.CHECKPOINT, HubStrategy.ALL_CHECKPOINTS):
-            path_in_repo = "last-checkpoint" if self.args.hub_strategy == HubStrategy.CHECKPOINT else os.path.basename(checkpoint_folder)
+            path_in_repo = ("last-checkpoint" if self.args.hub_strategy == HubStrategy.CHECKPOINT
+                            else os.path.basename(checkpoint_folder))
             operations = _checkpoint_operations(checkpoint_folder, path_in_repo)
             jobs.append(hf_api().run_as_future(_replace_repo_folder, self.hub_model_id, path_in_repo, operations,
                                                commit_message=message + ", checkpoint", token=self.args.hub_token,
@@ -215,7 +221,8 @@ def _checkpoint_operations(checkpoint: str, path_in_repo: str) -> list[CommitOpe
     files = {name: manifest["files"][name] for name in shareable_files(checkpoint, training_state=True)}
     check_manifest(checkpoint, files)
     shared = {**manifest, "files": files}
-    operations = [CommitOperationAdd(path_in_repo=f"{path_in_repo}/{name}", path_or_fileobj=os.path.join(checkpoint, name))
+    operations = [CommitOperationAdd(path_in_repo=f"{path_in_repo}/{name}",
+                                     path_or_fileobj=os.path.join(checkpoint, name))
                   for name in sorted(files)]
     operations.append(CommitOperationAdd(path_in_repo=f"{path_in_repo}/{MANIFEST_FILE}",
                                          path_or_fileobj=json.dumps(shared, indent=2).encode()))
@@ -229,7 +236,8 @@ def _replace_repo_folder(repo_id: str, path_in_repo: str, operations: list[Commi
     uploaded = {op.path_in_repo for op in operations}
     earlier = [f for f in api.list_repo_files(repo_id, revision=kwargs.get("revision"), token=kwargs.get("token"))
                if f.startswith(path_in_repo + "/") and f not in uploaded]
-    return api.create_commit(repo_id, [*operations, *(CommitOperationDelete(path_in_repo=f) for f in earlier)], **kwargs)
+    return api.create_commit(repo_id, [*operations, *(CommitOperationDelete(path_in_repo=f) for f in earlier)],
+                             **kwargs)
 
 
 def _exact(names: list[str]) -> list[str]:

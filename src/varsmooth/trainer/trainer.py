@@ -76,11 +76,12 @@ class VariationalTrainer(AfterTrainingMixin, CheckpointingMixin, VariationalHubM
     """A `Trainer` for single-label classifiers that trains with `args.method` (IVON by default).
 
     Models may be any module returning logits in a `ModelOutput` or tuple (HF `AutoModelFor*Classification`,
-    timm through `example_utils.models.create_image_classifier` in the examples, ...); the loss is computed here from the logits.
-    Multi-label and regression models are refused. `compute_metrics` and `preprocess_logits_for_metrics` get log P̂ as
-    the logits (softmax of them is P̂; `EvaluationMetrics`); `label_names=[name]` names the label column of training and
-    evaluation alike; for `compute_loss_func` see `compute_loss`, for `hyperparameter_search` `HyperparameterSearchMixin`;
-    the `TrainingArguments` a method cannot honour are refused or warned of as `checks.UNHONOURED_ARGUMENTS` declares.
+    timm through `example_utils.models.create_image_classifier` in the examples, ...); the loss is computed here from
+    the logits. Multi-label and regression models are refused. `compute_metrics` and `preprocess_logits_for_metrics` get
+    log P̂ as the logits (softmax of them is P̂; `EvaluationMetrics`); `label_names=[name]` names the label column of
+    training and evaluation alike; for `compute_loss_func` see `compute_loss`, for `hyperparameter_search`
+    `HyperparameterSearchMixin`; the `TrainingArguments` a method cannot honour are refused or warned of as
+    `checks.UNHONOURED_ARGUMENTS` declares.
 
     Private `Trainer` hooks it overrides, and what would not work without each:
 
@@ -99,7 +100,8 @@ class VariationalTrainer(AfterTrainingMixin, CheckpointingMixin, VariationalHubM
     #: `training_step` must divide by the accumulation steps even for models that accept loss kwargs
     loss_is_scaled_for_ga = False
 
-    def __init__(self, model: Any = None, args: VariationalTrainingArguments | None = None, *pargs: Any, **kwargs: Any) -> None:
+    def __init__(self, model: Any = None, args: VariationalTrainingArguments | None = None, *pargs: Any,
+                 **kwargs: Any) -> None:
         args = check_arguments(args)
         check_label_names(args)
         check_unhonoured_arguments(args, args.method, learns_posterior(args.method))
@@ -133,7 +135,8 @@ class VariationalTrainer(AfterTrainingMixin, CheckpointingMixin, VariationalHubM
         self._draw_buffers: DrawBuffers | None = None  # each prediction draw's BatchNorm statistics, set after training
         #: T[i, j] = P(observed j | true i) of the eval dataset's labels, when known (e.g. the noise the example
         #: injected): τ is then chosen by the forward-corrected validation NLL (`varsmooth.posterior_temperature`)
-        self.eval_noise_transition = None if eval_noise_transition is None else check_transition_matrix(eval_noise_transition)
+        self.eval_noise_transition = (None if eval_noise_transition is None
+                                      else check_transition_matrix(eval_noise_transition))
         # post-hoc temperature of every prediction (None: uncalibrated); fitted right after τ, which it calibrates
         self.temperature_scaling: TemperatureScaling | None = None
         # first, so that every other train-end callback sees what the steps after training chose
@@ -148,9 +151,12 @@ class VariationalTrainer(AfterTrainingMixin, CheckpointingMixin, VariationalHubM
         exist before the optimizer is built) and its callbacks in place of the previous method's."""
         for callback in self._method_callbacks:
             self.callback_handler.remove_callback(callback)
-        self.method: TrainingMethod = get_method_class(self.args.method)(self.args.method_config, num_train_examples=self._train_size)
-        fsdp = getattr(self.accelerator.state, "fsdp_plugin", None)  # set up by `accelerate launch`, not by the arguments
-        self.method.check_parallelism(getattr(fsdp, "fsdp_version", 1) if fsdp is not None else None, self.is_deepspeed_enabled)
+        self.method: TrainingMethod = get_method_class(self.args.method)(self.args.method_config,
+                                                                         num_train_examples=self._train_size)
+        # set up by `accelerate launch`, not by the arguments
+        fsdp = getattr(self.accelerator.state, "fsdp_plugin", None)
+        self.method.check_parallelism(getattr(fsdp, "fsdp_version", 1) if fsdp is not None else None,
+                                      self.is_deepspeed_enabled)
         keep_presharded_model(fsdp, self.model)
         if self.model is not None:
             self.method.attach(self.model)
@@ -213,7 +219,8 @@ class VariationalTrainer(AfterTrainingMixin, CheckpointingMixin, VariationalHubM
         opt = self.ivon
         model = self.accelerator.unwrap_model(self.model)
         if opt is None:
-            return self._saved_posterior if self._saved_posterior is not None else DiagonalGaussianPosterior.point_mass(model)
+            return (self._saved_posterior if self._saved_posterior is not None
+                    else DiagonalGaussianPosterior.point_mass(model))
         meta = {**self.method.hyperparameters(), "eval_mc_samples": self.args.eval_mc_samples,
                 "eval_seed": self.args.eval_seed, "step": opt.current_step, TEMPERATURE_KEY: self.posterior_temperature}
         if self.posterior_temperature_report is not None:
@@ -235,15 +242,16 @@ class VariationalTrainer(AfterTrainingMixin, CheckpointingMixin, VariationalHubM
         except ValueError as error:  # e.g. a new classification head: the saved σ belongs to another network
             logger.warning("Not using %s from %s: %s", POSTERIOR_FILE, folder, error)
             return None
-        logger.info("Loaded the posterior saved with the model (%s): evaluation before training predicts by BMA with it.",
-                    os.path.join(folder, POSTERIOR_FILE))
+        logger.info("Loaded the posterior saved with the model (%s): evaluation before training predicts by BMA with "
+                    "it.", os.path.join(folder, POSTERIOR_FILE))
         return posterior
 
     def predictor(self, posterior: DiagonalGaussianPosterior | None = None) -> Predictor:
         """What `evaluate()`/`predict()` predict with (`varsmooth.predictors.make_predictor`): a `DeepEnsemble` model's
         pooled prediction, MC dropout (`args.mc_dropout_samples`), or BMA over `args.eval_mc_samples` draws of
         `posterior` (default: `self.posterior()`; a point mass predicts at the weights)."""
-        return make_predictor(self.accelerator.unwrap_model(self.model), self.posterior() if posterior is None else posterior,
+        return make_predictor(self.accelerator.unwrap_model(self.model),
+                              self.posterior() if posterior is None else posterior,
                               self.args.eval_mc_samples, self.args.eval_seed, self.args.mc_dropout_samples)
 
     def predictive(self, model: torch.nn.Module, inputs: dict[str, Any], predictor: Predictor | None = None,
@@ -254,7 +262,8 @@ class VariationalTrainer(AfterTrainingMixin, CheckpointingMixin, VariationalHubM
         return self.temperature_scaling.calibrate(out) if calibrated and self.temperature_scaling is not None else out
 
     # -- training ----------------------------------------------------------------------------------
-    def compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch: Any = None) -> Any:
+    def compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
+                     num_items_in_batch: Any = None) -> Any:
         """The method's mean loss on this micro-batch (`TrainingMethod.compute_loss`); `num_items_in_batch` is ignored
         on purpose (IVON averages).
 
@@ -268,20 +277,26 @@ class VariationalTrainer(AfterTrainingMixin, CheckpointingMixin, VariationalHubM
 
     def method_context(self, model: torch.nn.Module, **kwargs: Any) -> MethodContext:
         """What `self.method` may know of the run at this micro-batch (it never sees the trainer itself)."""
-        return MethodContext(step=self.state.global_step, epoch=float(self.state.epoch or 0.0), is_training=model.training,
+        return MethodContext(step=self.state.global_step, epoch=float(self.state.epoch or 0.0),
+                             is_training=model.training,
                              accelerator=self.accelerator, loss_func=self.compute_loss_func, **kwargs)
 
-    def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
-        with name_inputs_the_model_cannot_take(inputs, self.accelerator.unwrap_model(model), self.state.global_step == 0):
+    def training_step(self, model: torch.nn.Module, inputs: dict[str, Any],
+                      num_items_in_batch: Any = None) -> torch.Tensor:
+        with name_inputs_the_model_cannot_take(inputs, self.accelerator.unwrap_model(model),
+                                               self.state.global_step == 0):
             loss = self._method_training_step(model, inputs, num_items_in_batch)
         self._stop_if_non_finite()
         return loss
 
-    def _method_training_step(self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: Any) -> torch.Tensor:
+    def _method_training_step(self, model: torch.nn.Module, inputs: dict[str, Any],
+                              num_items_in_batch: Any) -> torch.Tensor:
         if type(self.method).training_step is TrainingMethod.training_step:
             loss = super().training_step(model, inputs, num_items_in_batch)
             # the gradients are complete (accumulated, all-reduced) only on the step's last micro-batch
-            self._note_finite(loss, [p for p in model.parameters() if p.requires_grad] if self.accelerator.sync_gradients else None)
+            self._note_finite(loss,
+                              [p for p in model.parameters() if p.requires_grad] if self.accelerator.sync_gradients
+                              else None)
             return loss
         # the method schedules its own passes: IVON's posterior samples, SAM's two
         model.train()
@@ -289,11 +304,13 @@ class VariationalTrainer(AfterTrainingMixin, CheckpointingMixin, VariationalHubM
             self.optimizer.train()
         ddp = self.args.world_size > 1 and not self.is_fsdp_enabled
         context = self.method_context(
-            model, num_items_in_batch=num_items_in_batch, gradient_accumulation_steps=self.current_gradient_accumulation_steps,
+            model, num_items_in_batch=num_items_in_batch,
+            gradient_accumulation_steps=self.current_gradient_accumulation_steps,
             loss_context=self.compute_loss_context_manager, optimizer=unwrap_ivon(self.optimizer) or self.optimizer,
             sharded=self.is_fsdp_enabled, **({"no_sync": self.accelerator.no_sync} if ddp else {}),
             max_grad_norm=self.args.max_grad_norm or 0.0, gradients_complete=self.accelerator.sync_gradients,
-            note_finite=self._note_finite, **({"loss_override": self.compute_loss} if self._overrides_compute_loss() else {}))
+            note_finite=self._note_finite,
+            **({"loss_override": self.compute_loss} if self._overrides_compute_loss() else {}))
         return self.method.training_step(model, self._prepare_inputs(inputs), context)
 
     def _overrides_compute_loss(self) -> bool:
@@ -306,7 +323,8 @@ class VariationalTrainer(AfterTrainingMixin, CheckpointingMixin, VariationalHubM
     def _stop_if_non_finite(self) -> None:
         """On the last micro-batch of an optimizer step, before the step: raise if a loss, gradient or buffer of the
         step was NaN or inf (`varsmooth.trainer.finite`); the update is then not applied."""
-        verdict = self._finite_guard.verdict(self.args.device, self.args.world_size > 1) if self.accelerator.sync_gradients else None
+        verdict = (self._finite_guard.verdict(self.args.device, self.args.world_size > 1)
+                   if self.accelerator.sync_gradients else None)
         if verdict is None or all(verdict):
             return
         if self.ivon is not None:
@@ -350,7 +368,8 @@ class VariationalTrainer(AfterTrainingMixin, CheckpointingMixin, VariationalHubM
         return super()._remove_unused_columns(dataset, description)
 
     # -- prediction --------------------------------------------------------------------------------
-    def prediction_step(self, model: torch.nn.Module, inputs: dict[str, Any], prediction_loss_only: bool, ignore_keys: list[str] | None = None) -> tuple:
+    def prediction_step(self, model: torch.nn.Module, inputs: dict[str, Any], prediction_loss_only: bool,
+                        ignore_keys: list[str] | None = None) -> tuple:
         """Returns (NLL of the BMA prediction, (log P̂, posterior-mean logits), labels)."""
         inputs = self._prepare_inputs(inputs)
         labels = inputs.get("labels")
@@ -389,11 +408,13 @@ class VariationalTrainer(AfterTrainingMixin, CheckpointingMixin, VariationalHubM
         """Per-bin confidence/accuracy/count of the last evaluation (`varsmooth.metrics.reliability_diagram`)."""
         return self._metrics.reliability_diagram
 
-    def predict(self, test_dataset: Any, ignore_keys: list[str] | None = None, metric_key_prefix: str = "test") -> PredictionOutput:
-        """As `Trainer.predict`; `predictions` are log P̂ (the log of the posterior-averaged probabilities; at τ = 0 those
-        of the posterior mean), or what `preprocess_logits_for_metrics` made of them."""
+    def predict(self, test_dataset: Any, ignore_keys: list[str] | None = None,
+                metric_key_prefix: str = "test") -> PredictionOutput:
+        """As `Trainer.predict`; `predictions` are log P̂ (the log of the posterior-averaged probabilities; at τ = 0
+        those of the posterior mean), or what `preprocess_logits_for_metrics` made of them."""
         output = super().predict(test_dataset, ignore_keys, metric_key_prefix)
-        predictions = (self._metrics.user_predictions(output.predictions) if isinstance(output.predictions, (tuple, list))
+        predictions = (self._metrics.user_predictions(output.predictions)
+                       if isinstance(output.predictions, (tuple, list))
                        else output.predictions)
         return PredictionOutput(predictions=predictions, label_ids=output.label_ids, metrics=output.metrics)
 
@@ -407,8 +428,8 @@ class VariationalTrainer(AfterTrainingMixin, CheckpointingMixin, VariationalHubM
         return hessian_summary(self.ivon)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        """`Trainer.log`; a training log (one with a "loss") also shows whether the posterior learns: the Hessian summary
-        (`hessian_summary`), in the history and in what the reporting callbacks get."""
+        """`Trainer.log`; a training log (one with a "loss") also shows whether the posterior learns: the Hessian
+        summary (`hessian_summary`), in the history and in what the reporting callbacks get."""
         if "loss" in logs:
             logs = {**logs, **self.hessian_summary()}
         super().log(logs, start_time)
