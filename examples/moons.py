@@ -1,11 +1,12 @@
-"""The Moon picture of the blog post "Variational Learning Induces Adaptive Label Smoothing" (Khan 2025), end to end on CPU in well under a minute.
+"""The Moon picture of the blog post "Variational Learning Induces Adaptive Label Smoothing" (Khan 2025), end to end on
+CPU in well under a minute.
 
 A 2-64-64-2 MLP is trained on make_moons (n = 300, noise 0.25) by `VariationalTrainer` with IVON; at the end of
-training `LabelNoiseCallback` measures every example's label noise ε̄ = p̄ − P̂ (Variational Learning Induces Adaptive Label Smoothing (Yang et al. 2025), Eq. 15) and writes
-`label_noise.parquet`; the picture colours each point by |ε̄_y| with the posterior-mean decision boundary dashed.
-Expect the noise to concentrate near the boundary, where the prediction is uncertain (as in the blog post). With the
-defaults below, mean |ε̄_y| is ≈ 0.07 where |p̄ − 0.5| < 0.2 vs ≈ 0.05 elsewhere (about 15 s on one CPU core);
-a plain ivon-opt loop with a smaller posterior gave 0.066 vs 0.011.
+training `LabelNoiseCallback` measures every example's label noise ε̄ = p̄ − P̂ (Variational Learning Induces Adaptive
+Label Smoothing (Yang et al. 2025), Eq. 15) and writes `label_noise.parquet`; the picture colours each point by |ε̄_y|
+with the posterior-mean decision boundary dashed. Expect the noise to concentrate near the boundary, where the
+prediction is uncertain (as in the blog post). With the defaults below, mean |ε̄_y| is ≈ 0.07 where |p̄ − 0.5| < 0.2 vs
+≈ 0.05 elsewhere (about 15 s on one CPU core); a plain ivon-opt loop with a smaller posterior gave 0.066 vs 0.011.
 
     python examples/moons.py --output_dir moons_output
 """
@@ -40,7 +41,7 @@ class MoonMLP(torch.nn.Module):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--output_dir", default="moons_output")
     parser.add_argument("--epochs", type=int, default=100)
     parser.add_argument("--num_samples", type=int, default=256, help="posterior samples per example for ε̄")

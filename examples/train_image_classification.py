@@ -77,10 +77,11 @@ logger = logging.getLogger(__name__)
 class ModelArguments(LoraArguments):
     model_name_or_path: str | None = field(
         default=None,
-        metadata={"help": "A timm architecture (resnet18, timm/vit_small_patch16_224...), an HF image-classification id "
-                          "or path, or empty for a small ResNet built from a config (trained from scratch)."},
+        metadata={"help": "A timm architecture (resnet18, timm/vit_small_patch16_224...), an HF image-classification "
+                          "id or path, or empty for a small ResNet built from a config (trained from scratch)."},
     )
-    pretrained: bool = field(default=False, metadata={"help": "Load timm's pretrained weights (needs the Hub or timm's cache)."})
+    pretrained: bool = field(default=False,
+                             metadata={"help": "Load timm's pretrained weights (needs the Hub or timm's cache)."})
     pretrained_weights: str | None = field(
         default=None,
         metadata={"help": "A weights file for the timm architecture (matched by name, or by position for another port "
@@ -94,16 +95,18 @@ class DataArguments(SplitArguments):
     dataset: str | None = field(
         default=None,
         metadata={"help": "A dataset from the project's shared data folder instead of --dataset_name: 'cifar10n' "
-                          "(CIFAR-10 trained on the CIFAR-10N human labels of --label_set, scored on the clean test set; "
-                          "CC BY-NC 4.0).", "choices": ["cifar10n"]},
+                          "(CIFAR-10 trained on the CIFAR-10N human labels of --label_set, scored on the clean test "
+                          "set; CC BY-NC 4.0).", "choices": ["cifar10n"]},
     )
     label_set: str = field(
         default="worse",
-        metadata={"help": "--dataset cifar10n: which human labels train (wrong: aggre 9 %%, random1-3 17-18 %%, worse 40 %%).",
+        metadata={"help": "--dataset cifar10n: which human labels train (wrong: aggre 9 %%, random1-3 17-18 %%, worse "
+                          "40 %%).",
                   "choices": list(CIFAR10N_LABEL_SETS)},
     )
     data_dir: str | None = field(
-        default=None, metadata={"help": "Folder of the shared data (default: $VARSMOOTH_DATA_DIR, else ../shared/data)."}
+        default=None,
+        metadata={"help": "Folder of the shared data (default: $VARSMOOTH_DATA_DIR, else ../shared/data)."}
     )
     dataset_name: str | None = field(
         default=None,
@@ -112,16 +115,23 @@ class DataArguments(SplitArguments):
                           "symmetric label noise unless --noise_type is given)."},
     )
     dataset_config_name: str | None = field(default=None, metadata={"help": "Dataset configuration name."})
-    train_dir: str | None = field(default=None, metadata={"help": "A folder of training images, one sub-folder per class."})
-    validation_dir: str | None = field(default=None, metadata={"help": "A folder of evaluation images, one sub-folder per class."})
+    train_dir: str | None = field(default=None,
+                                  metadata={"help": "A folder of training images, one sub-folder per class."})
+    validation_dir: str | None = field(default=None,
+                                       metadata={"help": "A folder of evaluation images, one sub-folder per class."})
     image_column_name: str | None = field(
-        default=None, metadata={"help": "Image column (default: the first Image feature).", "aliases": ["--image_column"]}
+        default=None,
+        metadata={"help": "Image column (default: the first Image feature).", "aliases": ["--image_column"]}
     )
     label_column_name: str | None = field(
-        default=None, metadata={"help": "Label column (default: the first ClassLabel feature).", "aliases": ["--label_column"]}
+        default=None,
+        metadata={"help": "Label column (default: the first ClassLabel feature).", "aliases": ["--label_column"]}
     )
-    image_size: int | None = field(default=None, metadata={"help": "Resize images to this size (default: the model's, else unchanged)."})
-    max_train_samples: int | None = field(default=None, metadata={"help": "Truncate the training set (for quick runs)."})
+    image_size: int | None = field(default=None,
+                                   metadata={"help": "Resize images to this size (default: the model's, else "
+                                                     "unchanged)."})
+    max_train_samples: int | None = field(default=None,
+                                          metadata={"help": "Truncate the training set (for quick runs)."})
 
 
 #: how the card names the embedded data (in its text: it is no Hub dataset id, so not in its `datasets:` metadata)
@@ -130,10 +140,11 @@ EMBEDDED_DATASET_NAME = "scikit-learn's 8x8 digits (sklearn.datasets.load_digits
 
 @dataclass
 class ExampleTrainingArguments(VariationalTrainingArguments, ExportArguments):
-    """The example's defaults: a run that shows the method on the embedded data (96-99 s on 2 shared cores, README); a model
-    trained from scratch gets its method's `scratch_learning_rate` unless --learning_rate is given."""
+    """The example's defaults: a run that shows the method on the embedded data (96-99 s on 2 shared cores, README); a
+    model trained from scratch gets its method's `scratch_learning_rate` unless --learning_rate is given."""
 
-    output_dir: str = field(default="outputs/image-classification", metadata={"help": "Where the model, posterior and metrics go."})
+    output_dir: str = field(default="outputs/image-classification",
+                            metadata={"help": "Where the model, posterior and metrics go."})
     overwrite_output_dir: bool = field(
         default=False,
         metadata={"help": "Train into a non-empty output_dir, from scratch even if it holds checkpoints (by default "
@@ -216,7 +227,8 @@ def build_processor(model_args: ModelArguments, num_channels: int, image_size: i
     )
 
 
-def parse_arguments(argv: list[str]) -> tuple[ModelArguments, DataArguments, CorruptionArguments, ExampleTrainingArguments]:
+def parse_arguments(argv: list[str]) -> tuple[ModelArguments, DataArguments, CorruptionArguments,
+                                              ExampleTrainingArguments]:
     """Command-line flags, or one JSON/YAML file as in the transformers examples. LoRA switches IVON to
     `ivon_preset="lora"`, else a pretrained model to `ivon_preset="finetune"`, unless the user chose a preset; a model
     trained from scratch gets its method's `scratch_learning_rate` unless the user chose a rate."""
@@ -227,13 +239,16 @@ def parse_arguments(argv: list[str]) -> tuple[ModelArguments, DataArguments, Cor
     overrides = {}
     presets = learns_posterior(method) and "ivon_preset" not in given and "method_config" not in given
     if model_args.lora_enabled and presets:
-        logger.info("LoRA: IVON uses ivon_preset='lora' (Cong et al. 2024's recipe; pass --ivon_preset to choose another).")
+        logger.info("LoRA: IVON uses ivon_preset='lora' (Cong et al. 2024's recipe; pass --ivon_preset to choose "
+                    "another).")
         overrides["ivon_preset"] = "lora"
     pretrained = model_args.pretrained or model_args.pretrained_weights or (
         model_args.model_name_or_path and not is_timm_name(model_args.model_name_or_path))
     if pretrained and not overrides and presets:
-        # the authors' from-scratch IVON settings wreck a pretrained model (benchmarks/README.md, "Fine-tuning a pretrained model")
-        logger.info("Pretrained model: IVON uses ivon_preset='finetune' (pass --ivon_preset scratch to train from scratch).")
+        # the authors' from-scratch IVON settings wreck a pretrained model (benchmarks/README.md, "Fine-tuning a
+        # pretrained model")
+        logger.info("Pretrained model: IVON uses ivon_preset='finetune' (pass --ivon_preset scratch to train from "
+                    "scratch).")
         overrides["ivon_preset"] = "finetune"
     if not pretrained and not learns_posterior(method) and "learning_rate" not in given:
         # TrainingArguments' 5e-5 is a fine-tuning rate; this one was chosen on the example's noisy validation split

@@ -1,6 +1,7 @@
 """Fine-tune a text classifier on (possibly noisy) labels with IVON, and predict by Bayesian model averaging.
 
-    accelerate launch examples/train_text_classification.py             # embedded default: 3,000 review sentences, 30 % noise
+    accelerate launch examples/train_text_classification.py             # embedded default: 3,000 review sentences,
+                                                                        # 30 % noise
     accelerate launch examples/train_text_classification.py run.yaml    # the flags as keys of one JSON/YAML file
     accelerate launch examples/train_text_classification.py --dataset trec --noise_type pairflip --noise_rate 0.2
     accelerate launch examples/train_text_classification.py \
@@ -23,9 +24,9 @@ naming the fix when the wheel is missing. The saved folder carries the mean-pool
 `AutoModelForSequenceClassification.from_pretrained(folder, trust_remote_code=True)`. `--model_name_or_path none`
 trains a small BERT built from a config with a WordPiece vocabulary learned from the training texts (from scratch).
 
-IVON's defaults here are the fine-tuning preset (benchmarks/README.md, "Fine-tuning a pretrained model"): the posterior starts at
-the pretrained weights with a small std σ0 = 1/sqrt(ess·(hess_init + prior_precision)) ≈ 3e-3, and the update is
-clipped element-wise so that learning_rate·clip_radius = 3e-4, the AdamW rate of the other methods here, is the
+IVON's defaults here are the fine-tuning preset (benchmarks/README.md, "Fine-tuning a pretrained model"): the posterior
+starts at the pretrained weights with a small std σ0 = 1/sqrt(ess·(hess_init + prior_precision)) ≈ 3e-3, and the update
+is clipped element-wise so that learning_rate·clip_radius = 3e-4, the AdamW rate of the other methods here, is the
 largest step of a weight (benchmarks/real_noise.py: both optimizers checked at this step size on SST-2). IVON runs
 export each training example's label noise (label_noise.parquet, `--label_noise_samples`).
 
@@ -38,8 +39,9 @@ trains adapters on the query/value projections and the new head only, with IVON'
 Every field of ModelArguments (with LoraArguments), DataArguments, CorruptionArguments and VariationalTrainingArguments
 is a flag, or a key of a single JSON/YAML file given instead of the flags, and so is every field of the config of the
 method --method names (`--ess 1e7` of the default IVON, `--method gce --gce_q 0.5`; varsmooth.methods.list_methods();
-`--method gce --help` lists them): a flag of another method is an error. `--do_predict` writes predict_results.txt for the test split (prediction, confidence, entropy, mutual
-information: n/a for a prediction without posterior draws, e.g. at τ = 0).
+`--method gce --help` lists them): a flag of another method is an error. `--do_predict` writes predict_results.txt for
+the test split (prediction, confidence, entropy, mutual information: n/a for a prediction without posterior draws, e.g.
+at τ = 0).
 """
 
 from __future__ import annotations
@@ -136,7 +138,8 @@ class DataArguments(SplitArguments):
                   "choices": [EMBEDDED_DATASET, *TEXT_DATASETS]},
     )
     data_dir: str | None = field(
-        default=None, metadata={"help": "Folder of the shared data (default: $VARSMOOTH_DATA_DIR, else ../shared/data)."}
+        default=None,
+        metadata={"help": "Folder of the shared data (default: $VARSMOOTH_DATA_DIR, else ../shared/data)."}
     )
     dataset_name: str | None = field(default=None, metadata={"help": "A datasets Hub id (e.g. stanfordnlp/sst2)."})
     dataset_config_name: str | None = field(default=None, metadata={"help": "Dataset configuration name."})
@@ -170,7 +173,8 @@ class ExampleTrainingArguments(VariationalTrainingArguments, ExportArguments):
     """The example's defaults: MiniLM (2 layers, mean pooling) on the embedded review sentences (7.9 min on 2 shared
     cores, README); IVON's fine-tuning preset, AdamW at 3e-4 for the other methods."""
 
-    output_dir: str = field(default="outputs/text-classification", metadata={"help": "Where the model, posterior and metrics go."})
+    output_dir: str = field(default="outputs/text-classification",
+                            metadata={"help": "Where the model, posterior and metrics go."})
     overwrite_output_dir: bool = field(
         default=False,
         metadata={"help": "Train into a non-empty output_dir, from scratch even if it holds checkpoints (by default "
@@ -212,7 +216,8 @@ FILE_FLAGS = {"train": "--train_file", "validation": "--validation_file", "test"
 
 
 def _data_files(data_args: DataArguments) -> dict[str, str]:
-    return {"train": data_args.train_file, **({"validation": data_args.validation_file} if data_args.validation_file else {}),
+    return {"train": data_args.train_file,
+            **({"validation": data_args.validation_file} if data_args.validation_file else {}),
             **({"test": data_args.test_file} if data_args.test_file else {})}
 
 
@@ -248,7 +253,8 @@ def load_data(data_args: DataArguments, seed: int) -> datasets.DatasetDict:
         if column not in train.column_names:
             raise ValueError(f"Column {column!r} not found among {train.column_names}: pass --text_column_name / "
                              "--label_column_name.")
-    sources = {split: f"{FILE_FLAGS[split]} {path}" for split, path in _data_files(data_args).items()} if data_args.train_file else None
+    sources = ({split: f"{FILE_FLAGS[split]} {path}" for split, path in _data_files(data_args).items()}
+               if data_args.train_file else None)
     check_text_cells(raw, data_args.text_column_name, data_args.label_column_name, sources)
     if not isinstance(train.features[data_args.label_column_name], datasets.ClassLabel):
         raw = raw.class_encode_column(data_args.label_column_name)  # string or integer labels -> ClassLabel
@@ -305,7 +311,8 @@ def main() -> None:
     data = load_data(data_args, training_args.seed)
     test_labels = data["test"][data_args.label_column_name] if "test" in data else None
     if data_args.max_train_samples:
-        data["train"] = data["train"].shuffle(seed=training_args.seed).select(range(min(data_args.max_train_samples, len(data["train"]))))
+        data["train"] = data["train"].shuffle(seed=training_args.seed).select(
+            range(min(data_args.max_train_samples, len(data["train"]))))
     if data_args.max_eval_samples:
         for split in ("validation", "test") if "test" in data else ("validation",):
             data[split] = data[split].select(range(min(data_args.max_eval_samples, len(data[split]))))
@@ -329,7 +336,8 @@ def main() -> None:
         num_layers = num_layers or OFFLINE_MINILM_LAYERS
     elif name_or_path.lower() == "none":
         name_or_path = None
-    pooling = resolve_pooling(model_args.pooling, name_or_path, name_or_path is not None and model_args.model_name_or_path is None)
+    pooling = resolve_pooling(model_args.pooling, name_or_path,
+                              name_or_path is not None and model_args.model_name_or_path is None)
     model, tokenizer = create_text_classifier(
         name_or_path, dict(enumerate(names)), num_hidden_layers=num_layers, pooling=pooling,
         train_texts=data["train"][:][data_args.text_column_name] if name_or_path is None else None,
@@ -351,7 +359,8 @@ def main() -> None:
 
     keep = ("clean_label", "is_corrupted")  # trainer.label_noise() reports against them (batches never see them)
     tokenized = {
-        split: data[split].map(tokenize, batched=True, remove_columns=[c for c in data[split].column_names if c not in keep])
+        split: data[split].map(tokenize, batched=True,
+                               remove_columns=[c for c in data[split].column_names if c not in keep])
         for split in data
     }
     # the validation split is predicted many times (every τ of the posterior temperature, the export): in order of
@@ -359,7 +368,8 @@ def main() -> None:
     validation = tokenized["validation"]
     validation = (validation.add_column("length", [len(ids) for ids in validation["input_ids"]]).sort("length")
                   .remove_columns("length"))
-    trainer = VariationalTrainer(model=model, args=training_args, train_dataset=tokenized["train"], eval_dataset=validation,
+    trainer = VariationalTrainer(model=model, args=training_args, train_dataset=tokenized["train"],
+                                 eval_dataset=validation,
                                  data_collator=DataCollatorWithPadding(tokenizer), processing_class=tokenizer,
                                  noise_report=reports["train"] if reports else None,
                                  eval_noise_transition=validation_noise_transition(reports),
@@ -369,7 +379,9 @@ def main() -> None:
     elif data_args.train_file:
         dataset_name, tags = "local files", None
     else:  # named in the card's text, not in its `datasets:` metadata (no Hub dataset id)
-        dataset_name, tags = EMBEDDED_DATASET_NAME if data_args.dataset == EMBEDDED_DATASET else TEXT_DATASET_NAMES[data_args.dataset], None
+        dataset_name = (EMBEDDED_DATASET_NAME if data_args.dataset == EMBEDDED_DATASET
+                        else TEXT_DATASET_NAMES[data_args.dataset])
+        tags = None
     train_evaluate_and_share(trainer, checkpoint, tokenized.get("test"), dataset_name, dataset_tags=tags,
                              test_labels=test_labels)
 

@@ -75,7 +75,8 @@ def load_digits_dataset(test_size: float = 0.2, seed: int = 0) -> datasets.Datas
 
     digits = load_digits()
     images = (digits.images * (255.0 / 16.0)).round().astype(np.uint8)
-    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=[str(i) for i in range(10)])})
+    features = datasets.Features({"image": datasets.Image(),
+                                  "label": datasets.ClassLabel(names=[str(i) for i in range(10)])})
     ds = datasets.Dataset.from_dict({"image": list(images), "label": digits.target.tolist()}, features=features)
     return ds.train_test_split(test_size=test_size, seed=seed, stratify_by_column="label")
 
@@ -294,13 +295,15 @@ def train_eval_splits(
     return out
 
 
-def load_data_files(files: Mapping[str, str | os.PathLike], builder: str, flags: Mapping[str, str]) -> datasets.DatasetDict:
+def load_data_files(files: Mapping[str, str | os.PathLike], builder: str,
+                    flags: Mapping[str, str]) -> datasets.DatasetDict:
     """The splits of local `files` (split -> path) read by the `datasets` `builder` (csv, json, parquet), each file on
     its own, so that a missing or malformed one is named with its flag (`flags`: split -> flag) and the fix."""
     splits = {}
     for split, path in files.items():
         if not os.path.isfile(path):
-            raise FileNotFoundError(f"{flags[split]} {path}: no such file. Pass the path of an existing {builder} file.")
+            raise FileNotFoundError(f"{flags[split]} {path}: no such file. Pass the path of an existing {builder} "
+                                    "file.")
         try:
             splits[split] = datasets.load_dataset(builder, data_files={split: os.fspath(path)})[split]
         except Exception as error:  # pyarrow's and datasets' own errors name neither the file nor the fix
@@ -322,7 +325,8 @@ def check_text_cells(raw: datasets.DatasetDict, text_column: str, label_column: 
         for column in (text_column, label_column):
             if column not in dataset.column_names:
                 continue
-            rows = [i for i, value in enumerate(dataset[column]) if value is None or (isinstance(value, str) and not value.strip())]
+            rows = [i for i, value in enumerate(dataset[column])
+                    if value is None or (isinstance(value, str) and not value.strip())]
             if rows:
                 raise ValueError(f"{where} has {len(rows)} empty {column!r} cells (rows {rows[:5]}"
                                  f"{' ...' if len(rows) > 5 else ''}): every example needs a text and a label. Fill "

