@@ -201,13 +201,15 @@ def tiny_digits_resnet(seed: int = 0):
     torch.manual_seed(seed)
     return ResNetForImageClassification(ResNetConfig(
         num_channels=1, embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], layer_type="basic", num_labels=10,
-        downsample_in_first_stage=False, id2label={i: str(i) for i in range(10)}, label2id={str(i): i for i in range(10)}))
+        downsample_in_first_stage=False, id2label={i: str(i) for i in range(10)},
+        label2id={str(i): i for i in range(10)}))
 
 
 def digits_images(n: int) -> datasets.Dataset:
     """`digits_dataset(n)` with `pixel_values` as 1-channel 8x8 images, for convolutional models."""
     ds = digits_dataset(n).with_format(None)
-    return ds.map(lambda b: {"pixel_values": np.asarray(b["pixel_values"], "float32")[:, None]}, batched=True).with_format("torch")
+    return ds.map(lambda b: {"pixel_values": np.asarray(b["pixel_values"], "float32")[:, None]},
+                  batched=True).with_format("torch")
 
 
 def noisy_digits_images(n_val: int):

@@ -82,7 +82,9 @@ class HubStandIn:
                         return self._reply(404, {"error": "Repository not found"}, {"X-Error-Code": "RepoNotFound"})
                     files = hub.repos[repo]
                     if len(parts) > 5 and parts[5] == "tree":
-                        return self._reply(200, [{"type": "file", "path": f, "size": len(b), "oid": _sha(b)} for f, b in files.items()])
+                        return self._reply(200,
+                                           [{"type": "file", "path": f, "size": len(b), "oid": _sha(b)}
+                                            for f, b in files.items()])
                     return self._reply(200, {"id": repo, "modelId": repo, "sha": hub.head(repo), "private": False,
                                              "siblings": [{"rfilename": f} for f in sorted(files)]})
                 repo, filename = self._file()
@@ -110,7 +112,8 @@ class HubStandIn:
                 parts = path.split("/")
                 if len(parts) >= 7 and parts[5] == "preupload":
                     files = json.loads(body)["files"]
-                    return self._reply(200, {"files": [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False}
+                    return self._reply(200,
+                                       {"files": [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False}
                                                        for f in files]})
                 if len(parts) >= 7 and parts[5] == "commit":
                     repo = f"{parts[3]}/{parts[4]}"
@@ -123,7 +126,8 @@ class HubStandIn:
                         if line["key"] == "deletedFile":
                             hub.repos[repo].pop(line["value"]["path"], None)
                     oid = hashlib.sha1(body).hexdigest()
-                    hub.commits.append({"repo": repo, "summary": header.get("summary"), "files": sorted(files), "oid": oid})
+                    hub.commits.append({"repo": repo, "summary": header.get("summary"), "files": sorted(files),
+                                        "oid": oid})
                     return self._reply(200, {"commitUrl": f"{hub.endpoint}/{repo}/commit/{oid}", "commitOid": oid,
                                              "pullRequestUrl": None})
                 self._reply(404, {"error": f"stand-in: unhandled POST {path}"})

@@ -67,7 +67,8 @@ def test_training_with_a_posterior_ends_with_the_statistics_of_the_mean(tmp_path
     model = trainer.model
     reference = TensorInput(copy.deepcopy(model))
     update_bn([ds["pixel_values"][i:i + 32] for i in range(0, 96, 32)], reference)
-    same = all(torch.allclose(x, y, atol=1e-5, rtol=1e-5) for x, y in zip(_statistics(model), _statistics(reference.model)))
+    same = all(torch.allclose(x, y, atol=1e-5, rtol=1e-5)
+               for x, y in zip(_statistics(model), _statistics(reference.model)))
     assert same == (method == "ivon" and recompute)
     logged = [entry for entry in trainer.state.log_history if "batchnorm_recomputed_from_examples" in entry]
     assert [entry["batchnorm_recomputed_from_examples"] for entry in logged] == ([96] if same else [])
@@ -96,8 +97,10 @@ def test_the_label_noise_export_draws_normalise_with_their_own_statistics(tmp_pa
         expected = expected + drawn.eval()(x).softmax(-1) / 4
     with torch.no_grad():
         mean = model(pixel_values=x).logits.softmax(-1)
-    torch.testing.assert_close(torch.as_tensor(np.asarray(noise["predictive_probs"]), dtype=torch.float32), expected.detach(), atol=1e-5, rtol=1e-4)
-    torch.testing.assert_close(torch.as_tensor(np.asarray(noise["mean_probs"]), dtype=torch.float32), mean, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(torch.as_tensor(np.asarray(noise["predictive_probs"]), dtype=torch.float32),
+                               expected.detach(), atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(torch.as_tensor(np.asarray(noise["mean_probs"]), dtype=torch.float32), mean, atol=1e-5,
+                               rtol=1e-4)
     for before, after in zip(own, _statistics(model), strict=True):
         assert torch.equal(before, after)
     # batches that can be read only once: the ones the draws' statistics took are still measured
@@ -110,9 +113,11 @@ def test_the_export_and_the_card_say_that_each_draw_had_its_own_statistics(tmp_p
     out = tmp_path / "run"
     trainer = VariationalTrainer(model=tiny_digits_resnet(0), train_dataset=digits_images(64),
                                  callbacks=[LabelNoiseCallback(num_samples=2)],
-                                 args=make_args(out, max_steps=2, per_device_train_batch_size=32, posterior_temperature=1.0))
+                                 args=make_args(out, max_steps=2, per_device_train_batch_size=32,
+                                                posterior_temperature=1.0))
     trainer.train()
     trainer.save_model()
     assert json.loads((out / "label_noise_summary.json").read_text())["batchnorm_statistics_per_draw"] is True
     card = build_model_card(trainer.run_record(), trainer.model, out).text
-    assert "(2 posterior samples at τ = 1, each normalised with BatchNorm statistics of its own, as in training)" in card
+    assert ("(2 posterior samples at τ = 1, each normalised with BatchNorm statistics of its own, as in training)"
+            in card)

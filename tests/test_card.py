@@ -30,8 +30,8 @@ def run(tmp_path_factory):
     # τ fixed at 1: the card shows both predictions whatever the selection would choose (τ = 0 is tested apart)
     args = make_args(out, max_steps=6, eval_mc_samples=4, beta2=0.99, posterior_temperature=1.0,
                      logging_strategy="steps", logging_steps=4)  # the last log is not the end of training
-    trainer = VariationalTrainer(model=TinyClassifier(), args=args, train_dataset=train, eval_dataset=digits_dataset(64, seed=1),
-                                 callbacks=[LabelNoiseCallback(num_samples=4)])
+    trainer = VariationalTrainer(model=TinyClassifier(), args=args, train_dataset=train,
+                                 eval_dataset=digits_dataset(64, seed=1), callbacks=[LabelNoiseCallback(num_samples=4)])
     trainer.train()
     trainer.evaluate()
     return trainer, out
@@ -130,24 +130,28 @@ def test_both_predictions_and_the_better_one_named(run, nll, mean_nll):
     if bma == mean:  # e.g. a chosen posterior temperature near 0: the sentence must not name a winner the table lacks
         assert f"both predictions have the same negative log-likelihood ({bma:.4f})" in text
         return
-    (better, first, second), = re.findall(r"the \*\*(posterior-averaged|posterior-mean)\*\* prediction is the better one "
-                                          r"by negative log-likelihood \(lower is better\): ([\d.]+) vs ([\d.]+)", text)
+    (better, first, second), = re.findall(
+        r"the \*\*(posterior-averaged|posterior-mean)\*\* prediction is the better one "
+        r"by negative log-likelihood \(lower is better\): ([\d.]+) vs ([\d.]+)", text)
     assert better == ("posterior-averaged" if bma < mean else "posterior-mean")
     assert (float(first), float(second)) == ((bma, mean) if bma < mean else (mean, bma))
     assert float(first) < float(second)
     # the metadata lists both predictions, the better one first
     names = [m["name"] for r in meta["model-index"][0]["results"] for m in r["metrics"] if m["type"] == "nll"]
-    assert names == (["Negative log-likelihood (posterior-averaged)", "Negative log-likelihood (posterior mean)"][::1 if bma < mean else -1])
+    assert names == (["Negative log-likelihood (posterior-averaged)",
+                      "Negative log-likelihood (posterior mean)"][::1 if bma < mean else -1])
 
 
 def test_the_card_lists_only_the_pictures_the_save_recorded(run):
     trainer, out = run
     trainer.save_model()
-    (out / "someone_elses_plot.png").write_bytes(b"\x89PNG")  # a stray file beside the model is neither pushed nor described
+    # a stray file beside the model is neither pushed nor described
+    (out / "someone_elses_plot.png").write_bytes(b"\x89PNG")
     text, _ = _parts(_card(trainer))
     assert "someone_elses_plot.png" not in text
     recorded = json.loads((out / "varsmooth_manifest.json").read_text())["files"]
-    assert "label_noise.parquet" in recorded and "per-example label noise of the training set" in text  # still described
+    # still described
+    assert "label_noise.parquet" in recorded and "per-example label noise of the training set" in text
 
 
 def test_the_card_names_the_task_and_auto_class_the_model_reloads_with(tmp_path):
@@ -161,7 +165,8 @@ def test_the_card_names_the_task_and_auto_class_the_model_reloads_with(tmp_path)
         pass
 
     model = Digits(ResNetConfig(num_channels=1, embedding_size=8, hidden_sizes=[8], depths=[1], num_labels=3))
-    record = RunRecord(method="erm", learns_posterior=False, hyperparameters={}, repo_id="user/digits", model_name="digits")
+    record = RunRecord(method="erm", learns_posterior=False, hyperparameters={}, repo_id="user/digits",
+                       model_name="digits")
     text, meta = _parts(build_model_card(record, model, tmp_path))
     assert meta["pipeline_tag"] == "image-classification"
     assert "AutoModelForImageClassification.from_pretrained" in text
@@ -176,7 +181,8 @@ def test_the_card_reports_max_steps_and_what_the_posterior_learned(run):
     text, _ = _parts(_card(trainer))
     assert "| max_steps | 6 |" in text and "| epochs |" not in text  # --max_steps overrides the epochs
     # IVON's settings under the names the arguments (and the CLI) take: weight_decay is refused with IVON
-    assert f"| prior_precision | {trainer.args.method_config.prior_precision} |" in text and "| weight_decay |" not in text
+    assert (f"| prior_precision | {trainer.args.method_config.prior_precision} |" in text
+            and "| weight_decay |" not in text)
     assert f"| learning_rate | {trainer.args.learning_rate} |" in text and "| lr |" not in text
     # the Hessian's movement and σ of the saved posterior, at the end of training (step 6; the last log was at step 4)
     from varsmooth.posterior.diagnostics import hessian_change
@@ -188,14 +194,17 @@ def test_the_card_reports_max_steps_and_what_the_posterior_learned(run):
     sigma = trainer.hessian_summary()["posterior_std_median"]
     assert f"σ = 1/sqrt(ess·(h + δ)) had median {sigma:.4g}" in text
     args = trainer.args
-    assert f"σ0 = {1 / (trainer.ivon.param_groups[0]['ess'] * (args.method_config.hess_init + args.method_config.prior_precision)) ** 0.5:.4g}" in text
+    sigma0 = 1 / (trainer.ivon.param_groups[0]['ess']
+                  * (args.method_config.hess_init + args.method_config.prior_precision)) ** 0.5
+    assert f"σ0 = {sigma0:.4g}" in text
     assert ("hardly moved" in text) == (change < 0.1)
     summary = json.loads((out / "label_noise_summary.json").read_text())
     assert f"|ε̄|₁ has mean {summary['all']['noise_l1']['mean']:.3g}" in text
     assert "Predictions average the softmax over 4 samples of that posterior" in text
 
 
-@pytest.mark.parametrize("rho, says", [(0.3, "it is larger for ambiguous examples"), (0.07, "it is *not* clearly larger"),
+@pytest.mark.parametrize("rho, says",
+                         [(0.3, "it is larger for ambiguous examples"), (0.07, "it is *not* clearly larger"),
                                        (-0.6, "it is *not* larger")])
 def test_the_card_says_whether_this_runs_label_noise_is_larger_for_ambiguous_examples(run, tmp_path, rho, says):
     trainer, out = run
@@ -210,7 +219,8 @@ def test_the_card_says_whether_this_runs_label_noise_is_larger_for_ambiguous_exa
     why = (f"largest where the posterior mean predicts with confidence ≈ {adaptivity['noise_l1_peak_confidence']:.2f}"
            f" and smaller for less confident predictions")
     assert (why in text) == (rho < 0.3)
-    assert (f"{adaptivity['below_noise_peak_share']:.0%} of the examples are predicted less confidently" in text) == (rho < 0.3)
+    assert ((f"{adaptivity['below_noise_peak_share']:.0%} of the examples are predicted less confidently" in text)
+            == (rho < 0.3))
     assert ("the card says larger from ρ = 0.3 on" in text) == (0 < rho < 0.3)
 
 
@@ -223,8 +233,10 @@ def test_a_card_at_the_posterior_mean_says_so_and_why(run):
     trainer.args.posterior_temperature = None
     try:
         text, meta = _parts(_card(trainer))
-        assert "Predictions are made at the posterior mean, without averaging: the posterior temperature τ = 0 was chosen" in text
-        assert "noise-corrected validation NLL on the validation split (0.5120, against 0.5340 at τ = 0.5, 0.6010 at τ = 1)" in text
+        assert ("Predictions are made at the posterior mean, without averaging: the posterior temperature τ = 0 was "
+                "chosen" in text)
+        assert ("noise-corrected validation NLL on the validation split (0.5120, against 0.5340 at τ = 0.5, 0.6010 at "
+                "τ = 1)" in text)
         assert "because the posterior mean scored best by" in text and "tie with it" not in text
         # a tie the validation split cannot resolve is said as a tie, the best named whichever it is
         for nll, verdict in (({"0": 0.512, "0.5": 0.514, "1": 0.601}, "scored best (τ = 0.5 tie with it"),
@@ -247,7 +259,8 @@ def test_a_baseline_card_describes_the_baseline(tmp_path):
     """ERM learns no posterior: no posterior column, file or sentence; its learning rate is in the table."""
     train = corrupt_labels(digits_dataset(96).with_format(None), "symmetric", 0.4, seed=0).with_format("torch")
     args = make_args(tmp_path, method="erm", learning_rate=1e-3, num_train_epochs=2)
-    trainer = VariationalTrainer(model=TinyClassifier(), args=args, train_dataset=train, eval_dataset=digits_dataset(32, seed=1))
+    trainer = VariationalTrainer(model=TinyClassifier(), args=args, train_dataset=train,
+                                 eval_dataset=digits_dataset(32, seed=1))
     trainer.train()
     trainer.save_model()
     trainer.evaluate()

@@ -1,4 +1,5 @@
-"""Statistical and API tests of varsmooth.corruption (reference values: the noise models' definitions, computed here)."""
+"""Statistical and API tests of varsmooth.corruption (reference values: the noise models' definitions, computed
+here)."""
 
 from __future__ import annotations
 
@@ -430,7 +431,8 @@ def test_instance_noise_on_nan_features_refused():
 
 
 @pytest.mark.parametrize("build", [
-    lambda: symmetric_transition(4, 1.5), lambda: asymmetric_transition(4, 2.0, {0: 1}), lambda: uniform_transition(4, -0.5),
+    lambda: symmetric_transition(4, 1.5), lambda: asymmetric_transition(4, 2.0, {0: 1}),
+    lambda: uniform_transition(4, -0.5),
 ])
 def test_public_transition_builders_refuse_invalid_rates(build):
     with pytest.raises(ValueError, match=r"flip rate in \[0, 1\]"):

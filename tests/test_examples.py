@@ -1,7 +1,8 @@
 """The example scripts as a new user runs them: `--help`, reproducible runs, resuming, the flags of Hugging Face's
-example scripts (`--do_train/--do_eval`, `--train_dir`, `--*_column_name`, `--train_val_split`, `--overwrite_output_dir`)
-and a 2-process CPU launch (gloo); and the image example's argument handling: the preset of a pretrained model, config
-files, a from-scratch model's learning rate, logging steps (more of its training runs: test_data.py, test_plots.py)."""
+example scripts (`--do_train/--do_eval`, `--train_dir`, `--*_column_name`, `--train_val_split`,
+`--overwrite_output_dir`) and a 2-process CPU launch (gloo); and the image example's argument handling: the preset of a
+pretrained model, config files, a from-scratch model's learning rate, logging steps (more of its training runs:
+test_data.py, test_plots.py)."""
 
 from __future__ import annotations
 
@@ -37,7 +38,8 @@ example = load_example("train_image_classification")
 
 
 def _image(*flags: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(REPO / "examples" / "train_image_classification.py"), *TINY_IMAGE, *flags],
+    return subprocess.run([sys.executable, str(REPO / "examples" / "train_image_classification.py"), *TINY_IMAGE,
+                           *flags],
                           capture_output=True, text=True, timeout=timeout, env=ENV)
 
 
@@ -47,7 +49,8 @@ def _metric_lines(stdout: str) -> list[dict]:
 
 @pytest.mark.parametrize("script", EXAMPLES, ids=lambda p: p.name)
 def test_every_example_prints_its_help(script):
-    result = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=300, env=ENV)
+    result = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=300,
+                            env=ENV)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "--output_dir" in result.stdout
     assert "%%" not in result.stdout  # help texts with a percent sign are escaped for argparse, and printed once
@@ -61,7 +64,8 @@ def test_the_same_command_twice_gives_the_same_run(tmp_path):
         assert run.returncode == 0, run.stderr[-3000:]
     (first,), (second,) = (_metric_lines(run.stdout) for run in runs)
     timing = ("_runtime", "_samples_per_second", "_steps_per_second")  # of the eval_* and test_* scores alike
-    assert {k: v for k, v in first.items() if not k.endswith(timing)} == {k: v for k, v in second.items() if not k.endswith(timing)}
+    assert ({k: v for k, v in first.items() if not k.endswith(timing)}
+            == {k: v for k, v in second.items() if not k.endswith(timing)})
     assert "test_accuracy" in first and "eval_accuracy" in first
     a, b = (load_file(tmp_path / name / "model.safetensors") for name in ("a", "b"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -117,7 +121,8 @@ def test_do_train_and_do_eval_choose_what_runs(tmp_path):
     trained = _image("--do_train", "--eval_strategy", "no", "--max_steps", "2", "--output_dir", str(tmp_path / "train"))
     assert trained.returncode == 0, trained.stderr[-3000:]
     assert "train_runtime" in trained.stdout and not _metric_lines(trained.stdout)
-    assert (tmp_path / "train" / "model.safetensors").is_file() and not (tmp_path / "train" / "eval_results.json").exists()
+    assert ((tmp_path / "train" / "model.safetensors").is_file()
+            and not (tmp_path / "train" / "eval_results.json").exists())
 
 
 def test_do_predict_logging_steps_and_tensorboard_as_in_hugging_faces_examples(tmp_path):
@@ -139,7 +144,8 @@ def test_do_predict_logging_steps_and_tensorboard_as_in_hugging_faces_examples(t
     confidence, entropy = (np.array([float(r[i]) for r in rows]) for i in (3, 4))
     assert np.all(confidence >= 0.1 - 1e-6) and np.all((entropy >= 0) & (entropy <= np.log(10) + 1e-6))
     mutual_information = np.array([float(r[5]) for r in rows])
-    assert np.all((mutual_information >= -1e-6) & (mutual_information <= entropy + 1e-6)) and mutual_information.max() > 0
+    assert (np.all((mutual_information >= -1e-6) & (mutual_information <= entropy + 1e-6))
+            and mutual_information.max() > 0)
 
 
 def test_predict_results_keep_the_mutual_information_column_without_draws(tmp_path):
@@ -151,7 +157,8 @@ def test_predict_results_keep_the_mutual_information_column_without_draws(tmp_pa
 
     trainer = VariationalTrainer(model=TinyClassifier(), args=make_args(tmp_path, method="erm"))
     test = digits_dataset(8)
-    lines = Path(write_predictions(trainer, test, [int(y) for y in test["label"]], [str(i) for i in range(10)])).read_text().splitlines()
+    lines = Path(write_predictions(trainer, test, [int(y) for y in test["label"]],
+                                   [str(i) for i in range(10)])).read_text().splitlines()
     assert lines[0].split("\t") == ["index", "prediction", "label", "confidence", "entropy", "mutual_information"]
     assert [line.split("\t")[5] for line in lines[1:]] == ["n/a"] * 8
 
@@ -164,7 +171,8 @@ def test_do_predict_is_refused_before_training_without_a_test_split_or_across_pr
     def train(**kwargs):
         pytest.fail("trained before refusing")
 
-    trainer = SimpleNamespace(args=SimpleNamespace(do_predict=True, do_train=True, do_eval=True, world_size=1), train=train)
+    trainer = SimpleNamespace(args=SimpleNamespace(do_predict=True, do_train=True, do_eval=True, world_size=1),
+                              train=train)
     with pytest.raises(ValueError, match="has none"):
         train_evaluate_and_share(trainer, None, None, "data")
     trainer.args.world_size = 2  # each process would write its shard of the test split
@@ -203,8 +211,8 @@ def test_image_folders_column_names_and_the_validation_split(tmp_path):
     example = load_example("train_image_classification")
     _image_folder(tmp_path / "train", 5)
     _image_folder(tmp_path / "val", 2)
-    data_args = example.parse_arguments(["--train_dir", str(tmp_path / "train"), "--validation_dir", str(tmp_path / "val"),
-                                         "--use_cpu", "true"])[1]
+    data_args = example.parse_arguments(["--train_dir", str(tmp_path / "train"), "--validation_dir",
+                                         str(tmp_path / "val"), "--use_cpu", "true"])[1]
     data, embedded, _ = example.load_data(data_args, seed=0)
     assert not embedded and (len(data["train"]), len(data["validation"])) == (10, 4) and "test" not in data
     assert data["train"].features["label"].names == ["cat", "dog"]
@@ -218,7 +226,8 @@ def test_image_folders_column_names_and_the_validation_split(tmp_path):
     # the old flag names stay as aliases of HF's
     data_args = example.parse_arguments(["--image_column", "img", "--label_column", "y", "--use_cpu", "true"])[1]
     assert (data_args.image_column_name, data_args.label_column_name) == ("img", "y")
-    data_args = example.parse_arguments(["--image_column_name", "img", "--train_val_split", "0.5", "--use_cpu", "true"])[1]
+    data_args = example.parse_arguments(["--image_column_name", "img", "--train_val_split", "0.5", "--use_cpu",
+                                         "true"])[1]
     assert data_args.image_column_name == "img" and data_args.train_val_split == 0.5
 
 
@@ -269,7 +278,8 @@ def test_text_example_column_names_files_and_train_val_split(tmp_path):
     example = load_example("train_text_classification")
     from transformers import HfArgumentParser
 
-    rows = "sentence,y\n" + "".join(f"{'good' if i % 2 else 'bad'} film {i},{'pos' if i % 2 else 'neg'}\n" for i in range(20))
+    rows = "sentence,y\n" + "".join(f"{'good' if i % 2 else 'bad'} film {i},{'pos' if i % 2 else 'neg'}\n"
+                                    for i in range(20))
     (tmp_path / "train.csv").write_text(rows)
     (tmp_path / "dev.csv").write_text(rows[: rows.index("film 6")].rsplit("\n", 1)[0] + "\n")
     parser = HfArgumentParser(example.DataArguments)
@@ -296,8 +306,8 @@ def test_text_example_column_names_files_and_train_val_split(tmp_path):
 # -- several processes -------------------------------------------------------------------------------------------
 def _launch(example: str, dump: Path, *flags: str) -> subprocess.CompletedProcess:
     """The README's CPU launch: `accelerate launch --multi_gpu --num_processes 2 ... --use_cpu true`."""
-    return run_script(WORKERS / "example_ddp_worker.py", example, str(dump), "--use_cpu", "true", "--disable_tqdm", "true",
-                      *flags, launcher="accelerate", env={"HF_HUB_OFFLINE": "1"}, timeout=400)
+    return run_script(WORKERS / "example_ddp_worker.py", example, str(dump), "--use_cpu", "true", "--disable_tqdm",
+                      "true", *flags, launcher="accelerate", env={"HF_HUB_OFFLINE": "1"}, timeout=400)
 
 
 def _check_one_ddp_run(result: subprocess.CompletedProcess, dump: Path, out: Path) -> None:
@@ -387,7 +397,8 @@ def test_a_chosen_preset_and_a_model_from_scratch_are_left_alone(tmp_path, how):
     from_scratch = {"output_dir": str(tmp_path)}
     for config in (scratch_pretrained, from_scratch):
         if how == "flags":
-            argv = [f"--{key.replace('_', '-') if key == 'ivon_preset' else key}={value}" for key, value in config.items()]
+            argv = [f"--{key.replace('_', '-') if key == 'ivon_preset' else key}={value}"
+                    for key, value in config.items()]
         else:
             path = tmp_path / "config.json"
             path.write_text(json.dumps(config))
@@ -440,7 +451,8 @@ def test_logging_steps_given_alone_logs_every_that_many_steps(tmp_path):
 
 # -- issue 42: the examples' data loading names the file or flag at fault and the fix --------------------------------
 @pytest.mark.parametrize("flag, meant", [("--evaluation_strategy", "--eval_strategy"), ("--no_cuda", "--use_cpu"),
-                                         ("--num_train_epoch", "--num_train_epochs"), ("--lerning_rate", "--learning_rate")])
+                                         ("--num_train_epoch", "--num_train_epochs"),
+                                         ("--lerning_rate", "--learning_rate")])
 def test_an_unknown_flag_is_named_with_the_one_meant(tmp_path, flag, meant):
     with pytest.raises(ValueError, match=rf"Unknown flag in the command line: {flag} \(did you mean {meant}\?\)"):
         example.parse_arguments([flag, "1", "--use_cpu", "true"])
@@ -457,7 +469,8 @@ def test_a_missing_image_folder_is_named_before_anything_loads(tmp_path, flag):
     _image_folder(tmp_path / "train", 2)
     flags = {"--train_dir": str(tmp_path / "train"), flag: str(tmp_path / "typo")}
     data_args = example.parse_arguments([*(x for kv in flags.items() for x in kv), "--use_cpu", "true"])[1]
-    with pytest.raises(FileNotFoundError, match=rf"{flag} {tmp_path / 'typo'}: no such folder.*one sub-folder per class"):
+    with pytest.raises(FileNotFoundError,
+                       match=rf"{flag} {tmp_path / 'typo'}: no such folder.*one sub-folder per class"):
         example.load_data(data_args, seed=0)
 
 
@@ -521,7 +534,8 @@ def test_an_output_folder_that_cannot_be_written_fails_before_training(tmp_path)
     from example_utils.script import check_output_dir_writable
 
     (tmp_path / "a_file").write_text("not a folder")
-    with pytest.raises(PermissionError, match=rf"--output_dir {tmp_path / 'a_file' / 'out'} cannot be written.*Choose a folder"):
+    with pytest.raises(PermissionError,
+                       match=rf"--output_dir {tmp_path / 'a_file' / 'out'} cannot be written.*Choose a folder"):
         check_output_dir_writable(str(tmp_path / "a_file" / "out"))
     refused = _image("--output_dir", str(tmp_path / "a_file" / "out"), "--max_steps", "1")
     assert refused.returncode != 0 and "cannot be written" in refused.stderr

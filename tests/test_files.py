@@ -34,7 +34,8 @@ IVON = dict(learning_rate=0.2, beta2=0.99, lr_scheduler_type="constant", train_s
 
 def _train_ivon(out, model=None, steps: int = 3, **kw) -> VariationalTrainer:
     args = make_args(out, max_steps=steps, eval_mc_samples=2, **{**IVON, **kw})
-    trainer = VariationalTrainer(model=model if model is not None else tiny_digits_resnet(), args=args, train_dataset=digits_images(64))
+    trainer = VariationalTrainer(model=model if model is not None else tiny_digits_resnet(), args=args,
+                                 train_dataset=digits_images(64))
     trainer.train()
     return trainer
 
@@ -53,13 +54,15 @@ def test_erm_run_in_a_reused_folder_leaves_nothing_of_the_ivon_run(tmp_path):
     assert stale <= set(os.listdir(out))
     (out / "my_notes.txt").write_text("the user's own file")
 
-    erm = VariationalTrainer(model=tiny_digits_resnet(1), args=make_args(out, method="erm", max_steps=2), train_dataset=digits_images(64))
+    erm = VariationalTrainer(model=tiny_digits_resnet(1), args=make_args(out, method="erm", max_steps=2),
+                             train_dataset=digits_images(64))
     erm.train()
     erm.save_model()
     assert not stale & set(os.listdir(out))
     assert (out / "my_notes.txt").read_text() == "the user's own file"  # not varsmooth's: kept, and not in the manifest
     manifest = json.loads((out / MANIFEST_FILE).read_text())
-    assert manifest["method"] == "erm" and "model.safetensors" in manifest["files"] and "my_notes.txt" not in manifest["files"]
+    assert (manifest["method"] == "erm" and "model.safetensors" in manifest["files"]
+            and "my_notes.txt" not in manifest["files"])
     with pytest.warns(UserWarning, match="Predicting at the posterior mean"):
         VariationalModel.from_pretrained(out)
 
@@ -104,7 +107,8 @@ def test_save_interrupted_between_weights_and_posterior_is_named_as_incomplete(t
     with pytest.raises(OSError, match="killed"):
         trainer.save_model(str(out))
     assert (out / "model.safetensors").is_file()  # the weights were written, the posterior not (again)
-    for load in (lambda: VariationalModel.from_pretrained(out), lambda: DiagonalGaussianPosterior.load(trainer.model, out)):
+    for load in (lambda: VariationalModel.from_pretrained(out),
+                 lambda: DiagonalGaussianPosterior.load(trainer.model, out)):
         with pytest.raises(ValueError, match=r"model holds an incomplete save: .*never finished"):
             load()  # not "not trained with IVON", not a posterior of other weights
     monkeypatch.setattr(DiagonalGaussianPosterior, "save", real_save)
@@ -115,7 +119,8 @@ def test_save_interrupted_between_weights_and_posterior_is_named_as_incomplete(t
 def test_file_changed_after_the_save_is_refused(tmp_path):
     train, report = corrupt_labels(digits_images(64).with_format(None), "symmetric", 0.2, seed=0, return_report=True)
     args = make_args(tmp_path, max_steps=2, eval_mc_samples=2, **IVON)
-    trainer = VariationalTrainer(model=tiny_digits_resnet(), args=args, train_dataset=train.with_format("torch"), noise_report=report)
+    trainer = VariationalTrainer(model=tiny_digits_resnet(), args=args, train_dataset=train.with_format("torch"),
+                                 noise_report=report)
     trainer.train()
     trainer.save_model()
     with open(tmp_path / "noise_report.json", "a") as f:
@@ -147,8 +152,10 @@ def test_a_complete_posterior_loads(saved_posterior):
 @pytest.mark.parametrize("edit,message", [
     (lambda t: {k: v for i, (k, v) in enumerate(sorted(t.items())) if i % 2}, "does not cover the parameters"),
     (lambda t: {}, "holds no standard deviations"),
-    (lambda t: {**t, "head.bias": torch.full_like(t["head.bias"], float("nan"))}, "non-finite standard deviation for 'head.bias'"),
-    (lambda t: {**t, "body.bias": torch.zeros_like(t["body.bias"])}, "zero or negative standard deviation for 'body.bias'"),
+    (lambda t: {**t, "head.bias": torch.full_like(t["head.bias"], float("nan"))},
+     "non-finite standard deviation for 'head.bias'"),
+    (lambda t: {**t, "body.bias": torch.zeros_like(t["body.bias"])},
+     "zero or negative standard deviation for 'body.bias'"),
 ])
 def test_incomplete_or_broken_posterior_is_refused(saved_posterior, edit, message):
     model, path, tensors, metadata = saved_posterior
@@ -167,7 +174,8 @@ def test_truncated_posterior_file_is_named(saved_posterior):
 
 
 @pytest.mark.parametrize("edit", [lambda t: {k: v * 10 for k, v in t.items()},
-                                  lambda t: {**t, "head.weight": torch.cat([t["head.weight"][:1] * 2, t["head.weight"][1:]])},
+                                  lambda t: {**t, "head.weight": torch.cat([t["head.weight"][:1] * 2,
+                                                                            t["head.weight"][1:]])},
                                   lambda t: {**t, "body.bias": t["body.bias"] + 1e-7}])
 def test_std_rewritten_with_its_metadata_kept_is_refused_without_the_manifest(saved_posterior, edit):
     """The file records the SHA-256 of its own tensors: σ changed in any way is refused even where no manifest lies
@@ -175,7 +183,8 @@ def test_std_rewritten_with_its_metadata_kept_is_refused_without_the_manifest(sa
     model, path, tensors, metadata = saved_posterior
     assert not os.path.exists(os.path.join(os.path.dirname(path), MANIFEST_FILE))
     save_file(edit(tensors), path, metadata=metadata)
-    with pytest.raises(ValueError, match=re.escape(path) + r" holds other standard deviations than the ones it was saved with"):
+    with pytest.raises(ValueError,
+                       match=re.escape(path) + r" holds other standard deviations than the ones it was saved with"):
         DiagonalGaussianPosterior.load(model, path)
     save_file(tensors, path, metadata=metadata)  # the tensors as saved load again
     assert DiagonalGaussianPosterior.load(model, path).metadata["step"] == 3
@@ -242,7 +251,8 @@ def test_best_model_reload_brings_its_own_posterior(tmp_path):
 
 
 # -- 4. a checkpoint is visible only when complete: real SIGKILLs -------------------------------------------------
-CHECKPOINT_FILES = ("model.safetensors", POSTERIOR_FILE, "optimizer.pt", "scheduler.pt", "trainer_state.json", "rng_state.pth")
+CHECKPOINT_FILES = ("model.safetensors", POSTERIOR_FILE, "optimizer.pt", "scheduler.pt", "trainer_state.json",
+                    "rng_state.pth")
 
 
 class _Started(TrainerCallback):
@@ -327,7 +337,8 @@ def test_non_finite_loss_stops_erm_and_sam_with_the_last_finite_weights(tmp_path
     broken = VariationalTrainer(model=TinyClassifier(), args=make_args(tmp_path / "b", max_steps=4, **common),
                                 train_dataset=_with_nan_in_second_batch())
     broken.model.load_state_dict(init.state_dict())
-    with pytest.raises(FloatingPointError, match=f"Non-finite training loss in optimizer step 2 with method='{method}'. "
+    with pytest.raises(FloatingPointError,
+                       match=f"Non-finite training loss in optimizer step 2 with method='{method}'. "
                                                  r"That step was not applied.*last finite step \(after step 1\)"):
         broken.train()
     for (name, p), q in zip(broken.model.named_parameters(), one_step.model.parameters()):
@@ -338,9 +349,11 @@ def test_micro_batch_without_labels_is_a_zero_gradient_ivon_step(tmp_path):
     clean = digits_dataset(32)
     labels = clean[:]["label"].numpy().copy()
     labels[:16] = -100  # the whole first micro-batch
-    ds = datasets.Dataset.from_dict({"pixel_values": clean[:]["pixel_values"].numpy(), "label": labels}).with_format("torch")
+    ds = datasets.Dataset.from_dict({"pixel_values": clean[:]["pixel_values"].numpy(),
+                                     "label": labels}).with_format("torch")
     torch.manual_seed(0)
-    trainer = VariationalTrainer(model=TinyClassifier(), args=make_args(tmp_path, max_steps=2, **IVON), train_dataset=ds)
+    trainer = VariationalTrainer(model=TinyClassifier(), args=make_args(tmp_path, max_steps=2, **IVON),
+                                 train_dataset=ds)
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.train()
     assert trainer.ivon.current_step == 2
@@ -359,12 +372,14 @@ class NoLogits(torch.nn.Module):
 
 
 def test_model_output_without_logits_is_a_clear_error(tmp_path):
-    trainer = VariationalTrainer(model=NoLogits(), args=make_args(tmp_path, max_steps=1, **IVON), train_dataset=digits_dataset(32))
+    trainer = VariationalTrainer(model=NoLogits(), args=make_args(tmp_path, max_steps=1, **IVON),
+                                 train_dataset=digits_dataset(32))
     with pytest.raises(ValueError, match=r"keys \['scores'\] but no 'logits'"):
         trainer.train()
 
 
-@pytest.mark.parametrize("field,value", [("hess_init", float("inf")), ("hess_init", float("nan")), ("ess", float("inf")),
+@pytest.mark.parametrize("field,value",
+                         [("hess_init", float("inf")), ("hess_init", float("nan")), ("ess", float("inf")),
                                          ("prior_precision", float("nan")), ("prior_precision", float("inf")),
                                          ("hessian_window", float("inf")), ("learning_rate", float("nan"))])
 def test_non_finite_ivon_settings_are_refused(tmp_path, field, value):
@@ -410,7 +425,8 @@ def test_text_pipeline_truncates_texts_longer_than_the_model_takes(tmp_path):
     from varsmooth import pipeline
 
     words = ["good", "great", "bad", "awful"]
-    model, tokenizer = create_text_classifier(None, {0: "neg", 1: "pos"}, train_texts=[f"the film was {w} ." for w in words])
+    model, tokenizer = create_text_classifier(None, {0: "neg", 1: "pos"},
+                                              train_texts=[f"the film was {w} ." for w in words])
     posterior = DiagonalGaussianPosterior(model, {n: torch.full_like(p, 0.01) for n, p in model.named_parameters()})
     VariationalModel(model, posterior, num_samples=2).save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
@@ -425,7 +441,8 @@ def test_text_pipeline_truncates_texts_longer_than_the_model_takes(tmp_path):
 
 # -- 9. issue 33: hashes in the manifest; nothing removed that a manifest does not list with its hash --------------
 def _erm(out, seed: int = 0, steps: int = 1, **kw) -> VariationalTrainer:
-    trainer = VariationalTrainer(model=TinyClassifier(), args=make_args(out, method="erm", max_steps=steps, seed=seed, **kw),
+    trainer = VariationalTrainer(model=TinyClassifier(),
+                                 args=make_args(out, method="erm", max_steps=steps, seed=seed, **kw),
                                  train_dataset=digits_dataset(32))
     trainer.train()
     return trainer
@@ -454,7 +471,8 @@ def test_own_file_named_like_a_library_file_is_kept(tmp_path, caplog):
     assert (tmp_path / "label_noise_mine.png").read_bytes() == b"my picture"
     assert (tmp_path / "noise_report.json").read_text() == "{}"
     assert "Removed files" not in caplog.text
-    assert not {"label_noise_mine.png", "noise_report.json"} & set(json.loads((tmp_path / MANIFEST_FILE).read_text())["files"])
+    assert not {"label_noise_mine.png",
+                "noise_report.json"} & set(json.loads((tmp_path / MANIFEST_FILE).read_text())["files"])
 
 
 def test_manifest_records_the_hash_of_every_file(tmp_path):
@@ -485,8 +503,8 @@ def _rewrite_posterior(path, std_factor=1.0, metadata_edit=None):
 
 @pytest.mark.parametrize("name,edit", [
     (POSTERIOR_FILE, lambda p: _rewrite_posterior(p, std_factor=1000.0)),
-    (POSTERIOR_FILE, lambda p: _rewrite_posterior(p, metadata_edit=lambda m: m.replace('"posterior_temperature": 1.0',
-                                                                                        '"posterior_temperature": 9.0'))),
+    (POSTERIOR_FILE, lambda p: _rewrite_posterior(
+        p, metadata_edit=lambda m: m.replace('"posterior_temperature": 1.0', '"posterior_temperature": 9.0'))),
     ("config.json", lambda p: _replace_text(p, '"relu"', '"gelu"')),
 ])
 def test_edited_file_is_refused_on_load_by_its_hash(tmp_path, name, edit):
@@ -511,7 +529,8 @@ def _truncate(path) -> None:
 
 
 def test_truncated_weights_are_named_before_they_are_read(tmp_path):
-    trainer = VariationalTrainer(model=tiny_digits_resnet(), args=make_args(tmp_path, method="erm", max_steps=1), train_dataset=digits_images(32))
+    trainer = VariationalTrainer(model=tiny_digits_resnet(), args=make_args(tmp_path, method="erm", max_steps=1),
+                                 train_dataset=digits_images(32))
     trainer.train()
     trainer.save_model()
     _truncate(tmp_path / "model.safetensors")
@@ -522,7 +541,8 @@ def test_truncated_weights_are_named_before_they_are_read(tmp_path):
 def test_truncated_optimizer_state_is_named_on_resume(tmp_path):
     _train_ivon(tmp_path, model=TinyClassifier(), steps=2, save_strategy="steps", save_steps=2)
     _truncate(tmp_path / "checkpoint-2" / "optimizer.pt")
-    resumed = VariationalTrainer(model=TinyClassifier(), args=make_args(tmp_path, max_steps=4, **IVON), train_dataset=digits_images(64))
+    resumed = VariationalTrainer(model=TinyClassifier(), args=make_args(tmp_path, max_steps=4, **IVON),
+                                 train_dataset=digits_images(64))
     with pytest.raises(ValueError, match=r"optimizer.pt has \d+ bytes, recorded \d+\): they were truncated"):
         resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
 
@@ -538,7 +558,8 @@ def _inf_in_second_batch() -> datasets.Dataset:
 @pytest.mark.parametrize("method", ["ivon", "erm", "sam"])
 def test_non_finite_gradients_with_a_finite_loss_stop_before_the_update(tmp_path, method):
     common = dict(method=method, train_sampling_strategy="sequential",
-                  **({k: v for k, v in IVON.items() if k != "train_sampling_strategy"} if method == "ivon" else {"learning_rate": 1e-2}))
+                  **({k: v for k, v in IVON.items() if k != "train_sampling_strategy"} if method == "ivon"
+                     else {"learning_rate": 1e-2}))
     torch.manual_seed(0)
     init = TinyClassifier().state_dict()
     one_step = VariationalTrainer(model=TinyClassifier(), args=make_args(tmp_path / "a", max_steps=1, **common),
@@ -549,10 +570,12 @@ def test_non_finite_gradients_with_a_finite_loss_stop_before_the_update(tmp_path
     broken = VariationalTrainer(model=TinyClassifier(), args=args, train_dataset=_inf_in_second_batch())
     broken.model.load_state_dict(init)
     with torch.no_grad():  # the loss of the second batch is finite: only its gradient is not
-        assert torch.isfinite(broken.compute_loss(broken.model, {k: v[16:32] for k, v in _inf_in_second_batch()[:].items()}
+        assert torch.isfinite(broken.compute_loss(broken.model,
+                                                  {k: v[16:32] for k, v in _inf_in_second_batch()[:].items()}
                                                   | {"labels": _inf_in_second_batch()[16:32]["label"]}))
-    with pytest.raises(FloatingPointError, match=r"Non-finite gradients \(NaN, inf or past float32's range, with a finite loss\) in optimizer "
-                                                 r"step 2 .*last finite step \(after step 1\)"):
+    with pytest.raises(FloatingPointError,
+                       match=r"Non-finite gradients \(NaN, inf or past float32's range, with a finite loss\) in "
+                             r"optimizer step 2 .*last finite step \(after step 1\)"):
         broken.train()
     for (name, p), q in zip(broken.model.named_parameters(), one_step.model.parameters()):
         assert torch.isfinite(p).all() and torch.equal(p, q), name
@@ -605,7 +628,8 @@ def test_posterior_file_is_byte_reproducible(tmp_path):
     model = tiny_digits_resnet()
     posterior = DiagonalGaussianPosterior(model, {n: torch.full_like(p, 0.01) for n, p in model.named_parameters()},
                                           {"ess": 64, "posterior_temperature": 1.0, "step": 3})
-    saved = {posterior.save(tmp_path / f"{i}.safetensors") and (tmp_path / f"{i}.safetensors").read_bytes() for i in range(12)}
+    saved = {posterior.save(tmp_path / f"{i}.safetensors") and (tmp_path / f"{i}.safetensors").read_bytes()
+             for i in range(12)}
     assert len(saved) == 1
 
 
@@ -686,18 +710,21 @@ def test_the_label_noise_datasets_labels_are_checked_at_construction(tmp_path, h
 
 
 def _checkpointed_ivon(out, steps: int = 2, n: int = 64, **kw) -> VariationalTrainer:
-    args = make_args(out, max_steps=steps, eval_mc_samples=2, save_strategy="steps", save_steps=1, posterior_temperature=1.0,
-                     **{**IVON, **kw})
+    args = make_args(out, max_steps=steps, eval_mc_samples=2, save_strategy="steps", save_steps=1,
+                     posterior_temperature=1.0, **{**IVON, **kw})
     trainer = VariationalTrainer(model=tiny_digits_resnet(), args=args, train_dataset=digits_images(n))
     return trainer
 
 
 @pytest.mark.parametrize("change, message", [
     (dict(seed=1), r"trained with --seed 0, but this run has --seed 1"),
-    (dict(method="ivon_fixed_hessian", beta2=None), r"trained with --method ivon, but this run has --method ivon_fixed_hessian"),
-    (dict(hess_init=0.1), r"other IVON settings than it was trained with: hess_init=0.1 \(the checkpoint's: 0.5\).*Pass hess_init=0.5"),
+    (dict(method="ivon_fixed_hessian", beta2=None),
+     r"trained with --method ivon, but this run has --method ivon_fixed_hessian"),
+    (dict(hess_init=0.1),
+     r"other IVON settings than it was trained with: hess_init=0.1 \(the checkpoint's: 0.5\).*Pass hess_init=0.5"),
     (dict(ess=500.0), r"ess=500.0 \(the checkpoint's: 64.0\)"),
-    (dict(beta2=0.9, prior_precision=1e-3), r"beta2=0.9 \(the checkpoint's: 0.99\), prior_precision=0.001 \(the checkpoint's: 0.0002\)"),
+    (dict(beta2=0.9, prior_precision=1e-3),
+     r"beta2=0.9 \(the checkpoint's: 0.99\), prior_precision=0.001 \(the checkpoint's: 0.0002\)"),
     (dict(learning_rate=0.05), r"learning_rate=0.05 \(the checkpoint's: 0.2\).*Pass learning_rate=0.2"),
 ])
 def test_resuming_through_the_api_under_another_name_is_refused(tmp_path, change, message):
@@ -745,8 +772,9 @@ def test_resuming_another_seeds_checkpoint_is_refused(tmp_path):
     _erm(tmp_path, seed=0, steps=2, save_strategy="steps", save_steps=1)
     os.rename(tmp_path / "checkpoint-2", tmp_path / "hidden")  # as if killed after step 1 of 2
     assert checkpoint_to_resume(make_args(tmp_path, method="erm", max_steps=2, seed=0)).endswith("checkpoint-1")
-    with pytest.raises(ValueError, match=r"trained with --seed 0, but this run has --seed 1.*Pass --seed 0 to resume it, "
-                                         r"or start the seed-1 run in another --output_dir"):
+    with pytest.raises(ValueError,
+                       match=r"trained with --seed 0, but this run has --seed 1.*Pass --seed 0 to resume it, "
+                             r"or start the seed-1 run in another --output_dir"):
         checkpoint_to_resume(make_args(tmp_path, method="erm", max_steps=2, seed=1))
 
 
@@ -776,7 +804,8 @@ def test_the_image_example_refuses_a_finished_run_and_another_seeds_checkpoint(t
     assert not (tmp_path / "checkpoint-3").exists()  # not one step more
     other_seed = _image(*flags, "--max_steps", "4", "--seed", "1")
     assert other_seed.returncode != 0
-    assert "trained with --seed 42, but this run has --seed 1" in other_seed.stderr and "Pass --seed 42" in other_seed.stderr
+    assert ("trained with --seed 42, but this run has --seed 1" in other_seed.stderr
+            and "Pass --seed 42" in other_seed.stderr)
 
 
 def test_non_finite_running_statistics_stop_training_and_are_not_saved(tmp_path):
@@ -784,11 +813,13 @@ def test_non_finite_running_statistics_stop_training_and_are_not_saved(tmp_path)
     pixels = clean[:]["pixel_values"].numpy().copy()
     pixels[20, 0, 3, 3] = np.inf  # BatchNorm's running statistics take it in the forward pass, whatever the update
     ds = datasets.Dataset.from_dict({"pixel_values": pixels, "label": clean[:]["label"].numpy()}).with_format("torch")
-    args = make_args(tmp_path, method="erm", max_steps=3, save_strategy="steps", save_steps=1, train_sampling_strategy="sequential")
+    args = make_args(tmp_path, method="erm", max_steps=3, save_strategy="steps", save_steps=1,
+                     train_sampling_strategy="sequential")
     trainer = VariationalTrainer(model=tiny_digits_resnet(), args=args, train_dataset=ds)
-    with pytest.raises(FloatingPointError, match=r"optimizer step 2 .*last finite step \(after step 1\), but the forward "
-                                                 r"pass made the buffers \['resnet.embedder.embedder.normalization.running_mean'"
-                                                 r".*so saving is refused"):
+    with pytest.raises(FloatingPointError,
+                       match=r"optimizer step 2 .*last finite step \(after step 1\), but the forward "
+                             r"pass made the buffers \['resnet.embedder.embedder.normalization.running_mean'"
+                             r".*so saving is refused"):
         trainer.train()
     with pytest.raises(FloatingPointError, match=r"Not saving to .*running_mean.*nothing was written"):
         trainer.save_model()
@@ -906,7 +937,8 @@ def test_ivon_restored_from_a_posterior_gets_its_std_and_refuses_other_trainable
 
     model = TinyClassifier()
     names = [name for name, _ in model.named_parameters()]
-    DiagonalGaussianPosterior(model, {name: torch.full_like(p, 0.1) for name, p in model.named_parameters()}).save(tmp_path)
+    DiagonalGaussianPosterior(model,
+                              {name: torch.full_like(p, 0.1) for name, p in model.named_parameters()}).save(tmp_path)
     ivon = VariationalIVON(list(model.parameters()), lr=0.1, ess=100.0)
     restore_ivon_from_posterior(ivon, model, str(tmp_path), names, default_step=7)  # no step recorded: the default
     assert ivon.current_step == 7

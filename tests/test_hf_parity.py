@@ -35,7 +35,8 @@ class LossTinyClassifier(TinyClassifier):
     def forward(self, pixel_values, labels=None, target=None):
         out = super().forward(pixel_values)
         labels = labels if labels is not None else target
-        return SequenceClassifierOutput(loss=None if labels is None else F.cross_entropy(out.logits, labels), logits=out.logits)
+        return SequenceClassifierOutput(loss=None if labels is None else F.cross_entropy(out.logits, labels),
+                                        logits=out.logits)
 
 
 def _model(seed: int = 0) -> LossTinyClassifier:
@@ -60,7 +61,8 @@ def test_every_training_argument_is_classified():
     fields = {f.name for f in dataclasses.fields(TrainingArguments)}
     assert not HONOURED_ARGUMENTS & set(UNHONOURED_ARGUMENTS)
     assert fields - HONOURED_ARGUMENTS - set(UNHONOURED_ARGUMENTS) == set(), \
-        "new TrainingArguments fields: add each to HONOURED_ARGUMENTS or UNHONOURED_ARGUMENTS (varsmooth.trainer.checks)"
+        ("new TrainingArguments fields: add each to HONOURED_ARGUMENTS or UNHONOURED_ARGUMENTS "
+         "(varsmooth.trainer.checks)")
     assert (HONOURED_ARGUMENTS | set(UNHONOURED_ARGUMENTS)) - fields == set(), "fields transformers no longer has"
     assert set(UNHONOURED_VALUES) == set(UNHONOURED_ARGUMENTS)
 
@@ -114,7 +116,8 @@ def test_hyperparameter_search_trials_reach_the_optimizer_and_the_method(tmp_pat
             losses.append(metrics["eval_loss"])
 
     train, val = digits_dataset(64), digits_dataset(64, seed=1)
-    trainer = VariationalTrainer(model_init=lambda: _model(), args=_args(tmp_path, method, lr_scheduler_type="constant"),
+    trainer = VariationalTrainer(model_init=lambda: _model(),
+                                 args=_args(tmp_path, method, lr_scheduler_type="constant"),
                                  train_dataset=train, eval_dataset=val, callbacks=[Record()])
     best = trainer.hyperparameter_search(hp_space=hp_space, backend="optuna", n_trials=2, direction="minimize")
     assert len(suggested) == len(seen) == 2 and suggested[0] != suggested[1]
@@ -139,7 +142,8 @@ def test_default_objective_is_the_stock_trainers(tmp_path):
 
 def test_a_search_cannot_change_the_method(tmp_path):
     pytest.importorskip("optuna")
-    trainer = VariationalTrainer(model_init=lambda: _model(), args=_args(tmp_path, "erm"), train_dataset=digits_dataset(32))
+    trainer = VariationalTrainer(model_init=lambda: _model(), args=_args(tmp_path, "erm"),
+                                 train_dataset=digits_dataset(32))
     with pytest.raises(ValueError, match="fixed for a search"):
         trainer.hyperparameter_search(hp_space=lambda t: {"method": t.suggest_categorical("method", ["ls"])},
                                       backend="optuna", n_trials=1)
@@ -192,7 +196,8 @@ def test_preprocess_logits_for_metrics_and_compute_metrics_get_logits_as_with_th
     np.testing.assert_allclose(probs, np.exp(seen["logits"]), rtol=1e-5, atol=1e-7)
     assert metrics["eval_accuracy"] == pytest.approx((probs.argmax(-1) == np.asarray(val["label"])).mean())
     preprocessed = VariationalTrainer(model=ivon.model, args=_args(tmp_path, "ivon"), eval_dataset=val,
-                                      posterior=ivon.posterior(), compute_metrics=_accuracy, preprocess_logits_for_metrics=argmax)
+                                      posterior=ivon.posterior(), compute_metrics=_accuracy,
+                                      preprocess_logits_for_metrics=argmax)
     assert preprocessed.evaluate()["eval_acc"] == pytest.approx(metrics["eval_accuracy"])
     np.testing.assert_array_equal(preprocessed.predict(val).predictions, seen["logits"].argmax(-1))
 
@@ -206,7 +211,8 @@ def test_eval_do_concat_batches_false_gives_batches_as_the_stock_trainer(tmp_pat
     def shapes(eval_pred):
         return {"batches": len(eval_pred.predictions), "rows": sum(len(b) for b in eval_pred.predictions)}
 
-    stock = Trainer(model=_model(), args=_stock_args(tmp_path, eval_do_concat_batches=False, per_device_eval_batch_size=16),
+    stock = Trainer(model=_model(),
+                    args=_stock_args(tmp_path, eval_do_concat_batches=False, per_device_eval_batch_size=16),
                     eval_dataset=val, compute_metrics=shapes).evaluate()
     ours = VariationalTrainer(model=_model(), eval_dataset=val, compute_metrics=shapes, args=_args(
         tmp_path, method, eval_do_concat_batches=False, per_device_eval_batch_size=16)).evaluate()
@@ -230,7 +236,8 @@ def test_compute_loss_func_as_hf_documents_it(tmp_path, method):
     train = digits_dataset(40)
     trained = []
     for func in (loss_func, None):
-        trainer = VariationalTrainer(model=_model(), args=_args(tmp_path, method), train_dataset=train, compute_loss_func=func)
+        trainer = VariationalTrainer(model=_model(), args=_args(tmp_path, method), train_dataset=train,
+                                     compute_loss_func=func)
         trainer.train()
         trained.append(trainer.model)
     assert counts == [16, 16, 8, 16]  # 40 examples in batches of 16, 4 steps
@@ -250,7 +257,8 @@ def _configured(**config) -> LossTinyClassifier:
 
 
 @pytest.mark.parametrize("method", METHODS)
-@pytest.mark.parametrize("config, named", [({"problem_type": "multi_label_classification", "num_labels": 10}, "multi_label"),
+@pytest.mark.parametrize("config, named",
+                         [({"problem_type": "multi_label_classification", "num_labels": 10}, "multi_label"),
                                            ({"num_labels": 1}, "regression")])
 def test_multi_label_and_regression_models_are_refused_up_front(tmp_path, method, config, named):
     with pytest.raises(ValueError, match=named):
@@ -259,11 +267,11 @@ def test_multi_label_and_regression_models_are_refused_up_front(tmp_path, method
         VariationalTrainer(model_init=lambda: _configured(**config), args=_args(tmp_path, method))
 
 
-# -- load_best_model_at_end ---------------------------------------------------------------------------------------------
+# -- load_best_model_at_end --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("method", METHODS)
 def test_best_metric_is_what_the_loaded_best_model_gives(tmp_path, method):
-    args = _args(tmp_path, method, max_steps=6, eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=2,
-                 load_best_model_at_end=True, metric_for_best_model="loss")
+    args = _args(tmp_path, method, max_steps=6, eval_strategy="steps", eval_steps=2, save_strategy="steps",
+                 save_steps=2, load_best_model_at_end=True, metric_for_best_model="loss")
     trainer = VariationalTrainer(model=_model(), args=args, train_dataset=digits_dataset(64),
                                  eval_dataset=digits_dataset(64, seed=1))
     trainer.train()
@@ -271,7 +279,7 @@ def test_best_metric_is_what_the_loaded_best_model_gives(tmp_path, method):
     assert trainer.evaluate()["eval_loss"] == pytest.approx(trainer.state.best_metric)
 
 
-# -- pipelines ----------------------------------------------------------------------------------------------------------
+# -- pipelines ---------------------------------------------------------------------------------------------------------
 def test_image_and_text_pipelines_answer_the_uncertainty_in_one_shape(tmp_path):
     """One input: one dict whose "predictions" is a list of {label, score} (the stock pipeline's answer, the text
     pipeline's top label in a list as it returns it); a list of inputs: a list of those dicts."""
@@ -286,8 +294,10 @@ def test_image_and_text_pipelines_answer_the_uncertainty_in_one_shape(tmp_path):
         VariationalModel(model, posterior, num_samples=2).save_pretrained(folder)
 
     save(tiny_digits_resnet(), tmp_path / "image")
-    ViTImageProcessor(do_resize=False, image_mean=[0.5], image_std=[0.5], do_convert_rgb=False).save_pretrained(tmp_path / "image")
-    text_model, tokenizer = create_text_classifier(None, {0: "neg", 1: "pos"}, train_texts=["a good film", "a bad film"])
+    ViTImageProcessor(do_resize=False, image_mean=[0.5], image_std=[0.5],
+                      do_convert_rgb=False).save_pretrained(tmp_path / "image")
+    text_model, tokenizer = create_text_classifier(None, {0: "neg", 1: "pos"},
+                                                   train_texts=["a good film", "a bad film"])
     save(text_model, tmp_path / "text")
     tokenizer.save_pretrained(tmp_path / "text")
     image = (np.random.default_rng(0).random((8, 8)) * 255).astype("uint8")

@@ -33,19 +33,22 @@ def test_own_model_card_is_kept_unless_replacing_is_asked_for(pushed):
     _, results = pushed
     assert "replace_model_card=True" in results["own_card_refusal"]
     assert results["own_card_after_refusal"] == "# My own card\n"
-    assert "README.md" not in results["own_card_repo_after_refusal"] and "model.safetensors" not in results["own_card_repo_after_refusal"]
+    assert ("README.md" not in results["own_card_repo_after_refusal"]
+            and "model.safetensors" not in results["own_card_repo_after_refusal"])
     assert "varsmooth" in results["own_card_replaced"] and "My own card" not in results["own_card_replaced"]
 
 
 def test_a_reused_repo_keeps_no_stale_posterior(pushed):
     _, results = pushed
     assert "posterior.safetensors" in results["reused_after_ivon"]
-    assert "posterior.safetensors" not in results["reused_after_erm"] and "model.safetensors" in results["reused_after_erm"]
+    assert ("posterior.safetensors" not in results["reused_after_erm"]
+            and "model.safetensors" in results["reused_after_erm"])
 
 
 def test_peft_push_uploads_the_adapter(pushed):
     _, results = pushed
-    assert {"adapter_model.safetensors", "adapter_config.json", "posterior.safetensors", "README.md"} <= set(results["peft_files"])
+    assert {"adapter_model.safetensors", "adapter_config.json", "posterior.safetensors",
+            "README.md"} <= set(results["peft_files"])
 
 
 def test_intermediate_pushes_carry_the_posterior(pushed):

@@ -130,7 +130,8 @@ def test_nothing_below_the_trainer_imports_it():
     assert f"{TRAINER}.trainer" in graph  # the trainer is a package
     inside = {name for name in graph if name == TRAINER or name.startswith(TRAINER + ".")}
     importers = {name for name, targets in graph.items() if name not in inside and targets & inside}
-    assert importers == ABOVE_THE_TRAINER, f"modules below the trainer import it: {sorted(importers - ABOVE_THE_TRAINER)}"
+    assert importers == ABOVE_THE_TRAINER, \
+        f"modules below the trainer import it: {sorted(importers - ABOVE_THE_TRAINER)}"
 
 
 def test_no_import_circle_between_modules_or_packages():

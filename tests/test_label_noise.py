@@ -1,5 +1,6 @@
-"""Per-example label noise (Variational Learning Induces Adaptive Label Smoothing (Yang et al. 2025), Eq. 12, 15, 19) against closed-form theory and
-numbers computed by Gauss–Hermite quadrature, plus the export path: trainer, callback, parquet, summary, atomic writes."""
+"""Per-example label noise (Variational Learning Induces Adaptive Label Smoothing (Yang et al. 2025), Eq. 12, 15, 19)
+against closed-form theory and numbers computed by Gauss–Hermite quadrature, plus the export path: trainer, callback,
+parquet, summary, atomic writes."""
 
 from __future__ import annotations
 
@@ -77,7 +78,8 @@ def test_monte_carlo_noise_matches_gauss_hermite():
     grid = np.round(np.arange(-4.0, 4.0001, 0.125), 6)
     means = np.repeat(grid, R)
     data = datasets.Dataset.from_dict(
-        {"replicate": np.tile(np.arange(R), len(grid)), "mean": means.astype(np.float32), "label": (means > 0).astype(np.int64)}
+        {"replicate": np.tile(np.arange(R), len(grid)), "mean": means.astype(np.float32),
+         "label": (means > 0).astype(np.int64)}
     )
     model = ShiftedLogit(R)
     posterior = DiagonalGaussianPosterior(model, {"offset": torch.ones(R)})
@@ -110,7 +112,8 @@ def test_monte_carlo_noise_matches_gauss_hermite():
 class TinyClassifier(torch.nn.Module):
     def __init__(self, dim: int = 4, num_classes: int = 3, hidden: int = 16):
         super().__init__()
-        self.net = torch.nn.Sequential(torch.nn.Linear(dim, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, num_classes))
+        self.net = torch.nn.Sequential(torch.nn.Linear(dim, hidden), torch.nn.Tanh(),
+                                       torch.nn.Linear(hidden, num_classes))
 
     def forward(self, features, labels=None):
         return ModelOutput(logits=self.net(features))
@@ -205,7 +208,8 @@ def test_many_classes_keep_magnitudes_and_top_k():
     np.testing.assert_allclose(short["noise_l2"], full["noise_l2"], rtol=1e-6)
     order = np.argsort(-np.abs(full["noise"]), axis=1, kind="stable")[:, :3]
     np.testing.assert_array_equal(np.sort(short["noise_topk_indices"], 1), np.sort(order, 1))
-    np.testing.assert_allclose(short["noise_topk_values"], np.take_along_axis(full["noise"], short["noise_topk_indices"], 1), atol=1e-7)
+    np.testing.assert_allclose(short["noise_topk_values"],
+                               np.take_along_axis(full["noise"], short["noise_topk_indices"], 1), atol=1e-7)
 
 
 def test_input_errors():
@@ -282,7 +286,8 @@ def test_summary_splits_by_corruption():
     corrupted = np.asarray(data["is_corrupted"])
     assert summary["num_examples"] == 40 and summary["num_classes"] == 3
     assert summary["num_corrupted"] == corrupted.sum()
-    assert set(summary["all"]) == {"noise_at_label", "noise_l1", "noise_l2", "noise_rms", "confidence", "mean_confidence"}
+    assert set(summary["all"]) == {"noise_at_label", "noise_l1", "noise_l2", "noise_rms", "confidence",
+                                   "mean_confidence"}
     assert set(summary["detection"]["scores"]) == {
         "one_minus_confidence", "one_minus_mean_confidence", "noise_at_label", "noise_l1", "noise_rms"}
     # every statistic recomputed from the per-example table, for all rows and for each side of the corruption split
@@ -331,8 +336,8 @@ def test_adaptivity_finds_where_the_expected_noise_peaks(v, logits, rho_sign):
 def make_trainer(tmp_path, data, callbacks=None, **overrides):
     args = VariationalTrainingArguments(
         output_dir=str(tmp_path), num_train_epochs=2, per_device_train_batch_size=16, per_device_eval_batch_size=10,
-        learning_rate=0.05, method_config={"ess": len(data), "beta2": 0.99}, report_to="none", save_strategy="no", logging_strategy="no",
-        use_cpu=True, disable_tqdm=True, eval_mc_samples=4, seed=0, **overrides,
+        learning_rate=0.05, method_config={"ess": len(data), "beta2": 0.99}, report_to="none", save_strategy="no",
+        logging_strategy="no", use_cpu=True, disable_tqdm=True, eval_mc_samples=4, seed=0, **overrides,
     )
     torch.manual_seed(0)
     return VariationalTrainer(TinyClassifier(), args, train_dataset=data, callbacks=callbacks)
@@ -367,8 +372,8 @@ def test_trainer_callback_exports_parquet(tmp_path):
     np.testing.assert_allclose(table["mean_probs"], direct, atol=1e-5)
     assert np.abs(table["noise"]).max() > 0  # the learned posterior is not a point mass
     # the file against the posterior written out here from IVON's state: draw s moves weight i to m + σ⊙e with
-    # σ = 1/sqrt(ess·(h + δ)) (Yang et al. 2025, Alg. 1) and e ~ N(0, I) from the seed derive_seed(derive_seed(eval_seed, k), i),
-    # draws 2k and 2k + 1 moving it by +σ⊙e and −σ⊙e (an antithetic pair)
+    # σ = 1/sqrt(ess·(h + δ)) (Yang et al. 2025, Alg. 1) and e ~ N(0, I) from the seed
+    # derive_seed(derive_seed(eval_seed, k), i), draws 2k and 2k + 1 moving it by +σ⊙e and −σ⊙e (an antithetic pair)
     names = {id(p): name for name, p in model.named_parameters()}
     weights, stds = [], []
     for group in trainer.ivon.param_groups:

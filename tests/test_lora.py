@@ -48,8 +48,10 @@ def token_dataset(n: int = 64, seed: int = 0) -> datasets.Dataset:
     names = datasets.ClassLabel(names=[str(k) for k in range(CLASSES)])
     features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int64")), "label": names,
                                   "clean_label": names, "is_corrupted": datasets.Value("bool")})
-    return datasets.Dataset.from_dict({"input_ids": ids.tolist(), "label": noisy.tolist(), "clean_label": clean.tolist(),
-                                       "is_corrupted": (noisy != clean).tolist()}, features=features).with_format("torch")
+    return datasets.Dataset.from_dict({"input_ids": ids.tolist(), "label": noisy.tolist(),
+                                       "clean_label": clean.tolist(),
+                                       "is_corrupted": (noisy != clean).tolist()},
+                                      features=features).with_format("torch")
 
 
 def lora_bert(seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
@@ -87,7 +89,8 @@ def test_lora_preset_is_the_ivon_lora_recipe(tmp_path):
     assert 1e6 <= ivon.ess <= 1e8 and 3e-4 <= ivon.hess_init <= 1e-3 and ivon.prior_precision == 0.0
     fields = {name: value for name, value in LORA_PRESET.items() if name != "long_run_beta2"}
     assert {name: getattr(args, name, getattr(ivon, name, None)) for name in fields} == fields
-    assert ivon.beta2 is None  # the default β2: the anchor's 0.99999 only in runs long enough for it to move the Hessian
+    # the default β2: the anchor's 0.99999 only in runs long enough for it to move the Hessian
+    assert ivon.beta2 is None
     kept = make_args(tmp_path, ivon_preset="lora", learning_rate=0.1, eval_mc_samples=4)
     assert (kept.learning_rate, kept.eval_mc_samples, kept.method_config.ess) == (0.1, 4, LORA_PRESET["ess"])
     # a non-IVON method keeps its own learning rate; the default number of BMA samples is unchanged elsewhere
@@ -172,7 +175,8 @@ def test_adapter_resume_is_exact(tmp_path):
     half_args = _args(tmp_path / "half", save_strategy="steps", save_steps=3, **common)
     VariationalTrainer(model=lora_bert(), args=half_args, train_dataset=ds).train()
     assert os.path.isfile(tmp_path / "half" / "checkpoint-3" / "adapter_model.safetensors")
-    resumed = VariationalTrainer(model=lora_bert(), args=half_args, train_dataset=ds)  # a fresh process: initial weights
+    # a fresh process: initial weights
+    resumed = VariationalTrainer(model=lora_bert(), args=half_args, train_dataset=ds)
     resumed.train(resume_from_checkpoint=str(tmp_path / "half" / "checkpoint-3"))
     a, b = _trainable(full.model), _trainable(resumed.model)
     assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
@@ -188,7 +192,8 @@ def test_bf16_base_with_fp32_adapters(tmp_path):
     assert {p.dtype for p in model.parameters() if not p.requires_grad} == {torch.bfloat16}
     frozen = _frozen(model)
     before = _trainable(model)
-    trainer = VariationalTrainer(model=model, args=_args(tmp_path, max_steps=3, bf16=True, per_device_train_batch_size=8),
+    trainer = VariationalTrainer(model=model,
+                                 args=_args(tmp_path, max_steps=3, bf16=True, per_device_train_batch_size=8),
                                  train_dataset=_train_rows(token_dataset(32)))
     trainer.train()
     assert all(torch.equal(p, frozen[n]) for n, p in model.named_parameters() if not p.requires_grad)
@@ -203,7 +208,8 @@ def test_bf16_head_without_the_cast_is_refused(tmp_path):
 
     model = get_peft_model(tiny_bert(dtype=torch.bfloat16),
                            LoraConfig(r=4, target_modules=["query", "value"], modules_to_save=["classifier"]))
-    trainer = VariationalTrainer(model=model, args=_args(tmp_path, max_steps=1), train_dataset=_train_rows(token_dataset(16)))
+    trainer = VariationalTrainer(model=model, args=_args(tmp_path, max_steps=1),
+                                 train_dataset=_train_rows(token_dataset(16)))
     with pytest.raises(ValueError, match="IVON needs fp32 trainable weights"):
         trainer.train()
 
@@ -279,7 +285,8 @@ def test_examples_switch_to_the_lora_preset(name):
     example = load_example(name)
     model_args, *_, training_args = example.parse_arguments(["--lora_r", "8", "--use_cpu", "true"])
     assert model_args.lora_enabled and (model_args.lora_r, model_args.lora_alpha) == (8, 16)
-    assert training_args.method_config.ivon_preset == "lora" and training_args.learning_rate == LORA_PRESET["learning_rate"]
+    assert (training_args.method_config.ivon_preset == "lora"
+            and training_args.learning_rate == LORA_PRESET["learning_rate"])
     assert training_args.eval_mc_samples == 10
     chosen = example.parse_arguments(["--lora_r", "8", "--ivon_preset", "finetune", "--use_cpu", "true"])[-1]
     assert chosen.method_config.ivon_preset == "finetune"
@@ -300,7 +307,8 @@ def trained_adapter(tmp_path, layers_kept: int = 2):
     """A LoRA classifier on a saved "pretrained" BERT of 3 layers cut to `layers_kept`, trained and saved with IVON."""
     base_dir = tmp_path / "base"
     torch.manual_seed(0)
-    config = BertConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=3, num_attention_heads=2, intermediate_size=32,
+    config = BertConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=3, num_attention_heads=2,
+                        intermediate_size=32,
                         max_position_embeddings=LENGTH + 2, num_labels=CLASSES, hidden_dropout_prob=0.0,
                         attention_probs_dropout_prob=0.0, id2label={k: f"class{k}" for k in range(CLASSES)},
                         label2id={f"class{k}": k for k in range(CLASSES)})
@@ -323,7 +331,8 @@ def test_adapter_folder_saves_the_posterior_under_peft_names_and_loads_back(tmp_
 
     trainer, _ = trained_adapter(tmp_path)
     out = tmp_path / "run"
-    assert {"adapter_model.safetensors", "adapter_config.json", "config.json", "posterior.safetensors"} <= set(os.listdir(out))
+    assert {"adapter_model.safetensors", "adapter_config.json", "config.json",
+            "posterior.safetensors"} <= set(os.listdir(out))
     with safe_open(out / "adapter_model.safetensors", "pt") as a, safe_open(out / "posterior.safetensors", "pt") as p:
         assert set(p.keys()) == set(a.keys())  # one σ beside every saved adapter weight, under the same name
         for key in a.keys():
@@ -391,8 +400,8 @@ def test_text_example_trains_minilm_adapters_that_reload(tmp_path):
         pytest.skip(needs_minilm.kwargs["reason"])
     train, test = _write_sentiment_files(tmp_path)
     out = tmp_path / "out"
-    result = _run_example("--train_file", str(train), "--test_file", str(test), "--noise_type", "none", "--max_steps", "3",
-                          "--num_hidden_layers", "1", "--lora_r", "4", "--per_device_train_batch_size", "8",
+    result = _run_example("--train_file", str(train), "--test_file", str(test), "--noise_type", "none", "--max_steps",
+                          "3", "--num_hidden_layers", "1", "--lora_r", "4", "--per_device_train_batch_size", "8",
                           "--output_dir", str(out))
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads((out / "adapter_config.json").read_text())["r"] == 4

@@ -38,14 +38,15 @@ class NormDropoutClassifier(torch.nn.Module):
         self.head = torch.nn.Linear(16, 10)
 
     def forward(self, pixel_values, labels=None):
-        return SequenceClassifierOutput(logits=self.head(self.dropout(torch.tanh(self.norm(self.body(pixel_values.flatten(1)))))))
+        return SequenceClassifierOutput(
+            logits=self.head(self.dropout(torch.tanh(self.norm(self.body(pixel_values.flatten(1)))))))
 
 
 def resnet() -> ResNetForImageClassification:
     """A small ResNet, which has no dropout layers."""
     torch.manual_seed(0)
-    return ResNetForImageClassification(ResNetConfig(num_channels=1, embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1],
-                                                     layer_type="basic", num_labels=10)).eval()
+    return ResNetForImageClassification(ResNetConfig(num_channels=1, embedding_size=8, hidden_sizes=[8, 16],
+                                                     depths=[1, 1], layer_type="basic", num_labels=10)).eval()
 
 
 def _exact_dropout_expectation(model: DropoutLinear, x: torch.Tensor) -> torch.Tensor:
@@ -112,7 +113,8 @@ def test_batchnorm_stays_in_evaluation_mode_and_the_global_rng_is_untouched():
     assert not any(m.training for m in model.modules())
     # draws are reproducible for a seed and differ between seeds
     a = mc_dropout_predictive(model, {"pixel_values": x}, num_samples=3, seed=5).probs
-    torch.testing.assert_close(mc_dropout_predictive(model, {"pixel_values": x}, num_samples=3, seed=5).probs, a, rtol=0, atol=0)
+    torch.testing.assert_close(mc_dropout_predictive(model, {"pixel_values": x}, num_samples=3, seed=5).probs, a,
+                               rtol=0, atol=0)
     assert not torch.allclose(mc_dropout_predictive(model, {"pixel_values": x}, num_samples=3, seed=6).probs, a)
 
 
@@ -122,9 +124,11 @@ def test_a_model_without_dropout_is_refused():
     with pytest.raises(ValueError, match="no dropout layers"):
         mc_dropout_predictive(TinyClassifier().eval(), {"pixel_values": torch.rand(2, 8, 8)}, num_samples=2)
     with pytest.raises(ValueError, match="mc_dropout_samples.*IVON"):
-        VariationalTrainingArguments(output_dir="unused", method="ivon", mc_dropout_samples=4, use_cpu=True, report_to=[])
+        VariationalTrainingArguments(output_dir="unused", method="ivon", mc_dropout_samples=4, use_cpu=True,
+                                     report_to=[])
     with pytest.raises(ValueError, match="mc_dropout_samples must be >= 0"):
-        VariationalTrainingArguments(output_dir="unused", method="erm", mc_dropout_samples=-1, use_cpu=True, report_to=[])
+        VariationalTrainingArguments(output_dir="unused", method="erm", mc_dropout_samples=-1, use_cpu=True,
+                                     report_to=[])
 
 
 def test_trainer_evaluates_by_mc_dropout(tmp_path):
@@ -146,7 +150,8 @@ def test_trainer_evaluates_by_mc_dropout(tmp_path):
     deterministic = predictive_distribution(model, DiagonalGaussianPosterior.point_mass(model), batch, 0)
     assert not np.allclose(np.exp(log_probs), deterministic.probs.numpy(), atol=1e-3)
     # a VariationalModel predicts the same with mc_dropout_samples
-    wrapped = VariationalModel(model, DiagonalGaussianPosterior.point_mass(model), seed=trainer.args.eval_seed, mc_dropout_samples=16)
+    wrapped = VariationalModel(model, DiagonalGaussianPosterior.point_mass(model), seed=trainer.args.eval_seed,
+                               mc_dropout_samples=16)
     torch.testing.assert_close(wrapped(**batch).probs, expected.probs)
 
 
@@ -163,13 +168,15 @@ def test_output_dropout_gives_a_network_without_dropout_an_mc_dropout_prediction
         with_dropout = model.classifier[-1](torch.nn.functional.dropout(features[0], 0.5, training=True))
         model.get_submodule(OUTPUT_DROPOUT_KEY).train()
         torch.manual_seed(4)
-        torch.testing.assert_close(model(x).logits, with_dropout, rtol=1e-6, atol=1e-6)  # dropout on the output layer's input
+        # dropout on the output layer's input
+        torch.testing.assert_close(model(x).logits, with_dropout, rtol=1e-6, atol=1e-6)
         model.eval()
     with pytest.raises(ValueError, match="only once"):
         add_output_dropout(model, 0.1)
     with pytest.raises(ValueError, match=r"in \[0, 1\)"):
         add_output_dropout(resnet(), 1.0)
-    expected = VariationalModel(model, DiagonalGaussianPosterior.point_mass(model), seed=2, mc_dropout_samples=8)(pixel_values=x)
+    expected = VariationalModel(model, DiagonalGaussianPosterior.point_mass(model), seed=2,
+                                mc_dropout_samples=8)(pixel_values=x)
     assert (expected.mutual_information > 0).all()
     model.save_pretrained(tmp_path)
     with pytest.warns(UserWarning, match="No posterior"):

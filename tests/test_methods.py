@@ -1,6 +1,6 @@
-"""The training methods: the baselines (LS, GLS/NLS, GCE, OLS, SAM, Logistic-Normal, ALASCA) against independent numbers,
-and inside the Trainer; the method registry (`register_method`, `list_methods`), each method's own config inside
-`VariationalTrainingArguments`, the examples' flat method flags, and methods that run without a trainer.
+"""The training methods: the baselines (LS, GLS/NLS, GCE, OLS, SAM, Logistic-Normal, ALASCA) against independent
+numbers, and inside the Trainer; the method registry (`register_method`, `list_methods`), each method's own config
+inside `VariationalTrainingArguments`, the examples' flat method flags, and methods that run without a trainer.
 
 Reference values, worked out from each paper's definitions: Wei et al. 2022, To Smooth or Not? (r_opt for AGNews,
 NLS unboundedness); Zhang et al. 2021, Delving Deep into Label Smoothing (OLS; the update example of ankandrew's public
@@ -110,7 +110,8 @@ def vector_data(n: int = 8, d: int = 6, k: int = 3) -> list[dict]:
 
 
 def method(name: str, tmp_path, **kw):
-    args = VariationalTrainingArguments(output_dir=str(tmp_path), method=name, report_to=[], use_cpu=True, method_config=kw)
+    args = VariationalTrainingArguments(output_dir=str(tmp_path), method=name, report_to=[], use_cpu=True,
+                                        method_config=kw)
     return get_method_class(name)(args.method_config)
 
 
@@ -142,7 +143,8 @@ def test_nls_is_unbounded_below_as_in_the_spec():
 
 
 def test_optimal_smoothing_rate_reproduces_agnews_rates():
-    # Wei et al. 2022, To Smooth or Not?, Table 3 (AGNews, K = 4, r* = 0): ε = 0, .1, .2, .3, .4 -> r = 0, -0.15, -0.36, -0.67, -1.14
+    # Wei et al. 2022, To Smooth or Not?, Table 3 (AGNews, K = 4, r* = 0): ε = 0, .1, .2, .3, .4 -> r = 0, -0.15, -0.36,
+    # -0.67, -1.14
     rates = [round(optimal_smoothing_rate(eps, 4), 2) for eps in (0.0, 0.1, 0.2, 0.3, 0.4)]
     assert rates == [0.0, -0.15, -0.36, -0.67, -1.14]
     assert optimal_smoothing_rate(0.2, 10, clean_rate=0.4) > 0  # low noise vs (K-1) r*/K = 0.36: keep LS
@@ -153,7 +155,8 @@ def test_optimal_smoothing_rate_reproduces_agnews_rates():
 def test_gls_warms_up_with_ce_then_switches_and_warns_on_negative_loss(tmp_path, caplog):
     m = method("gls", tmp_path, gls_rate=-0.5, gls_warmup_epochs=1.0)
     logits, labels = 20 * F.one_hot(torch.tensor([1, 2]), 3).float(), torch.tensor([1, 2])
-    assert m.loss(logits, labels, MethodContext(epoch=0.5)).item() == pytest.approx(F.cross_entropy(logits, labels).item())
+    assert (m.loss(logits, labels, MethodContext(epoch=0.5)).item()
+            == pytest.approx(F.cross_entropy(logits, labels).item()))
     with caplog.at_level(logging.INFO, logger="varsmooth.methods.label_smoothing"):
         after = m.loss(logits, labels, MethodContext(epoch=1.0))
     assert after.item() == pytest.approx(smoothed_cross_entropy(logits, labels, -0.5).item()) and after.item() < 0
@@ -183,7 +186,8 @@ def test_gce_limits_and_gradient():
 
 # -- OLS -----------------------------------------------------------------------------------------------
 def test_ols_update_matches_the_reference_example(tmp_path):
-    # ankandrew's OLS implementation, test_update.py: accumulated column-major [[.7,.5,0],[.2,1.3,0],[.1,.2,0]], counts [1,2,0]
+    # ankandrew's OLS implementation, test_update.py: accumulated column-major [[.7,.5,0],[.2,1.3,0],[.1,.2,0]], counts
+    # [1,2,0]
     m = method("ols", tmp_path)
     probs = torch.tensor([[0.3, 0.6, 0.1], [0.7, 0.2, 0.1], [0.3, 0.3, 0.4], [0.2, 0.7, 0.1]])
     labels = torch.tensor([1, 0, 0, 1])
@@ -225,7 +229,8 @@ class QuadraticTrainer(VariationalTrainer):
 def test_sam_step_on_a_quadratic_matches_closed_form_and_updates_bn_once(tmp_path, adaptive):
     rho, lr = 0.3, 0.1
     data = [{"pixel_values": torch.tensor([float(i), 2.0 * i]), "labels": 0} for i in range(4)]
-    args = make_args(tmp_path, method="sam", method_config={"sam_rho": rho, "sam_adaptive": adaptive}, optim="sgd", learning_rate=lr,
+    args = make_args(tmp_path, method="sam", method_config={"sam_rho": rho, "sam_adaptive": adaptive}, optim="sgd",
+                     learning_rate=lr,
                      lr_scheduler_type="constant", max_grad_norm=0.0, max_steps=1, per_device_train_batch_size=4)
     model = Quadratic()
     QuadraticTrainer(model=model, args=args, train_dataset=data).train()
@@ -247,7 +252,8 @@ def test_sam_equals_pytorch_optimizer_sam(tmp_path, adaptive):
     torch.manual_seed(0)
     model = MLP()
     reference = copy.deepcopy(model)
-    args = make_args(tmp_path, method="sam", method_config={"sam_rho": 0.2, "sam_adaptive": adaptive}, optim="sgd", learning_rate=0.5,
+    args = make_args(tmp_path, method="sam", method_config={"sam_rho": 0.2, "sam_adaptive": adaptive}, optim="sgd",
+                     learning_rate=0.5,
                      lr_scheduler_type="constant", max_grad_norm=0.0, max_steps=3, per_device_train_batch_size=8)
     VariationalTrainer(model=model, args=args, train_dataset=data).train()
     x, y = torch.stack([d["pixel_values"] for d in data]), torch.tensor([d["labels"] for d in data])
@@ -268,7 +274,8 @@ def test_sam_accumulation_perturbs_each_micro_batch(tmp_path):
     torch.manual_seed(0)
     model = MLP()
     w0 = copy.deepcopy(model)
-    args = make_args(tmp_path, method="sam", method_config={"sam_rho": 0.2}, optim="sgd", learning_rate=0.5, lr_scheduler_type="constant",
+    args = make_args(tmp_path, method="sam", method_config={"sam_rho": 0.2}, optim="sgd", learning_rate=0.5,
+                     lr_scheduler_type="constant",
                      max_grad_norm=0.0, max_steps=1, per_device_train_batch_size=4, gradient_accumulation_steps=2,
                      train_sampling_strategy="sequential")
     VariationalTrainer(model=model, args=args, train_dataset=data).train()
@@ -296,9 +303,12 @@ def test_non_ivon_accumulation_divides_by_the_accumulation_steps(tmp_path):
     torch.manual_seed(0)
     full, accumulated = MLP(), MLP()
     accumulated.load_state_dict(full.state_dict())
-    common = dict(method="ls", optim="sgd", learning_rate=0.5, lr_scheduler_type="constant", max_grad_norm=0.0, max_steps=1)
-    VariationalTrainer(model=full, args=make_args(tmp_path, per_device_train_batch_size=8, **common), train_dataset=data).train()
-    VariationalTrainer(model=accumulated, args=make_args(tmp_path, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+    common = dict(method="ls", optim="sgd", learning_rate=0.5, lr_scheduler_type="constant", max_grad_norm=0.0,
+                  max_steps=1)
+    VariationalTrainer(model=full, args=make_args(tmp_path, per_device_train_batch_size=8, **common),
+                       train_dataset=data).train()
+    VariationalTrainer(model=accumulated,
+                       args=make_args(tmp_path, per_device_train_batch_size=4, gradient_accumulation_steps=2,
                                                          **common), train_dataset=data).train()
     for p, q in zip(full.parameters(), accumulated.parameters()):
         assert torch.allclose(p, q, atol=1e-6)
@@ -364,8 +374,8 @@ def test_every_method_trains_and_the_saved_model_reloads_as_a_plain_model(tmp_pa
     def train(folder, method_name):
         torch.manual_seed(0)
         model = tiny_resnet()
-        args = make_args(folder, method=method_name, max_steps=3, per_device_train_batch_size=4, logging_strategy="steps",
-                         logging_steps=1, eval_mc_samples=2,
+        args = make_args(folder, method=method_name, max_steps=3, per_device_train_batch_size=4,
+                         logging_strategy="steps", logging_steps=1, eval_mc_samples=2,
                          method_config={"alasca_warmup_epochs": 1} if method_name == "alasca" else None)
         trainer = VariationalTrainer(model=model, args=args, train_dataset=image_data(8))
         initial = {k: v.detach().clone() for k, v in model.named_parameters()}  # with the method's heads, if any
@@ -429,7 +439,8 @@ def test_alasca_on_a_transformer_uses_hidden_states_and_an_example_index(tmp_pat
 
 @pytest.mark.parametrize("name", ["alasca", "logistic_normal"])
 def test_heads_on_a_timm_model(tmp_path, name):
-    """timm through TimmWrapperForImageClassification: hidden states from `forward_intermediates`, head from `get_classifier`."""
+    """timm through TimmWrapperForImageClassification: hidden states from `forward_intermediates`, head from
+    `get_classifier`."""
     from transformers import TimmWrapperForImageClassification
 
     from example_utils.models import create_image_classifier
@@ -438,7 +449,8 @@ def test_heads_on_a_timm_model(tmp_path, name):
     model = create_image_classifier("resnet10t", {i: str(i) for i in range(3)}, num_channels=1)
     plain_keys = set(model.state_dict())
     data = [{"pixel_values": torch.randn(1, 32, 32), "labels": i % 3} for i in range(8)]
-    trainer = VariationalTrainer(model=model, args=make_args(tmp_path, method=name, max_steps=2, per_device_train_batch_size=4),
+    trainer = VariationalTrainer(model=model,
+                                 args=make_args(tmp_path, method=name, max_steps=2, per_device_train_batch_size=4),
                                  train_dataset=data)
     initial = {k: v.detach().clone() for k, v in model.named_parameters()}
     x = torch.randn(2, 1, 32, 32)
@@ -566,10 +578,11 @@ def test_ivon_config_holds_the_settings_the_preset_filled():
     """IVON is configured like the other methods (an `IVONConfig` in `method_config`), whose preset fills the
     settings left unset, and the learning rate and posterior samples of the arguments left unset."""
     args = make_args("out", method_config=IVONConfig(ivon_preset="finetune", ess=123.0, mc_samples=2))
-    assert args.method_config == IVONConfig(ess=123.0, hess_init=1e-3, beta2=None, prior_precision=0.0, clip_radius=1e-3,
-                                            rescale_lr=False, mc_samples=2, ivon_preset="finetune")
+    assert args.method_config == IVONConfig(ess=123.0, hess_init=1e-3, beta2=None, prior_precision=0.0,
+                                            clip_radius=1e-3, rescale_lr=False, mc_samples=2, ivon_preset="finetune")
     assert args.learning_rate == 0.3 and args.eval_mc_samples == 32 and args.method_config.beta1 == 0.9
-    again = VariationalTrainingArguments(**{k: v for k, v in args.to_dict().items() if k in ("output_dir", "method", "method_config",
+    again = VariationalTrainingArguments(**{k: v for k, v in args.to_dict().items()
+                                            if k in ("output_dir", "method", "method_config",
                                             "use_cpu")})  # a saved config round-trips
     assert again.method_config == args.method_config and again.learning_rate == 0.3
     assert make_args("out", method_config={"ivon_preset": "lora"}).eval_mc_samples == 10
@@ -601,12 +614,14 @@ def test_method_config_defaults_copies_and_reaches_the_method(tmp_path):
     method = get_method_class("sam")(args.method_config)
     method.config.sam_rho = 1.0
     assert given.sam_rho == 0.3 and args.method_config.sam_rho == 0.3  # the user's object is never changed
-    hyper = get_method_class("alasca")(make_args(tmp_path, method="alasca", method_config={"alasca_lambda": 1.5}).method_config).hyperparameters()
+    hyper = get_method_class("alasca")(make_args(tmp_path, method="alasca",
+                                                 method_config={"alasca_lambda": 1.5}).method_config).hyperparameters()
     assert hyper["method"] == "alasca" and hyper["alasca_lambda"] == 1.5 and hyper["alasca_ema"] == 0.7
 
 
 def test_training_args_with_a_method_config_round_trip(tmp_path):
-    args = make_args(tmp_path, method="alasca", method_config={"alasca_warmup_epochs": 2.0, "alasca_num_classifiers": 1})
+    args = make_args(tmp_path, method="alasca",
+                     method_config={"alasca_warmup_epochs": 2.0, "alasca_num_classifiers": 1})
     as_json = json.loads(args.to_json_string())
     assert as_json["method_config"] == {"alasca_lambda": 2.0, "alasca_ema": 0.7, "alasca_temperature": 1 / 3,
                                         "alasca_warmup_epochs": 2.0, "alasca_num_classifiers": 1}
@@ -614,7 +629,8 @@ def test_training_args_with_a_method_config_round_trip(tmp_path):
     (from_json,) = parser.parse_dict({k: as_json[k] for k in ("output_dir", "use_cpu", "method", "method_config")})
     assert from_json.method_config == args.method_config
     (from_flags,) = parser.parse_args_into_dataclasses(
-        ["--output_dir", str(tmp_path), "--use_cpu", "--method", "alasca", "--method_config", json.dumps(as_json["method_config"])])
+        ["--output_dir", str(tmp_path), "--use_cpu", "--method", "alasca", "--method_config",
+         json.dumps(as_json["method_config"])])
     assert from_flags.method_config == args.method_config
     assert VariationalTrainingArguments(**args.to_dict()).method_config == args.method_config
     replaced = dataclasses.replace(args, method="gce", method_config=None)
@@ -635,7 +651,8 @@ def test_examples_keep_the_flat_method_flags(examples):
     for example in examples:
         assert example.parse_arguments(["--method", "sam", "--sam_rho", "0.2", "--sam_adaptive"])[3].method_config == \
             SAMConfig(sam_rho=0.2, sam_adaptive=True)
-        assert example.parse_arguments(["--method", "ls", "--smoothing", "0.3"])[3].method_config == LabelSmoothingConfig(0.3)
+        assert example.parse_arguments(["--method", "ls", "--smoothing", "0.3"])[3].method_config == \
+            LabelSmoothingConfig(0.3)
         assert example.parse_arguments(["--method", "gce"])[3].method_config == GCEConfig()
         assert example.parse_arguments(["--method", "gce", "--method_config", '{"gce_q": 0.4}'])[3].method_config == \
             GCEConfig(gce_q=0.4)
@@ -662,7 +679,8 @@ def test_every_method_loss_runs_on_a_context_alone(tmp_path, name):
     torch.manual_seed(0)
     model = tiny_resnet(3).train()
     config = {"alasca_num_classifiers": 1} if name == "alasca" else None
-    method = get_method_class(name)(make_args(tmp_path, method=name, method_config=config).method_config, num_train_examples=6)
+    method = get_method_class(name)(make_args(tmp_path, method=name, method_config=config).method_config,
+                                    num_train_examples=6)
     method.attach(model)
     x, labels = torch.randn(4, 1, 8, 8), torch.tensor([0, 1, 2, IGNORE_INDEX])
     logits = model(pixel_values=x).logits
@@ -686,7 +704,8 @@ def test_sam_training_step_runs_on_a_context_alone():
     method = get_method_class("sam")(make_args("out", method="sam", method_config={"sam_rho": 0.3}).method_config)
     w0 = [p.detach().clone() for p in model.parameters()]
     noted = []
-    context = MethodContext(gradient_accumulation_steps=2, note_finite=lambda loss, params: noted.append((loss, params)))
+    context = MethodContext(gradient_accumulation_steps=2,
+                            note_finite=lambda loss, params: noted.append((loss, params)))
     logged = method.training_step(model, {"input": x, "labels": y}, context)
     assert len(noted) == 1 and noted[0][1] == list(model.parameters())
     reference = copy.deepcopy(model)

@@ -1,4 +1,5 @@
-"""Pictures of the label noise (Variational Learning Induces Adaptive Label Smoothing (Yang et al. 2025), Fig. 2-4; the Moon picture of its blog post): each writes a readable PNG."""
+"""Pictures of the label noise (Variational Learning Induces Adaptive Label Smoothing (Yang et al. 2025), Fig. 2-4; the
+Moon picture of its blog post): each writes a readable PNG."""
 
 from __future__ import annotations
 
@@ -62,7 +63,8 @@ def noise_table(n: int = 12, seed: int = 0) -> datasets.Dataset:
     eps = rng.normal(scale=0.01, size=(n, K))
     eps -= eps.mean(1, keepdims=True)
     return datasets.Dataset.from_dict({
-        "example_index": np.arange(n)[::-1].copy(), "label": label, "clean_label": clean, "is_corrupted": clean != label,
+        "example_index": np.arange(n)[::-1].copy(), "label": label, "clean_label": clean,
+        "is_corrupted": clean != label,
         "noise": eps.astype(np.float32), "smoothed_label": (np.eye(K)[label] + eps).astype(np.float32),
         "noise_at_label": np.abs(eps[np.arange(n), label]), "noise_l2": np.linalg.norm(eps, axis=1),
     })
@@ -118,7 +120,8 @@ def test_fig3_extremes_from_pil_images_and_pixel_arrays(tmp_path, drawn):
     assert_png(plot_noise_extremes(noise, pil, tmp_path, num_examples=4, filename="pil.png"), tmp_path)
     assert_extremes(drawn[-1], gray, "noise_l2", 4)
     flat = datasets.Dataset.from_dict({"pixel_values": rng.random((12, 64)).astype(np.float32)})
-    assert_png(plot_noise_extremes(noise, flat, tmp_path, num_examples=20, score="noise_at_label", filename="flat.png"), tmp_path)
+    assert_png(plot_noise_extremes(noise, flat, tmp_path, num_examples=20, score="noise_at_label", filename="flat.png"),
+               tmp_path)
     assert_extremes(drawn[-1], np.asarray(flat["pixel_values"]).reshape(12, 8, 8), "noise_at_label", 12)
     chw = datasets.Dataset.from_dict({"pixel_values": rng.random((12, 3, 6, 6)).astype(np.float32)})
     assert_png(plot_noise_extremes(noise, chw, tmp_path, num_examples=3, filename="chw.png"), tmp_path)
@@ -206,10 +209,12 @@ def test_callback_draws_figures_for_images(tmp_path, drawn):
         return {"pixel_values": pixels, "labels": batch["label"]}
 
     def collate(rows):
-        return {"pixel_values": torch.stack([r["pixel_values"] for r in rows]), "labels": torch.tensor([r["labels"] for r in rows])}
+        return {"pixel_values": torch.stack([r["pixel_values"] for r in rows]),
+                "labels": torch.tensor([r["labels"] for r in rows])}
 
     args = VariationalTrainingArguments(
-        output_dir=str(tmp_path), num_train_epochs=1, per_device_train_batch_size=8, learning_rate=0.05, method_config={"beta2": 0.99},
+        output_dir=str(tmp_path), num_train_epochs=1, per_device_train_batch_size=8, learning_rate=0.05,
+        method_config={"beta2": 0.99},
         report_to="none", save_strategy="no", logging_strategy="no", use_cpu=True, disable_tqdm=True,
     )
     torch.manual_seed(0)

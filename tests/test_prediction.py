@@ -146,13 +146,15 @@ def test_model_without_posterior_predicts_at_mean_with_warning(tmp_path):
         loaded = VariationalModel.from_pretrained(tmp_path)
     x = torch.rand(3, 1, 8, 8)
     with torch.no_grad():
-        np.testing.assert_allclose(loaded(pixel_values=x).probs.numpy(), model(pixel_values=x).logits.softmax(-1).numpy(), atol=1e-6)
+        np.testing.assert_allclose(loaded(pixel_values=x).probs.numpy(),
+                                   model(pixel_values=x).logits.softmax(-1).numpy(), atol=1e-6)
 
 
 def test_posterior_of_another_model_is_refused(trained, tmp_path):
     _, _, out = trained
-    other = ResNetForImageClassification(ResNetConfig(num_channels=1, embedding_size=8, hidden_sizes=[8, 32], depths=[1, 1],
-                                                      layer_type="basic", num_labels=10, downsample_in_first_stage=False))
+    other = ResNetForImageClassification(ResNetConfig(num_channels=1, embedding_size=8, hidden_sizes=[8, 32],
+                                                      depths=[1, 1], layer_type="basic", num_labels=10,
+                                                      downsample_in_first_stage=False))
     with pytest.raises(ValueError, match="does not belong to this model"):
         DiagonalGaussianPosterior.load(other, out / POSTERIOR_FILE)
 
@@ -230,7 +232,8 @@ def test_pipeline_on_a_one_channel_timm_model(tmp_path):
                                  train_dataset=digits_images(64), processing_class=processor)
     trainer.train()
     trainer.save_model(str(tmp_path))
-    images = [Image.fromarray((image.numpy() * 255).astype("uint8"), mode="L") for image in digits_dataset(3)[:]["pixel_values"]]
+    images = [Image.fromarray((image.numpy() * 255).astype("uint8"), mode="L")
+              for image in digits_dataset(3)[:]["pixel_values"]]
     classify = pipeline("image-classification", model=str(tmp_path))
     scores = [{row["label"]: row["score"] for row in classify(image, top_k=10)} for image in images]
     loaded = VariationalModel.from_pretrained(tmp_path)

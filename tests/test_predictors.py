@@ -37,7 +37,8 @@ def test_the_factory_chooses_each_kind_and_describes_it(network):
                                (DiagonalGaussianPosterior.point_mass(network), 4)):
         assert make_predictor(network, posterior, samples).describe() == {"kind": "weights"}
     dropout = _dropout_network()
-    assert make_predictor(dropout, DiagonalGaussianPosterior.point_mass(dropout), 0, mc_dropout_samples=3).describe() == {
+    assert make_predictor(dropout, DiagonalGaussianPosterior.point_mass(dropout), 0,
+                          mc_dropout_samples=3).describe() == {
         "kind": "mc_dropout", "num_samples": 3}
     ensemble = DeepEnsemble([VariationalModel(network, _posterior(network), num_samples=2),
                              VariationalModel(network, DiagonalGaussianPosterior.point_mass(network), num_samples=0)])

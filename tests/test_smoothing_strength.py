@@ -63,10 +63,12 @@ def test_the_posterior_and_the_card_record_the_ess_that_was_used(smoothed):
 def test_a_resume_continues_with_the_ess_the_knob_reached(tmp_path):
     whole, _ = _train(tmp_path / "whole", 0.3, save_strategy="steps", save_steps=300)
     torch.manual_seed(0)
-    args = make_args(tmp_path / "resumed", num_train_epochs=6, ivon_preset="finetune", clip_radius=1e-2, ivon_smoothing=0.3)
+    args = make_args(tmp_path / "resumed", num_train_epochs=6, ivon_preset="finetune", clip_radius=1e-2,
+                     ivon_smoothing=0.3)
     resumed = VariationalTrainer(model=TinyClassifier(), args=args, train_dataset=digits_dataset().select(range(1200)))
     resumed.train(resume_from_checkpoint=str(tmp_path / "whole" / "checkpoint-300"))
-    assert [h["step"] for h in _knob(resumed).history] == [360, 450]  # the updates up to 300 are in the checkpoint's ess
+    # the updates up to 300 are in the checkpoint's ess
+    assert [h["step"] for h in _knob(resumed).history] == [360, 450]
     assert resumed.ivon.param_groups[0]["ess"] == pytest.approx(whole.ivon.param_groups[0]["ess"], rel=1e-6)
     for a, b in zip(whole.model.parameters(), resumed.model.parameters()):
         torch.testing.assert_close(a, b)
@@ -81,7 +83,8 @@ def test_ivon_smoothing_is_refused_outside_its_range_and_without_ivon(tmp_path):
 
 def _summary(mean_l1, num_classes):
     quantiles = {f"q{q:02d}": mean_l1 for q in (0, 10, 25, 50, 75, 90, 99, 100)}
-    return {"num_examples": 100, "num_classes": num_classes, "all": {"noise_l1": {"mean": mean_l1, "std": 0.0, **quantiles}}}
+    return {"num_examples": 100, "num_classes": num_classes,
+            "all": {"noise_l1": {"mean": mean_l1, "std": 0.0, **quantiles}}}
 
 
 def test_the_card_sets_the_measured_label_noise_beside_label_smoothing():

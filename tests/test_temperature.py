@@ -81,7 +81,8 @@ def test_temperature_one_is_the_learned_bma_and_scales_the_draws():
     torch.testing.assert_close(half, _hand_bma(model, std, x, num_samples=6, seed=3, scale=0.5), rtol=0, atol=1e-6)
     assert not torch.allclose(half, default, atol=1e-3)
     posterior.temperature = 1.0  # back to 1: exactly the first prediction (the cached σ⊙e was not scaled in place)
-    assert torch.equal(predictive_distribution(model, posterior, {"pixel_values": x}, num_samples=6, seed=3).probs, default)
+    assert torch.equal(predictive_distribution(model, posterior, {"pixel_values": x}, num_samples=6, seed=3).probs,
+                       default)
 
 
 def test_bad_temperatures_are_refused(tmp_path):
@@ -99,7 +100,8 @@ def test_bad_temperatures_are_refused(tmp_path):
     (args,) = HfArgumentParser(VariationalTrainingArguments).parse_args_into_dataclasses(
         ["--output_dir", str(tmp_path), "--posterior_temperature", "0.25"])
     assert args.posterior_temperature == 0.25
-    (args,) = HfArgumentParser(VariationalTrainingArguments).parse_args_into_dataclasses(["--output_dir", str(tmp_path)])
+    (args,) = HfArgumentParser(VariationalTrainingArguments).parse_args_into_dataclasses(["--output_dir",
+                                                                                          str(tmp_path)])
     assert args.posterior_temperature is None  # auto
 
 
@@ -143,15 +145,18 @@ def test_temperature_nll_scores_each_bma_with_common_draws():
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    """A short noisy digits run whose BMA is worse than its mean (σ still at its prior value), τ chosen automatically."""
+    """A short noisy digits run whose BMA is worse than its mean (σ still at its prior value), τ chosen
+    automatically."""
     out = tmp_path_factory.mktemp("temperature")
     train, val, processor, transform = noisy_digits_images(120)
 
     # eval_mc_samples = the selection's draws (temperature.SELECTION_SAMPLES), so evaluate() predicts what it scored
-    args = make_args(out, max_steps=30, eval_mc_samples=SELECTION_SAMPLES, beta2=0.999, eval_seed=3, remove_unused_columns=False)
+    args = make_args(out, max_steps=30, eval_mc_samples=SELECTION_SAMPLES, beta2=0.999, eval_seed=3,
+                     remove_unused_columns=False)
     callback = LabelNoiseCallback(num_samples=4)
     trainer = VariationalTrainer(model=tiny_digits_resnet(), args=args, train_dataset=train.with_transform(transform),
-                                 eval_dataset=val.with_transform(transform), processing_class=processor, callbacks=[callback])
+                                 eval_dataset=val.with_transform(transform), processing_class=processor,
+                                 callbacks=[callback])
     trainer.train()
     return trainer, val, transform, out
 
@@ -218,7 +223,8 @@ def test_label_noise_export_samples_the_learned_posterior_whatever_tau_was_chose
     np.testing.assert_allclose(exported, np.stack(trainer.label_noise(num_samples=4)["noise"]), atol=1e-6)
     def at(temperature):
         return compute_label_noise(trainer.model, trainer.posterior(), trainer.train_dataset, num_samples=4,
-                                   seed=trainer.args.eval_seed, collate_fn=trainer.data_collator, temperature=temperature)
+                                   seed=trainer.args.eval_seed, collate_fn=trainer.data_collator,
+                                   temperature=temperature)
 
     if chosen == 0:  # an export at τ = 0 would be the zero of no draws
         with pytest.raises(ValueError, match="temperature=0 draws nothing"):
@@ -347,7 +353,8 @@ def test_trainer_chooses_by_the_corrected_nll_and_records_it(tmp_path):
     batches = trainer._batchnorm_batches(trainer.model)  # each draw's statistics, from the training examples in order
     expected = temperature_nll(trainer.model, trainer.posterior(), trainer.validation_batches(trainer.eval_dataset),
                                TEMPERATURE_GRID, SELECTION_SAMPLES, 3, transition=T, draw_buffers=lambda p: (
-                                   draw_batchnorm_statistics(trainer.model, p, lambda: iter(batches), SELECTION_SAMPLES, 3)))
+                                   draw_batchnorm_statistics(trainer.model, p, lambda: iter(batches), SELECTION_SAMPLES,
+                                                             3)))
     assert {float(k): v for k, v in report["nll"].items() if float(k) in expected} == pytest.approx(expected, rel=1e-9)
     trainer.save_model()
     trainer.create_model_card()
@@ -359,7 +366,8 @@ def test_trainer_chooses_by_the_corrected_nll_and_records_it(tmp_path):
         VariationalTrainer(model=tiny_digits_resnet(), args=args, train_dataset=train.with_transform(transform),
                            eval_noise_transition=np.eye(3)[:2])
     three = VariationalTrainer(model=tiny_digits_resnet(), train_dataset=train.with_transform(transform),
-                               args=make_args(tmp_path / "three", max_steps=1, eval_mc_samples=4, remove_unused_columns=False),
+                               args=make_args(tmp_path / "three", max_steps=1, eval_mc_samples=4,
+                                              remove_unused_columns=False),
                                eval_dataset=val.with_transform(transform), eval_noise_transition=np.eye(3))
     with pytest.raises(RuntimeError, match="predicts 10 classes") as failed:
         three.train()

@@ -1,4 +1,5 @@
-"""Post-hoc temperature scaling (Guo et al. 2017): fit by validation NLL, apply to any prediction, save with the model."""
+"""Post-hoc temperature scaling (Guo et al. 2017): fit by validation NLL, apply to any prediction, save with the
+model."""
 
 import contextlib
 import json
@@ -84,7 +85,8 @@ def test_ignore_index_and_bad_inputs():
     z, labels = _calibrated_sample(300, seed=3)
     padded = np.concatenate([z * 5, 100 * np.ones((5, 10))])
     with_ignored = np.concatenate([labels, np.full(5, -100)])
-    assert TemperatureScaling.fit(padded, with_ignored).temperature == pytest.approx(TemperatureScaling.fit(z * 5, labels).temperature, rel=1e-6)
+    assert (TemperatureScaling.fit(padded, with_ignored).temperature
+            == pytest.approx(TemperatureScaling.fit(z * 5, labels).temperature, rel=1e-6))
     with pytest.raises(ValueError, match="no labelled"):
         TemperatureScaling.fit(z, np.full(len(z), -100))
     with pytest.raises(ValueError, match=r"Labels must lie in \[0, 10\)"):
@@ -96,7 +98,8 @@ def test_ignore_index_and_bad_inputs():
 def test_save_load_round_trip_and_stale_file_refused(tmp_path):
     torch.manual_seed(0)
     model = TinyClassifier()
-    scaling = TemperatureScaling(2.0, nll_uncalibrated=1.2, nll_calibrated=0.9, num_examples=50, prediction={"kind": "weights"})
+    scaling = TemperatureScaling(2.0, nll_uncalibrated=1.2, nll_calibrated=0.9, num_examples=50,
+                                 prediction={"kind": "weights"})
     path = scaling.save(tmp_path, model)
     assert os.path.basename(path) == TEMPERATURE_SCALING_FILE
     assert TemperatureScaling.load(tmp_path, model) == scaling
@@ -163,7 +166,8 @@ def test_saved_temperature_is_applied_by_from_pretrained_and_pipeline_and_refuse
     pixels = transform(val[:])["pixel_values"]
     with torch.no_grad():
         np.testing.assert_allclose(loaded(pixel_values=pixels).probs.numpy(), expected, rtol=1e-5, atol=1e-6)
-        uncalibrated = VariationalModel.from_pretrained(tmp_path, temperature_scaling=False)(pixel_values=pixels).probs.numpy()
+        uncalibrated = VariationalModel.from_pretrained(tmp_path,
+                                                        temperature_scaling=False)(pixel_values=pixels).probs.numpy()
     assert not np.allclose(uncalibrated, expected, atol=1e-3)
     classify = pipeline("image-classification", model=str(tmp_path))
     piped = classify(val[:5]["image"], top_k=10)
@@ -231,9 +235,11 @@ def test_the_pipelines_uncertainty_is_one_measurement_of_the_uncalibrated_draws(
             np.testing.assert_allclose(scores, expected_scores[row], rtol=1e-5, atol=1e-6)
             assert answer["entropy"] == pytest.approx(draws.entropy[row].item(), rel=1e-5, abs=1e-6)
             if not ivon:  # no draws: the entropy of the prediction, nothing else measured
-                assert answer["mutual_information"] is answer["expected_entropy"] is answer["uncertainty_temperature"] is None
+                assert (answer["mutual_information"] is answer["expected_entropy"] is answer["uncertainty_temperature"]
+                        is None)
                 continue
             assert answer["uncertainty_temperature"] == 1.0
-            assert answer["mutual_information"] == pytest.approx(draws.mutual_information[row].item(), rel=1e-5, abs=1e-6)
+            assert answer["mutual_information"] == pytest.approx(draws.mutual_information[row].item(), rel=1e-5,
+                                                                 abs=1e-6)
             assert answer["expected_entropy"] == pytest.approx(answer["entropy"] - answer["mutual_information"])
             assert 0 <= answer["mutual_information"] <= answer["entropy"]

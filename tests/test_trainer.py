@@ -1,7 +1,7 @@
-"""VariationalTrainer trains exactly like a hand-written IVON loop and avoids the pitfalls of a naive Trainer integration
-(weight decay fed into IVON's prior, clipped or scaled sample gradients, re-initialised models, lost optimizer state),
-and keeps the contracts of `transformers.Trainer` it inherits: compute_loss_func, batch_eval_metrics, a saved model
-evaluated by a new trainer, and a warning that says when the posterior did not learn."""
+"""VariationalTrainer trains exactly like a hand-written IVON loop and avoids the pitfalls of a naive Trainer
+integration (weight decay fed into IVON's prior, clipped or scaled sample gradients, re-initialised models, lost
+optimizer state), and keeps the contracts of `transformers.Trainer` it inherits: compute_loss_func, batch_eval_metrics,
+a saved model evaluated by a new trainer, and a warning that says when the posterior did not learn."""
 
 from __future__ import annotations
 
@@ -107,8 +107,8 @@ def test_resume_is_exact(tmp_path):
     torch.manual_seed(0)
     model = TinyClassifier()
     init = copy.deepcopy(model)
-    common = dict(max_steps=8, per_device_train_batch_size=16, gradient_accumulation_steps=2, lr_scheduler_type="cosine",
-                  warmup_steps=2, beta2=0.999, train_sampling_strategy="random")
+    common = dict(max_steps=8, per_device_train_batch_size=16, gradient_accumulation_steps=2,
+                  lr_scheduler_type="cosine", warmup_steps=2, beta2=0.999, train_sampling_strategy="random")
     full = VariationalTrainer(model=model, args=make_args(tmp_path / "full", **common), train_dataset=ds)
     full.train()
 
@@ -176,7 +176,8 @@ def test_non_finite_loss_is_a_clear_error_and_weights_survive(tmp_path):
 
 
 def test_weight_decay_is_refused_with_ivon_and_names_prior_precision(tmp_path):
-    with pytest.raises(ValueError, match="IVON's weight decay is the precision of its Gaussian prior, `prior_precision`"):
+    with pytest.raises(ValueError,
+                       match="IVON's weight decay is the precision of its Gaussian prior, `prior_precision`"):
         make_args(tmp_path, weight_decay=0.01)
     assert make_args(tmp_path, method="erm", weight_decay=0.01).weight_decay == 0.01  # AdamW's, as in TrainingArguments
 
@@ -188,7 +189,8 @@ def test_fp16_refused_with_clear_error(tmp_path):
 
 def test_low_precision_weights_refused(tmp_path):
     model = TinyClassifier().to(torch.bfloat16)
-    trainer = VariationalTrainer(model=model, args=_trainer_args(tmp_path, max_steps=1), train_dataset=digits_dataset(32))
+    trainer = VariationalTrainer(model=model, args=_trainer_args(tmp_path, max_steps=1),
+                                 train_dataset=digits_dataset(32))
     with pytest.raises(ValueError, match="IVON needs fp32 trainable weights"):
         trainer.train()
 
@@ -199,7 +201,8 @@ def test_ivon_accepts_fsdp2_and_refuses_fsdp1_and_deepspeed(tmp_path):
     assert args.fsdp_plugin_args["fsdp_version"] == 2
     with pytest.raises(ValueError, match=r"IVON needs FSDP2 .* got FSDP version 1.*fsdp_config=\{'version': 2\}"):
         make_args(tmp_path, fsdp=True, fsdp_config={"version": 1})
-    assert make_args(tmp_path, method="erm", fsdp=True, fsdp_config={"version": 1}).fsdp  # not IVON: the Trainer's affair
+    # not IVON: the Trainer's affair
+    assert make_args(tmp_path, method="erm", fsdp=True, fsdp_config={"version": 1}).fsdp
     with pytest.raises(ValueError, match="not supported with DeepSpeed.*FSDP2"):
         check_ivon_sharding(None, deepspeed=True)  # building DeepSpeed arguments needs deepspeed installed
     check_ivon_sharding(None, deepspeed=False)
@@ -242,7 +245,8 @@ def test_args_parse_with_hf_argument_parser():
     ivon = args.method_config
     assert (ivon.ess, ivon.hess_init, ivon.beta2, ivon.mc_samples, args.eval_mc_samples) == (1e4, 0.1, 0.9999, 2, 0)
     assert args.method == "ivon" and args.learning_rate == 0.2 and ivon.clip_radius == 0.05
-    (erm,) = HfArgumentParser(VariationalTrainingArguments).parse_args_into_dataclasses(["--output_dir", "o", "--method", "erm"])
+    (erm,) = HfArgumentParser(VariationalTrainingArguments).parse_args_into_dataclasses(["--output_dir", "o",
+                                                                                         "--method", "erm"])
     assert erm.learning_rate == 5e-5
 
 
@@ -261,7 +265,8 @@ def test_ess_defaults_to_training_set_size(tmp_path):
 def test_best_model_reload_brings_its_posterior(tmp_path):
     """With load_best_model_at_end the Hessian is the best checkpoint's, not the last step's."""
     ds = digits_dataset(128)
-    args = _trainer_args(tmp_path, max_steps=6, eval_strategy="steps", eval_steps=3, save_strategy="steps", save_steps=3,
+    args = _trainer_args(tmp_path, max_steps=6, eval_strategy="steps", eval_steps=3, save_strategy="steps",
+                         save_steps=3,
                          load_best_model_at_end=True, metric_for_best_model="accuracy", greater_is_better=True,
                          train_sampling_strategy="random")
     trainer = VariationalTrainer(model=TinyClassifier(), args=args, train_dataset=ds, eval_dataset=ds)
@@ -279,20 +284,24 @@ def test_hessian_diagnostics_logged_and_stuck_hessian_warned(tmp_path, caplog):
     with caplog.at_level("WARNING", logger="varsmooth.posterior.diagnostics"):
         trainer.train()
     logged = [e for e in trainer.state.log_history if "loss" in e]
-    assert logged and all({"hess_mean", "hess_median", "posterior_std_mean", "posterior_std_median"} <= set(e) for e in logged)
+    assert (logged
+            and all({"hess_mean", "hess_median", "posterior_std_mean", "posterior_std_median"} <= set(e)
+                    for e in logged))
     expected_std = 1 / np.sqrt(64 * (logged[-1]["hess_median"] + 2e-4))
     assert logged[-1]["posterior_std_median"] == pytest.approx(expected_std, rel=1e-3)
     assert "Hessian hardly moved" in caplog.text and "leave beta2 unset" in caplog.text
     # β2 unset: the run-length rule's window is at its floor here, and the advice is not to leave beta2 unset
     caplog.clear()
-    unset = VariationalTrainer(model=TinyClassifier(), args=_trainer_args(tmp_path / "u", max_steps=4, beta2=None), train_dataset=ds)
+    unset = VariationalTrainer(model=TinyClassifier(), args=_trainer_args(tmp_path / "u", max_steps=4, beta2=None),
+                               train_dataset=ds)
     with caplog.at_level("WARNING", logger="varsmooth.posterior.diagnostics"):
         unset.train()
     assert "Hessian hardly moved" in caplog.text and "leave beta2 unset" not in caplog.text
     assert "at least 300 steps: pass a smaller beta2" in caplog.text
     # with β2 = 0.9 the Hessian moves and there is no warning
     caplog.clear()
-    moving = VariationalTrainer(model=TinyClassifier(), args=_trainer_args(tmp_path / "b", max_steps=4, beta2=0.9), train_dataset=ds)
+    moving = VariationalTrainer(model=TinyClassifier(), args=_trainer_args(tmp_path / "b", max_steps=4, beta2=0.9),
+                                train_dataset=ds)
     with caplog.at_level("WARNING", logger="varsmooth.posterior.diagnostics"):
         moving.train()
     assert "Hessian hardly moved" not in caplog.text
@@ -322,7 +331,8 @@ def test_with_transform_dataset_needs_no_flags(tmp_path):
         return {"pixel_values": pixels, "labels": torch.as_tensor(batch["label"])}
 
     trainer = VariationalTrainer(model=TinyClassifier(), args=_trainer_args(tmp_path, max_steps=2),
-                                 train_dataset=raw.with_transform(transform), eval_dataset=raw.with_transform(transform))
+                                 train_dataset=raw.with_transform(transform),
+                                 eval_dataset=raw.with_transform(transform))
     trainer.train()
     assert "eval_accuracy" in trainer.evaluate()
     assert raw.column_names == ["image", "label"]  # the user's dataset is untouched
@@ -351,7 +361,8 @@ def test_finetune_preset_fills_only_untouched_ivon_fields():
     assert (scratch.learning_rate, ivon.hess_init, ivon.ess, ivon.rescale_lr) == (0.2, 0.5, None, True)
     # the preset is about IVON: another method has none
     with pytest.raises(ValueError, match=r"\['ivon_preset'\], which method='erm'"):
-        VariationalTrainingArguments(output_dir="/tmp/x", use_cpu=True, method="erm", method_config={"ivon_preset": "finetune"})
+        VariationalTrainingArguments(output_dir="/tmp/x", use_cpu=True, method="erm",
+                                     method_config={"ivon_preset": "finetune"})
     with pytest.raises(ValueError, match="ivon_preset must be"):
         IVONConfig(ivon_preset="pretrained")
 
@@ -373,13 +384,15 @@ def test_finetune_preset_builds_the_documented_optimizer(tmp_path):
 def test_a_fractional_sample_count_is_refused(tmp_path, value):
     with pytest.raises(ValueError, match=rf"mc_samples is a number of samples, a whole number, got {value!r}"):
         make_args(tmp_path, mc_samples=value)
-    assert make_args(tmp_path, mc_samples=2.0).method_config.mc_samples == 2  # a whole float (e.g. from a JSON config) is fine
+    # a whole float (e.g. from a JSON config) is fine
+    assert make_args(tmp_path, mc_samples=2.0).method_config.mc_samples == 2
 
 
 def test_string_labels_are_refused_with_the_fix(tmp_path):
     clean = digits_dataset(32)
     ds = datasets.Dataset.from_dict({"pixel_values": clean[:]["pixel_values"].numpy(),
-                                     "label": [["zero", "one"][int(y) % 2] for y in clean[:]["label"]]}).with_format("torch")
+                                     "label": [["zero", "one"][int(y) % 2]
+                                               for y in clean[:]["label"]]}).with_format("torch")
     with pytest.raises(ValueError, match=r"'label' column of train_dataset holds strings \(e.g. '(zero|one)'\).*"
                                          r"class_encode_column\('label'\)"):
         VariationalTrainer(model=TinyClassifier(), args=_trainer_args(tmp_path, max_steps=1), train_dataset=ds)
@@ -441,12 +454,15 @@ def test_a_training_set_of_ignored_labels_only_is_refused(tmp_path):
 @pytest.mark.parametrize("role", ["train_dataset", "eval_dataset"])
 def test_a_renamed_input_column_is_refused_with_the_rename_to_make(tmp_path, role):
     renamed = digits_images(32).rename_column("pixel_values", "image_array")
-    sets = {"train_dataset": renamed} if role == "train_dataset" else {"train_dataset": digits_images(32), "eval_dataset": renamed}
+    sets = ({"train_dataset": renamed} if role == "train_dataset"
+            else {"train_dataset": digits_images(32), "eval_dataset": renamed})
     with pytest.raises(ValueError, match=rf"No column of {role} \(\['image_array', 'label'\]\) is an input of the "
-                                         r"model's forward \(\['pixel_values', .*rename_column\('image_array', 'pixel_values'\)"):
+                                         r"model's forward \(\['pixel_values', .*rename_column\('image_array', "
+                                         r"'pixel_values'\)"):
         VariationalTrainer(model=tiny_digits_resnet(), args=_trainer_args(tmp_path, max_steps=1), **sets)
     # with remove_unused_columns=False the columns go to forward() as they are: a collator may rename them
-    VariationalTrainer(model=tiny_digits_resnet(), args=_trainer_args(tmp_path, max_steps=1, remove_unused_columns=False),
+    VariationalTrainer(model=tiny_digits_resnet(),
+                       args=_trainer_args(tmp_path, max_steps=1, remove_unused_columns=False),
                        train_dataset=digits_images(32), eval_dataset=renamed)
 
 
@@ -459,11 +475,13 @@ def test_a_renamed_input_column_is_refused_with_the_rename_to_make(tmp_path, rol
 ])
 def test_inputs_of_a_shape_the_model_cannot_take_are_named_at_the_first_step(tmp_path, method, model, dataset, shape):
     """torch's shape error names neither the column nor the fix: the first step, before any update, names both."""
-    trainer = VariationalTrainer(model=model(), args=make_args(tmp_path, max_steps=2, method=method), train_dataset=dataset())
+    trainer = VariationalTrainer(model=model(), args=make_args(tmp_path, max_steps=2, method=method),
+                                 train_dataset=dataset())
     before = [p.detach().clone() for p in trainer.model.parameters()]
     # the type of the model's own error is kept (torch raises RuntimeError, HF's ResNet a ValueError)
-    with pytest.raises((RuntimeError, ValueError), match=rf"cannot take the first training batch \((RuntimeError|ValueError): .*\)\. The batch holds: "
-                                           rf"(.*, )?{shape}(, .*)?\. Give the model the inputs"):
+    with pytest.raises((RuntimeError, ValueError),
+                       match=r"cannot take the first training batch \((RuntimeError|ValueError): .*\)\. The batch "
+                             rf"holds: (.*, )?{shape}(, .*)?\. Give the model the inputs"):
         trainer.train()
     assert all(torch.equal(p, b) for p, b in zip(trainer.model.parameters(), before))  # no update was applied
 
@@ -475,7 +493,8 @@ def test_inputs_of_a_shape_the_model_cannot_take_are_named_at_the_first_step(tmp
 def test_ivon_settings_with_a_method_without_ivon_are_refused_by_name(tmp_path, method, setting):
     (name, value), = setting.items()
     if name in POSTERIOR_FIELDS:  # a setting of prediction with a posterior, which the method learns none of
-        with pytest.raises(ValueError, match=rf"^{name}={value!r} is a setting of prediction with IVON's posterior, and "
+        with pytest.raises(ValueError,
+                           match=rf"^{name}={value!r} is a setting of prediction with IVON's posterior, and "
                                              rf"method='{method}' learns none.*Drop {name}, or choose an IVON method"):
             make_args(tmp_path, method=method, **setting)
     else:  # an IVON setting: not a field of the other method's config
@@ -500,7 +519,8 @@ def test_compute_loss_func_drives_ivon_training(tmp_path):
         return 3.0 * F.cross_entropy(outputs.logits, labels)
 
     steps, batch = 3, 16
-    trainer = VariationalTrainer(model=model, args=_sequential_args(tmp_path, max_steps=steps, per_device_train_batch_size=batch),
+    trainer = VariationalTrainer(model=model,
+                                 args=_sequential_args(tmp_path, max_steps=steps, per_device_train_batch_size=batch),
                                  train_dataset=ds, compute_loss_func=tripled)
     trainer.train()
     x, y = ds[:]["pixel_values"], ds[:]["label"]
@@ -522,15 +542,17 @@ def test_compute_loss_func_replaces_the_loss_of_non_ivon_methods(tmp_path):
     model = TinyClassifier()
     before = copy.deepcopy(model)
     args = make_args(tmp_path, method="erm", optim="sgd", learning_rate=0.5, max_steps=2)
-    trainer = VariationalTrainer(model=model, args=args, train_dataset=ds,
-                                 compute_loss_func=lambda outputs, labels, num_items_in_batch=None: 0.0 * outputs.logits.sum())
+    trainer = VariationalTrainer(
+        model=model, args=args, train_dataset=ds,
+        compute_loss_func=lambda outputs, labels, num_items_in_batch=None: 0.0 * outputs.logits.sum())
     trainer.train()
     assert _max_diff(model, before) == 0.0  # a zero loss moves nothing; cross-entropy would have
 
 
 def test_compute_loss_func_with_a_method_that_has_its_own_loss_is_refused(tmp_path):
     with pytest.raises(ValueError, match="compute_loss_func would replace the training loss of method='ls'"):
-        VariationalTrainer(model=TinyClassifier(), args=make_args(tmp_path, method="ls"), train_dataset=digits_dataset(16),
+        VariationalTrainer(model=TinyClassifier(), args=make_args(tmp_path, method="ls"),
+                           train_dataset=digits_dataset(16),
                            compute_loss_func=lambda outputs, labels, num_items_in_batch=None: outputs.logits.sum())
 
 
@@ -563,7 +585,8 @@ def test_batch_eval_metrics_gives_the_same_metrics_and_the_user_sees_every_batch
     whole.train()
     expected = whole.evaluate()
     count = _BatchedCount()
-    batched = VariationalTrainer(model=copy.deepcopy(model), args=make_args(tmp_path / "b", batch_eval_metrics=True, **common),
+    batched = VariationalTrainer(model=copy.deepcopy(model),
+                                 args=make_args(tmp_path / "b", batch_eval_metrics=True, **common),
                                  train_dataset=ds, eval_dataset=ds, compute_metrics=count)
     batched.train()
     got = batched.evaluate()
@@ -581,7 +604,8 @@ def test_user_metrics_get_inputs_and_losses(tmp_path):
         seen.update(inputs=eval_pred.inputs, losses=eval_pred.losses, predictions=eval_pred.predictions)
         return {}
 
-    trainer = VariationalTrainer(model=_PixelClassifier(), args=make_args(tmp_path, max_steps=1, include_for_metrics=["inputs", "loss"]),
+    trainer = VariationalTrainer(model=_PixelClassifier(),
+                                 args=make_args(tmp_path, max_steps=1, include_for_metrics=["inputs", "loss"]),
                                  train_dataset=ds, eval_dataset=ds, compute_metrics=metrics)
     trainer.train()
     trainer.evaluate()
@@ -603,7 +627,8 @@ def saved(tmp_path_factory):
     train, test = digits_images(128), digits_images(48)
     # τ fixed at 1: the tests below are about predicting with the saved posterior, not about choosing τ
     trainer = VariationalTrainer(model=tiny_digits_resnet(), train_dataset=train, eval_dataset=test,
-                                 args=make_args(out, max_steps=8, eval_mc_samples=4, beta2=0.99, posterior_temperature=1.0))
+                                 args=make_args(out, max_steps=8, eval_mc_samples=4, beta2=0.99,
+                                                posterior_temperature=1.0))
     trainer.train()
     trainer.save_model(str(out))
     return out, test, trainer.evaluate()
@@ -650,7 +675,8 @@ def test_bma_without_posterior_warns_and_names_the_metrics_after_the_mean(tmp_pa
     assert "eval_accuracy" not in metrics and "eval_nll" not in metrics
     with torch.no_grad():
         probs = model(pixel_values=test[:]["pixel_values"]).logits.softmax(-1).numpy()
-    assert metrics["eval_mean_nll"] == pytest.approx(log_loss(test[:]["label"].numpy(), probs, labels=range(10)), rel=1e-5)
+    assert metrics["eval_mean_nll"] == pytest.approx(log_loss(test[:]["label"].numpy(), probs, labels=range(10)),
+                                                     rel=1e-5)
     # asking for the mean (eval_mc_samples=0) is not a reason to warn
     caplog.clear()
     at_mean = VariationalTrainer(model=model, args=make_args(tmp_path, eval_mc_samples=0), eval_dataset=test)
@@ -687,7 +713,8 @@ def test_a_hessian_that_only_forgot_h0_is_not_counted_as_learned():
     towards c. Only the second is learned from the data, though both moved far from h0."""
     torch.manual_seed(0)
     flat, curved = torch.nn.Parameter(torch.randn(30)), torch.nn.Parameter(torch.randn(10))
-    opt = VariationalIVON([flat, curved], lr=0.01, ess=100.0, hess_init=0.5, beta2=0.99, weight_decay=1e-4, sample_seed=0)
+    opt = VariationalIVON([flat, curved], lr=0.01, ess=100.0, hess_init=0.5, beta2=0.99, weight_decay=1e-4,
+                          sample_seed=0)
     for _ in range(100):
         with opt.sampled_params(train=True):
             (0.0 * flat.sum() + 25.0 * curved.square().sum()).backward()  # curvature 0 and 50
@@ -723,11 +750,13 @@ def test_a_subclass_compute_loss_is_what_every_posterior_sample_backpropagates(t
     overrides `compute_loss` still computes the loss of every sample: the run equals one with a doubled loss."""
     data = digits_dataset(32)
     common = dict(max_steps=3, mc_samples=2, learning_rate=0.1, beta2=0.99, train_sampling_strategy="sequential",
-                  lr_scheduler_type="constant", per_device_train_batch_size=16, logging_strategy="steps", logging_steps=1)
+                  lr_scheduler_type="constant", per_device_train_batch_size=16, logging_strategy="steps",
+                  logging_steps=1)
     torch.manual_seed(0)
     init = TinyClassifier()
     _WeightedLossTrainer.calls = 0
-    weighted = _WeightedLossTrainer(model=copy.deepcopy(init), args=make_args(tmp_path / "a", **common), train_dataset=data)
+    weighted = _WeightedLossTrainer(model=copy.deepcopy(init), args=make_args(tmp_path / "a", **common),
+                                    train_dataset=data)
     weighted.train()
     assert _WeightedLossTrainer.calls == 3 * 2  # steps × samples
     plain = VariationalTrainer(model=copy.deepcopy(init), args=make_args(tmp_path / "b", **common), train_dataset=data)

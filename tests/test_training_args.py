@@ -1,4 +1,5 @@
-"""VariationalTrainingArguments: the TrainingArguments defaults it overrides, and presets that never override the user."""
+"""VariationalTrainingArguments: the TrainingArguments defaults it overrides, and presets that never override the
+user."""
 
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ def test_finetune_preset_keeps_values_the_user_gave_even_when_they_equal_the_scr
     assert (config.beta2, config.hess_init, config.prior_precision, config.rescale_lr) == (0.99999, 0.5, 2e-4, True)
     # what the user left unset comes from the preset, the learning rate (an argument of every method) too
     args = VariationalTrainingArguments(output_dir="out", use_cpu=True, method_config=config)
-    assert (config.ess, config.clip_radius, args.learning_rate) == (FINETUNE_PRESET["ess"], FINETUNE_PRESET["clip_radius"],
+    assert (config.ess, config.clip_radius, args.learning_rate) == (FINETUNE_PRESET["ess"],
+                                                                    FINETUNE_PRESET["clip_radius"],
                                                                     FINETUNE_PRESET["learning_rate"])
     assert args.method_config == config and args.method_config is not config  # a copy
     # and the scratch preset keeps a value equal to the finetune one

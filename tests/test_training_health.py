@@ -13,7 +13,8 @@ from varsmooth.training_health import STALLED_LOSS_SHARE, stalled_training_loss
 def test_a_last_loss_near_ln_k_is_stalled_and_one_below_it_is_not():
     # the lora preset's former 0.03 on a 4-class task: 1.365 against ln 4 = 1.386
     stalled = stalled_training_loss([{"loss": 2.0, "step": 10}, {"loss": 1.365, "step": 189}], 4)
-    assert stalled == {"loss": 1.365, "step": 189, "uniform_loss": pytest.approx(math.log(4)), "what": "its last logged value"}
+    assert stalled == {"loss": 1.365, "step": 189, "uniform_loss": pytest.approx(math.log(4)),
+                       "what": "its last logged value"}
     # 30 % flipped binary labels: a trained model ends near the labels' entropy, 0.61 = 0.88 ln 2
     assert stalled_training_loss([{"loss": 0.61, "step": 100}], 2) is None
     assert stalled_training_loss([{"loss": STALLED_LOSS_SHARE * math.log(10) - 1e-6}], 10) is None
@@ -29,7 +30,8 @@ def test_the_run_mean_counts_too_and_without_k_nothing_is_said():
 
 
 @pytest.mark.parametrize("method,lr,stalls", [("erm", 1e-9, True), ("erm", 3e-3, False), ("ls", 1e-9, False)])
-def test_the_trainer_warns_and_the_card_says_so_only_when_the_cross_entropy_stalled(tmp_path, caplog, method, lr, stalls):
+def test_the_trainer_warns_and_the_card_says_so_only_when_the_cross_entropy_stalled(tmp_path, caplog, method, lr,
+                                                                                    stalls):
     args = make_args(tmp_path, method=method, learning_rate=lr, num_train_epochs=3, logging_steps=10)
     trainer = VariationalTrainer(model=tiny_digits_resnet(), args=args, train_dataset=digits_images(400))
     with caplog.at_level(logging.WARNING, logger="varsmooth.training_health"):

@@ -277,8 +277,8 @@ def test_posterior_samples_curve_matches_the_bma_of_each_s(tmp_path):
     assert trainer.args.eval_mc_samples == 3  # restored
     posterior, labels = trainer.posterior(), np.asarray(test["label"])
     for row in rows:  # the BMA over the first S draws, computed directly
-        out = predictive_distribution(trainer.model, posterior, {"pixel_values": test[:]["pixel_values"]}, row["num_samples"],
-                                      trainer.args.eval_seed)
+        out = predictive_distribution(trainer.model, posterior, {"pixel_values": test[:]["pixel_values"]},
+                                      row["num_samples"], trainer.args.eval_seed)
         expected = classification_metrics(out.probs.numpy(), labels)
         for key in ("accuracy", "nll", "ece", "aurc"):
             assert row[key] == pytest.approx(expected[key], abs=1e-5)
@@ -287,10 +287,12 @@ def test_posterior_samples_curve_matches_the_bma_of_each_s(tmp_path):
     noise = test.with_format(None).map(lambda row, i: {"pixel_values": np.random.default_rng(i).uniform(0, 1, (8, 8))},
                                        with_indices=True).with_format("torch")
     metrics = ood_evaluation(trainer, test, noise)
-    outs = [predictive_distribution(trainer.model, posterior, {"pixel_values": d[:]["pixel_values"]}, 3, trainer.args.eval_seed)
+    outs = [predictive_distribution(trainer.model, posterior, {"pixel_values": d[:]["pixel_values"]}, 3,
+                                    trainer.args.eval_seed)
             for d in (test, noise)]
     expected = ood_metrics(outs[0].probs.numpy(), outs[1].probs.numpy(), logits_in=outs[0].mean_logits.numpy(),
-                           logits_out=outs[1].mean_logits.numpy(), mutual_information_in=outs[0].mutual_information.numpy(),
+                           logits_out=outs[1].mean_logits.numpy(),
+                           mutual_information_in=outs[0].mutual_information.numpy(),
                            mutual_information_out=outs[1].mutual_information.numpy())
     assert metrics.keys() == expected.keys() and len(metrics) == 8
     for key, value in expected.items():

@@ -18,7 +18,8 @@ def main(out: str) -> None:
     unwrapped = trainer.accelerator.unwrap_model(trainer.model)
     torch.save({"params": {n: p.detach().clone() for n, p in unwrapped.named_parameters() if p.requires_grad},
                 "frozen": {n: p.detach().clone() for n, p in unwrapped.named_parameters() if not p.requires_grad},
-                "hess": trainer.ivon.hessian().clone(), "world_size": trainer.args.world_size, "sync": trainer.ivon.sync},
+                "hess": trainer.ivon.hessian().clone(), "world_size": trainer.args.world_size,
+                "sync": trainer.ivon.sync},
                os.path.join(out, f"rank{trainer.args.process_index}.pt"))
     trainer.accelerator.wait_for_everyone()
     trainer.end()  # destroys the process group; without it gloo can abort at exit

@@ -1,4 +1,5 @@
-"""Run by tests/test_engine.py under `torchrun --nproc_per_node 2`: VariationalIVON and ivon-opt, both with sync=True."""
+"""Run by tests/test_engine.py under `torchrun --nproc_per_node 2`: VariationalIVON and ivon-opt, both with
+sync=True."""
 
 import os
 import sys

@@ -45,7 +45,8 @@ def train(model, opt, steps, rank, world):
             b = 2 * step + k
             with opt.sampled_params(train=True):
                 opt.zero_grad()
-                F.cross_entropy(model(x[b, rank * half:(rank + 1) * half]), y[b, rank * half:(rank + 1) * half]).backward()
+                F.cross_entropy(model(x[b, rank * half:(rank + 1) * half]),
+                                y[b, rank * half:(rank + 1) * half]).backward()
         opt.step()
         trajectory.append((torch.cat([p.full_tensor().flatten() for p in model.parameters()]), opt.hessian()))
     return trajectory

@@ -121,7 +121,8 @@ def main(out: str) -> None:
             train(kind, plain, plain_opt, range(STEPS), 0, 1)
             result["plain"] = snapshot(plain, plain_opt)
             DiagonalGaussianPosterior.from_ivon(plain, plain_opt, [n for n, _ in plain.named_parameters()],
-                                                {"step": plain_opt.current_step}).save(os.path.join(out, kind, "plain.safetensors"))
+                                                {"step": plain_opt.current_step}).save(
+                os.path.join(out, kind, "plain.safetensors"))
         results[kind] = result
     torch.save(results, os.path.join(out, f"hf_rank{rank}.pt"))
     dist.barrier()

@@ -16,8 +16,9 @@ from varsmooth import VariationalTrainer, VariationalTrainingArguments
 
 def model() -> ResNetForImageClassification:
     torch.manual_seed(0)
-    return ResNetForImageClassification(ResNetConfig(num_channels=1, embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1],
-                                                     layer_type="basic", num_labels=10, downsample_in_first_stage=False))
+    return ResNetForImageClassification(ResNetConfig(num_channels=1, embedding_size=8, hidden_sizes=[8, 16],
+                                                     depths=[1, 1], layer_type="basic", num_labels=10,
+                                                     downsample_in_first_stage=False))
 
 
 def data():
@@ -27,7 +28,8 @@ def data():
 
 def trainer(out: str, steps: int, **kw) -> VariationalTrainer:
     args = VariationalTrainingArguments(output_dir=out, report_to=[], use_cpu=True, max_steps=steps, disable_tqdm=True,
-                                        per_device_train_batch_size=16, learning_rate=0.2, method_config={"beta2": 0.99}, seed=0,
+                                        per_device_train_batch_size=16, learning_rate=0.2,
+                                        method_config={"beta2": 0.99}, seed=0,
                                         lr_scheduler_type="constant", eval_mc_samples=2, **kw)
     return VariationalTrainer(model=model(), args=args, train_dataset=data())
 

@@ -42,7 +42,8 @@ def main(out: str) -> None:
         posterior_temperature=1.0,  # the learned posterior: the pipeline's draws must disagree (mutual information > 0)
     )
     trainer = VariationalTrainer(model=ResNetForImageClassification(config), args=args,
-                                 train_dataset=train.with_transform(transform), eval_dataset=test.with_transform(transform),
+                                 train_dataset=train.with_transform(transform),
+                                 eval_dataset=test.with_transform(transform),
                                  processing_class=processor, noise_report=report,
                                  callbacks=[LabelNoiseCallback(num_samples=2, plots=True)])
     trainer.train()
@@ -101,7 +102,8 @@ def tiny_trainer(output_dir: str, hub_model_id: str, train, config, method: str 
     args = VariationalTrainingArguments(output_dir=output_dir, report_to=[], use_cpu=True, max_steps=2, method=method,
                                         per_device_train_batch_size=32, remove_unused_columns=False, disable_tqdm=True,
                                         hub_model_id=hub_model_id, eval_mc_samples=2,
-                                        **({"method_config": {"beta2": 0.999}} if method == "ivon" else {}))  # ERM has no beta2
+                                        # ERM has no beta2
+                                        **({"method_config": {"beta2": 0.999}} if method == "ivon" else {}))
     trainer = VariationalTrainer(model=ResNetForImageClassification(config), args=args, train_dataset=train)
     trainer.train()
     return trainer

@@ -15,10 +15,11 @@ def main(out: str) -> None:
     data = make_data(n=23)  # 23 rows in batches of 4 over 2 processes: the last step is padded with repeated rows
     args = VariationalTrainingArguments(
         output_dir=out, num_train_epochs=1, per_device_train_batch_size=4, per_device_eval_batch_size=4,
-        learning_rate=0.05, method_config={"beta2": 0.99}, report_to="none", save_strategy="no", logging_strategy="no", disable_tqdm=True,
-        seed=0, use_cpu=True)
+        learning_rate=0.05, method_config={"beta2": 0.99}, report_to="none", save_strategy="no", logging_strategy="no",
+        disable_tqdm=True, seed=0, use_cpu=True)
     torch.manual_seed(0)
-    trainer = VariationalTrainer(TinyClassifier(), args, train_dataset=data, callbacks=[LabelNoiseCallback(num_samples=4)])
+    trainer = VariationalTrainer(TinyClassifier(), args, train_dataset=data,
+                                 callbacks=[LabelNoiseCallback(num_samples=4)])
     trainer.train()
     assert trainer.args.world_size == 2, trainer.args.world_size
     if trainer.args.process_index == 0:

@@ -15,7 +15,8 @@ from varsmooth.adapters import add_lora_adapters
 
 def main(out: str) -> None:
     torch.manual_seed(0)
-    config = BertConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+    config = BertConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=32,
                         max_position_embeddings=LENGTH + 2, num_labels=CLASSES, hidden_dropout_prob=0.0,
                         attention_probs_dropout_prob=0.0)
     BertForSequenceClassification(config).push_to_hub("offline-user/tiny-bert")
@@ -39,7 +40,8 @@ def main(out: str) -> None:
     classify = pipeline("text-classification", model="offline-user/tiny-lora")
     piped = classify(texts, top_k=None)
     names = [config.id2label[k] for k in range(CLASSES)]
-    piped_probs = torch.tensor([[next(r["score"] for r in row if r["label"] == name) for name in names] for row in piped])
+    piped_probs = torch.tensor([[next(r["score"] for r in row if r["label"] == name) for name in names]
+                                for row in piped])
     json.dump({"max_abs_diff_model": float((got - expected).abs().max()),
                "max_abs_diff_pipeline": float((piped_probs - expected).abs().max()),
                "loaded_is_peft": type(loaded.model).__name__.startswith("Peft")},

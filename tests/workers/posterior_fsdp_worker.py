@@ -35,7 +35,8 @@ def train(model, opt, rank, parts):
     for step in range(FSDP_STEPS):
         with opt.sampled_params(train=True):
             opt.zero_grad()
-            F.cross_entropy(model(x[step, rank * size:(rank + 1) * size])[0], y[step, rank * size:(rank + 1) * size]).backward()
+            F.cross_entropy(model(x[step, rank * size:(rank + 1) * size])[0],
+                            y[step, rank * size:(rank + 1) * size]).backward()
         opt.step()
 
 
