@@ -40,12 +40,13 @@ if __name__ == "__main__":
         print(f"main job check FAILED ({folder}): {problem}", file=sys.stderr)
     if not found:
         summary = json.loads((folder / "label_noise_summary.json").read_text())
-        print(f"main job check passed ({folder}): the posterior learned (Hessian change {summary['hess_change_median']:.3g}; "
-              f"the data, not h0's decay, set h in {summary.get('hess_data_share', float('nan')):.0%} of the weights), "
-              f"the label noise is nonzero (mean ‖ε̄‖₁ {summary['all']['noise_l1']['mean']:.3g}), and the reported "
-              "prediction is no worse than the mean. Reported, not checked (see the docstring): the spread of ‖ε̄‖₁ "
-              f"across examples, q90/q10 {summary['adaptivity']['noise_l1_q90_over_q10']:.3g}, and its Spearman "
-              f"correlation with the entropy at the mean, {summary['adaptivity']['noise_l1_entropy_spearman']:.3g} "
+        print(f"main job check passed ({folder}): the posterior learned (Hessian change "
+              f"{summary['hess_change_median']:.3g}; the data, not h0's decay, set h in "
+              f"{summary.get('hess_data_share', float('nan')):.0%} of the weights), the label noise is nonzero (mean "
+              f"‖ε̄‖₁ {summary['all']['noise_l1']['mean']:.3g}), and the reported prediction is no worse than the "
+              "mean. Reported, not checked (see the docstring): the spread of ‖ε̄‖₁ across examples, q90/q10 "
+              f"{summary['adaptivity']['noise_l1_q90_over_q10']:.3g}, and its Spearman correlation with the entropy at "
+              f"the mean, {summary['adaptivity']['noise_l1_entropy_spearman']:.3g} "
               f"({summary['adaptivity']['below_noise_peak_share']:.0%} of the examples are predicted less confidently "
               f"than the {summary['adaptivity']['noise_l1_peak_confidence']:.2f} where it peaks).")
     sys.exit(1 if found else 0)
