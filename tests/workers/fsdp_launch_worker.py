@@ -3,8 +3,9 @@
 with accelerate's own FSDP2 preparation, which fails on all three without the trainer's help.
 
 accelerate keeps its FSDP plugin on CPU processes only through `fsdp_on_cpu` (it drops it there otherwise). The
-model named by the second argument trains a few steps, exports its label noise and is saved with `save_model`; rank 0 writes the initial
-weights, the gathered trained ones (`full_tensor`), the Hessian and the loss for the test to compare with the files.
+model named by the second argument trains a few steps, exports its label noise and is saved with `save_model`; rank 0
+writes the initial weights, the gathered trained ones (`full_tensor`), the Hessian and the loss for the test to compare
+with the files.
 """
 
 import os
@@ -51,7 +52,8 @@ def main(out: str, kind: str) -> None:
     args = make_args(os.path.join(out, kind), max_steps=STEPS, lr_scheduler_type="constant", posterior_temperature=1.0,
                      eval_mc_samples=2)
     # the label-noise export at the end of training gathers σ and the draws' predictions on every process
-    trainer = VariationalTrainer(model=model, args=args, train_dataset=data, callbacks=[LabelNoiseCallback(num_samples=2)])
+    trainer = VariationalTrainer(model=model, args=args, train_dataset=data,
+                                 callbacks=[LabelNoiseCallback(num_samples=2)])
     loss = trainer.train().training_loss
     assert trainer.is_fsdp_enabled and type(next(trainer.model.parameters())).__name__ == "DTensor", kind
     trained = {n: p.full_tensor() for n, p in trainer.model.named_parameters()}  # a collective: every rank
