@@ -285,10 +285,13 @@ def test_defaults_plan_runs_each_optimizer_as_the_examples_leave_it() -> None:
     # the benchmark's own text IVON run is the preset's defaults: reused, not trained again
     assert real_noise.defaults_hyperparams(text.name, "ivon") == {}
     jobs = real_noise.defaults_jobs([0, 1])
-    kinds = [real_noise.Task.parse(j["task_name"]).kind for j in jobs]
-    assert kinds == sorted(kinds)  # the CIFAR-10N tasks first
+    seeds = [j["seed"] for j in jobs]
+    assert seeds == sorted(seeds)  # seed-major, the CIFAR-10N tasks first within a seed, the long run after seed 0
+    kinds = [real_noise.Task.parse(j["task_name"]).kind for j in jobs if j["seed"] == 1]
+    assert kinds == sorted(kinds)
     long = [j for j in jobs if j.get("epochs")]
     assert {j["method"] for j in long} == {"ivon", "erm"} and all(j["seed"] == 0 for j in long)
+    assert jobs.index(long[0]) == len(real_noise.DEFAULTS_TASKS) * 2
     assert real_noise.effective_settings(real_noise.Task.parse(long[0]["task_name"]), "erm", {}, long[0]["epochs"])
     task, epochs = real_noise.DEFAULTS_LONG
     assert math.ceil(real_noise.TEXT["n_train"] / real_noise.TEXT["batch_size"]) * epochs >= 1000
