@@ -340,3 +340,8 @@ def test_preset_defaults_table_renders_from_a_fake_cache(tmp_path, monkeypatch) 
     lora_row = rows["sst2-clean (LoRA, lora.py)"].split(" | ")
     assert lora_row[1] == "lora" and lora_row[3] == "3 (0,1,2)" and lora_row[11] == "+1.00 ± 0.00"
     assert "not run yet" in rows["trec-clean (LoRA, lora.py)"]
+
+
+def test_preset_defaults_table_is_the_report(tmp_path, monkeypatch) -> None:
+    written = regenerate(real_noise.preset_defaults_report, tmp_path, monkeypatch, [0, 1, 2])
+    assert block("preset_defaults", written) == block("preset_defaults")
