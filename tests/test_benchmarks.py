@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shutil
 import sys
 from pathlib import Path
@@ -268,3 +269,80 @@ def test_smoothing_strength_table_is_the_report(tmp_path, monkeypatch):
 def test_ivon_settings_of_a_benchmark_run_reach_the_arguments_as_their_fields():
     args = common.training_arguments("ivon", output_dir="unused", ess=1e7, learning_rate=0.3, ivon_smoothing=0.1)
     assert (args.learning_rate, args.method_config.ess, args.method_config.ivon_smoothing) == (0.3, 1e7, 0.1)
+
+
+# -- real_noise.py --plan defaults: the presets at their defaults against AdamW at its defaults (issue 40, item 3) ----
+def test_defaults_plan_runs_each_optimizer_as_the_examples_leave_it() -> None:
+    image, text = real_noise.Task.parse("cifar10n-worse"), real_noise.Task.parse("sst2-sym30")
+    # AdamW: TrainingArguments' rate for a pretrained image model, the text example's own rate; no weight decay
+    erm = real_noise.defaults_hyperparams(image.name, "erm")
+    assert real_noise.effective_settings(image, "erm", erm)["learning_rate"] == 5e-5
+    text_erm = real_noise.effective_settings(text, "erm", real_noise.defaults_hyperparams(text.name, "erm"))
+    assert (text_erm["learning_rate"], text_erm["weight_decay"]) == (3e-4, 0.0)
+    # IVON: the finetune preset untouched (lr 0.3), not the benchmark's image rate of 1.0
+    ivon = real_noise.effective_settings(image, "ivon", real_noise.defaults_hyperparams(image.name, "ivon"))
+    assert (ivon["learning_rate"], ivon["clip_radius"], ivon["ess"]) == (0.3, 1e-3, 1e8)
+    # the benchmark's own text IVON run is the preset's defaults: reused, not trained again
+    assert real_noise.defaults_hyperparams(text.name, "ivon") == {}
+    jobs = real_noise.defaults_jobs([0, 1])
+    seeds = [j["seed"] for j in jobs]
+    assert seeds == sorted(seeds)  # seed-major, the CIFAR-10N tasks first within a seed, the long run after seed 0
+    kinds = [real_noise.Task.parse(j["task_name"]).kind for j in jobs if j["seed"] == 1]
+    assert kinds == sorted(kinds)
+    long = [j for j in jobs if j.get("epochs")]
+    assert {j["method"] for j in long} == {"ivon", "erm"} and all(j["seed"] == 0 for j in long)
+    assert jobs.index(long[0]) == len(real_noise.DEFAULTS_TASKS) * 2
+    assert real_noise.effective_settings(real_noise.Task.parse(long[0]["task_name"]), "erm", {}, long[0]["epochs"])
+    task, epochs = real_noise.DEFAULTS_LONG
+    assert math.ceil(real_noise.TEXT["n_train"] / real_noise.TEXT["batch_size"]) * epochs >= 1000
+
+
+def test_a_run_at_defaults_that_no_longer_are_is_trained_again(tmp_path, monkeypatch) -> None:
+    job = next(j for j in real_noise.defaults_jobs([0]) if j["hyperparams"].get(real_noise.AT_DEFAULTS))
+    path = tmp_path / "run.json"
+    monkeypatch.setattr(real_noise, "run_path", lambda *args, **kwargs: path)
+    settings = real_noise.effective_settings(real_noise.Task.parse(job["task_name"]), job["method"], job["hyperparams"])
+    path.write_text(json.dumps({"effective_settings": settings, "test_acc": 0.5}))
+    assert real_noise._is_cached(job)
+    path.write_text(json.dumps({"effective_settings": {**settings, "learning_rate": 1.0}, "test_acc": 0.5}))
+    assert not real_noise._is_cached(job)
+
+
+def test_preset_defaults_table_renders_from_a_fake_cache(tmp_path, monkeypatch) -> None:
+    import lora
+
+    def fake(task: str, method: str, seed: int, acc: float, **extra) -> dict:
+        return {"config": {"task": task, "method": method, "seed": seed, "hyperparams": {}, "version": lora.VERSION,
+                           "setup": lora.SETUP}, "test_acc": acc, "test_nll": 1.0, "test_ece": 0.1, "steps": 189,
+                "device": "cpu", **extra}
+
+    # IVON 2 points behind AdamW on cifar10n-worse (seeds 0, 1), 0.5 ahead on trec-sym30 (seed 0 only); nothing else run
+    accs = {("cifar10n-worse", "ivon"): 0.60, ("cifar10n-worse", "erm"): 0.62, ("trec-sym30", "ivon"): 0.805,
+            ("trec-sym30", "erm"): 0.80}
+    monkeypatch.setattr(real_noise, "_cached", lambda job: fake(job["task_name"], job["method"], job["seed"],
+                                                                 accs[(job["task_name"], job["method"])] + job["seed"] / 100)
+                        if (job["task_name"], job["method"]) in accs and not job.get("epochs") and (
+                            job["seed"] < 2 or job["task_name"] != "cifar10n-worse") and (
+                            job["seed"] == 0 or job["task_name"] != "trec-sym30") else None)
+    runs = tmp_path / "lora_cuda" / "runs"
+    runs.mkdir(parents=True)
+    for seed in range(3):
+        for name, acc in (("ivon-lora-lr1-window", 0.81), ("adamw-lora", 0.80)):
+            (runs / f"{name}{seed}.json").write_text(json.dumps(fake("sst2-clean", name, seed, acc)))
+    monkeypatch.setattr(lora, "_results_dir", lambda device: tmp_path / f"lora_{device}")
+    written = regenerate(lambda: real_noise.preset_defaults_report([0, 1, 2]), tmp_path, monkeypatch)
+    first_table = block("preset_defaults", written).split("\n\n")[0]  # the second compares with the benchmark's rate
+    rows = {line.strip("| ").split(" | ")[0]: line.strip("| ") for line in first_table.splitlines()}
+    worse = rows["cifar10n-worse"].split(" | ")
+    assert worse[3] == "2 (0,1)" and worse[11] == "-2.00 ± 0.00" and worse[12] == "**no**" and worse[13] == "cpu"
+    trec = rows["trec-sym30"].split(" | ")
+    assert trec[3] == "1 (0)" and trec[11] == "+0.50" and trec[12] == "yes"
+    assert "not run yet" in rows["cifar10n-aggre"] and "not run yet" in rows["trec-sym30, 16 epochs (≥ 1,000 steps)"]
+    lora_row = rows["sst2-clean (LoRA, lora.py)"].split(" | ")
+    assert lora_row[1] == "lora" and lora_row[3] == "3 (0,1,2)" and lora_row[11] == "+1.00 ± 0.00"
+    assert "not run yet" in rows["trec-clean (LoRA, lora.py)"]
+
+
+def test_preset_defaults_table_is_the_report(tmp_path, monkeypatch) -> None:
+    written = regenerate(real_noise.preset_defaults_report, tmp_path, monkeypatch, [0, 1, 2])
+    assert block("preset_defaults", written) == block("preset_defaults")
