@@ -47,16 +47,18 @@ SCRIPT = "text_ood"
 OUT_DIR = common.RESULTS_DIR / SCRIPT
 ROOT = Path(__file__).resolve().parent.parent
 SEEDS = (0, 1, 2)
-#: the example's flags shared by every run (the reduced budget; τ = 1 so the saved model predicts by BMA)
+#: the example's flags shared by every run (the reduced budget)
 BASE_FLAGS = ["--dataset", "sst2", "--max_train_samples", "2000", "--max_eval_samples", "400",
-              "--posterior_temperature", "1", "--label_noise_samples", "0"]
+              "--label_noise_samples", "0"]
+#: IVON's: τ = 1, so that the saved model predicts by BMA over the learned posterior (ERM refuses the flag)
+IVON = ["--method", "ivon", "--posterior_temperature", "1"]
 #: setting -> the example's flags on top of BASE_FLAGS (a method's own flags follow its --method)
 SETTINGS: dict[str, list[str]] = {
     "erm": ["--method", "erm"],
-    "default": ["--method", "ivon"],
-    "ivon_smoothing 0.03": ["--method", "ivon", "--ivon_smoothing", "0.03"],
-    "ivon_smoothing 0.1": ["--method", "ivon", "--ivon_smoothing", "0.1"],
-    "ivon_smoothing 0.3": ["--method", "ivon", "--ivon_smoothing", "0.3"],
+    "default": IVON,
+    "ivon_smoothing 0.03": [*IVON, "--ivon_smoothing", "0.03"],
+    "ivon_smoothing 0.1": [*IVON, "--ivon_smoothing", "0.1"],
+    "ivon_smoothing 0.3": [*IVON, "--ivon_smoothing", "0.3"],
 }
 TEST_SIZE = 1000
 NOISE_SIZE = 500
@@ -96,9 +98,13 @@ def run(setting: str, seed: int) -> dict[str, Any]:
             raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr[-4000:]}")
         train = json.loads((folder / "train_results.json").read_text())
         state = json.loads((folder / "trainer_state.json").read_text())
-        ess = [e["ess"] for e in state.get("log_history", []) if "ess" in e]
+        # ivon_smoothing's updates of ess (the training logs' `ess` and `label_noise_l1` entries)
+        ess = [{k: e[k] for k in ("step", "ess", "label_noise_l1") if k in e}
+               for e in state.get("log_history", []) if "ess" in e]
+        losses = [{"step": e["step"], "loss": e["loss"]} for e in state.get("log_history", []) if "loss" in e]
         result = {"setting": setting, "seed": seed, "flags": flags, "version": VERSION,
-                  "train_runtime": train["train_runtime"], "final_ess": ess[-1] if ess else None,
+                  "train_runtime": train["train_runtime"], "final_ess": ess[-1]["ess"] if ess else None,
+                  "ess_history": ess, "loss_history": losses,
                   **score(folder)}
     common.write_json(run_path(setting, seed), result)
     return result
