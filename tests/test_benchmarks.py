@@ -346,3 +346,28 @@ def test_preset_defaults_table_renders_from_a_fake_cache(tmp_path, monkeypatch) 
 def test_preset_defaults_table_is_the_report(tmp_path, monkeypatch) -> None:
     written = regenerate(real_noise.preset_defaults_report, tmp_path, monkeypatch, [0, 1, 2])
     assert block("preset_defaults", written) == block("preset_defaults")
+
+
+def test_text_ood_table_renders_from_cached_runs(tmp_path, monkeypatch):
+    import text_ood
+
+    monkeypatch.setattr(text_ood, "OUT_DIR", tmp_path / "results")
+    aurocs = {f"auroc_{kind}_{ood}": 0.5 + 0.1 * i for i, (kind, ood) in enumerate(
+        (k, o) for k in ("entropy", "max_prob") for o in text_ood.OOD_SETS)}
+    base = {"version": text_ood.VERSION, "bma_accuracy": 0.8, "bma_nll": 0.5, "mean_accuracy": 0.81, "mean_nll": 0.49,
+            "train_runtime": 100.0, **aurocs}
+    ivon = {"auroc_mi_trec": 0.58, "auroc_mi_noise": 0.9, "mi_median_test": 1e-5, "mi_median_trec": 2e-5,
+            "mi_median_noise": 3e-5, "posterior_std_median": 4e-3}
+    runs = {("erm", 0): {**base, "final_ess": None}, ("default", 0): {**base, **ivon, "final_ess": None},
+            ("default", 1): {**base, **ivon, "bma_accuracy": 0.7, "final_ess": None},
+            ("ivon_smoothing 0.1", 0): {**base, **ivon, "final_ess": 3e4}}
+    for (setting, seed), result in runs.items():
+        common.write_json(text_ood.run_path(setting, seed), {"setting": setting, "seed": seed, **result})
+    common.write_json(text_ood.run_path("ivon_smoothing 0.3", 0), {"setting": "x", "seed": 0, "version": -1})  # stale
+    table = block(text_ood.SCRIPT, regenerate(text_ood.report, tmp_path, monkeypatch))
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in table.splitlines() if line.startswith("| ")}
+    assert list(rows) == ["setting", "erm", "default", "ivon_smoothing 0.1"]  # no run, or a stale one: no row
+    assert "| 0, 1 | 81.0 ± 0.0 | 75.0 ± 7.1 |" in rows["default"]
+    assert "| 0.58 ± 0.00 | 0.90 ± 0.00 |" in rows["default"] and "1.0e-05 / 2.0e-05 / 3.0e-05" in rows["default"]
+    assert rows["erm"].count("–") == 5 and rows["ivon_smoothing 0.1"].endswith("| 3.0e+04 |")
+    assert "1e8 (fixed)" in rows["default"]

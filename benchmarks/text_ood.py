@@ -1,0 +1,262 @@
+"""Does the text example's posterior know what it has not seen? Mutual information (MI) and entropy on out-of-distribution
+sentences (issue 40, item 2, for the text example).
+
+The text example (examples/train_text_classification.py: all-MiniLM-L6-v2 cut to 2 layers, mean pooling, IVON's
+`finetune` preset) on SST-2 with its default 30 % symmetric label noise, run as a subprocess on the same code path with
+a reduced budget: `--max_train_samples 2000` (2,000 of the 6,920 training sentences, 3 epochs = 189 steps) and
+`--max_eval_samples 400` (the example's own validation and test scoring), posterior temperature fixed at 1 so that the
+saved model predicts by BMA over the learned posterior (8 draws, the example's `eval_mc_samples`). The saved model,
+reloaded with `VariationalModel.from_pretrained`, then predicts once (`predict_with_uncertainty`: BMA, the prediction at
+the posterior mean, the entropy H[P̂] and the MI from the same draws) on:
+
+* in-distribution: 1,000 clean SST-2 test sentences (a fixed random subset, the same for every run);
+* TREC: the 500 TREC test questions (a second data set the repo has);
+* noise: 500 "sentences" of random token ids drawn uniformly from the tokenizer's vocabulary (special and [unused]
+  tokens excluded), each as long as a randomly chosen SST-2 test sentence in tokens (fixed, seed 0).
+
+AUROC = P(score on the OOD input > score on the test input) for MI, entropy and 1 − max probability; accuracy and NLL on
+the 1,000 test sentences at the posterior mean and by BMA. ERM (`--method erm`, AdamW 3e-4, a point estimate) scores
+by entropy and max probability only. Settings: IVON's default (`ivon_smoothing` off, ess 1e8) and
+`--ivon_smoothing α`, which sets ess from the data so that IVON smooths like label smoothing at α (wider posterior).
+
+    OMP_NUM_THREADS=1 python benchmarks/text_ood.py --settings default erm --seeds 0 1 2   # train (cached) + table
+    python benchmarks/text_ood.py --report                                               # README table from the cache
+
+Each run is cached as JSON under results/text_ood/runs/ (tracked); the trained model folder is not kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import numpy as np  # noqa: E402
+
+import common  # noqa: E402  (sets OMP_NUM_THREADS before torch is imported)
+
+SCRIPT = "text_ood"
+OUT_DIR = common.RESULTS_DIR / SCRIPT
+ROOT = Path(__file__).resolve().parent.parent
+SEEDS = (0, 1, 2)
+#: the example's flags shared by every run (the reduced budget)
+BASE_FLAGS = ["--dataset", "sst2", "--max_train_samples", "2000", "--max_eval_samples", "400",
+              "--label_noise_samples", "0"]
+#: IVON's: τ = 1, so that the saved model predicts by BMA over the learned posterior (ERM refuses the flag)
+IVON = ["--method", "ivon", "--posterior_temperature", "1"]
+#: setting -> the example's flags on top of BASE_FLAGS (a method's own flags follow its --method)
+SETTINGS: dict[str, list[str]] = {
+    "erm": ["--method", "erm"],
+    "default": IVON,
+    "ivon_smoothing 0.03": [*IVON, "--ivon_smoothing", "0.03"],
+    "ivon_smoothing 0.1": [*IVON, "--ivon_smoothing", "0.1"],
+    "ivon_smoothing 0.3": [*IVON, "--ivon_smoothing", "0.3"],
+}
+TEST_SIZE = 1000
+NOISE_SIZE = 500
+BATCH = 128
+OOD_SETS = ("trec", "noise")
+#: bumped when a run records other numbers, so that cached runs of an older version are not mixed in
+VERSION = 1
+
+
+def run_path(setting: str, seed: int) -> Path:
+    return OUT_DIR / "runs" / f"{setting.replace(' ', '_')}_s{seed}.json"
+
+
+def cached_run(setting: str, seed: int) -> dict[str, Any] | None:
+    path = run_path(setting, seed)
+    if path.is_file():
+        result = json.loads(path.read_text())
+        if result.get("version") == VERSION:
+            return result
+    return None
+
+
+def run(setting: str, seed: int) -> dict[str, Any]:
+    """Train the example with `setting` at `seed` (or load the cached run) and score its saved model."""
+    result = cached_run(setting, seed)
+    if result is not None:
+        return result
+    flags = [*BASE_FLAGS, *SETTINGS[setting], "--seed", str(seed)]
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    with tempfile.TemporaryDirectory(prefix="varsmooth-text-ood-") as tmp:
+        folder = Path(tmp) / "run"
+        command = [sys.executable, "examples/train_text_classification.py", "--output_dir", str(folder), *flags]
+        print(f"[{SCRIPT}] {' '.join(command)}", flush=True)
+        done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr[-4000:]}")
+        train = json.loads((folder / "train_results.json").read_text())
+        state = json.loads((folder / "trainer_state.json").read_text())
+        # ivon_smoothing's updates of ess (the training logs' `ess` and `label_noise_l1` entries)
+        ess = [{k: e[k] for k in ("step", "ess", "label_noise_l1") if k in e}
+               for e in state.get("log_history", []) if "ess" in e]
+        losses = [{"step": e["step"], "loss": e["loss"]} for e in state.get("log_history", []) if "loss" in e]
+        result = {"setting": setting, "seed": seed, "flags": flags, "version": VERSION,
+                  "train_runtime": train["train_runtime"], "final_ess": ess[-1]["ess"] if ess else None,
+                  "ess_history": ess, "loss_history": losses,
+                  **score(folder)}
+    common.write_json(run_path(setting, seed), result)
+    return result
+
+
+@functools.lru_cache(maxsize=1)
+def _inputs(folder_tokenizer: str) -> dict[str, Any]:
+    """The tokenized sets (the tokenizer is the example's, the same in every run): SST-2 test subset with labels,
+    TREC test, random-token noise."""
+    from transformers import AutoTokenizer
+
+    from example_utils.data import load_text_dataset
+
+    tokenizer = AutoTokenizer.from_pretrained(folder_tokenizer)
+    try:
+        sst2, trec = load_text_dataset("sst2")["test"], load_text_dataset("trec")["test"]
+    except FileNotFoundError as error:
+        raise common.DataUnavailable(str(error)) from None
+    rng = np.random.default_rng(0)
+    subset = np.sort(rng.permutation(len(sst2))[:TEST_SIZE])
+    test = sst2.select(subset)
+
+    def encode(texts: list[str]) -> list[dict[str, list[int]]]:
+        out = tokenizer(texts, truncation=True, max_length=64)  # the example's --max_length
+        return [{k: out[k][i] for k in out} for i in range(len(texts))]
+
+    sets = {"test": encode(list(test["text"])), "trec": encode(list(trec["text"]))}
+    vocab = np.array(sorted(i for t, i in tokenizer.get_vocab().items() if not t.startswith("[")))
+    lengths = [len(x["input_ids"]) - 2 for x in sets["test"]]  # without [CLS] and [SEP]
+    noise = []
+    for n in rng.choice(lengths, NOISE_SIZE):
+        ids = [tokenizer.cls_token_id, *rng.choice(vocab, n).tolist(), tokenizer.sep_token_id]
+        noise.append({"input_ids": ids, "token_type_ids": [0] * len(ids), "attention_mask": [1] * len(ids)})
+    sets["noise"] = noise
+    return {"tokenizer": tokenizer, "sets": sets, "labels": np.asarray(list(test["label"]))}
+
+
+def score(folder: Path) -> dict[str, Any]:
+    """Accuracy and NLL (BMA and at the posterior mean) on the SST-2 test subset; AUROC of MI, entropy and
+    1 − max probability, all from one `predict_with_uncertainty` per batch, for TREC and the noise against it."""
+    import torch
+    from transformers import DataCollatorWithPadding
+
+    from varsmooth import VariationalModel
+    from varsmooth.metrics.ood import auroc
+
+    data = _inputs(str(folder))
+    collate = DataCollatorWithPadding(data["tokenizer"])
+    model = VariationalModel.from_pretrained(folder)
+    model.eval()
+    outputs: dict[str, dict[str, np.ndarray]] = {}
+    with torch.no_grad():
+        for name, examples in data["sets"].items():
+            parts: dict[str, list[np.ndarray]] = {}
+            for i in range(0, len(examples), BATCH):
+                prediction, uncertainty = model.predict_with_uncertainty(**collate(examples[i:i + BATCH]))
+                pieces = {"probs": prediction.probs, "mean_probs": prediction.mean_probs,
+                          "entropy": uncertainty.entropy, "mi": uncertainty.mutual_information,
+                          "noise_rms": uncertainty.noise_rms}
+                for key, value in pieces.items():
+                    if value is not None:
+                        parts.setdefault(key, []).append(value.float().numpy())
+            outputs[name] = {k: np.concatenate(v) for k, v in parts.items()}
+    labels = data["labels"]
+    test = outputs["test"]
+
+    def accuracy_nll(probs: np.ndarray) -> tuple[float, float]:
+        picked = probs[np.arange(len(labels)), labels]
+        return float((probs.argmax(-1) == labels).mean()), float(-np.log(np.clip(picked, 1e-30, None)).mean())
+
+    result: dict[str, Any] = {}
+    result["bma_accuracy"], result["bma_nll"] = accuracy_nll(test["probs"])
+    if "mean_probs" in test:
+        result["mean_accuracy"], result["mean_nll"] = accuracy_nll(test["mean_probs"])
+    else:  # a point estimate: its prediction is the one at its weights
+        result["mean_accuracy"], result["mean_nll"] = result["bma_accuracy"], result["bma_nll"]
+    scores = {"entropy": lambda o: o["entropy"], "max_prob": lambda o: 1.0 - o["probs"].max(-1)}
+    if "mi" in test:
+        scores["mi"] = lambda o: o["mi"]
+    for ood in OOD_SETS:
+        for kind, of in scores.items():  # auroc takes confidences (in-distribution high): the negated uncertainty
+            result[f"auroc_{kind}_{ood}"] = auroc(-of(test), -of(outputs[ood]))
+    for name, out in outputs.items():
+        for key in ("mi", "noise_rms"):
+            if key in out:
+                result[f"{key}_median_{name}"] = float(np.median(out[key]))
+                result[f"{key}_p90_{name}"] = float(np.quantile(out[key], 0.9))
+        # do the draws disagree at all: inputs whose BMA and mean predictions pick different classes
+        if "mean_probs" in out:
+            result[f"flip_rate_{name}"] = float((out["probs"].argmax(-1) != out["mean_probs"].argmax(-1)).mean())
+    if not model.posterior.is_point_mass:
+        result["posterior_numel"] = int(sum(s.numel() for s in model.posterior.std.values()))
+        result.update(model.posterior.summary())
+    return result
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# report
+# -------------------------------------------------------------------------------------------------------------------
+def _col(runs: list[dict[str, Any]], key: str, scale: float = 1.0, digits: int = 2) -> str:
+    values = [r.get(key) for r in runs]
+    return "–" if all(v is None for v in values) else common.fmt_pm(values, scale=scale, digits=digits)
+
+
+def _sci(runs: list[dict[str, Any]], key: str) -> str:
+    values = [r[key] for r in runs if r.get(key) is not None]
+    return "–" if not values else f"{float(np.median(values)):.1e}"
+
+
+def report(write: bool = True) -> str:
+    """The table from the cached runs (settings without a run are left out); into benchmarks/README.md if `write`."""
+    rows = ["| setting | seeds | mean acc % | BMA acc % | mean NLL | BMA NLL | MI AUROC TREC | MI AUROC noise "
+            "| entropy AUROC TREC | entropy AUROC noise | median MI test / TREC / noise | σ median | ess at the end |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for setting in SETTINGS:
+        runs = [r for r in (cached_run(setting, seed) for seed in SEEDS) if r is not None]
+        if not runs:
+            continue
+        col = functools.partial(_col, runs)
+        mi = " / ".join(_sci(runs, f"mi_median_{name}") for name in ("test", *OOD_SETS))
+        rows.append(
+            f"| {setting} | {', '.join(str(r['seed']) for r in runs)} | {col('mean_accuracy', 100, 1)} | "
+            f"{col('bma_accuracy', 100, 1)} | {col('mean_nll', 1, 3)} | {col('bma_nll', 1, 3)} | "
+            + " | ".join(col(f"auroc_{kind}_{ood}") for kind in ("mi", "entropy") for ood in OOD_SETS)
+            + f" | {mi if 'mi_median_test' in runs[0] else '–'} | {_sci(runs, 'posterior_std_median')} | "
+            f"{_sci(runs, 'final_ess') if runs[0].get('final_ess') else ('–' if setting == 'erm' else '1e8 (fixed)')} |")
+    table = ("SST-2, 30 % symmetric noise, the text example with `" + " ".join(BASE_FLAGS) + "`; scored on "
+             f"{TEST_SIZE} clean SST-2 test sentences against the {500} TREC test questions and {NOISE_SIZE} random-token "
+             "sentences. BMA: 8 draws at τ = 1; MI, entropy and max probability from that one prediction (ERM: its "
+             "point prediction); with 2 classes the entropy ranks inputs as 1 − max probability does (same AUROC). AUROC: "
+             "P(OOD input scores more uncertain). Mean ± sd over the seeds listed; "
+             "median MI, σ and ess: medians over the seeds.\n\n" + "\n".join(rows))
+    if write:
+        common.write_readme_section(SCRIPT, table)
+    return table
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS))
+    parser.add_argument("--seeds", nargs="+", type=int, default=list(SEEDS))
+    parser.add_argument("--report", action="store_true", help="Only write the table from the cached runs.")
+    args = parser.parse_args()
+    if not args.report:
+        for seed in args.seeds:
+            for setting in args.settings:
+                result = run(setting, seed)
+                print(f"[{SCRIPT}] {setting} s{seed}: " + ", ".join(
+                    f"{k} {v:.4g}" for k, v in result.items() if k.startswith(("auroc", "bma_", "mean_"))
+                    and isinstance(v, float)), flush=True)
+    print(report())
+
+
+if __name__ == "__main__":
+    main()
