@@ -44,10 +44,11 @@ def measure_smoothing(trainer: Any, val: Any, test: Any) -> dict[str, Any]:
     rows = torch.utils.data.Subset(trainer.train_dataset, range(min(NOISE_EXAMPLES, len(trainer.train_dataset))))
     loader = torch.utils.data.DataLoader(rows, batch_size=256, collate_fn=trainer.data_collator)
     batches = (trainer._prepare_inputs(batch) for batch in loader)
-    total, count, _ = mean_label_noise(trainer.accelerator.unwrap_model(trainer.model), trainer.posterior(), batches,
-                                       NOISE_SAMPLES, seed=0)
+    sums = mean_label_noise(trainer.accelerator.unwrap_model(trainer.model), trainer.posterior(), batches,
+                            NOISE_SAMPLES, seed=0)
     knob = next((c for c in trainer.callback_handler.callbacks if isinstance(c, SmoothingStrengthCallback)), None)
-    return {"noise_l1": total / count, "ess": trainer.ivon.param_groups[0]["ess"],
+    return {"noise_l1": sums.noise_l1 / sums.count, "distance_from_uniform": sums.distance_from_uniform / sums.count,
+            "ess": trainer.ivon.param_groups[0]["ess"],
             "updates": knob.history if knob is not None else []}
 
 

@@ -261,7 +261,9 @@ def _ls_equivalent_text(mean_l1: float, num_classes: int, asked: float | None) -
     text = (f" That is the size of label smoothing with α = {alpha:.2g}, whose ε has |ε|₁ = 2α(1 − 1/K) for every "
             f"example (α = 0.1: {label_smoothing_noise(0.1, num_classes):.3g})")
     if asked is not None:
-        return text + f"; IVON was set to smooth as much as α = {asked:g} (`ivon_smoothing`)."
+        return text + (f"; IVON was set to smooth as LS at α = {asked:g} would with the model's own predictions for "
+                       "labels (`ivon_smoothing`: mean |ε̄|₁ = α·|p̂ − 1/K|₁, which is below 2α(1 − 1/K) wherever the "
+                       "posterior mean is unsure).")
     if alpha < NEAR_POINT_ALPHA:
         return text + (f": a near-point posterior, below α = {NEAR_POINT_ALPHA:g}, so training with IVON hardly "
                        "smoothed the labels at this ess. `ivon_smoothing` (an α, chosen on validation as LS's) sets "

@@ -45,11 +45,11 @@ class LabelNoiseMixin:
             progress=self.shows_progress(), **kwargs,
         )
 
-    def probe_label_noise(self, num_samples: int, seed: int) -> tuple[float, int]:
-        """Mean ‖ε̄‖₁ of the current posterior over a fixed random probe of `SMOOTHING_PROBE_SIZE` training examples
-        (the same rows all run long, drawn with `args.seed`), with `num_samples` draws seeded by `seed`, and the number
-        of classes: what `ivon_smoothing` holds at its target. Every process must call this; each measures its shard and
-        they add up."""
+    def probe_label_noise(self, num_samples: int, seed: int) -> tuple[float, float]:
+        """Mean ‖ε̄‖₁ of the current posterior and mean ‖p̂ − 1/K‖₁ of its mean's prediction over a fixed random probe
+        of `SMOOTHING_PROBE_SIZE` training examples (the same rows all run long, drawn with `args.seed`), with
+        `num_samples` draws seeded by `seed`: what `ivon_smoothing` holds at its target. Every process must call this;
+        each measures its shard and they add up."""
         if getattr(self, "_smoothing_probe", None) is None:
             dataset = self.train_dataset
             rows = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(self.args.seed))
@@ -59,8 +59,9 @@ class LabelNoiseMixin:
                                           sampler_fn=SequentialSampler)
             self._smoothing_probe = list(loader)
         batches = (self._prepare_inputs(batch) for batch in self._smoothing_probe)
-        total, count, num_classes = mean_label_noise(self.accelerator.unwrap_model(self.model), self.posterior(),
-                                                     batches,
-                                        num_samples, seed)
-        summed = self.accelerator.reduce(torch.tensor([total, float(count)], device=self.args.device), "sum")
-        return float(summed[0] / summed[1]), num_classes
+        sums = mean_label_noise(self.accelerator.unwrap_model(self.model), self.posterior(), batches, num_samples,
+                                seed)
+        summed = self.accelerator.reduce(
+            torch.tensor([sums.noise_l1, sums.distance_from_uniform, float(sums.count)], device=self.args.device),
+            "sum")
+        return float(summed[0] / summed[2]), float(summed[1] / summed[2])

@@ -91,9 +91,11 @@ class IVONConfig(MethodConfig):
     ivon_smoothing: float | None = field(
         default=None,
         metadata={"help": "How much IVON smooths the labels, as label smoothing's rate α in (0, 1]: ess is rescaled "
-                          "during training so that the mean label noise ‖ε̄‖₁ over a probe of training examples equals "
-                          "LS's 2α(1 - 1/K) (varsmooth.label_noise.strength); ess is then where it starts. Choose it "
-                          "on noisy validation as you would α. None: ess stays as given (the preset's)."},
+                          "during training so that the mean label noise ‖ε̄‖₁ over a probe of training examples is α "
+                          "times the mean ‖p̂ - 1/K‖₁ of the posterior mean's predictions p̂ (LS's α(u - y) with p̂ for "
+                          "y: 2α(1 - 1/K) where the mean is certain; varsmooth.label_noise.strength); ess is then "
+                          "where it starts. Choose it on noisy validation as you would α. None: ess stays as given "
+                          "(the preset's)."},
     )
     mc_samples: int = field(default=1, metadata={"help": "Posterior samples (forward+backward) per micro-batch during "
                                                          "training."})
