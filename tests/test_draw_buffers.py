@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 from torch.optim.swa_utils import update_bn
 
 from helpers import TensorInput, digits_images, make_args, tiny_digits_resnet
-from varsmooth import VariationalModel, VariationalTrainer
+from varsmooth import PosteriorTemperature, VariationalModel, VariationalTrainer
 from varsmooth.batchnorm import batchnorm_layers
 from varsmooth.posterior import DiagonalGaussianPosterior
 from varsmooth.posterior.draw_buffers import DrawBuffers
@@ -87,7 +87,7 @@ def test_the_saved_model_predicts_with_the_same_draws_in_a_new_object(trained):
 def test_changing_tau_after_training_recomputes_the_draws_statistics(trained):
     trainer, train, _ = trained
     try:
-        trainer.posterior_temperature = 0.5
+        trainer.posterior_temperature = PosteriorTemperature(0.5)
         posterior = trainer.posterior()
         assert posterior.draw_buffers.temperature == 0.5
         x = trainer.eval_dataset[:]["pixel_values"]
@@ -96,7 +96,7 @@ def test_changing_tau_after_training_recomputes_the_draws_statistics(trained):
         got = torch.from_numpy(trainer.predict(trainer.eval_dataset).predictions).exp()
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
     finally:
-        trainer.posterior_temperature = 1.0
+        trainer.posterior_temperature = PosteriorTemperature(1.0)
 
 
 def test_a_posterior_file_with_edited_draw_buffers_is_refused(trained, tmp_path):

@@ -275,7 +275,7 @@ def test_best_metric_is_what_the_loaded_best_model_gives(tmp_path, method):
     trainer = VariationalTrainer(model=_model(), args=args, train_dataset=digits_dataset(64),
                                  eval_dataset=digits_dataset(64, seed=1))
     trainer.train()
-    assert trainer.posterior_temperature == 1.0  # the τ the evaluations during training used: not chosen again
+    assert trainer.posterior_temperature.value == 1.0  # the τ the evaluations during training used: not chosen again
     assert trainer.evaluate()["eval_loss"] == pytest.approx(trainer.state.best_metric)
 
 

@@ -8,7 +8,14 @@ import torch
 from transformers import HfArgumentParser
 
 from helpers import TinyClassifier, digits_dataset, make_args, noisy_digits_images, tiny_digits_resnet
-from varsmooth import LabelNoiseCallback, VariationalModel, VariationalTrainer, VariationalTrainingArguments, pipeline
+from varsmooth import (
+    LabelNoiseCallback,
+    PosteriorTemperature,
+    VariationalModel,
+    VariationalTrainer,
+    VariationalTrainingArguments,
+    pipeline,
+)
 from varsmooth.batchnorm import draw_batchnorm_statistics
 from varsmooth.label_noise import compute_label_noise
 from varsmooth.posterior import DiagonalGaussianPosterior, derive_seed
@@ -163,14 +170,15 @@ def run(tmp_path_factory):
 
 def test_chosen_temperature_is_never_worse_than_mean_or_learned_posterior(run):
     trainer, _, _, _ = run
-    report = trainer.posterior_temperature_report
-    chosen = trainer.posterior_temperature
+    held = trainer.posterior_temperature
+    report, chosen = held.selection, held.value
     assert report is not None and report["temperature"] == chosen and f"{chosen:g}" in report["nll"]
+    assert not held.fixed
     measured = {}
     for tau in (0.0, 1.0, chosen):
-        trainer.posterior_temperature = tau
+        trainer.posterior_temperature = PosteriorTemperature(tau)
         measured[tau] = trainer.evaluate()
-    trainer.posterior_temperature = chosen
+    trainer.posterior_temperature = held
     # evaluate() predicts with τ: its NLL is the one the selection measured, and τ = 0 is the posterior mean's
     for tau in (0.0, 1.0):
         assert measured[tau]["eval_nll"] == pytest.approx(report["nll"][f"{tau:g}"], rel=1e-5)
@@ -186,15 +194,16 @@ def test_chosen_temperature_is_never_worse_than_mean_or_learned_posterior(run):
 
 def test_saved_temperature_is_used_by_the_reloaded_model_and_pipeline(run, tmp_path):
     trainer, val, transform, _ = run
-    chosen = trainer.posterior_temperature
+    held = trainer.posterior_temperature
     try:
-        trainer.posterior_temperature = 0.25  # strictly between 0 and 1, so that losing it would show
+        # strictly between 0 and 1, so that losing it would show
+        trainer.posterior_temperature = PosteriorTemperature(0.25)
         trainer.save_model(str(tmp_path))
         expected = np.exp(trainer.predict(val.with_transform(transform)).predictions)
-        trainer.posterior_temperature = 1.0
+        trainer.posterior_temperature = PosteriorTemperature(1.0)
         learned = np.exp(trainer.predict(val.with_transform(transform)).predictions)
     finally:
-        trainer.posterior_temperature = chosen
+        trainer.posterior_temperature = held
     assert not np.allclose(expected, learned, atol=1e-3)
     loaded = VariationalModel.from_pretrained(tmp_path)
     assert loaded.posterior.temperature == 0.25
@@ -215,7 +224,7 @@ def test_label_noise_export_samples_the_learned_posterior_whatever_tau_was_chose
 
     trainer, _, _, out = run
     summary = json.loads((out / "label_noise_summary.json").read_text())
-    chosen = trainer.posterior_temperature
+    chosen = trainer.posterior_temperature.value
     # a run where the selection moved τ off 1, so an export at the chosen τ would show
     assert chosen != 1.0
     assert summary["posterior_temperature"] == 1.0 and summary["prediction_posterior_temperature"] == chosen
@@ -238,8 +247,8 @@ def test_model_card_shows_the_temperature_and_its_validation_nll(run):
     trainer.create_model_card()
     card = (out / "README.md").read_text()
     assert "## Posterior temperature" in card
-    report = trainer.posterior_temperature_report
-    for tau in ("0", "1", f"{trainer.posterior_temperature:g}"):
+    report = trainer.posterior_temperature.selection
+    for tau in ("0", "1", f"{trainer.posterior_temperature.value:g}"):
         assert f"{report['nll'][tau]:.4f}" in card
     assert "(chosen)" in card
 
@@ -249,11 +258,11 @@ def test_without_eval_data_the_learned_posterior_is_kept(tmp_path):
     trainer = VariationalTrainer(model=TinyClassifier(), args=make_args(tmp_path, max_steps=4, eval_mc_samples=4),
                                  train_dataset=data)
     trainer.train()
-    assert trainer.posterior_temperature == 1.0 and trainer.posterior_temperature_report is None
+    assert trainer.posterior_temperature == PosteriorTemperature(1.0, fixed=False, selection=None)
     fixed = VariationalTrainer(model=TinyClassifier(), train_dataset=data, eval_dataset=data,
                                args=make_args(tmp_path, max_steps=4, eval_mc_samples=4, posterior_temperature=0.5))
     fixed.train()
-    assert fixed.posterior_temperature == 0.5 and fixed.posterior_temperature_report is None
+    assert fixed.posterior_temperature == PosteriorTemperature(0.5, fixed=True, selection=None)
     assert fixed.posterior().temperature == 0.5
 
 
@@ -348,7 +357,7 @@ def test_trainer_chooses_by_the_corrected_nll_and_records_it(tmp_path):
                                  eval_dataset=val.with_transform(transform), processing_class=processor,
                                  eval_noise_transition=T)
     trainer.train()
-    report = trainer.posterior_temperature_report
+    report = trainer.posterior_temperature.selection
     assert report["criterion"] == CORRECTED_NLL_CRITERION and np.allclose(report["transition"], T)
     batches = trainer._batchnorm_batches(trainer.model)  # each draw's statistics, from the training examples in order
     expected = temperature_nll(trainer.model, trainer.posterior(), trainer.validation_batches(trainer.eval_dataset),

@@ -10,6 +10,7 @@ from .metrics import classification_metrics
 from .modeling import VariationalModel
 from .pipelines import pipeline
 from .posterior import POSTERIOR_FILE, DiagonalGaussianPosterior, VariationalIVON
+from .posterior_temperature import PosteriorTemperature
 from .prediction import VariationalClassifierOutput
 from .temperature_scaling import TemperatureScaling
 from .trainer import VariationalTrainer, VariationalTrainingArguments
@@ -22,6 +23,7 @@ __all__ = [
     "DiagonalGaussianPosterior",
     "LabelNoiseCallback",
     "LoraArguments",
+    "PosteriorTemperature",
     "TemperatureScaling",
     "VariationalClassifierOutput",
     "VariationalIVON",

@@ -209,7 +209,7 @@ def warn_without_draw_buffers(model: torch.nn.Module, posterior: DiagonalGaussia
         f"statistics of their own (the posterior holds {held}): each draw normalises with the posterior mean's, which "
         "makes it a worse network than training fitted. Predict with the draws training prepared (the defaults of "
         "from_pretrained), or compute theirs from training data (VariationalTrainer.prepare_prediction_draws after "
-        "setting trainer.posterior_temperature).", UserWarning, stacklevel=3,
+        "setting trainer.posterior_temperature = varsmooth.PosteriorTemperature(τ)).", UserWarning, stacklevel=3,
     )
 
 

@@ -29,15 +29,17 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
-from .posterior.gaussian import DiagonalGaussianPosterior
+from .posterior.gaussian import TEMPERATURE_KEY, DiagonalGaussianPosterior, check_temperature
 from .prediction import IGNORE_INDEX, LABEL_KEYS, average_predictions, model_logits, sampled_probs
 
-__all__ = ["SELECTION_SAMPLES", "TEMPERATURE_EXTENSION", "TEMPERATURE_GRID", "check_transition_matrix",
+__all__ = ["SELECTION_SAMPLES", "TEMPERATURE_EXTENSION", "TEMPERATURE_GRID", "PosteriorTemperature",
+           "check_transition_matrix",
            "choose_temperature", "paired_standard_errors", "search_temperatures", "select_temperature",
            "temperature_logs", "temperature_losses", "temperature_nll", "tied_temperatures"]
 
@@ -52,6 +54,43 @@ TEMPERATURE_GRID = (0.0, 0.1, 0.25, 0.5, 1.0, 1.5)
 #: tried one by one while the largest τ tried so far has the lowest NLL (1.5 won 3 of 3 IVON runs on a real noisy text
 #: set): a wider posterior than the learned one is then better calibrated; the search stops at the last
 TEMPERATURE_EXTENSION = (2.0, 3.0, 4.0, 6.0, 8.0)
+#: metadata key of how τ was chosen (the report of `select_temperature`), saved with the posterior
+SELECTION_KEY = "posterior_temperature_selection"
+
+
+@dataclass(frozen=True)
+class PosteriorTemperature:
+    """The τ a run predicts with and where it came from: the one place the trainer holds τ.
+
+    `value`: σ is scaled by it when predicting (0: the posterior mean, 1: the learned posterior). `fixed`: set by the
+    user (`posterior_temperature`) rather than chosen. `selection`: when chosen on validation, `select_temperature`'s
+    report (the NLL at each τ tried), else None. The posterior saved with the model carries it (`metadata()`), and the
+    model card tells it from the run's record.
+    """
+
+    value: float = 1.0
+    fixed: bool = False
+    selection: Mapping[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        check_temperature(self.value)
+
+    @classmethod
+    def from_argument(cls, tau: float | None) -> PosteriorTemperature:
+        """For `posterior_temperature=tau`: τ fixed at `tau`, or for None the learned posterior (τ = 1) until
+        validation chooses."""
+        return cls() if tau is None else cls(float(tau), fixed=True)
+
+    @classmethod
+    def chosen(cls, report: Mapping[str, Any]) -> PosteriorTemperature:
+        """The τ `select_temperature` chose, with its `report`."""
+        return cls(float(report["temperature"]), selection=report)
+
+    def metadata(self) -> dict[str, Any]:
+        """The posterior's metadata entries for τ: its value, and how it was chosen if it was."""
+        return {TEMPERATURE_KEY: self.value, **({} if self.selection is None else {SELECTION_KEY: self.selection})}
+
+
 #: the most posterior draws τ is chosen with (fewer if eval_mc_samples is smaller): every τ is scored with the same
 #: antithetic draws, so NLL differences between τ values are resolved with a few draws, and the selection, which
 #: costs (grid size − 1) × draws forward passes over the validation split, must cost less than training

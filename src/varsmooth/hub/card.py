@@ -153,14 +153,14 @@ def _prediction(record: RunRecord) -> str:
     at its posterior mean) or "weights" (a method without a posterior)."""
     if not record.learns_posterior:
         return "weights"
-    return "bma" if record.eval_mc_samples > 0 and record.posterior_temperature > 0 else "mean"
+    return "bma" if record.eval_mc_samples > 0 and record.posterior_temperature.value > 0 else "mean"
 
 
 def _mean_reason(record: RunRecord) -> str:
     """Why an IVON model predicts at its posterior mean."""
     if record.eval_mc_samples <= 0:
         return "`eval_mc_samples=0` was set, so no posterior samples are averaged"
-    report = record.temperature_selection
+    report = record.posterior_temperature.selection
     if report is None:
         return "the posterior temperature was fixed at τ = 0 (`posterior_temperature=0`)"
     criterion, nll = report.get("criterion", "validation NLL"), report["nll"]
@@ -188,8 +188,8 @@ def _method_text(record: RunRecord) -> str:
             "`posterior.safetensors`.")
     if prediction == "bma":
         return text + (f" Predictions average the softmax over {record.eval_mc_samples} samples of that posterior, "
-                       f"with σ scaled by the posterior temperature τ = {record.posterior_temperature:g} (Bayesian "
-                       "model averaging).")
+                       f"with σ scaled by the posterior temperature τ = {record.posterior_temperature.value:g} "
+                       "(Bayesian model averaging).")
     return text + f" Predictions are made at the posterior mean, without averaging: {_mean_reason(record)}."
 
 
@@ -301,12 +301,13 @@ def _matrix_table(matrix: list[list[float]], names: list[str]) -> str:
 
 def _temperature_text(record: RunRecord) -> str:
     """The posterior temperature τ the model predicts with, and the validation NLL it was chosen by."""
-    tau = record.posterior_temperature
+    tau = record.posterior_temperature.value
     intro = (f"Predictions sample the weights with the posterior standard deviation scaled by **τ = {tau:g}** "
              "(0: the prediction at the posterior mean, 1: the learned posterior). ")
-    report = record.temperature_selection
+    report = record.posterior_temperature.selection
     if report is None:
-        how = "fixed by `posterior_temperature`" if record.temperature_fixed else "no validation data to choose it by"
+        how = ("fixed by `posterior_temperature`" if record.posterior_temperature.fixed
+               else "no validation data to choose it by")
         return intro + f"τ = {tau:g} was {how}."
     rows = "".join(f"| {t}{' (chosen)' if float(t) == tau else ''} | {nll:.4f} |\n" for t, nll in report["nll"].items())
     criterion = report.get("criterion", "validation NLL")  # posteriors saved before the criterion was recorded
@@ -408,7 +409,7 @@ def build_model_card(record: RunRecord, model: Any, folder: str | os.PathLike) -
     if metrics:
         columns = {"bma": (("",
                             f"posterior-averaged ({record.eval_mc_samples} samples, τ = "
-                            f"{record.posterior_temperature:g})"),
+                            f"{record.posterior_temperature.value:g})"),
                            ("mean_", "posterior mean")),
                    "mean": ((predictions[0][0], "posterior mean (no averaging)"),),
                    "weights": (("", "trained weights"),)}[prediction]

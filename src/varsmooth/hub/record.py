@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ..posterior_temperature import PosteriorTemperature
+
 if TYPE_CHECKING:
     from ..corruption import NoiseReport
 
@@ -59,12 +61,10 @@ class RunRecord:
         repo_id: the Hub repository (or, unshared, the output folder's name); model_name: the model's name.
         metrics: the latest scores without their prefix (`nll`, `mean_nll`, ...); scored_on: the split they come from.
         eval_mc_samples: posterior samples each prediction averages.
-        posterior_temperature: the temperature τ the posterior's σ is scaled by when predicting.
+        posterior_temperature: the temperature τ the posterior's σ is scaled by when predicting, and how it was set.
         posterior_log: IVON's Hessian and σ statistics (`POSTERIOR_LOG_KEYS`) and the `step` they were measured at: now,
             from the trainer's optimizer, else at the last training log that has them.
         stalled_loss: the training loss that barely fell below ln K (`varsmooth.training_health`), None if it fell.
-        temperature_selection: how τ was chosen (`VariationalTrainer.select_posterior_temperature`), None if not.
-        temperature_fixed: whether τ was fixed by `posterior_temperature` instead of chosen.
         noise_report: the label corruption of the training set, None when the labels are the dataset's own.
         datasets: the data's names for readers (Hub ids or local paths); dataset_tags: the ids for the `datasets:`
             metadata (default: `datasets`); license, tags, language: as in `Trainer.create_model_card`.
@@ -78,9 +78,7 @@ class RunRecord:
     metrics: dict[str, float] = field(default_factory=dict)
     scored_on: str = "evaluation set"
     eval_mc_samples: int = 0
-    posterior_temperature: float = 1.0
-    temperature_selection: dict[str, Any] | None = None
-    temperature_fixed: bool = False
+    posterior_temperature: PosteriorTemperature = field(default_factory=PosteriorTemperature)
     posterior_log: dict[str, float] | None = None
     stalled_loss: dict[str, Any] | None = None
     noise_report: NoiseReport | None = None

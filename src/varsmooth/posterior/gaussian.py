@@ -29,8 +29,8 @@ from .draw_buffers import DRAW_BUFFER_PREFIX, DrawBuffers
 from .seeds import derive_seed
 from .sharding import DTensor, full_tensor, local_slice, to_local
 
-__all__ = ["POSTERIOR_FILE", "DiagonalGaussianPosterior", "hessian_movement", "non_finite_tensors", "std_summary",
-           "tensors_sha256", "weights_fingerprint"]
+__all__ = ["POSTERIOR_FILE", "DiagonalGaussianPosterior", "check_temperature", "hessian_movement", "non_finite_tensors",
+           "std_summary", "tensors_sha256", "weights_fingerprint"]
 
 logger = logging.getLogger(__name__)
 
@@ -128,7 +128,7 @@ class DiagonalGaussianPosterior:
         self.names = [name for name in params if name in std]
         self.std = {name: std[name].detach().to(params[name].device, params[name].dtype) for name in self.names}
         self.metadata = dict(metadata or {})
-        _check_temperature(self.metadata.get(TEMPERATURE_KEY, 1.0))
+        check_temperature(self.metadata.get(TEMPERATURE_KEY, 1.0))
         self.cache_bytes = cache_bytes
         self.draw_buffers = draw_buffers
         self._cache: dict[int, list[torch.Tensor]] = {}
@@ -282,13 +282,13 @@ class DiagonalGaussianPosterior:
 
     @temperature.setter
     def temperature(self, value: float) -> None:
-        _check_temperature(value)
+        check_temperature(value)
         self.metadata[TEMPERATURE_KEY] = float(value)
 
     def at_temperature(self, temperature: float) -> "DiagonalGaussianPosterior":
         """This posterior with draws scaled by `temperature` instead (e.g. 1: the learned posterior, whatever τ
         prediction uses); σ and the drawn e are shared with this one, so both sample the same models up to scale."""
-        _check_temperature(temperature)
+        check_temperature(temperature)
         out = copy.copy(self)
         out.metadata = {**self.metadata, TEMPERATURE_KEY: float(temperature)}
         return out
@@ -422,7 +422,8 @@ def _check_std(path: str, std: Mapping[str, torch.Tensor], metadata: Mapping[str
             )
 
 
-def _check_temperature(value: Any) -> None:
+def check_temperature(value: Any) -> None:
+    """Refuses a posterior temperature τ that is not a finite number >= 0."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
         raise ValueError(
             f"The posterior temperature must be a finite number >= 0 (0 = the posterior mean, 1 = the learned "

@@ -37,7 +37,7 @@ from ..batchnorm import (
 from ..methods import EXAMPLE_INDEX_KEY
 from ..posterior import DiagonalGaussianPosterior
 from ..posterior.diagnostics import warn_if_hessian_stuck
-from ..posterior_temperature import SELECTION_SAMPLES, select_temperature, temperature_logs
+from ..posterior_temperature import SELECTION_SAMPLES, PosteriorTemperature, select_temperature, temperature_logs
 from ..predictors import measuring_temperature
 from ..temperature_scaling import TemperatureScaling, fit_on_batches
 from ..utils import length_order
@@ -135,14 +135,13 @@ class AfterTrainingMixin:
                                     samples, self.args.eval_seed, gather=self.accelerator.gather_for_metrics,
                                     transition=self.eval_noise_transition, draw_buffers=draw_buffers,
                                     progress=self.shows_progress())
-        self.posterior_temperature, self.posterior_temperature_report = report["temperature"], report
+        self.posterior_temperature = PosteriorTemperature.chosen(report)
         self.log(temperature_logs(report))
         return report
 
     def _reset_posterior_temperature(self) -> None:
         """A new train() starts again from the learned posterior (or the fixed τ)."""
-        self.posterior_temperature = 1.0 if self.args.posterior_temperature is None else self.args.posterior_temperature
-        self.posterior_temperature_report = None
+        self.posterior_temperature = PosteriorTemperature.from_argument(self.args.posterior_temperature)
         self._draw_buffers = None
 
     def prepare_prediction_draws(self, posterior: DiagonalGaussianPosterior | None = None) -> DiagonalGaussianPosterior:
@@ -171,7 +170,7 @@ class AfterTrainingMixin:
     def _draws_temperature(self) -> float:
         """The τ of the draws whose statistics are prepared: those that measure the prediction's uncertainty (the
         prediction's own, or at τ = 0 the learned posterior's, which the label-noise export samples too)."""
-        return measuring_temperature(self.posterior_temperature)
+        return measuring_temperature(self.posterior_temperature.value)
 
     def _batchnorm_batches(self, model: torch.nn.Module) -> list[dict[str, Any]] | None:
         """The prepared training batches each posterior draw's BatchNorm statistics are computed from (the first

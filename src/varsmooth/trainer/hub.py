@@ -60,7 +60,7 @@ class VariationalHubMixin:
         self._refuse_to_replace_own_card(replace_model_card)
         picture = write_reliability_diagram(self.reliability_diagram, self.args.output_dir,
                                             bma=learns_posterior(self.method) and self.args.eval_mc_samples > 0
-                                            and self.posterior_temperature > 0)
+                                            and self.posterior_temperature.value > 0)
         if picture is not None:  # beside the model, in the manifest (uploaded) and so embedded by the card
             self.record_output(picture)
             add_to_manifest(self.args.output_dir, [os.path.basename(picture)])
@@ -94,8 +94,6 @@ class VariationalHubMixin:
             scored_on=scored_on,
             eval_mc_samples=args.eval_mc_samples,
             posterior_temperature=self.posterior_temperature,
-            temperature_selection=self.posterior_temperature_report,
-            temperature_fixed=args.posterior_temperature is not None,
             posterior_log=self._posterior_log(),
             stalled_loss=stalled_training_loss(self.state.log_history, cross_entropy_classes(self.method, self.model)),
             noise_report=self.train_noise_report(),

@@ -39,8 +39,8 @@ from ..metrics.evaluation_metrics import EvaluationMetrics
 from ..model_parts import model_num_labels
 from ..posterior import POSTERIOR_FILE, DiagonalGaussianPosterior, VariationalIVON, hessian_summary, unwrap_ivon
 from ..posterior.draw_buffers import DrawBuffers
-from ..posterior.gaussian import TEMPERATURE_KEY, non_finite_tensors
-from ..posterior_temperature import check_transition_matrix
+from ..posterior.gaussian import non_finite_tensors
+from ..posterior_temperature import PosteriorTemperature, check_transition_matrix
 from ..prediction import VariationalClassifierOutput
 from ..predictors import Predictor, make_predictor
 from ..temperature_scaling import TemperatureScaling
@@ -130,8 +130,7 @@ class VariationalTrainer(AfterTrainingMixin, CheckpointingMixin, VariationalHubM
         check_method_inputs(self.method, self.compute_loss_func, posterior, self.optimizer)
         self._saved_posterior = posterior if posterior is not None else self._posterior_beside_model()
         # τ of every prediction; chosen on the eval dataset when training ends, before other train-end callbacks
-        self.posterior_temperature = 1.0 if args.posterior_temperature is None else args.posterior_temperature
-        self.posterior_temperature_report: dict[str, Any] | None = None
+        self.posterior_temperature = PosteriorTemperature.from_argument(args.posterior_temperature)
         self._draw_buffers: DrawBuffers | None = None  # each prediction draw's BatchNorm statistics, set after training
         #: T[i, j] = P(observed j | true i) of the eval dataset's labels, when known (e.g. the noise the example
         #: injected): τ is then chosen by the forward-corrected validation NLL (`varsmooth.posterior_temperature`)
@@ -222,9 +221,7 @@ class VariationalTrainer(AfterTrainingMixin, CheckpointingMixin, VariationalHubM
             return (self._saved_posterior if self._saved_posterior is not None
                     else DiagonalGaussianPosterior.point_mass(model))
         meta = {**self.method.hyperparameters(), "eval_mc_samples": self.args.eval_mc_samples,
-                "eval_seed": self.args.eval_seed, "step": opt.current_step, TEMPERATURE_KEY: self.posterior_temperature}
-        if self.posterior_temperature_report is not None:
-            meta["posterior_temperature_selection"] = self.posterior_temperature_report
+                "eval_seed": self.args.eval_seed, "step": opt.current_step, **self.posterior_temperature.metadata()}
         posterior = DiagonalGaussianPosterior.from_ivon(model, opt, self._ivon_param_names, meta)
         if self._draw_buffers is not None and self._draw_buffers.for_draws(
                 self.args.eval_seed, self.args.eval_mc_samples, self._draws_temperature()) is None:
