@@ -96,13 +96,13 @@ def _summary(mean_l1, num_classes):
 
 
 def test_the_card_sets_the_measured_label_noise_beside_label_smoothing():
-    from varsmooth.hub.card import _label_noise_numbers
+    from varsmooth.hub.posterior_text import label_noise_numbers
 
     # the text example's former export: mean |ε̄|₁ 0.0019 on 2 classes, LS at α = 0.1 adds 0.1
-    text = _label_noise_numbers(_summary(0.0019, 2))
+    text = label_noise_numbers(_summary(0.0019, 2))
     assert "label smoothing with α = 0.0019" in text and "near-point posterior" in text and "(α = 0.1: 0.1)" in text
-    assert "near-point" not in _label_noise_numbers(_summary(0.09, 10))  # α = 0.05 on 10 classes
-    asked = _label_noise_numbers(_summary(0.5, 10), asked=0.3)
+    assert "near-point" not in label_noise_numbers(_summary(0.09, 10))  # α = 0.05 on 10 classes
+    asked = label_noise_numbers(_summary(0.5, 10), asked=0.3)
     assert "as LS at α = 0.3 would with the model's own predictions" in asked
 
 

@@ -12,14 +12,18 @@ from typing import Any
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
-from ..batchnorm import RECOMPUTED_LOG_KEY
 from ..corruption import NOISE_REPORT_FILE
 from ..files import read_manifest
-from ..label_noise.strength import label_smoothing_noise
-from ..methods import METHODS
 from ..modeling import AUTO_CLASSES, classification_task
-from ..posterior.diagnostics import HESSIAN_STUCK_TOLERANCE
 from ..training_health import stalled_loss_text
+from .posterior_text import (
+    adaptivity_text,
+    label_noise_numbers,
+    method_text,
+    posterior_text,
+    prediction_kind,
+    temperature_text,
+)
 from .record import RunRecord
 
 __all__ = ["DEFAULT_LICENSE", "MODEL_CARD_TEMPLATE", "build_model_card", "is_hub_dataset_id"]
@@ -45,9 +49,6 @@ _FILE_DESCRIPTIONS = {
     "mean_pooling_bert.py": "modeling code of the mean-pooling classifier, named by config.json's `auto_map` "
                             "(transformers runs it with `trust_remote_code=True`)",
 }
-#: the Spearman ρ between ‖ε̄‖₁ and ambiguity from which the card says ε̄ is larger for ambiguous examples, a moderate
-#: correlation by Cohen's convention: over thousands of examples a ρ of 0.07 is significant yet ranks almost at random
-AMBIGUITY_RHO = 0.3
 #: IVON's optimizer keywords in a run's hyperparameters -> the `VariationalTrainingArguments` fields a user sets them by
 _IVON_ARGUMENT_NAMES = {"lr": "learning_rate", "weight_decay": "prior_precision"}
 #: the weights files, which hold the posterior mean of an IVON run
@@ -148,172 +149,10 @@ def _better_prediction_text(metrics: dict[str, float]) -> str | None:
             f"num_samples=0)` predicts at the mean.")
 
 
-def _prediction(record: RunRecord) -> str:
-    """What the model's predictions are: "bma" (averaged over posterior samples), "mean" (an IVON model predicting
-    at its posterior mean) or "weights" (a method without a posterior)."""
-    if not record.learns_posterior:
-        return "weights"
-    return "bma" if record.eval_mc_samples > 0 and record.posterior_temperature.value > 0 else "mean"
-
-
-def _mean_reason(record: RunRecord) -> str:
-    """Why an IVON model predicts at its posterior mean."""
-    if record.eval_mc_samples <= 0:
-        return "`eval_mc_samples=0` was set, so no posterior samples are averaged"
-    report = record.posterior_temperature.selection
-    if report is None:
-        return "the posterior temperature was fixed at τ = 0 (`posterior_temperature=0`)"
-    criterion, nll = report.get("criterion", "validation NLL"), report["nll"]
-    others = [f"{v:.4f} at τ = {t}" for t, v in nll.items() if float(t) > 0]
-    tied = [t for t in report.get("tied", [0.0]) if t > 0]
-    verdict = "scored best" if nll["0"] <= min(nll.values()) else "tied with the best"
-    if tied:  # the validation split cannot tell these apart: the mean predicts in one pass
-        verdict += (f" (τ = {', '.join(f'{t:g}' for t in tied)} tie with it within 2 paired standard errors, and the "
-                    "mean predicts in one pass)")
-    return (f"the posterior temperature τ = 0 was chosen after training, because the posterior mean {verdict} by the "
-            f"{criterion} on the validation split ({nll['0']:.4f}, against " + ", ".join(others) + ")")
-
-
-def _method_text(record: RunRecord) -> str:
-    """The card's first paragraph after "trained with varsmooth": what the method computed and how the model
-    predicts."""
-    prediction = _prediction(record)
-    if prediction == "weights":
-        info = METHODS.get(record.method)
-        description = f" ({info.summary.rstrip('.')})" if info is not None else ""
-        return (f" with the `{record.method}` method{description}. It learns no posterior over the weights: "
-                "predictions are made at the trained weights.")
-    text = (" by variational learning (IVON): training learned a Gaussian posterior over the weights, whose mean is "
-            "the model's weights (`model.safetensors`) and whose standard deviation σ ships in "
-            "`posterior.safetensors`.")
-    if prediction == "bma":
-        return text + (f" Predictions average the softmax over {record.eval_mc_samples} samples of that posterior, "
-                       f"with σ scaled by the posterior temperature τ = {record.posterior_temperature.value:g} "
-                       "(Bayesian model averaging).")
-    return text + f" Predictions are made at the posterior mean, without averaging: {_mean_reason(record)}."
-
-
-def _posterior_text(record: RunRecord) -> str | None:
-    """What IVON's posterior did during training, from the last training log (`RunRecord.posterior_log`)."""
-    log = record.posterior_log
-    if not record.learns_posterior or not log:
-        return None
-    hp = record.hyperparameters
-    h0, ess, prior = hp.get("hess_init"), hp.get("ess"), hp.get("weight_decay")
-    text = (f"At step {log.get('step')} of training, IVON's Hessian estimate h had median "
-            f"{log['hess_median']:.4g} and mean {log.get('hess_mean', math.nan):.4g}"
-            + (f", starting from h0 = {h0:g}" if h0 is not None else "") + ".")
-    change = log.get("hess_change_median")
-    if change is not None:
-        text += f" The median relative change |h − h0|/h0 over the weights is {change:.1%}"
-        if change < HESSIAN_STUCK_TOLERANCE:
-            text += (": the Hessian hardly moved, so σ is still mostly set by `ess` and `hess_init` rather than "
-                     "learned from the data.")
-        elif "hess_data_share" in log:
-            text += (f". Had the data added no curvature, the moving average would have taken h0 to "
-                     f"{log['hess_decayed']:.3g} (h0·β2^t); h ends at least {HESSIAN_STUCK_TOLERANCE:.0%} away from "
-                     f"that value in {log['hess_data_share']:.0%} of the weights, where σ is learned from the data; in "
-                     "the others σ follows from `hess_init`, `ess` and the run's length.")
-        else:
-            text += ": the posterior adapted to the data."
-    if "posterior_std_median" in log:
-        text += (" The posterior standard deviation σ = 1/sqrt(ess·(h + δ)) had median "
-                 f"{log['posterior_std_median']:.4g} and mean {log.get('posterior_std_mean', math.nan):.4g}")
-        if h0 is not None and ess and prior is not None:
-            text += f" (σ0 = {1 / math.sqrt(ess * (h0 + prior)):.4g} at the start)"
-        text += "."
-    if log.get(RECOMPUTED_LOG_KEY):
-        text += (" BatchNorm's running statistics were recomputed at the posterior mean from "
-                 f"{log[RECOMPUTED_LOG_KEY]:,} training examples when training ended: those gathered while training "
-                 "average over sampled weights.")
-    return text
-
-
-def _adaptivity_text(adaptivity: dict | None) -> str:
-    """Whether this run's ε̄ is larger for ambiguous examples, as the paper finds, by its measured correlation: said
-    from ρ ≥ `AMBIGUITY_RHO` on, else that it is not (clearly)."""
-    if not adaptivity:
-        return "The paper finds it larger for ambiguous or atypical examples."
-    rho, spread = adaptivity["noise_l1_entropy_spearman"], adaptivity["noise_l1_q90_over_q10"]
-    measured = (f"Spearman ρ = {rho:.2f} between ‖ε̄‖₁ and the entropy of the posterior-mean prediction; its 90th "
-                f"percentile is {spread:.2g}× its 10th")
-    if rho >= AMBIGUITY_RHO:
-        return f"On this run it is larger for ambiguous examples, as the paper finds ({measured})."
-    if rho > 0:
-        measured += f"; the card says larger from ρ = {AMBIGUITY_RHO:g} on"
-    text = f"On this run it is *not* {'clearly ' if rho > 0 else ''}larger for ambiguous examples ({measured})."
-    if "noise_l1_peak_confidence" in adaptivity:
-        text += (f" ‖ε̄‖₁ is largest where the posterior mean predicts with confidence ≈ "
-                 f"{adaptivity['noise_l1_peak_confidence']:.2f} and smaller for less confident predictions, as the "
-                 "paper's Eq. 12 and Fig. 2 describe (no noise at the decision boundary); "
-                 f"{adaptivity['below_noise_peak_share']:.0%} of the examples are predicted less confidently than that "
-                 f"(median confidence {adaptivity['mean_confidence_median']:.2f}).")
-    return text
-
-
-#: a mean |ε̄|₁ below label smoothing's at this α counts as "hardly smoothed" (a near-point posterior)
-NEAR_POINT_ALPHA = 0.01
-
-
-def _ls_equivalent_text(mean_l1: float, num_classes: int, asked: float | None) -> str:
-    """The measured mean |ε̄|₁ as the α of label smoothing of the same mean size, ‖ε‖₁ = 2α(1 − 1/K)."""
-    alpha = mean_l1 / label_smoothing_noise(1.0, num_classes)
-    text = (f" That is the size of label smoothing with α = {alpha:.2g}, whose ε has |ε|₁ = 2α(1 − 1/K) for every "
-            f"example (α = 0.1: {label_smoothing_noise(0.1, num_classes):.3g})")
-    if asked is not None:
-        return text + (f"; IVON was set to smooth as LS at α = {asked:g} would with the model's own predictions for "
-                       "labels (`ivon_smoothing`: mean |ε̄|₁ = α·|p̂ − 1/K|₁, which is below 2α(1 − 1/K) wherever the "
-                       "posterior mean is unsure).")
-    if alpha < NEAR_POINT_ALPHA:
-        return text + (f": a near-point posterior, below α = {NEAR_POINT_ALPHA:g}, so training with IVON hardly "
-                       "smoothed the labels at this ess. `ivon_smoothing` (an α, chosen on validation as LS's) sets "
-                       "how much it smooths.")
-    return text + "."
-
-
-def _label_noise_numbers(summary: dict[str, Any], asked: float | None = None) -> str | None:
-    """Sentences of measured label-noise magnitudes |ε̄|₁ from `label_noise_summary.json`, against label smoothing's
-    (`asked`: the run's `ivon_smoothing`, if set)."""
-    l1 = summary.get("all", {}).get("noise_l1")
-    if not l1:
-        return None
-    how = (f" ({summary['num_samples']} posterior samples" if "num_samples" in summary else "") + (
-        f" at τ = {summary['posterior_temperature']:g}" if "posterior_temperature" in summary else "") + (
-        ", each normalised with BatchNorm statistics of its own, as in training" if summary.get(
-            "batchnorm_statistics_per_draw") else "") + (")" if "num_samples" in summary else "")
-    text = (f"Over the {summary.get('num_examples', 'training')} training examples{how}, |ε̄|₁ has mean "
-            f"{l1['mean']:.3g} and median {l1['q50']:.3g}, from {l1['q10']:.3g} (10th percentile) to {l1['q90']:.3g} "
-            "(90th).")
-    clean, corrupted = (summary.get(k, {}).get("noise_l1") for k in ("clean", "corrupted"))
-    if clean and corrupted:
-        text += (f" Its mean is {corrupted['mean']:.3g} on the corrupted labels and {clean['mean']:.3g} on the clean "
-                 "ones.")
-    if summary.get("num_classes"):
-        text += _ls_equivalent_text(l1["mean"], summary["num_classes"], asked)
-    return text
-
-
 def _matrix_table(matrix: list[list[float]], names: list[str]) -> str:
     header = "| clean \\ label | " + " | ".join(names) + " |\n|---|" + "---|" * len(names) + "\n"
     rows = "".join(f"| {names[i]} | " + " | ".join(f"{v:.3f}" for v in row) + " |\n" for i, row in enumerate(matrix))
     return header + rows
-
-
-def _temperature_text(record: RunRecord) -> str:
-    """The posterior temperature τ the model predicts with, and the validation NLL it was chosen by."""
-    tau = record.posterior_temperature.value
-    intro = (f"Predictions sample the weights with the posterior standard deviation scaled by **τ = {tau:g}** "
-             "(0: the prediction at the posterior mean, 1: the learned posterior). ")
-    report = record.posterior_temperature.selection
-    if report is None:
-        how = ("fixed by `posterior_temperature`" if record.posterior_temperature.fixed
-               else "no validation data to choose it by")
-        return intro + f"τ = {tau:g} was {how}."
-    rows = "".join(f"| {t}{' (chosen)' if float(t) == tau else ''} | {nll:.4f} |\n" for t, nll in report["nll"].items())
-    criterion = report.get("criterion", "validation NLL")  # posteriors saved before the criterion was recorded
-    return (intro + f"τ was chosen after training by the {criterion} on the eval dataset ({report['num_samples']} "
-            "posterior samples, the same draws for every τ); an evaluation on that same set is slightly optimistic."
-            f"\n\n| τ | {criterion.split(' (')[0]} |\n|---|---|\n" + rows)
 
 
 RELIABILITY_DIAGRAM_FILE = "reliability_diagram.png"
@@ -362,7 +201,7 @@ def build_model_card(record: RunRecord, model: Any, folder: str | os.PathLike) -
     tags, language = record.tags, record.language
 
     eval_results = []
-    prediction = _prediction(record)
+    prediction = prediction_kind(record)
     if prediction == "bma":
         predictions = (("", "posterior-averaged"), ("mean_", "posterior mean"))
         if metrics.get("mean_nll", math.inf) < metrics.get("nll", math.inf):  # the better prediction first
@@ -425,18 +264,18 @@ def build_model_card(record: RunRecord, model: Any, folder: str | os.PathLike) -
     if record.stalled_loss is not None:
         metrics_text = f"**Warning.** {stalled_loss_text(record.stalled_loss)}\n\n{metrics_text}"
 
-    temperature_text = _temperature_text(record) if is_ivon else None
+    temperature = temperature_text(record) if is_ivon else None
 
     summary_path = os.path.join(output_dir, "label_noise_summary.json")
     if os.path.isfile(summary_path):
         with open(summary_path) as f:
             summary = json.load(f)
         detection = summary.get("detection")
-        numbers = _label_noise_numbers(summary, record.hyperparameters.get("ivon_smoothing"))
+        numbers = label_noise_numbers(summary, record.hyperparameters.get("ivon_smoothing"))
         label_noise_text = (
             "`label_noise.parquet` holds, for every training example, the label noise ε̄ = p̄ − P̂ that IVON's "
             "posterior induces (Yang et al. 2025, \"Variational Learning Induces Adaptive Label Smoothing\", Eq. 15). "
-            + _adaptivity_text(summary.get("adaptivity"))
+            + adaptivity_text(summary.get("adaptivity"))
             + " To find wrong labels, rank by the posterior-predictive confidence in the given label instead."
             + (f" {numbers}" if numbers else "")
             + ("\n\nHow well each score ranks the training labels known to be wrong (`detection` of "
@@ -463,10 +302,10 @@ def build_model_card(record: RunRecord, model: Any, folder: str | os.PathLike) -
         task_name=task,
         auto_class=auto_class,
         method=method,
-        method_text=_method_text(record),
+        method_text=method_text(record),
         prediction=prediction,
         remote_code=auto_class in auto_map,
-        posterior_text=_posterior_text(record),
+        posterior_text=posterior_text(record),
         base_model_text=_base_model_text(base_model, model, adapter),
         adapter_text=_adapter_text(adapter, is_ivon),
         dataset_text=", ".join(f"[`{name}`](https://huggingface.co/datasets/{name})" if on_hub
@@ -481,7 +320,7 @@ def build_model_card(record: RunRecord, model: Any, folder: str | os.PathLike) -
         metrics_text=metrics_text,
         metrics_table=metrics_table,
         better_text=better_text,
-        temperature_text=temperature_text,
+        temperature_text=temperature,
         label_noise_text=label_noise_text,
         pictures=pictures,
         files=files,
