@@ -386,12 +386,14 @@ def run(task_name: str, method: str, hyperparams: dict[str, Any] | None = None, 
     task = Task.parse(task_name)
     hyperparams = dict(hyperparams or {})
     cfg = setup_for(task, epochs)
-    config = {"task": task.name, "method": method, "hyperparams": hyperparams, "seed": seed, "setup": cfg, "version": VERSION}
+    config = {"task": task.name, "method": method, "hyperparams": hyperparams, "seed": seed, "setup": cfg,
+              "version": VERSION}
     path = run_path(task_name, method, hyperparams, seed, epochs, script)
     key = path.stem
     if path.is_file() and not force:
         cached = json.loads(path.read_text())
-        if (not export or "export" in cached) and not _needs_val_rerun(method, cached) and (analyze is None or "analysis" in cached):
+        if ((not export or "export" in cached) and not _needs_val_rerun(method, cached)
+                and (analyze is None or "analysis" in cached)):
             return cached
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -424,7 +426,8 @@ def run(task_name: str, method: str, hyperparams: dict[str, Any] | None = None, 
     with tempfile.TemporaryDirectory(prefix="varsmooth-real-noise-") as tmp:
         args = common.training_arguments(
             method, output_dir=tmp, num_train_epochs=cfg["epochs"], per_device_train_batch_size=cfg["batch_size"],
-            per_device_eval_batch_size=256, seed=seed, data_seed=seed, use_cpu=common.bench_device() == "cpu", report_to=[], save_strategy="no",
+            per_device_eval_batch_size=256, seed=seed, data_seed=seed, use_cpu=common.bench_device() == "cpu",
+            report_to=[], save_strategy="no",
             eval_strategy="no", logging_strategy="steps", logging_steps=max(1, steps // 8), disable_tqdm=True,
             dataloader_num_workers=0, lr_scheduler_type="cosine", warmup_steps=int(0.1 * steps),
             eval_seed=0, remove_unused_columns=task.kind == "text", **train_settings,
@@ -446,8 +449,10 @@ def run(task_name: str, method: str, hyperparams: dict[str, Any] | None = None, 
         mean_pred = trainer.predict(train).predictions.argmax(-1)
         result: dict[str, Any] = {
             "key": key, "config": config, "settings": settings,
-            "effective_settings": effective_settings(task, method, hyperparams, epochs), "n_train": len(y_train), "steps": trainer.state.global_step,
-            "train_s": train_s, "eval_s": eval_s, "train_loss": training_loss, "diverged": diverged, "device": common.bench_device(),
+            "effective_settings": effective_settings(task, method, hyperparams, epochs), "n_train": len(y_train),
+            "steps": trainer.state.global_step,
+            "train_s": train_s, "eval_s": eval_s, "train_loss": training_loss, "diverged": diverged,
+            "device": common.bench_device(),
             "features_sha": data.get("features_sha") if task.kind == "image" else None,
             "realized_noise": float((y_train != y_clean).float().mean()), "hessian": trainer.hessian_summary(),
             "log_history": [r for r in trainer.state.log_history if "loss" in r], "versions": common._versions(),
@@ -457,7 +462,8 @@ def run(task_name: str, method: str, hyperparams: dict[str, Any] | None = None, 
             for name in ("accuracy", "nll", "ece", "brier", "mean_accuracy", "mean_nll", "mean_ece", "mean_brier"):
                 if f"{split}_{name}" in metrics:
                     result[f"{split}_{name.replace('accuracy', 'acc')}"] = float(metrics[f"{split}_{name}"])
-            if f"{split}_acc" in result and f"{split}_mean_acc" not in result:  # point estimates: the mean is the prediction
+            # point estimates: the mean is the prediction
+            if f"{split}_acc" in result and f"{split}_mean_acc" not in result:
                 for name in ("acc", "nll", "ece", "brier"):
                     result[f"{split}_mean_{name}"] = result[f"{split}_{name}"]
         wrong = (y_train != y_clean).numpy()
@@ -468,8 +474,9 @@ def run(task_name: str, method: str, hyperparams: dict[str, Any] | None = None, 
         if analysis is not None:
             result["analysis"] = analysis
     common.write_json(path, result)
-    print(f"[{script}] {key}: test acc {result['test_acc']:.4f} (mean {result['test_mean_acc']:.4f}) nll {result['test_nll']:.3f} "
-          f"ece {result['test_ece']:.3f} train {train_s:.0f}s eval {eval_s:.0f}s", flush=True)
+    print(f"[{script}] {key}: test acc {result['test_acc']:.4f} (mean {result['test_mean_acc']:.4f}) "
+          f"nll {result['test_nll']:.3f} ece {result['test_ece']:.3f} train {train_s:.0f}s eval {eval_s:.0f}s",
+          flush=True)
     return result
 
 
@@ -487,18 +494,21 @@ def export_label_noise(trainer: Any, task: Task, data: dict[str, Any], y_train: 
     ivon = trainer.ivon is not None
     out = OUT_DIR / "export" / task.name / name
     names = datasets.ClassLabel(names=list(_cifar_classes()))
-    features = datasets.Features({"features": datasets.Array3D(tuple(data["x_train"].shape[1:]), "float32"), "label": names,
-                                  "clean_label": names, "is_corrupted": datasets.Value("bool")})
-    rows = datasets.Dataset.from_dict({"features": data["x_train"].numpy(), "label": y_train.numpy(), "clean_label": y_clean.numpy(),
-                                       "is_corrupted": (y_train != y_clean).numpy()}, features=features).with_format("torch")
+    features = datasets.Features({"features": datasets.Array3D(tuple(data["x_train"].shape[1:]), "float32"),
+                                  "label": names, "clean_label": names, "is_corrupted": datasets.Value("bool")})
+    rows = datasets.Dataset.from_dict({"features": data["x_train"].numpy(), "label": y_train.numpy(),
+                                       "clean_label": y_clean.numpy(), "is_corrupted": (y_train != y_clean).numpy()},
+                                      features=features).with_format("torch")
     model = trainer.accelerator.unwrap_model(trainer.model)
     # a point estimate has no posterior to sample: one pass at the weights gives its confidences
     noise = compute_label_noise(model, trainer.posterior(), rows, num_samples=EXPORT_MC_SAMPLES if ivon else 0, seed=0,
                                 batch_size=256)
     _, summary_path = write_label_noise(noise, out, metadata={"run": key, **trainer.posterior().summary()})
-    result = {"dir": str(out.relative_to(common.REPO_ROOT)), "detection": json.loads(Path(summary_path).read_text()).get("detection")}
+    result = {"dir": str(out.relative_to(common.REPO_ROOT)),
+              "detection": json.loads(Path(summary_path).read_text()).get("detection")}
     if ivon:
-        images = load_cifar10n(label_set=task.name.removeprefix("cifar10n-"), max_train=CIFAR["n_train"], max_test=1, seed=0)["train"]
+        images = load_cifar10n(label_set=task.name.removeprefix("cifar10n-"), max_train=CIFAR["n_train"], max_test=1,
+                               seed=0)["train"]
         if not np.array_equal(np.asarray(images["cifar10_index"]), data["cifar10_index"].numpy()):
             raise RuntimeError("The image subset does not match the cached features.")
         result["pictures"] = [Path(plots.plot_noise_extremes(noise, images, out, num_examples=10, score=score,
