@@ -604,7 +604,8 @@ def example_defaults(kind: str, method: str) -> dict[str, Any]:
     return dict(_example_defaults(kind, method))
 
 
-def effective_settings(task: Task, method: str, hyperparams: dict[str, Any], epochs: int | None = None) -> dict[str, Any]:
+def effective_settings(task: Task, method: str, hyperparams: dict[str, Any],
+                       epochs: int | None = None) -> dict[str, Any]:
     """The optimizer and prediction settings a run trains with once every default is resolved (the preset's fields,
     β2 of the run-length rule for the run's length, the clip that comes with it): two runs with equal effective
     settings are the same experiment whatever their hyperparameters say."""
@@ -624,7 +625,8 @@ def effective_settings(task: Task, method: str, hyperparams: dict[str, Any], epo
     beta2 = c.beta2 if c.beta2 is not None else default_beta2(c.long_run_beta2(), steps, c.hessian_window)
     rule = c.beta2 is None and beta2 != c.long_run_beta2()
     clip = c.clip_radius if c.clip_radius is not None else (HESSIAN_WINDOW_CLIP_RADIUS if rule else None)
-    own = {k: v for k, v in dataclasses.asdict(c).items() if k not in ("ivon_preset", "hessian_window", "beta2", "clip_radius")}
+    own = {k: v for k, v in dataclasses.asdict(c).items()
+           if k not in ("ivon_preset", "hessian_window", "beta2", "clip_radius")}
     return {**out, **own, "beta2": beta2, "clip_radius": clip, "eval_mc_samples": int(args.eval_mc_samples)}
 
 
@@ -638,9 +640,9 @@ def defaults_hyperparams(task_name: str, method: str, epochs: int | None = None)
 
 
 def defaults_jobs(seeds: list[int]) -> list[dict[str, Any]]:
-    """`--plan defaults`: IVON's preset and AdamW at the examples' defaults, seed-major (the CIFAR-10N tasks first within
-    a seed), with the ≥ 1,000-step run after the first seed: an interrupted plan leaves complete seeds and the long
-    run behind (a CIFAR-10N IVON run, with its 32-sample BMA, costs ~2-3 text AdamW runs)."""
+    """`--plan defaults`: IVON's preset and AdamW at the examples' defaults, seed-major (the CIFAR-10N tasks first
+    within a seed), with the ≥ 1,000-step run after the first seed: an interrupted plan leaves complete seeds and the
+    long run behind (a CIFAR-10N IVON run, with its 32-sample BMA, costs ~2-3 text AdamW runs)."""
     jobs = [{"task_name": t, "method": m, "hyperparams": defaults_hyperparams(t, m), "seed": s, "export": False}
             for s in seeds for t in DEFAULTS_TASKS for m in DEFAULTS_METHODS]
     task, epochs = DEFAULTS_LONG
@@ -671,15 +673,18 @@ def _val_score(run: dict[str, Any]) -> tuple[float, float]:
 def lr_tuning_jobs(task_name: str) -> list[dict[str, Any]]:
     """The learning-rate grid of each optimizer on its plain method (ERM, the IVON preset), on `LR_TUNING_SEED`."""
     task = Task.parse(task_name)
-    return [{"task_name": task_name, "method": method, "hyperparams": _with_settings(task, method, {}, {"learning_rate": rate}),
-             "seed": LR_TUNING_SEED, "export": False} for method in ("erm", "ivon") for rate in LR_GRID[task.kind][_optimizer(method)]]
+    return [{"task_name": task_name, "method": method,
+             "hyperparams": _with_settings(task, method, {}, {"learning_rate": rate}),
+             "seed": LR_TUNING_SEED, "export": False}
+            for method in ("erm", "ivon") for rate in LR_GRID[task.kind][_optimizer(method)]]
 
 
 def ess_tuning_jobs(task_name: str, ivon_rate: float) -> list[dict[str, Any]]:
     """IVON's ess grid at the chosen IVON learning rate, on `LR_TUNING_SEED` (one of them is a learning-rate run)."""
     task = Task.parse(task_name)
     return [{"task_name": task_name, "method": "ivon", "seed": LR_TUNING_SEED, "export": False,
-             "hyperparams": _with_settings(task, "ivon", {}, {"learning_rate": ivon_rate, "ess": ess})} for ess in ESS_GRID]
+             "hyperparams": _with_settings(task, "ivon", {}, {"learning_rate": ivon_rate, "ess": ess})}
+            for ess in ESS_GRID]
 
 
 def chosen_rates(task_name: str) -> dict[str, float] | None:
@@ -722,7 +727,8 @@ def fair_jobs(task_name: str, seeds: list[int], chosen: dict[str, dict[str, floa
     """Every method of `--plan all` on the task with its optimizer's chosen settings, seed-major (only the methods
     of the optimizers in `chosen`)."""
     task = Task.parse(task_name)
-    return [{"task_name": task_name, "method": method, "hyperparams": _with_settings(task, method, hp, chosen[_optimizer(method)]),
+    return [{"task_name": task_name, "method": method,
+             "hyperparams": _with_settings(task, method, hp, chosen[_optimizer(method)]),
              "seed": seed, "export": seed == seeds[0] and (method, hp) in EXPORTED and task.kind == "image"}
             for seed in seeds for method, hp in method_grid(task, True) if _optimizer(method) in chosen]
 
@@ -748,7 +754,8 @@ def plan(name: str, seeds: list[int]) -> list[dict[str, Any]]:
         tasks, baselines = CIFAR_CORE + ("cifar10n-random1",) + TEXT_TASKS, True
     elif name == "rest":  # what `all` adds to core + baselines + text, most informative first, complete seeds first
         everything = plan_tasks(("cifar10n-random1",) + TEXT_TASKS + ("cifar10n-aggre",), True, True, seeds)
-        phase = lambda j: (0 if j["task_name"] in TEXT_TASKS and (j["method"] == "ls" or j["hyperparams"] == IVON_RULE[1])  # noqa: E731
+        phase = lambda j: (0 if j["task_name"] in TEXT_TASKS  # noqa: E731
+                           and (j["method"] == "ls" or j["hyperparams"] == IVON_RULE[1])
                            else 1 if j["task_name"] == "cifar10n-random1" and j["method"] in ("erm", "ivon", "ls")
                            else 2 if j["task_name"] in TEXT_TASKS else 3)
         return sorted(everything, key=lambda j: (phase(j), j["task_name"], j["seed"]))
@@ -757,7 +764,8 @@ def plan(name: str, seeds: list[int]) -> list[dict[str, Any]]:
     return plan_tasks(tasks, baselines, ls_grid, seeds)
 
 
-def plan_tasks(tasks: tuple[str, ...], baselines: bool, ls_grid: bool, seeds: list[int], task_major: bool = False) -> list[dict[str, Any]]:
+def plan_tasks(tasks: tuple[str, ...], baselines: bool, ls_grid: bool, seeds: list[int],
+               task_major: bool = False) -> list[dict[str, Any]]:
     jobs = []
     for seed in seeds:
         for task in tasks:
@@ -778,7 +786,8 @@ def _label(run: dict[str, Any]) -> str:
 
 
 def _spec_label(method: str, hp: dict[str, Any]) -> str:
-    return method + ("" if not hp else " (" + ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in hp.items()) + ")")
+    return method + ("" if not hp else " (" + ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}"
+                                                        for k, v in hp.items()) + ")")
 
 
 def _fmt(values: list[float | None], scale: float = 100.0, digits: int = 2) -> str:
@@ -791,7 +800,8 @@ def _fmt(values: list[float | None], scale: float = 100.0, digits: int = 2) -> s
 
 def _row(label: str, rs: list[dict[str, Any]], erm: dict[int, float]) -> str:
     diffs = [r["test_acc"] - erm[r["config"]["seed"]] for r in rs if r["config"]["seed"] in erm]
-    return (f"| {label} | {len(rs)} | {_fmt([r['test_acc'] for r in rs])} | {_fmt([r['test_nll'] for r in rs], 1, 3)} | "
+    return (f"| {label} | {len(rs)} | {_fmt([r['test_acc'] for r in rs])} | "
+            f"{_fmt([r['test_nll'] for r in rs], 1, 3)} | "
             f"{_fmt([r['test_ece'] for r in rs], 100, 1)} | {_fmt([r['test_mean_acc'] for r in rs])} | "
             f"{_fmt([r.get('fit_wrong_labels') for r in rs], 100, 1)} | {_fmt(diffs) if label != 'erm' else '–'} | "
             f"{_fmt([r.get('val_acc') for r in rs]) if any('val_acc' in r for r in rs) else '–'} | "
