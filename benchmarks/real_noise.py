@@ -814,7 +814,8 @@ def select_on_val(rows: dict[str, list[dict[str, Any]]], grid: list[str], also: 
     and, when `also` is given, that seed's run of `also` (e.g. ERM as LS's α = 0). A seed is chosen for only once
     every one of them has run with validation metrics: a choice from part of the grid is a different selection rule."""
     candidates = [rows.get(label, []) for label in grid] + ([also] if also is not None else [])
-    seeds = set.intersection(*({r["config"]["seed"] for r in rs if "val_acc" in r} for rs in candidates)) if candidates else set()
+    seeds = (set.intersection(*({r["config"]["seed"] for r in rs if "val_acc" in r} for rs in candidates))
+             if candidates else set())
     return [max((r for rs in candidates for r in rs if r["config"]["seed"] == seed and "val_acc" in r), key=_val_score)
             for seed in sorted(seeds)]
 
@@ -828,10 +829,12 @@ def grid_labels(task: Task, family: str, chosen: dict[str, dict[str, float]] | N
 def _tuning_lines(task: str) -> list[str]:
     """The tuning runs of a task: noisy-validation metrics only (their test metrics are not reported)."""
     rates, chosen = chosen_rates(task), chosen_settings(task)
-    lines = ["", f"Settings of each optimizer, chosen on the noisy validation split (seed {LR_TUNING_SEED}, not reported): "
-             "the learning rate, then IVON's ess at the chosen rate:", "",
-             "| optimizer (tuned on) | learning rate | ess | noisy-val acc % | noisy-val NLL | chosen |", "|---|---|---|---|---|---|"]
-    jobs = lr_tuning_jobs(task) + ([j for j in ess_tuning_jobs(task, rates["ivon"]) if j not in lr_tuning_jobs(task)] if rates else [])
+    lines = ["", f"Settings of each optimizer, chosen on the noisy validation split (seed {LR_TUNING_SEED}, "
+             "not reported): the learning rate, then IVON's ess at the chosen rate:", "",
+             "| optimizer (tuned on) | learning rate | ess | noisy-val acc % | noisy-val NLL | chosen |",
+             "|---|---|---|---|---|---|"]
+    jobs = lr_tuning_jobs(task) + ([j for j in ess_tuning_jobs(task, rates["ivon"]) if j not in lr_tuning_jobs(task)]
+                                   if rates else [])
     for job in jobs:
         r = _cached(job)
         settings = settings_for(Task.parse(task), job["method"], job["hyperparams"])
@@ -840,14 +843,16 @@ def _tuning_lines(task: str) -> list[str]:
         picked = chosen and all(settings.get(k) == v for k, v in chosen[opt].items())
         lines.append(f"| {opt} ({job['method']}) | {settings['learning_rate']:g} | {settings['ess']:g} | {cells} | "
                      f"{'**yes**' if picked else ''} |" if opt == "ivon" else
-                     f"| {opt} ({job['method']}) | {settings['learning_rate']:g} | – | {cells} | {'**yes**' if picked else ''} |")
+                     f"| {opt} ({job['method']}) | {settings['learning_rate']:g} | – | {cells} | "
+                     f"{'**yes**' if picked else ''} |")
     return lines
 
 
 def tuning_budget(task: Task, method: str, hp: dict[str, Any] | None = None) -> str:
     """Trainings behind one reported number of `method` under `--plan fair`: the shared tuning runs of its optimizer
     (on `LR_TUNING_SEED`), plus, per reported seed, its own grid (LS: α = 0 is that seed's ERM run)."""
-    shared = len(LR_GRID[task.kind][_optimizer(method)]) + (len(ESS_GRID) - 1 if _optimizer(method) == "ivon" else 0)
+    shared = (len(LR_GRID[task.kind][_optimizer(method)])
+              + (len(ESS_GRID) - 1 if _optimizer(method) == "ivon" else 0))
     per_seed = {"ls": len(LS_GRID) + 1, "sam": len(SAM_GRID)}.get(method) if hp is None else None
     return f"{shared} + {per_seed}/seed" if per_seed else str(shared)
 
@@ -855,18 +860,20 @@ def tuning_budget(task: Task, method: str, hp: dict[str, Any] | None = None) -> 
 def _budget_lines(task: Task) -> list[str]:
     """How many trainings stand behind each reported number (the selection rule of `--plan fair`)."""
     grid = LR_GRID[task.kind]
-    return ["", "Selection rule and tuning budget (every choice on the noisy validation split, by accuracy, ties by NLL): "
-            f"the learning rate of each optimizer from {len(grid['adamw'])} trainings on seed {LR_TUNING_SEED} (AdamW "
-            f"{'/'.join(f'{v:g}' for v in grid['adamw'])} with ERM, used by every AdamW method; IVON "
-            f"{'/'.join(f'{v:g}' for v in grid['ivon'])} with the preset, used by IVON + rule too), then IVON's ess from "
-            f"{'/'.join(f'{v:g}' for v in ESS_GRID)} at the chosen rate ({len(ESS_GRID) - 1} more trainings); then per "
-            f"reported seed LS's α from {{0, {', '.join(f'{a:g}' for a in LS_GRID)}}} ({len(LS_GRID) + 1} trainings, α = 0 "
-            f"being that seed's ERM run) and SAM's ρ from {{{', '.join(f'{r:g}' for r in SAM_GRID)}}} ({len(SAM_GRID)} "
+    return ["", "Selection rule and tuning budget (every choice on the noisy validation split, by accuracy, ties by "
+            f"NLL): the learning rate of each optimizer from {len(grid['adamw'])} trainings on seed {LR_TUNING_SEED} "
+            f"(AdamW {'/'.join(f'{v:g}' for v in grid['adamw'])} with ERM, used by every AdamW method; IVON "
+            f"{'/'.join(f'{v:g}' for v in grid['ivon'])} with the preset, used by IVON + rule too), then IVON's ess "
+            f"from {'/'.join(f'{v:g}' for v in ESS_GRID)} at the chosen rate ({len(ESS_GRID) - 1} more trainings); "
+            f"then per reported seed LS's α from {{0, {', '.join(f'{a:g}' for a in LS_GRID)}}} "
+            f"({len(LS_GRID) + 1} trainings, α = 0 being that seed's ERM run) and SAM's ρ from "
+            f"{{{', '.join(f'{r:g}' for r in SAM_GRID)}}} ({len(SAM_GRID)} "
             f"trainings). Trainings behind a reported number: ERM {tuning_budget(task, 'erm', {})}; LS "
             f"{tuning_budget(task, 'ls')}; SAM {tuning_budget(task, 'sam')}; GCE, OLS, logistic-normal "
-            f"{tuning_budget(task, 'gce', {})} (q = 0.7, α = 0.5: their papers' values, not tuned); IVON and IVON + rule "
-            f"{tuning_budget(task, 'ivon', {})} (hessian_window = 0.1: the library's rule, not tuned). IVON's other settings "
-            "are the fine-tuning preset's (h0 1e-3, clip 1e-3, β2 0.999), AdamW's weight decay 0.01: not tuned."]
+            f"{tuning_budget(task, 'gce', {})} (q = 0.7, α = 0.5: their papers' values, not tuned); IVON and IVON + "
+            f"rule {tuning_budget(task, 'ivon', {})} (hessian_window = 0.1: the library's rule, not tuned). IVON's "
+            "other settings are the fine-tuning preset's (h0 1e-3, clip 1e-3, β2 0.999), AdamW's weight decay 0.01: "
+            "not tuned."]
 
 
 def _task_label(run: dict[str, Any]) -> str:
@@ -878,7 +885,8 @@ def _task_label(run: dict[str, Any]) -> str:
 
 def _curve_table(rows: dict[str, list[dict[str, Any]]]) -> list[str]:
     """Clean-test accuracy per epoch (mean weights), mean over seeds: where does each method memorise?"""
-    curves = {label: rs for label, rs in rows.items() if "noisy val" not in label and all(r.get("test_curve") for r in rs)}
+    curves = {label: rs for label, rs in rows.items()
+              if "noisy val" not in label and all(r.get("test_curve") for r in rs)}
     if not curves:
         return []
     epochs = [p["epoch"] for p in next(iter(curves.values()))[0]["test_curve"]]
@@ -898,19 +906,21 @@ def report() -> str:
             and r["config"]["setup"] == setup_for(Task.parse(r["config"]["task"]), r["config"]["setup"]["epochs"])
             and not r["config"]["hyperparams"].get(AT_DEFAULTS)
             and (r["config"]["task"], r["config"]["setup"]["epochs"]) != DEFAULTS_LONG]
-    old_checks = {_label({"config": {"method": m, "hyperparams": hp}}) for checks in TUNING.values() for m, hp in checks}
-    header = ["| method | seeds | acc % | NLL | ECE % | mean acc % | fit wrong % | Δacc vs ERM (pp) | noisy-val acc % | train s |",
+    old_checks = {_label({"config": {"method": m, "hyperparams": hp}})
+                  for checks in TUNING.values() for m, hp in checks}
+    header = ["| method | seeds | acc % | NLL | ECE % | mean acc % | fit wrong % | Δacc vs ERM (pp) | noisy-val acc % "
+              "| train s |",
               "|---|---|---|---|---|---|---|---|---|---|"]
     lines = ["# Real label noise: results", "",
-             "Written by `benchmarks/real_noise.py --report` from the cached runs; the set-up is in the script's docstring. "
-             "Accuracy, NLL and ECE on the clean test labels (IVON: BMA over "
-             f"{EVAL_MC_SAMPLES} posterior samples; `mean acc` = at the posterior mean); `fit wrong` = share of the wrong "
-             "training labels that the final (mean) model predicts, in-sample. mean ± sd over seeds; "
+             "Written by `benchmarks/real_noise.py --report` from the cached runs; the set-up is in the script's "
+             "docstring. Accuracy, NLL and ECE on the clean test labels (IVON: BMA over "
+             f"{EVAL_MC_SAMPLES} posterior samples; `mean acc` = at the posterior mean); `fit wrong` = share of the "
+             "wrong training labels that the final (mean) model predicts, in-sample. mean ± sd over seeds; "
              "`Δacc vs ERM` = paired difference (same seed). ERM, LS: AdamW; IVON: the fine-tuning preset. "
              "CIFAR-10N labels: Wei et al. 2022, CC BY-NC 4.0 (non-commercial use only).", "",
              "Reproduce: `OMP_NUM_THREADS=1 python benchmarks/real_noise.py --plan fair` (per task: the learning-rate "
-             "and then IVON's ess tuning on the noisy validation split, then every method at the chosen settings, 3 seeds; `--tasks` picks "
-             "tasks). A task without finished tuning is marked \"old protocol\".", ""]
+             "and then IVON's ess tuning on the noisy validation split, then every method at the chosen settings, "
+             "3 seeds; `--tasks` picks tasks). A task without finished tuning is marked \"old protocol\".", ""]
     summary: dict[str, Any] = {}
     protocol_rows: dict[str, dict[str, tuple[str, list[dict[str, Any]]]]] = {}
     for task in sorted({_task_label(r) for r in runs}):
@@ -922,12 +932,14 @@ def report() -> str:
         rates = chosen_rates(task) if task in FAIR_TASKS else None
         if chosen is None and rates:  # IVON's ess stage has not run: only the AdamW methods are reported so far
             chosen = {"adamw": {"learning_rate": rates["adamw"]}}
-        erm_label = _spec_label(*next((j["method"], j["hyperparams"]) for j in fair_jobs(task, [0], chosen))) if chosen else "erm"
+        erm_label = (_spec_label(*next((j["method"], j["hyperparams"]) for j in fair_jobs(task, [0], chosen)))
+                     if chosen else "erm")
         old_rows: dict[str, list[dict[str, Any]]] = {}
         tuning = old_checks
         if chosen:  # runs with settings the tuning did not choose stay out of the table
             protocol = {_spec_label(j["method"], j["hyperparams"]) for j in fair_jobs(task, [0], chosen)}
-            tuning = old_checks - protocol  # an old check at the settings now chosen is a reported run (retrained with val)
+            # an old check at the settings now chosen is a reported run (retrained with val)
+            tuning = old_checks - protocol
             old_rows = {label: rs for label, rs in rows.items() if label not in protocol and label not in tuning}
             rows = {label: rs for label, rs in rows.items() if label not in old_rows}
         erm = {r["config"]["seed"]: r["test_acc"] for r in rows.get(erm_label, [])}
@@ -936,14 +948,17 @@ def report() -> str:
                   f"{100 * first['realized_noise']:.1f} %, {first['steps']} optimizer steps.", ""]
         if chosen:
             lines += ["Every hyperparameter chosen on the noisy validation split (`--plan fair`): "
-                      + "; ".join(f"{opt} " + ", ".join(f"{k} {v:g}" for k, v in hp.items()) for opt, hp in chosen.items())
-                      + "." + ("" if "ivon" in chosen else " IVON's ess stage has not run yet, so no IVON run is reported "
-                               "here (its runs at the preset's ess, picked on the clean test set, are listed apart)."), ""]
+                      + "; ".join(f"{opt} " + ", ".join(f"{k} {v:g}" for k, v in hp.items())
+                                  for opt, hp in chosen.items())
+                      + "." + ("" if "ivon" in chosen else " IVON's ess stage has not run yet, so no IVON run is "
+                               "reported here (its runs at the preset's ess, picked on the clean test set, are listed "
+                               "apart)."), ""]
         else:
             kind = Task.parse(task.split(",")[0]).kind
             lines += [f"**Old protocol**: the learning rates here (AdamW {ADAMW[kind]['learning_rate']:g}, IVON "
-                      f"{IVON_FINETUNE[kind]['learning_rate']:g}) and IVON's ess come from single-seed checks on the clean test set (seed "
-                      f"{TUNING_SEED}, also a reported seed), not from the noisy-validation tuning of `--plan fair`"
+                      f"{IVON_FINETUNE[kind]['learning_rate']:g}) and IVON's ess come from single-seed checks on the "
+                      f"clean test set (seed {TUNING_SEED}, also a reported seed), not from the noisy-validation "
+                      "tuning of `--plan fair`"
                       + (f" (`--tasks {task}` has not finished)." if task in FAIR_TASKS else "."), ""]
         lines += header
         table = {}
@@ -954,20 +969,23 @@ def report() -> str:
             picked = select_on_val(rows, grid_labels(Task.parse(task.split(",")[0]), family, chosen), also)
             if picked:
                 rows[f"{family} (chosen on noisy val)"] = picked
-                choices[family] = ", ".join(f"seed {r['config']['seed']}: {'α = 0 (ERM)' if r['config']['method'] == 'erm' else _label(r)}"
-                                            for r in picked)
+                choices[family] = ", ".join(
+                    f"seed {r['config']['seed']}: {'α = 0 (ERM)' if r['config']['method'] == 'erm' else _label(r)}"
+                    for r in picked)
         ordered = sorted(rows.items(), key=lambda kv: -common.mean_std([r["test_acc"] for r in kv[1]])[0])
         for label, rs in ordered:
             if label not in tuning:
                 lines.append(_row(label, rs, erm))
-            table[label] = {k: common.mean_std([r[k] for r in rs]) for k in ("test_acc", "test_nll", "test_ece", "test_mean_acc")}
+            table[label] = {k: common.mean_std([r[k] for r in rs])
+                            for k in ("test_acc", "test_nll", "test_ece", "test_mean_acc")}
             table[label]["seeds"] = len(rs)
         ls = {k: v for k, v in table.items() if k.startswith("ls (") and "noisy val" not in k}
         if ls:
             best = max(ls, key=lambda k: ls[k]["test_acc"][0])
             lines += ["", f"Best-of-grid LS on the clean test accuracy (an oracle that favours LS): **{best}**."]
             table["ls (best of grid, oracle)"] = {**ls[best], "choice": best}
-        split = (f"{CIFAR_VAL} other training images with the same label set's human labels" if Task.parse(task.split(",")[0]).kind == "image"
+        split = (f"{CIFAR_VAL} other training images with the same label set's human labels"
+                 if Task.parse(task.split(",")[0]).kind == "image"
                  else f"{TEXT_VAL} other training sentences with the same noise")
         for family, text in choices.items():
             lines.append(f"{family.upper()} chosen on the noisy validation split ({split}): {text}.")
@@ -980,12 +998,14 @@ def report() -> str:
             if chosen:
                 lines += _budget_lines(Task.parse(task))
         if old_rows:
-            lines += ["", "Runs with settings that the noisy-validation tuning did not choose (not part of the results):",
+            lines += ["", "Runs with settings that the noisy-validation tuning did not choose (not part of the "
+                      "results):",
                       ""] + header + [_row(label, rs, erm) for label, rs in old_rows.items()]
         if tuning & set(rows):  # the preset's own rows (erm, ivon) are the reference of the checks
             checks = [(label, rs) for label, rs in ordered if label in tuning or label in ("erm", "ivon")]
-            lines += ["", f"Old single-seed checks on the **clean test set** (seed {TUNING_SEED}, also a reported seed; before "
-                      "the noisy-validation tuning they chose the rates and IVON's ess, now nothing is chosen on them):",
+            lines += ["", f"Old single-seed checks on the **clean test set** (seed {TUNING_SEED}, also a reported "
+                      "seed; before the noisy-validation tuning they chose the rates and IVON's ess, now nothing is "
+                      "chosen on them):",
                       ""] + header
             checks = [(label, [r for r in rs if r["config"]["seed"] == TUNING_SEED]) for label, rs in checks]
             lines += [_row(label, rs, erm) for label, rs in sorted(checks, key=lambda c: -c[1][0]["test_acc"])]
@@ -1001,9 +1021,11 @@ def report() -> str:
             for r in exports:
                 for score, m in (r["export"]["detection"] or {}).get("scores", {}).items():
                     if r["config"]["method"] == "ivon" or score == "one_minus_confidence":
-                        lines.append(f"| {_label(r)} | {score} | {m['auroc']:.3f} | {m['average_precision']:.3f} | {m['precision_at_k']:.3f} |")
+                        lines.append(f"| {_label(r)} | {score} | {m['auroc']:.3f} | {m['average_precision']:.3f} | "
+                                     f"{m['precision_at_k']:.3f} |")
             pictures = [f"{r['export']['dir']}/{p}" for r in exports for p in r["export"].get("pictures", [])]
-            lines += [""] + [f"![{Path(p).stem}]({Path(p).relative_to(OUT_DIR.relative_to(common.REPO_ROOT))})" for p in pictures]
+            lines += [""] + [f"![{Path(p).stem}]({Path(p).relative_to(OUT_DIR.relative_to(common.REPO_ROOT))})"
+                             for p in pictures]
         lines.append("")
     common.write_json(OUT_DIR / "summary.json", summary)
     text = "\n".join(lines)
