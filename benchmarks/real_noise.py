@@ -1074,7 +1074,8 @@ def _task_section(task: str, prot: dict[str, tuple[str, list[dict[str, Any]]]]) 
     """The benchmarks/README table of one task under `--plan fair` and a reading computed from it."""
     present = {name: rs for name, (_, rs) in prot.items() if rs}
     if not present:
-        return f"#### {task}\n\nIts learning-rate tuning has finished, but no reported run under `--plan fair` has run yet."
+        return (f"#### {task}\n\nIts learning-rate tuning has finished, but no reported run under `--plan fair` has "
+                "run yet.")
     erm_runs = prot[_spec_label("erm", {})][1]
     first = next(iter(present.values()))[0]
     cols = {"acc": ({n: _fmt([r["test_acc"] for r in rs]) for n, rs in present.items()},
@@ -1095,14 +1096,17 @@ def _task_section(task: str, prot: dict[str, tuple[str, list[dict[str, Any]]]]) 
     if len(devices) > 1:  # rounding and, for IVON, the weight draws differ between devices (device_agreement.py)
         lines += ["**Mixed devices**: the runs of this table did not all train on one device, so paired differences "
                   "mix device effects with method effects.", ""]
-    caches = {r.get("features_sha") or "unrecorded" for rs in present.values() for r in rs} if first["config"]["task"].startswith("cifar") else set()
+    caches = ({r.get("features_sha") or "unrecorded" for rs in present.values() for r in rs}
+              if first["config"]["task"].startswith("cifar") else set())
     if len(caches) > 1:  # see _frozen_features: a recomputed feature cache moves a retrained run by up to ~1.4 pp
-        count = {c: sum((r.get("features_sha") or "unrecorded") == c for rs in present.values() for r in rs) for c in sorted(caches)}
+        count = {c: sum((r.get("features_sha") or "unrecorded") == c for rs in present.values() for r in rs)
+                 for c in sorted(caches)}
         lines += [f"**Mixed feature caches**: these runs trained on {len(caches)} computations of the frozen features "
                   "(a recomputation alone moved a retrained run by up to ~1.4 pp): "
                   + "; ".join(f"{c}: {n} runs" for c, n in count.items())
                   + ". Paired differences between runs of different caches include that effect.", ""]
-    lines += ["| method | tuning trainings | seeds | acc % | Δacc vs ERM (pp, paired) | NLL | ECE % |", "|---|---|---|---|---|---|---|"]
+    lines += ["| method | tuning trainings | seeds | acc % | Δacc vs ERM (pp, paired) | NLL | ECE % |",
+              "|---|---|---|---|---|---|---|"]
     for name, (budget, rs) in prot.items():
         if rs:
             lines.append(f"| {name} | {budget} | {len(rs)} | {cells['acc'][name]} | {cells['diff'].get(name, '–')} | "
@@ -1142,14 +1146,16 @@ def write_readme_sections(protocol_rows: dict[str, dict[str, tuple[str, list[dic
         runs = {n: rs for n, (_, rs) in protocol_rows[task].items() if rs}
         full = max((len(rs) for rs in runs.values()), default=0)
         cells[task] = _bold_best({n: f"{_fmt([r['test_acc'] for r in rs])} (n={len(rs)})" for n, rs in runs.items()},
-                                 {n: common.mean_std([r["test_acc"] for r in rs])[0] for n, rs in runs.items() if len(rs) == full},
+                                 {n: common.mean_std([r["test_acc"] for r in rs])[0]
+                                  for n, rs in runs.items() if len(rs) == full},
                                  False)
     for name in names:
-        lines.append(f"| {name} | {protocol_rows[tasks[0]][name][0]} | " + " | ".join(cells[t].get(name, "–") for t in tasks) + " |")
-    lines += ["", "Clean-test accuracy %, mean ± sd over the n reported seeds (0-2); best mean per task in bold (among the "
-              "methods with the most seeds). "
-              f"Every hyperparameter chosen on the noisy validation split; tuning trainings on seed {LR_TUNING_SEED}, never "
-              "reported (`n + k/seed`: n shared tuning trainings plus a k-point grid chosen per seed)."]
+        lines.append(f"| {name} | {protocol_rows[tasks[0]][name][0]} | "
+                     + " | ".join(cells[t].get(name, "–") for t in tasks) + " |")
+    lines += ["", "Clean-test accuracy %, mean ± sd over the n reported seeds (0-2); best mean per task in bold "
+              "(among the methods with the most seeds). "
+              f"Every hyperparameter chosen on the noisy validation split; tuning trainings on seed {LR_TUNING_SEED}, "
+              "never reported (`n + k/seed`: n shared tuning trainings plus a k-point grid chosen per seed)."]
     if missing:
         lines.append("Not yet run under this protocol: " + ", ".join(missing)
                      + " (`python benchmarks/real_noise.py --plan fair --tasks ...`).")
