@@ -1182,7 +1182,8 @@ def _defaults_row(label: str, preset: str, ivon: list[dict[str, Any]], adamw: li
                           f"{_fmt([r['test_ece'] for r in rs], 100, 1)}")
     seeds = ",".join(str(r["config"]["seed"]) for r in ivon)
     steps = "/".join(sorted({str(r["steps"]) for r in ivon + adamw}))
-    return (f"| {label} | {preset} | {adamw_setting} | {len(ivon)} ({seeds}) | {steps} | {metrics(ivon)} | {metrics(adamw)} | "
+    return (f"| {label} | {preset} | {adamw_setting} | {len(ivon)} ({seeds}) | {steps} | {metrics(ivon)} | "
+            f"{metrics(adamw)} | "
             f"{diff} | {'yes' if m >= -1.0 else '**no**'} | {device} |")
 
 
@@ -1196,7 +1197,8 @@ def preset_defaults_report(seeds: list[int] | tuple[int, ...] = (0, 1, 2)) -> st
     (section ``preset_defaults``)."""
     import lora
 
-    lines = ["| task | IVON preset | AdamW (default) | seeds | steps | IVON acc % | IVON NLL | IVON ECE % | AdamW acc % | "
+    lines = ["| task | IVON preset | AdamW (default) | seeds | steps | IVON acc % | IVON NLL | IVON ECE % "
+             "| AdamW acc % | "
              "AdamW NLL | AdamW ECE % | Δacc IVON − AdamW (pp, paired, ± SE) | within 1 pt | device |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     groups: dict[tuple[str, int | None], dict[str, list[dict[str, Any]]]] = {}
@@ -1210,8 +1212,8 @@ def preset_defaults_report(seeds: list[int] | tuple[int, ...] = (0, 1, 2)) -> st
     for (task, epochs), rs in groups.items():
         devices = sorted({r.get("device", "cpu") for m in rs.values() for r in m}) or ["–"]
         label = task if epochs is None else f"{task}, {epochs} epochs (≥ 1,000 steps)"
-        lines.append(_defaults_row(label, "finetune", rs["ivon"], rs["erm"], _adamw_text(settings[(task, epochs)]["erm"]),
-                                   " and ".join(devices)))
+        lines.append(_defaults_row(label, "finetune", rs["ivon"], rs["erm"],
+                                   _adamw_text(settings[(task, epochs)]["erm"]), " and ".join(devices)))
     # the LoRA tasks: lora.py's cache (the GPU's 3 seeds where present)
     device = "cuda" if (lora._results_dir("cuda") / "runs").is_dir() else "cpu"
     out_dir = lora._results_dir(device)
@@ -1221,34 +1223,40 @@ def preset_defaults_report(seeds: list[int] | tuple[int, ...] = (0, 1, 2)) -> st
     preset_method = "ivon-lora-lr1-window"
     check = Task.parse("sst2-clean")  # the set-up of lora.py: real_noise's text tasks (189 steps)
     resolved = lambda hp: effective_settings(check, "ivon", {AT_DEFAULTS: True, "eval_mc_samples": None, **hp})  # noqa: E731
-    is_preset = resolved({k: v for k, v in lora.METHODS[preset_method][1].items() if k != "method"}) == resolved({"ivon_preset": "lora"})
+    is_preset = (resolved({k: v for k, v in lora.METHODS[preset_method][1].items() if k != "method"})
+                 == resolved({"ivon_preset": "lora"}))
     adamw_lora = lora.METHODS["adamw-lora"][1]
     for task in lora.TASKS:
         of = lambda name: [r for r in runs if r["config"]["task"] == task and r["config"]["method"] == name]  # noqa: E731, B023
-        lines.append(_defaults_row(f"{task} (LoRA, lora.py)", "lora" if is_preset else f"{preset_method} (not the preset)",
+        lines.append(_defaults_row(f"{task} (LoRA, lora.py)",
+                                   "lora" if is_preset else f"{preset_method} (not the preset)",
                                    of(preset_method), of("adamw-lora"), _adamw_text(adamw_lora) + " (adamw-lora)",
                                    lora._device_text(device, out_dir).removeprefix("on ")))
     # the same IVON runs against AdamW at this benchmark's own rate (`ADAMW`), whose runs are cached already
-    bench = ["", "The same IVON runs against AdamW at this benchmark's rate instead (`ADAMW`: the `erm` runs of the tables "
-             "above; not what the examples give, but the rate a user who tunes a little may land on):", "", *lines[:2]]
+    bench = ["", "The same IVON runs against AdamW at this benchmark's rate instead (`ADAMW`: the `erm` runs of the "
+             "tables above; not what the examples give, but the rate a user who tunes a little may land on):", "",
+             *lines[:2]]
     for task in DEFAULTS_TASKS:
         # read whatever ran: these runs need no noisy-validation metrics here (`_cached` retrains those without)
         erm = [json.loads(path.read_text()) for s in seeds if (path := run_path(task, "erm", {}, s)).is_file()]
         ivon = groups[(task, None)]["ivon"]
-        bench.append(_defaults_row(task, "finetune", ivon, erm, _adamw_text(settings_for(Task.parse(task), "erm", {})),
+        bench.append(_defaults_row(task, "finetune", ivon, erm,
+                                   _adamw_text(settings_for(Task.parse(task), "erm", {})),
                                    " and ".join(sorted({r.get("device", "cpu") for r in ivon + erm})) or "–"))
     ivon_text = settings[(DEFAULTS_TASKS[0], None)]["ivon"]
-    lines += ["", "IVON: `ivon_preset=\"finetune\"` (`lora` for the LoRA rows) with nothing else set, as the examples leave it: "
-              f"lr {ivon_text['learning_rate']:g}, ess {ivon_text['ess']:g}, hess_init {ivon_text['hess_init']:g}, clip_radius "
-              f"{ivon_text['clip_radius']:g}, β2 {ivon_text['beta2']:g} (the preset's, which moves the Hessian within these "
-              "runs); BMA over the example's posterior samples ("
-              + ", ".join(f"{t}: {settings[(t, None)]['ivon']['eval_mc_samples']}" for t in (DEFAULTS_TASKS[0], TEXT_TASKS[0]))
+    lines += ["", "IVON: `ivon_preset=\"finetune\"` (`lora` for the LoRA rows) with nothing else set, as the examples "
+              "leave it: "
+              f"lr {ivon_text['learning_rate']:g}, ess {ivon_text['ess']:g}, hess_init {ivon_text['hess_init']:g}, "
+              f"clip_radius {ivon_text['clip_radius']:g}, β2 {ivon_text['beta2']:g} (the preset's, which moves the "
+              "Hessian within these runs); BMA over the example's posterior samples ("
+              + ", ".join(f"{t}: {settings[(t, None)]['ivon']['eval_mc_samples']}"
+                          for t in (DEFAULTS_TASKS[0], TEXT_TASKS[0]))
               + "). AdamW: what the task's example gives a method without a posterior by default (the image example: "
               "TrainingArguments' 5e-5 for a pretrained model; the text example: its ADAMW_LR; weight decay 0, "
               f"optim {settings[(DEFAULTS_TASKS[0], None)]['erm']['optim']}); the LoRA rows' AdamW-LoRA is lora.py's "
               "lr 1e-3 (LoRA's usual rate). Both optimizers share each task's set-up (epochs, batch, cosine schedule, "
-              "10 % warm-up) and, within a seed, its weights, labels and batch order. Clean-test metrics, mean ± sd over "
-              "the seeds; `within 1 pt`: mean Δacc ≥ −1."
+              "10 % warm-up) and, within a seed, its weights, labels and batch order. Clean-test metrics, mean ± sd "
+              "over the seeds; `within 1 pt`: mean Δacc ≥ −1."
               + ("" if is_preset else f" **{preset_method}'s settings are no longer the `lora` preset's defaults.**")]
     lines += bench
     text = "\n".join(lines)
@@ -1262,7 +1270,8 @@ def main() -> None:
     parser.add_argument("--tasks", nargs="+", default=list(FAIR_TASKS), help="The tasks of --plan fair, in order.")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--report", action="store_true", help="Only write the tables from the cached runs.")
-    parser.add_argument("--reverse", action="store_true", help="Run the plan from its end (a second worker on the same plan).")
+    parser.add_argument("--reverse", action="store_true",
+                        help="Run the plan from its end (a second worker on the same plan).")
     parser.add_argument("--workers", type=int, default=1, help="Train the runs of each stage in this many processes "
                         "(e.g. several small text runs sharing one GPU: VARSMOOTH_BENCH_DEVICE=cuda).")
     args = parser.parse_args()
@@ -1314,8 +1323,8 @@ def run_path(task_name: str, method: str, hyperparams: dict[str, Any], seed: int
     """Where `run` caches this run (benchmarks/results/<script>/runs/<key>.json)."""
     task = Task.parse(task_name)
     cfg = setup_for(task, epochs)
-    key = common.run_key(dataset=task.name, noise="", method=method, hyperparams=dict(hyperparams), epochs=cfg["epochs"],
-                         seed=seed, setup=cfg, version=VERSION)
+    key = common.run_key(dataset=task.name, noise="", method=method, hyperparams=dict(hyperparams),
+                         epochs=cfg["epochs"], seed=seed, setup=cfg, version=VERSION)
     return common.RESULTS_DIR / script / "runs" / f"{key}.json"
 
 
