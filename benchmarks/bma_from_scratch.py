@@ -94,9 +94,11 @@ def ood_auroc(folder: Path, seed: int) -> dict[str, float]:
     digits = load_digits_dataset(seed=seed)
     x_test, y_test = pixels(digits["test"]["image"]), torch.as_tensor(digits["test"]["label"])
     unseen = {
-        "noise": pixels([Image.fromarray((rng.random((8, 8)) * 255).astype(np.uint8), mode="L") for _ in range(OOD_SIZE)]),
+        "noise": pixels([Image.fromarray((rng.random((8, 8)) * 255).astype(np.uint8), mode="L")
+                         for _ in range(OOD_SIZE)]),
         "cifar10": pixels([im.resize((8, 8)) for im in
-                           load_cifar10n(default_data_dir(), "aggre", max_train=10, max_test=OOD_SIZE)["test"]["image"]]),
+                           load_cifar10n(default_data_dir(), "aggre", max_train=10,
+                                         max_test=OOD_SIZE)["test"]["image"]]),
     }
     result = {}
     with torch.no_grad():
@@ -106,13 +108,15 @@ def ood_auroc(folder: Path, seed: int) -> dict[str, float]:
             truth = np.r_[np.zeros(len(y_test)), np.ones(len(x))]
             for kind in ("mutual_information", "entropy"):
                 score = np.r_[getattr(test, kind).numpy(), getattr(out, kind).numpy()]
-                result[f"{'mi' if kind == 'mutual_information' else kind}_auroc_{name}"] = float(roc_auc_score(truth, score))
+                result[f"{'mi' if kind == 'mutual_information' else kind}_auroc_{name}"] = float(
+                    roc_auc_score(truth, score))
 
         def scores(probs: torch.Tensor) -> tuple[float, float]:
             accuracy = (probs.argmax(-1) == y_test).float().mean().item()
             return accuracy, -probs[torch.arange(len(y_test)), y_test].clamp_min(1e-30).log().mean().item()
 
-        train = pixels(train_eval_splits(digits, train_val_split=0.2, seed=seed, stratify_by_column="label")["train"]["image"])
+        train = pixels(train_eval_splits(digits, train_val_split=0.2, seed=seed,
+                                         stratify_by_column="label")["train"]["image"])
         batches = [{"pixel_values": train[i:i + 128]} for i in range(0, len(train), 128)]
         network, posterior, draws = model.model, model.posterior, model.num_samples
         for tau in (0.25, 0.5):
@@ -136,7 +140,8 @@ def _column(runs: list[dict[str, Any]], key: str, scale: float = 100.0, digits: 
 
 
 def report() -> str:
-    rows = ["| setting | mean acc % | BMA acc % | mean NLL | BMA NLL | BMA NLL τ = 0.5 | BMA NLL τ = 0.25 | MI AUROC noise "
+    rows = ["| setting | mean acc % | BMA acc % | mean NLL | BMA NLL | BMA NLL τ = 0.5 | BMA NLL τ = 0.25 "
+            "| MI AUROC noise "
             "| MI AUROC CIFAR-10 | τ = 1, mean's statistics: acc % / NLL / MI AUROC noise |",
             "|---|---|---|---|---|---|---|---|---|---|"]
     for setting in SETTINGS:
@@ -144,7 +149,8 @@ def report() -> str:
         col = functools.partial(_column, runs)
         rows.append(f"| {setting} | {col('test_mean_accuracy')} | {col('test_accuracy')} | "
                     f"{col('test_mean_nll', 1.0, 3)} | {col('test_nll', 1.0, 3)} | {col('nll_tau0.5', 1.0, 3)} | "
-                    f"{col('nll_tau0.25', 1.0, 3)} | {col('mi_auroc_noise', 1.0, 2)} | {col('mi_auroc_cifar10', 1.0, 2)} | "
+                    f"{col('nll_tau0.25', 1.0, 3)} | {col('mi_auroc_noise', 1.0, 2)} | "
+                    f"{col('mi_auroc_cifar10', 1.0, 2)} | "
                     f"{col('accuracy_mean_statistics')} / {col('nll_mean_statistics', 1.0, 2)} / "
                     f"{col('mi_auroc_noise_mean_statistics', 1.0, 2)} |")
     return ("BMA: 32 draws at τ = 1, each with its own BatchNorm statistics (what `evaluate()` and the saved model "

@@ -102,7 +102,8 @@ def load_mnist(n_train: int = 9000, n_val: int = 1000) -> ImageData:
     idx = np.random.RandomState(12345).permutation(len(y_tr))[: n_train + n_val]
     norm = lambda x: ((x.astype(np.float32) / 255.0 - 0.1307) / 0.3081)[:, None]  # noqa: E731
     x_sub, y_sub = norm(x_tr[idx]), y_tr[idx].astype(np.int64)
-    return ImageData("mnist", x_sub[n_val:], y_sub[n_val:], x_sub[:n_val], y_sub[:n_val], norm(x_te), y_te.astype(np.int64))
+    return ImageData("mnist", x_sub[n_val:], y_sub[n_val:], x_sub[:n_val], y_sub[:n_val], norm(x_te),
+                     y_te.astype(np.int64))
 
 
 def load_digits_data(n_train: int = 1000, n_val: int = 200) -> ImageData:
@@ -159,7 +160,8 @@ def noisy_labels(data: ImageData, noise: str, seed: int) -> tuple[np.ndarray, np
 
 
 class ArrayDataset(torch.utils.data.Dataset):
-    """Rows {"pixel_values", "labels"} of in-memory tensors (fast to index, collated by the Trainer's default collator)."""
+    """Rows {"pixel_values", "labels"} of in-memory tensors (fast to index, collated by the Trainer's default
+    collator)."""
 
     def __init__(self, x: np.ndarray, y: np.ndarray) -> None:
         self.x = torch.as_tensor(x)
@@ -178,8 +180,8 @@ class ArrayDataset(torch.utils.data.Dataset):
 class SmallCNN(nn.Module):
     """conv(1→16,3,p1)-ReLU-maxpool-conv(16→32,3,p1)-ReLU-maxpool-fc(32·H/4·W/4→128)-ReLU-fc(128→K), no BatchNorm."""
 
-    def __init__(self, image_shape: tuple[int, int, int] = (1, 28, 28), num_classes: int = 10, width: int = 16, hidden: int = 128,
-                 dropout: float = 0.0) -> None:
+    def __init__(self, image_shape: tuple[int, int, int] = (1, 28, 28), num_classes: int = 10, width: int = 16,
+                 hidden: int = 128, dropout: float = 0.0) -> None:
         super().__init__()
         c, h, w = image_shape
         # dropout > 0: on the fc1 features, for MC-dropout prediction (uncertainty.py); 0 keeps the reference CNN
@@ -221,7 +223,8 @@ def predict_probs(model: nn.Module, x: torch.Tensor, batch: int = 2000) -> torch
 # methods and hyperparameters
 # -------------------------------------------------------------------------------------------------------------------
 #: the reference study's baseline optimizer: SGD(momentum 0.9, lr 0.05, wd 5e-4), cosine to 0 per step
-#: (max_grad_norm 0: no gradient clipping, as the reference; the Trainer's default 1.0 slows memorisation for all methods)
+#: (max_grad_norm 0: no gradient clipping, as the reference; the Trainer's default 1.0 slows memorisation for all
+#: methods)
 SGD_BASE: dict[str, Any] = {"optim": "sgd", "optim_args": "momentum=0.9", "learning_rate": 0.05, "weight_decay": 5e-4,
                             "lr_scheduler_type": "cosine", "warmup_epochs": 0, "max_grad_norm": 0.0}
 #: IVON as in the reference study's S1 (= the authors' CIFAR script, library defaults), 1-epoch warm-up then cosine
@@ -279,7 +282,8 @@ def _slug(hp: dict[str, Any]) -> str:
 def run_key(**config: Any) -> str:
     blob = json.dumps(config, sort_keys=True, default=str)
     h = hashlib.sha1(blob.encode()).hexdigest()[:10]
-    name = f"{config['dataset']}_{config['noise']}_{config['method']}_{_slug(config['hyperparams'])}_e{config['epochs']}_s{config['seed']}"
+    name = (f"{config['dataset']}_{config['noise']}_{config['method']}_{_slug(config['hyperparams'])}"
+            f"_e{config['epochs']}_s{config['seed']}")
     return (name[:150] + "_" + h) if len(name) > 150 else name + "_" + h
 
 
@@ -289,7 +293,8 @@ class HistoryCallback(TrainerCallback):
     Descriptive only: nothing is selected on the clean-test curve.
     """
 
-    def __init__(self, x_test: torch.Tensor, y_test: torch.Tensor, x_val: torch.Tensor, y_val: torch.Tensor, every: int = 1) -> None:
+    def __init__(self, x_test: torch.Tensor, y_test: torch.Tensor, x_val: torch.Tensor, y_val: torch.Tensor,
+                 every: int = 1) -> None:
         self.x_test, self.y_test, self.x_val, self.y_val, self.every = x_test, y_test, x_val, y_val, every
         self.trainer = None
         self.history: list[dict[str, float]] = []
@@ -512,7 +517,8 @@ def run_parallel(jobs: list[dict[str, Any]], workers: int = 2) -> list[dict[str,
     The order of `jobs` is the order of execution (put the most informative first).
     """
     todo = [j for j in jobs if cached(**{k: v for k, v in j.items() if k in _CACHED_KEYS}) is None]
-    print(f"{len(jobs)} runs, {len(jobs) - len(todo)} cached, {len(todo)} to train with {workers} worker(s)", flush=True)
+    print(f"{len(jobs)} runs, {len(jobs) - len(todo)} cached, {len(todo)} to train with {workers} worker(s)",
+          flush=True)
     if workers <= 1 or len(todo) <= 1:
         for j in todo:
             run(**j)
@@ -526,7 +532,8 @@ def run_parallel(jobs: list[dict[str, Any]], workers: int = 2) -> list[dict[str,
     return [run(**j) for j in jobs]
 
 
-_CACHED_KEYS = ("script", "method", "hyperparams", "noise", "seed", "epochs", "dataset", "batch_size", "eval_mc_samples")
+_CACHED_KEYS = ("script", "method", "hyperparams", "noise", "seed", "epochs", "dataset", "batch_size",
+                "eval_mc_samples")
 
 
 def _run_job(job: dict[str, Any]) -> str:

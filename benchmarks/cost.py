@@ -14,7 +14,8 @@ Data: MNIST 9k subset, small CNN, batch 64 (random inputs of the same shape if M
     OMP_NUM_THREADS=1 python benchmarks/cost.py --rounds 2 --steps 20 --eval-size 1000   # smoke
     python benchmarks/cost.py --report                          # rewrite the .md files from the committed .json
     OMP_NUM_THREADS=1 python benchmarks/cost.py --engine      # IVON engine vs AdamW (engine.md), ~17 min
-    python benchmarks/cost.py --gpu --rounds 3 --steps 20 --skip 5     # on a GPU: bf16 ViT-small and ViT-base, vs AdamW(fused)
+    python benchmarks/cost.py --gpu --rounds 3 --steps 20 --skip 5     # on a GPU: bf16 ViT-small and ViT-base,
+                                                                       # vs AdamW(fused)
 
 Every ratio is shown as its median over rounds with the min-max over rounds beside it; a ratio whose spread
 (max - min) / median exceeds `UNSTABLE_SPREAD` is marked "not stable": other jobs on the machine moved it more than
@@ -167,7 +168,8 @@ def eval_timing(x_test, y_test, rounds: int, samples: list[int], eval_size: int)
         # per round: the S-sample evaluation against that round's evaluation at the mean
         out["per_S"][s] = {"bma_eval_s": ts, "per_round_s": times[s], "ratio_vs_S_mean_evals": ts / (s * t0),
                            "ratio_vs_S_plus_1_mean_evals": ts / ((s + 1) * t0),
-                           "ratio_vs_S_plus_1_per_round": spread([a / ((s + 1) * b) for a, b in zip(times[s], times[0])])}
+                           "ratio_vs_S_plus_1_per_round": spread([a / ((s + 1) * b)
+                                                                  for a, b in zip(times[s], times[0])])}
     out["label_noise_export"] = export
     return out
 
@@ -179,7 +181,8 @@ def label_noise_timing(trainer, x, y, rounds: int, samples: list[int]) -> dict:
 
     feats = datasets.Features({"pixel_values": datasets.Array3D(tuple(x.shape[1:]), "float32"),
                                "label": datasets.ClassLabel(num_classes=10)})
-    ds = datasets.Dataset.from_dict({"pixel_values": x.numpy(), "label": y.numpy()}, features=feats).with_format("torch")
+    ds = datasets.Dataset.from_dict({"pixel_values": x.numpy(), "label": y.numpy()},
+                                    features=feats).with_format("torch")
     model = trainer.model
     posterior = trainer.posterior()
 
@@ -357,7 +360,8 @@ def engine_timing(rounds: int, steps: int, skip: int, reps: int) -> dict:
     for name in ENGINE_MODELS:
         model, x, y = engine_model(name)
         ds = common.ArrayDataset(x.repeat(4, *[1] * (x.dim() - 1)).numpy(), y.repeat(4).numpy())
-        opt_models = {k: copy.deepcopy(model) for k in ("adamw_foreach", "ivon_engine", "ivon_engine_foreach", "ivon_opt")}
+        opt_models = {k: copy.deepcopy(model)
+                      for k in ("adamw_foreach", "ivon_engine", "ivon_engine_foreach", "ivon_opt")}
         opts = {}
         for k, m in opt_models.items():
             for p in m.parameters():
@@ -377,19 +381,23 @@ def engine_timing(rounds: int, steps: int, skip: int, reps: int) -> dict:
                         times[job] = _optimizer_step_s(kind, opts[kind], reps if kind != "ivon_opt" else 2)
                         continue
                     m = copy.deepcopy(model)
-                    cfg = dict(method="ivon", method_config={"ess": 1e4, "ivon_fused": kind == "ivon"}) if kind.startswith("ivon") else dict(method="erm")
+                    cfg = (dict(method="ivon", method_config={"ess": 1e4, "ivon_fused": kind == "ivon"})
+                           if kind.startswith("ivon") else dict(method="erm"))
                     args = VariationalTrainingArguments(
                         output_dir=tmp, max_steps=steps, per_device_train_batch_size=ENGINE_BATCH[name], use_cpu=True,
                         report_to=[], save_strategy="no", eval_strategy="no", logging_strategy="no", disable_tqdm=True,
                         dataloader_num_workers=0, seed=r, max_grad_norm=0.0, **cfg)
-                    optimizers = (None, None) if kind.startswith("ivon") else (torch.optim.AdamW(m.parameters(), lr=1e-4, foreach=True), None)
+                    optimizers = ((None, None) if kind.startswith("ivon")
+                                  else (torch.optim.AdamW(m.parameters(), lr=1e-4, foreach=True), None))
                     clock = StepClock()
-                    trainer = VariationalTrainer(model=m, args=args, train_dataset=ds, callbacks=[clock], optimizers=optimizers)
+                    trainer = VariationalTrainer(model=m, args=args, train_dataset=ds, callbacks=[clock],
+                                                 optimizers=optimizers)
                     trainer.remove_callback(PrinterCallback)
                     trainer.train()
                     times[job] = block_time(clock.ends, skip)
                 per_round.append(times)
-                print(f"{name} round {r}: " + "  ".join(f"{k} {1e3 * v:.0f}ms" for k, v in sorted(times.items())), flush=True)
+                print(f"{name} round {r}: " + "  ".join(f"{k} {1e3 * v:.0f}ms" for k, v in sorted(times.items())),
+                      flush=True)
         ratios = {}
         for num, den in (("opt:ivon_engine", "opt:adamw_foreach"), ("opt:ivon_engine_foreach", "opt:adamw_foreach"),
                          ("opt:ivon_opt", "opt:adamw_foreach"), ("train:ivon", "train:adamw_foreach"),
@@ -414,7 +422,8 @@ def engine_memory_child(name: str, kind: str, steps: int) -> None:
     model, x, y = engine_model(name)
     params = list(model.parameters())
     loss_fn = torch.nn.functional.cross_entropy
-    compile_rss = _compile_rss_bytes(model, lambda m: loss_fn(m(pixel_values=x).logits, y)) if kind == "ivon_engine" else None
+    compile_rss = (_compile_rss_bytes(model, lambda m: loss_fn(m(pixel_values=x).logits, y))
+                   if kind == "ivon_engine" else None)
     with peak_rss_growth() as growth:
         opt = _engine_optimizer(kind, params)
         for _ in range(steps):
@@ -462,25 +471,28 @@ def engine_report(rounds: int, steps: int, skip: int) -> dict:
                       "random order; ratios within a round are the result."}
     common.write_json(OUT_DIR / "engine.json", result)
     L = ["# IVON engine vs AdamW (CPU, one thread)", "",
-         f"{rounds} interleaved rounds; ratios median [min–max] over rounds. Optimizer alone: 5 steps per round on fixed "
-         "gradients (IVON: one sample with its restore, then the step; ivon-opt: 2 steps). Whole step: "
+         f"{rounds} interleaved rounds; ratios median [min–max] over rounds. Optimizer alone: 5 steps per round on "
+         "fixed gradients (IVON: one sample with its restore, then the step; ivon-opt: 2 steps). Whole step: "
          f"VariationalTrainer, median step time of {steps} steps after {skip}, IVON vs AdamW(foreach=True) passed to "
          "the same trainer. IVON engine: the default, torch.compile'd kernels per (device, dtype) bucket with e from "
-         "torch's CPU generator; foreach: `compiled=False` (`--ivon_fused false`), the same functions run eagerly, what "
-         "runs without a C++ compiler.", "",
+         "torch's CPU generator; foreach: `compiled=False` (`--ivon_fused false`), the same functions run eagerly, "
+         "what runs without a C++ compiler.", "",
          "| model | parameters | batch | IVON engine ÷ AdamW, optimizer | foreach ÷ AdamW, optimizer | "
          "ivon-opt ÷ AdamW, optimizer | IVON ÷ AdamW, whole training step | foreach ÷ AdamW, whole training step | "
          "AdamW step ms | AdamW training step ms |", "|---|---|---|---|---|---|---|---|---|---|"]
     for name, v in timing.items():
         r = v["ratios"]
         cell = lambda k: f"**{r[k]['median']:.2f}** [{r[k]['min']:.2f}–{r[k]['max']:.2f}]"  # noqa: B023, E731
-        L.append(f"| {name} | {v['parameters'] / 1e6:.1f} M | {v['batch_size']} | {cell('opt:ivon_engine / opt:adamw_foreach')} | "
-                 f"{cell('opt:ivon_engine_foreach / opt:adamw_foreach')} | {cell('opt:ivon_opt / opt:adamw_foreach')} | "
+        L.append(f"| {name} | {v['parameters'] / 1e6:.1f} M | {v['batch_size']} | "
+                 f"{cell('opt:ivon_engine / opt:adamw_foreach')} | "
+                 f"{cell('opt:ivon_engine_foreach / opt:adamw_foreach')} | "
+                 f"{cell('opt:ivon_opt / opt:adamw_foreach')} | "
                  f"{cell('train:ivon / train:adamw_foreach')} | {cell('train:ivon_foreach / train:adamw_foreach')} | "
                  f"{v['ms_median']['opt:adamw_foreach']:.0f} | {v['ms_median']['train:adamw_foreach']:.0f} |")
     L += ["", "| peak memory growth, 3 hand-written steps (process RSS, median of 3 processes) | AdamW | IVON engine "
-          "(CPU default: e kept) | IVON − AdamW, in parameter sizes | IVON engine (accelerators' path: e drawn in the "
-          "kernels, again for e⊙g) | IVON − AdamW | torch.compile of the kernels, once per process (not in the growth) |",
+          "(CPU default: e kept) | IVON − AdamW, in parameter sizes | IVON engine (accelerators' path: e drawn in "
+          "the kernels, again for e⊙g) | IVON − AdamW | torch.compile of the kernels, once per process "
+          "(not in the growth) |",
           "|---|---|---|---|---|---|---|"]
     for name in ENGINE_MODELS:
         a = mem[f"{name}:adamw_foreach"]
@@ -488,7 +500,8 @@ def engine_report(rounds: int, steps: int, skip: int) -> dict:
         for kind in ("ivon_engine", "ivon_engine_redraw"):
             i = mem.get(f"{name}:{kind}")  # older results lack the accelerator path
             cells += ([f"{i['peak_rss_growth_bytes'] / 2**20:.0f} MiB",
-                       f"{(i['peak_rss_growth_bytes'] - a['peak_rss_growth_bytes']) / a['param_bytes']:+.1f}"] if i else ["–", "–"])
+                       f"{(i['peak_rss_growth_bytes'] - a['peak_rss_growth_bytes']) / a['param_bytes']:+.1f}"]
+                      if i else ["–", "–"])
         compiled = mem[f"{name}:ivon_engine"].get("compile_rss_bytes")
         cells.append(f"{compiled / 2**20:.0f} MiB" if compiled is not None else "–")
         L.append(f"| {name} | {a['peak_rss_growth_bytes'] / 2**20:.0f} MiB | " + " | ".join(cells) + " |")
@@ -539,9 +552,10 @@ def engine_gpu_report(rounds: int, steps: int, skip: int, batch: int, image_size
     out_dir.mkdir(parents=True, exist_ok=True)
     common.write_json(out_dir / "engine_gpu.json", result)
     L = [f"# IVON engine vs AdamW(fused) on {result['device']}", "",
-         f"{image_size}² images, batch {batch}, bf16 autocast; {rounds} interleaved rounds, median step time of {steps} "
-         f"VariationalTrainer steps after {skip}.", "",
-         "| model | IVON ÷ AdamW(fused), whole training step | IVON step ms | AdamW step ms | peak memory IVON − AdamW |",
+         f"{image_size}² images, batch {batch}, bf16 autocast; {rounds} interleaved rounds, median step time of "
+         f"{steps} VariationalTrainer steps after {skip}.", "",
+         "| model | IVON ÷ AdamW(fused), whole training step | IVON step ms | AdamW step ms "
+         "| peak memory IVON − AdamW |",
          "|---|---|---|---|---|"]
     for name, v in result["models"].items():
         L.append(f"| {name} ({v['parameters'] / 1e6:.1f} M) | **{fmt_ratio(v['ratio_ivon_over_adamw_fused'])}** | "
@@ -582,10 +596,11 @@ def _gpu_model_timing(name: str, rounds: int, steps: int, skip: int, batch: int,
                     output_dir=tmp, max_steps=steps, per_device_train_batch_size=batch, use_cpu=not cuda, bf16=True,
                     report_to=[], save_strategy="no", eval_strategy="no", logging_strategy="no", disable_tqdm=True,
                     dataloader_num_workers=0, dataloader_pin_memory=False, seed=r, max_grad_norm=0.0, **cfg)
-                optimizers = (torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True), None) if kind != "ivon" else (None, None)
+                optimizers = ((torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True), None) if kind != "ivon"
+                              else (None, None))
                 clock = _DeviceStepClock()
-                trainer = VariationalTrainer(model=m, args=args, train_dataset=ds, callbacks=[clock], optimizers=optimizers,
-                                             data_collator=device_batches)
+                trainer = VariationalTrainer(model=m, args=args, train_dataset=ds, callbacks=[clock],
+                                             optimizers=optimizers, data_collator=device_batches)
                 trainer.remove_callback(PrinterCallback)
                 if cuda:
                     torch.cuda.empty_cache()
@@ -596,13 +611,15 @@ def _gpu_model_timing(name: str, rounds: int, steps: int, skip: int, batch: int,
                 del trainer, m
                 gc.collect()
             per_round.append(times)
-            print(f"{name} gpu round {r}: " + "  ".join(f"{k} {1e3 * v:.1f}ms" for k, v in sorted(times.items())), flush=True)
+            print(f"{name} gpu round {r}: " + "  ".join(f"{k} {1e3 * v:.1f}ms" for k, v in sorted(times.items())),
+                  flush=True)
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     return {"parameters": sum(p.numel() for p in model.parameters()),
             "ms_median": {k: 1e3 * statistics.median([t[k] for t in per_round]) for k in per_round[0]},
             "ratio_ivon_over_adamw_fused": spread([t["ivon"] / t["adamw_fused"] for t in per_round]),
             "per_round_s": per_round, "peak_memory_bytes": {k: max(v) for k, v in peaks.items()},
-            "peak_memory_ivon_minus_adamw_in_parameter_sizes": (max(peaks["ivon"]) - max(peaks["adamw_fused"])) / param_bytes}
+            "peak_memory_ivon_minus_adamw_in_parameter_sizes":
+                (max(peaks["ivon"]) - max(peaks["adamw_fused"])) / param_bytes}
 
 
 def main(argv: list[str] | None = None) -> dict | None:
@@ -613,10 +630,12 @@ def main(argv: list[str] | None = None) -> dict | None:
     p.add_argument("--eval-size", type=int, default=2000)
     p.add_argument("--samples", default="8,32")
     p.add_argument("--_memory-child", dest="memory_child", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--engine", action="store_true", help="IVON engine vs AdamW on an 8.4 M MLP and ViT-small (engine.md)")
+    p.add_argument("--engine", action="store_true",
+                   help="IVON engine vs AdamW on an 8.4 M MLP and ViT-small (engine.md)")
     p.add_argument("--_engine-memory-child", dest="engine_memory_child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--report", action="store_true", help="Only rewrite every cost*.md from its cost*.json.")
-    p.add_argument("--gpu", action="store_true", help="IVON vs AdamW(fused), bf16, ViT-small and ViT-base on a GPU (engine_gpu.md)")
+    p.add_argument("--gpu", action="store_true",
+                   help="IVON vs AdamW(fused), bf16, ViT-small and ViT-base on a GPU (engine_gpu.md)")
     p.add_argument("--batch", type=int, default=128, help="--gpu: batch size")
     p.add_argument("--image-size", type=int, default=224, help="--gpu: image size (a multiple of the 16-pixel patch)")
     p.add_argument("--out", type=Path, default=OUT_DIR, help="--gpu: folder of engine_gpu.{json,md}")
@@ -668,29 +687,35 @@ def render(result: dict) -> str:
     # recomputed from the per-round times, so that old and new results read the same way
     step_ratios = {k: spread([t[k] / t["erm_adamw"] for t in result["per_round_s"]]) for k in step_ms}
     L = ["# What IVON costs (CPU, one thread)", "",
-         f"{result['data']}, small CNN, batch 64; {result['rounds']} interleaved rounds × {result['steps_per_block']} steps "
-         "per configuration. Ratios: median over rounds [min–max over rounds]; \"(not stable)\": (max − min) / median > "
+         f"{result['data']}, small CNN, batch 64; {result['rounds']} interleaved rounds × "
+         f"{result['steps_per_block']} steps per configuration. Ratios: median over rounds [min–max over rounds]; "
+         "\"(not stable)\": (max − min) / median > "
          f"{UNSTABLE_SPREAD}, the load of other jobs moved the ratio more than it can be read to.", "",
          "| per optimizer step | ms (median) | ratio to ERM/AdamW, median [min–max] |", "|---|---|---|"]
     for k in step_ms:
         L.append(f"| {k} | {step_ms[k]:.1f} | {fmt_ratio(step_ratios[k])} |")
     L += ["", f"Evaluation of {ev['eval_size']} images: at the posterior mean {ev['mean_eval_s']:.2f} s.", "",
-          "| S posterior samples | BMA evaluate() s | ÷ (S × mean eval) | ÷ ((S+1) × mean eval), median [min–max] |",
+          "| S posterior samples | BMA evaluate() s | ÷ (S × mean eval) "
+          "| ÷ ((S+1) × mean eval), median [min–max] |",
           "|---|---|---|---|"]
     for s, v in ev["per_S"].items():
         per_round = v.get("ratio_vs_S_plus_1_per_round")
-        cell = fmt_ratio(per_round) if per_round else f"{v['ratio_vs_S_plus_1_mean_evals']:.2f} (ratio of medians; rounds not recorded)"
+        cell = (fmt_ratio(per_round) if per_round
+                else f"{v['ratio_vs_S_plus_1_mean_evals']:.2f} (ratio of medians; rounds not recorded)")
         L.append(f"| {s} | {v['bma_eval_s']:.2f} | {v['ratio_vs_S_mean_evals']:.2f} | {cell} |")
-    L += ["", "| label-noise export, S draws | export s | one forward sweep s | ÷ ((S+1) sweeps), median [min–max] |",
+    L += ["", "| label-noise export, S draws | export s | one forward sweep s "
+              "| ÷ ((S+1) sweeps), median [min–max] |",
           "|---|---|---|---|"]
     for s, v in ev["label_noise_export"].items():
         per_round = v.get("ratio_vs_S_plus_1_per_round")
-        cell = fmt_ratio(per_round) if per_round else f"{v['ratio_vs_S_plus_1_sweeps']:.2f} (ratio of medians; rounds not recorded)"
+        cell = (fmt_ratio(per_round) if per_round
+                else f"{v['ratio_vs_S_plus_1_sweeps']:.2f} (ratio of medians; rounds not recorded)")
         L.append(f"| {s} | {v['export_s']:.2f} | {v['one_sweep_s']:.3f} | {cell} |")
     # results of an earlier version of this script (they hold `peak_rss_kib`, not `rss_before_kib`) measured the
     # peak without the sampling thread: they keep the header they were written with
     sampled = all("rss_before_kib" in v for v in mem.values())
-    rss = "peak RSS growth while training (process level, sampled)" if sampled else "peak-RSS growth over training (process level)"
+    rss = ("peak RSS growth while training (process level, sampled)" if sampled
+           else "peak-RSS growth over training (process level)")
     # since the compiled engine, IVON's runs compile its kernels before the measured window and report that apart
     compiled = any("compile_rss_kib" in v for v in mem.values())
     extra = " torch.compile of IVON's kernels, once per process (not in the growth) |" if compiled else ""
@@ -700,7 +725,8 @@ def render(result: dict) -> str:
         cell = ""
         if compiled:
             cell = f" {v['compile_rss_kib'] / 1024:.0f} MiB |" if v.get("compile_rss_kib") is not None else " – |"
-        L.append(f"| {k} | {v['optimizer_state_bytes'] / 2**20:.2f} MiB | {v['optimizer_state_bytes'] / v['param_bytes']:.1f}× | "
+        L.append(f"| {k} | {v['optimizer_state_bytes'] / 2**20:.2f} MiB | "
+                 f"{v['optimizer_state_bytes'] / v['param_bytes']:.1f}× | "
                  f"{v['peak_rss_growth_kib'] / 1024:.1f} MiB |{cell}")
     L += ["", result["note"], "", "Rerun: `OMP_NUM_THREADS=1 python benchmarks/cost.py`", ""]
     return "\n".join(L)

@@ -27,7 +27,8 @@ Columns: test accuracy, NLL and ECE of the prediction each run reports (examples
 label-noise export's spread (90th/10th percentile of ‖ε̄‖₁) and its Spearman correlation with the predictive entropy
 at the posterior mean.
 
-    OMP_NUM_THREADS=1 python benchmarks/default_posterior.py --part examples      # runs cached in results/default_posterior/
+    OMP_NUM_THREADS=1 python benchmarks/default_posterior.py --part examples      # runs cached in
+                                                                                  # results/default_posterior/
     OMP_NUM_THREADS=1 python benchmarks/default_posterior.py --part noise-rates   # the image example at 0-40 % noise
     OMP_NUM_THREADS=1 python benchmarks/default_posterior.py --part mnist
     OMP_NUM_THREADS=1 python benchmarks/default_posterior.py --part lora
@@ -102,7 +103,8 @@ def _run_example_in(folder: Path, script: str, example: str, seed: int, window: 
     if ess_factor != 1.0:
         flags += ["--ess", str(ess_factor * EXAMPLE_TRAIN_SIZES[example])]
     if noise_rate is not None:
-        flags += ["--noise_type", "none"] if noise_rate == 0 else ["--noise_type", "symmetric", "--noise_rate", str(noise_rate)]
+        flags += (["--noise_type", "none"] if noise_rate == 0
+                  else ["--noise_type", "symmetric", "--noise_rate", str(noise_rate)])
     command = [sys.executable, script, "--seed", str(seed), "--output_dir", str(folder), *flags]
     print(f"[{SCRIPT}] {' '.join(command)}", flush=True)
     done = subprocess.run(command, cwd=ROOT, check=True, capture_output=True, text=True,
@@ -112,8 +114,10 @@ def _run_example_in(folder: Path, script: str, example: str, seed: int, window: 
     tau_s = re.search(r"Posterior temperature \S+ chosen by .* in ([0-9.]+) s", done.stderr)
     export_s = re.search(r"Wrote the label noise of .*, ([0-9.]+) s\)", done.stderr)
     result = {"example": example, "setting": setting, "seed": seed,
-              "command": [script, "--seed", str(seed), *flags], "test_acc": metrics["test_accuracy"], "test_nll": metrics["test_nll"], "test_ece": metrics["test_ece"],
-              "test_mean_acc": metrics.get("test_mean_accuracy"), "posterior_temperature": metrics.get("test_posterior_temperature"),
+              "command": [script, "--seed", str(seed), *flags], "test_acc": metrics["test_accuracy"],
+              "test_nll": metrics["test_nll"], "test_ece": metrics["test_ece"],
+              "test_mean_acc": metrics.get("test_mean_accuracy"),
+              "posterior_temperature": metrics.get("test_posterior_temperature"),
               "train_s": metrics.get("train_runtime"), "tau_s": float(tau_s.group(1)) if tau_s else None,
               "export_s": float(export_s.group(1)) if export_s else None, **posterior_facts(folder)}
     if noise_rate is not None:
@@ -156,14 +160,16 @@ def _hessian_change(result: dict[str, Any]) -> float | None:
     hessian = result.get("hessian", {})
     if "hess_change_median" in hessian:
         return hessian["hess_change_median"]
-    return abs(hessian["hess_median"] - common.IVON_BASE["hess_init"]) / common.IVON_BASE["hess_init"] if "hess_median" in hessian else None
+    return (abs(hessian["hess_median"] - common.IVON_BASE["hess_init"]) / common.IVON_BASE["hess_init"]
+            if "hess_median" in hessian else None)
 
 
 def lora_row(result: dict[str, Any]) -> dict[str, Any]:
     setting = "fixed" if result["config"]["method"] == LORA_FIXED else "rule c=0.1"
     return {"task": f"LoRA {result['config']['task']}", "setting": setting, "seed": result["config"]["seed"],
             "test_acc": result["test_acc"], "test_nll": result["test_nll"], "test_ece": result["test_ece"],
-            "test_mean_acc": result.get("test_mean_acc"), "hess_change_median": result["hessian"].get("hess_change_median")}
+            "test_mean_acc": result.get("test_mean_acc"),
+            "hess_change_median": result["hessian"].get("hess_change_median")}
 
 
 # -- report -------------------------------------------------------------------------------------------------------
@@ -203,9 +209,9 @@ def report() -> str:
         "h0 (below 0.1 the library warns that it hardly moved). Examples: the prediction the run reports (at the "
         "chosen τ); MNIST and LoRA: BMA at τ = 1 (`mean acc`: at the posterior mean). `‖ε̄‖₁ q90/q10` and `ρ(ε̄, H)`: "
         "the spread of the label-noise export and its Spearman correlation with the predictive entropy at the mean. "
-        "`fixed`: the preset's β2 (the default before issue 31); `rule c`: the run-length rule with `hessian_window` = c. "
-        "The default (`varsmooth.presets.default_beta2`) keeps the preset's β2 where 1 − β2^T ≥ 0.1 (the text example: "
-        "0.999 over 180 steps) and takes the rule with c = 0.1 elsewhere.",
+        "`fixed`: the preset's β2 (the default before issue 31); `rule c`: the run-length rule with "
+        "`hessian_window` = c. The default (`varsmooth.presets.default_beta2`) keeps the preset's β2 where "
+        "1 − β2^T ≥ 0.1 (the text example: 0.999 over 180 steps) and takes the rule with c = 0.1 elsewhere.",
         "",
         "| task | setting | n | acc % | NLL | ECE % | mean acc % | Δh | τ | ‖ε̄‖₁ mean | ‖ε̄‖₁ q90/q10 | ρ(ε̄, H) |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -266,7 +272,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--windows", nargs="+", type=float, default=[0.1],
                         help="hessian_window values of the rule runs of the examples (0.1 = the library default)")
     parser.add_argument("--ess-factors", nargs="+", type=float, default=[1.0],
-                        help="ess of the rule runs of the examples as a multiple of the training-set size (1 = the default)")
+                        help="ess of the rule runs of the examples as a multiple of the training-set size "
+                             "(1 = the default)")
     parser.add_argument("--seeds", nargs="+", type=int, default=list(SEEDS))
     parser.add_argument("--report", action="store_true")
     a = parser.parse_args(argv)

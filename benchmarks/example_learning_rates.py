@@ -4,8 +4,8 @@ The image example trains a small ResNet from scratch on scikit-learn's digits wi
 TrainingArguments' 5e-5 (a fine-tuning rate) AdamW barely trains it. This runs the example itself, as a user does
 (`examples/train_image_classification.py --method M --learning_rate LR`), for each method and rate. Each method's
 rate is chosen by the negative log-likelihood on the example's *noisy* validation split (held out of the noisy
-training labels; a proper scoring rule, where accuracy on a few hundred noisy labels ties), never on the clean test split; the test scores are reported beside it. A rate chosen at the grid's top edge extends the
-grid by one rate.
+training labels; a proper scoring rule, where accuracy on a few hundred noisy labels ties), never on the clean test
+split; the test scores are reported beside it. A rate chosen at the grid's top edge extends the grid by one rate.
 
     OMP_NUM_THREADS=1 python benchmarks/example_learning_rates.py                 # erm, ls, gce, sam; seed 0
     OMP_NUM_THREADS=1 python benchmarks/example_learning_rates.py --methods erm --seeds 0,1
@@ -77,9 +77,10 @@ def main() -> None:
     (RESULTS / "summary.json").write_text(json.dumps({"chosen_by_noisy_validation_nll": chosen, "runs": rows},
                                                      indent=2))
     lines = ["# Learning rates of the image example's non-IVON methods (from scratch, digits, 40 % symmetric noise)",
-             "", "Chosen by NLL on the noisy validation split; test = the clean test split, scored apart; s = wall time "
-             "of the run on a shared 2-core machine (other jobs running, so only a rough cost). The methods not swept "
-             "here (gls, ols, alasca, logistic_normal) train with ERM's rate (`TrainingMethod.scratch_learning_rate`).",
+             "", "Chosen by NLL on the noisy validation split; test = the clean test split, scored apart; "
+             "s = wall time of the run on a shared 2-core machine (other jobs running, so only a rough cost). "
+             "The methods not swept here (gls, ols, alasca, logistic_normal) train with ERM's rate "
+             "(`TrainingMethod.scratch_learning_rate`).",
              "",
              "| method | seed | lr | final train loss | val acc (noisy) | val NLL | test acc | test NLL | s |",
              "|---|---|---|---|---|---|---|---|---|"]

@@ -22,7 +22,8 @@ DEFAULT_GRIDS: dict[str, dict[str, list[Any]]] = {
     # the same paper's data-dependent-noise experiment (ρ = 0 is the base optimizer at twice the cost)
     "sam_data_dependent": {"method": ["sam"], "sam_rho": [0.0, 0.05, 0.1, 0.15, 0.2, 0.5]},
     # smooth-rate grid of the reference code of Wei et al. 2022 (UCSC-REAL/negative-label-smoothing)
-    "gls": {"method": ["gls"], "gls_rate": [0.8, 0.6, 0.4, 0.2, 0.0, -0.2, -0.4, -0.6, -0.8, -1.0, -2.0, -4.0, -6.0, -8.0]},
+    "gls": {"method": ["gls"],
+            "gls_rate": [0.8, 0.6, 0.4, 0.2, 0.0, -0.2, -0.4, -0.6, -0.8, -1.0, -2.0, -4.0, -6.0, -8.0]},
 }
 
 

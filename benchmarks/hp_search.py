@@ -54,7 +54,8 @@ class CleanTest(TrainerCallback):
 
 
 def search(method: str) -> list[dict[str, Any]]:
-    """The trials of one method's search: the searched value, the objective (noisy-validation loss) and clean-test scores."""
+    """The trials of one method's search: the searched value, the objective (noisy-validation loss) and clean-test
+    scores."""
     import optuna
 
     from varsmooth import VariationalTrainer
@@ -109,7 +110,8 @@ def report(result: dict[str, list[dict[str, Any]]]) -> str:
         setting = SEARCHES[method]["setting"]
         best = min(trials, key=lambda t: t["val_loss"])
         lines += [f"### {method} (searched: `{setting}`)", "",
-                  f"| trial | {setting} | noisy-val loss | clean-test acc % | clean-test NLL |", "|---|---|---|---|---|"]
+                  f"| trial | {setting} | noisy-val loss | clean-test acc % | clean-test NLL |",
+                  "|---|---|---|---|---|"]
         lines += [f"| {i}{' (best)' if t is best else ''} | {t[setting]:.4g} | {t['val_loss']:.4f} | "
                   f"{100 * t['test_acc']:.2f} | {t['test_nll']:.4f} |" for i, t in enumerate(trials)]
         lines.append("")

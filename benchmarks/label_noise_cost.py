@@ -10,9 +10,9 @@ the weight draws and the per-example arithmetic. This script times, in one run a
 
 and reports export / ((S + 1) × evaluation pass), the target being ≤ 1.15, and export / ((S + 1) × forward pass):
 with a small model the evaluation pass is mostly data loading, which the export does once, not S + 1 times, so
-the second ratio is the one that shows the overhead of the weight draws and the bookkeeping. Each timing is the median of `--repeats`
-runs after a warm-up, alternating the two. Results go to `benchmarks/results/label_noise_cost.json` and the
-`label_noise_cost` section of benchmarks/README.md.
+the second ratio is the one that shows the overhead of the weight draws and the bookkeeping. Each timing is the
+median of `--repeats` runs after a warm-up, alternating the two. Results go to
+`benchmarks/results/label_noise_cost.json` and the `label_noise_cost` section of benchmarks/README.md.
 
     OMP_NUM_THREADS=1 python benchmarks/label_noise_cost.py
     python benchmarks/label_noise_cost.py --report       # the table from the saved JSON only
@@ -125,7 +125,8 @@ def main() -> None:
             torch.cuda.synchronize()
 
     def export() -> None:
-        compute_label_noise(model, posterior, data, num_samples=cli.num_samples, batch_size=cli.batch_size, device=device)
+        compute_label_noise(model, posterior, data, num_samples=cli.num_samples, batch_size=cli.batch_size,
+                            device=device)
         if device.type == "cuda":
             torch.cuda.synchronize()
 
@@ -167,7 +168,8 @@ def main() -> None:
         json.dump(result, f, indent=2)
     print(f"export {export_s:.3f}s vs (S+1) x eval pass {(cli.num_samples + 1) * eval_s:.3f}s "
           f"(eval pass {eval_s * 1e3:.1f} ms, S = {cli.num_samples}): ratio {ratio:.3f} (target <= 1.15)")
-    print(f"export vs (S+1) x forward pass over in-memory batches ({forward_s * 1e3:.1f} ms): ratio {ratio_forward:.3f}")
+    print(f"export vs (S+1) x forward pass over in-memory batches ({forward_s * 1e3:.1f} ms): "
+          f"ratio {ratio_forward:.3f}")
     print(f"wrote {cli.output}")
     print(report(cli.output))
 

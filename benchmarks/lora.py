@@ -26,7 +26,8 @@ reports +2.8 points of accuracy and -4.6 points of ECE for IVON-LoRA against Ada
 * metrics on the clean test labels: accuracy, NLL, ECE (15 bins), and training time per optimizer step (one thread;
   the CPU is shared, so times are indicative).
 
-    OMP_NUM_THREADS=1 python benchmarks/lora.py                  # all runs (cached in results/lora/runs/), then the table
+    OMP_NUM_THREADS=1 python benchmarks/lora.py                  # all runs (cached in results/lora/runs/),
+                                                                 # then the table
     OMP_NUM_THREADS=1 python benchmarks/lora.py --seeds 0        # one seed
     OMP_NUM_THREADS=1 python benchmarks/lora.py --seeds 0 --reverse   # a second worker on the same runs, from the end
     python benchmarks/lora.py --report                           # the table from the cached runs only
@@ -69,12 +70,13 @@ METHODS: dict[str, tuple[bool, dict[str, Any]]] = {
     # the anchor's lr 0.03, the `lora` preset's until its runs here showed that it does not train in short runs
     "ivon-lora": (True, {"method": "ivon", "ivon_preset": "lora", "learning_rate": 0.03, "beta2": 0.99999}),
     "ivon-lora-default": (True, {"method": "ivon", "ivon_preset": "lora", "learning_rate": 0.03}),
-    "adamw-lora": (True, {"method": "erm", "optim": "adamw_torch", "learning_rate": ADAMW_LORA_LR, "weight_decay": 0.01}),
+    "adamw-lora": (True, {"method": "erm", "optim": "adamw_torch", "learning_rate": ADAMW_LORA_LR,
+                          "weight_decay": 0.01}),
     "adamw-full": (False, {"method": "erm", **real_noise.ADAMW["text"]}),
     "ivon-lora-lr1": (True, {"method": "ivon", "ivon_preset": "lora", "learning_rate": 1.0, "beta2": 0.99999}),
     # the run-length β2 rule, so that the Hessian (and σ) can move within 189 steps; the step cap stays lr·clip = 1e-3
-    "ivon-lora-lr1-window": (True, {"method": "ivon", "ivon_preset": "lora", "learning_rate": 1.0, "hessian_window": 0.1,
-                                    "clip_radius": 1e-3}),
+    "ivon-lora-lr1-window": (True, {"method": "ivon", "ivon_preset": "lora", "learning_rate": 1.0,
+                                    "hessian_window": 0.1, "clip_radius": 1e-3}),
 }
 
 
@@ -97,13 +99,14 @@ def run(task: str, name: str, seed: int) -> dict[str, Any]:
     model = real_noise._minilm(len(data["names"]), seed)  # pretrained encoder, new head drawn from the seed
     if lora:
         try:
-            model = add_lora_adapters(model, r=SETUP["lora_r"], alpha=SETUP["lora_alpha"], dropout=SETUP["lora_dropout"],
-                                      target_modules=SETUP["target_modules"])
+            model = add_lora_adapters(model, r=SETUP["lora_r"], alpha=SETUP["lora_alpha"],
+                                      dropout=SETUP["lora_dropout"], target_modules=SETUP["target_modules"])
         except ImportError as error:
             raise real_noise.Unavailable(str(error)) from None
     train = data["train"]
     # evaluation pads each batch to its longest sentence: in order of length it pads little (as the text example does)
-    test = data["test"].add_column("length", [len(ids) for ids in data["test"]["input_ids"]]).sort("length").remove_columns("length")
+    test = (data["test"].add_column("length", [len(ids) for ids in data["test"]["input_ids"]])
+            .sort("length").remove_columns("length"))
     y_train = torch.as_tensor(np.asarray(train["label"]))
     y_clean = torch.as_tensor(np.asarray(train["clean_label"])) if "clean_label" in train.column_names else y_train
     train = train.remove_columns([c for c in ("clean_label", "is_corrupted") if c in train.column_names])
@@ -111,8 +114,9 @@ def run(task: str, name: str, seed: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="varsmooth-lora-") as tmp:
         args = common.training_arguments(
             output_dir=tmp, num_train_epochs=SETUP["epochs"], per_device_train_batch_size=SETUP["batch_size"],
-            per_device_eval_batch_size=256, seed=seed, data_seed=seed, use_cpu=DEVICE == "cpu", report_to=[], save_strategy="no",
-            eval_strategy="no", logging_strategy="steps", logging_steps=max(1, steps // 8), disable_tqdm=True,
+            per_device_eval_batch_size=256, seed=seed, data_seed=seed, use_cpu=DEVICE == "cpu", report_to=[],
+            save_strategy="no", eval_strategy="no", logging_strategy="steps", logging_steps=max(1, steps // 8),
+            disable_tqdm=True,
             dataloader_num_workers=0, lr_scheduler_type="cosine", warmup_steps=int(0.1 * steps), eval_seed=0,
             **settings,
         )
@@ -127,8 +131,8 @@ def run(task: str, name: str, seed: int) -> dict[str, Any]:
         "key": key, "config": {"task": task, "method": name, "seed": seed, "setup": SETUP, "version": VERSION},
         "device": DEVICE,
         "settings": {k: getattr(args, k, getattr(args.method_config, k, None))
-                     for k in ("learning_rate", "ess", "hess_init", "beta2", "clip_radius", "rescale_lr", "eval_mc_samples",
-                               "weight_decay")},
+                     for k in ("learning_rate", "ess", "hess_init", "beta2", "clip_radius", "rescale_lr",
+                               "eval_mc_samples", "weight_decay")},
         "trainable_parameters": count_parameters(model), "n_train": len(train), "steps": trainer.state.global_step,
         "train_s": train_s, "s_per_step": train_s / max(1, trainer.state.global_step), "eval_s": eval_s,
         "train_loss": training_loss, "diverged": diverged, "realized_noise": float((y_train != y_clean).float().mean()),
@@ -168,17 +172,20 @@ def _reading(runs: list[dict[str, Any]]) -> list[str]:
     for name in ("ivon-lora", "ivon-lora-lr1", "ivon-lora-lr1-window"):
         d_acc, d_ece, moved = [], [], []
         for task in TASKS:
-            base = {r["config"]["seed"]: r for r in runs if r["config"]["task"] == task and r["config"]["method"] == "adamw-lora"}
-            rs = [r for r in runs if r["config"]["task"] == task and r["config"]["method"] == name and r["config"]["seed"] in base]
+            base = {r["config"]["seed"]: r for r in runs
+                    if r["config"]["task"] == task and r["config"]["method"] == "adamw-lora"}
+            rs = [r for r in runs
+                  if r["config"]["task"] == task and r["config"]["method"] == name and r["config"]["seed"] in base]
             if not rs:
                 continue
             d_acc.append(100 * np.mean([r["test_acc"] - base[r["config"]["seed"]]["test_acc"] for r in rs]))
             d_ece.append(100 * np.mean([r["test_ece"] - base[r["config"]["seed"]]["test_ece"] for r in rs]))
             moved += [abs(r["hessian"]["hess_median"] / r["settings"]["hess_init"] - 1) for r in rs]
         if d_acc:
-            lines.append(f"* `{name}` vs AdamW-LoRA over {len(d_acc)} tasks: mean Δacc {min(d_acc):+.1f} to {max(d_acc):+.1f} "
-                         f"points, ECE lower on {sum(d < 0 for d in d_ece)} of {len(d_ece)} (ΔECE {min(d_ece):+.1f} to "
-                         f"{max(d_ece):+.1f}); median Hessian moved {100 * float(np.median(moved)):.1f} % from hess_init "
+            lines.append(f"* `{name}` vs AdamW-LoRA over {len(d_acc)} tasks: mean Δacc {min(d_acc):+.1f} to "
+                         f"{max(d_acc):+.1f} points, ECE lower on {sum(d < 0 for d in d_ece)} of {len(d_ece)} "
+                         f"(ΔECE {min(d_ece):+.1f} to {max(d_ece):+.1f}); median Hessian moved "
+                         f"{100 * float(np.median(moved)):.1f} % from hess_init "
                          f"({'σ learned' if np.median(moved) >= 0.1 else 'σ stayed at its initial value'}).")
     return lines
 
@@ -193,13 +200,15 @@ def report(device: str = DEVICE) -> str:
              "samples (`mean acc`: at the posterior mean); `Δ vs AdamW-LoRA`: paired (same seed) difference of "
              "accuracy / ECE in points; s/step: training seconds per optimizer step "
              + _device_text(device, out_dir) + ".", "",
-             "Reproduce: `OMP_NUM_THREADS=1 python benchmarks/lora.py`" + ("" if device == "cpu" else
-                                                                             f" with `VARSMOOTH_BENCH_DEVICE={device}`") + ".", "",
-             "| task | method | seeds | trainable | acc % | NLL | ECE % | mean acc % | Δacc vs AdamW-LoRA | ΔECE vs AdamW-LoRA | s/step |",
+             "Reproduce: `OMP_NUM_THREADS=1 python benchmarks/lora.py`"
+             + ("" if device == "cpu" else f" with `VARSMOOTH_BENCH_DEVICE={device}`") + ".", "",
+             "| task | method | seeds | trainable | acc % | NLL | ECE % | mean acc % | Δacc vs AdamW-LoRA "
+             "| ΔECE vs AdamW-LoRA | s/step |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     summary: dict[str, Any] = {}
     for task in TASKS:
-        base = {r["config"]["seed"]: r for r in runs if r["config"]["task"] == task and r["config"]["method"] == "adamw-lora"}
+        base = {r["config"]["seed"]: r for r in runs
+                if r["config"]["task"] == task and r["config"]["method"] == "adamw-lora"}
         for name in METHODS:
             rs = sorted((r for r in runs if r["config"]["task"] == task and r["config"]["method"] == name),
                         key=lambda r: r["config"]["seed"])
@@ -212,12 +221,16 @@ def report(device: str = DEVICE) -> str:
                     else f"{np.mean(v):+.1f} ± {np.std(v, ddof=1):.1f}")
             mean_acc = [r.get("test_mean_acc", r["test_acc"]) for r in rs]
             lines.append(
-                f"| {task} | {name} | {len(rs)} | {rs[0]['trainable_parameters']:,} | {common.fmt_pm([r['test_acc'] for r in rs])} "
-                f"| {common.fmt_pm([r['test_nll'] for r in rs], scale=1.0, digits=3)} | {common.fmt_pm([r['test_ece'] for r in rs])} "
-                f"| {common.fmt_pm(mean_acc)} | {diff(d_acc)} | {diff(d_ece)} | {np.mean([r['s_per_step'] for r in rs]):.2f} |")
+                f"| {task} | {name} | {len(rs)} | {rs[0]['trainable_parameters']:,} "
+                f"| {common.fmt_pm([r['test_acc'] for r in rs])} "
+                f"| {common.fmt_pm([r['test_nll'] for r in rs], scale=1.0, digits=3)} "
+                f"| {common.fmt_pm([r['test_ece'] for r in rs])} "
+                f"| {common.fmt_pm(mean_acc)} | {diff(d_acc)} | {diff(d_ece)} "
+                f"| {np.mean([r['s_per_step'] for r in rs]):.2f} |")
             summary.setdefault(task, {})[name] = {
                 "seeds": [r["config"]["seed"] for r in rs], "test_acc": common.mean_std([r["test_acc"] for r in rs]),
-                "test_nll": common.mean_std([r["test_nll"] for r in rs]), "test_ece": common.mean_std([r["test_ece"] for r in rs]),
+                "test_nll": common.mean_std([r["test_nll"] for r in rs]),
+                "test_ece": common.mean_std([r["test_ece"] for r in rs]),
                 "s_per_step": float(np.mean([r["s_per_step"] for r in rs])),
                 "diverged": sum(r["diverged"] is not None for r in rs)}
     lines += ["", *_reading(runs)]
@@ -233,8 +246,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
-    parser.add_argument("--report", action="store_true", help="Only write the tables (CPU and GPU runs) from the cached runs.")
-    parser.add_argument("--reverse", action="store_true", help="Run the jobs from the end (a second worker on the same seeds).")
+    parser.add_argument("--report", action="store_true",
+                        help="Only write the tables (CPU and GPU runs) from the cached runs.")
+    parser.add_argument("--reverse", action="store_true",
+                        help="Run the jobs from the end (a second worker on the same seeds).")
     args = parser.parse_args()
     if not args.report:
         todo = [job for job in jobs(args.seeds) if job[1] in args.methods]

@@ -36,8 +36,10 @@ from transformers.trainer_callback import PrinterCallback  # noqa: E402
 import common  # noqa: E402  (sets OMP_NUM_THREADS before torch is imported)
 from varsmooth import VariationalTrainer, add_lora_adapters  # noqa: E402
 
-SIZES = {"bert-base": {"hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12, "intermediate_size": 3072},
-         "bert-large": {"hidden_size": 1024, "num_hidden_layers": 24, "num_attention_heads": 16, "intermediate_size": 4096}}
+SIZES = {"bert-base": {"hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12,
+                       "intermediate_size": 3072},
+         "bert-large": {"hidden_size": 1024, "num_hidden_layers": 24, "num_attention_heads": 16,
+                        "intermediate_size": 4096}}
 METHODS = {"ivon-lora": {"method": "ivon", "ivon_preset": "lora"},
            "adamw-lora": {"method": "erm", "optim": "adamw_torch_fused", "learning_rate": 1e-3, "weight_decay": 0.01}}
 
@@ -80,7 +82,8 @@ def measure(size: str, method: str, steps: int, batch: int, length: int) -> dict
         torch.cuda.reset_peak_memory_stats()
     with tempfile.TemporaryDirectory(prefix="varsmooth-lora-scale-") as tmp:
         args = common.training_arguments(
-            output_dir=tmp, max_steps=steps, per_device_train_batch_size=batch, per_device_eval_batch_size=256, bf16=True, use_cpu=not torch.cuda.is_available(),
+            output_dir=tmp, max_steps=steps, per_device_train_batch_size=batch, per_device_eval_batch_size=256,
+            bf16=True, use_cpu=not torch.cuda.is_available(),
             report_to=[], save_strategy="no", eval_strategy="no", logging_strategy="no", disable_tqdm=True, seed=0,
             dataloader_num_workers=2, posterior_temperature=1.0, **METHODS[method])
         timer = StepTimer()
@@ -109,10 +112,12 @@ def measure(size: str, method: str, steps: int, batch: int, length: int) -> dict
 def table(data: dict[str, Any]) -> str:
     """The markdown table of a `scale.json`."""
     rows, sizes = data["rows"], list(dict.fromkeys(r["size"] for r in data["rows"]))
-    lines = [f"LoRA r = 8 on query/value, batch {data['batch']} × {data['length']} tokens, bf16 autocast, {data['steps']} "
-             f"steps, {data['device']}; median s/step after warm-up [min–max]; prediction of 2,048 sequences. Written by "
-             "`benchmarks/lora_scale.py` (random weights from a config: cost only, no accuracy).", "",
-             "| model | parameters | trainable | method | s/step | IVON / AdamW | peak GiB (train) | predict: mean / BMA-10 s |",
+    lines = [f"LoRA r = 8 on query/value, batch {data['batch']} × {data['length']} tokens, bf16 autocast, "
+             f"{data['steps']} steps, {data['device']}; median s/step after warm-up [min–max]; prediction of 2,048 "
+             "sequences. Written by `benchmarks/lora_scale.py` (random weights from a config: cost only, no accuracy).",
+             "",
+             "| model | parameters | trainable | method | s/step | IVON / AdamW | peak GiB (train) "
+             "| predict: mean / BMA-10 s |",
              "|---|---|---|---|---|---|---|---|"]
     for size in sizes:
         by = {r["method"]: r for r in rows if r["size"] == size}
@@ -120,7 +125,8 @@ def table(data: dict[str, Any]) -> str:
             ratio = r["s_per_step"] / by["adamw-lora"]["s_per_step"]
             pred = " / ".join(f"{v:.2f}" for v in r["predict_s"].values())
             lines.append(f"| {size} | {r['parameters'] / 1e6:.0f} M | {r['trainable'] / 1e6:.2f} M | {method} | "
-                         f"{r['s_per_step'] * 1e3:.1f} ms [{r['s_per_step_min'] * 1e3:.1f}–{r['s_per_step_max'] * 1e3:.1f}] | "
+                         f"{r['s_per_step'] * 1e3:.1f} ms "
+                         f"[{r['s_per_step_min'] * 1e3:.1f}–{r['s_per_step_max'] * 1e3:.1f}] | "
                          f"{ratio:.2f}× | {r['peak_train_gib']:.2f} | {pred} |")
     return "\n".join(lines)
 
@@ -131,15 +137,18 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--length", type=int, default=128)
     parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
-    parser.add_argument("--report", action="store_true", help="Only rewrite the table from results/lora_cuda/scale.json.")
+    parser.add_argument("--report", action="store_true",
+                        help="Only rewrite the table from results/lora_cuda/scale.json.")
     args = parser.parse_args()
     out = common.RESULTS_DIR / "lora_cuda"
     if not args.report:
         if common.bench_device() != "cuda":
-            raise SystemExit("lora_scale.py measures GPU cost: run it with VARSMOOTH_BENCH_DEVICE=cuda on a machine with a GPU.")
+            raise SystemExit("lora_scale.py measures GPU cost: run it with VARSMOOTH_BENCH_DEVICE=cuda on a machine "
+                             "with a GPU.")
         rows = [measure(size, method, args.steps, args.batch, args.length) for size in args.sizes for method in METHODS]
         common.write_json(out / "scale.json", {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                                               "steps": args.steps, "batch": args.batch, "length": args.length, "rows": rows})
+                                               "steps": args.steps, "batch": args.batch, "length": args.length,
+                                               "rows": rows})
     text = table(json.loads((out / "scale.json").read_text()))
     (out / "scale.md").write_text(text + "\n")
     common.write_readme_section("lora_scale", text)

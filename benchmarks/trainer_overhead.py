@@ -96,7 +96,8 @@ def trainer_block(kind: str, model, x, y, steps: int, tmp: str, seed: int) -> li
         args = TrainingArguments(optim="adamw_torch", learning_rate=ADAMW_KW["lr"], weight_decay=0.0, **common_kw)
         trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=[clock])
     elif kind == "vt_erm_adamw":
-        args = VariationalTrainingArguments(method="erm", optim="adamw_torch", learning_rate=ADAMW_KW["lr"], weight_decay=0.0, **common_kw)
+        args = VariationalTrainingArguments(method="erm", optim="adamw_torch", learning_rate=ADAMW_KW["lr"],
+                                            weight_decay=0.0, **common_kw)
         trainer = VariationalTrainer(model=model, args=args, train_dataset=ds, callbacks=[clock])
     elif kind == "vt_ivon":
         ivon = IVONConfig(ess=IVON_KW["ess"], hess_init=IVON_KW["hess_init"], beta2=IVON_KW["beta2"],
@@ -214,13 +215,15 @@ def main(argv: list[str] | None = None) -> dict:
     import platform
 
     result = {
-        "what": "time per optimizer step (median of step-end gaps per block; blocks interleaved, random order per round)",
+        "what": "time per optimizer step (median of step-end gaps per block; blocks interleaved, random order per "
+                "round)",
         "data": data_name, "model": f"SmallCNN, {n_params} parameters", "batch_size": 64, "rounds": a.rounds,
         "steps_per_block": a.steps, "skip": a.skip, "threads": torch.get_num_threads(), "device": "cpu",
         "cpu": platform.processor() or platform.machine(), "ivon_settings": IVON_KW, "adamw_settings": ADAMW_KW,
         "per_config": summary, "ratios": ratios, "per_round_s": per_round, "versions": common._versions(),
         "note": "Logging off in all configurations (with logging on, VariationalTrainer adds one Hessian/σ median per "
-                "logging step). The machine is shared by other processes: trust ratios within a round, not absolute ms.",
+                "logging step). The machine is shared by other processes: trust ratios within a round, not "
+                "absolute ms.",
     }
     common.write_json(Path(a.out) / "trainer_overhead.json", result)
     report(Path(a.out))

@@ -102,7 +102,8 @@ def jobs_for(phase: str, epochs: int, candidates: list[str] | None, seeds: list[
     """Seed-major (an interrupted phase leaves complete seeds behind), most informative first within a seed."""
     specs = {**baselines(), **ivon_candidates(epochs)}
     if phase == "screen":
-        names, seeds = candidates or ["ERM", "LS0.7", "LS0.9", "S1", "W0.1c", "W0.03c", "W0.3c", "LS0.5", "LS0.3", "LS0.1"], [0]
+        names, seeds = (candidates or ["ERM", "LS0.7", "LS0.9", "S1", "W0.1c", "W0.03c", "W0.3c", "LS0.5", "LS0.3",
+                                       "LS0.1"]), [0]
     elif phase == "confirm":
         names, seeds = candidates or ["ERM", "LS0.7", "LS0.9", "S1", "W0.1c", "LS0.5"], seeds or [1, 2]
     elif phase == "long":
@@ -116,7 +117,8 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--phase", choices=["screen", "confirm", "long", "report"], required=True)
     p.add_argument("--epochs", type=int, default=None, help="20 for screen/confirm, 60 for long")
-    p.add_argument("--candidates", default=None, help="comma-separated labels (ERM, LS0.7, S1, W0.1c, ...) to run, in order")
+    p.add_argument("--candidates", default=None,
+                   help="comma-separated labels (ERM, LS0.7, S1, W0.1c, ...) to run, in order")
     p.add_argument("--seeds", default=None, help="comma-separated seeds (confirm: default 1,2; long: default 0,1,2)")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--dry-run", action="store_true")

@@ -108,25 +108,29 @@ def report(epochs_list: tuple[int, ...] = (20, 60)) -> dict:
         md += [f"## {epochs} epochs (T = {T} optimizer steps, batch 64, N = 9000)", ""]
         if sel_rows:
             md += ["### IVON rule selection (noisy validation, seed 0)", "",
-                   "| candidate/prediction | β2 | " + " | ".join(f"val acc {n}" for n in tl.NOISES) + " | mean | test acc (not used) |",
+                   "| candidate/prediction | β2 | " + " | ".join(f"val acc {n}" for n in tl.NOISES)
+                   + " | mean | test acc (not used) |",
                    "|---|---|" + "---|" * len(tl.NOISES) + "---|---|"]
             screen_best = sel_rows[0][0]
             for label_mode, m, vals in sel_rows:
                 label = label_mode.split("/")[0]
                 hp = tl.ivon_candidates(epochs)[label][1]
                 tests = " / ".join(f(runs[label][n][0][test_key(label_mode)]) for n in tl.NOISES)
-                md.append(f"| {label_mode}{' **(best)**' if label_mode == screen_best else ''} | {hp.get('beta2', 0.99999)} | "
+                md.append(f"| {label_mode}{' **(best)**' if label_mode == screen_best else ''} | "
+                          f"{hp.get('beta2', 0.99999)} | "
                           + " | ".join(f(vals[n]) for n in tl.NOISES) + f" | {f(m)} | {tests} |")
             md.append("")
         if conf_rows:
-            md += [f"### Confirmation: candidates run on all seeds {SEEDS}, pooled noisy-val accuracy (seeds × noises)", "",
+            md += [f"### Confirmation: candidates run on all seeds {SEEDS}, pooled noisy-val accuracy "
+                   "(seeds × noises)", "",
                    "| candidate/prediction | pooled noisy-val acc % | n |", "|---|---|---|"]
             md += [f"| {lm}{' **(selected)**' if lm == sel else ''} | {f(v)} | {n} |" for lm, v, n in conf_rows]
             md.append("")
         for noise in tl.NOISES:
             md += [f"### {noise}", "",
-                   "| method | seeds | test acc % | at mean % | NLL | ECE % | noisy-val acc % | flipped labels fitted % "
-                   "| h median end | curve peak % (epoch) |", "|---|---|---|---|---|---|---|---|---|---|"]
+                   "| method | seeds | test acc % | at mean % | NLL | ECE % | noisy-val acc % "
+                   "| flipped labels fitted % | h median end | curve peak % (epoch) |",
+                   "|---|---|---|---|---|---|---|---|---|---|"]
             rows = {}
             for label in runs:
                 per = runs[label].get(noise, {})
@@ -138,7 +142,8 @@ def report(epochs_list: tuple[int, ...] = (20, 60)) -> dict:
                 hmed = [r["hessian"].get("hess_median") for r in rs if r.get("hessian")]
                 md.append(
                     f"| {label} | {len(rs)} | {common.fmt_pm([r['test_acc'] for r in rs])} | "
-                    f"{common.fmt_pm([r['test_mean_acc'] for r in rs])} | {common.fmt_pm([r['test_nll'] for r in rs], 1, 3)} | "
+                    f"{common.fmt_pm([r['test_mean_acc'] for r in rs])} | "
+                    f"{common.fmt_pm([r['test_nll'] for r in rs], 1, 3)} | "
                     f"{common.fmt_pm([r['test_ece'] for r in rs])} | {common.fmt_pm([r['val_acc'] for r in rs])} | "
                     f"{common.fmt_pm([r['fit_flipped'] for r in rs], 100, 1)} | "
                     f"{('%.3g' % np.median(hmed)) if hmed else '–'} | "
@@ -148,9 +153,12 @@ def report(epochs_list: tuple[int, ...] = (20, 60)) -> dict:
             chosen = {s: c for s, c in chosen.items() if c is not None}
             if chosen:
                 rs = [c[1] for c in chosen.values()]
-                md.append(f"| **LS val-selected** (α per seed: {', '.join(c[0] for c in chosen.values())}) | {len(rs)} | "
-                          f"{common.fmt_pm([r['test_acc'] for r in rs])} | – | {common.fmt_pm([r['test_nll'] for r in rs], 1, 3)} | "
-                          f"{common.fmt_pm([r['test_ece'] for r in rs])} | {common.fmt_pm([r['val_acc'] for r in rs])} | "
+                md.append(f"| **LS val-selected** (α per seed: {', '.join(c[0] for c in chosen.values())}) | "
+                          f"{len(rs)} | "
+                          f"{common.fmt_pm([r['test_acc'] for r in rs])} | – | "
+                          f"{common.fmt_pm([r['test_nll'] for r in rs], 1, 3)} | "
+                          f"{common.fmt_pm([r['test_ece'] for r in rs])} | "
+                          f"{common.fmt_pm([r['val_acc'] for r in rs])} | "
                           f"{common.fmt_pm([r['fit_flipped'] for r in rs], 100, 1)} | – | – |")
             md.append("")
             # paired gaps
@@ -174,20 +182,25 @@ def report(epochs_list: tuple[int, ...] = (20, 60)) -> dict:
                 if full:
                     best = max(full, key=lambda lab: np.mean([runs[lab][noise][s]["test_acc"] for s in per]))
                     d = [per[s][tk] - runs[best][noise][s]["test_acc"] for s in per]
-                    gap_lines.append(f"| {shown} − LS oracle ({best}, chosen on test) | {len(d)} | {common.fmt_pm(d)} | "
+                    gap_lines.append(f"| {shown} − LS oracle ({best}, chosen on test) | {len(d)} | "
+                                     f"{common.fmt_pm(d)} | "
                                      f"{', '.join(f'{x * 100:+.2f}' for x in d)} |")
             if gap_lines:
-                md += ["| paired gap (test acc, pp) | seeds | mean ± std | per seed |", "|---|---|---|---|", *gap_lines, ""]
+                md += ["| paired gap (test acc, pp) | seeds | mean ± std | per seed |", "|---|---|---|---|",
+                       *gap_lines, ""]
             # curves
-            labels = [lab for lab in ["ERM", "LS0.5", "LS0.7", "LS0.9", "S1", "fixed", "W0.3c", "W0.1c", "W0.1c-d0.001", "W0.03c"] if lab in rows]
+            labels = [lab for lab in ["ERM", "LS0.5", "LS0.7", "LS0.9", "S1", "fixed", "W0.3c", "W0.1c",
+                                      "W0.1c-d0.001", "W0.03c"] if lab in rows]
             if labels:
                 hist = {lab: np.array([[h["test_acc"] for h in r["history"]] for r in rows[lab]]) for lab in labels}
                 n_ep = min(h.shape[1] for h in hist.values())
                 step = max(1, n_ep // 10)
-                md += ["Clean-test accuracy % at the mean weights during training (2k-image test subset, mean over seeds):", "",
+                md += ["Clean-test accuracy % at the mean weights during training (2k-image test subset, mean over "
+                       "seeds):", "",
                        "| epoch | " + " | ".join(labels) + " |", "|---|" + "---|" * len(labels)]
                 for e in [0, *range(step - 1, n_ep, step)]:
-                    md.append(f"| {e + 1} | " + " | ".join(f"{hist[lab][:, e].mean() * 100:.1f}" for lab in labels) + " |")
+                    md.append(f"| {e + 1} | " + " | ".join(f"{hist[lab][:, e].mean() * 100:.1f}" for lab in labels)
+                              + " |")
                 md.append("")
             summary[epochs]["rows"][noise] = {
                 lab: {"seeds": len(rs), "test_acc": common.mean_std([r["test_acc"] for r in rs]),
@@ -209,26 +222,32 @@ def report(epochs_list: tuple[int, ...] = (20, 60)) -> dict:
 
 
 def readme_table(runs: dict, epochs: int) -> str:
-    """The study's summary for benchmarks/README.md: clean-test accuracy, NLL, ECE and flipped labels fitted of ERM, LS
-    chosen on noisy validation, the library's default IVON and the `hessian_window=0.1` rule, with the paired gaps."""
+    """The study's summary for benchmarks/README.md: clean-test accuracy, NLL, ECE and flipped labels fitted of ERM,
+    LS chosen on noisy validation, the library's default IVON and the `hessian_window=0.1` rule, with the paired
+    gaps."""
     chosen = {n: {s: c for s in SEEDS if (c := ls_val_selected(runs, n, s)) is not None} for n in tl.NOISES}
     window = 1 / (1 - tl.ivon_candidates(epochs)["W0.1c"][1]["beta2"])
     floor = "" if window >= 300 else "; the library's 300-step floor makes it 300"
     alphas = sorted({c[0] for per in chosen.values() for c in per.values()})
     rows = [("ERM (SGD)", {n: list(runs.get("ERM", {}).get(n, {}).values()) for n in tl.NOISES}, "")]
     if epochs != 20 and "LS0.7" in runs:
-        rows.append(("LS 0.7 (the α chosen at 20 epochs)", {n: list(runs["LS0.7"].get(n, {}).values()) for n in tl.NOISES}, ""))
+        rows.append(("LS 0.7 (the α chosen at 20 epochs)",
+                     {n: list(runs["LS0.7"].get(n, {}).values()) for n in tl.NOISES}, ""))
     rows += [(f"LS, α chosen per seed on noisy val (chosen: {', '.join(alphas)})",
               {n: [c[1] for c in chosen[n].values()] for n in tl.NOISES}, ""),
-             ("IVON, library defaults (β2 0.99999), BMA", {n: list(runs.get("S1", {}).get(n, {}).values()) for n in tl.NOISES}, ""),
+             ("IVON, library defaults (β2 0.99999), BMA",
+              {n: list(runs.get("S1", {}).get(n, {}).values()) for n in tl.NOISES}, ""),
              (f"IVON, `hessian_window=0.1` rule (run with a {window:.0f}-step window{floor}), posterior mean",
               {n: list(runs.get("W0.1c", {}).get(n, {}).values()) for n in tl.NOISES}, "mean_"),
-             ("IVON, same rule, BMA of 8 draws", {n: list(runs.get("W0.1c", {}).get(n, {}).values()) for n in tl.NOISES}, "")]
-    best = {n: max(range(len(rows)), key=lambda i: common.mean_std([r[f"test_{rows[i][2]}acc"] for r in rows[i][1][n]])[0]
+             ("IVON, same rule, BMA of 8 draws",
+              {n: list(runs.get("W0.1c", {}).get(n, {}).values()) for n in tl.NOISES}, "")]
+    best = {n: max(range(len(rows)),
+                   key=lambda i: common.mean_std([r[f"test_{rows[i][2]}acc"] for r in rows[i][1][n]])[0]
                    if rows[i][1][n] else -1) for n in tl.NOISES}
     names = " / ".join(n.replace("40", "") for n in tl.NOISES)
     lines = ["| method | " + " | ".join(f"{n.replace('40', '-40')} %" for n in tl.NOISES)
-             + f" | NLL {names} | ECE % {names} | wrong labels fitted % {names} |", "|---|" + "---|" * (len(tl.NOISES) + 3)]
+             + f" | NLL {names} | ECE % {names} | wrong labels fitted % {names} |",
+             "|---|" + "---|" * (len(tl.NOISES) + 3)]
     for i, (label, per, mode) in enumerate(rows):
         acc = [common.fmt_pm([r[f"test_{mode}acc"] for r in per[n]]) for n in tl.NOISES]
         acc = [f"**{a}**" if best[n] == i else a for a, n in zip(acc, tl.NOISES)]
@@ -241,11 +260,14 @@ def readme_table(runs: dict, epochs: int) -> str:
                              ("rule, BMA", "W0.1c", "test_acc")):
         per_noise = []
         for n in tl.NOISES:
-            d = [100 * (runs[name][n][s][key] - c[1]["test_acc"]) for s, c in chosen[n].items() if s in runs.get(name, {}).get(n, {})]
-            shown = f"{'/'.join(f'{x:+.1f}' for x in d)} ({n.replace('40', '')}, {common.fmt_pm([x / 100 for x in d], 100, 1)})"
+            d = [100 * (runs[name][n][s][key] - c[1]["test_acc"]) for s, c in chosen[n].items()
+                 if s in runs.get(name, {}).get(n, {})]
+            shown = (f"{'/'.join(f'{x:+.1f}' for x in d)} "
+                     f"({n.replace('40', '')}, {common.fmt_pm([x / 100 for x in d], 100, 1)})")
             per_noise.append(shown.replace("-", "−"))
         gaps.append(f"{label} " + ", ".join(per_noise))
-    lines += ["", "Paired gaps (pp, IVON − LS chosen on noisy val, per seed, then mean ± std): " + "; ".join(gaps) + "."]
+    lines += ["", "Paired gaps (pp, IVON − LS chosen on noisy val, per seed, then mean ± std): "
+              + "; ".join(gaps) + "."]
     return "\n".join(lines)
 
 
@@ -259,7 +281,8 @@ def _plot(runs: dict, epochs: int, path: Path) -> None:
         return
     fig, axes = plt.subplots(1, len(tl.NOISES), figsize=(5.5 * len(tl.NOISES), 4), sharey=False)
     styles = {"ERM": ("k", "-"), "LS0.7": ("tab:blue", "--"), "LS0.9": ("tab:blue", "-"), "S1": ("tab:red", ":"),
-              "fixed": ("tab:gray", ":"), "W0.3c": ("tab:orange", "--"), "W0.1c": ("tab:red", "-"), "W0.03c": ("tab:purple", "-."),
+              "fixed": ("tab:gray", ":"), "W0.3c": ("tab:orange", "--"), "W0.1c": ("tab:red", "-"),
+              "W0.03c": ("tab:purple", "-."),
               "W0.1c-d0.001": ("tab:green", "-")}
     for ax, noise in zip(np.atleast_1d(axes), tl.NOISES):
         for label, (color, ls) in styles.items():

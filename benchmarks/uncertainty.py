@@ -8,7 +8,8 @@ Tasks (every test number is on clean labels; choices are made on the noisy valid
   resized to 28×28, normalised as MNIST.
 * ``sst2``: all-MiniLM-L6-v2 cut to two layers, as real_noise.py (its text set-up and data code), on the first
   ``TEXT_TRAIN`` of its shuffled SST-2 training sentences for ``EPOCHS["sst2"]`` epochs (smaller than real_noise.py's
-  2,000 × 3 to fit the CPU budget), scored on its 1,000 test sentences; out-of-distribution: the 500 TREC test questions.
+  2,000 × 3 to fit the CPU budget), scored on its 1,000 test sentences; out-of-distribution: the 500 TREC test
+  questions.
 
 Methods, each with the cost of its trainings:
 
@@ -193,7 +194,8 @@ def text_jobs(noise: str, seed: int) -> list[dict[str, Any]]:
     base = {"noise": noise, "seed": seed}
     return ([{"role": "ivon", "method": "ivon", "hyperparams": {}, "init_seed": seed, **base},
              {"role": "erm", "method": "erm", "hyperparams": {}, "init_seed": seed, **base}]
-            + [{"role": f"ls{a:g}", "method": "ls", "hyperparams": {"smoothing": a}, "init_seed": seed, **base} for a in ls_grid]
+            + [{"role": f"ls{a:g}", "method": "ls", "hyperparams": {"smoothing": a}, "init_seed": seed, **base}
+               for a in ls_grid]
             + [{"role": "dropout", "method": "erm", "hyperparams": {}, "init_seed": seed, **base}]
             + [{"role": f"member{m}", "method": "erm", "hyperparams": {}, "init_seed": ENSEMBLE_INIT * m + seed, **base}
                for m in range(1, ENSEMBLE)])
@@ -218,7 +220,9 @@ def run_text(job: dict[str, Any]) -> dict[str, Any]:
     initialised from `init_seed`; the MC-dropout role is the ERM run itself, scored with dropout on."""
     if job["role"] == "dropout":
         erm = run_text({**job, "role": "erm"})
-        return {**erm, "role": "dropout", "analysis": {**erm["analysis"], "predictions": erm["analysis"]["weights"].replace(".pt", "_mcdropout.npz")}}
+        return {**erm, "role": "dropout",
+                "analysis": {**erm["analysis"],
+                             "predictions": erm["analysis"]["weights"].replace(".pt", "_mcdropout.npz")}}
     from transformers import DataCollatorWithPadding
     from transformers.trainer_callback import PrinterCallback
 
@@ -242,7 +246,8 @@ def run_text(job: dict[str, Any]) -> dict[str, Any]:
     name = f"sst2_{job['noise']}_{job['method']}_{common._slug(job['hyperparams'])}_s{job['seed']}_i{job['init_seed']}"
     with tempfile.TemporaryDirectory(prefix="varsmooth-uncertainty-") as tmp:
         args = common.training_arguments(
-            job["method"], output_dir=tmp, num_train_epochs=cfg["epochs"], per_device_train_batch_size=cfg["batch_size"],
+            job["method"], output_dir=tmp, num_train_epochs=cfg["epochs"],
+            per_device_train_batch_size=cfg["batch_size"],
             per_device_eval_batch_size=256, seed=job["init_seed"], data_seed=job["init_seed"],
             use_cpu=common.bench_device() == "cpu", report_to=[],
             save_strategy="no", eval_strategy="no", logging_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
@@ -260,10 +265,12 @@ def run_text(job: dict[str, Any]) -> dict[str, Any]:
             torch.save({k: v for k, v in trainer.model.state_dict().items()}, CACHE_DIR / f"{name}.pt")
             analysis["weights"] = f"{name}.pt"
     val_labels = np.asarray(data["val"]["label"])
-    result = {"key": path.stem, "config": config, "settings": settings, "device": common.bench_device(), "train_s": train_s, "train_loss": training_loss,
+    result = {"key": path.stem, "config": config, "settings": settings, "device": common.bench_device(),
+              "train_s": train_s, "train_loss": training_loss,
               "diverged": diverged, "analysis": analysis, "versions": common._versions(),
               "val_acc": float((splits["val"]["probs"].argmax(-1) == val_labels).mean()),
-              "val_nll": float(-np.log(np.clip(splits["val"]["probs"][np.arange(len(val_labels)), val_labels], 1e-30, None)).mean())}
+              "val_nll": float(-np.log(np.clip(splits["val"]["probs"][np.arange(len(val_labels)), val_labels],
+                                               1e-30, None)).mean())}
     common.write_json(path, result)
     print(f"[{SCRIPT}] {path.stem}: train {train_s:.0f}s val acc {result['val_acc']:.4f}", flush=True)
     return {**result, "role": job["role"]}
@@ -284,8 +291,8 @@ def mc_dropout_predictions(task: str, run: dict[str, Any], noise: str, seed: int
     if task == "mnist":
         data = common.load_data("mnist")
         model = common.SmallCNN(data.image_shape, data.num_classes, dropout=DROPOUT)
-        sets = {"val": common.ArrayDataset(data.x_val, data.y_val), "test": common.ArrayDataset(data.x_test, data.y_test),
-                "ood": mnist_ood()}
+        sets = {"val": common.ArrayDataset(data.x_val, data.y_val),
+                "test": common.ArrayDataset(data.x_test, data.y_test), "ood": mnist_ood()}
         collate = None
     else:
         data = text_data(noise, seed)
@@ -317,7 +324,8 @@ def _entropy(probs: np.ndarray) -> np.ndarray:
     return -(probs * np.log(np.clip(probs, 1e-30, None))).sum(-1)
 
 
-def _temperature_scaled(pred: dict[str, dict[str, np.ndarray]], val_labels: np.ndarray) -> tuple[dict[str, dict[str, np.ndarray]], float]:
+def _temperature_scaled(pred: dict[str, dict[str, np.ndarray]],
+                        val_labels: np.ndarray) -> tuple[dict[str, dict[str, np.ndarray]], float]:
     """`pred` with softmax(log p / T), T fitted by NLL on the noisy validation split (logits divided by T too)."""
     from varsmooth.temperature_scaling import TemperatureScaling
 
@@ -351,7 +359,8 @@ def score(pred: dict[str, dict[str, np.ndarray]], test_labels: np.ndarray, with_
     return metrics
 
 
-def method_metrics(runs: dict[str, dict[str, Any]], val_labels: np.ndarray, test_labels: np.ndarray) -> dict[str, dict[str, Any]]:
+def method_metrics(runs: dict[str, dict[str, Any]], val_labels: np.ndarray,
+                   test_labels: np.ndarray) -> dict[str, dict[str, Any]]:
     """Metrics and cost of every method of one (task, noise, seed) from its runs by role; methods with a missing run
     are left out."""
     preds = {role: load_predictions(r) for role, r in runs.items()}
@@ -470,22 +479,25 @@ def report(stored: dict[str, dict[str, dict[str, Any]]]) -> str:
     lines = ["## Uncertainty: calibration, selective prediction and OOD detection (issue 22)", "",
              "Written by `benchmarks/uncertainty.py` (see its docstring for the set-up). Mean ± std over the seeds "
              "shown; accuracy, ECE in %; NLL; AURC ×100 (lower is better); OOD AUROC ×100 (higher is better) and "
-             "FPR95 in % (lower is better) by the maximum probability; cost = trainings × mean seconds of one training "
-             "on one CPU thread of a shared, heavily loaded machine (the seconds vary by 3× between identical runs: the "
-             "number of trainings is the reliable cost). Test metrics are on clean labels; with noisy training labels "
-             "a calibrated model of the *noisy* labels is underconfident on clean ones, so ECE is large for every method "
-             "and temperature scaling fitted on the noisy validation split does not remove it.", ""]
+             "FPR95 in % (lower is better) by the maximum probability; cost = trainings × mean seconds of one "
+             "training on one CPU thread of a shared, heavily loaded machine (the seconds vary by 3× between identical "
+             "runs: the number of trainings is the reliable cost). Test metrics are on clean labels; with noisy "
+             "training labels a calibrated model of the *noisy* labels is underconfident on clean ones, so ECE is "
+             "large for every method and temperature scaling fitted on the noisy validation split does not remove "
+             "it.", ""]
     for task in ("mnist", "sst2"):
         for noise in NOISES:
             cells = {int(k.split("|")[2]): v for k, v in stored.items() if k.startswith(f"{task}|{noise}|")}
             if not cells:
-                lines += [f"### {task.upper()}, {noise}: no completed seed yet (run `benchmarks/uncertainty.py --tasks {task}`).", ""]
+                lines += [f"### {task.upper()}, {noise}: no completed seed yet "
+                          f"(run `benchmarks/uncertainty.py --tasks {task}`).", ""]
                 continue
             seeds = sorted(cells)
             ood = "CIFAR-10 (grayscale 28×28)" if task == "mnist" else "TREC"
             lines += [f"### {task.upper()}, {'clean labels' if noise == 'clean' else '40 % symmetric noise'} "
                       f"(OOD: {ood}; seeds {', '.join(map(str, seeds))})", "",
-                      "| method | accuracy | NLL | ECE | AURC | OOD AUROC | FPR95 | AUROC entropy | AUROC MI | AUROC energy | cost |",
+                      "| method | accuracy | NLL | ECE | AURC | OOD AUROC | FPR95 | AUROC entropy | AUROC MI "
+                      "| AUROC energy | cost |",
                       "|---|---|---|---|---|---|---|---|---|---|---|"]
             for method in METHOD_ORDER:
                 rs = [cells[s][method] for s in seeds if method in cells[s]]
@@ -496,7 +508,8 @@ def report(stored: dict[str, dict[str, dict[str, Any]]]) -> str:
                 cost = f"{rs[0]['trainings']} × {np.mean([r['train_s'] / r['trainings'] for r in rs]):.0f} s"
                 lines.append(f"| {method} | {col('accuracy')} | {col('nll', 1.0, 3)} | {col('ece')} | {col('aurc')} | "
                              f"{col('ood_max_prob_auroc', 100.0, 1)} | {col('ood_max_prob_fpr95', 100.0, 1)} | "
-                             f"{col('ood_entropy_auroc', 100.0, 1)} | {col('ood_mutual_information_auroc', 100.0, 1)} | "
+                             f"{col('ood_entropy_auroc', 100.0, 1)} | "
+                             f"{col('ood_mutual_information_auroc', 100.0, 1)} | "
                              f"{col('ood_energy_auroc', 100.0, 1)} | {cost} |")
             extra = []
             ls = [cells[s]["LS (α on noisy val)"]["alpha"] for s in seeds if "LS (α on noisy val)" in cells[s]]
@@ -527,7 +540,8 @@ def reading(cells: dict[int, dict[str, dict[str, Any]]], seeds: list[int]) -> li
             parts.append(f"{label} {'lower' if lower else 'higher'} on {wins}/{len(paired)} seeds "
                          f"(mean difference {scale * np.mean(diff):+.2f})")
         cost = cells[paired[0]][rival]["trainings"]
-        out.append(f"- IVON vs {rival} ({cost} training{'s' if cost > 1 else ''} against IVON's 1): " + "; ".join(parts) + ".")
+        out.append(f"- IVON vs {rival} ({cost} training{'s' if cost > 1 else ''} against IVON's 1): "
+                   + "; ".join(parts) + ".")
     means = {m: {k: np.mean([cells[s][m][k] for s in seeds if m in cells[s]]) for k in
                  ("ood_max_prob_auroc", "ood_mutual_information_auroc")
                  if all(k in cells[s][m] for s in seeds if m in cells[s])}

@@ -74,7 +74,8 @@ def test_json_reports_reproduce_their_tables(script, section, source, tmp_path, 
     copy = tmp_path / "results" / source
     copy.parent.mkdir(parents=True)
     shutil.copy(common.RESULTS_DIR / source, copy)
-    arg = {"trainer_overhead": copy.parent, "label_noise_cost": str(copy), "mislabel_detection": str(copy.parent)}[script]
+    arg = {"trainer_overhead": copy.parent, "label_noise_cost": str(copy),
+           "mislabel_detection": str(copy.parent)}[script]
     written = regenerate(module.report, tmp_path, monkeypatch, arg)
     assert block(section, written) == block(section)
     assert written.read_text() == README.read_text()  # and nothing else of the file moved
@@ -86,7 +87,8 @@ def test_hp_search_table_is_the_report():
 
     result = json.loads(hp_search.RESULT.read_text())
     assert hp_search.report(result).strip() == block("hp_search")
-    assert {method: len(trials) for method, trials in result.items()} == {m: hp_search.TRIALS for m in hp_search.SEARCHES}
+    assert ({method: len(trials) for method, trials in result.items()}
+            == {m: hp_search.TRIALS for m in hp_search.SEARCHES})
 
 
 def test_training_length_tables_are_the_reports():
@@ -121,7 +123,8 @@ def test_device_agreement_table_is_the_report(tmp_path, monkeypatch):
     import device_agreement
 
     gpu = device_agreement.gpu_runs(6)
-    cpu = [common.cached(device_agreement.SCRIPT, **{k: r["config"][k] for k in device_agreement._JOB_KEYS}) for r in gpu]
+    cpu = [common.cached(device_agreement.SCRIPT, **{k: r["config"][k] for k in device_agreement._JOB_KEYS})
+           for r in gpu]
     assert len(gpu) == 6 and all(c is not None for c in cpu)
     monkeypatch.setattr(device_agreement, "OUT_DIR", tmp_path / "device_agreement")
     written = regenerate(device_agreement.report, tmp_path, monkeypatch, gpu, cpu)
@@ -155,8 +158,10 @@ def test_default_grids_are_the_seed_grids_and_valid_arguments(tmp_path):
 
 
 # -- real_noise.py --plan fair: the selection protocol ---------------------------------------------------------------
-def _fake_runs(monkeypatch: pytest.MonkeyPatch, task: str, scores: dict[tuple[str, float, float], tuple[float, float, float]]) -> None:
-    """Stand-in cache: (optimizer, lr, ess) -> (val acc, val NLL, test acc); a missing entry is a run not yet trained."""
+def _fake_runs(monkeypatch: pytest.MonkeyPatch, task: str,
+               scores: dict[tuple[str, float, float], tuple[float, float, float]]) -> None:
+    """Stand-in cache: (optimizer, lr, ess) -> (val acc, val NLL, test acc); a missing entry is a run not yet
+    trained."""
     t = real_noise.Task.parse(task)
 
     def cached(job: dict) -> dict | None:
@@ -170,11 +175,13 @@ def _fake_runs(monkeypatch: pytest.MonkeyPatch, task: str, scores: dict[tuple[st
     monkeypatch.setattr(real_noise, "_cached", cached)
 
 
-def test_choices_are_the_noisy_validation_best_and_ess_is_tuned_at_the_chosen_rate(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_choices_are_the_noisy_validation_best_and_ess_is_tuned_at_the_chosen_rate(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     task = "cifar10n-worse"
     grid = real_noise.LR_GRID["image"]
     # AdamW: 3e-3 best on val, 1e-3 best on test (the test must not matter); 1e-3 and 3e-4 tie on val acc
-    scores = {("adamw", grid["adamw"][0], None): (0.40, 1.5, 0.60), ("adamw", grid["adamw"][1], None): (0.40, 1.7, 0.70),
+    scores = {("adamw", grid["adamw"][0], None): (0.40, 1.5, 0.60),
+              ("adamw", grid["adamw"][1], None): (0.40, 1.7, 0.70),
               ("adamw", grid["adamw"][2], None): (0.45, 1.6, 0.50)}
     # IVON: rate 3 best on val (acc tie with 1.0 broken by the lower NLL); ess 1e9 best at that rate
     scores |= {("ivon", grid["ivon"][0], 1e8): (0.30, 1.9, 0.66), ("ivon", grid["ivon"][1], 1e8): (0.50, 1.3, 0.65),
@@ -198,8 +205,10 @@ def test_choices_are_the_noisy_validation_best_and_ess_is_tuned_at_the_chosen_ra
 def test_settings_equal_to_the_preset_keep_their_cached_keys() -> None:
     task = real_noise.Task.parse("cifar10n-worse")
     preset = real_noise.IVON_FINETUNE["image"]
-    assert real_noise._with_settings(task, "ivon", {}, {"learning_rate": preset["learning_rate"], "ess": preset["ess"]}) == {}
-    assert real_noise._with_settings(task, "ivon", {"hessian_window": 0.1}, {"learning_rate": 0.3, "ess": preset["ess"]}) == \
+    assert real_noise._with_settings(task, "ivon", {},
+                                     {"learning_rate": preset["learning_rate"], "ess": preset["ess"]}) == {}
+    assert real_noise._with_settings(task, "ivon", {"hessian_window": 0.1},
+                                     {"learning_rate": 0.3, "ess": preset["ess"]}) == \
         {"hessian_window": 0.1, "learning_rate": 0.3}
 
 
@@ -215,8 +224,10 @@ def test_stated_budget_counts_every_tuning_training() -> None:
 
 def test_readme_table_bolds_the_best_mean_of_each_column() -> None:
     cells = {"a": "1", "b": "2", "c": "3"}
-    assert real_noise._bold_best(cells, {"a": 0.2, "b": 0.9, "c": float("nan")}, lower=False) == {"a": "1", "b": "**2**", "c": "3"}
-    assert real_noise._bold_best(cells, {"a": 0.2, "b": 0.9, "c": 0.5}, lower=True) == {"a": "**1**", "b": "2", "c": "3"}
+    assert (real_noise._bold_best(cells, {"a": 0.2, "b": 0.9, "c": float("nan")}, lower=False)
+            == {"a": "1", "b": "**2**", "c": "3"})
+    assert (real_noise._bold_best(cells, {"a": 0.2, "b": 0.9, "c": 0.5}, lower=True)
+            == {"a": "**1**", "b": "2", "c": "3"})
 
 
 def _run(seed: int, method: str, hp: dict, val_acc: float, val_nll: float = 1.0) -> dict:
@@ -320,7 +331,8 @@ def test_preset_defaults_table_renders_from_a_fake_cache(tmp_path, monkeypatch) 
     accs = {("cifar10n-worse", "ivon"): 0.60, ("cifar10n-worse", "erm"): 0.62, ("trec-sym30", "ivon"): 0.805,
             ("trec-sym30", "erm"): 0.80}
     monkeypatch.setattr(real_noise, "_cached", lambda job: fake(job["task_name"], job["method"], job["seed"],
-                                                                 accs[(job["task_name"], job["method"])] + job["seed"] / 100)
+                                                                 accs[(job["task_name"], job["method"])]
+                                                                 + job["seed"] / 100)
                         if (job["task_name"], job["method"]) in accs and not job.get("epochs") and (
                             job["seed"] < 2 or job["task_name"] != "cifar10n-worse") and (
                             job["seed"] == 0 or job["task_name"] != "trec-sym30") else None)
