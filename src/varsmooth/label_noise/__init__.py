@@ -5,7 +5,7 @@ from .callback import LabelNoiseCallback
 from .compute import MAGNITUDE_COLUMNS, METADATA_COLUMNS, compute_label_noise, summarize_label_noise, write_label_noise
 from .detection import SUSPICION_SCORES, detection_metrics, mislabel_detection_report, suspicion_scores
 from .mixin import LabelNoiseMixin
-from .strength import SmoothingStrengthCallback, label_smoothing_noise, mean_label_noise
+from .strength import LabelNoiseSums, SmoothingStrengthCallback, label_smoothing_noise, mean_label_noise
 from .theory import expected_sigmoid, logistic_label_noise, logistic_label_noise_peak, logistic_label_noise_rms
 
 __all__ = [
@@ -14,6 +14,7 @@ __all__ = [
     "SUSPICION_SCORES",
     "LabelNoiseCallback",
     "LabelNoiseMixin",
+    "LabelNoiseSums",
     "SmoothingStrengthCallback",
     "compute_label_noise",
     "detection_metrics",
