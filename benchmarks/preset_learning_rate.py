@@ -63,8 +63,8 @@ def report(seeds: list[int]) -> str:
             lines.append(real_noise._defaults_row(task, name, ivon, adamw, adamw_text, device))
     text = "\n".join(lines) + (
         "\n\nIVON: the `finetune` preset with only the learning rate changed; AdamW: the task's example's default, "
-        "as in `preset_defaults` (the image example's 5e-5 barely trains the CNN in 189 steps: compare the preset's two "
-        "rates there). Clean-test metrics, mean ± sd over the seeds; Δacc paired within a seed.")
+        "as in `preset_defaults` (the image example's 5e-5 barely trains the CNN in 189 steps: compare the preset's "
+        "two rates there). Clean-test metrics, mean ± sd over the seeds; Δacc paired within a seed.")
     common.write_readme_section("preset_learning_rate", text)
     return text
 
