@@ -1,4 +1,5 @@
-"""IVON's smoothing strength chosen like label smoothing's α (`ivon_smoothing`), on real label noise with pretrained models.
+"""IVON's smoothing strength chosen like label smoothing's α (`ivon_smoothing`), on real label noise with pretrained
+models.
 
     OMP_NUM_THREADS=1 python benchmarks/smoothing_strength.py                      # train what is missing, then report
     OMP_NUM_THREADS=1 python benchmarks/smoothing_strength.py --tasks cifar10n-worse --seeds 0 1 2
@@ -9,9 +10,10 @@ starting ess as chosen there on noisy validation). IVON trains at `ivon_smoothin
 0.3, 0.5}, LS's grid, and α is chosen per seed on the same noisy validation split by the same rule: four trainings
 per seed for each. ERM and LS train here too, on the same seeds, labels, batch order and code.
 
-Every IVON run also measures what it smooths: the mean ‖ε̄_i‖₁ over the first `NOISE_EXAMPLES` training examples (not
-the 128-example probe the knob targets), with `NOISE_SAMPLES` posterior draws, beside LS's 2α(1 − 1/K) at its chosen
-α. Runs are cached under benchmarks/results/smoothing_strength/runs/.
+Every IVON run also measures what it smooths: the mean ‖ε̄_i‖₁ over the first `NOISE_EXAMPLES` training
+examples (not the 128-example probe the knob targets), with `NOISE_SAMPLES` posterior draws, beside LS's 2α(1 − 1/K)
+at its chosen α and beside the knob's target on those examples, α·mean ‖p̂_i − 1/K‖₁ (p̂_i the posterior mean's
+prediction). Runs are cached under benchmarks/results/smoothing_strength/runs/.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ TASKS = ("cifar10n-worse",)
 
 
 def measure_smoothing(trainer: Any, val: Any, test: Any) -> dict[str, Any]:
-    """The run's analysis: the mean ‖ε̄‖₁ on the first training examples, the final ess and the knob's updates."""
+    """The run's analysis: the mean ‖ε̄‖₁ and mean ‖p̂ − 1/K‖₁ on the first training examples, the final ess and the
+    knob's updates."""
     import torch
 
     from varsmooth.label_noise import SmoothingStrengthCallback, mean_label_noise
@@ -60,7 +63,8 @@ def jobs(task: str, seed: int) -> list[tuple[str, dict[str, Any]]]:
 
 def train(task: str, method: str, hp: dict[str, Any], seed: int) -> dict[str, Any]:
     analyze = measure_smoothing if method == "ivon" else None
-    return real_noise.run(task, method, real_noise.fair_hyperparams(task, method, hp), seed, analyze=analyze, script=SCRIPT)
+    return real_noise.run(task, method, real_noise.fair_hyperparams(task, method, hp), seed, analyze=analyze,
+                          script=SCRIPT)
 
 
 def cached(task: str, method: str, hp: dict[str, Any], seed: int) -> dict[str, Any] | None:
@@ -107,36 +111,46 @@ def task_table(task: str, seeds: list[int]) -> str:
     rows = task_rows(task, seeds)
     k = _num_classes(task)
     lines = [f"#### {task}", "",
-             "| method | trainings per seed | seeds | acc % | NLL | ECE % | mean ‖ε̄‖₁ (IVON measured; LS 2α(1 − 1/K)) | strength chosen per seed |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| method | trainings per seed | seeds | acc % | NLL | ECE % | mean ‖ε̄‖₁ (IVON measured; LS 2α(1 − 1/K)) "
+             "| IVON's target α·mean ‖p̂ − 1/K‖₁ | strength chosen per seed |",
+             "|---|---|---|---|---|---|---|---|---|"]
 
-    def line(name: str, trainings: str, runs: list[dict[str, Any]], noise: list[float], chosen: str) -> None:
+    def line(name: str, trainings: str, runs: list[dict[str, Any]], noise: list[float], target: list[float],
+             chosen: str) -> None:
         if not runs:
             return
         lines.append(f"| {name} | {trainings} | {len(runs)} | {_mean_se([100 * r['test_acc'] for r in runs])} | "
                      f"{_mean_se([r['test_nll'] for r in runs])} | {_mean_se([100 * r['test_ece'] for r in runs])} | "
-                     f"{_mean_se(noise) if noise else '–'} | {chosen} |")
+                     f"{_mean_se(noise) if noise else '–'} | {_mean_se(target) if target else '–'} | {chosen} |")
+
+    def target(strength: float, run: dict[str, Any]) -> list[float]:
+        """The knob's target on the run's measured examples (runs of the knob off have none)."""
+        distance = run["analysis"].get("distance_from_uniform")
+        return [strength * distance] if strength and distance is not None else []
 
     erm = [r["erm"] for r in rows if r["erm"]]
-    line("erm", "1", erm, [], "–")
+    line("erm", "1", erm, [], [], "–")
     ls = [r["ls"] for r in rows if r["ls"]]
     line("ls (α chosen)", str(len(real_noise.LS_GRID) + 1), [run for _, run in ls],
-         [_ls_noise(a, k) for a, _ in ls], ", ".join(f"{a:g}" for a, _ in ls))
+         [_ls_noise(a, k) for a, _ in ls], [], ", ".join(f"{a:g}" for a, _ in ls))
     chosen = [r["ivon_chosen"] for r in rows if r["ivon_chosen"]]
     line("ivon (strength chosen)", str(len(STRENGTHS)), [run for _, run in chosen],
-         [run["analysis"]["noise_l1"] for _, run in chosen], ", ".join(f"{s:g}" for s, _ in chosen))
+         [run["analysis"]["noise_l1"] for _, run in chosen], [t for s, run in chosen for t in target(s, run)],
+         ", ".join(f"{s:g}" for s, _ in chosen))
     for s in STRENGTHS:
         runs = [r["ivon"][s] for r in rows if r["ivon"].get(s)]
         name = "ivon (knob off)" if s == 0 else f"ivon (ivon_smoothing={s:g}; LS's ‖ε‖₁ {_ls_noise(s, k):.3g})"
-        line(name, "1", runs, [run["analysis"]["noise_l1"] for run in runs], "–")
+        line(name, "1", runs, [run["analysis"]["noise_l1"] for run in runs],
+             [t for run in runs for t in target(s, run)], "–")
     both = [(r["ivon_chosen"][1], r["ls"][1]) for r in rows if r["ivon_chosen"] and r["ls"]]
     if both:
         diff = [100 * (a["test_acc"] - b["test_acc"]) for a, b in both]
         dnll = [a["test_nll"] - b["test_nll"] for a, b in both]
         mean, sd = common.mean_std(diff)
         se = sd / len(diff) ** 0.5
+        separated = "separated" if len(diff) > 1 and abs(mean) > 2 * se else "not separated"
         lines += ["", f"IVON (strength chosen) − LS (α chosen), paired over {len(diff)} seeds: accuracy "
-                      f"{mean:+.2f} ± {se:.2f} pp (SE; {'separated' if len(diff) > 1 and abs(mean) > 2 * se else 'not separated'} "
+                      f"{mean:+.2f} ± {se:.2f} pp (SE; {separated} "
                       f"at 2 SE), NLL {common.mean_std(dnll)[0]:+.3f}; ahead in accuracy on "
                       f"{sum(d > 0 for d in diff)}/{len(diff)} seeds."]
     return "\n".join(lines)

@@ -1,5 +1,5 @@
-"""Does the text example's posterior know what it has not seen? Mutual information (MI) and entropy on out-of-distribution
-sentences (issue 40, item 2, for the text example).
+"""Does the text example's posterior know what it has not seen? Mutual information (MI) and entropy on
+out-of-distribution sentences (issue 40, item 2, for the text example).
 
 The text example (examples/train_text_classification.py: all-MiniLM-L6-v2 cut to 2 layers, mean pooling, IVON's
 `finetune` preset) on SST-2 with its default 30 % symmetric label noise, run as a subprocess on the same code path with
@@ -14,10 +14,11 @@ the posterior mean, the entropy H[P̂] and the MI from the same draws) on:
 * noise: 500 "sentences" of random token ids drawn uniformly from the tokenizer's vocabulary (special and [unused]
   tokens excluded), each as long as a randomly chosen SST-2 test sentence in tokens (fixed, seed 0).
 
-AUROC = P(score on the OOD input > score on the test input) for MI, entropy and 1 − max probability; accuracy and NLL on
-the 1,000 test sentences at the posterior mean and by BMA. ERM (`--method erm`, AdamW 3e-4, a point estimate) scores
-by entropy and max probability only. Settings: IVON's default (`ivon_smoothing` off, ess 1e8) and
-`--ivon_smoothing α`, which sets ess from the data so that IVON smooths like label smoothing at α (wider posterior).
+AUROC = P(score on the OOD input > score on the test input) for MI, entropy and 1 − max probability; accuracy and
+NLL on the 1,000 test sentences at the posterior mean and by BMA. ERM (`--method erm`, AdamW 3e-4, a point estimate)
+scores by entropy and max probability only. Settings: IVON's default (`ivon_smoothing` off, ess 1e8) and
+`--ivon_smoothing α`, which sets ess from the data so that IVON smooths like label smoothing at α, with the model's
+own predictions for labels (a wider posterior).
 
     OMP_NUM_THREADS=1 python benchmarks/text_ood.py --settings default erm --seeds 0 1 2   # train (cached) + table
     python benchmarks/text_ood.py --report                                               # README table from the cache
@@ -225,17 +226,18 @@ def report(write: bool = True) -> str:
             continue
         col = functools.partial(_col, runs)
         mi = " / ".join(_sci(runs, f"mi_median_{name}") for name in ("test", *OOD_SETS))
+        fixed_ess = "–" if setting == "erm" else "1e8 (fixed)"
         rows.append(
             f"| {setting} | {', '.join(str(r['seed']) for r in runs)} | {col('mean_accuracy', 100, 1)} | "
             f"{col('bma_accuracy', 100, 1)} | {col('mean_nll', 1, 3)} | {col('bma_nll', 1, 3)} | "
             + " | ".join(col(f"auroc_{kind}_{ood}") for kind in ("mi", "entropy") for ood in OOD_SETS)
             + f" | {mi if 'mi_median_test' in runs[0] else '–'} | {_sci(runs, 'posterior_std_median')} | "
-            f"{_sci(runs, 'final_ess') if runs[0].get('final_ess') else ('–' if setting == 'erm' else '1e8 (fixed)')} |")
+            f"{_sci(runs, 'final_ess') if runs[0].get('final_ess') else fixed_ess} |")
     table = ("SST-2, 30 % symmetric noise, the text example with `" + " ".join(BASE_FLAGS) + "`; scored on "
-             f"{TEST_SIZE} clean SST-2 test sentences against the {500} TREC test questions and {NOISE_SIZE} random-token "
-             "sentences. BMA: 8 draws at τ = 1; MI, entropy and max probability from that one prediction (ERM: its "
-             "point prediction); with 2 classes the entropy ranks inputs as 1 − max probability does (same AUROC). AUROC: "
-             "P(OOD input scores more uncertain). Mean ± sd over the seeds listed; "
+             f"{TEST_SIZE} clean SST-2 test sentences against the {500} TREC test questions and {NOISE_SIZE} "
+             "random-token sentences. BMA: 8 draws at τ = 1; MI, entropy and max probability from that one prediction "
+             "(ERM: its point prediction); with 2 classes the entropy ranks inputs as 1 − max probability does (same "
+             "AUROC). AUROC: P(OOD input scores more uncertain). Mean ± sd over the seeds listed; "
              "median MI, σ and ess: medians over the seeds.\n\n" + "\n".join(rows))
     if write:
         common.write_readme_section(SCRIPT, table)
