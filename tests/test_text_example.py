@@ -24,6 +24,7 @@ from example_utils.data import SENTIMENT_SENTENCES_DIR, load_sentiment_sentences
 from example_utils.models import create_text_classifier, minilm_path
 from helpers import load_example
 from varsmooth import POSTERIOR_FILE
+from varsmooth.presets import FINETUNE_PRESET, LORA_PRESET
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "train_text_classification.py"
@@ -75,10 +76,16 @@ def test_example_defaults_are_the_ivon_finetuning_preset():
     # σ0 = 1/sqrt(ess (h0 + δ)) a few thousandths, far below the pretrained weights' typical 0.03-0.1
     assert 1 / math.sqrt(ivon.ess * (ivon.hess_init + ivon.prior_precision)) == pytest.approx(3.16e-3, rel=1e-2)
     erm = module.parse_arguments(["--use_cpu", "--method", "erm"])[3]
-    assert erm.learning_rate == pytest.approx(3e-4)  # an AdamW rate for AdamW methods, not IVON's 0.3
-    # the largest IVON step of a weight equals the AdamW rate
-    assert not ivon.rescale_lr and ivon_args.learning_rate * ivon.clip_radius == pytest.approx(erm.learning_rate)
+    assert erm.learning_rate == pytest.approx(3e-4)  # an AdamW rate for AdamW methods, not IVON's
+    # IVON at the example's own rate, below the preset's: its largest step of a weight is a third of the AdamW rate
+    assert ivon.ivon_preset == "finetune" and ivon_args.learning_rate == module.IVON_FINETUNE_LR == 0.1
+    assert FINETUNE_PRESET["learning_rate"] == 0.3
+    assert not ivon.rescale_lr and ivon_args.learning_rate * ivon.clip_radius == pytest.approx(erm.learning_rate / 3)
     assert ivon_args.eval_mc_samples == 8
+    # a rate the user gives, on the command line or in a file, is kept; with LoRA the lora preset's own rate
+    assert module.parse_arguments(["--use_cpu", "--learning_rate", "0.3"])[3].learning_rate == 0.3
+    lora = module.parse_arguments(["--use_cpu", "--lora_r", "8"])[3]
+    assert lora.method_config.ivon_preset == "lora" and lora.learning_rate == LORA_PRESET["learning_rate"]
 
 
 def test_example_trains_a_small_bert_on_local_files(tmp_path):
