@@ -909,10 +909,15 @@ def _curve_table(rows: dict[str, list[dict[str, Any]]]) -> list[str]:
 def report() -> str:
     """Markdown tables (mean ± sd over seeds) of the cached runs, plus the detection scores of the exports."""
     # runs of an older set-up (the text runs with a [CLS] head, before TEXT["pooling"]) stay in runs/ but not here
-    # the runs of `--plan defaults` have their own table (`preset_defaults_report`)
+    # the runs of `--plan defaults` have their own table (`preset_defaults_report`); those of the benchmark's own
+    # settings ({}) are this report's too
+    defaults = {(j["task_name"], j["method"], json.dumps(j["hyperparams"], sort_keys=True))
+                for j in defaults_jobs([0]) if j["hyperparams"]}
     runs = [r for r in cached_runs() if r["config"].get("version") == VERSION
             and r["config"]["setup"] == setup_for(Task.parse(r["config"]["task"]), r["config"]["setup"]["epochs"])
             and not r["config"]["hyperparams"].get(AT_DEFAULTS)
+            and (r["config"]["task"], r["config"]["method"], json.dumps(r["config"]["hyperparams"], sort_keys=True))
+            not in defaults
             and (r["config"]["task"], r["config"]["setup"]["epochs"]) != DEFAULTS_LONG]
     old_checks = {_label({"config": {"method": m, "hyperparams": hp}})
                   for checks in TUNING.values() for m, hp in checks}
@@ -1254,7 +1259,9 @@ def preset_defaults_report(seeds: list[int] | tuple[int, ...] = (0, 1, 2)) -> st
     ivon_text = settings[(DEFAULTS_TASKS[0], None)]["ivon"]
     lines += ["", "IVON: `ivon_preset=\"finetune\"` (`lora` for the LoRA rows) with nothing else set, as the examples "
               "leave it: "
-              f"lr {ivon_text['learning_rate']:g}, ess {ivon_text['ess']:g}, hess_init {ivon_text['hess_init']:g}, "
+              f"lr {ivon_text['learning_rate']:g} (the text example's own: "
+              f"{settings[(TEXT_TASKS[0], None)]['ivon']['learning_rate']:g}), ess {ivon_text['ess']:g}, "
+              f"hess_init {ivon_text['hess_init']:g}, "
               f"clip_radius {ivon_text['clip_radius']:g}, β2 {ivon_text['beta2']:g} (the preset's, which moves the "
               "Hessian within these runs); BMA over the example's posterior samples ("
               + ", ".join(f"{t}: {settings[(t, None)]['ivon']['eval_mc_samples']}"

@@ -293,8 +293,12 @@ def test_defaults_plan_runs_each_optimizer_as_the_examples_leave_it() -> None:
     # IVON: the finetune preset untouched (lr 0.3), not the benchmark's image rate of 1.0
     ivon = real_noise.effective_settings(image, "ivon", real_noise.defaults_hyperparams(image.name, "ivon"))
     assert (ivon["learning_rate"], ivon["clip_radius"], ivon["ess"]) == (0.3, 1e-3, 1e8)
-    # the benchmark's own text IVON run is the preset's defaults: reused, not trained again
-    assert real_noise.defaults_hyperparams(text.name, "ivon") == {}
+    # the text example's IVON: the preset at the example's own rate, which is the benchmark's own run at that rate
+    # (reused, not trained again)
+    text_ivon = real_noise.defaults_hyperparams(text.name, "ivon")
+    assert text_ivon == {"learning_rate": 0.1}
+    at = {real_noise.AT_DEFAULTS: True, **real_noise.example_defaults("text", "ivon")}
+    assert real_noise.effective_settings(text, "ivon", text_ivon) == real_noise.effective_settings(text, "ivon", at)
     jobs = real_noise.defaults_jobs([0, 1])
     seeds = [j["seed"] for j in jobs]
     assert seeds == sorted(seeds)  # seed-major, the CIFAR-10N tasks first within a seed, the long run after seed 0
