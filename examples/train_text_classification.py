@@ -289,7 +289,7 @@ def parse_arguments(argv: list[str]) -> tuple:
         lora = parsed[0].lora_enabled
         overrides = {"ivon_preset": "lora" if lora else "finetune"}
         if not lora and "learning_rate" not in given:
-            overrides["learning_rate"] = str(IVON_FINETUNE_LR)
+            overrides["learning_rate"] = IVON_FINETUNE_LR
         parsed, _ = parse_example_arguments(types, argv, **overrides)
     return parsed
 

@@ -69,7 +69,7 @@ def test_small_bert_learns_its_vocabulary_offline():
         create_text_classifier(None, {0: "neg", 1: "pos"})
 
 
-def test_example_defaults_are_the_ivon_finetuning_preset():
+def test_example_defaults_are_the_ivon_finetuning_preset(tmp_path):
     module = load_example("train_text_classification")
     ivon_args = module.parse_arguments(["--use_cpu"])[3]
     ivon = ivon_args.method_config
@@ -82,7 +82,10 @@ def test_example_defaults_are_the_ivon_finetuning_preset():
     assert FINETUNE_PRESET["learning_rate"] == 0.3
     assert not ivon.rescale_lr and ivon_args.learning_rate * ivon.clip_radius == pytest.approx(erm.learning_rate / 3)
     assert ivon_args.eval_mc_samples == 8
-    # a rate the user gives, on the command line or in a file, is kept; with LoRA the lora preset's own rate
+    # the same from a config file; a rate the user gives is kept; with LoRA the lora preset's own rate
+    config = tmp_path / "args.json"
+    config.write_text(json.dumps({"output_dir": str(tmp_path), "use_cpu": True}))
+    assert module.parse_arguments([str(config)])[3].learning_rate == 0.1
     assert module.parse_arguments(["--use_cpu", "--learning_rate", "0.3"])[3].learning_rate == 0.3
     lora = module.parse_arguments(["--use_cpu", "--lora_r", "8"])[3]
     assert lora.method_config.ivon_preset == "lora" and lora.learning_rate == LORA_PRESET["learning_rate"]

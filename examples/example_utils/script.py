@@ -72,7 +72,7 @@ def _chosen_method(training_cls: type, argv: list[str], config: dict[str, Any] |
 
 
 def parse_example_arguments(dataclass_types: tuple[type, ...], argv: list[str],
-                            **overrides: str) -> tuple[tuple, set[str]]:
+                            **overrides: Any) -> tuple[tuple, set[str]]:
     """The example's dataclasses (model, data, noise and training arguments, in `dataclass_types`) and the names of
     the arguments given, from command-line flags or from one JSON/YAML file given instead of them (as in the
     transformers examples). `--method` is read first; its config class's fields are flags too (`--method ivon --ess
