@@ -381,7 +381,7 @@ def engine_timing(rounds: int, steps: int, skip: int, reps: int) -> dict:
                         times[job] = _optimizer_step_s(kind, opts[kind], reps if kind != "ivon_opt" else 2)
                         continue
                     m = copy.deepcopy(model)
-                    cfg = (dict(method="ivon", method_config={"ess": 1e4, "ivon_fused": kind == "ivon"})
+                    cfg = (dict(method="ivon", method_config={"ess": 1e4, "ivon_compiled": kind == "ivon"})
                            if kind.startswith("ivon") else dict(method="erm"))
                     args = VariationalTrainingArguments(
                         output_dir=tmp, max_steps=steps, per_device_train_batch_size=ENGINE_BATCH[name], use_cpu=True,
@@ -475,7 +475,7 @@ def engine_report(rounds: int, steps: int, skip: int) -> dict:
          "fixed gradients (IVON: one sample with its restore, then the step; ivon-opt: 2 steps). Whole step: "
          f"VariationalTrainer, median step time of {steps} steps after {skip}, IVON vs AdamW(foreach=True) passed to "
          "the same trainer. IVON engine: the default, torch.compile'd kernels per (device, dtype) bucket with e from "
-         "torch's CPU generator; foreach: `compiled=False` (`--ivon_fused false`), the same functions run eagerly, "
+         "torch's CPU generator; foreach: `compiled=False` (`--ivon_compiled false`), the same functions run eagerly, "
          "what runs without a C++ compiler.", "",
          "| model | parameters | batch | IVON engine ÷ AdamW, optimizer | foreach ÷ AdamW, optimizer | "
          "ivon-opt ÷ AdamW, optimizer | IVON ÷ AdamW, whole training step | foreach ÷ AdamW, whole training step | "

@@ -609,6 +609,11 @@ def example_defaults(kind: str, method: str) -> dict[str, Any]:
     return dict(_example_defaults(kind, method))
 
 
+#: settings that choose a code path, not an experiment (IVON's compiled kernels and its foreach ops train alike,
+#: tested); `ivon_fused` is the name runs cached before the rename recorded
+CODE_PATH_SETTINGS = ("ivon_compiled", "ivon_fused")
+
+
 def effective_settings(task: Task, method: str, hyperparams: dict[str, Any],
                        epochs: int | None = None) -> dict[str, Any]:
     """The optimizer and prediction settings a run trains with once every default is resolved (the preset's fields,
@@ -631,7 +636,7 @@ def effective_settings(task: Task, method: str, hyperparams: dict[str, Any],
     rule = c.beta2 is None and beta2 != c.long_run_beta2()
     clip = c.clip_radius if c.clip_radius is not None else (HESSIAN_WINDOW_CLIP_RADIUS if rule else None)
     own = {k: v for k, v in dataclasses.asdict(c).items()
-           if k not in ("ivon_preset", "hessian_window", "beta2", "clip_radius")}
+           if k not in ("ivon_preset", "hessian_window", "beta2", "clip_radius", *CODE_PATH_SETTINGS)}
     return {**out, **own, "beta2": beta2, "clip_radius": clip, "eval_mc_samples": int(args.eval_mc_samples)}
 
 
@@ -1348,7 +1353,8 @@ def _cached(job: dict[str, Any]) -> dict[str, Any] | None:
     if not path.is_file():
         return None
     cached = json.loads(path.read_text())
-    if job["hyperparams"].get(AT_DEFAULTS) and cached.get("effective_settings") != effective_settings(
+    ran = {k: v for k, v in cached.get("effective_settings", {}).items() if k not in CODE_PATH_SETTINGS}
+    if job["hyperparams"].get(AT_DEFAULTS) and ran != effective_settings(
             Task.parse(job["task_name"]), job["method"], job["hyperparams"], job.get("epochs")):
         return None  # the defaults it ran at are no longer the examples' (a preset changed): trained again
     return cached if (not job["export"] or "export" in cached) and not _needs_val_rerun(job["method"], cached) else None

@@ -489,7 +489,7 @@ def test_inputs_of_a_shape_the_model_cannot_take_are_named_at_the_first_step(tmp
 @pytest.mark.parametrize("method", ["erm", "sam", "ls"])
 @pytest.mark.parametrize("setting", [dict(ess=100.0), dict(hess_init=0.1), dict(mc_samples=2), dict(beta2=0.999),
                                      dict(posterior_temperature=0.5), dict(prior_precision=1e-3), dict(clip_radius=0.1),
-                                     dict(rescale_lr=False), dict(ivon_fused=False), dict(hessian_window=0.5)])
+                                     dict(rescale_lr=False), dict(ivon_compiled=False), dict(hessian_window=0.5)])
 def test_ivon_settings_with_a_method_without_ivon_are_refused_by_name(tmp_path, method, setting):
     (name, value), = setting.items()
     if name in POSTERIOR_FIELDS:  # a setting of prediction with a posterior, which the method learns none of

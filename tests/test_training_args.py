@@ -117,12 +117,12 @@ def test_default_run_trains_on_unclipped_gradients(tmp_path):
     assert _max_diff(clipped, unclipped) > 1e-3
 
 
-@pytest.mark.parametrize("fused", [True, False])
-def test_ivon_fused_reaches_the_optimizer_and_either_path_matches_the_hand_written_loop(tmp_path, fused):
-    """`--ivon_fused` parses as HF's optional booleans do and picks IVON's code path (compiled kernels or foreach ops);
-    on the CPU both draw the noise from the same generator and train as the ivon-opt reference loop."""
-    assert _ivon().ivon_fused is None and _ivon("--ivon_fused", "false").ivon_fused is False
-    trainer, init, batches = _train_three_steps(tmp_path, ivon_fused=fused)
-    assert trainer.ivon.compiled is fused and trainer.ivon._dispatch.compiles is fused
+@pytest.mark.parametrize("compiled", [True, False])
+def test_ivon_compiled_reaches_the_optimizer_and_either_path_matches_the_hand_written_loop(tmp_path, compiled):
+    """`--ivon_compiled` parses as HF's optional booleans do and picks IVON's code path (compiled kernels or foreach
+    ops); on the CPU both draw the noise from the same generator and train as the ivon-opt reference loop."""
+    assert _ivon().ivon_compiled is None and _ivon("--ivon_compiled", "false").ivon_compiled is False
+    trainer, init, batches = _train_three_steps(tmp_path, ivon_compiled=compiled)
+    assert trainer.ivon.compiled is compiled and trainer.ivon._dispatch.compiles is compiled
     ref, _ = reference_ivon_loop(init, batches, 3, **REFERENCE_IVON)
     assert _max_diff(trainer.model, ref) < 1e-6

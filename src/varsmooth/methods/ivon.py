@@ -99,7 +99,7 @@ class IVONConfig(MethodConfig):
     )
     mc_samples: int = field(default=1, metadata={"help": "Posterior samples (forward+backward) per micro-batch during "
                                                          "training."})
-    ivon_fused: bool | None = field(
+    ivon_compiled: bool | None = field(
         default=None,
         metadata={"help": "IVON's compiled kernels (torch.compile; varsmooth.posterior.VariationalIVON's `compiled`): "
                           "None uses them where torch.compile works (a C++ compiler on the CPU, Triton on GPUs), "
@@ -217,7 +217,7 @@ class IVONMethod(TrainingMethod):
             )
         self.total_steps = run.total_steps
         self.learning_rate = self.default_learning_rate if run.learning_rate is None else run.learning_rate
-        return VariationalIVON(params, sample_seed=run.seed, rank=run.rank, compiled=self.config.ivon_fused,
+        return VariationalIVON(params, sample_seed=run.seed, rank=run.rank, compiled=self.config.ivon_compiled,
                                sync=run.sync, **self.ivon_settings())
 
     def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], context: MethodContext) -> torch.Tensor:

@@ -139,7 +139,7 @@ class Dispatch:
                 first_line = str(cause).strip().split("\n")[0]
                 reason = f"IVON's kernels do not compile ({type(cause).__name__}: {first_line})"
                 fix = ("a C++ compiler (g++; on GPUs Triton) for torch.compile, or pass compiled=False "
-                       "(--ivon_fused false)")
+                       "(--ivon_compiled false)")
                 if self.compiled:
                     raise RuntimeError(f"compiled=True, but {reason}: install {fix}.") from err
                 warnings.warn(f"{reason}; using foreach ops, which are slower. Install {fix} to silence this.",
