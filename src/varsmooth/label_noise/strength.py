@@ -52,7 +52,6 @@ class LabelNoiseSums(NamedTuple):
     noise_l1: float  #: Σ_i ‖ε̄_i‖₁
     distance_from_uniform: float  #: Σ_i ‖p̂_i − 1/K‖₁, p̂_i the prediction at the posterior mean
     count: int  #: number of examples
-    num_classes: int
 
 
 @torch.no_grad()
@@ -63,17 +62,16 @@ def mean_label_noise(model: torch.nn.Module, posterior: DiagonalGaussianPosterio
     posterior = posterior.at_temperature(1.0)
     was_training = model.training
     model.eval()
-    noise, distance, count, num_classes = 0.0, 0.0, 0, 0
+    noise, distance, count = 0.0, 0.0, 0
     try:
         for batch in batches:
             out = predictive_distribution(model, posterior, batch, num_samples, seed)
-            num_classes = out.probs.shape[-1]
             noise += float((out.mean_probs - out.probs).abs().sum())
-            distance += float((out.mean_probs - 1.0 / num_classes).abs().sum())
+            distance += float((out.mean_probs - 1.0 / out.probs.shape[-1]).abs().sum())
             count += out.probs.shape[0]
     finally:
         model.train(was_training)
-    return LabelNoiseSums(noise, distance, count, num_classes)
+    return LabelNoiseSums(noise, distance, count)
 
 
 class SmoothingStrengthCallback(TrainerCallback):

@@ -40,7 +40,7 @@ from ..model_parts import model_num_labels
 from ..posterior import POSTERIOR_FILE, DiagonalGaussianPosterior, VariationalIVON, hessian_summary, unwrap_ivon
 from ..posterior.draw_buffers import DrawBuffers
 from ..posterior.gaussian import non_finite_tensors
-from ..posterior_temperature import PosteriorTemperature, check_transition_matrix
+from ..posterior_temperature import check_transition_matrix
 from ..prediction import VariationalClassifierOutput
 from ..predictors import Predictor, make_predictor
 from ..temperature_scaling import TemperatureScaling
@@ -129,9 +129,9 @@ class VariationalTrainer(AfterTrainingMixin, CheckpointingMixin, VariationalHubM
                 check_input_columns(role, dataset, self._signature_columns, args.remove_unused_columns)
         check_method_inputs(self.method, self.compute_loss_func, posterior, self.optimizer)
         self._saved_posterior = posterior if posterior is not None else self._posterior_beside_model()
-        # τ of every prediction; chosen on the eval dataset when training ends, before other train-end callbacks
-        self.posterior_temperature = PosteriorTemperature.from_argument(args.posterior_temperature)
         self._draw_buffers: DrawBuffers | None = None  # each prediction draw's BatchNorm statistics, set after training
+        # τ of every prediction; chosen on the eval dataset when training ends, before other train-end callbacks
+        self._reset_posterior_temperature()
         #: T[i, j] = P(observed j | true i) of the eval dataset's labels, when known (e.g. the noise the example
         #: injected): τ is then chosen by the forward-corrected validation NLL (`varsmooth.posterior_temperature`)
         self.eval_noise_transition = (None if eval_noise_transition is None
