@@ -40,6 +40,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -231,11 +232,23 @@ def _compile_rss_bytes(model: torch.nn.Module, loss: Callable[[torch.nn.Module],
     return _rss_bytes() - before
 
 
+def _return_freed_pages() -> None:
+    """glibc's `malloc_trim(0)`: freed heap pages back to the system, so that a warm-up's (a compile's, a first
+    backward's) do not count as resident memory the measured body can reuse for free. Nothing elsewhere."""
+    import ctypes
+    import ctypes.util
+
+    libc = ctypes.util.find_library("c")
+    if libc and hasattr(ctypes.CDLL(libc), "malloc_trim"):
+        ctypes.CDLL(libc).malloc_trim(0)
+
+
 @contextlib.contextmanager
 def peak_rss_growth() -> Iterator[list[int]]:
     """Sample this process's resident memory every 0.5 ms while the body runs; yields a one-element list that holds
     the peak growth in bytes over the resident memory at entry once the body has finished."""
     gc.collect()
+    _return_freed_pages()
     before = _rss_bytes()
     peak = [before]
     done = threading.Event()
@@ -292,6 +305,9 @@ def memory(steps: int) -> dict:
 ENGINE_MODELS = ("mlp_8.4M", "vit_small")
 ENGINE_BATCH = {"mlp_8.4M": 128, "vit_small": 32}
 ENGINE_IVON_KW = dict(lr=0.1, ess=1e4, hess_init=0.5, beta1=0.9, beta2=0.99999, weight_decay=1e-4)
+#: IVON's memory rows: the CPU default (e kept, the next one drawn ahead where a core is spare), e drawn in turn, the
+#: accelerators' path (e drawn in the kernels, again for e⊙g)
+ENGINE_MEMORY_KINDS = ("ivon_engine", "ivon_engine_in_turn", "ivon_engine_redraw")
 
 
 class _MLP(torch.nn.Module):
@@ -332,8 +348,9 @@ def _engine_optimizer(kind: str, params: list) -> torch.optim.Optimizer:
 
     if kind == "adamw_foreach":
         return torch.optim.AdamW(params, lr=1e-3, foreach=True)
-    if kind in ("ivon_engine", "ivon_engine_foreach"):  # the compiled kernels, or the foreach fallback
-        return VariationalIVON(params, sample_seed=0, compiled=kind == "ivon_engine", **ENGINE_IVON_KW)
+    if kind.startswith("ivon_engine"):  # the compiled kernels (e drawn ahead or in turn), or the foreach fallback
+        return VariationalIVON(params, sample_seed=0, compiled=kind != "ivon_engine_foreach",
+                               prefetch=False if kind == "ivon_engine_in_turn" else None, **ENGINE_IVON_KW)
     return ivon.IVON(params, **ENGINE_IVON_KW)  # ivon-opt 0.1.3, the engine's predecessor and reference
 
 
@@ -372,7 +389,7 @@ def engine_timing(rounds: int, steps: int, skip: int, reps: int) -> dict:
         with tempfile.TemporaryDirectory() as tmp:
             for r in range(rounds):
                 jobs = ["opt:adamw_foreach", "opt:ivon_engine", "opt:ivon_engine_foreach", "opt:ivon_opt", "train:ivon",
-                        "train:ivon_foreach", "train:adamw_foreach"]
+                        "train:ivon_in_turn", "train:ivon_foreach", "train:adamw_foreach"]
                 rng.shuffle(jobs)
                 times = {}
                 for job in jobs:
@@ -393,7 +410,10 @@ def engine_timing(rounds: int, steps: int, skip: int, reps: int) -> dict:
                     trainer = VariationalTrainer(model=m, args=args, train_dataset=ds, callbacks=[clock],
                                                  optimizers=optimizers)
                     trainer.remove_callback(PrinterCallback)
-                    trainer.train()
+                    # e drawn in turn: as where no core is spare (the trainer builds its IVON at its default)
+                    with (mock.patch("varsmooth.posterior.optimizer._spare_core", return_value=False)
+                          if kind == "ivon_in_turn" else contextlib.nullcontext()):
+                        trainer.train()
                     times[job] = block_time(clock.ends, skip)
                 per_round.append(times)
                 print(f"{name} round {r}: " + "  ".join(f"{k} {1e3 * v:.0f}ms" for k, v in sorted(times.items())),
@@ -401,7 +421,7 @@ def engine_timing(rounds: int, steps: int, skip: int, reps: int) -> dict:
         ratios = {}
         for num, den in (("opt:ivon_engine", "opt:adamw_foreach"), ("opt:ivon_engine_foreach", "opt:adamw_foreach"),
                          ("opt:ivon_opt", "opt:adamw_foreach"), ("train:ivon", "train:adamw_foreach"),
-                         ("train:ivon_foreach", "train:adamw_foreach")):
+                         ("train:ivon_in_turn", "train:adamw_foreach"), ("train:ivon_foreach", "train:adamw_foreach")):
             v = [t[num] / t[den] for t in per_round]
             ratios[f"{num} / {den}"] = {"median": statistics.median(v), "min": min(v), "max": max(v)}
         out[name] = {"parameters": sum(p.numel() for p in model.parameters()), "batch_size": ENGINE_BATCH[name],
@@ -412,8 +432,9 @@ def engine_timing(rounds: int, steps: int, skip: int, reps: int) -> dict:
 
 def engine_memory_child(name: str, kind: str, steps: int) -> None:
     """Fresh process: peak resident-memory growth of `steps` hand-written training steps (sampled every 0.5 ms),
-    from the model and its batch alone, so it holds gradients, activations, optimizer state and its temporaries. The
-    compiled kernels are compiled before (torch.compile's footprint, once per process, is reported on its own)."""
+    from the model and its batch alone, so it holds gradients, activations, optimizer state and its temporaries. Every
+    kind runs one forward and backward on a copy first (IVON's: the compile of its kernels, whose footprint, once per
+    process, is reported on its own), whose freed pages are returned before measuring."""
     if kind == "ivon_engine_redraw":  # the accelerators' path (e drawn in the kernels, again for e⊙g), on the CPU
         from varsmooth import VariationalIVON
 
@@ -422,18 +443,22 @@ def engine_memory_child(name: str, kind: str, steps: int) -> None:
     model, x, y = engine_model(name)
     params = list(model.parameters())
     loss_fn = torch.nn.functional.cross_entropy
-    compile_rss = (_compile_rss_bytes(model, lambda m: loss_fn(m(pixel_values=x).logits, y))
-                   if kind == "ivon_engine" else None)
+    loss = lambda m: loss_fn(m(pixel_values=x).logits, y)  # noqa: E731
+    compile_rss = _compile_rss_bytes(model, loss) if kind.startswith("ivon_engine") else None
+    if compile_rss is None:
+        warm = copy.deepcopy(model)
+        loss(warm).backward()
+        del warm
     with peak_rss_growth() as growth:
         opt = _engine_optimizer(kind, params)
         for _ in range(steps):
             if kind == "adamw_foreach":
                 opt.zero_grad(set_to_none=True)
-                loss_fn(model(pixel_values=x).logits, y).backward()
+                loss(model).backward()
             else:
                 with opt.sampled_params(train=True):
                     opt.zero_grad(set_to_none=True)
-                    loss_fn(model(pixel_values=x).logits, y).backward()
+                    loss(model).backward()
             opt.step()
     print(json.dumps({"peak_rss_growth_bytes": growth[0], "compile_rss_bytes": compile_rss,
                       "param_bytes": sum(p.numel() * p.element_size() for p in params)}))
@@ -444,7 +469,7 @@ def engine_memory(steps: int, repeats: int = 3) -> dict:
     runs: dict[str, list[dict]] = {}
     for _ in range(repeats):
         for name in ENGINE_MODELS:
-            for kind in ("adamw_foreach", "ivon_engine", "ivon_engine_redraw"):
+            for kind in ("adamw_foreach",) + ENGINE_MEMORY_KINDS:
                 proc = subprocess.run([sys.executable, __file__, "--_engine-memory-child", f"{name}:{kind}", "--steps",
                                        str(steps)], capture_output=True, text=True, check=True)
                 runs.setdefault(f"{name}:{kind}", []).append(json.loads(proc.stdout.strip().splitlines()[-1]))
@@ -470,16 +495,19 @@ def engine_report(rounds: int, steps: int, skip: int) -> dict:
               "note": f"{os.cpu_count()}-core machine, load average {load:.1f} at the start: rounds interleaved in "
                       "random order; ratios within a round are the result."}
     common.write_json(OUT_DIR / "engine.json", result)
-    L = ["# IVON engine vs AdamW (CPU, one thread)", "",
+    L = ["# IVON engine vs AdamW (CPU, torch on one thread)", "",
          f"{rounds} interleaved rounds; ratios median [min–max] over rounds. Optimizer alone: 5 steps per round on "
          "fixed gradients (IVON: one sample with its restore, then the step; ivon-opt: 2 steps). Whole step: "
          f"VariationalTrainer, median step time of {steps} steps after {skip}, IVON vs AdamW(foreach=True) passed to "
          "the same trainer. IVON engine: the default, torch.compile'd kernels per (device, dtype) bucket with e from "
-         "torch's CPU generator; foreach: `compiled=False` (`--ivon_compiled false`), the same functions run eagerly, "
-         "what runs without a C++ compiler.", "",
+         "torch's CPU generator, the next sample's e drawn on a spare core during this sample's forward and backward "
+         "(`prefetch`, on where torch's threads leave a core idle, as here); in turn: `prefetch=False`, e drawn at "
+         "the sample, as where no core is spare; foreach: `compiled=False` (`--ivon_compiled false`), the same "
+         "functions run eagerly, what runs without a C++ compiler.", "",
          "| model | parameters | batch | IVON engine ÷ AdamW, optimizer | foreach ÷ AdamW, optimizer | "
-         "ivon-opt ÷ AdamW, optimizer | IVON ÷ AdamW, whole training step | foreach ÷ AdamW, whole training step | "
-         "AdamW step ms | AdamW training step ms |", "|---|---|---|---|---|---|---|---|---|---|"]
+         "ivon-opt ÷ AdamW, optimizer | IVON ÷ AdamW, whole training step | e in turn ÷ AdamW, whole training step | "
+         "foreach ÷ AdamW, whole training step | AdamW step ms | AdamW training step ms |",
+         "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, v in timing.items():
         r = v["ratios"]
         cell = lambda k: f"**{r[k]['median']:.2f}** [{r[k]['min']:.2f}–{r[k]['max']:.2f}]"  # noqa: B023, E731
@@ -487,23 +515,24 @@ def engine_report(rounds: int, steps: int, skip: int) -> dict:
                  f"{cell('opt:ivon_engine / opt:adamw_foreach')} | "
                  f"{cell('opt:ivon_engine_foreach / opt:adamw_foreach')} | "
                  f"{cell('opt:ivon_opt / opt:adamw_foreach')} | "
-                 f"{cell('train:ivon / train:adamw_foreach')} | {cell('train:ivon_foreach / train:adamw_foreach')} | "
+                 f"{cell('train:ivon / train:adamw_foreach')} | {cell('train:ivon_in_turn / train:adamw_foreach')} | "
+                 f"{cell('train:ivon_foreach / train:adamw_foreach')} | "
                  f"{v['ms_median']['opt:adamw_foreach']:.0f} | {v['ms_median']['train:adamw_foreach']:.0f} |")
-    L += ["", "| peak memory growth, 3 hand-written steps (process RSS, median of 3 processes) | AdamW | IVON engine "
-          "(CPU default: e kept) | IVON − AdamW, in parameter sizes | IVON engine (accelerators' path: e drawn in "
-          "the kernels, again for e⊙g) | IVON − AdamW | torch.compile of the kernels, once per process "
-          "(not in the growth) |",
-          "|---|---|---|---|---|---|---|"]
+    L += ["", "Peak memory growth over 3 hand-written steps (process RSS, median of 3 processes), after one forward "
+          "and backward on a copy of the model (IVON's: the compile of its kernels) whose freed pages are returned "
+          "(`malloc_trim`); IVON − AdamW in parameter sizes.", "",
+          "| model | AdamW | IVON engine (CPU default: e kept, the next drawn ahead) | IVON − AdamW | e kept, drawn in "
+          "turn | IVON − AdamW | accelerators' path (e drawn in the kernels, again for e⊙g) | IVON − AdamW | "
+          "torch.compile of the kernels, once per process (not in the growth) |",
+          "|---|---|---|---|---|---|---|---|---|"]
     for name in ENGINE_MODELS:
         a = mem[f"{name}:adamw_foreach"]
         cells = []
-        for kind in ("ivon_engine", "ivon_engine_redraw"):
-            i = mem.get(f"{name}:{kind}")  # older results lack the accelerator path
-            cells += ([f"{i['peak_rss_growth_bytes'] / 2**20:.0f} MiB",
-                       f"{(i['peak_rss_growth_bytes'] - a['peak_rss_growth_bytes']) / a['param_bytes']:+.1f}"]
-                      if i else ["–", "–"])
-        compiled = mem[f"{name}:ivon_engine"].get("compile_rss_bytes")
-        cells.append(f"{compiled / 2**20:.0f} MiB" if compiled is not None else "–")
+        for kind in ENGINE_MEMORY_KINDS:
+            i = mem[f"{name}:{kind}"]
+            cells += [f"{i['peak_rss_growth_bytes'] / 2**20:.0f} MiB",
+                      f"{(i['peak_rss_growth_bytes'] - a['peak_rss_growth_bytes']) / a['param_bytes']:+.1f}"]
+        cells.append(f"{mem[f'{name}:ivon_engine']['compile_rss_bytes'] / 2**20:.0f} MiB")
         L.append(f"| {name} | {a['peak_rss_growth_bytes'] / 2**20:.0f} MiB | " + " | ".join(cells) + " |")
     L += ["", result["note"], "", "Rerun: `OMP_NUM_THREADS=1 python benchmarks/cost.py --engine`", ""]
     (OUT_DIR / "engine.md").write_text("\n".join(L))

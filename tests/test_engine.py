@@ -314,13 +314,73 @@ def test_one_seed_per_bucket_and_draw(monkeypatch):
     seeds = []
     monkeypatch.setattr(engine, "derive_seed", lambda *keys: seeds.append(keys) or hash(keys) % (1 << 62))
     model = torch.nn.Sequential(*(torch.nn.Linear(4, 4) for _ in range(5)))
-    opt = VariationalIVON(_groups(model, 1e-2), sample_seed=0, compiled=False, **{k: v for k, v in IVON_KW.items()
-                                                                             if k != "weight_decay"})
+    opt = VariationalIVON(_groups(model, 1e-2), sample_seed=0, compiled=False, prefetch=False,
+                          **{k: v for k, v in IVON_KW.items() if k != "weight_decay"})
     with opt.sampled_params(train=True):
         model(torch.ones(4)).sum().backward()
     opt.step()
-    # one base seed for the draw, then one seed per bucket (two param groups), once at the sample
+    # one base seed for the draw, then one seed per bucket (two param groups), once at the sample (a prefetch would
+    # add the next draw's)
     assert len(seeds) == 3
+
+
+@pytest.mark.parametrize("path", ["compiled", "foreach"])
+@pytest.mark.parametrize("samples_per_step", [1, 3])
+def test_prefetched_noise_is_the_noise_drawn_in_turn(path, samples_per_step, monkeypatch):
+    """With `prefetch`, the next sample's e is drawn on another thread during this sample's backward: the same
+    trajectory, bit for bit, as drawing it in turn, also where the prediction misses (an evaluation sample between
+    steps, a resume); the draws after the first come from the other thread; no thread outlives a sample."""
+    import threading
+
+    import varsmooth.posterior.optimizer as engine
+
+    path_kw = _on_path(path, monkeypatch)
+    threads, own_draw = [], engine.draw_noise
+
+    def recording(bucket, draw_seed, into):
+        threads.append(threading.current_thread().name)
+        return own_draw(bucket, draw_seed, into)
+
+    monkeypatch.setattr(engine, "draw_noise", recording)
+    torch.manual_seed(0)
+    model = MLP()
+    x, y = _data(8 * samples_per_step)
+
+    def trajectory(prefetch, evaluate_at=(), resume_at=None):
+        m = copy.deepcopy(model)
+        make = lambda: VariationalIVON(_groups(m, 1e-2), sample_seed=4, prefetch=prefetch, **path_kw,  # noqa: E731
+                                       **{k: v for k, v in IVON_KW.items() if k != "weight_decay"})
+        opt, out = make(), []
+        for step in range(8):
+            if step == resume_at:
+                saved, opt = opt.state_dict(), make()
+                opt.load_state_dict(saved)
+            for k in range(samples_per_step):
+                with opt.sampled_params(train=True):
+                    opt.zero_grad()
+                    F.cross_entropy(m(x[step * samples_per_step + k]), y[step * samples_per_step + k]).backward()
+                assert not any(t.name == "ivon-noise-prefetch" for t in threading.enumerate())
+            opt.step()
+            if step in evaluate_at:
+                with opt.sampled_params():
+                    pass
+            out.append((_flat(m.parameters()), *_opt_state(opt)))
+        return out
+
+    in_turn = trajectory(False)
+    assert set(threads) == {threading.current_thread().name}
+    threads.clear()
+    prefetched = trajectory(True)
+    for a, b in zip(in_turn, prefetched):
+        assert all(torch.equal(u, v) for u, v in zip(a, b))
+    buckets = 2  # two param groups on one device and dtype
+    # each training sample draws the next one ahead; the first step's draws are drawn in turn (one draw per step is
+    # predicted until a step has counted them), every later one was drawn ahead
+    assert threads.count("ivon-noise-prefetch") == buckets * 8 * samples_per_step
+    assert threads.count(threading.current_thread().name) == buckets * samples_per_step
+    missed = dict(evaluate_at=(2, 5), resume_at=4)
+    assert all(torch.equal(u, v) for a, b in zip(trajectory(False, **missed), trajectory(True, **missed))
+               for u, v in zip(a, b))
 
 
 def test_cpu_paths_draw_the_same_samples(monkeypatch):

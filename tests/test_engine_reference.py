@@ -31,7 +31,8 @@ def _replayed_run(path, monkeypatch, samples_per_step=1, dtype=torch.float32, **
     torch.manual_seed(0)
     model = MLP().to(dtype)
     kw = {**IVON_KW, **settings}
-    opt = VariationalIVON(_groups(model, kw.pop("weight_decay")), sample_seed=3, **path_kw, **kw)
+    # drawn in turn: the recording reads each sample's e as the last one drawn
+    opt = VariationalIVON(_groups(model, kw.pop("weight_decay")), sample_seed=3, prefetch=False, **path_kw, **kw)
     x, y = _data(STEPS * samples_per_step)
     steps = []
     for step in range(STEPS):

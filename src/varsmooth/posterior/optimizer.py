@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
@@ -21,6 +22,7 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from .kernels import Dispatch, noise_times_grad, perturb, seeded, update
+from .prefetch import NoisePrefetch
 from .seeds import derive_seed
 from .sharding import DTensor, full_tensor, to_local
 
@@ -33,6 +35,13 @@ def _on_device(values: list[float], like: torch.Tensor) -> torch.Tensor:
     if like.device.type == "cpu":
         return torch.tensor(values, dtype=dtype)
     return torch.tensor(values, dtype=dtype, pin_memory=True).to(like.device, non_blocking=True)
+
+
+def _spare_core() -> bool:
+    """Whether torch's threads in this node's processes (torchrun's and accelerate's LOCAL_WORLD_SIZE) leave a core
+    this process may use idle. On a busy core a further thread slows the forward pass as much as it saves."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return torch.get_num_threads() * int(os.environ.get("LOCAL_WORLD_SIZE", "1")) < cores
 
 
 class _Bucket(NamedTuple):
@@ -50,12 +59,14 @@ class _Bucket(NamedTuple):
 def draw_noise(bucket: _Bucket, draw_seed: int, into: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
     """The bucket's e ~ N(0, I) in the draw seeded by `draw_seed`: drawn into `into` (buffers that keep e until the
     gradient arrives) and returned, or None where nothing keeps it: the kernels then draw e themselves, under the
-    same seed at the sample and at the gradient. The one place e comes from, so that a test can replace it."""
+    same seed at the sample and at the gradient. The one place e comes from, so that a test can replace it. A
+    generator of its own (the same numbers as the device's default one seeded alike) lets it run off the main
+    thread, where the forward pass draws dropout from the default one."""
     if into is None:
         return None
-    with seeded(into[0].device, bucket.noise_seed(draw_seed)):
-        for e in into:
-            e.normal_()
+    generator = torch.Generator(into[0].device).manual_seed(bucket.noise_seed(draw_seed))
+    for e in into:
+        e.normal_(generator=generator)
     return into
 
 
@@ -66,14 +77,18 @@ class VariationalIVON(torch.optim.Optimizer):
     Args: `params` (trainable only: frozen ones would get noise and weight decay; groups may set lr, weight_decay,
     ess, hess_init, beta1, beta2, clip_radius), the rest as in `ivon.IVON` (weight_decay: the prior precision δ;
     `sync` all-reduces ḡ and mean(e⊙g) in `step()`; hess_approx 'price' only), `sample_seed`, the seed of the weight
-    samples (None: from the global RNG), `rank` (mixed into the seed: DDP ranks draw independent samples) and
-    `compiled` (whether the kernels run through torch.compile: `kernels.Dispatch`).
+    samples (None: from the global RNG), `rank` (mixed into the seed: DDP ranks draw independent samples),
+    `compiled` (whether the kernels run through torch.compile: `kernels.Dispatch`) and `prefetch` (whether the next
+    training sample's e, where it is drawn into a buffer (the CPU), is drawn on another thread during this sample's
+    forward and backward, for one more parameter-sized buffer: `prefetch.NoisePrefetch`; None: where this node's
+    processes leave a core spare, `_spare_core`; never with `sample_seed=None`, whose draws are not known ahead).
     """
 
     def __init__(self, params: Any, lr: float, ess: float, hess_init: float = 1.0, beta1: float = 0.9,
                  beta2: float = 0.99999, weight_decay: float = 1e-4, mc_samples: int = 1, hess_approx: str = "price",
                  clip_radius: float = math.inf, sync: bool = False, debias: bool = True, rescale_lr: bool = True, *,
-                 sample_seed: int | None = 0, rank: int = 0, compiled: bool | None = None) -> None:
+                 sample_seed: int | None = 0, rank: int = 0, compiled: bool | None = None,
+                 prefetch: bool | None = None) -> None:
         if hess_approx != "price":
             raise ValueError(f"hess_approx={hess_approx!r} is not implemented; use 'price' (ivon-opt's default).")
         if mc_samples < 1:
@@ -83,6 +98,9 @@ class VariationalIVON(torch.optim.Optimizer):
         self.mc_samples, self.hess_approx, self.sync, self.debias = mc_samples, hess_approx, sync, debias
         self.rescale_lr, self.sample_seed, self.rank, self.compiled = rescale_lr, sample_seed, rank, compiled
         self._dispatch = Dispatch(compiled)
+        self.prefetch = prefetch if prefetch is not None else _spare_core()
+        self._prefetch = NoisePrefetch()
+        self._draws_per_step = 1  # in the last step: where the draw after this one is predicted to fall
         self.current_step, self._count, self._sampling = 0, 0, False  # _count: MC samples since the last step
         self._draw_seeds: list[int] = []  # base seed of each draw since the last step
         self._perturbed: list[tuple[_Bucket, bool]] = []  # buckets holding a sample, and whether they keep e
@@ -123,7 +141,9 @@ class VariationalIVON(torch.optim.Optimizer):
         if self._count:
             raise RuntimeError("IVON's parameters were replaced between a gradient sample and step(): replace them "
                                "(e.g. accelerator.prepare) before training starts.")
-        for p in {p for p in self.state} - {p for _, p in params}:
+        gone = {p for p in self.state} - {p for _, p in params}
+        self._prefetch.forget(gone)
+        for p in gone:
             del self.state[p]
             self._buffers.pop(p, None)
         for group, p in params:
@@ -170,8 +190,14 @@ class VariationalIVON(torch.optim.Optimizer):
         return contextlib.nullcontext() if noise is not None else seeded(
             bucket.params[0].device, bucket.noise_seed(self._draw_seeds[draw]))
 
+    def _next_draw_seed(self, draw: int) -> int:
+        """The seed of the draw predicted to follow draw `draw` of this step (the last step's count of draws)."""
+        if draw + 1 < self._draws_per_step:
+            return derive_seed(self.sample_seed, self.current_step, draw + 1)
+        return derive_seed(self.sample_seed, self.current_step + 1, 0)
+
     @torch.no_grad()
-    def _sample_params(self) -> None:
+    def _sample_params(self, train: bool) -> None:
         self._follow_replaced_params()
         self._multiply_pending()  # a further sample of this step: its backward may zero the gradient holding ḡ
         for p, grad in list(self._avg_grad.items()):
@@ -181,20 +207,33 @@ class VariationalIVON(torch.optim.Optimizer):
         draw = len(self._draw_seeds)
         self._draw_seeds.append(derive_seed(self.sample_seed, self.current_step, draw) if self.sample_seed is not None
                                 else int(torch.randint(0, 1 << 62, ()).item()))  # the CPU generator: no device sync
-        for bucket in self._buckets():
+        buckets = self._buckets()
+        keeping = [self._keeps_noise(to_local(b.params[0])) for b in buckets]
+        kept = [b for b, keeps in zip(buckets, keeping) if keeps]
+        prefetched = self._prefetch.take(self._draw_seeds[draw], kept, [self._buffer(b.params, "noise") for b in kept])
+        prefetched_noise = iter(prefetched or [])
+        for bucket, keeps in zip(buckets, keeping):
             group = bucket.group
             weights = [to_local(p) for p in bucket.params]
-            keeps = self._keeps_noise(weights[0])
-            noise = draw_noise(bucket, self._draw_seeds[draw], self._buffer(bucket.params, "noise") if keeps else None)
+            if keeps and prefetched is not None:
+                noise = next(prefetched_noise)
+                for p, e in zip(bucket.params, noise):
+                    self._buffers[p]["noise"] = e
+            else:
+                noise = draw_noise(bucket, self._draw_seeds[draw],
+                                   self._buffer(bucket.params, "noise") if keeps else None)
             self._perturbed.append((bucket, keeps))
             hess = [to_local(self.state[p]["hess"]) for p in bucket.params]
             with self._kernel_draws(bucket, draw, noise):
                 self._dispatch(perturb, weights, self._buffer(bucket.params, "mean"), hess, noise,
                                _on_device([group["ess"] ** -0.5, group["weight_decay"]], weights[0]))
+        if train and self.prefetch and kept and self.sample_seed is not None:
+            self._prefetch.start(self._next_draw_seed(draw), kept, draw_noise)
 
     @torch.no_grad()
     def _restore_param_average(self, train: bool) -> None:
         """Mean weights back into the parameters; with `train`, the gradients folded into the running averages."""
+        self._prefetch.wait()
         perturbed, self._perturbed = self._perturbed, []
         for bucket, _ in perturbed:
             torch._foreach_copy_([to_local(p) for p in bucket.params], self._buffer(bucket.params, "mean"))
@@ -238,7 +277,7 @@ class VariationalIVON(torch.optim.Optimizer):
         self._sampling = True
         try:
             try:
-                self._sample_params()
+                self._sample_params(train)
                 yield
             except BaseException:
                 self._restore_param_average(False)
@@ -262,6 +301,7 @@ class VariationalIVON(torch.optim.Optimizer):
             self._multiply_pending()
             self._sync_samples(buckets)
         self.current_step += 1
+        self._draws_per_step = len(self._draw_seeds)
         for bucket in buckets:
             group, params = bucket.group, bucket.params
             b1, b2, wd, root = group["beta1"], group["beta2"], group["weight_decay"], math.sqrt(group["ess"])
