@@ -398,7 +398,7 @@ def engine_timing(rounds: int, steps: int, skip: int, reps: int) -> dict:
                         times[job] = _optimizer_step_s(kind, opts[kind], reps if kind != "ivon_opt" else 2)
                         continue
                     m = copy.deepcopy(model)
-                    cfg = (dict(method="ivon", method_config={"ess": 1e4, "ivon_compiled": kind == "ivon"})
+                    cfg = (dict(method="ivon", method_config={"ess": 1e4, "ivon_compiled": kind != "ivon_foreach"})
                            if kind.startswith("ivon") else dict(method="erm"))
                     args = VariationalTrainingArguments(
                         output_dir=tmp, max_steps=steps, per_device_train_batch_size=ENGINE_BATCH[name], use_cpu=True,
