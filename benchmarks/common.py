@@ -24,6 +24,7 @@ import math
 import os
 import platform
 import re
+import subprocess
 import sys
 import tempfile
 import time
@@ -327,6 +328,20 @@ def _versions() -> dict[str, str]:
         ivon_v = "?"
     return {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
             "ivon-opt": ivon_v, "machine": platform.machine()}
+
+
+def code_commit() -> str:
+    """The repository's commit (with "+changes" where the work tree differs from it), so that a table names the code
+    that measured it; "unknown" outside a git checkout."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+changes" if dirty else "")
 
 
 def _result_path(script: str, key: str) -> Path:

@@ -577,12 +577,13 @@ def engine_gpu_report(rounds: int, steps: int, skip: int, batch: int, image_size
               "image_size": image_size, "batch_size": batch, "bf16": True, "rounds": rounds, "steps_per_block": steps,
               "skip": skip, "models": {name: _gpu_model_timing(name, rounds, steps, skip, batch, image_size, cuda)
                                        for name in models},
-              "versions": common._versions(), "cpu": platform.processor() or platform.machine()}
+              "versions": common._versions(), "cpu": platform.processor() or platform.machine(),
+              "commit": common.code_commit()}
     out_dir.mkdir(parents=True, exist_ok=True)
     common.write_json(out_dir / "engine_gpu.json", result)
     L = [f"# IVON engine vs AdamW(fused) on {result['device']}", "",
          f"{image_size}² images, batch {batch}, bf16 autocast; {rounds} interleaved rounds, median step time of "
-         f"{steps} VariationalTrainer steps after {skip}.", "",
+         f"{steps} VariationalTrainer steps after {skip}; the engine at commit {result['commit']}.", "",
          "| model | IVON ÷ AdamW(fused), whole training step | IVON step ms | AdamW step ms "
          "| peak memory IVON − AdamW |",
          "|---|---|---|---|---|"]

@@ -64,13 +64,17 @@ def _max_diff(a, b):
     return max((pa - pb).abs().max().item() for pa, pb in zip(a.parameters(), b.parameters()))
 
 
-@pytest.mark.parametrize("grad_accum,mc_samples,clip", [(1, 1, 0.0), (2, 1, 0.0), (2, 2, 0.0), (1, 2, 0.5)])
-def test_trainer_matches_hand_written_ivon_loop(tmp_path, grad_accum, mc_samples, clip):
+@pytest.mark.parametrize("grad_accum,mc_samples,clip,spare_core",
+                         [(1, 1, 0.0, False), (2, 1, 0.0, False), (2, 2, 0.0, False), (1, 2, 0.5, False),
+                          (2, 2, 0.0, True)])
+def test_trainer_matches_hand_written_ivon_loop(tmp_path, grad_accum, mc_samples, clip, spare_core, monkeypatch):
     """Weights, Hessian and step counter equal the ivon-opt README loop run on the same samples.
 
     Covers: forward and backward inside the sampling context, gradients zeroed per sample, one sample per
-    micro-batch with its mean loss (not divided by the accumulation count), clipping inside the context.
+    micro-batch with its mean loss (not divided by the accumulation count), clipping inside the context; with a
+    spare core, the next sample's e drawn ahead (`prefetch`), to the same numbers.
     """
+    monkeypatch.setattr("varsmooth.posterior.optimizer._spare_core", lambda: spare_core)
     ds = digits_dataset(128)
     torch.manual_seed(0)
     model = TinyClassifier()
@@ -80,6 +84,7 @@ def test_trainer_matches_hand_written_ivon_loop(tmp_path, grad_accum, mc_samples
                          max_steps=steps, mc_samples=mc_samples, max_grad_norm=clip)
     trainer = VariationalTrainer(model=model, args=args, train_dataset=ds)
     trainer.train()
+    assert trainer.ivon.prefetch is spare_core
     ref, ref_opt = reference_ivon_loop(init, _sequential_batches(ds, batch, grad_accum), steps, ess=len(ds),
                                        seed=0, mc_samples=mc_samples, clip_norm=clip, **IVON_KW)
     assert _max_diff(trainer.model, ref) < 1e-6
