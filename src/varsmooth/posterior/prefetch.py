@@ -45,8 +45,9 @@ class NoisePrefetch:
               draw: Callable[[Any, int, list[torch.Tensor]], Any]) -> None:
         """Draws e of `buckets` in the draw seeded by `draw_seed` with `draw` (the optimizer's `draw_noise`)."""
         self.wait()
-        into = [[self._noise.setdefault(p, torch.empty_like(to_local(p), memory_format=torch.contiguous_format))
-                 for p in b.params] for b in buckets]
+        for p in (p for b in buckets for p in b.params if p not in self._noise):  # once: later draws reuse them
+            self._noise[p] = torch.empty_like(to_local(p), memory_format=torch.contiguous_format)
+        into = [[self._noise[p] for p in b.params] for b in buckets]
         key = _key(draw_seed, buckets)
         self._key = None
 
