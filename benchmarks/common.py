@@ -355,6 +355,14 @@ def write_json(path: Path, obj: Any) -> None:
     os.replace(tmp, path)
 
 
+def write_npz(path: Path, arrays: dict[str, np.ndarray]) -> None:
+    """`np.savez_compressed` written whole or not at all (as write_json)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.stem}.tmp{os.getpid()}.npz")
+    np.savez_compressed(tmp, **arrays)
+    os.replace(tmp, path)
+
+
 def write_readme_section(name: str, markdown: str, readme: Path | None = None) -> Path:
     """Replace the block between ``<!-- generated:NAME -->`` and ``<!-- /generated:NAME -->`` in benchmarks/README.md
     with ``markdown`` (appended at the end when the markers are missing), so that every table there is written by the

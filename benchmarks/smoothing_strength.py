@@ -8,7 +8,9 @@ models.
 The tasks, models, data, optimizer settings and seeds are `real_noise.py`'s (`--plan fair`: IVON's learning rate and
 starting ess as chosen there on noisy validation). IVON trains at `ivon_smoothing` α ∈ {0 (off: ess as chosen), 0.1,
 0.3, 0.5}, LS's grid, and α is chosen per seed on the same noisy validation split by the same rule: four trainings
-per seed for each. ERM and LS train here too, on the same seeds, labels, batch order and code.
+per seed for each. ERM, LS and SAM (ρ from real_noise.py's grid, chosen by the same rule) train here too, on the same
+seeds, labels, batch order and code. The report ends with issue 40's count: on how many tasks IVON at its chosen
+strength is at least the most accurate of these baselines in accuracy and NLL.
 
 Every IVON run also measures what it smooths: the mean ‖ε̄_i‖₁ over the first `NOISE_EXAMPLES` training
 examples (not the 128-example probe the knob targets), with `NOISE_SAMPLES` posterior draws, beside LS's 2α(1 − 1/K)
@@ -56,9 +58,11 @@ def measure_smoothing(trainer: Any, val: Any, test: Any) -> dict[str, Any]:
 
 
 def jobs(task: str, seed: int) -> list[tuple[str, dict[str, Any]]]:
-    """(method, hyperparameters) of every training of one seed: IVON at each strength, ERM and LS at each α."""
+    """(method, hyperparameters) of every training of one seed: IVON at each strength, ERM, LS at each α and SAM at
+    each ρ."""
     return ([("ivon", {"ivon_smoothing": s} if s else {}) for s in STRENGTHS] + [("erm", {})]
-            + [("ls", {"smoothing": a}) for a in real_noise.LS_GRID])
+            + [("ls", {"smoothing": a}) for a in real_noise.LS_GRID]
+            + [("sam", {"sam_rho": rho}) for rho in real_noise.SAM_GRID])
 
 
 def train(task: str, method: str, hp: dict[str, Any], seed: int) -> dict[str, Any]:
@@ -92,13 +96,15 @@ def _num_classes(task: str) -> int:
 
 
 def task_rows(task: str, seeds: list[int]) -> list[dict[str, Any]]:
-    """Per seed: ERM, LS (α chosen), IVON off, IVON (strength chosen), each fixed strength; None where not cached."""
+    """Per seed: ERM, LS (α chosen), SAM (ρ chosen, as real_noise.py: among its grid only), IVON off, IVON (strength
+    chosen), each fixed strength; None where not cached."""
     rows = []
     for seed in seeds:
         erm = cached(task, "erm", {}, seed)
         ls = _chosen([(0.0, erm)] + [(a, cached(task, "ls", {"smoothing": a}, seed)) for a in real_noise.LS_GRID])
         ivon = [(s, cached(task, "ivon", {"ivon_smoothing": s} if s else {}, seed)) for s in STRENGTHS]
-        rows.append({"seed": seed, "erm": erm, "ls": ls, "ivon": dict(ivon), "ivon_chosen": _chosen(ivon)})
+        sam = _chosen([(rho, cached(task, "sam", {"sam_rho": rho}, seed)) for rho in real_noise.SAM_GRID])
+        rows.append({"seed": seed, "erm": erm, "ls": ls, "sam": sam, "ivon": dict(ivon), "ivon_chosen": _chosen(ivon)})
     return rows
 
 
@@ -133,6 +139,9 @@ def task_table(task: str, seeds: list[int]) -> str:
     ls = [r["ls"] for r in rows if r["ls"]]
     line("ls (α chosen)", str(len(real_noise.LS_GRID) + 1), [run for _, run in ls],
          [_ls_noise(a, k) for a, _ in ls], [], ", ".join(f"{a:g}" for a, _ in ls))
+    sam = [r["sam"] for r in rows if r["sam"]]
+    line("sam (ρ chosen)", str(len(real_noise.SAM_GRID)), [run for _, run in sam], [], [],
+         ", ".join(f"{rho:g}" for rho, _ in sam))
     chosen = [r["ivon_chosen"] for r in rows if r["ivon_chosen"]]
     line("ivon (strength chosen)", str(len(STRENGTHS)), [run for _, run in chosen],
          [run["analysis"]["noise_l1"] for _, run in chosen], [t for s, run in chosen for t in target(s, run)],
@@ -142,22 +151,57 @@ def task_table(task: str, seeds: list[int]) -> str:
         name = "ivon (knob off)" if s == 0 else f"ivon (ivon_smoothing={s:g}; LS's ‖ε‖₁ {_ls_noise(s, k):.3g})"
         line(name, "1", runs, [run["analysis"]["noise_l1"] for run in runs],
              [t for run in runs for t in target(s, run)], "–")
-    both = [(r["ivon_chosen"][1], r["ls"][1]) for r in rows if r["ivon_chosen"] and r["ls"]]
-    if both:
-        diff = [100 * (a["test_acc"] - b["test_acc"]) for a, b in both]
-        dnll = [a["test_nll"] - b["test_nll"] for a, b in both]
-        mean, sd = common.mean_std(diff)
-        se = sd / len(diff) ** 0.5
-        separated = "separated" if len(diff) > 1 and abs(mean) > 2 * se else "not separated"
-        lines += ["", f"IVON (strength chosen) − LS (α chosen), paired over {len(diff)} seeds: accuracy "
-                      f"{mean:+.2f} ± {se:.2f} pp (SE; {separated} "
-                      f"at 2 SE), NLL {common.mean_std(dnll)[0]:+.3f}; ahead in accuracy on "
-                      f"{sum(d > 0 for d in diff)}/{len(diff)} seeds."]
+    lines.append("")
+    for name, key in (("ERM", "erm"), ("LS (α chosen)", "ls"), ("SAM (ρ chosen)", "sam")):
+        paired = paired_difference(rows, key)
+        if paired is not None:
+            lines.append(f"IVON (strength chosen) − {name}, paired over {paired['seeds']} seeds: accuracy "
+                         f"{paired['acc']:+.2f} ± {paired['acc_se']:.2f} pp (SE; "
+                         f"{'separated' if paired['separated'] else 'not separated'} at 2 SE), NLL "
+                         f"{paired['nll']:+.3f} ± {paired['nll_se']:.3f}; ahead in accuracy on "
+                         f"{paired['ahead']}/{paired['seeds']} seeds.")
     return "\n".join(lines)
 
 
+def paired_difference(rows: list[dict[str, Any]], baseline: str) -> dict[str, Any] | None:
+    """IVON (strength chosen) − `baseline` over the seeds where both ran: mean accuracy (pp) and NLL differences with
+    their standard errors, whether the accuracy difference is beyond 2 SE, and on how many seeds IVON is ahead."""
+    both = [(r["ivon_chosen"][1], r[baseline] if baseline == "erm" else r[baseline][1]) for r in rows
+            if r["ivon_chosen"] and r[baseline]]
+    if not both:
+        return None
+    diff = [100 * (a["test_acc"] - b["test_acc"]) for a, b in both]
+    dnll = [a["test_nll"] - b["test_nll"] for a, b in both]
+    (acc, acc_sd), (nll, nll_sd) = common.mean_std(diff), common.mean_std(dnll)
+    n = len(diff)
+    return {"seeds": n, "acc": acc, "acc_se": acc_sd / n ** 0.5, "nll": nll, "nll_se": nll_sd / n ** 0.5,
+            "separated": n > 1 and abs(acc) > 2 * acc_sd / n ** 0.5, "ahead": sum(d > 0 for d in diff)}
+
+
+def summary(tasks: list[str], seeds: list[int]) -> str:
+    """Issue 40's count: on how many tasks IVON (strength chosen) is at least the best baseline (ERM, LS and SAM
+    chosen on noisy validation; best by mean accuracy) in both mean accuracy and mean NLL, and on how many of those its
+    accuracy lead is beyond 2 SE (paired over seeds). Only tasks where every one of them has run on every seed."""
+    verdicts = []
+    for task in tasks:
+        rows = task_rows(task, seeds)
+        if not all(r["ivon_chosen"] and r["erm"] and r["ls"] and r["sam"] for r in rows):
+            continue
+        paired = {key: paired_difference(rows, key) for key in ("erm", "ls", "sam")}
+        best = min(paired, key=lambda key: paired[key]["acc"])  # the smallest IVON lead: the most accurate baseline
+        lead = paired[best]
+        verdicts.append(f"{task}: vs {best.upper()} {lead['acc']:+.2f} pp, NLL {lead['nll']:+.3f}"
+                        + (" (at least as good in both" + (", separated)" if lead["separated"] else ")")
+                           if lead["acc"] >= 0 and lead["nll"] <= 0 else ""))
+    good = sum("at least as good" in v for v in verdicts)
+    separated = sum("separated)" in v for v in verdicts)
+    return (f"**IVON (strength chosen) against the most accurate baseline of each task** (ERM, LS or SAM chosen): at "
+            f"least as good in accuracy and NLL on {good} of {len(verdicts)} tasks, its accuracy lead beyond 2 SE on "
+            f"{separated}. " + "; ".join(verdicts) + ".") if verdicts else ""
+
+
 def report(tasks: list[str], seeds: list[int]) -> str:
-    text = "\n\n".join(task_table(t, seeds) for t in tasks)
+    text = "\n\n".join([*(task_table(t, seeds) for t in tasks), summary(tasks, seeds)]).strip()
     common.write_readme_section(SCRIPT, text)
     return text
 

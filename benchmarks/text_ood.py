@@ -61,6 +61,12 @@ SETTINGS: dict[str, list[str]] = {
     "ivon_smoothing 0.03": [*IVON, "--ivon_smoothing", "0.03"],
     "ivon_smoothing 0.1": [*IVON, "--ivon_smoothing", "0.1"],
     "ivon_smoothing 0.3": [*IVON, "--ivon_smoothing", "0.3"],
+    # the Hessian set by the data: h0 forgotten within ~100 of the 189 steps, so that σ² ∝ 1/h follows each weight's
+    # curvature on the training sentences (a diagonal Laplace-like width) rather than the uniform h0
+    "data hessian": [*IVON, "--beta2", "0.97"],
+    "data hessian, δ 1e-5": [*IVON, "--beta2", "0.97", "--prior_precision", "1e-5"],
+    "data hessian, ivon_smoothing 0.1": [*IVON, "--beta2", "0.97", "--ivon_smoothing", "0.1"],
+    "data hessian, ivon_smoothing 0.3": [*IVON, "--beta2", "0.97", "--ivon_smoothing", "0.3"],
 }
 TEST_SIZE = 1000
 NOISE_SIZE = 500
@@ -68,17 +74,25 @@ BATCH = 128
 OOD_SETS = ("trec", "noise")
 #: bumped when a run records other numbers, so that cached runs of an older version are not mixed in
 VERSION = 1
+#: settings whose runs record more than VERSION's: ERM's MC-dropout scores and kept predictions (version 2)
+VERSIONS = {"erm": 2}
+#: dropout masks of the MC-dropout reference (as many as IVON's draws, the example's eval_mc_samples)
+MC_DROPOUT_SAMPLES = 8
 
 
 def run_path(setting: str, seed: int) -> Path:
     return OUT_DIR / "runs" / f"{setting.replace(' ', '_')}_s{seed}.json"
 
 
+def predictions_path(setting: str, seed: int) -> Path:
+    return run_path(setting, seed).with_suffix(".npz")
+
+
 def cached_run(setting: str, seed: int) -> dict[str, Any] | None:
     path = run_path(setting, seed)
     if path.is_file():
         result = json.loads(path.read_text())
-        if result.get("version") == VERSION:
+        if result.get("version") == VERSIONS.get(setting, VERSION):
             return result
     return None
 
@@ -104,10 +118,10 @@ def run(setting: str, seed: int) -> dict[str, Any]:
         ess = [{k: e[k] for k in ("step", "ess", "label_noise_l1") if k in e}
                for e in state.get("log_history", []) if "ess" in e]
         losses = [{"step": e["step"], "loss": e["loss"]} for e in state.get("log_history", []) if "loss" in e]
-        result = {"setting": setting, "seed": seed, "flags": flags, "version": VERSION,
+        result = {"setting": setting, "seed": seed, "flags": flags, "version": VERSIONS.get(setting, VERSION),
                   "train_runtime": train["train_runtime"], "final_ess": ess[-1]["ess"] if ess else None,
                   "ess_history": ess, "loss_history": losses,
-                  **score(folder)}
+                  **score(folder, predictions_path(setting, seed))}
     common.write_json(run_path(setting, seed), result)
     return result
 
@@ -144,18 +158,12 @@ def _inputs(folder_tokenizer: str) -> dict[str, Any]:
     return {"tokenizer": tokenizer, "sets": sets, "labels": np.asarray(list(test["label"]))}
 
 
-def score(folder: Path) -> dict[str, Any]:
-    """Accuracy and NLL (BMA and at the posterior mean) on the SST-2 test subset; AUROC of MI, entropy and
-    1 − max probability, all from one `predict_with_uncertainty` per batch, for TREC and the noise against it."""
+def _predict(model: Any, data: dict[str, Any]) -> dict[str, dict[str, np.ndarray]]:
+    """Per input set: one `predict_with_uncertainty` per batch, its probabilities, entropy, MI and noise size."""
     import torch
     from transformers import DataCollatorWithPadding
 
-    from varsmooth import VariationalModel
-    from varsmooth.metrics.ood import auroc
-
-    data = _inputs(str(folder))
     collate = DataCollatorWithPadding(data["tokenizer"])
-    model = VariationalModel.from_pretrained(folder)
     model.eval()
     outputs: dict[str, dict[str, np.ndarray]] = {}
     with torch.no_grad():
@@ -170,17 +178,25 @@ def score(folder: Path) -> dict[str, Any]:
                     if value is not None:
                         parts.setdefault(key, []).append(value.float().numpy())
             outputs[name] = {k: np.concatenate(v) for k, v in parts.items()}
-    labels = data["labels"]
+    return outputs
+
+
+def _accuracy_nll(probs: np.ndarray, labels: np.ndarray) -> tuple[float, float]:
+    picked = probs[np.arange(len(labels)), labels]
+    return float((probs.argmax(-1) == labels).mean()), float(-np.log(np.clip(picked, 1e-30, None)).mean())
+
+
+def _metrics(outputs: dict[str, dict[str, np.ndarray]], labels: np.ndarray) -> dict[str, Any]:
+    """Accuracy and NLL (BMA and at the posterior mean) on the SST-2 test subset; AUROC of MI, entropy and
+    1 − max probability for TREC and the noise against it; MI medians; the share of inputs whose draws change the
+    predicted class."""
+    from varsmooth.metrics.ood import auroc
+
     test = outputs["test"]
-
-    def accuracy_nll(probs: np.ndarray) -> tuple[float, float]:
-        picked = probs[np.arange(len(labels)), labels]
-        return float((probs.argmax(-1) == labels).mean()), float(-np.log(np.clip(picked, 1e-30, None)).mean())
-
     result: dict[str, Any] = {}
-    result["bma_accuracy"], result["bma_nll"] = accuracy_nll(test["probs"])
+    result["bma_accuracy"], result["bma_nll"] = _accuracy_nll(test["probs"], labels)
     if "mean_probs" in test:
-        result["mean_accuracy"], result["mean_nll"] = accuracy_nll(test["mean_probs"])
+        result["mean_accuracy"], result["mean_nll"] = _accuracy_nll(test["mean_probs"], labels)
     else:  # a point estimate: its prediction is the one at its weights
         result["mean_accuracy"], result["mean_nll"] = result["bma_accuracy"], result["bma_nll"]
     scores = {"entropy": lambda o: o["entropy"], "max_prob": lambda o: 1.0 - o["probs"].max(-1)}
@@ -197,10 +213,49 @@ def score(folder: Path) -> dict[str, Any]:
         # do the draws disagree at all: inputs whose BMA and mean predictions pick different classes
         if "mean_probs" in out:
             result[f"flip_rate_{name}"] = float((out["probs"].argmax(-1) != out["mean_probs"].argmax(-1)).mean())
-    if not model.posterior.is_point_mass:
+    return result
+
+
+def score(folder: Path, predictions: Path) -> dict[str, Any]:
+    """The saved model's `_metrics` on the test subset, TREC and the noise. A point estimate (ERM) is also scored by
+    MC dropout (`MC_DROPOUT_SAMPLES` masks; keys prefixed `dropout_`), and its probabilities are kept in `predictions`
+    (.npz) for the report's deep-ensemble row."""
+    from varsmooth import VariationalModel
+
+    data = _inputs(str(folder))
+    model = VariationalModel.from_pretrained(folder)
+    outputs = _predict(model, data)
+    result = _metrics(outputs, data["labels"])
+    if model.posterior.is_point_mass:
+        dropout = VariationalModel.from_pretrained(folder, mc_dropout_samples=MC_DROPOUT_SAMPLES)
+        result.update({f"dropout_{k}": v for k, v in _metrics(_predict(dropout, data), data["labels"]).items()})
+        common.write_npz(predictions, {"labels": data["labels"], **{k: out["probs"] for k, out in outputs.items()}})
+    else:
         result["posterior_numel"] = int(sum(s.numel() for s in model.posterior.std.values()))
         result.update(model.posterior.summary())
     return result
+
+
+def ensemble_metrics(seeds: tuple[int, ...] = SEEDS) -> dict[str, Any] | None:
+    """`_metrics` of the deep ensemble of the ERM runs of `seeds` (Lakshminarayanan et al. 2017; here the members
+    differ in the classifier's initialisation and the batch order): the members' probabilities averaged, MI = H[mean]
+    − the mean of the members' entropies. None until every member's predictions are kept."""
+    import torch
+
+    from varsmooth.prediction import average_predictions
+
+    paths = [predictions_path("erm", seed) for seed in seeds]
+    if not all(p.is_file() for p in paths):
+        return None
+    members = [np.load(p) for p in paths]
+    outputs = {}
+    for name in ("test", *OOD_SETS):
+        probs = [torch.from_numpy(m[name]) for m in members]
+        # `mean_logits` only feeds mean_probs, which the ensemble's metrics do not read (no "posterior mean" here)
+        out = average_predictions(torch.stack(probs).log().mean(0), probs)
+        outputs[name] = {"probs": out.probs.numpy(), "entropy": out.entropy.numpy(),
+                         "mi": out.mutual_information.numpy()}
+    return _metrics(outputs, members[0]["labels"])
 
 
 # -------------------------------------------------------------------------------------------------------------------
@@ -216,8 +271,18 @@ def _sci(runs: list[dict[str, Any]], key: str) -> str:
     return "–" if not values else f"{float(np.median(values)):.1e}"
 
 
+def _row(name: str, seeds: str, runs: list[dict[str, Any]], ess: str) -> str:
+    col = functools.partial(_col, runs)
+    mi = " / ".join(_sci(runs, f"mi_median_{name}") for name in ("test", *OOD_SETS))
+    return (f"| {name} | {seeds} | {col('mean_accuracy', 100, 1)} | {col('bma_accuracy', 100, 1)} | "
+            f"{col('mean_nll', 1, 3)} | {col('bma_nll', 1, 3)} | "
+            + " | ".join(col(f"auroc_{kind}_{ood}") for kind in ("mi", "entropy") for ood in OOD_SETS)
+            + f" | {mi if 'mi_median_test' in runs[0] else '–'} | {_sci(runs, 'posterior_std_median')} | {ess} |")
+
+
 def report(write: bool = True) -> str:
-    """The table from the cached runs (settings without a run are left out); into benchmarks/README.md if `write`."""
+    """The table from the cached runs (settings without a run are left out); into benchmarks/README.md if `write`.
+    After ERM: its MC-dropout prediction and the deep ensemble of its seeds, the usual references for MI."""
     rows = ["| setting | seeds | mean acc % | BMA acc % | mean NLL | BMA NLL | MI AUROC TREC | MI AUROC noise "
             "| entropy AUROC TREC | entropy AUROC noise | median MI test / TREC / noise | σ median | ess at the end |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -225,21 +290,24 @@ def report(write: bool = True) -> str:
         runs = [r for r in (cached_run(setting, seed) for seed in SEEDS) if r is not None]
         if not runs:
             continue
-        col = functools.partial(_col, runs)
-        mi = " / ".join(_sci(runs, f"mi_median_{name}") for name in ("test", *OOD_SETS))
-        fixed_ess = "–" if setting == "erm" else "1e8 (fixed)"
-        rows.append(
-            f"| {setting} | {', '.join(str(r['seed']) for r in runs)} | {col('mean_accuracy', 100, 1)} | "
-            f"{col('bma_accuracy', 100, 1)} | {col('mean_nll', 1, 3)} | {col('bma_nll', 1, 3)} | "
-            + " | ".join(col(f"auroc_{kind}_{ood}") for kind in ("mi", "entropy") for ood in OOD_SETS)
-            + f" | {mi if 'mi_median_test' in runs[0] else '–'} | {_sci(runs, 'posterior_std_median')} | "
-            f"{_sci(runs, 'final_ess') if runs[0].get('final_ess') else fixed_ess} |")
+        seeds = ", ".join(str(r["seed"]) for r in runs)
+        if setting == "erm":
+            rows.append(_row(setting, seeds, runs, "–"))
+            rows.append(_row(f"erm, MC dropout ({MC_DROPOUT_SAMPLES} masks)", seeds,
+                             [{k.removeprefix("dropout_"): v for k, v in r.items() if k.startswith("dropout_")}
+                              for r in runs], "–"))
+            ensemble = ensemble_metrics()
+            if ensemble is not None:
+                rows.append(_row(f"erm, deep ensemble of the {len(SEEDS)} seeds", "one ensemble", [ensemble], "–"))
+            continue
+        rows.append(_row(setting, seeds, runs, _sci(runs, "final_ess") if runs[0].get("final_ess") else "1e8 (fixed)"))
     table = ("SST-2, 30 % symmetric noise, the text example with `" + " ".join(BASE_FLAGS) + "`; scored on "
              f"{TEST_SIZE} clean SST-2 test sentences against the {500} TREC test questions and {NOISE_SIZE} "
              "random-token sentences. BMA: 8 draws at τ = 1; MI, entropy and max probability from that one prediction "
-             "(ERM: its point prediction); with 2 classes the entropy ranks inputs as 1 − max probability does (same "
-             "AUROC). AUROC: P(OOD input scores more uncertain). Mean ± sd over the seeds listed; "
-             "median MI, σ and ess: medians over the seeds.\n\n" + "\n".join(rows))
+             "(ERM: its point prediction; MC dropout and the ensemble: their averages, 'mean' columns at the "
+             "weights without dropout and – for the ensemble); with 2 classes the entropy ranks inputs as "
+             "1 − max probability does (same AUROC). AUROC: P(OOD input scores more uncertain). Mean ± sd over the "
+             "seeds listed; median MI, σ and ess: medians over the seeds.\n\n" + "\n".join(rows))
     if write:
         common.write_readme_section(SCRIPT, table)
     return table

@@ -91,11 +91,8 @@ def predict(trainer: Any, dataset: Any) -> dict[str, np.ndarray]:
 
 
 def _save_predictions(name: str, splits: dict[str, dict[str, np.ndarray]]) -> str:
-    CACHE_DIR.mkdir(parents=True, exist_ok=True)
     path = CACHE_DIR / f"{name}.npz"
-    tmp = CACHE_DIR / f"{name}.tmp{os.getpid()}.npz"
-    np.savez_compressed(tmp, **{f"{split}_{k}": v for split, arrays in splits.items() for k, v in arrays.items()})
-    os.replace(tmp, path)
+    common.write_npz(path, {f"{split}_{k}": v for split, arrays in splits.items() for k, v in arrays.items()})
     return path.name
 
 

@@ -15,6 +15,7 @@ import shutil
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -277,6 +278,34 @@ def test_smoothing_strength_table_is_the_report(tmp_path, monkeypatch):
     assert block("smoothing_strength", written) == block("smoothing_strength")
 
 
+def test_smoothing_strength_counts_tasks_against_the_most_accurate_baseline(monkeypatch):
+    """The issue-40 count: IVON (chosen) against the baseline with the highest mean accuracy, paired over seeds."""
+    import smoothing_strength
+
+    def run(acc, nll):
+        return {"test_acc": acc, "test_nll": nll}
+
+    def rows(ivon, erm, ls, sam):  # per seed: (acc, nll) of each method
+        return [{"seed": s, "ivon_chosen": (0.1, run(*ivon[s])), "erm": run(*erm[s]), "ls": (0.1, run(*ls[s])),
+                 "sam": (0.05, run(*sam[s]))} for s in range(3)]
+
+    tasks = {
+        # IVON ahead of every baseline by 2 points on every seed, lower NLL: at least as good, separated
+        "a": rows([(0.82, 0.5), (0.81, 0.5), (0.83, 0.5)], [(0.80, 0.6)] * 3, [(0.79, 0.6)] * 3, [(0.795, 0.6)] * 3),
+        # SAM is the most accurate and beats IVON
+        "b": rows([(0.70, 0.5)] * 3, [(0.69, 0.6)] * 3, [(0.69, 0.6)] * 3, [(0.72, 0.55), (0.71, 0.55), (0.73, 0.5)]),
+        # ahead in accuracy, worse NLL: not counted
+        "c": rows([(0.70, 0.7)] * 3, [(0.69, 0.6)] * 3, [(0.68, 0.6)] * 3, [(0.69, 0.6)] * 3),
+    }
+    monkeypatch.setattr(smoothing_strength, "task_rows", lambda task, seeds: tasks[task])
+    b = smoothing_strength.paired_difference(tasks["b"], "sam")
+    assert b["acc"] == pytest.approx(-2.0) and b["ahead"] == 0 and b["separated"]
+    text = smoothing_strength.summary(["a", "b", "c"], [0, 1, 2])
+    assert "on 1 of 3 tasks, its accuracy lead beyond 2 SE on 1" in text
+    assert "a: vs ERM +2.00 pp, NLL -0.100 (at least as good in both, separated)" in text
+    assert "b: vs SAM -2.00 pp" in text and text.endswith("c: vs ERM +1.00 pp, NLL +0.100.")
+
+
 def test_ivon_settings_of_a_benchmark_run_reach_the_arguments_as_their_fields():
     args = common.training_arguments("ivon", output_dir="unused", ess=1e7, learning_rate=0.3, ivon_smoothing=0.1)
     assert (args.learning_rate, args.method_config.ess, args.method_config.ivon_smoothing) == (0.3, 1e7, 0.1)
@@ -374,7 +403,11 @@ def test_text_ood_table_renders_from_cached_runs(tmp_path, monkeypatch):
             "train_runtime": 100.0, **aurocs}
     ivon = {"auroc_mi_trec": 0.58, "auroc_mi_noise": 0.9, "mi_median_test": 1e-5, "mi_median_trec": 2e-5,
             "mi_median_noise": 3e-5, "posterior_std_median": 4e-3}
-    runs = {("erm", 0): {**base, "final_ess": None}, ("default", 0): {**base, **ivon, "final_ess": None},
+    dropout = {f"dropout_{k}": v for k, v in {**base, **ivon, "auroc_mi_trec": 0.52, "bma_accuracy": 0.79}.items()
+               if k != "posterior_std_median"}
+    runs = {("erm", 0): {**base, **dropout, "version": text_ood.VERSIONS["erm"], "final_ess": None},
+            ("erm", 1): {**base, "final_ess": None},  # an older version, without MC dropout: no row
+            ("default", 0): {**base, **ivon, "final_ess": None},
             ("default", 1): {**base, **ivon, "bma_accuracy": 0.7, "final_ess": None},
             ("ivon_smoothing 0.1", 0): {**base, **ivon, "final_ess": 3e4}}
     for (setting, seed), result in runs.items():
@@ -382,8 +415,36 @@ def test_text_ood_table_renders_from_cached_runs(tmp_path, monkeypatch):
     common.write_json(text_ood.run_path("ivon_smoothing 0.3", 0), {"setting": "x", "seed": 0, "version": -1})  # stale
     table = block(text_ood.SCRIPT, regenerate(text_ood.report, tmp_path, monkeypatch))
     rows = {line.split(" | ")[0].lstrip("| "): line for line in table.splitlines() if line.startswith("| ")}
-    assert list(rows) == ["setting", "erm", "default", "ivon_smoothing 0.1"]  # no run, or a stale one: no row
+    # no run, a stale one, or an ensemble without all its members' predictions: no row
+    assert list(rows) == ["setting", "erm", "erm, MC dropout (8 masks)", "default", "ivon_smoothing 0.1"]
     assert "| 0, 1 | 81.0 ± 0.0 | 75.0 ± 7.1 |" in rows["default"]
     assert "| 0.58 ± 0.00 | 0.90 ± 0.00 |" in rows["default"] and "1.0e-05 / 2.0e-05 / 3.0e-05" in rows["default"]
-    assert rows["erm"].count("–") == 5 and rows["ivon_smoothing 0.1"].endswith("| 3.0e+04 |")
-    assert "1e8 (fixed)" in rows["default"]
+    assert rows["erm"].startswith("| erm | 0 |") and rows["erm"].count("–") == 5
+    assert "| 81.0 | 79.0 | 0.490 | 0.500 | 0.52 | 0.90 |" in rows["erm, MC dropout (8 masks)"]
+    assert rows["ivon_smoothing 0.1"].endswith("| 3.0e+04 |") and "1e8 (fixed)" in rows["default"]
+
+
+def test_text_ood_ensemble_is_the_members_average(tmp_path, monkeypatch):
+    """The deep-ensemble row's MI is H[mean] − mean H[member] (computed here by hand), zero where members agree."""
+    import text_ood
+
+    monkeypatch.setattr(text_ood, "OUT_DIR", tmp_path / "results")
+    labels = np.array([0, 1])
+    # input 0: the members agree (MI 0); input 1: they disagree
+    members = [np.array([[0.9, 0.1], second]) for second in ([0.8, 0.2], [0.2, 0.8], [0.5, 0.5])]
+    for seed, probs in zip(text_ood.SEEDS, members):
+        common.write_npz(text_ood.predictions_path("erm", seed),
+                         {"labels": labels, **{name: probs for name in ("test", *text_ood.OOD_SETS)}})
+    metrics = text_ood.ensemble_metrics()
+
+    def entropy(p):
+        return -(p * np.log(p)).sum(-1)
+
+    mean = np.mean(members, axis=0)
+    mi = entropy(mean) - np.mean([entropy(p) for p in members], axis=0)
+    assert mi[0] == pytest.approx(0.0, abs=1e-6) and mi[1] > 0.1
+    assert metrics["mi_median_test"] == pytest.approx(np.median(mi), rel=1e-5)
+    assert metrics["bma_accuracy"] == 0.5 and metrics["bma_nll"] == pytest.approx(-np.log(mean[[0, 1], labels]).mean())
+    assert metrics["auroc_mi_trec"] == 0.5  # the same inputs as the test set: no separation
+    text_ood.predictions_path("erm", text_ood.SEEDS[-1]).unlink()
+    assert text_ood.ensemble_metrics() is None
