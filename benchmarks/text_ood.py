@@ -255,7 +255,9 @@ def ensemble_metrics(seeds: tuple[int, ...] = SEEDS) -> dict[str, Any] | None:
         out = average_predictions(torch.stack(probs).log().mean(0), probs)
         outputs[name] = {"probs": out.probs.numpy(), "entropy": out.entropy.numpy(),
                          "mi": out.mutual_information.numpy()}
-    return _metrics(outputs, members[0]["labels"])
+    metrics = _metrics(outputs, members[0]["labels"])
+    del metrics["mean_accuracy"], metrics["mean_nll"]  # an ensemble has no single "mean" network
+    return metrics
 
 
 # -------------------------------------------------------------------------------------------------------------------
