@@ -36,7 +36,7 @@ SCRIPT = "smoothing_strength"
 STRENGTHS = (0.0, *real_noise.LS_GRID)
 NOISE_EXAMPLES = 1000
 NOISE_SAMPLES = 32
-TASKS = ("cifar10n-worse", "trec-sym30", "sst2-sym30")
+TASKS = ("cifar10n-worse", "cifar10n-random1", "cifar10n-aggre", "trec-sym30", "sst2-sym30")
 
 
 def measure_smoothing(trainer: Any, val: Any, test: Any) -> dict[str, Any]:
