@@ -182,7 +182,7 @@ def summary(tasks: list[str], seeds: list[int]) -> str:
     """Issue 40's count: on how many tasks IVON (strength chosen) is at least the best baseline (ERM, LS and SAM
     chosen on noisy validation; best by mean accuracy) in both mean accuracy and mean NLL, and on how many of those its
     accuracy lead is beyond 2 SE (paired over seeds). Only tasks where every one of them has run on every seed."""
-    verdicts = []
+    verdicts, good, separated = [], 0, 0
     for task in tasks:
         rows = task_rows(task, seeds)
         if not all(r["ivon_chosen"] and r["erm"] and r["ls"] and r["sam"] for r in rows):
@@ -190,14 +190,17 @@ def summary(tasks: list[str], seeds: list[int]) -> str:
         paired = {key: paired_difference(rows, key) for key in ("erm", "ls", "sam")}
         best = min(paired, key=lambda key: paired[key]["acc"])  # the smallest IVON lead: the most accurate baseline
         lead = paired[best]
-        verdicts.append(f"{task}: vs {best.upper()} {lead['acc']:+.2f} pp, NLL {lead['nll']:+.3f}"
-                        + (" (at least as good in both" + (", separated)" if lead["separated"] else ")")
-                           if lead["acc"] >= 0 and lead["nll"] <= 0 else ""))
-    good = sum("at least as good" in v for v in verdicts)
-    separated = sum("separated)" in v for v in verdicts)
+        verdict = f"{task}: vs {best.upper()} {lead['acc']:+.2f} pp, NLL {lead['nll']:+.3f}"
+        if lead["acc"] >= 0 and lead["nll"] <= 0:
+            good += 1
+            separated += lead["separated"]
+            verdict += " (at least as good in both" + (", separated)" if lead["separated"] else ")")
+        verdicts.append(verdict)
+    if not verdicts:
+        return ""
     return (f"**IVON (strength chosen) against the most accurate baseline of each task** (ERM, LS or SAM chosen): at "
             f"least as good in accuracy and NLL on {good} of {len(verdicts)} tasks, its accuracy lead beyond 2 SE on "
-            f"{separated}. " + "; ".join(verdicts) + ".") if verdicts else ""
+            f"{separated}. " + "; ".join(verdicts) + ".")
 
 
 def report(tasks: list[str], seeds: list[int]) -> str:

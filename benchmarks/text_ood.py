@@ -275,7 +275,7 @@ def _sci(runs: list[dict[str, Any]], key: str) -> str:
 
 def _row(name: str, seeds: str, runs: list[dict[str, Any]], ess: str) -> str:
     col = functools.partial(_col, runs)
-    mi = " / ".join(_sci(runs, f"mi_median_{name}") for name in ("test", *OOD_SETS))
+    mi = " / ".join(_sci(runs, f"mi_median_{inputs}") for inputs in ("test", *OOD_SETS))
     return (f"| {name} | {seeds} | {col('mean_accuracy', 100, 1)} | {col('bma_accuracy', 100, 1)} | "
             f"{col('mean_nll', 1, 3)} | {col('bma_nll', 1, 3)} | "
             + " | ".join(col(f"auroc_{kind}_{ood}") for kind in ("mi", "entropy") for ood in OOD_SETS)
