@@ -62,16 +62,14 @@ DEVICE = common.bench_device()
 OUT_DIR = common.RESULTS_DIR / (SCRIPT if DEVICE == "cpu" else f"{SCRIPT}_{DEVICE}")
 VERSION = 1
 TASKS = ("sst2-clean", "sst2-sym30", "trec-clean", "trec-sym30")
-SETUP = {**real_noise.TEXT, "lora_r": 8, "lora_alpha": 16, "lora_dropout": 0.0, "target_modules": ["query", "value"]}
-ADAMW_LORA_LR = 1e-3
+SETUP = {**real_noise.TEXT, **real_noise.LORA}
 #: method -> (LoRA?, flat settings: `common.training_arguments` puts those of the method's config into it)
 METHODS: dict[str, tuple[bool, dict[str, Any]]] = {
     # the preset's β2 given explicitly: the library's default before the run-length rule (default_posterior.py)
     # the anchor's lr 0.03, the `lora` preset's until its runs here showed that it does not train in short runs
     "ivon-lora": (True, {"method": "ivon", "ivon_preset": "lora", "learning_rate": 0.03, "beta2": 0.99999}),
     "ivon-lora-default": (True, {"method": "ivon", "ivon_preset": "lora", "learning_rate": 0.03}),
-    "adamw-lora": (True, {"method": "erm", "optim": "adamw_torch", "learning_rate": ADAMW_LORA_LR,
-                          "weight_decay": 0.01}),
+    "adamw-lora": (True, {"method": "erm", **real_noise.LORA_BASE["adamw"]}),
     "adamw-full": (False, {"method": "erm", **real_noise.ADAMW["text"]}),
     "ivon-lora-lr1": (True, {"method": "ivon", "ivon_preset": "lora", "learning_rate": 1.0, "beta2": 0.99999}),
     # the run-length β2 rule, so that the Hessian (and σ) can move within 189 steps; the step cap stays lr·clip = 1e-3
@@ -86,7 +84,6 @@ def run(task: str, name: str, seed: int) -> dict[str, Any]:
 
     from example_utils.models import count_parameters
     from varsmooth import VariationalTrainer
-    from varsmooth.adapters import add_lora_adapters
 
     lora, settings = METHODS[name]
     key = common.run_key(dataset=task, noise="", method=name, hyperparams=settings, epochs=SETUP["epochs"], seed=seed,
@@ -98,11 +95,7 @@ def run(task: str, name: str, seed: int) -> dict[str, Any]:
     data = real_noise.text_task_data(task, seed)
     model = real_noise._minilm(len(data["names"]), seed)  # pretrained encoder, new head drawn from the seed
     if lora:
-        try:
-            model = add_lora_adapters(model, r=SETUP["lora_r"], alpha=SETUP["lora_alpha"],
-                                      dropout=SETUP["lora_dropout"], target_modules=SETUP["target_modules"])
-        except ImportError as error:
-            raise real_noise.Unavailable(str(error)) from None
+        model = real_noise._with_lora(model)
     train = data["train"]
     # evaluation pads each batch to its longest sentence: in order of length it pads little (as the text example does)
     test = (data["test"].add_column("length", [len(ids) for ids in data["test"]["input_ids"]])

@@ -77,6 +77,12 @@ CIFAR = {"n_train": 4000, "n_test": 2000, "image_size": 64, "frozen_stages": 4, 
 #: optimizers on some seeds (the 45-72 % spread of the first text runs, see varsmooth.mean_pooling_bert)
 TEXT = {"n_train": 2000, "n_test": 1000, "num_layers": 2, "max_length": 64, "batch_size": 32, "epochs": 3,
         "pooling": "mean"}
+#: the LoRA tasks (`<text task>-lora`, lora.py's set-up): adapters on query/value of the same encoder, the new head
+#: trained in full; IVON at the `lora` preset's defaults, every other method on AdamW-LoRA at LoRA's usual rate. No
+#: setting is tuned on validation for them: the comparison is of the presets users get (issue 40's "at its defaults")
+LORA = {"lora_r": 8, "lora_alpha": 16, "lora_dropout": 0.0, "target_modules": ["query", "value"]}
+LORA_BASE = {"ivon": {"ivon_preset": "lora"},
+             "adamw": {"optim": "adamw_torch", "learning_rate": 1e-3, "weight_decay": 0.01}}
 
 #: AdamW base of every non-IVON method, cosine, 10 % warm-up. The learning rate here is the middle of `LR_GRID`; the
 #: reported runs use the rate chosen on the noisy validation split (`chosen_settings`)
@@ -326,17 +332,33 @@ def _minilm(num_labels: int, seed: int) -> nn.Module:
     return model
 
 
+def _with_lora(model: nn.Module) -> nn.Module:
+    from varsmooth.adapters import add_lora_adapters
+
+    try:
+        return add_lora_adapters(model, r=LORA["lora_r"], alpha=LORA["lora_alpha"], dropout=LORA["lora_dropout"],
+                                 target_modules=LORA["target_modules"])
+    except ImportError as error:
+        raise Unavailable(str(error)) from None
+
+
 # -------------------------------------------------------------------------------------------------------------------
 # one run
 # -------------------------------------------------------------------------------------------------------------------
 @dataclass
 class Task:
-    name: str  # cifar10n-worse, sst2-sym30, ...
+    name: str  # cifar10n-worse, sst2-sym30, trec-clean-lora, ...
     kind: str  # image | text
+    lora: bool = False  # LoRA adapters (`LORA`) instead of full fine-tuning
 
     @classmethod
     def parse(cls, name: str) -> "Task":
-        return cls(name, "image" if name.startswith("cifar10n-") else "text")
+        return cls(name, "image" if name.startswith("cifar10n-") else "text", name.endswith("-lora"))
+
+    @property
+    def data_name(self) -> str:
+        """The task whose data it trains on: a LoRA task's is its text task's."""
+        return self.name.removesuffix("-lora")
 
 
 def settings_for(task: Task, method: str, hyperparams: dict[str, Any]) -> dict[str, Any]:
@@ -346,13 +368,14 @@ def settings_for(task: Task, method: str, hyperparams: dict[str, Any]) -> dict[s
 
     if hyperparams.get(AT_DEFAULTS):
         return {k: v for k, v in hyperparams.items() if k != AT_DEFAULTS}
-    base = IVON_FINETUNE[task.kind] if learns_posterior(method) else ADAMW[task.kind]
+    optimizer = "ivon" if learns_posterior(method) else "adamw"
+    base = LORA_BASE[optimizer] if task.lora else (IVON_FINETUNE if optimizer == "ivon" else ADAMW)[task.kind]
     return {**base, **hyperparams}
 
 
 def setup_for(task: Task, epochs: int | None = None) -> dict[str, Any]:
     """The task's fixed set-up; `epochs` other than the default makes a separate (longer-budget) run."""
-    cfg = CIFAR if task.kind == "image" else TEXT
+    cfg = CIFAR if task.kind == "image" else {**TEXT, **LORA} if task.lora else TEXT
     return cfg if epochs is None or epochs == cfg["epochs"] else {**cfg, "epochs": epochs}
 
 
@@ -408,11 +431,13 @@ def run(task_name: str, method: str, hyperparams: dict[str, Any] | None = None, 
         model = EfficientNetTop(_pretrained_efficientnet(seed), CIFAR["frozen_stages"])
         collator, y_clean = None, data["y_clean"]
     else:
-        data = text_task_data(task.name, seed)
+        data = text_task_data(task.data_name, seed)
         from transformers import DataCollatorWithPadding
 
         train, test = data["train"], data["test"]
         model = _minilm(len(data["names"]), seed)
+        if task.lora:
+            model = _with_lora(model)
         collator = DataCollatorWithPadding(data["tokenizer"])
         y_train = torch.as_tensor(np.asarray(train["label"]))
         y_clean = torch.as_tensor(np.asarray(train["clean_label"])) if "clean_label" in train.column_names else y_train
@@ -728,7 +753,10 @@ def chosen_settings(task_name: str) -> dict[str, dict[str, float]] | None:
 
 
 def fair_hyperparams(task_name: str, method: str, hp: dict[str, Any]) -> dict[str, Any]:
-    """`hp` of `method` with the optimizer settings that `--plan fair` chose for the task on noisy validation."""
+    """`hp` of `method` with the optimizer settings that `--plan fair` chose for the task on noisy validation (a LoRA
+    task's are `LORA_BASE`, untuned)."""
+    if Task.parse(task_name).lora:
+        return dict(hp)
     chosen = chosen_settings(task_name)
     if chosen is None:
         raise Unavailable(f"The noisy-validation tuning of {task_name} has not finished: run "

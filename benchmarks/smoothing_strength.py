@@ -6,11 +6,12 @@ models.
     python benchmarks/smoothing_strength.py --report                              # tables from the cached runs only
 
 The tasks, models, data, optimizer settings and seeds are `real_noise.py`'s (`--plan fair`: IVON's learning rate and
-starting ess as chosen there on noisy validation). IVON trains at `ivon_smoothing` α ∈ {0 (off: ess as chosen), 0.1,
-0.3, 0.5}, LS's grid, and α is chosen per seed on the same noisy validation split by the same rule: four trainings
-per seed for each. ERM, LS and SAM (ρ from real_noise.py's grid, chosen by the same rule) train here too, on the same
-seeds, labels, batch order and code. The report ends with issue 40's count: on how many tasks IVON at its chosen
-strength is at least the most accurate of these baselines in accuracy and NLL.
+starting ess as chosen there on noisy validation), and its four LoRA tasks (lora.py's set-up: IVON at the `lora`
+preset's defaults, ERM, LS and SAM on AdamW-LoRA; nothing tuned but α and ρ). IVON trains at `ivon_smoothing` α ∈ {0
+(off: ess as chosen), 0.1, 0.3, 0.5}, LS's grid, and α is chosen per seed on the same noisy validation split by the same
+rule: four trainings per seed for each. ERM, LS and SAM (ρ from real_noise.py's grid, chosen by the same rule) train
+here too, on the same seeds, labels, batch order and code. The report ends with issue 40's count: on how many tasks IVON
+at its chosen strength is at least the most accurate of these baselines in accuracy and NLL.
 
 Every IVON run also measures what it smooths: the mean ‖ε̄_i‖₁ over the first `NOISE_EXAMPLES` training
 examples (not the 128-example probe the knob targets), with `NOISE_SAMPLES` posterior draws, beside LS's 2α(1 − 1/K)
@@ -36,7 +37,8 @@ SCRIPT = "smoothing_strength"
 STRENGTHS = (0.0, *real_noise.LS_GRID)
 NOISE_EXAMPLES = 1000
 NOISE_SAMPLES = 32
-TASKS = ("cifar10n-worse", "cifar10n-random1", "cifar10n-aggre", "trec-sym30", "sst2-sym30")
+TASKS = ("cifar10n-worse", "cifar10n-random1", "cifar10n-aggre", "trec-sym30", "sst2-sym30",
+         "sst2-clean-lora", "sst2-sym30-lora", "trec-clean-lora", "trec-sym30-lora")
 
 
 def measure_smoothing(trainer: Any, val: Any, test: Any) -> dict[str, Any]:
@@ -116,7 +118,12 @@ def _mean_se(values: list[float]) -> str:
 def task_table(task: str, seeds: list[int]) -> str:
     rows = task_rows(task, seeds)
     k = _num_classes(task)
-    lines = [f"#### {task}", "",
+    lines = [f"#### {task}", ""]
+    if real_noise.Task.parse(task).lora:
+        lines += [f"LoRA (r {real_noise.LORA['lora_r']} on {' and '.join(real_noise.LORA['target_modules'])}): IVON "
+                  f"at the `lora` preset's defaults, ERM, LS and SAM on AdamW-LoRA (lr "
+                  f"{real_noise.LORA_BASE['adamw']['learning_rate']:g}); nothing tuned but α and ρ.", ""]
+    lines += [
              "| method | trainings per seed | seeds | acc % | NLL | ECE % | mean ‖ε̄‖₁ (IVON measured; LS 2α(1 − 1/K)) "
              "| IVON's target α·mean ‖p̂ − 1/K‖₁ | strength chosen per seed |",
              "|---|---|---|---|---|---|---|---|---|"]

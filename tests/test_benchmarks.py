@@ -213,6 +213,23 @@ def test_settings_equal_to_the_preset_keep_their_cached_keys() -> None:
         {"hessian_window": 0.1, "learning_rate": 0.3}
 
 
+def test_a_lora_task_trains_its_text_task_with_adapters_at_the_presets_defaults() -> None:
+    import lora
+
+    task, text = real_noise.Task.parse("trec-sym30-lora"), real_noise.Task.parse("trec-sym30")
+    assert (task.kind, task.lora, task.data_name) == ("text", True, "trec-sym30") and not text.lora
+    assert real_noise.setup_for(task) == lora.SETUP  # lora.py's set-up, so both scripts' runs compare
+    assert real_noise.setup_for(task) == {**real_noise.setup_for(text), **real_noise.LORA}
+    # untuned: IVON at the `lora` preset, the others on AdamW-LoRA, with only the method's own settings on top
+    assert real_noise.fair_hyperparams(task.name, "ls", {"smoothing": 0.3}) == {"smoothing": 0.3}
+    assert real_noise.settings_for(task, "ivon", {"ivon_smoothing": 0.1}) == {"ivon_preset": "lora",
+                                                                              "ivon_smoothing": 0.1}
+    assert real_noise.settings_for(task, "sam", {"sam_rho": 0.05}) == {**real_noise.LORA_BASE["adamw"],
+                                                                       "sam_rho": 0.05}
+    assert lora.METHODS["adamw-lora"][1] == {"method": "erm", **real_noise.LORA_BASE["adamw"]}
+    assert real_noise.run_path(task.name, "erm", {}, 0) != real_noise.run_path(text.name, "erm", {}, 0)
+
+
 def test_stated_budget_counts_every_tuning_training() -> None:
     task = real_noise.Task.parse("sst2-sym30")
     n_adamw, n_ivon = len(real_noise.LR_GRID["text"]["adamw"]), len(real_noise.LR_GRID["text"]["ivon"])
