@@ -16,12 +16,15 @@ at its chosen strength is at least the most accurate of these baselines in accur
 Every IVON run also measures what it smooths: the mean ‖ε̄_i‖₁ over the first `NOISE_EXAMPLES` training
 examples (not the 128-example probe the knob targets), with `NOISE_SAMPLES` posterior draws, beside LS's 2α(1 − 1/K)
 at its chosen α and beside the knob's target on those examples, α·mean ‖p̂_i − 1/K‖₁ (p̂_i the posterior mean's
-prediction). Runs are cached under benchmarks/results/smoothing_strength/runs/.
+prediction). On the text tasks it also measures whether its mutual information flags what it has not seen (`mi_auroc`:
+AUROC against the other text data set's test sentences and random-token sentences; the runs of sst2-sym30 and
+trec-sym30 predate it). Runs are cached under benchmarks/results/smoothing_strength/runs/.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
@@ -37,13 +40,49 @@ SCRIPT = "smoothing_strength"
 STRENGTHS = (0.0, *real_noise.LS_GRID)
 NOISE_EXAMPLES = 1000
 NOISE_SAMPLES = 32
+#: sentences of each out-of-distribution set of `mi_auroc`
+OOD_SIZE = 500
+BATCH = 256
 TASKS = ("cifar10n-worse", "cifar10n-random1", "cifar10n-aggre", "trec-sym30", "sst2-sym30",
          "sst2-clean-lora", "sst2-sym30-lora", "trec-clean-lora", "trec-sym30-lora")
 
 
-def measure_smoothing(trainer: Any, val: Any, test: Any) -> dict[str, Any]:
+def mi_auroc(trainer: Any, test: Any, task: str) -> dict[str, float]:
+    """AUROC of the mutual information (the learned posterior at τ = 1, `EVAL_MC_SAMPLES` draws) of a text task's
+    test sentences against `OOD_SIZE` test sentences of the other text data set and as many random-token sentences
+    (text_ood.py's): the uncertainty column issue 40 asks of these tables."""
+    import numpy as np
+    import torch
+
+    from example_utils.data import load_text_dataset
+    from text_ood import random_token_sentences
+    from varsmooth.metrics.ood import auroc
+    from varsmooth.prediction import predictive_distribution
+
+    tokenizer = trainer.data_collator.tokenizer
+    other = {"sst2": "trec", "trec": "sst2"}[task.split("-")[0]]
+    texts = list(load_text_dataset(other)["test"].shuffle(seed=0).select(range(OOD_SIZE))["text"])
+    encoded = tokenizer(texts, truncation=True, max_length=real_noise.TEXT["max_length"])
+    test_rows = [{k: v for k, v in row.items() if k in encoded} for row in test]
+    sets = {"test": test_rows, other: [{k: encoded[k][i] for k in encoded} for i in range(OOD_SIZE)],
+            "noise": random_token_sentences(tokenizer, [len(r["input_ids"]) for r in test_rows], OOD_SIZE,
+                                            np.random.default_rng(0))}
+    model, posterior = trainer.accelerator.unwrap_model(trainer.model), trainer.posterior().at_temperature(1.0)
+    model.eval()
+    mi = {}
+    with torch.no_grad():
+        for name, rows in sets.items():
+            batches = (trainer._prepare_inputs(trainer.data_collator(rows[i:i + BATCH]))
+                       for i in range(0, len(rows), BATCH))
+            mi[name] = np.concatenate([predictive_distribution(model, posterior, batch, real_noise.EVAL_MC_SAMPLES)
+                                       .mutual_information.float().cpu().numpy() for batch in batches])
+    # auroc takes confidences (in-distribution high): the negated MI
+    return {f"mi_auroc_{name}": auroc(-mi["test"], -mi[name]) for name in sets if name != "test"}
+
+
+def measure_smoothing(trainer: Any, val: Any, test: Any, task: str) -> dict[str, Any]:
     """The run's analysis: the mean ‖ε̄‖₁ and mean ‖p̂ − 1/K‖₁ on the first training examples, the final ess and the
-    knob's updates."""
+    knob's updates; on a text task also `mi_auroc`."""
     import torch
 
     from varsmooth.label_noise import SmoothingStrengthCallback, mean_label_noise
@@ -55,8 +94,8 @@ def measure_smoothing(trainer: Any, val: Any, test: Any) -> dict[str, Any]:
                             NOISE_SAMPLES, seed=0)
     knob = next((c for c in trainer.callback_handler.callbacks if isinstance(c, SmoothingStrengthCallback)), None)
     return {"noise_l1": sums.noise_l1 / sums.count, "distance_from_uniform": sums.distance_from_uniform / sums.count,
-            "ess": trainer.ivon.param_groups[0]["ess"],
-            "updates": knob.history if knob is not None else []}
+            "ess": trainer.ivon.param_groups[0]["ess"], "updates": knob.history if knob is not None else [],
+            **(mi_auroc(trainer, test, task) if real_noise.Task.parse(task).kind == "text" else {})}
 
 
 def jobs(task: str, seed: int) -> list[tuple[str, dict[str, Any]]]:
@@ -68,7 +107,7 @@ def jobs(task: str, seed: int) -> list[tuple[str, dict[str, Any]]]:
 
 
 def train(task: str, method: str, hp: dict[str, Any], seed: int) -> dict[str, Any]:
-    analyze = measure_smoothing if method == "ivon" else None
+    analyze = functools.partial(measure_smoothing, task=task) if method == "ivon" else None
     return real_noise.run(task, method, real_noise.fair_hyperparams(task, method, hp), seed, analyze=analyze,
                           script=SCRIPT)
 
@@ -123,18 +162,23 @@ def task_table(task: str, seeds: list[int]) -> str:
         lines += [f"LoRA (r {real_noise.LORA['lora_r']} on {' and '.join(real_noise.LORA['target_modules'])}): IVON "
                   f"at the `lora` preset's defaults, ERM, LS and SAM on AdamW-LoRA (lr "
                   f"{real_noise.LORA_BASE['adamw']['learning_rate']:g}); nothing tuned but α and ρ.", ""]
-    lines += [
-             "| method | trainings per seed | seeds | acc % | NLL | ECE % | mean ‖ε̄‖₁ (IVON measured; LS 2α(1 − 1/K)) "
-             "| IVON's target α·mean ‖p̂ − 1/K‖₁ | strength chosen per seed |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    ivon_runs = [run for r in rows for run in r["ivon"].values() if run]
+    # the OOD column where the task's IVON runs measured it (`mi_auroc`: text tasks trained since it exists)
+    ood = sorted({key for run in ivon_runs for key in run.get("analysis", {}) if key.startswith("mi_auroc_")})
+    lines += ["| method | trainings per seed | seeds | acc % | NLL | ECE % | mean ‖ε̄‖₁ (IVON measured; LS 2α(1 − 1/K)) "
+              "| IVON's target α·mean ‖p̂ − 1/K‖₁ | strength chosen per seed |"
+              + "".join(f" MI AUROC vs {key.removeprefix('mi_auroc_')} |" for key in ood),
+              "|---|---|---|---|---|---|---|---|---|" + "---|" * len(ood)]
 
     def line(name: str, trainings: str, runs: list[dict[str, Any]], noise: list[float], target: list[float],
              chosen: str) -> None:
         if not runs:
             return
+        mi = [[run["analysis"][key] for run in runs if key in run.get("analysis", {})] for key in ood]
         lines.append(f"| {name} | {trainings} | {len(runs)} | {_mean_se([100 * r['test_acc'] for r in runs])} | "
                      f"{_mean_se([r['test_nll'] for r in runs])} | {_mean_se([100 * r['test_ece'] for r in runs])} | "
-                     f"{_mean_se(noise) if noise else '–'} | {_mean_se(target) if target else '–'} | {chosen} |")
+                     f"{_mean_se(noise) if noise else '–'} | {_mean_se(target) if target else '–'} | {chosen} |"
+                     + "".join(f" {_mean_se(v) if v else '–'} |" for v in mi))
 
     def target(strength: float, run: dict[str, Any]) -> list[float]:
         """The knob's target on the run's measured examples (runs of the knob off have none)."""

