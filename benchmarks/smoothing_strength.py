@@ -255,7 +255,9 @@ def summary(tasks: list[str], seeds: list[int]) -> str:
 
 
 def report(tasks: list[str], seeds: list[int]) -> str:
-    text = "\n\n".join([*(task_table(t, seeds) for t in tasks), summary(tasks, seeds)]).strip()
+    """The tables of the tasks with at least one cached run, and the count."""
+    trained = [t for t in tasks if any(r["erm"] or any(r["ivon"].values()) for r in task_rows(t, seeds))]
+    text = "\n\n".join([*(task_table(t, seeds) for t in trained), summary(tasks, seeds)]).strip()
     common.write_readme_section(SCRIPT, text)
     return text
 
