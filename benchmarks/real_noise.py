@@ -362,13 +362,12 @@ class Task:
 
 
 def settings_for(task: Task, method: str, hyperparams: dict[str, Any]) -> dict[str, Any]:
-    """The run's settings: `hyperparams` over the benchmark's AdamW base or IVON_FINETUNE, or, for a run at the
-    examples' defaults (`AT_DEFAULTS`), `hyperparams` alone."""
-    from varsmooth.methods import learns_posterior
+    """The run's settings: `hyperparams` over the benchmark's AdamW base or IVON_FINETUNE (a LoRA task's
+    `LORA_BASE`), or, for a run at the examples' defaults (`AT_DEFAULTS`), `hyperparams` alone."""
 
     if hyperparams.get(AT_DEFAULTS):
         return {k: v for k, v in hyperparams.items() if k != AT_DEFAULTS}
-    optimizer = "ivon" if learns_posterior(method) else "adamw"
+    optimizer = _optimizer(method)
     base = LORA_BASE[optimizer] if task.lora else (IVON_FINETUNE if optimizer == "ivon" else ADAMW)[task.kind]
     return {**base, **hyperparams}
 
