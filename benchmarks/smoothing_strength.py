@@ -55,16 +55,16 @@ def mi_auroc(trainer: Any, test: Any, task: str) -> dict[str, float]:
     import torch
 
     from example_utils.data import load_text_dataset
-    from text_ood import random_token_sentences
+    from text_ood import encode_sentences, random_token_sentences
     from varsmooth.metrics.ood import auroc
     from varsmooth.prediction import predictive_distribution
 
     tokenizer = trainer.data_collator.tokenizer
     other = {"sst2": "trec", "trec": "sst2"}[task.split("-")[0]]
     texts = list(load_text_dataset(other)["test"].shuffle(seed=0).select(range(OOD_SIZE))["text"])
-    encoded = tokenizer(texts, truncation=True, max_length=real_noise.TEXT["max_length"])
-    test_rows = [{k: v for k, v in row.items() if k in encoded} for row in test]
-    sets = {"test": test_rows, other: [{k: encoded[k][i] for k in encoded} for i in range(OOD_SIZE)],
+    other_rows = encode_sentences(tokenizer, texts, real_noise.TEXT["max_length"])
+    test_rows = [{k: v for k, v in row.items() if k in other_rows[0]} for row in test]
+    sets = {"test": test_rows, other: other_rows,
             "noise": random_token_sentences(tokenizer, [len(r["input_ids"]) for r in test_rows], OOD_SIZE,
                                             np.random.default_rng(0))}
     model, posterior = trainer.accelerator.unwrap_model(trainer.model), trainer.posterior().at_temperature(1.0)

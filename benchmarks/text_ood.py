@@ -143,13 +143,16 @@ def _inputs(folder_tokenizer: str) -> dict[str, Any]:
     subset = np.sort(rng.permutation(len(sst2))[:TEST_SIZE])
     test = sst2.select(subset)
 
-    def encode(texts: list[str]) -> list[dict[str, list[int]]]:
-        out = tokenizer(texts, truncation=True, max_length=64)  # the example's --max_length
-        return [{k: out[k][i] for k in out} for i in range(len(texts))]
-
-    sets = {"test": encode(list(test["text"])), "trec": encode(list(trec["text"]))}
+    sets = {"test": encode_sentences(tokenizer, list(test["text"])),
+            "trec": encode_sentences(tokenizer, list(trec["text"]))}
     sets["noise"] = random_token_sentences(tokenizer, [len(x["input_ids"]) for x in sets["test"]], NOISE_SIZE, rng)
     return {"tokenizer": tokenizer, "sets": sets, "labels": np.asarray(list(test["label"]))}
+
+
+def encode_sentences(tokenizer: Any, texts: list[str], max_length: int = 64) -> list[dict[str, list[int]]]:
+    """`texts` tokenized one row each, cut to `max_length` tokens (the example's --max_length)."""
+    out = tokenizer(texts, truncation=True, max_length=max_length)
+    return [{k: out[k][i] for k in out} for i in range(len(texts))]
 
 
 def random_token_sentences(tokenizer: Any, lengths: list[int], n: int,
