@@ -323,6 +323,24 @@ def test_smoothing_strength_counts_tasks_against_the_most_accurate_baseline(monk
     assert "b: vs SAM -2.00 pp" in text and text.endswith("c: vs ERM +1.00 pp, NLL +0.100.")
 
 
+def test_smoothing_strength_trains_again_only_text_ivon_runs_cached_without_mi(monkeypatch):
+    """A text task's IVON run cached before `mi_auroc` existed is trained again (forced); measured runs, image tasks
+    and baselines come from the cache."""
+    import smoothing_strength
+
+    old = {"test_acc": 0.8, "test_nll": 0.6, "analysis": {"noise_l1": 0.01}}
+    measured = {**old, "analysis": {"noise_l1": 0.01, "mi_auroc_noise": 0.6}}
+    forced = []
+    monkeypatch.setattr(real_noise, "run", lambda task, method, hp, seed, force=False, **kw: forced.append(force)
+                        or old)
+    for task, method, run, expected in [("trec-sym30", "ivon", old, True), ("trec-sym30", "ivon", measured, False),
+                                        ("trec-sym30", "ivon", None, False), ("trec-sym30", "erm", old, False),
+                                        ("cifar10n-worse", "ivon", old, False)]:
+        monkeypatch.setattr(smoothing_strength, "cached", lambda *args, run=run: run)
+        smoothing_strength.train(task, method, {}, 0)
+        assert forced.pop() is expected, (task, method, run)
+
+
 def test_ivon_settings_of_a_benchmark_run_reach_the_arguments_as_their_fields():
     args = common.training_arguments("ivon", output_dir="unused", ess=1e7, learning_rate=0.3, ivon_smoothing=0.1)
     assert (args.learning_rate, args.method_config.ess, args.method_config.ivon_smoothing) == (0.3, 1e7, 0.1)
