@@ -168,6 +168,11 @@ def _cifar_classes() -> tuple[str, ...]:
 
 def _to_pixels(images: list, size: int) -> torch.Tensor:
     x = torch.as_tensor(np.stack([np.asarray(im.convert("RGB")) for im in images])).permute(0, 3, 1, 2).float() / 255.0
+    return _resized(x, size)
+
+
+def _resized(x: torch.Tensor, size: int) -> torch.Tensor:
+    """RGB images in [0, 1] at the network's resolution and normalisation."""
     x = F.interpolate(x, size=(size, size), mode="bilinear", align_corners=False)
     return (x - 0.5) / 0.5  # EfficientNet-Lite's normalisation
 
@@ -259,6 +264,31 @@ def cifar_val_data(train_index: torch.Tensor) -> dict[str, torch.Tensor]:
               "y_val_clean": torch.as_tensor(labels["clean_label"][index]),
               **{f"y_val_{name}": torch.as_tensor(labels[column][index])
                  for name, column in CIFAR10N_LABEL_SETS.items()}}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(result, path)
+    return result
+
+
+def cifar_ood_features(n: int) -> dict[str, torch.Tensor]:
+    """Frozen features of `n` images unlike CIFAR-10's, to score out-of-distribution detection on: uniform-noise
+    images ("noise") and MNIST test digits in RGB ("mnist"), at the CIFAR images' resolution, through the same frozen
+    bottom."""
+    from example_utils.data import default_data_dir
+
+    cfg = CIFAR
+    path = CACHE_DIR / f"cifar_ood_v{VERSION}_n{n}_s{cfg['image_size']}_f{cfg['frozen_stages']}.pt"
+    if path.is_file():
+        return torch.load(path, weights_only=True)
+    mnist = default_data_dir() / "mnist.npz"
+    if not mnist.is_file():
+        raise Unavailable(f"mnist.npz not found in {default_data_dir()} (../shared/data or $VARSMOOTH_DATA_DIR).")
+    with np.load(mnist) as f:
+        digits = f["x_test"][np.random.default_rng(0).choice(len(f["x_test"]), n, replace=False)]
+    size = cfg["image_size"]
+    pixels = {"noise": torch.rand(n, 3, size, size, generator=torch.Generator().manual_seed(0)),
+              "mnist": torch.as_tensor(digits).float().div(255.0)[:, None].expand(-1, 3, -1, -1)}
+    net = _pretrained_efficientnet(seed=0)
+    result = {name: _frozen_features(net, _resized(x, size), cfg["frozen_stages"]) for name, x in pixels.items()}
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.save(result, path)
     return result

@@ -16,9 +16,10 @@ at its chosen strength is at least the most accurate of these baselines in accur
 Every IVON run also measures what it smooths: the mean ‖ε̄_i‖₁ over the first `NOISE_EXAMPLES` training
 examples (not the 128-example probe the knob targets), with `NOISE_SAMPLES` posterior draws, beside LS's 2α(1 − 1/K)
 at its chosen α and beside the knob's target on those examples, α·mean ‖p̂_i − 1/K‖₁ (p̂_i the posterior mean's
-prediction). On the text tasks it also measures whether its mutual information flags what it has not seen (`mi_auroc`:
-AUROC against the other text data set's test sentences and random-token sentences; an IVON run cached before it
-existed is trained again to measure it). Runs are cached under benchmarks/results/smoothing_strength/runs/.
+prediction). It also measures whether its mutual information, and the entropy of the same prediction, flag what it
+has not seen (`mi_auroc`: AUROC against the other text data set's test sentences and random-token sentences on the
+text tasks, against MNIST digits and uniform-noise images on CIFAR-10N; an IVON run cached before its task had both is
+trained again to measure them). Runs are cached under benchmarks/results/smoothing_strength/runs/.
 """
 
 from __future__ import annotations
@@ -47,42 +48,58 @@ TASKS = ("cifar10n-worse", "cifar10n-random1", "cifar10n-aggre", "trec-sym30", "
          "sst2-clean-lora", "sst2-sym30-lora", "trec-clean-lora", "trec-sym30-lora")
 
 
-def mi_auroc(trainer: Any, test: Any, task: str) -> dict[str, float]:
-    """AUROC of the mutual information (the learned posterior at τ = 1, `EVAL_MC_SAMPLES` draws) of a text task's
-    test sentences against `OOD_SIZE` test sentences of the other text data set and as many random-token sentences
-    (text_ood.py's): the uncertainty column issue 40 asks of these tables."""
+def ood_sets(tokenizer: Any, test: Any, task: str) -> dict[str, list[dict[str, Any]]]:
+    """The test split's inputs and `OOD_SIZE` inputs of each set `mi_auroc` scores against them: for a text task the
+    other text data set's test sentences and random-token sentences (text_ood.py's), for a CIFAR-10N task
+    uniform-noise images and MNIST digits through the same frozen bottom (`real_noise.cifar_ood_features`)."""
     import numpy as np
-    import torch
 
+    if real_noise.Task.parse(task).kind == "image":
+        ood = real_noise.cifar_ood_features(OOD_SIZE)
+        return {"test": [{"features": test[i]["features"]} for i in range(len(test))],
+                **{name: [{"features": x} for x in features] for name, features in ood.items()}}
     from example_utils.data import load_text_dataset
     from text_ood import encode_sentences, random_token_sentences
-    from varsmooth.metrics.ood import auroc
-    from varsmooth.prediction import predictive_distribution
 
-    tokenizer = trainer.data_collator.tokenizer
     other = {"sst2": "trec", "trec": "sst2"}[task.split("-")[0]]
     texts = list(load_text_dataset(other)["test"].shuffle(seed=0).select(range(OOD_SIZE))["text"])
     other_rows = encode_sentences(tokenizer, texts, real_noise.TEXT["max_length"])
     test_rows = [{k: v for k, v in row.items() if k in other_rows[0]} for row in test]
-    sets = {"test": test_rows, other: other_rows,
+    return {"test": test_rows, other: other_rows,
             "noise": random_token_sentences(tokenizer, [len(r["input_ids"]) for r in test_rows], OOD_SIZE,
                                             np.random.default_rng(0))}
+
+
+def mi_auroc(trainer: Any, test: Any, task: str) -> dict[str, float]:
+    """AUROC of the mutual information (the learned posterior at τ = 1, `EVAL_MC_SAMPLES` draws) of the test inputs
+    against each out-of-distribution set of `ood_sets` (the uncertainty column issue 40 asks of these tables), and of
+    the entropy of the same prediction: whether the draws disagree on what the model has not seen, and whether the
+    averaged prediction is any less sure of it."""
+    import numpy as np
+    import torch
+
+    from varsmooth.metrics.ood import auroc
+    from varsmooth.prediction import predictive_distribution
+
+    sets = ood_sets(getattr(trainer.data_collator, "tokenizer", None), test, task)
     model, posterior = trainer.accelerator.unwrap_model(trainer.model), trainer.posterior().at_temperature(1.0)
     model.eval()
-    mi = {}
+    scores: dict[str, dict[str, np.ndarray]] = {"mi": {}, "entropy": {}}
     with torch.no_grad():
         for name, rows in sets.items():
             batches = (trainer._prepare_inputs(trainer.data_collator(rows[i:i + BATCH]))
                        for i in range(0, len(rows), BATCH))
-            mi[name] = np.concatenate([predictive_distribution(model, posterior, batch, real_noise.EVAL_MC_SAMPLES)
-                                       .mutual_information.float().cpu().numpy() for batch in batches])
-    # auroc takes confidences (in-distribution high): the negated MI
-    return {f"mi_auroc_{name}": auroc(-mi["test"], -mi[name]) for name in sets if name != "test"}
+            out = [predictive_distribution(model, posterior, batch, real_noise.EVAL_MC_SAMPLES) for batch in batches]
+            scores["mi"][name] = np.concatenate([o.mutual_information.float().cpu().numpy() for o in out])
+            scores["entropy"][name] = np.concatenate([o.entropy.float().cpu().numpy() for o in out])
+    # auroc takes confidences (in-distribution high): the negated uncertainty
+    return {f"{score}_auroc_{name}": auroc(-values["test"], -values[name])
+            for score, values in scores.items() for name in sets if name != "test"}
 
 
 def measure_smoothing(trainer: Any, val: Any, test: Any, task: str) -> dict[str, Any]:
-    """The run's analysis: the mean ‖ε̄‖₁ and mean ‖p̂ − 1/K‖₁ on the first training examples, the final ess and the
-    knob's updates; on a text task also `mi_auroc`."""
+    """The run's analysis: the mean ‖ε̄‖₁ and mean ‖p̂ − 1/K‖₁ on the first training examples, the final ess, the
+    knob's updates and `mi_auroc`."""
     import torch
 
     from varsmooth.label_noise import SmoothingStrengthCallback, mean_label_noise
@@ -95,7 +112,7 @@ def measure_smoothing(trainer: Any, val: Any, test: Any, task: str) -> dict[str,
     knob = next((c for c in trainer.callback_handler.callbacks if isinstance(c, SmoothingStrengthCallback)), None)
     return {"noise_l1": sums.noise_l1 / sums.count, "distance_from_uniform": sums.distance_from_uniform / sums.count,
             "ess": trainer.ivon.param_groups[0]["ess"], "updates": knob.history if knob is not None else [],
-            **(mi_auroc(trainer, test, task) if real_noise.Task.parse(task).kind == "text" else {})}
+            **mi_auroc(trainer, test, task)}
 
 
 def jobs(task: str, seed: int) -> list[tuple[str, dict[str, Any]]]:
@@ -107,12 +124,12 @@ def jobs(task: str, seed: int) -> list[tuple[str, dict[str, Any]]]:
 
 
 def train(task: str, method: str, hp: dict[str, Any], seed: int) -> dict[str, Any]:
-    """The run, trained unless cached. A text task's IVON run cached before `mi_auroc` existed is trained again (the
+    """The run, trained unless cached. An IVON run cached before `mi_auroc` measured its task is trained again (the
     same seed, data and code: the same run, now with its MI measured); the log says whether its metrics repeat."""
     analyze = functools.partial(measure_smoothing, task=task) if method == "ivon" else None
     before = cached(task, method, hp, seed)
-    remeasure = (analyze is not None and before is not None and real_noise.Task.parse(task).kind == "text"
-                 and not any(key.startswith("mi_auroc_") for key in before.get("analysis", {})))
+    remeasure = (analyze is not None and before is not None
+                 and not any(key.startswith("entropy_auroc_") for key in before.get("analysis", {})))
     run = real_noise.run(task, method, real_noise.fair_hyperparams(task, method, hp), seed, analyze=analyze,
                          script=SCRIPT, force=remeasure)
     if remeasure:
@@ -163,6 +180,11 @@ def _mean_se(values: list[float]) -> str:
     return f"{mean:.3g} ± {sd / max(1, len(values)) ** 0.5:.2g}" if len(values) > 1 else f"{mean:.3g}"
 
 
+def _partial(values: list[float], runs: list[dict[str, Any]]) -> str:
+    """How many of the row's runs a column's cell averages, where not all of them measured it."""
+    return f" ({len(values)} of {len(runs)} seeds)" if values and len(values) < len(runs) else ""
+
+
 def task_table(task: str, seeds: list[int]) -> str:
     rows = task_rows(task, seeds)
     k = _num_classes(task)
@@ -172,22 +194,28 @@ def task_table(task: str, seeds: list[int]) -> str:
                   f"at the `lora` preset's defaults, ERM, LS and SAM on AdamW-LoRA (lr "
                   f"{real_noise.LORA_BASE['adamw']['learning_rate']:g}); nothing tuned but α and ρ.", ""]
     ivon_runs = [run for r in rows for run in r["ivon"].values() if run]
-    # the OOD column where the task's IVON runs measured it (`mi_auroc`: text tasks trained since it exists)
-    ood = sorted({key for run in ivon_runs for key in run.get("analysis", {}) if key.startswith("mi_auroc_")})
+    # the OOD sets where the task's IVON runs measured them (runs trained since `mi_auroc` covers the task)
+    ood = sorted({key.removeprefix("mi_auroc_") for run in ivon_runs for key in run.get("analysis", {})
+                  if key.startswith("mi_auroc_")})
     lines += ["| method | trainings per seed | seeds | acc % | NLL | ECE % | mean ‖ε̄‖₁ (IVON measured; LS 2α(1 − 1/K)) "
               "| IVON's target α·mean ‖p̂ − 1/K‖₁ | strength chosen per seed |"
-              + "".join(f" MI AUROC vs {key.removeprefix('mi_auroc_')} |" for key in ood),
+              + "".join(f" AUROC vs {name}: MI / entropy |" for name in ood),
               "|---|---|---|---|---|---|---|---|---|" + "---|" * len(ood)]
+
+    def auroc_cell(name: str, runs: list[dict[str, Any]]) -> str:
+        values = {score: [run["analysis"][key] for run in runs if (key := f"{score}_auroc_{name}") in run["analysis"]]
+                  for score in ("mi", "entropy")}
+        return " / ".join(f"{_mean_se(v)}{_partial(v, runs)}" if v else "–" for v in values.values())
 
     def line(name: str, trainings: str, runs: list[dict[str, Any]], noise: list[float], target: list[float],
              chosen: str) -> None:
         if not runs:
             return
-        mi = [[run["analysis"][key] for run in runs if key in run.get("analysis", {})] for key in ood]
+        uncertainty = [auroc_cell(o, runs) if all("analysis" in run for run in runs) else "–" for o in ood]
         lines.append(f"| {name} | {trainings} | {len(runs)} | {_mean_se([100 * r['test_acc'] for r in runs])} | "
                      f"{_mean_se([r['test_nll'] for r in runs])} | {_mean_se([100 * r['test_ece'] for r in runs])} | "
                      f"{_mean_se(noise) if noise else '–'} | {_mean_se(target) if target else '–'} | {chosen} |"
-                     + "".join(f" {_mean_se(v) if v else '–'} |" for v in mi))
+                     + "".join(f" {cell} |" for cell in uncertainty))
 
     def target(strength: float, run: dict[str, Any]) -> list[float]:
         """The knob's target on the run's measured examples (runs of the knob off have none)."""

@@ -323,22 +323,67 @@ def test_smoothing_strength_counts_tasks_against_the_most_accurate_baseline(monk
     assert "b: vs SAM -2.00 pp" in text and text.endswith("c: vs ERM +1.00 pp, NLL +0.100.")
 
 
-def test_smoothing_strength_trains_again_only_text_ivon_runs_cached_without_mi(monkeypatch):
-    """A text task's IVON run cached before `mi_auroc` existed is trained again (forced); measured runs, image tasks
-    and baselines come from the cache."""
+def test_smoothing_strength_trains_again_only_ivon_runs_cached_without_ood_scores(monkeypatch):
+    """An IVON run cached before `mi_auroc` measured its task (MI and entropy) is trained again (forced), text or
+    image; measured runs and baselines come from the cache."""
     import smoothing_strength
 
     old = {"test_acc": 0.8, "test_nll": 0.6, "analysis": {"noise_l1": 0.01}}
-    measured = {**old, "analysis": {"noise_l1": 0.01, "mi_auroc_noise": 0.6}}
+    mi_only = {**old, "analysis": {"noise_l1": 0.01, "mi_auroc_noise": 0.6}}
+    measured = {**old, "analysis": {"noise_l1": 0.01, "mi_auroc_noise": 0.6, "entropy_auroc_noise": 0.55}}
     forced = []
     monkeypatch.setattr(real_noise, "run", lambda task, method, hp, seed, force=False, **kw: forced.append(force)
                         or old)
-    for task, method, run, expected in [("trec-sym30", "ivon", old, True), ("trec-sym30", "ivon", measured, False),
+    for task, method, run, expected in [("trec-sym30", "ivon", old, True), ("trec-sym30", "ivon", mi_only, True),
+                                        ("trec-sym30", "ivon", measured, False),
                                         ("trec-sym30", "ivon", None, False), ("trec-sym30", "erm", old, False),
-                                        ("cifar10n-worse", "ivon", old, False)]:
+                                        ("cifar10n-worse", "ivon", old, True),
+                                        ("cifar10n-worse", "ivon", measured, False),
+                                        ("cifar10n-worse", "ls", old, False)]:
         monkeypatch.setattr(smoothing_strength, "cached", lambda *args, run=run: run)
         smoothing_strength.train(task, method, {}, 0)
         assert forced.pop() is expected, (task, method, run)
+
+
+def test_cifar_ood_sets_go_through_the_frozen_bottom_once(tmp_path, monkeypatch):
+    """`mi_auroc`'s CIFAR-10N sets: uniform-noise images and MNIST digits in RGB at the CIFAR resolution and
+    normalisation, through the same frozen bottom as the training images; computed once, then read from the cache."""
+    import torch
+    from torch import nn
+
+    import smoothing_strength
+
+    digits = np.zeros((10, 28, 28), np.uint8)
+    digits[:, 6:22, 12:16] = 255  # a one
+    np.savez(tmp_path / "mnist.npz", x_test=digits)
+    monkeypatch.setenv("VARSMOOTH_DATA_DIR", str(tmp_path))
+    monkeypatch.setattr(real_noise, "CACHE_DIR", tmp_path / "cache")
+    seen = []
+
+    class Record(nn.Module):
+        def forward(self, x):  # noqa: ANN001, ANN202
+            seen.append(x)
+            return x
+
+    bottom = nn.Module()
+    bottom.conv_stem, bottom.bn1 = Record(), nn.Identity()
+    bottom.blocks = nn.Sequential(*(nn.AvgPool2d(2) for _ in range(real_noise.CIFAR["frozen_stages"] + 2)))
+    monkeypatch.setattr(real_noise, "_pretrained_efficientnet", lambda seed: bottom)
+    features = real_noise.cifar_ood_features(4)
+    size = real_noise.CIFAR["image_size"]
+    noise, mnist = seen
+    assert noise.shape == mnist.shape == (4, 3, size, size)
+    assert noise.min() >= -1 and noise.max() <= 1 and noise.std() > 0.5  # uniform pixels in the normalised range
+    assert torch.equal(mnist[:, 0], mnist[:, 2]) and mnist.min() == -1 and mnist.max() == 1  # grey digits, black ground
+    out = size // 2 ** real_noise.CIFAR["frozen_stages"]  # only the frozen stages ran
+    assert features["noise"].shape == features["mnist"].shape == (4, 3, out, out)
+    again = real_noise.cifar_ood_features(4)
+    assert len(seen) == 2 and all(torch.equal(again[k], features[k]) for k in features)
+    test = real_noise.TensorRows(features=torch.zeros(3, 3, out, out), labels=torch.zeros(3, dtype=torch.long))
+    monkeypatch.setattr(smoothing_strength, "OOD_SIZE", 4)
+    sets = smoothing_strength.ood_sets(None, test, "cifar10n-aggre")
+    assert {name: len(rows) for name, rows in sets.items()} == {"test": 3, "noise": 4, "mnist": 4}
+    assert all(list(row) == ["features"] for rows in sets.values() for row in rows)  # inputs only, no labels
 
 
 def test_ivon_settings_of_a_benchmark_run_reach_the_arguments_as_their_fields():
