@@ -17,7 +17,7 @@ Every IVON run also measures what it smooths: the mean ‖ε̄_i‖₁ over the 
 examples (not the 128-example probe the knob targets), with `NOISE_SAMPLES` posterior draws, beside LS's 2α(1 − 1/K)
 at its chosen α and beside the knob's target on those examples, α·mean ‖p̂_i − 1/K‖₁ (p̂_i the posterior mean's
 prediction). It also measures whether its mutual information, and the entropy of the same prediction, flag what it
-has not seen (`mi_auroc`: AUROC against the other text data set's test sentences and random-token sentences on the
+has not seen (`ood_auroc`: AUROC against the other text data set's test sentences and random-token sentences on the
 text tasks, against MNIST digits and uniform-noise images on CIFAR-10N; an IVON run cached before its task had both is
 trained again to measure them). Runs are cached under benchmarks/results/smoothing_strength/runs/.
 """
@@ -41,7 +41,7 @@ SCRIPT = "smoothing_strength"
 STRENGTHS = (0.0, *real_noise.LS_GRID)
 NOISE_EXAMPLES = 1000
 NOISE_SAMPLES = 32
-#: sentences of each out-of-distribution set of `mi_auroc`
+#: sentences of each out-of-distribution set of `ood_auroc`
 OOD_SIZE = 500
 BATCH = 256
 TASKS = ("cifar10n-worse", "cifar10n-random1", "cifar10n-aggre", "trec-sym30", "sst2-sym30",
@@ -49,7 +49,7 @@ TASKS = ("cifar10n-worse", "cifar10n-random1", "cifar10n-aggre", "trec-sym30", "
 
 
 def ood_sets(tokenizer: Any, test: Any, task: str) -> dict[str, list[dict[str, Any]]]:
-    """The test split's inputs and `OOD_SIZE` inputs of each set `mi_auroc` scores against them: for a text task the
+    """The test split's inputs and `OOD_SIZE` inputs of each set `ood_auroc` scores against them: for a text task the
     other text data set's test sentences and random-token sentences (text_ood.py's), for a CIFAR-10N task
     uniform-noise images and MNIST digits through the same frozen bottom (`real_noise.cifar_ood_features`)."""
     import numpy as np
@@ -70,11 +70,11 @@ def ood_sets(tokenizer: Any, test: Any, task: str) -> dict[str, list[dict[str, A
                                             np.random.default_rng(0))}
 
 
-def mi_auroc(trainer: Any, test: Any, task: str) -> dict[str, float]:
-    """AUROC of the mutual information (the learned posterior at τ = 1, `EVAL_MC_SAMPLES` draws) of the test inputs
-    against each out-of-distribution set of `ood_sets` (the uncertainty column issue 40 asks of these tables), and of
-    the entropy of the same prediction: whether the draws disagree on what the model has not seen, and whether the
-    averaged prediction is any less sure of it."""
+def ood_auroc(trainer: Any, test: Any, task: str) -> dict[str, float]:
+    """AUROC ("mi_auroc_<set>") of the mutual information (the learned posterior at τ = 1, `EVAL_MC_SAMPLES`
+    draws) of the test inputs against each out-of-distribution set of `ood_sets` (the uncertainty column issue 40 asks
+    of these tables), and of the entropy of the same prediction ("entropy_auroc_<set>"): whether the draws disagree
+    on what the model has not seen, and whether the averaged prediction is any less sure of it."""
     import numpy as np
     import torch
 
@@ -99,7 +99,7 @@ def mi_auroc(trainer: Any, test: Any, task: str) -> dict[str, float]:
 
 def measure_smoothing(trainer: Any, val: Any, test: Any, task: str) -> dict[str, Any]:
     """The run's analysis: the mean ‖ε̄‖₁ and mean ‖p̂ − 1/K‖₁ on the first training examples, the final ess, the
-    knob's updates and `mi_auroc`."""
+    knob's updates and `ood_auroc`."""
     import torch
 
     from varsmooth.label_noise import SmoothingStrengthCallback, mean_label_noise
@@ -112,7 +112,7 @@ def measure_smoothing(trainer: Any, val: Any, test: Any, task: str) -> dict[str,
     knob = next((c for c in trainer.callback_handler.callbacks if isinstance(c, SmoothingStrengthCallback)), None)
     return {"noise_l1": sums.noise_l1 / sums.count, "distance_from_uniform": sums.distance_from_uniform / sums.count,
             "ess": trainer.ivon.param_groups[0]["ess"], "updates": knob.history if knob is not None else [],
-            **mi_auroc(trainer, test, task)}
+            **ood_auroc(trainer, test, task)}
 
 
 def jobs(task: str, seed: int) -> list[tuple[str, dict[str, Any]]]:
@@ -124,8 +124,9 @@ def jobs(task: str, seed: int) -> list[tuple[str, dict[str, Any]]]:
 
 
 def train(task: str, method: str, hp: dict[str, Any], seed: int) -> dict[str, Any]:
-    """The run, trained unless cached. An IVON run cached before `mi_auroc` measured its task is trained again (the
-    same seed, data and code: the same run, now with its MI measured); the log says whether its metrics repeat."""
+    """The run, trained unless cached. An IVON run cached before `ood_auroc` measured its task is trained again (the
+    same seed, data and settings, now with its OOD scores); the log says whether its metrics repeat, which they do
+    unless the code or a dependency changed the training since (the CIFAR-10N runs, benchmarks/README.md)."""
     analyze = functools.partial(measure_smoothing, task=task) if method == "ivon" else None
     before = cached(task, method, hp, seed)
     remeasure = (analyze is not None and before is not None
@@ -133,7 +134,7 @@ def train(task: str, method: str, hp: dict[str, Any], seed: int) -> dict[str, An
     run = real_noise.run(task, method, real_noise.fair_hyperparams(task, method, hp), seed, analyze=analyze,
                          script=SCRIPT, force=remeasure)
     if remeasure:
-        print(f"{task} {method} {hp} seed {seed} trained again for mi_auroc: test acc {before['test_acc']:.4f} -> "
+        print(f"{task} {method} {hp} seed {seed} trained again for ood_auroc: test acc {before['test_acc']:.4f} -> "
               f"{run['test_acc']:.4f}, NLL {before['test_nll']:.4f} -> {run['test_nll']:.4f}", flush=True)
     return run
 
@@ -194,7 +195,7 @@ def task_table(task: str, seeds: list[int]) -> str:
                   f"at the `lora` preset's defaults, ERM, LS and SAM on AdamW-LoRA (lr "
                   f"{real_noise.LORA_BASE['adamw']['learning_rate']:g}); nothing tuned but α and ρ.", ""]
     ivon_runs = [run for r in rows for run in r["ivon"].values() if run]
-    # the OOD sets where the task's IVON runs measured them (runs trained since `mi_auroc` covers the task)
+    # the OOD sets where the task's IVON runs measured them (runs trained since `ood_auroc` covers the task)
     ood = sorted({key.removeprefix("mi_auroc_") for run in ivon_runs for key in run.get("analysis", {})
                   if key.startswith("mi_auroc_")})
     lines += ["| method | trainings per seed | seeds | acc % | NLL | ECE % | mean ‖ε̄‖₁ (IVON measured; LS 2α(1 − 1/K)) "

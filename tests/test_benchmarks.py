@@ -324,7 +324,7 @@ def test_smoothing_strength_counts_tasks_against_the_most_accurate_baseline(monk
 
 
 def test_smoothing_strength_trains_again_only_ivon_runs_cached_without_ood_scores(monkeypatch):
-    """An IVON run cached before `mi_auroc` measured its task (MI and entropy) is trained again (forced), text or
+    """An IVON run cached before `ood_auroc` measured its task (MI and entropy) is trained again (forced), text or
     image; measured runs and baselines come from the cache."""
     import smoothing_strength
 
@@ -346,7 +346,7 @@ def test_smoothing_strength_trains_again_only_ivon_runs_cached_without_ood_score
 
 
 def test_cifar_ood_sets_go_through_the_frozen_bottom_once(tmp_path, monkeypatch):
-    """`mi_auroc`'s CIFAR-10N sets: uniform-noise images and MNIST digits in RGB at the CIFAR resolution and
+    """`ood_auroc`'s CIFAR-10N sets: uniform-noise images and MNIST digits in RGB at the CIFAR resolution and
     normalisation, through the same frozen bottom as the training images; computed once, then read from the cache."""
     import torch
     from torch import nn
