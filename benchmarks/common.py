@@ -316,18 +316,19 @@ class HistoryCallback(TrainerCallback):
 
 
 def _versions() -> dict[str, str]:
-    import transformers
+    """What a run's numbers depend on besides the code: the packages and the CPU's kernel set (torch picks its CPU
+    kernels by instruction set, so the same versions on another CPU need not repeat a run to the last digit)."""
+    from importlib.metadata import PackageNotFoundError, version
 
-    try:
-        from importlib.metadata import version
+    def installed(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:  # pragma: no cover
+            return "?"
 
-        import ivon  # noqa: F401
-
-        ivon_v = version("ivon-opt")
-    except Exception:  # pragma: no cover
-        ivon_v = "?"
-    return {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
-            "ivon-opt": ivon_v, "machine": platform.machine()}
+    return {"python": platform.python_version(), "torch": torch.__version__,
+            **{name: installed(name) for name in ("transformers", "ivon-opt", "timm", "peft", "numpy", "accelerate")},
+            "machine": platform.machine(), "cpu_capability": torch.backends.cpu.get_cpu_capability()}
 
 
 def code_commit() -> str:

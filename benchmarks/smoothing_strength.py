@@ -18,8 +18,9 @@ examples (not the 128-example probe the knob targets), with `NOISE_SAMPLES` post
 at its chosen α and beside the knob's target on those examples, α·mean ‖p̂_i − 1/K‖₁ (p̂_i the posterior mean's
 prediction). It also measures whether its mutual information, and the entropy of the same prediction, flag what it
 has not seen (`ood_auroc`: AUROC against the other text data set's test sentences and random-token sentences on the
-text tasks, against MNIST digits and uniform-noise images on CIFAR-10N; an IVON run cached before its task had both is
-trained again to measure them). Runs are cached under benchmarks/results/smoothing_strength/runs/.
+text tasks, against MNIST digits and uniform-noise images on CIFAR-10N). ERM, LS and SAM measure the entropy's, the
+reference for IVON's. A run cached before its task had these scores is trained again to measure them. Runs are
+cached under benchmarks/results/smoothing_strength/runs/.
 """
 
 from __future__ import annotations
@@ -70,11 +71,12 @@ def ood_sets(tokenizer: Any, test: Any, task: str) -> dict[str, list[dict[str, A
                                             np.random.default_rng(0))}
 
 
-def ood_auroc(trainer: Any, test: Any, task: str) -> dict[str, float]:
+def ood_auroc(trainer: Any, val: Any, test: Any, task: str) -> dict[str, float]:
     """AUROC ("mi_auroc_<set>") of the mutual information (the learned posterior at τ = 1, `EVAL_MC_SAMPLES`
     draws) of the test inputs against each out-of-distribution set of `ood_sets` (the uncertainty column issue 40 asks
     of these tables), and of the entropy of the same prediction ("entropy_auroc_<set>"): whether the draws disagree
-    on what the model has not seen, and whether the averaged prediction is any less sure of it."""
+    on what the model has not seen, and whether the averaged prediction is any less sure of it. A point estimate
+    (ERM, LS, SAM) has the entropy only: the reference for IVON's."""
     import numpy as np
     import torch
 
@@ -90,11 +92,12 @@ def ood_auroc(trainer: Any, test: Any, task: str) -> dict[str, float]:
             batches = (trainer._prepare_inputs(trainer.data_collator(rows[i:i + BATCH]))
                        for i in range(0, len(rows), BATCH))
             out = [predictive_distribution(model, posterior, batch, real_noise.EVAL_MC_SAMPLES) for batch in batches]
-            scores["mi"][name] = np.concatenate([o.mutual_information.float().cpu().numpy() for o in out])
             scores["entropy"][name] = np.concatenate([o.entropy.float().cpu().numpy() for o in out])
+            if out[0].mutual_information is not None:
+                scores["mi"][name] = np.concatenate([o.mutual_information.float().cpu().numpy() for o in out])
     # auroc takes confidences (in-distribution high): the negated uncertainty
     return {f"{score}_auroc_{name}": auroc(-values["test"], -values[name])
-            for score, values in scores.items() for name in sets if name != "test"}
+            for score, values in scores.items() if values for name in sets if name != "test"}
 
 
 def measure_smoothing(trainer: Any, val: Any, test: Any, task: str) -> dict[str, Any]:
@@ -112,7 +115,7 @@ def measure_smoothing(trainer: Any, val: Any, test: Any, task: str) -> dict[str,
     knob = next((c for c in trainer.callback_handler.callbacks if isinstance(c, SmoothingStrengthCallback)), None)
     return {"noise_l1": sums.noise_l1 / sums.count, "distance_from_uniform": sums.distance_from_uniform / sums.count,
             "ess": trainer.ivon.param_groups[0]["ess"], "updates": knob.history if knob is not None else [],
-            **ood_auroc(trainer, test, task)}
+            **ood_auroc(trainer, val, test, task)}
 
 
 def jobs(task: str, seed: int) -> list[tuple[str, dict[str, Any]]]:
@@ -124,13 +127,13 @@ def jobs(task: str, seed: int) -> list[tuple[str, dict[str, Any]]]:
 
 
 def train(task: str, method: str, hp: dict[str, Any], seed: int) -> dict[str, Any]:
-    """The run, trained unless cached. An IVON run cached before `ood_auroc` measured its task is trained again (the
-    same seed, data and settings, now with its OOD scores); the log says whether its metrics repeat, which they do
-    unless the code or a dependency changed the training since (the CIFAR-10N runs, benchmarks/README.md)."""
-    analyze = functools.partial(measure_smoothing, task=task) if method == "ivon" else None
+    """The run, trained unless cached. A run cached before `ood_auroc` measured its task is trained again (the same
+    seed, data and settings, now with its OOD scores); the log says whether its metrics repeat, which they do unless
+    the code or a dependency changed the training since (the CIFAR-10N runs, benchmarks/README.md)."""
+    analyze = functools.partial(measure_smoothing if method == "ivon" else ood_auroc, task=task)
     before = cached(task, method, hp, seed)
-    remeasure = (analyze is not None and before is not None
-                 and not any(key.startswith("entropy_auroc_") for key in before.get("analysis", {})))
+    remeasure = (before is not None and before.get("diverged") is None
+                 and not any(key.startswith("entropy_auroc_") for key in before.get("analysis") or {}))
     run = real_noise.run(task, method, real_noise.fair_hyperparams(task, method, hp), seed, analyze=analyze,
                          script=SCRIPT, force=remeasure)
     if remeasure:
@@ -204,15 +207,18 @@ def task_table(task: str, seeds: list[int]) -> str:
               "|---|---|---|---|---|---|---|---|---|" + "---|" * len(ood)]
 
     def auroc_cell(name: str, runs: list[dict[str, Any]]) -> str:
-        values = {score: [run["analysis"][key] for run in runs if (key := f"{score}_auroc_{name}") in run["analysis"]]
+        values = {score: [analysis[key] for run in runs
+                          if (key := f"{score}_auroc_{name}") in (analysis := run.get("analysis") or {})]
                   for score in ("mi", "entropy")}
+        if not any(values.values()):
+            return "–"
         return " / ".join(f"{_mean_se(v)}{_partial(v, runs)}" if v else "–" for v in values.values())
 
     def line(name: str, trainings: str, runs: list[dict[str, Any]], noise: list[float], target: list[float],
              chosen: str) -> None:
         if not runs:
             return
-        uncertainty = [auroc_cell(o, runs) if all("analysis" in run for run in runs) else "–" for o in ood]
+        uncertainty = [auroc_cell(o, runs) for o in ood]
         lines.append(f"| {name} | {trainings} | {len(runs)} | {_mean_se([100 * r['test_acc'] for r in runs])} | "
                      f"{_mean_se([r['test_nll'] for r in runs])} | {_mean_se([100 * r['test_ece'] for r in runs])} | "
                      f"{_mean_se(noise) if noise else '–'} | {_mean_se(target) if target else '–'} | {chosen} |"

@@ -323,26 +323,78 @@ def test_smoothing_strength_counts_tasks_against_the_most_accurate_baseline(monk
     assert "b: vs SAM -2.00 pp" in text and text.endswith("c: vs ERM +1.00 pp, NLL +0.100.")
 
 
-def test_smoothing_strength_trains_again_only_ivon_runs_cached_without_ood_scores(monkeypatch):
-    """An IVON run cached before `ood_auroc` measured its task (MI and entropy) is trained again (forced), text or
-    image; measured runs and baselines come from the cache."""
+def test_smoothing_strength_trains_again_runs_cached_without_ood_scores(monkeypatch):
+    """A run cached before `ood_auroc` measured its task (the entropy; MI too for IVON) is trained again (forced),
+    text or image, IVON or baseline; measured runs and diverged ones come from the cache. IVON's analysis is
+    `measure_smoothing`, a baseline's `ood_auroc` alone."""
     import smoothing_strength
 
-    old = {"test_acc": 0.8, "test_nll": 0.6, "analysis": {"noise_l1": 0.01}}
+    old = {"test_acc": 0.8, "test_nll": 0.6, "analysis": {"noise_l1": 0.01}, "diverged": None}
     mi_only = {**old, "analysis": {"noise_l1": 0.01, "mi_auroc_noise": 0.6}}
     measured = {**old, "analysis": {"noise_l1": 0.01, "mi_auroc_noise": 0.6, "entropy_auroc_noise": 0.55}}
-    forced = []
-    monkeypatch.setattr(real_noise, "run", lambda task, method, hp, seed, force=False, **kw: forced.append(force)
-                        or old)
+    baseline_old = {"test_acc": 0.8, "test_nll": 0.6, "diverged": None}
+    baseline_measured = {**baseline_old, "analysis": {"entropy_auroc_noise": 0.7}}
+    diverged = {**baseline_old, "analysis": None, "diverged": "nan loss at step 3"}
+    calls = []
+    monkeypatch.setattr(real_noise, "run", lambda task, method, hp, seed, force=False, analyze=None, **kw:
+                        calls.append((force, analyze.func.__name__)) or old)
     for task, method, run, expected in [("trec-sym30", "ivon", old, True), ("trec-sym30", "ivon", mi_only, True),
                                         ("trec-sym30", "ivon", measured, False),
-                                        ("trec-sym30", "ivon", None, False), ("trec-sym30", "erm", old, False),
+                                        ("trec-sym30", "ivon", None, False), ("trec-sym30", "erm", baseline_old, True),
+                                        ("trec-sym30", "erm", baseline_measured, False),
+                                        ("trec-sym30", "sam", diverged, False),
                                         ("cifar10n-worse", "ivon", old, True),
                                         ("cifar10n-worse", "ivon", measured, False),
-                                        ("cifar10n-worse", "ls", old, False)]:
+                                        ("cifar10n-worse", "ls", baseline_old, True)]:
         monkeypatch.setattr(smoothing_strength, "cached", lambda *args, run=run: run)
         smoothing_strength.train(task, method, {}, 0)
-        assert forced.pop() is expected, (task, method, run)
+        force, analysis = calls.pop()
+        assert force is expected, (task, method, run)
+        assert analysis == ("measure_smoothing" if method == "ivon" else "ood_auroc")
+
+
+def test_ood_auroc_scores_entropy_for_a_point_estimate_and_mi_where_the_draws_disagree(monkeypatch):
+    """`ood_auroc` on a linear classifier whose weights for an unseen input direction are zero in the mean and wide in
+    the posterior: the mean predicts that input flat (entropy flags it) and the draws disagree on it (MI flags it),
+    while the test inputs are confident and agreed on. A point estimate (a baseline) gets the entropy's AUROC only."""
+    from types import SimpleNamespace
+
+    import torch
+    from torch import nn
+
+    import smoothing_strength
+    from varsmooth.posterior.gaussian import DiagonalGaussianPosterior
+
+    class Linear(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.cat([5 * torch.eye(3), torch.zeros(1, 3)]))  # feature 4 unseen
+
+        def forward(self, features):  # noqa: ANN001, ANN202
+            return {"logits": features @ self.weight}
+
+    g = torch.Generator().manual_seed(0)
+    classes = torch.randint(0, 3, (40,), generator=g)
+    test = [{"features": 2 * nn.functional.one_hot(c, 4).float()} for c in classes]
+    unseen = [{"features": torch.tensor([0.0, 0.0, 0.0, 5.0])} for _ in range(40)]
+    monkeypatch.setattr(smoothing_strength, "ood_sets", lambda tokenizer, test_rows, task: {"test": test,
+                                                                                              "unseen": unseen})
+    model = Linear()
+    wide_on_unseen = torch.full((4, 3), 0.01)
+    wide_on_unseen[3] = 2.0
+
+    def trainer(posterior: DiagonalGaussianPosterior) -> SimpleNamespace:
+        return SimpleNamespace(model=model, posterior=lambda: posterior, _prepare_inputs=lambda batch: batch,
+                               data_collator=lambda rows: {"features": torch.stack([r["features"] for r in rows])},
+                               accelerator=SimpleNamespace(unwrap_model=lambda m: m))
+
+    point = smoothing_strength.ood_auroc(trainer(DiagonalGaussianPosterior.point_mass(model)), None, test, "task")
+    assert point == {"entropy_auroc_unseen": 1.0}
+    learned = smoothing_strength.ood_auroc(trainer(DiagonalGaussianPosterior(model, {"weight": wide_on_unseen})),
+                                           None, test, "task")
+    assert learned == {"mi_auroc_unseen": 1.0, "entropy_auroc_unseen": 1.0}
+    # the draws leave the mean's weights as they were
+    assert torch.equal(model.weight[3], torch.zeros(3))
 
 
 def test_cifar_ood_sets_go_through_the_frozen_bottom_once(tmp_path, monkeypatch):
