@@ -78,7 +78,8 @@ def ood_auroc(trainer: Any, val: Any, test: Any, task: str) -> dict[str, float]:
     draws) of the test inputs against each out-of-distribution set of `ood_sets` (the uncertainty column issue 40 asks
     of these tables), and of the entropy of the same prediction ("entropy_auroc_<set>"): whether the draws disagree
     on what the model has not seen, and whether the averaged prediction is any less sure of it. A point estimate
-    (ERM, LS, SAM) has the entropy only: the reference for IVON's."""
+    (ERM, LS, SAM) has the entropy only: the reference for IVON's. `val` is unused: the signature is
+    `real_noise.run`'s `analyze`."""
     import numpy as np
     import torch
 
@@ -201,7 +202,7 @@ def task_table(task: str, seeds: list[int]) -> str:
                   f"{real_noise.LORA_BASE['adamw']['learning_rate']:g}); nothing tuned but α and ρ.", ""]
     ivon_runs = [run for r in rows for run in r["ivon"].values() if run]
     # the OOD sets where the task's IVON runs measured them (runs trained since `ood_auroc` covers the task)
-    ood = sorted({key.removeprefix("mi_auroc_") for run in ivon_runs for key in run.get("analysis", {})
+    ood = sorted({key.removeprefix("mi_auroc_") for run in ivon_runs for key in run.get("analysis") or {}
                   if key.startswith("mi_auroc_")})
     lines += ["| method | trainings per seed | seeds | acc % | NLL | ECE % | mean ‖ε̄‖₁ (IVON measured; LS 2α(1 − 1/K)) "
               "| IVON's target α·mean ‖p̂ − 1/K‖₁ | strength chosen per seed |"
