@@ -590,7 +590,7 @@ def test_text_ood_ensemble_is_the_members_average(tmp_path, monkeypatch):
     for seed, probs in zip(text_ood.SEEDS, members):
         common.write_npz(text_ood.predictions_path("erm", seed),
                          {"labels": labels, **{name: probs for name in ("test", *text_ood.OOD_SETS)}})
-    metrics = text_ood.ensemble_metrics()
+    metrics = text_ood.ensemble_metrics("erm")
 
     def entropy(p):
         return -(p * np.log(p)).sum(-1)
@@ -603,4 +603,4 @@ def test_text_ood_ensemble_is_the_members_average(tmp_path, monkeypatch):
     assert metrics["auroc_mi_trec"] == 0.5  # the same inputs as the test set: no separation
     assert "mean_accuracy" not in metrics  # no single network to predict at
     text_ood.predictions_path("erm", text_ood.SEEDS[-1]).unlink()
-    assert text_ood.ensemble_metrics() is None
+    assert text_ood.ensemble_metrics("erm") is None
