@@ -7,8 +7,8 @@ test split; then the saved model, reloaded, scores how well its mutual informati
 uniform-noise 8×8 images and CIFAR-10 test images turned grayscale 8×8, against the test digits (AUROC, 300 each).
 
 Settings: the library's default and the posterior-width options the default was weighed against (ess as a multiple of
-the training-set size N = 1,149, a longer Hessian window, two MC samples per step, the prior precision δ from 0 to a floor on h), and the
-default on clean labels.
+the training-set size N = 1,149, a longer Hessian window, two MC samples per step, the prior precision δ from 0 to a
+floor on h), and the default on clean labels.
 3 seeds each. The table is the frontier of mean accuracy against BMA NLL.
 
     OMP_NUM_THREADS=1 python benchmarks/bma_from_scratch.py          # runs cached in results/bma_from_scratch/runs
