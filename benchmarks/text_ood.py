@@ -90,10 +90,19 @@ BATCH = 128
 OOD_SETS = ("trec", "noise")
 #: bumped when a run records other numbers, so that cached runs of an older version are not mixed in
 VERSION = 1
-#: settings whose runs record more than VERSION's: ERM's MC-dropout scores and kept predictions (version 2)
-VERSIONS = {"erm": 2, "6 layers, erm": 2, "embeddings trained, erm": 2}
+#: the version of ERM's runs, which record more than VERSION's: MC-dropout scores and kept predictions
+ERM_VERSION = 2
 #: dropout masks of the MC-dropout reference (as many as IVON's draws, the example's eval_mc_samples)
 MC_DROPOUT_SAMPLES = 8
+
+
+def is_erm(setting: str) -> bool:
+    """ERM settings ("erm", "6 layers, erm"...): a point estimate, also scored by MC dropout and as an ensemble."""
+    return setting.endswith("erm")
+
+
+def version(setting: str) -> int:
+    return ERM_VERSION if is_erm(setting) else VERSION
 
 
 def run_path(setting: str, seed: int) -> Path:
@@ -108,7 +117,7 @@ def cached_run(setting: str, seed: int) -> dict[str, Any] | None:
     path = run_path(setting, seed)
     if path.is_file():
         result = json.loads(path.read_text())
-        if result.get("version") == VERSIONS.get(setting, VERSION):
+        if result.get("version") == version(setting):
             return result
     return None
 
@@ -134,7 +143,7 @@ def run(setting: str, seed: int) -> dict[str, Any]:
         ess = [{k: e[k] for k in ("step", "ess", "label_noise_l1") if k in e}
                for e in state.get("log_history", []) if "ess" in e]
         losses = [{"step": e["step"], "loss": e["loss"]} for e in state.get("log_history", []) if "loss" in e]
-        result = {"setting": setting, "seed": seed, "flags": flags, "version": VERSIONS.get(setting, VERSION),
+        result = {"setting": setting, "seed": seed, "flags": flags, "version": version(setting),
                   "train_runtime": train["train_runtime"], "final_ess": ess[-1]["ess"] if ess else None,
                   "ess_history": ess, "loss_history": losses,
                   **score(folder, predictions_path(setting, seed))}
@@ -318,7 +327,7 @@ def report(write: bool = True) -> str:
         if not runs:
             continue
         seeds = ", ".join(str(r["seed"]) for r in runs)
-        if setting.endswith("erm"):
+        if is_erm(setting):
             rows.append(_row(setting, seeds, runs, "–"))
             rows.append(_row(f"{setting}, MC dropout ({MC_DROPOUT_SAMPLES} masks)", seeds,
                              [{k.removeprefix("dropout_"): v for k, v in r.items() if k.startswith("dropout_")}

@@ -538,7 +538,7 @@ def test_text_ood_table_renders_from_cached_runs(tmp_path, monkeypatch):
             "mi_median_noise": 3e-5, "posterior_std_median": 4e-3}
     dropout = {f"dropout_{k}": v for k, v in {**base, **ivon, "auroc_mi_trec": 0.52, "bma_accuracy": 0.79}.items()
                if k != "posterior_std_median"}
-    runs = {("erm", 0): {**base, **dropout, "version": text_ood.VERSIONS["erm"], "final_ess": None},
+    runs = {("erm", 0): {**base, **dropout, "version": text_ood.version("erm"), "final_ess": None},
             ("erm", 1): {**base, "final_ess": None},  # an older version, without MC dropout: no row
             ("default", 0): {**base, **ivon, "final_ess": None},
             ("default", 1): {**base, **ivon, "bma_accuracy": 0.7, "final_ess": None},
