@@ -602,5 +602,6 @@ def test_text_ood_ensemble_is_the_members_average(tmp_path, monkeypatch):
     assert metrics["bma_accuracy"] == 0.5 and metrics["bma_nll"] == pytest.approx(-np.log(mean[[0, 1], labels]).mean())
     assert metrics["auroc_mi_trec"] == 0.5  # the same inputs as the test set: no separation
     assert "mean_accuracy" not in metrics  # no single network to predict at
+    assert text_ood.ensemble_metrics("6 layers, erm") is None  # another ERM setting's members, none kept
     text_ood.predictions_path("erm", text_ood.SEEDS[-1]).unlink()
     assert text_ood.ensemble_metrics("erm") is None
