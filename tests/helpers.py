@@ -163,14 +163,19 @@ class SeededIVON(ivon.IVON):
 
 
 def reference_ivon_loop(model, batches_per_step, steps, *, lr, ess, hess_init, beta1, beta2, wd, seed, mc_samples=1,
-                        clip_norm=0.0, rank=0, loss_scale=1.0, noise=None):
+                        clip_norm=0.0, rank=0, loss_scale=1.0, noise=None, frozen_mean=()):
     """The ivon-opt README loop, written out by hand, with the noise drawn as VariationalIVON draws it.
 
-    `batches_per_step(step)` returns the micro-batches [(x, y), ...] of that optimizer step.
+    `batches_per_step(step)` returns the micro-batches [(x, y), ...] of that optimizer step; the parameters of the
+    modules named in `frozen_mean` go in a second param group at learning rate 0.
     """
     model = copy.deepcopy(model)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = SeededIVON(params, seed=seed, rank=rank, lr=lr, ess=ess, hess_init=hess_init, beta1=beta1, beta2=beta2,
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    params = [p for _, p in named]
+    frozen = [p for n, p in named if n.rpartition(".")[0] in frozen_mean]
+    groups = params if not frozen else [{"params": [p for p in params if all(p is not f for f in frozen)]},
+                                        {"params": frozen, "lr": 0.0}]
+    opt = SeededIVON(groups, seed=seed, rank=rank, lr=lr, ess=ess, hess_init=hess_init, beta1=beta1, beta2=beta2,
                      weight_decay=wd, noise=noise)
     for step in range(steps):
         for x, y in batches_per_step(step):

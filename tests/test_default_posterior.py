@@ -363,6 +363,48 @@ def test_the_image_examples_learned_posterior_predicts_well_and_its_mi_flags_uns
             assert roc_auc_score(truth, np.r_[out_test.mutual_information.numpy(), mi.numpy()]) >= 0.75, name
 
 
+@pytest.mark.slow
+def test_the_text_examples_posterior_keeps_its_pretrained_embeddings_and_its_mi_flags_unseen_sentences(
+        text_example_run):
+    """The word embeddings sit in the posterior with their mean frozen: the saved rows are the pretrained ones, their σ
+    is learned, and the mutual information (τ = 1 when the mean was chosen) is larger on sentences the model has not
+    seen (random tokens; TREC questions where the shared data is there) than on the test sentences: AUROC ≥ 0.75."""
+    from sklearn.metrics import roc_auc_score
+    from transformers import AutoModel, AutoTokenizer, DataCollatorWithPadding
+
+    from example_utils.data import default_data_dir, load_sentiment_sentences, load_text_dataset
+    from example_utils.models import minilm_path
+    from text_ood import encode_sentences, random_token_sentences
+
+    out, _ = text_example_run
+    saved = VariationalModel.from_pretrained(str(out))
+    name = "bert.embeddings.word_embeddings.weight"
+    pretrained = AutoModel.from_pretrained(minilm_path()).get_input_embeddings().weight
+    assert torch.equal(saved.model.get_input_embeddings().weight, pretrained)  # the mean never moved
+    assert saved.posterior.std[name].shape == pretrained.shape
+    # the rows of tokens the training sentences lack have a σ the Hessian's decay widened; those they contain narrowed
+    assert saved.posterior.std[name].amax(1).max() > 2 * saved.posterior.std[name].amin(1).min()
+    learned = VariationalModel.from_pretrained(str(out), temperature=saved.posterior.temperature or 1.0)
+    tokenizer = AutoTokenizer.from_pretrained(str(out))
+    collate = DataCollatorWithPadding(tokenizer)
+    test = encode_sentences(tokenizer, list(load_sentiment_sentences(seed=42)["test"]["text"]))  # the default seed's
+    unseen = {"noise": random_token_sentences(tokenizer, [len(x["input_ids"]) for x in test], 300,
+                                              np.random.default_rng(0))}
+    if (default_data_dir() / "text").is_dir():
+        unseen["trec"] = encode_sentences(tokenizer, list(load_text_dataset("trec")["test"]["text"])[:300])
+
+    def mutual_information(sentences: list) -> np.ndarray:
+        with torch.no_grad():
+            return np.concatenate([learned(**collate(sentences[i:i + 100])).mutual_information.numpy()
+                                   for i in range(0, len(sentences), 100)])
+
+    on_test = mutual_information(test)
+    for kind, sentences in unseen.items():
+        mi = mutual_information(sentences)
+        truth = np.r_[np.zeros(len(on_test)), np.ones(len(mi))]
+        assert roc_auc_score(truth, np.r_[on_test, mi]) >= 0.75, kind
+
+
 @pytest.mark.parametrize("hess_change, noise_l1, test_nll, failures", [
     (0.97, 0.73, 0.42, []),
     (0.011, 0.73, 0.42, ["the posterior did not learn"]),

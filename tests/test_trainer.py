@@ -106,14 +106,46 @@ def test_trainer_semantics_of_accumulation_would_differ(tmp_path):
     assert not torch.allclose(good_opt.param_groups[0]["hess"], scaled_opt.param_groups[0]["hess"], atol=1e-6)
 
 
-def test_resume_is_exact(tmp_path):
-    """Train 2N steps == train N, checkpoint, resume, train N (weights, Hessian, step counter, data order)."""
+def test_frozen_mean_modules_learn_their_sigma_as_ivon_opt_with_a_zero_rate_group(tmp_path):
+    """`frozen_mean_modules`: their weights never move, their σ learns, and the run is ivon-opt's with those weights in
+    a param group at lr 0; the saved posterior names each σ after its own weight."""
+    ds = digits_dataset(128)
+    torch.manual_seed(0)
+    model = TinyClassifier()
+    init = copy.deepcopy(model)
+    args = _trainer_args(tmp_path, per_device_train_batch_size=16, max_steps=4, frozen_mean_modules=["body"])
+    trainer = VariationalTrainer(model=model, args=args, train_dataset=ds)
+    trainer.train()
+    ref, ref_opt = reference_ivon_loop(init, _sequential_batches(ds, 16, 1), 4, ess=len(ds), seed=0,
+                                       frozen_mean=("body",), **IVON_KW)
+    assert _max_diff(trainer.model, ref) < 1e-6
+    ref_hess = torch.cat([g["hess"] for g in ref_opt.param_groups])
+    assert torch.allclose(trainer.ivon.hessian(), ref_hess, atol=1e-6, rtol=1e-6)
+    assert torch.equal(model.body.weight, init.body.weight) and torch.equal(model.body.bias, init.body.bias)
+    assert not torch.equal(model.head.weight, init.head.weight)
+    std = trainer.posterior().std
+    assert std["body.weight"].shape == model.body.weight.shape  # not another weight's σ
+    body_hess = 1.0 / (len(ds) * std["body.weight"].double() ** 2) - IVON_KW["wd"]
+    assert (body_hess - IVON_KW["hess_init"]).abs().max() > 1e-3  # σ learned while the mean stayed
+
+
+def test_frozen_mean_modules_that_name_no_trainable_module_are_refused(tmp_path):
+    args = _trainer_args(tmp_path, max_steps=1, frozen_mean_modules=["embeddings"])
+    with pytest.raises(ValueError, match=r"'embeddings'.*match no module.*body"):
+        VariationalTrainer(model=TinyClassifier(), args=args, train_dataset=digits_dataset(32)).train()
+
+
+@pytest.mark.parametrize("frozen_mean", [None, ["body"]])
+def test_resume_is_exact(tmp_path, frozen_mean):
+    """Train 2N steps == train N, checkpoint, resume, train N (weights, Hessian, step counter, data order); with a
+    frozen-mean group too."""
     ds = digits_dataset(256)
     torch.manual_seed(0)
     model = TinyClassifier()
     init = copy.deepcopy(model)
     common = dict(max_steps=8, per_device_train_batch_size=16, gradient_accumulation_steps=2,
-                  lr_scheduler_type="cosine", warmup_steps=2, beta2=0.999, train_sampling_strategy="random")
+                  lr_scheduler_type="cosine", warmup_steps=2, beta2=0.999, train_sampling_strategy="random",
+                  frozen_mean_modules=frozen_mean)
     full = VariationalTrainer(model=model, args=make_args(tmp_path / "full", **common), train_dataset=ds)
     full.train()
 

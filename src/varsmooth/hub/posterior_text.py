@@ -58,6 +58,10 @@ def method_text(record: RunRecord) -> str:
     text = (" by variational learning (IVON): training learned a Gaussian posterior over the weights, whose mean is "
             "the model's weights (`model.safetensors`) and whose standard deviation σ ships in "
             "`posterior.safetensors`.")
+    frozen = record.hyperparameters.get("frozen_mean_modules")
+    if frozen:
+        text += (f" The weights of {', '.join(f'`{m}`' for m in frozen)} are in that posterior with their mean frozen "
+                 "at the loaded values (`frozen_mean_modules`): their σ was learned, the weights were not trained.")
     if prediction == "bma":
         return text + (f" Predictions average the softmax over {record.eval_mc_samples} samples of that posterior, "
                        f"with σ scaled by the posterior temperature τ = {record.posterior_temperature.value:g} "

@@ -268,8 +268,10 @@ class TrainingMethod:
         """Refuse a sharding the method cannot train under (`fsdp_version` None: no FSDP); every method can by
         default."""
 
-    def create_optimizer(self, params: list[torch.nn.Parameter], run: OptimizerContext) -> torch.optim.Optimizer | None:
-        """The optimizer of the trainable `params`; None (the default): the Trainer's own, as `optim` names it."""
+    def create_optimizer(self, named_parameters: list[tuple[str, torch.nn.Parameter]],
+                         run: OptimizerContext) -> torch.optim.Optimizer | None:
+        """The optimizer of the trainable `named_parameters` (as `Module.named_parameters` gives them); None (the
+        default): the Trainer's own, as `optim` names it."""
         return None
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor, context: MethodContext) -> torch.Tensor:

@@ -97,6 +97,14 @@ class IVONConfig(MethodConfig):
                           "where it starts. Choose it on noisy validation as you would α. None: ess stays as given "
                           "(the preset's)."},
     )
+    frozen_mean_modules: list[str] | None = field(
+        default=None,
+        metadata={"help": "Modules (names or name suffixes, as peft's target_modules) whose weights stay in the "
+                          "posterior with their mean frozen: IVON learns their σ from the data's curvature but never "
+                          "moves them from the loaded (pretrained) values (learning rate 0). Weights the training data "
+                          "never reaches, such as the embedding rows of tokens it lacks, then keep a wide σ and draws "
+                          "disagree on inputs that use them. None: every trainable weight is trained."},
+    )
     mc_samples: int = field(default=1, metadata={"help": "Posterior samples (forward+backward) per micro-batch during "
                                                          "training."})
     ivon_compiled: bool | None = field(
@@ -145,6 +153,8 @@ class IVONConfig(MethodConfig):
                              f"{self.hessian_window}; to fix β2 instead, pass beta2.")
         if self.clip_radius is not None and not self.clip_radius > 0:
             raise ValueError(f"clip_radius must be > 0 or None, got {self.clip_radius}.")
+        if isinstance(self.frozen_mean_modules, str):  # one name, not its characters
+            self.frozen_mean_modules = [self.frozen_mean_modules]
         if self.ivon_smoothing is not None and not 0 < self.ivon_smoothing <= 1:
             raise ValueError(f"ivon_smoothing is a label-smoothing rate α in (0, 1] (or None: ess as given), got "
                              f"{self.ivon_smoothing}.")
@@ -159,6 +169,13 @@ class IVONConfig(MethodConfig):
     def long_run_beta2(self) -> float:
         """The preset's β2, kept in runs long enough for it to move the Hessian (`varsmooth.presets.default_beta2`)."""
         return float(self._preset()["long_run_beta2"])
+
+
+def _in_module(parameter_name: str, module: str) -> bool:
+    """Whether the parameter belongs to the module named `module` or to one whose name ends in `.module` (peft's
+    target_modules rule)."""
+    owner = parameter_name.rpartition(".")[0]
+    return owner == module or owner.endswith("." + module)
 
 
 #: the preset values that are fields of IVONConfig (the others are `VariationalTrainingArguments`' or β2's rule)
@@ -207,8 +224,11 @@ class IVONMethod(TrainingMethod):
     #: the gradient norm of the last posterior sample, before clipping (what the Trainer logs as grad_norm)
     last_grad_norm: torch.Tensor | None = None
 
-    def create_optimizer(self, params: list[torch.nn.Parameter], run: OptimizerContext) -> VariationalIVON:
-        """IVON over the trainable `params` with `ivon_settings()` for a run of `run.total_steps` steps."""
+    def create_optimizer(self, named_parameters: list[tuple[str, torch.nn.Parameter]],
+                         run: OptimizerContext) -> VariationalIVON:
+        """IVON over the trainable `named_parameters` with `ivon_settings()` for a run of `run.total_steps` steps, the
+        `frozen_mean_modules`' weights in a group of their own at learning rate 0."""
+        params = [p for _, p in named_parameters]
         low_precision = sorted({str(p.dtype) for p in params if p.dtype not in (torch.float32, torch.float64)})
         if low_precision:
             raise ValueError(
@@ -217,8 +237,24 @@ class IVONMethod(TrainingMethod):
             )
         self.total_steps = run.total_steps
         self.learning_rate = self.default_learning_rate if run.learning_rate is None else run.learning_rate
-        return VariationalIVON(params, sample_seed=run.seed, rank=run.rank, compiled=self.config.ivon_compiled,
-                               sync=run.sync, **self.ivon_settings())
+        return VariationalIVON(self.param_groups(named_parameters), sample_seed=run.seed, rank=run.rank,
+                               compiled=self.config.ivon_compiled, sync=run.sync, **self.ivon_settings())
+
+    def param_groups(self, named_parameters: list[tuple[str, torch.nn.Parameter]]) -> list[dict[str, Any]]:
+        """The trained weights, then (where `frozen_mean_modules` names any) the frozen-mean ones at lr 0: IVON's
+        Hessian update does not involve the learning rate, so their σ learns while their mean stays. The trained
+        group comes first because the Trainer logs and schedules from the first group's rate."""
+        keys = self.config.frozen_mean_modules or []
+        frozen = lambda name: any(_in_module(name, key) for key in keys)  # noqa: E731
+        unmatched = [key for key in keys if not any(_in_module(name, key) for name, _ in named_parameters)]
+        if unmatched:
+            modules = sorted({name.rpartition(".")[0] for name, _ in named_parameters})
+            raise ValueError(f"frozen_mean_modules names {unmatched}, which match no module with trainable weights; "
+                             f"the trainable modules are {modules[:8]}{' …' if len(modules) > 8 else ''}. Name one "
+                             "of them (or a suffix of its name, e.g. 'word_embeddings').")
+        groups = [{"params": [p for name, p in named_parameters if not frozen(name)]},
+                  {"params": [p for name, p in named_parameters if frozen(name)], "lr": 0.0}]
+        return [group for group in groups if group["params"]]
 
     def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], context: MethodContext) -> torch.Tensor:
         """`mc_samples` posterior samples, each running forward *and* backward inside one weight-sampling context:
@@ -330,6 +366,8 @@ class IVONMethod(TrainingMethod):
         return {"method": self.name, **settings,
                 "hessian_window": self.config.hessian_window if self._window_rule_applies() else None,
                 "mc_samples": self.config.mc_samples,
+                **({} if not self.config.frozen_mean_modules else
+                   {"frozen_mean_modules": list(self.config.frozen_mean_modules)}),
                 **({} if self.config.ivon_smoothing is None else {"ivon_smoothing": self.config.ivon_smoothing})}
 
 

@@ -197,8 +197,9 @@ class VariationalTrainer(AfterTrainingMixin, CheckpointingMixin, VariationalHubM
     def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
         """The method's optimizer (IVON for IVON methods, `TrainingMethod.create_optimizer`), else the Trainer's own."""
         names = {id(p): n for n, p in self.model.named_parameters()}
-        if self.optimizer is None:
-            params = [p for p in (model or self.model).parameters() if p.requires_grad]
+        built = self.optimizer is None
+        if built:
+            params = [(names[id(p)], p) for p in (model or self.model).parameters() if p.requires_grad]
             # train() knows the run's length before it builds the optimizer; FSDP2 averages the gradients of the
             # sharded parameters itself, and all ranks draw one sample (IVON's sync off)
             run = OptimizerContext(total_steps=self.state.max_steps or None, seed=self.args.seed,
@@ -207,8 +208,8 @@ class VariationalTrainer(AfterTrainingMixin, CheckpointingMixin, VariationalHubM
             self.optimizer = self.method.create_optimizer(params, run)
             if self.optimizer is None:
                 return super().create_optimizer(model)
-            self._ivon_param_names = [names[id(p)] for p in params]
-        elif self.ivon is not None and self._ivon_param_names is None:  # an IVON passed in `optimizers`
+        if self.ivon is not None and (built or self._ivon_param_names is None):  # or an IVON passed in `optimizers`
+            # in the order of the optimizer's groups, which is that of its σ
             self._ivon_param_names = [names[id(p)] for g in self.optimizer.param_groups for p in g["params"]]
         return self.optimizer
 
