@@ -455,12 +455,15 @@ def test_defaults_plan_runs_each_optimizer_as_the_examples_leave_it() -> None:
     # IVON: the finetune preset untouched (lr 0.3), not the benchmark's image rate of 1.0
     ivon = real_noise.effective_settings(image, "ivon", real_noise.defaults_hyperparams(image.name, "ivon"))
     assert (ivon["learning_rate"], ivon["clip_radius"], ivon["ess"]) == (0.3, 1e-3, 1e8)
-    # the text example's IVON: the preset at the example's own rate, which is the benchmark's own run at that rate
-    # (reused, not trained again)
+    # the text example's IVON: the preset at the example's own rate and β2, its word embeddings in the posterior with
+    # their mean frozen (none of the benchmark's own runs: trained at the example's defaults)
     text_ivon = real_noise.defaults_hyperparams(text.name, "ivon")
-    assert text_ivon == {"learning_rate": 0.1}
-    at = {real_noise.AT_DEFAULTS: True, **real_noise.example_defaults("text", "ivon")}
-    assert real_noise.effective_settings(text, "ivon", text_ivon) == real_noise.effective_settings(text, "ivon", at)
+    assert text_ivon == {real_noise.AT_DEFAULTS: True, "ivon_preset": "finetune", "eval_mc_samples": 8,
+                         "learning_rate": 0.1, "beta2": 0.97, "frozen_mean_modules": ["word_embeddings"]}
+    resolved = real_noise.effective_settings(text, "ivon", text_ivon)
+    assert (resolved["beta2"], resolved["frozen_mean_modules"]) == (0.97, ["word_embeddings"])
+    # a setting at None is no setting: runs recorded before the field existed still match
+    assert "frozen_mean_modules" not in ivon
     jobs = real_noise.defaults_jobs([0, 1])
     seeds = [j["seed"] for j in jobs]
     assert seeds == sorted(seeds)  # seed-major, the CIFAR-10N tasks first within a seed, the long run after seed 0

@@ -35,11 +35,16 @@ def test_the_trainer_shards_hf_models_through_accelerates_fsdp2_preparation(tmp_
     assert all(torch.isfinite(w).all() for w in trained.values())
     assert max((trained[n] - initial[n]).abs().max() for n in trained) > 1e-3
     assert torch.isfinite(result["hessian"]).all() and (result["hessian"] - result["hess_init"]).abs().max() > 1e-4
+    if kind == "bert":  # its word embeddings' mean is frozen (the worker's frozen_mean_modules), their σ learned
+        embeddings = "bert.embeddings.word_embeddings.weight"
+        assert torch.equal(trained[embeddings], initial[embeddings])
 
     model = VariationalModel.from_pretrained(tmp_path / kind / "model", num_samples=2)
     stds = torch.cat([s.flatten() for s in model.posterior.std.values()])
     assert model.posterior.std.keys() == trained.keys()
     assert torch.isfinite(stds).all() and (stds > 0).all() and stds.std() > 0  # σ learned per weight, not the prior's
+    if kind == "bert":
+        assert model.posterior.std[embeddings].std() > 0
     for name, p in model.model.named_parameters():  # the gathered full state is what was saved
         assert torch.equal(p.detach(), trained[name]), name
 

@@ -49,8 +49,10 @@ MODELS = {"vit": vit, "bert": bert, "resnet": lambda: (tiny_digits_resnet(), dig
 def main(out: str, kind: str) -> None:
     model, data = MODELS[kind]()
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+    # BERT's word embeddings in the posterior with their mean frozen: a second param group, sharded like the first
+    frozen = {"frozen_mean_modules": ["word_embeddings"]} if kind == "bert" else {}
     args = make_args(os.path.join(out, kind), max_steps=STEPS, lr_scheduler_type="constant", posterior_temperature=1.0,
-                     eval_mc_samples=2)
+                     eval_mc_samples=2, **frozen)
     # the label-noise export at the end of training gathers σ and the draws' predictions on every process
     trainer = VariationalTrainer(model=model, args=args, train_dataset=data,
                                  callbacks=[LabelNoiseCallback(num_samples=2)])
