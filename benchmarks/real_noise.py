@@ -1327,14 +1327,16 @@ def preset_defaults_report(seeds: list[int] | tuple[int, ...] = (0, 1, 2)) -> st
         bench.append(_defaults_row(task, "finetune", ivon, erm,
                                    _adamw_text(settings_for(Task.parse(task), "erm", {})),
                                    " and ".join(sorted({r.get("device", "cpu") for r in ivon + erm})) or "–"))
-    ivon_text = settings[(DEFAULTS_TASKS[0], None)]["ivon"]
+    ivon_text, text_own = settings[(DEFAULTS_TASKS[0], None)]["ivon"], settings[(TEXT_TASKS[0], None)]["ivon"]
+    embeddings = (", the word embeddings in the posterior with their mean frozen"
+                  if text_own.get("frozen_mean_modules") else "")
     lines += ["", "IVON: `ivon_preset=\"finetune\"` (`lora` for the LoRA rows) with nothing else set, as the examples "
               "leave it: "
-              f"lr {ivon_text['learning_rate']:g} (the text example's own: "
-              f"{settings[(TEXT_TASKS[0], None)]['ivon']['learning_rate']:g}), ess {ivon_text['ess']:g}, "
+              f"lr {ivon_text['learning_rate']:g}, ess {ivon_text['ess']:g}, "
               f"hess_init {ivon_text['hess_init']:g}, "
               f"clip_radius {ivon_text['clip_radius']:g}, β2 {ivon_text['beta2']:g} (the preset's, which moves the "
-              "Hessian within these runs); BMA over the example's posterior samples ("
+              f"Hessian within these runs; the text example's own: lr {text_own['learning_rate']:g}, β2 "
+              f"{text_own['beta2']:g}{embeddings}); BMA over the example's posterior samples ("
               + ", ".join(f"{t}: {settings[(t, None)]['ivon']['eval_mc_samples']}"
                           for t in (DEFAULTS_TASKS[0], TEXT_TASKS[0]))
               + "). AdamW: what the task's example gives a method without a posterior by default (the image example: "
