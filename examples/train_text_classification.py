@@ -305,8 +305,9 @@ def parse_arguments(argv: list[str]) -> tuple:
     if learns_posterior(parsed[3].method) and "ivon_preset" not in given and "method_config" not in given:
         lora = parsed[0].lora_enabled
         overrides = {"ivon_preset": "lora" if lora else "finetune"}
-        if not lora:
-            overrides.update({name: value for name, value in IVON_FINETUNE.items() if name not in given})
+        if not lora:  # a --hessian_window asks for the run-length rule, which a β2 would turn off
+            mine = given | ({"beta2"} if "hessian_window" in given else set())
+            overrides.update({name: value for name, value in IVON_FINETUNE.items() if name not in mine})
         parsed, _ = parse_example_arguments(types, argv, **overrides)
     model_args, training_args = parsed[0], parsed[3]
     if model_args.word_embeddings == "posterior" and not learns_posterior(training_args.method):
