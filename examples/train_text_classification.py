@@ -40,6 +40,8 @@ trains adapters on the query/value projections and the new head only, with IVON'
 "Variational Low-Rank Adaptation Using IVON"; varsmooth.presets.LORA_PRESET) unless `--ivon_preset` is given:
 
     accelerate launch examples/train_text_classification.py --lora_r 8 --lora_alpha 16
+    accelerate launch examples/train_text_classification.py --lora_r 8 --word_embeddings posterior  # + the embeddings'
+                                                                          # σ, as the full fine-tune has them
 
 Every field of ModelArguments (with LoraArguments), DataArguments, CorruptionArguments and VariationalTrainingArguments
 is a flag, or a key of a single JSON/YAML file given instead of the flags, and so is every field of the config of the
@@ -98,13 +100,16 @@ ADAMW_LR = 3e-4
 #: - learning_rate 0.1, below the preset's 0.3: on SST-2 and TREC with 30 % noise it is 2.5 and 1.1 points more
 #:   accurate over 3 seeds and within a point of AdamW at ADAMW_LR, where 0.3 was 2.2 points behind on SST-2; the CNN
 #:   loses 10 points at 0.1 (benchmarks/preset_learning_rate.py);
-#: - word_embeddings "posterior" with beta2 0.97 (h0 forgotten within the run, a ~33-step window; the preset's 0.999
-#:   keeps 83 % of it in 180 steps): the embedding rows of tokens the training sentences lack keep a wide σ, and the
-#:   mutual information separates TREC questions and random-token sentences from the test sentences (AUROC 0.85-0.88
-#:   and 0.93-0.94 on the default run, 2 seeds, against 0.52-0.67 and 0.51-0.80 without; test accuracy 81.0-81.8 %
-#:   against 80.5-81.8 %). Training their mean instead fits the noisy labels (2-4 points less accurate);
-#:   benchmarks/text_ood.py
-IVON_FINETUNE = {"learning_rate": 0.1, "beta2": 0.97, "word_embeddings": "posterior"}
+#: - word_embeddings "posterior" (with EMBEDDING_POSTERIOR_BETA2): the embedding rows of tokens the training sentences
+#:   lack keep a wide σ, and the mutual information separates TREC questions and random-token sentences from the test
+#:   sentences (AUROC 0.82-0.88 and 0.91-0.94 on the default run, 3 seeds, against 0.52-0.67 and 0.51-0.80 frozen;
+#:   test accuracy 81.0-82.3 % against 80.5-81.8 %). Training their mean instead fits the noisy labels (2-4 points
+#:   less accurate); benchmarks/text_ood.py
+IVON_FINETUNE = {"learning_rate": 0.1, "word_embeddings": "posterior"}
+#: IVON's β2 with the word embeddings in the posterior, unless beta2 or hessian_window is given (LoRA included): h0
+#: forgotten within the run (a ~33-step window), so that the rows of unseen tokens widen while the seen ones narrow;
+#: the finetune preset's 0.999 keeps 83 % of h0 in 180 steps, and the embeddings then separate nothing (text_ood.py)
+EMBEDDING_POSTERIOR_BETA2 = 0.97
 #: what --word_embeddings does to a pretrained model's word embeddings (a model built from a config trains them)
 WORD_EMBEDDINGS = ("frozen", "posterior", "trained")
 #: layers of all-MiniLM-L6-v2 kept by the offline default (a quick run)
@@ -142,8 +147,9 @@ class ModelArguments(LoraArguments):
         default="frozen",
         metadata={"help": "A pretrained model's word embeddings (most of a small model's weights): 'frozen' (not "
                           "trained, not in the posterior), 'posterior' (IVON only: in the posterior with their mean "
-                          "frozen at the pretrained rows, σ learned; the default with IVON's finetune preset) or "
-                          "'trained'. A model built from a config trains them; LoRA freezes them.",
+                          "frozen at the pretrained rows, σ learned, and β2 0.97 unless given; the default with "
+                          "IVON's finetune preset, and possible with LoRA) or 'trained' (not with LoRA). A model built "
+                          "from a config trains them.",
                   "choices": list(WORD_EMBEDDINGS)},
     )
 
@@ -302,21 +308,26 @@ def parse_arguments(argv: list[str]) -> tuple:
     is given."""
     types = (ModelArguments, DataArguments, ExampleCorruptionArguments, ExampleTrainingArguments)
     parsed, given = parse_example_arguments(types, argv)
-    if learns_posterior(parsed[3].method) and "ivon_preset" not in given and "method_config" not in given:
+    ivon, overrides = learns_posterior(parsed[3].method), {}
+    if ivon and "ivon_preset" not in given and "method_config" not in given:
         lora = parsed[0].lora_enabled
-        overrides = {"ivon_preset": "lora" if lora else "finetune"}
-        if not lora:  # a --hessian_window asks for the run-length rule, which a β2 would turn off
-            mine = given | ({"beta2"} if "hessian_window" in given else set())
-            overrides.update({name: value for name, value in IVON_FINETUNE.items() if name not in mine})
+        overrides["ivon_preset"] = "lora" if lora else "finetune"
+        if not lora:
+            overrides.update({name: value for name, value in IVON_FINETUNE.items() if name not in given})
+    # a --hessian_window asks for the run-length rule, which a β2 would turn off
+    if (ivon and overrides.get("word_embeddings", parsed[0].word_embeddings) == "posterior"
+            and not given & {"beta2", "hessian_window", "method_config"}):
+        overrides["beta2"] = EMBEDDING_POSTERIOR_BETA2
+    if overrides:
         parsed, _ = parse_example_arguments(types, argv, **overrides)
     model_args, training_args = parsed[0], parsed[3]
     if model_args.word_embeddings == "posterior" and not learns_posterior(training_args.method):
         raise ValueError(f"--word_embeddings posterior puts them in IVON's posterior, but --method is "
                          f"{training_args.method!r}: use --method ivon, or --word_embeddings frozen/trained.")
-    if model_args.word_embeddings != "frozen" and model_args.lora_enabled:
-        raise ValueError(f"--word_embeddings {model_args.word_embeddings} with LoRA (--lora_r "
-                         f"{model_args.lora_r}): LoRA trains only the adapters and the head, so the word embeddings "
-                         "stay frozen; leave --word_embeddings at frozen.")
+    if model_args.word_embeddings == "trained" and model_args.lora_enabled:
+        raise ValueError(f"--word_embeddings trained with LoRA (--lora_r {model_args.lora_r}): LoRA trains only the "
+                         "adapters and the head; use --word_embeddings frozen, or posterior (IVON: in the posterior "
+                         "with their mean frozen).")
     return parsed
 
 
@@ -381,13 +392,16 @@ def main() -> None:
         model.config._name_or_path = MINILM_HUB_ID
     if name_or_path is not None and model_args.word_embeddings == "frozen":
         model.get_input_embeddings().weight.requires_grad_(False)
-    elif name_or_path is not None and model_args.word_embeddings == "posterior":
-        embeddings = next(name for name, module in model.named_modules() if module is model.get_input_embeddings())
-        training_args.method_config = dataclasses.replace(training_args.method_config,
-                                                          frozen_mean_modules=[embeddings])
     # what the loaded model does, whatever was asked (a checkpoint brings its own class)
     pooled = "mean" if isinstance(model, MeanPoolingBertForSequenceClassification) else "cls"
     model = model_args.apply_lora(model)
+    if name_or_path is not None and model_args.word_embeddings == "posterior":
+        embeddings = model.get_input_embeddings()
+        embeddings.weight.requires_grad_(True)  # LoRA froze the base model's: IVON keeps their mean, learns their σ
+        name = next(name for name, module in model.named_modules() if module is embeddings)
+        given = training_args.method_config.frozen_mean_modules or []  # the user's own stay
+        training_args.method_config = dataclasses.replace(training_args.method_config,
+                                                          frozen_mean_modules=[*given, name])
     logger.info("Model: %s (%s, %s pooling) with %d trainable parameters", type(model).__name__,
                 name_or_path or "from a config", pooled, count_parameters(model))
 

