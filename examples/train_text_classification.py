@@ -315,8 +315,10 @@ def parse_arguments(argv: list[str]) -> tuple:
         overrides["ivon_preset"] = "lora" if lora else "finetune"
         mine = {"word_embeddings": IVON_WORD_EMBEDDINGS, **({} if lora else IVON_FINETUNE)}
         overrides.update({name: value for name, value in mine.items() if name not in given})
-    # a --hessian_window asks for the run-length rule, which a β2 would turn off
-    if (ivon and overrides.get("word_embeddings", parsed[0].word_embeddings) == "posterior"
+    # a --hessian_window asks for the run-length rule, which a β2 would turn off; a model built from a config
+    # ('none') trains its embeddings whatever --word_embeddings says
+    pretrained = (parsed[0].model_name_or_path or "").lower() != "none"
+    if (ivon and pretrained and overrides.get("word_embeddings", parsed[0].word_embeddings) == "posterior"
             and not given & {"beta2", "hessian_window", "method_config"}):
         overrides["beta2"] = EMBEDDING_POSTERIOR_BETA2
     if overrides:

@@ -85,6 +85,8 @@ def test_example_defaults_are_the_ivon_finetuning_preset(tmp_path):
     assert module.parse_arguments(["--use_cpu", "--method", "erm"])[0].word_embeddings == "frozen"
     given = module.parse_arguments(["--use_cpu", "--word_embeddings", "trained", "--beta2", "0.99"])
     assert given[0].word_embeddings == "trained" and given[3].method_config.beta2 == 0.99  # what the user gives stays
+    scratch = module.parse_arguments(["--use_cpu", "--model_name_or_path", "none"])[3].method_config
+    assert scratch.beta2 is None  # a model built from a config has no pretrained embeddings to keep: the preset's β2
     rule = module.parse_arguments(["--use_cpu", "--hessian_window", "0.2"])[3].method_config
     assert rule.beta2 is None and rule.hessian_window == 0.2  # the run-length rule asked for, not overridden by β2
     with pytest.raises(ValueError, match="--method is 'erm': use --method ivon"):
