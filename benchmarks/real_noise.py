@@ -658,7 +658,7 @@ def _example_defaults(kind: str, method: str) -> tuple[tuple[str, Any], ...]:
                 else (("learning_rate", float(args.learning_rate)),))
         # the text example's own IVON settings on top of the preset (β2; its word embeddings in the posterior)
         beta2 = () if args.method_config.beta2 is None else (("beta2", float(args.method_config.beta2)),)
-        posterior = parsed[0].word_embeddings == "posterior" if kind == "text" else False
+        posterior = kind == "text" and parsed[0].word_embeddings == "posterior"
         frozen = (("frozen_mean_modules", ["word_embeddings"]),) if posterior else ()
         return (("ivon_preset", preset), ("eval_mc_samples", int(args.eval_mc_samples)), *rate, *beta2, *frozen)
     return (("learning_rate", float(args.learning_rate)), ("weight_decay", float(args.weight_decay)),
