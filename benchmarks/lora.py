@@ -93,9 +93,7 @@ def run(task: str, name: str, seed: int) -> dict[str, Any]:
         return json.loads(path.read_text())
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     data = real_noise.text_task_data(task, seed)
-    model = real_noise._minilm(len(data["names"]), seed)  # pretrained encoder, new head drawn from the seed
-    if lora:
-        model = real_noise._with_lora(model)
+    model = real_noise._minilm(len(data["names"]), seed, lora=lora)  # pretrained encoder, new head from the seed
     train = data["train"]
     # evaluation pads each batch to its longest sentence: in order of length it pads little (as the text example does)
     test = (data["test"].add_column("length", [len(ids) for ids in data["test"]["input_ids"]])

@@ -352,15 +352,19 @@ def text_task_data(task_name: str, seed: int) -> dict[str, Any]:
     return text_data(dataset, noise, seed)
 
 
-def _minilm(num_labels: int, seed: int, embeddings_in_posterior: bool = False) -> nn.Module:
-    """The 2-layer MiniLM with a new head; its word embeddings frozen, or left to IVON's `frozen_mean_modules` (in
-    the posterior with their mean frozen, as the text example has them since 2026-11-29)."""
+def _minilm(num_labels: int, seed: int, embeddings_in_posterior: bool = False, lora: bool = False) -> nn.Module:
+    """The 2-layer MiniLM with a new head (with `lora`, LoRA adapters of `LORA` too); its word embeddings frozen, or
+    left to IVON's `frozen_mean_modules` (in the posterior with their mean frozen, as the text example has them since
+    2026-11-29)."""
     from example_utils.models import create_text_classifier, minilm_path
 
     torch.manual_seed(seed)  # the classifier is new (mean pooling: no pooler)
     model, _ = create_text_classifier(minilm_path(), {i: str(i) for i in range(num_labels)},
                                       num_hidden_layers=TEXT["num_layers"], pooling=TEXT["pooling"])
-    model.bert.embeddings.word_embeddings.weight.requires_grad_(embeddings_in_posterior)
+    if lora:
+        model = _with_lora(model)
+    # set after LoRA, which freezes every base weight: the text example's order too
+    model.get_input_embeddings().weight.requires_grad_(embeddings_in_posterior)
     return model
 
 
@@ -466,9 +470,8 @@ def run(task_name: str, method: str, hyperparams: dict[str, Any] | None = None, 
         from transformers import DataCollatorWithPadding
 
         train, test = data["train"], data["test"]
-        model = _minilm(len(data["names"]), seed, embeddings_in_posterior=bool(hyperparams.get("frozen_mean_modules")))
-        if task.lora:
-            model = _with_lora(model)
+        model = _minilm(len(data["names"]), seed, embeddings_in_posterior=bool(hyperparams.get("frozen_mean_modules")),
+                        lora=task.lora)
         collator = DataCollatorWithPadding(data["tokenizer"])
         y_train = torch.as_tensor(np.asarray(train["label"]))
         y_clean = torch.as_tensor(np.asarray(train["clean_label"])) if "clean_label" in train.column_names else y_train
@@ -634,15 +637,16 @@ DEFAULTS_METHODS = ("ivon", "erm")
 
 
 @functools.lru_cache(maxsize=None)
-def _example_defaults(kind: str, method: str) -> tuple[tuple[str, Any], ...]:
+def _example_defaults(kind: str, method: str, lora: bool = False) -> tuple[tuple[str, Any], ...]:
     """What the task's example resolves to when a user names only the method (and, for images, the pretrained
-    EfficientNet-Lite0 of this benchmark): read from the example's own argument parsing, so it follows the examples."""
+    EfficientNet-Lite0 of this benchmark; with `lora`, the text example's `--lora_r` of `LORA`): read from the
+    example's own argument parsing, so it follows the examples."""
     from varsmooth.methods import learns_posterior
 
     if kind == "text":
         import train_text_classification as example
 
-        argv = ["--method", method]
+        argv = ["--method", method, *(("--lora_r", str(LORA["lora_r"])) if lora else ())]
     else:
         import train_image_classification as example
 
@@ -665,9 +669,9 @@ def _example_defaults(kind: str, method: str) -> tuple[tuple[str, Any], ...]:
             ("optim", str(getattr(args.optim, "value", args.optim))))
 
 
-def example_defaults(kind: str, method: str) -> dict[str, Any]:
+def example_defaults(kind: str, method: str, lora: bool = False) -> dict[str, Any]:
     """`method`'s settings in the example of `kind` ("image" | "text") at its defaults (`_example_defaults`)."""
-    return dict(_example_defaults(kind, method))
+    return dict(_example_defaults(kind, method, lora))
 
 
 #: settings that choose a code path, not an experiment (IVON's compiled kernels and its foreach ops train alike,

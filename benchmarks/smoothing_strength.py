@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -47,6 +48,9 @@ OOD_SIZE = 500
 BATCH = 256
 #: the report's seeds (the tables cover every task and seed, whichever a run of the script trains)
 SEEDS = (0, 1, 2)
+#: IVON's runs compared with the baselines (key of `task_rows`' rows -> name): the count's, and the text example's
+IVON_ROWS = {"ivon_chosen": "IVON (strength chosen)", "ivon_example": "IVON at the text example's defaults"}
+BASELINES = {"erm": "ERM", "ls": "LS (α chosen)", "sam": "SAM (ρ chosen)"}
 TASKS = ("cifar10n-worse", "cifar10n-random1", "cifar10n-aggre", "trec-sym30", "sst2-sym30",
          "sst2-clean-lora", "sst2-sym30-lora", "trec-clean-lora", "trec-sym30-lora")
 
@@ -121,12 +125,29 @@ def measure_smoothing(trainer: Any, val: Any, test: Any, task: str) -> dict[str,
             **ood_auroc(trainer, val, test, task)}
 
 
+def example_ivon(task: str) -> dict[str, Any] | None:
+    """A text task's IVON as the text example gives it (`real_noise.example_defaults`), knob off: its word embeddings
+    in the posterior with their mean frozen and β2 0.97, at lr 0.1 with the `finetune` preset or the `lora` preset's
+    own with LoRA. The benchmark's own IVON keeps the embeddings frozen (lr and ess chosen on noisy validation, or the
+    `lora` preset); this row is what users of the example get. None for an image task."""
+    parsed = real_noise.Task.parse(task)
+    if parsed.kind != "text":
+        return None
+    return {real_noise.AT_DEFAULTS: True, **real_noise.example_defaults("text", "ivon", lora=parsed.lora)}
+
+
 def jobs(task: str, seed: int) -> list[tuple[str, dict[str, Any]]]:
-    """(method, hyperparameters) of every training of one seed: IVON at each strength, ERM, LS at each α and SAM at
-    each ρ."""
-    return ([("ivon", {"ivon_smoothing": s} if s else {}) for s in STRENGTHS] + [("erm", {})]
-            + [("ls", {"smoothing": a}) for a in real_noise.LS_GRID]
+    """(method, hyperparameters) of every training of one seed: IVON at each strength (and at the text example's
+    defaults), ERM, LS at each α and SAM at each ρ."""
+    example = example_ivon(task)
+    return ([("ivon", {"ivon_smoothing": s} if s else {}) for s in STRENGTHS] + ([("ivon", example)] if example else [])
+            + [("erm", {})] + [("ls", {"smoothing": a}) for a in real_noise.LS_GRID]
             + [("sam", {"sam_rho": rho}) for rho in real_noise.SAM_GRID])
+
+
+def hyperparams(task: str, method: str, hp: dict[str, Any]) -> dict[str, Any]:
+    """`hp` with the optimizer settings of real_noise.py's `--plan fair`; a run at an example's defaults has its own."""
+    return dict(hp) if hp.get(real_noise.AT_DEFAULTS) else real_noise.fair_hyperparams(task, method, hp)
 
 
 def train(task: str, method: str, hp: dict[str, Any], seed: int) -> dict[str, Any]:
@@ -137,7 +158,7 @@ def train(task: str, method: str, hp: dict[str, Any], seed: int) -> dict[str, An
     before = cached(task, method, hp, seed)
     remeasure = (before is not None and before.get("diverged") is None
                  and not any(key.startswith("entropy_auroc_") for key in before.get("analysis") or {}))
-    run = real_noise.run(task, method, real_noise.fair_hyperparams(task, method, hp), seed, analyze=analyze,
+    run = real_noise.run(task, method, hyperparams(task, method, hp), seed, analyze=analyze,
                          script=SCRIPT, force=remeasure)
     if remeasure:
         print(f"{task} {method} {hp} seed {seed} trained again for ood_auroc: test acc {before['test_acc']:.4f} -> "
@@ -148,7 +169,7 @@ def train(task: str, method: str, hp: dict[str, Any], seed: int) -> dict[str, An
 def cached(task: str, method: str, hp: dict[str, Any], seed: int) -> dict[str, Any] | None:
     """The run of this script's cache (ERM and LS too: rerun with the IVON runs' code and features, since a
     recomputation of real_noise.py's frozen features or a change of the prediction moves a run by up to ~2 pp)."""
-    path = real_noise.run_path(task, method, real_noise.fair_hyperparams(task, method, hp), seed, script=SCRIPT)
+    path = real_noise.run_path(task, method, hyperparams(task, method, hp), seed, script=SCRIPT)
     return json.loads(path.read_text()) if path.is_file() else None
 
 
@@ -171,14 +192,15 @@ def _num_classes(task: str) -> int:
 
 def task_rows(task: str, seeds: list[int]) -> list[dict[str, Any]]:
     """Per seed: ERM, LS (α chosen), SAM (ρ chosen, as real_noise.py: among its grid only), IVON off, IVON (strength
-    chosen), each fixed strength; None where not cached."""
-    rows = []
+    chosen), each fixed strength, IVON at the text example's defaults; None where not cached (or not a text task)."""
+    rows, example = [], example_ivon(task)
     for seed in seeds:
         erm = cached(task, "erm", {}, seed)
         ls = _chosen([(0.0, erm)] + [(a, cached(task, "ls", {"smoothing": a}, seed)) for a in real_noise.LS_GRID])
         ivon = [(s, cached(task, "ivon", {"ivon_smoothing": s} if s else {}, seed)) for s in STRENGTHS]
         sam = _chosen([(rho, cached(task, "sam", {"sam_rho": rho}, seed)) for rho in real_noise.SAM_GRID])
-        rows.append({"seed": seed, "erm": erm, "ls": ls, "sam": sam, "ivon": dict(ivon), "ivon_chosen": _chosen(ivon)})
+        rows.append({"seed": seed, "erm": erm, "ls": ls, "sam": sam, "ivon": dict(ivon), "ivon_chosen": _chosen(ivon),
+                     "ivon_example": cached(task, "ivon", example, seed) if example else None})
     return rows
 
 
@@ -249,11 +271,14 @@ def task_table(task: str, seeds: list[int]) -> str:
         name = "ivon (knob off)" if s == 0 else f"ivon (ivon_smoothing={s:g}; LS's ‖ε‖₁ {_ls_noise(s, k):.3g})"
         line(name, "1", runs, [run["analysis"]["noise_l1"] for run in runs],
              [t for run in runs for t in target(s, run)], "–")
+    example = [r["ivon_example"] for r in rows if r["ivon_example"]]
+    line("ivon (the text example's defaults, knob off)", "1", example, [run["analysis"]["noise_l1"] for run in example],
+         [], "–")
     lines.append("")
-    for name, key in (("ERM", "erm"), ("LS (α chosen)", "ls"), ("SAM (ρ chosen)", "sam")):
-        paired = paired_difference(rows, key)
+    for (ivon, ivon_name), (key, name) in itertools.product(IVON_ROWS.items(), BASELINES.items()):
+        paired = paired_difference(rows, key, ivon)
         if paired is not None:
-            lines.append(f"IVON (strength chosen) − {name}, paired over {paired['seeds']} seeds: accuracy "
+            lines.append(f"{ivon_name} − {name}, paired over {paired['seeds']} seeds: accuracy "
                          f"{paired['acc']:+.2f} ± {paired['acc_se']:.2f} pp (SE; "
                          f"{'separated' if paired['separated'] else 'not separated'} at 2 SE), NLL "
                          f"{paired['nll']:+.3f} ± {paired['nll_se']:.3f}; ahead in accuracy on "
@@ -261,11 +286,17 @@ def task_table(task: str, seeds: list[int]) -> str:
     return "\n".join(lines)
 
 
-def paired_difference(rows: list[dict[str, Any]], baseline: str) -> dict[str, Any] | None:
-    """IVON (strength chosen) − `baseline` over the seeds where both ran: mean accuracy (pp) and NLL differences with
-    their standard errors, whether the accuracy difference is beyond 2 SE, and on how many seeds IVON is ahead."""
-    both = [(r["ivon_chosen"][1], r[baseline] if baseline == "erm" else r[baseline][1]) for r in rows
-            if r["ivon_chosen"] and r[baseline]]
+def _run(row: dict[str, Any], key: str) -> dict[str, Any] | None:
+    """The row's run of `key` (a chosen one's (setting, run) pair gives its run)."""
+    value = row[key]
+    return value[1] if isinstance(value, tuple) else value
+
+
+def paired_difference(rows: list[dict[str, Any]], baseline: str, ivon: str = "ivon_chosen") -> dict[str, Any] | None:
+    """IVON's run `ivon` (a key of `IVON_ROWS`) − `baseline` over the seeds where both ran: mean accuracy (pp) and NLL
+    differences with their standard errors, whether the accuracy difference is beyond 2 SE, and on how many seeds
+    IVON is ahead."""
+    both = [(_run(r, ivon), _run(r, baseline)) for r in rows if r[ivon] and r[baseline]]
     if not both:
         return None
     diff = [100 * (a["test_acc"] - b["test_acc"]) for a, b in both]
@@ -276,16 +307,17 @@ def paired_difference(rows: list[dict[str, Any]], baseline: str) -> dict[str, An
             "separated": n > 1 and abs(acc) > 2 * acc_sd / n ** 0.5, "ahead": sum(d > 0 for d in diff)}
 
 
-def summary(tasks: list[str], seeds: list[int]) -> str:
-    """Issue 40's count: on how many tasks IVON (strength chosen) is at least the best baseline (ERM, LS and SAM
-    chosen on noisy validation; best by mean accuracy) in both mean accuracy and mean NLL, and on how many of those its
-    accuracy lead is beyond 2 SE (paired over seeds). Only tasks where every one of them has run on every seed."""
+def summary(tasks: list[str], seeds: list[int], ivon: str = "ivon_chosen") -> str:
+    """Issue 40's count: on how many tasks IVON's run `ivon` (a key of `IVON_ROWS`; the count's own is the strength
+    chosen) is at least the best baseline (ERM, LS and SAM chosen on noisy validation; best by mean accuracy) in both
+    mean accuracy and mean NLL, and on how many of those its accuracy lead is beyond 2 SE (paired over seeds). Only
+    tasks where every one of them has run on every seed."""
     verdicts, good, separated = [], 0, 0
     for task in tasks:
         rows = task_rows(task, seeds)
-        if not all(r["ivon_chosen"] and r["erm"] and r["ls"] and r["sam"] for r in rows):
+        if not all(r[ivon] and r["erm"] and r["ls"] and r["sam"] for r in rows):
             continue
-        paired = {key: paired_difference(rows, key) for key in ("erm", "ls", "sam")}
+        paired = {key: paired_difference(rows, key, ivon) for key in BASELINES}
         best = min(paired, key=lambda key: paired[key]["acc"])  # the smallest IVON lead: the most accurate baseline
         lead = paired[best]
         verdict = f"{task}: vs {best.upper()} {lead['acc']:+.2f} pp, NLL {lead['nll']:+.3f}"
@@ -296,7 +328,7 @@ def summary(tasks: list[str], seeds: list[int]) -> str:
         verdicts.append(verdict)
     if not verdicts:
         return ""
-    return (f"**IVON (strength chosen) against the most accurate baseline of each task** (ERM, LS or SAM chosen): at "
+    return (f"**{IVON_ROWS[ivon]} against the most accurate baseline of each task** (ERM, LS or SAM chosen): at "
             f"least as good in accuracy and NLL on {good} of {len(verdicts)} tasks, its accuracy lead beyond 2 SE on "
             f"{separated}. " + "; ".join(verdicts) + ".")
 
@@ -304,7 +336,8 @@ def summary(tasks: list[str], seeds: list[int]) -> str:
 def report(tasks: list[str], seeds: list[int]) -> str:
     """The tables of the tasks with at least one cached run, and the count."""
     trained = [t for t in tasks if any(r["erm"] or any(r["ivon"].values()) for r in task_rows(t, seeds))]
-    text = "\n\n".join([*(task_table(t, seeds) for t in trained), summary(tasks, seeds)]).strip()
+    counts = [summary(tasks, seeds, key) for key in IVON_ROWS]
+    text = "\n\n".join([*(task_table(t, seeds) for t in trained), *filter(None, counts)]).strip()
     common.write_readme_section(SCRIPT, text)
     return text
 

