@@ -105,8 +105,9 @@ IVON_FINETUNE = {"learning_rate": 0.1}
 #: EMBEDDING_POSTERIOR_BETA2), so that the rows of tokens the training sentences lack keep a wide σ and the mutual
 #: information separates TREC questions and random-token sentences from the test sentences. On the default run
 #: (3 seeds) AUROC 0.82-0.88 and 0.91-0.94, against 0.52-0.67 and 0.51-0.80 frozen, test accuracy 81.0-82.3 % against
-#: 80.5-81.8 %; with LoRA (--lora_r 8) 0.84-0.88 and 0.95-0.96 against 0.42-0.47 and 0.31-0.58, 82.2-84.7 % against
-#: 81.3-84.2 %. Training their mean instead fits the noisy labels (2-4 points less accurate); benchmarks/text_ood.py
+#: 80.5-81.8 %; with LoRA (--lora_r 8, the preset's β2; seeds 42 and 0) 0.58-0.59 and 0.74-0.75 against 0.42-0.46 and
+#: 0.31, 84.8 / 81.0 % against 84.2 / 81.3 %. Training their mean instead fits the noisy labels (2-4 points less
+#: accurate); benchmarks/text_ood.py
 IVON_WORD_EMBEDDINGS = "posterior"
 #: IVON's β2 with the word embeddings in the posterior, unless beta2 or hessian_window is given: h0 forgotten within the
 #: run (a ~33-step window), so that the rows of unseen tokens widen while the seen ones narrow; the finetune preset's
