@@ -127,9 +127,9 @@ def measure_smoothing(trainer: Any, val: Any, test: Any, task: str) -> dict[str,
 
 def example_ivon(task: str) -> dict[str, Any] | None:
     """A text task's IVON as the text example gives it (`real_noise.example_defaults`), knob off: its word embeddings
-    in the posterior with their mean frozen, with β2 0.97 and lr 0.1 (the `finetune` preset), or the `lora` preset's
-    own settings with LoRA. The benchmark's own IVON keeps the embeddings frozen (lr and ess chosen on noisy
-    validation, or the `lora` preset); this row is what users of the example get. None for an image task."""
+    in the posterior with their mean frozen, with β2 0.97 and lr 0.1 (the `finetune` preset), or β2 0.99 and the
+    `lora` preset's other settings with LoRA. The benchmark's own IVON keeps the embeddings frozen (lr and ess chosen
+    on noisy validation, or the `lora` preset); this row is what users of the example get. None for an image task."""
     parsed = real_noise.Task.parse(task)
     if parsed.kind != "text":
         return None

@@ -38,8 +38,8 @@ tokens they lack keep a wide σ, and the mutual information flags sentences made
 LoRA (`--lora_r 8`, with `--lora_alpha`, `--lora_dropout`, `--lora_target_modules`; the `lora` extra installs peft)
 trains adapters on the query/value projections and the new head only, with IVON's `lora` preset (Cong et al. 2024,
 "Variational Low-Rank Adaptation Using IVON"; varsmooth.presets.LORA_PRESET) unless `--ivon_preset` is given; the base
-model's word embeddings join the posterior with their mean frozen, as in the full fine-tune, at the preset's own β2
-(with β2 0.97 the adapters lost 4-6 points on TREC):
+model's word embeddings join the posterior with their mean frozen, as in the full fine-tune, with β2 0.99 (0.97 cost
+the adapters 4-6 points on TREC; the preset's run-length β2 widened the unseen tokens' rows too little to flag them):
 
     accelerate launch examples/train_text_classification.py --lora_r 8 --lora_alpha 16
 
@@ -104,18 +104,20 @@ IVON_FINETUNE = {"learning_rate": 0.1}
 #: IVON's --word_embeddings unless given, with either preset: in the posterior with their mean frozen (fully
 #: fine-tuned with EMBEDDING_POSTERIOR_BETA2), so that the rows of tokens the training sentences lack keep a wide σ
 #: and the mutual information separates TREC questions and random-token sentences from the test sentences. On the
-#: default run
-#: (3 seeds) AUROC 0.82-0.88 and 0.91-0.94, against 0.52-0.67 and 0.51-0.80 frozen, test accuracy 81.0-82.3 % against
-#: 80.5-81.8 %; with LoRA (--lora_r 8, the preset's β2; seeds 42 and 0) 0.58-0.59 and 0.74-0.75 against 0.42-0.46 and
-#: 0.31, 84.8 / 81.0 % against 84.2 / 81.3 %. Training their mean instead fits the noisy labels (2-4 points less
-#: accurate); benchmarks/text_ood.py
+#: default run (3 seeds) AUROC 0.82-0.88 and 0.91-0.94, against 0.52-0.67 and 0.51-0.80 frozen, test accuracy
+#: 81.0-82.3 % against 80.5-81.8 %; with LoRA (--lora_r 8, β2 0.99; seeds 42, 0, 1) 0.76-0.79 and 0.92-0.93 against
+#: 0.42-0.46 and 0.31 frozen (seeds 42 and 0), 84.5 / 82.3 / 82.5 % against 84.2 / 81.3 %. Training their mean instead
+#: fits the noisy labels (2-4 points less accurate); benchmarks/text_ood.py
 IVON_WORD_EMBEDDINGS = "posterior"
 #: IVON's β2 with the word embeddings in the posterior, unless beta2 or hessian_window is given: h0 forgotten within the
 #: run (a ~33-step window), so that the rows of unseen tokens widen while the seen ones narrow; the finetune preset's
-#: 0.999 keeps 83 % of h0 in 180 steps, and the embeddings then separate nothing (text_ood.py). Not with LoRA: there
-#: 0.97 cost the adapters 4-6 points on TREC, while the lora preset's run-length β2 (a 300-step window) cost nothing
-#: and still raised the MI AUROC, less than 0.97 did (benchmarks/README.md, "IVON as the text example gives it")
+#: 0.999 keeps 83 % of h0 in 180 steps, and the embeddings then separate nothing (text_ood.py)
 EMBEDDING_POSTERIOR_BETA2 = 0.97
+#: the same with LoRA: 0.97 cost the adapters 4-6 points on TREC; the lora preset's run-length β2 (a 300-step window)
+#: cost nothing, but left the MI AUROC on the default run at 0.58-0.59 against TREC questions; a ~100-step window
+#: reaches 0.76-0.79 there, for -1.2 to +0.5 points on the 4 LoRA tasks of benchmarks/smoothing_strength.py
+#: (benchmarks/README.md, "IVON as the text example gives it")
+LORA_EMBEDDING_POSTERIOR_BETA2 = 0.99
 #: what --word_embeddings does to a pretrained model's word embeddings (a model built from a config trains them)
 WORD_EMBEDDINGS = ("frozen", "posterior", "trained")
 #: layers of all-MiniLM-L6-v2 kept by the offline default (a quick run)
@@ -153,8 +155,9 @@ class ModelArguments(LoraArguments):
         default="frozen",
         metadata={"help": "A pretrained model's word embeddings (most of a small model's weights): 'frozen' (not "
                           "trained, not in the posterior), 'posterior' (IVON only: in the posterior with their mean "
-                          "frozen at the pretrained rows, σ learned, and β2 0.97 unless given, the lora preset's own "
-                          "under LoRA; IVON's default) or 'trained' (not with LoRA). A model built "
+                          f"frozen at the pretrained rows, σ learned, and β2 {EMBEDDING_POSTERIOR_BETA2} unless "
+                          f"given, {LORA_EMBEDDING_POSTERIOR_BETA2} under LoRA; "
+                          "IVON's default) or 'trained' (not with LoRA). A model built "
                           "from a config trains them.",
                   "choices": list(WORD_EMBEDDINGS)},
     )
@@ -321,12 +324,11 @@ def parse_arguments(argv: list[str]) -> tuple:
         mine = {"word_embeddings": IVON_WORD_EMBEDDINGS, **({} if lora else IVON_FINETUNE)}
         overrides.update({name: value for name, value in mine.items() if name not in given})
     # a --hessian_window asks for the run-length rule, which a β2 would turn off; a model built from a config
-    # ('none') trains its embeddings whatever --word_embeddings says; LoRA keeps its preset's β2 (the rule)
+    # ('none') trains its embeddings whatever --word_embeddings says
     pretrained = (parsed[0].model_name_or_path or "").lower() != "none"
-    if (ivon and pretrained and not parsed[0].lora_enabled
-            and overrides.get("word_embeddings", parsed[0].word_embeddings) == "posterior"
+    if (ivon and pretrained and overrides.get("word_embeddings", parsed[0].word_embeddings) == "posterior"
             and not given & {"beta2", "hessian_window", "method_config"}):
-        overrides["beta2"] = EMBEDDING_POSTERIOR_BETA2
+        overrides["beta2"] = LORA_EMBEDDING_POSTERIOR_BETA2 if parsed[0].lora_enabled else EMBEDDING_POSTERIOR_BETA2
     if overrides:
         parsed, _ = parse_example_arguments(types, argv, **overrides)
     model_args, training_args = parsed[0], parsed[3]

@@ -326,18 +326,21 @@ def test_smoothing_strength_counts_tasks_against_the_most_accurate_baseline(monk
 
 def test_smoothing_strength_compares_ivon_as_the_text_example_gives_it(monkeypatch):
     """The text tasks train IVON at the text example's defaults too (its word embeddings in the posterior with their
-    mean frozen; β2 0.97, or the `lora` preset's own under LoRA), as settings of their own (not `--plan fair`'s), and
-    the report compares that run with the baselines as it does the strength chosen."""
+    mean frozen; β2 0.97, or 0.99 with the `lora` preset under LoRA), as settings of their own (not `--plan fair`'s),
+    and the report compares that run with the baselines as it does the strength chosen."""
     import smoothing_strength
 
     lora, full = smoothing_strength.example_ivon("trec-sym30-lora"), smoothing_strength.example_ivon("sst2-sym30")
     assert smoothing_strength.example_ivon("cifar10n-worse") is None
-    assert lora == {real_noise.AT_DEFAULTS: True, "ivon_preset": "lora", "eval_mc_samples": 10,
+    assert lora == {real_noise.AT_DEFAULTS: True, "ivon_preset": "lora", "eval_mc_samples": 10, "beta2": 0.99,
                     "frozen_mean_modules": ["word_embeddings"]}
     assert full == real_noise.defaults_hyperparams("sst2-sym30", "ivon")  # what --plan defaults runs
+    from varsmooth.presets import LORA_PRESET
+
     resolved = real_noise.effective_settings(real_noise.Task.parse("trec-sym30-lora"), "ivon", lora)
-    # the run-length rule's β2 over lora.py's 189 steps: a 300-step window
-    assert (resolved["learning_rate"], resolved["beta2"], resolved["ess"]) == (1.0, 1 - 1 / 300, 1e7)
+    # the example's β2, not the preset's run-length rule (with its clip) over lora.py's 189 steps
+    assert (resolved["learning_rate"], resolved["beta2"], resolved["ess"]) == (1.0, 0.99, 1e7)
+    assert resolved["clip_radius"] == LORA_PRESET["clip_radius"]
     assert smoothing_strength.hyperparams("trec-sym30-lora", "ivon", lora) == lora
     assert ("ivon", full) in smoothing_strength.jobs("sst2-sym30", 0)
     assert all(hp.get(real_noise.AT_DEFAULTS) is None for _, hp in smoothing_strength.jobs("cifar10n-worse", 0))

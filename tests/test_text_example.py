@@ -93,10 +93,10 @@ def test_example_defaults_are_the_ivon_finetuning_preset(tmp_path):
         module.parse_arguments(["--use_cpu", "--method", "erm", "--word_embeddings", "posterior"])
     with pytest.raises(ValueError, match="LoRA trains only the adapters"):
         module.parse_arguments(["--use_cpu", "--lora_r", "8", "--word_embeddings", "trained"])
-    # with LoRA too (the lora preset's rate), but at the preset's own β2 (its run-length rule), frozen or not
+    # with LoRA too (the lora preset's rate), with a β2 of its own; frozen embeddings keep the preset's (its rule)
     lora_model, *_, lora = module.parse_arguments(["--use_cpu", "--lora_r", "8"])
     assert lora_model.word_embeddings == "posterior" and lora.learning_rate == LORA_PRESET["learning_rate"]
-    assert lora.method_config.ivon_preset == "lora" and lora.method_config.beta2 is None
+    assert lora.method_config.ivon_preset == "lora" and lora.method_config.beta2 == 0.99
     frozen = module.parse_arguments(["--use_cpu", "--lora_r", "8", "--word_embeddings", "frozen"])[3]
     assert frozen.method_config.beta2 is None
     assert FINETUNE_PRESET["learning_rate"] == 0.3
