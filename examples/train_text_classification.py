@@ -115,7 +115,7 @@ IVON_WORD_EMBEDDINGS = "posterior"
 EMBEDDING_POSTERIOR_BETA2 = 0.97
 #: the same with LoRA: 0.97 cost the adapters 4-6 points on TREC; the lora preset's run-length β2 (a 300-step window)
 #: cost nothing, but left the MI AUROC on the default run at 0.58-0.59 against TREC questions; a ~100-step window
-#: reaches 0.76-0.79 there, for -1.2 to +0.5 points on the 4 LoRA tasks of benchmarks/smoothing_strength.py
+#: reaches 0.76-0.79 there, for -1.2 to +0.4 points on the 4 LoRA tasks of benchmarks/smoothing_strength.py
 #: (benchmarks/README.md, "IVON as the text example gives it")
 LORA_EMBEDDING_POSTERIOR_BETA2 = 0.99
 #: what --word_embeddings does to a pretrained model's word embeddings (a model built from a config trains them)

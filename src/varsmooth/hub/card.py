@@ -188,7 +188,7 @@ def build_model_card(record: RunRecord, model: Any, folder: str | os.PathLike) -
     auto_class = AUTO_CLASSES[task].__name__
     repo_id, model_name = record.repo_id, record.model_name
     # an adapter whose base was loaded from a local copy of a Hub model names its Hub id in the base's config
-    base_model = ((adapter is not None and _hub_id(adapter.base_model_name_or_path or "")) or _base_model(model))
+    base_model = (adapter is not None and _hub_id(adapter.base_model_name_or_path or "")) or _base_model(model)
     metrics, scored_on = record.metrics, record.scored_on
     method = record.method
     report = record.noise_report
