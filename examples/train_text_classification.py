@@ -156,9 +156,8 @@ class ModelArguments(LoraArguments):
         metadata={"help": "A pretrained model's word embeddings (most of a small model's weights): 'frozen' (not "
                           "trained, not in the posterior), 'posterior' (IVON only: in the posterior with their mean "
                           f"frozen at the pretrained rows, σ learned, and β2 {EMBEDDING_POSTERIOR_BETA2} unless "
-                          f"given, {LORA_EMBEDDING_POSTERIOR_BETA2} under LoRA; "
-                          "IVON's default) or 'trained' (not with LoRA). A model built "
-                          "from a config trains them.",
+                          f"given, {LORA_EMBEDDING_POSTERIOR_BETA2} under LoRA; IVON's default) or 'trained' (not "
+                          "with LoRA). A model built from a config trains them.",
                   "choices": list(WORD_EMBEDDINGS)},
     )
 
