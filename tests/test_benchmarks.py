@@ -101,6 +101,21 @@ def test_training_length_tables_are_the_reports():
         assert report.readme_table(runs, epochs) == block(f"training_length_e{epochs}")
 
 
+def test_bma_from_scratch_tables_are_the_reports(monkeypatch):
+    """The frontier on the image example and on MNIST is its cached runs; the report trains nothing."""
+    import bma_from_scratch
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("a run of the committed table is not cached")
+
+    monkeypatch.setattr(bma_from_scratch.subprocess, "run", no_training)
+    monkeypatch.setattr(bma_from_scratch.common, "run", no_training)
+    assert bma_from_scratch.report() == block("bma_from_scratch")
+    assert bma_from_scratch.mnist_report() == block("bma_from_scratch_mnist")
+    assert all(block("bma_from_scratch_mnist").count(f"| {setting} | 3 |") == len(bma_from_scratch.MNIST_NOISES)
+               for setting in bma_from_scratch.mnist_settings())  # every setting, noise and seed
+
+
 def test_robustness_tables_are_the_reports():
     needs_mnist()
     import robustness
