@@ -36,6 +36,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402  (sets OMP_NUM_THREADS before torch is imported)
+from default_posterior import MNIST_EPOCHS, MNIST_TRAIN_SIZE  # noqa: E402
 
 SCRIPT = "bma_from_scratch"
 OUT_DIR = common.RESULTS_DIR / SCRIPT
@@ -67,8 +68,6 @@ OOD_SIZE = 300
 VERSION = 3
 #: MNIST: robustness.py's set-up (common.run), its noises where the rule's BMA and mean differ most
 MNIST_NOISES = ("sym40", "pair40")
-MNIST_EPOCHS = 20
-MNIST_TRAIN_SIZE = 9000  # common.load_mnist's training split
 
 
 def run(setting: str, seed: int) -> dict[str, Any]:

@@ -109,7 +109,6 @@ def test_bma_from_scratch_tables_are_the_reports(monkeypatch):
         raise AssertionError("a run of the committed table is not cached")
 
     monkeypatch.setattr(bma_from_scratch.subprocess, "run", no_training)
-    monkeypatch.setattr(bma_from_scratch.common, "run", no_training)
     assert bma_from_scratch.report() == block("bma_from_scratch")
     assert bma_from_scratch.mnist_report() == block("bma_from_scratch_mnist")
     assert all(block("bma_from_scratch_mnist").count(f"| {setting} | 3 |") == len(bma_from_scratch.MNIST_NOISES)
