@@ -58,6 +58,18 @@ def test_every_example_prints_its_help(script):
         assert "worse 40 %" in result.stdout
 
 
+def test_the_moons_example_runs_and_its_label_noise_peaks_at_the_boundary(tmp_path):
+    """The script as its docstring runs it: IVON trains the MLP, and the exported |ε̄_y| is larger where the posterior
+    mean is unsure (|p̄ − 0.5| < 0.2) than elsewhere, with both pictures written."""
+    result = subprocess.run([sys.executable, str(REPO / "examples" / "moons.py"), "--output_dir", str(tmp_path)],
+                            capture_output=True, text=True, timeout=600, env=ENV)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout[result.stdout.index("{\n"):result.stdout.index("\n}") + 2])
+    assert report["train_accuracy"] > 0.9 and report["num_near_boundary"] > 0
+    assert report["noise_at_label_near_boundary"] > 1.5 * report["noise_at_label_far_from_boundary"] > 0
+    assert (tmp_path / "moons_label_noise.png").is_file() and (tmp_path / "label_noise_vs_mean.png").is_file()
+
+
 def test_the_same_command_twice_gives_the_same_run(tmp_path):
     runs = [_image("--max_steps", "3", "--output_dir", str(tmp_path / name)) for name in ("a", "b")]
     for run in runs:
