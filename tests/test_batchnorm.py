@@ -119,5 +119,7 @@ def test_the_export_and_the_card_say_that_each_draw_had_its_own_statistics(tmp_p
     trainer.save_model()
     assert json.loads((out / "label_noise_summary.json").read_text())["batchnorm_statistics_per_draw"] is True
     card = build_model_card(trainer.run_record(), trainer.model, out).text
-    assert ("(2 posterior samples at τ = 1, each normalised with BatchNorm statistics of its own, as in training)"
-            in card)
+    seconds = json.loads((out / "label_noise_summary.json").read_text())["export_seconds"]
+    assert seconds > 0  # the export's cost, stated beside its samples
+    assert ("(2 posterior samples at τ = 1, each normalised with BatchNorm statistics of its own, as in training, "
+            f"exported in {seconds:.1f} s)" in card)

@@ -22,11 +22,12 @@ import yaml
 from safetensors.torch import load_file
 
 from example_utils.data import train_eval_splits
+from example_utils.models import create_image_classifier
 from example_utils.script import checkpoint_to_resume
 from helpers import WORKERS, load_example, make_args, run_script
 from varsmooth.corruption import CorruptionArguments
 from varsmooth.methods import METHODS, TrainingMethod
-from varsmooth.presets import FINETUNE_PRESET
+from varsmooth.presets import FINETUNE_PRESET, choose_preset
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((REPO / "examples").glob("*.py"))
@@ -398,7 +399,7 @@ def test_a_pretrained_model_switches_to_the_finetune_preset_whatever_the_config_
     model_args, _, _, training_args = example.parse_arguments(argv)
     assert model_args.pretrained_weights == "weights.pth"
     ivon = training_args.method_config
-    assert ivon.ivon_preset == "finetune" and training_args.learning_rate == FINETUNE_PRESET["learning_rate"]
+    assert ivon.ivon_preset == "finetune" and training_args.learning_rate == example.IVON_PRETRAINED_RATE
     assert ivon.ess == FINETUNE_PRESET["ess"] and ivon.hess_init == FINETUNE_PRESET["hess_init"]
     assert ivon.beta2 == 0.99  # the user's value beats the preset's
 
@@ -415,9 +416,13 @@ def test_a_chosen_preset_and_a_model_from_scratch_are_left_alone(tmp_path, how):
             path = tmp_path / "config.json"
             path.write_text(json.dumps(config))
             argv = [str(path)]
-        training_args = example.parse_arguments(argv)[3]
-        assert training_args.method_config.ivon_preset == "scratch"
-        assert training_args.method_config.hess_init != FINETUNE_PRESET["hess_init"]  # the from-scratch value
+        ivon = example.parse_arguments(argv)[3].method_config
+        if config is scratch_pretrained:
+            assert ivon.ivon_preset == "scratch"
+            assert ivon.hess_init != FINETUNE_PRESET["hess_init"]  # the from-scratch value
+        else:  # left to the trainer, which chooses scratch for the example's ResNet built from a config
+            assert ivon.ivon_preset is None
+            assert choose_preset(create_image_classifier(None, {0: "a", 1: "b"}, num_channels=1))[0] == "scratch"
 
 
 def test_a_config_file_with_an_unknown_key_is_refused(tmp_path):
@@ -434,10 +439,13 @@ def test_a_model_from_scratch_gets_its_methods_scratch_rate_unless_a_rate_is_giv
         training_args = example.parse_arguments([*base, "--method", method])[3]
         assert training_args.learning_rate == METHODS[method].method_class.scratch_learning_rate
         assert training_args.learning_rate != TrainingMethod.default_learning_rate
-    assert example.parse_arguments(base)[3].learning_rate == 0.2  # IVON's own rate is untouched
+    assert example.parse_arguments(base)[3].learning_rate is None  # IVON's: its preset's, once the model is known
     path = tmp_path / "config.json"
     path.write_text(json.dumps({"output_dir": str(tmp_path), "method": "erm", "learning_rate": 0.01}))
     assert example.parse_arguments([str(path)])[3].learning_rate == 0.01  # a chosen rate is kept, from a file too
+    path.write_text(json.dumps({"output_dir": str(tmp_path), "method": "erm"}))
+    chosen = example.parse_arguments([str(path)])[3].learning_rate  # the script's choice, a number from a file too
+    assert chosen == METHODS["erm"].method_class.scratch_learning_rate and isinstance(chosen, float)
     assert example.parse_arguments([*base, "--method", "erm", "--learning_rate", "5e-5"])[3].learning_rate == 5e-5
     # a pretrained model keeps the library's fine-tuning default
     pretrained = example.parse_arguments([*base, "--method", "erm", "--pretrained_weights", "w.pth"])[3]

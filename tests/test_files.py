@@ -957,3 +957,19 @@ def test_the_checkpoint_prefix_is_the_trainers():
 
     assert CHECKPOINT_PREFIX == PREFIX_CHECKPOINT_DIR
     assert is_leftover(f".partial-{PREFIX_CHECKPOINT_DIR}-12") and not is_leftover(f"{PREFIX_CHECKPOINT_DIR}-12")
+
+
+@pytest.mark.parametrize("path", ["/nonexistent/run", "./missing-run", "outputs/missing/run"])
+def test_a_missing_local_folder_is_named_as_one(path) -> None:
+    from varsmooth import VariationalModel
+
+    with pytest.raises(FileNotFoundError, match=r"No folder .*check the path the model was saved to"):
+        VariationalModel.from_pretrained(path)
+
+
+def test_a_file_is_not_a_model_folder(tmp_path) -> None:
+    from varsmooth import VariationalModel
+
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(NotADirectoryError, match="is a file: pass the folder"):
+        VariationalModel.from_pretrained(tmp_path / "model.safetensors")

@@ -59,7 +59,10 @@ def lora_bert(seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.nn.Mod
 
 
 def _args(tmp_path, **kw) -> VariationalTrainingArguments:
-    base = dict(learning_rate=IVON_KW["lr"], hess_init=IVON_KW["hess_init"], beta1=IVON_KW["beta1"],
+    # ivon-opt's settings, as the hand-written loops run them: the scratch preset's ess (N) and rescaled, unclipped lr
+    # (on an adapter the trainer would choose the lora preset)
+    base = dict(ivon_preset="scratch", learning_rate=IVON_KW["lr"], hess_init=IVON_KW["hess_init"],
+                beta1=IVON_KW["beta1"],
                 beta2=IVON_KW["beta2"], prior_precision=IVON_KW["wd"], lr_scheduler_type="constant",
                 max_grad_norm=0.0, train_sampling_strategy="sequential", remove_unused_columns=False)
     base.update(kw)
@@ -95,7 +98,9 @@ def test_lora_preset_is_the_ivon_lora_recipe(tmp_path):
     assert (kept.learning_rate, kept.eval_mc_samples, kept.method_config.ess) == (0.1, 4, LORA_PRESET["ess"])
     # a non-IVON method keeps its own learning rate; the default number of BMA samples is unchanged elsewhere
     assert make_args(tmp_path, method="erm").learning_rate == 5e-5
-    assert make_args(tmp_path).eval_mc_samples == 32
+    assert make_args(tmp_path, ivon_preset="scratch").eval_mc_samples == 32
+    # with no preset named, the trainer chooses it (and with it these defaults) from the model it is handed
+    assert make_args(tmp_path).eval_mc_samples is None and make_args(tmp_path).learning_rate is None
     with pytest.raises(ValueError, match="ivon_preset must be one of"):
         make_args(tmp_path, ivon_preset="qlora")
 

@@ -281,7 +281,9 @@ def test_args_parse_with_hf_argument_parser():
         ["--output_dir", "o", "--eval_mc_samples", "0", "--method_config", json.dumps(dataclasses.asdict(config))])
     ivon = args.method_config
     assert (ivon.ess, ivon.hess_init, ivon.beta2, ivon.mc_samples, args.eval_mc_samples) == (1e4, 0.1, 0.9999, 2, 0)
-    assert args.method == "ivon" and args.learning_rate == 0.2 and ivon.clip_radius == 0.05
+    # no preset named: the rate waits for the model the trainer is handed (one built here trains from scratch)
+    assert args.method == "ivon" and args.learning_rate is None and ivon.clip_radius == 0.05
+    assert args.for_model(TinyClassifier())[0].learning_rate == 0.2
     (erm,) = HfArgumentParser(VariationalTrainingArguments).parse_args_into_dataclasses(["--output_dir", "o",
                                                                                          "--method", "erm"])
     assert erm.learning_rate == 5e-5
@@ -393,9 +395,13 @@ def test_finetune_preset_fills_only_untouched_ivon_fields():
     for name in ("ess", "hess_init", "prior_precision", "rescale_lr", "clip_radius"):
         assert getattr(args.method_config, name) == FINETUNE_PRESET[name], name
     assert args.learning_rate == FINETUNE_PRESET["learning_rate"]
-    scratch = VariationalTrainingArguments(output_dir="/tmp/x", use_cpu=True)
+    scratch = VariationalTrainingArguments(output_dir="/tmp/x", use_cpu=True, method_config={"ivon_preset": "scratch"})
     ivon = scratch.method_config
     assert (scratch.learning_rate, ivon.hess_init, ivon.ess, ivon.rescale_lr) == (0.2, 0.5, None, True)
+    # none named: every preset field waits for the model the trainer is handed
+    unset = VariationalTrainingArguments(output_dir="/tmp/x", use_cpu=True)
+    ivon = unset.method_config
+    assert (unset.learning_rate, ivon.hess_init, ivon.ess, ivon.rescale_lr) == (None, None, None, None)
     # the preset is about IVON: another method has none
     with pytest.raises(ValueError, match=r"\['ivon_preset'\], which method='erm'"):
         VariationalTrainingArguments(output_dir="/tmp/x", use_cpu=True, method="erm",

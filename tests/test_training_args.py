@@ -42,7 +42,7 @@ def test_finetune_preset_keeps_values_the_user_gave_even_when_they_equal_the_scr
                                                                     FINETUNE_PRESET["learning_rate"])
     assert args.method_config == config and args.method_config is not config  # a copy
     # and the scratch preset keeps a value equal to the finetune one
-    scratch = _ivon("--beta2", "0.999", "--rescale_lr", "false")
+    scratch = _ivon("--ivon_preset", "scratch", "--beta2", "0.999", "--rescale_lr", "false")
     assert (scratch.beta2, scratch.rescale_lr, scratch.hess_init) == (0.999, False, SCRATCH_PRESET["hess_init"])
 
 

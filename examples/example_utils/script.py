@@ -25,6 +25,7 @@ from varsmooth import LabelNoiseCallback, VariationalTrainer
 from varsmooth.corruption import CorruptionArguments
 from varsmooth.evaluation import predictive_outputs
 from varsmooth.files import atomic_path, is_leftover
+from varsmooth.label_noise import EXPORT_NUM_SAMPLES
 from varsmooth.methods import METHODS, get_method_config_class, learns_posterior
 from varsmooth.trainer.checkpoint_files import refuse_finished_run, refuse_other_run
 
@@ -120,9 +121,11 @@ class ExportArguments:
     """The per-example label-noise export of both examples."""
 
     label_noise_samples: int = field(
-        default=64,
+        default=EXPORT_NUM_SAMPLES,
         metadata={"help": "Posterior samples for the per-example label-noise export (label_noise.parquet, summary and "
-                          "pictures next to the model; IVON methods only). 0: no export."},
+                          "pictures next to the model; IVON methods only): each costs an evaluation pass over the "
+                          f"training set. Default: {EXPORT_NUM_SAMPLES}, the library's (one antithetic pair). 0: no "
+                          "export."},
     )
 
 

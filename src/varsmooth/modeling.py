@@ -54,6 +54,20 @@ def _auto_class(config: Any) -> type:
     return AUTO_CLASSES[classification_task(config)]
 
 
+def refuse_missing_folder(path: str) -> None:
+    """Name a local path that is no folder as such, rather than as a Hub repo id it cannot be: an absolute path, one
+    starting with `.` or `~`, one of more than two components (a Hub id is `owner/name`), or a file."""
+    if os.path.isdir(path):
+        return
+    if os.path.isfile(path):
+        raise NotADirectoryError(f"{path!r} is a file: pass the folder a model was saved in (save_model / "
+                                 "save_pretrained), or a Hub repo id (`owner/name`).")
+    if os.path.isabs(path) or path.startswith((".", "~")) or len(path.replace(os.sep, "/").split("/")) > 2:
+        where = "" if os.path.isabs(path) else f" under {os.getcwd()!r}"
+        raise FileNotFoundError(f"No folder {path!r}{where}: check the path the model was saved to. A Hub repo id is "
+                                "`owner/name`.")
+
+
 class VariationalModel(PredictiveModel):
     """A classifier whose forward averages softmax probabilities over `num_samples` posterior draws.
 
@@ -130,6 +144,7 @@ class VariationalModel(PredictiveModel):
         `varsmooth.DeepEnsemble.save_pretrained`) loads as a `DeepEnsemble`, its members with these settings.
         """
         path = os.fspath(pretrained_model_name_or_path)
+        refuse_missing_folder(path)
         for marker, load in FOLDER_LOADERS.items():
             if os.path.isfile(os.path.join(path, marker)):
                 return load(path, num_samples=num_samples, seed=seed, temperature=temperature,

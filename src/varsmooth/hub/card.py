@@ -318,6 +318,7 @@ def build_model_card(record: RunRecord, model: Any, folder: str | os.PathLike) -
         transition_table=transition_table,
         hyperparameters={(_IVON_ARGUMENT_NAMES.get(k, k) if record.learns_posterior else k): v
                          for k, v in record.hyperparameters.items()},
+        choice_text=f"Settings: {record.method_config_choice}." if record.method_config_choice else None,
         metrics_text=metrics_text,
         metrics_table=metrics_table,
         better_text=better_text,

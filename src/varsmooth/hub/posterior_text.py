@@ -156,7 +156,9 @@ def label_noise_numbers(summary: dict[str, Any], asked: float | None = None) -> 
     how = (f" ({summary['num_samples']} posterior samples" if "num_samples" in summary else "") + (
         f" at τ = {summary['posterior_temperature']:g}" if "posterior_temperature" in summary else "") + (
         ", each normalised with BatchNorm statistics of its own, as in training" if summary.get(
-            "batchnorm_statistics_per_draw") else "") + (")" if "num_samples" in summary else "")
+            "batchnorm_statistics_per_draw") else "") + (
+        f", exported in {summary['export_seconds']:.1f} s" if "export_seconds" in summary else "") + (
+        ")" if "num_samples" in summary else "")
     text = (f"Over the {summary.get('num_examples', 'training')} training examples{how}, |ε̄|₁ has mean "
             f"{l1['mean']:.3g} and median {l1['q50']:.3g}, from {l1['q10']:.3g} (10th percentile) to {l1['q90']:.3g} "
             "(90th).")

@@ -58,6 +58,7 @@ class RunRecord:
         method: the training method (`VariationalTrainingArguments.method`).
         learns_posterior: whether the method learns a posterior (IVON; the model then predicts by posterior averaging).
         hyperparameters: the method's settings (IVON's for IVON methods) and the training schedule.
+        method_config_choice: what the method's config chose from the model and why (IVON's preset), None if nothing.
         repo_id: the Hub repository (or, unshared, the output folder's name); model_name: the model's name.
         metrics: the latest scores without their prefix (`nll`, `mean_nll`, ...); scored_on: the split they come from.
         eval_mc_samples: posterior samples each prediction averages.
@@ -75,6 +76,7 @@ class RunRecord:
     hyperparameters: dict[str, Any]
     repo_id: str
     model_name: str
+    method_config_choice: str | None = None
     metrics: dict[str, float] = field(default_factory=dict)
     scored_on: str = "evaluation set"
     eval_mc_samples: int = 0

@@ -12,7 +12,7 @@ import datasets
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from ..batchnorm import batchnorm_layers
-from .compute import write_label_noise
+from .compute import EXPORT_NUM_SAMPLES, write_label_noise
 
 __all__ = ["LabelNoiseCallback"]
 
@@ -33,7 +33,8 @@ class LabelNoiseCallback(TrainerCallback):
     (`connect`); with a plain `transformers.Trainer` (no posterior) it refuses to start.
 
     Args:
-        num_samples: posterior samples S per example; costs S + 1 forward passes over `dataset`.
+        num_samples: posterior samples S per example (default `EXPORT_NUM_SAMPLES`, one antithetic pair); costs S + 1
+            forward passes over `dataset`. Its seconds go into the summary (`export_seconds`) and the model card.
         every_n_epochs: also export after every n-th epoch, as `label_noise_epoch<n>.parquet` (+ summary).
         dataset: the examples to measure (a `datasets.Dataset` the trainer's collator can batch).
         seed: seed of the posterior draws (default `args.eval_seed`, the draws evaluation uses).
@@ -43,7 +44,7 @@ class LabelNoiseCallback(TrainerCallback):
 
     def __init__(
         self,
-        num_samples: int = 64,
+        num_samples: int = EXPORT_NUM_SAMPLES,
         every_n_epochs: int | None = None,
         dataset: datasets.Dataset | None = None,
         *,
@@ -105,7 +106,8 @@ class LabelNoiseCallback(TrainerCallback):
         posterior = self._posterior()
         # the export samples the learned posterior (τ = 1, `compute_label_noise`); τ of the predictions is noted apart
         metadata = {"epoch": state.epoch, "global_step": state.global_step, "num_samples": self.num_samples,
-                    "seed": seed, **posterior.summary(), "posterior_temperature": 1.0,
+                    "export_seconds": round(seconds, 2), "seed": seed, **posterior.summary(),
+                    "posterior_temperature": 1.0,
                     "prediction_posterior_temperature": posterior.temperature,
                     "batchnorm_statistics_per_draw": bool(batchnorm_layers(posterior.model))}  # compute_label_noise
         if not args.should_save:

@@ -52,6 +52,11 @@ __all__ = [
 
 #: columns of the input dataset copied into the result when present (written by `varsmooth.corruption`)
 METADATA_COLUMNS = ("clean_label", "is_corrupted")
+#: posterior draws of the export by default (`compute_label_noise`, `VariationalTrainer.label_noise`,
+#: `LabelNoiseCallback`): one antithetic pair m ± σ⊙e, so that the export costs 3 evaluation passes over the training
+#: set, under half the training time of a 3-epoch fine-tune (benchmarks/label_noise_cost.py, "The export's
+#: defaults"); more draws average ε̄ of each example over more directions
+EXPORT_NUM_SAMPLES = 2
 #: per-example scalars that `summarize_label_noise` describes
 MAGNITUDE_COLUMNS = ("noise_at_label", "noise_l1", "noise_l2", "noise_rms", "confidence", "mean_confidence")
 _QUANTILES = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0)
@@ -156,7 +161,7 @@ def compute_label_noise(
     posterior: DiagonalGaussianPosterior,
     dataset: datasets.Dataset,
     *,
-    num_samples: int = 64,
+    num_samples: int = EXPORT_NUM_SAMPLES,
     seed: int = 0,
     batch_size: int = 256,
     collate_fn: Any = None,

@@ -10,7 +10,7 @@ import torch
 from torch.utils.data import SequentialSampler, Subset
 
 from ..utils import length_order
-from .compute import compute_label_noise
+from .compute import EXPORT_NUM_SAMPLES, compute_label_noise
 from .strength import mean_label_noise
 
 __all__ = ["LabelNoiseMixin"]
@@ -23,7 +23,8 @@ SMOOTHING_PROBE_SIZE = 128
 class LabelNoiseMixin:
     """For a `transformers.Trainer` subclass with a `posterior()` (`VariationalTrainer`)."""
 
-    def label_noise(self, dataset: Any = None, num_samples: int = 64, **kwargs: Any) -> datasets.Dataset:
+    def label_noise(self, dataset: Any = None, num_samples: int = EXPORT_NUM_SAMPLES,
+                    **kwargs: Any) -> datasets.Dataset:
         """Per-example label noise ε̄ = p̄ − P̂ of the current posterior (Variational Learning Induces Adaptive Label
         Smoothing, 2025, Eq. 15) as a `datasets.Dataset`.
 
@@ -37,7 +38,10 @@ class LabelNoiseMixin:
         # batch pads to its longest), and the rows come back in dataset order
         order = length_order(dataset)
         sampler_fn = SequentialSampler if order is None else (lambda _: order)
-        loader = self._get_dataloader(dataset, "Label noise", self.args.eval_batch_size, sampler_fn=sampler_fn)
+        # batches at least as large as training's: an inference pass holds no gradients, so they fit where those did,
+        # and HF's evaluation default (8) runs a CNN's passes several times slower than its training batches
+        batch_size = max(self.args.eval_batch_size, self.args.train_batch_size)
+        loader = self._get_dataloader(dataset, "Label noise", batch_size, sampler_fn=sampler_fn)
         kwargs.setdefault("seed", self.args.eval_seed)
         return compute_label_noise(
             self.accelerator.unwrap_model(self.model), self.posterior(), dataset, num_samples=num_samples,

@@ -48,10 +48,16 @@ class MethodConfig:
     (`--sam_rho 0.1`), so a field may not share the name of a `VariationalTrainingArguments` field.
     """
 
-    def training_argument_defaults(self) -> dict[str, Any]:
+    def training_argument_defaults(self) -> dict[str, Any] | None:
         """Defaults of `VariationalTrainingArguments` fields left unset (None) that this config decides (IVON's preset
-        its `learning_rate` and `eval_mc_samples`); none by default."""
+        its `learning_rate` and `eval_mc_samples`); none by default; None while they wait for the model
+        (`for_model`)."""
         return {}
+
+    def for_model(self, model: Any) -> tuple[MethodConfig, str | None]:
+        """This config completed for the model the trainer was handed (IVON chooses its preset), and a sentence for
+        the log and the model card saying what was chosen and why (None: nothing to say)."""
+        return self, None
 
 
 @dataclass(frozen=True)

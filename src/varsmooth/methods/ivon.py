@@ -26,7 +26,9 @@ from ..presets import (
     IVON_PRESETS,
     LORA_PRESET,
     MIN_HESSIAN_WINDOW_STEPS,
+    MIN_STEP_BOUND,
     SCRATCH_PRESET,
+    choose_preset,
     default_beta2,
 )
 from .base import MethodConfig, MethodContext, OptimizerContext, TrainingMethod, get_method_class, register_method
@@ -49,12 +51,15 @@ class IVONConfig(MethodConfig):
     after that means "decided by the run": `ess` the training-set size, `beta2` the run-length rule, `clip_radius`
     none (0.05 under the run-length rule)."""
 
-    ivon_preset: str = field(
-        default="scratch",
+    ivon_preset: str | None = field(
+        default=None,
         metadata={"help": "IVON defaults: 'scratch' (the authors' recipe), 'finetune' (a pretrained model: posterior "
                           "around the pretrained weights, bounded steps; see varsmooth.presets.FINETUNE_PRESET) or "
                           "'lora' (LoRA adapters: Cong et al. 2024's IVON-LoRA recipe, varsmooth.presets.LORA_PRESET). "
-                          "Fields you set keep their value.", "choices": list(IVON_PRESETS)},
+                          "Default (None): chosen by VariationalTrainer from the model it is handed "
+                          "(varsmooth.presets.choose_preset: peft adapters lora, weights loaded from a checkpoint "
+                          "finetune, else scratch). Fields you set keep their value.",
+                  "choices": list(IVON_PRESETS)},
     )
     ess: float | None = field(
         default=None,
@@ -126,10 +131,11 @@ class IVONConfig(MethodConfig):
     )
 
     def __post_init__(self) -> None:
-        if self.ivon_preset not in IVON_PRESETS:
-            raise ValueError(f"ivon_preset must be one of {list(IVON_PRESETS)}, got {self.ivon_preset!r}.")
+        if self.ivon_preset is not None and self.ivon_preset not in IVON_PRESETS:
+            raise ValueError(f"ivon_preset must be one of {list(IVON_PRESETS)} or None (chosen from the model), got "
+                             f"{self.ivon_preset!r}.")
         for name, value in self._preset().items():
-            if name in _PRESET_FIELDS and getattr(self, name) is None:
+            if self.ivon_preset is not None and name in _PRESET_FIELDS and getattr(self, name) is None:
                 setattr(self, name, value)
         # a count: 2.5 would fail mid-run
         if (isinstance(self.mc_samples, bool) or not isinstance(self.mc_samples, numbers.Real)
@@ -139,12 +145,12 @@ class IVONConfig(MethodConfig):
         self.mc_samples = int(self.mc_samples)
         if self.mc_samples < 1:
             raise ValueError(f"mc_samples must be >= 1, got {self.mc_samples}.")
-        if not 0 < self.hess_init < math.inf:
+        if self.hess_init is not None and not 0 < self.hess_init < math.inf:
             raise ValueError("hess_init must be finite and > 0 (IVON's posterior std is 1/sqrt(ess (h + δ))), got "
                              f"{self.hess_init}.")
         if not 0.0 <= (self.beta2 if self.beta2 is not None else 0.0) <= 1.0 or not 0.0 <= self.beta1 < 1.0:
             raise ValueError(f"Need 0 <= beta1 < 1 and 0 <= beta2 <= 1, got beta1={self.beta1}, beta2={self.beta2}.")
-        if not 0 <= self.prior_precision < math.inf:
+        if self.prior_precision is not None and not 0 <= self.prior_precision < math.inf:
             raise ValueError(f"prior_precision must be finite and >= 0, got {self.prior_precision}.")
         if self.ess is not None and not 0 < self.ess < math.inf:
             raise ValueError(f"ess must be finite and > 0, got {self.ess}.")
@@ -160,11 +166,26 @@ class IVONConfig(MethodConfig):
                              f"{self.ivon_smoothing}.")
 
     def _preset(self) -> dict[str, float | bool]:
-        return {**SCRATCH_PRESET, **IVON_PRESETS[self.ivon_preset]}
+        return {**SCRATCH_PRESET, **IVON_PRESETS[self.ivon_preset or "scratch"]}
 
-    def training_argument_defaults(self) -> dict[str, Any]:
-        """The preset's learning rate (finetune and lora) and posterior samples per prediction."""
+    def training_argument_defaults(self) -> dict[str, Any] | None:
+        """The preset's learning rate (finetune and lora) and posterior samples per prediction; None while the preset
+        is to be chosen from the model (`for_model`)."""
+        if self.ivon_preset is None:
+            return None
         return {name: value for name, value in self._preset().items() if name in ("learning_rate", "eval_mc_samples")}
+
+    def for_model(self, model: Any) -> tuple[IVONConfig, str]:
+        """This config with its preset chosen for `model` where none was named (`varsmooth.presets.choose_preset`),
+        and a sentence saying which preset and why; `scratch` named for a model loaded from a checkpoint warns."""
+        chosen, reason = choose_preset(model)
+        if self.ivon_preset is None:
+            return dataclasses.replace(self, ivon_preset=chosen), f"ivon_preset={chosen!r}, chosen because {reason}"
+        if self.ivon_preset == "scratch" and chosen != "scratch":
+            logger.warning("ivon_preset='scratch' given, but %s: the scratch preset (lr 0.2, h0 0.5, ess = N) "
+                           "is the authors' recipe for training from scratch and leaves a fine-tune at chance "
+                           "accuracy; leave ivon_preset unset (%r is chosen) unless you mean it.", reason, chosen)
+        return self, f"ivon_preset={self.ivon_preset!r}, as given"
 
     def long_run_beta2(self) -> float:
         """The preset's β2, kept in runs long enough for it to move the Hessian (`varsmooth.presets.default_beta2`)."""
@@ -237,8 +258,26 @@ class IVONMethod(TrainingMethod):
             )
         self.total_steps = run.total_steps
         self.learning_rate = self.default_learning_rate if run.learning_rate is None else run.learning_rate
+        self.check_step_bound()
         return VariationalIVON(self.param_groups(named_parameters), sample_seed=run.seed, rank=run.rank,
                                compiled=self.config.ivon_compiled, sync=run.sync, **self.ivon_settings())
+
+    def check_step_bound(self) -> None:
+        """Refuse, before the first step, a learning rate whose largest step of a weight, lr·clip_radius, is below
+        `MIN_STEP_BOUND`: an AdamW habit (2e-5, 5e-5) given to a clipped preset (finetune, lora), whose lr multiplies
+        an update clipped to ±clip_radius, moves no weight measurably (2e-5 under finetune: 2e-8 a step, a fine-tune
+        at chance, benchmarks/hf_finetune.py)."""
+        radius = self.config.clip_radius
+        if radius is None or self.learning_rate * radius >= MIN_STEP_BOUND:
+            return
+        preset_rate = IVON_PRESETS[self.config.ivon_preset or "scratch"].get("learning_rate")
+        fix = (f"leave learning_rate unset for the {self.config.ivon_preset!r} preset's {preset_rate:g} (a step of "
+               f"at most {preset_rate * radius:.0e})" if preset_rate is not None else
+               f"pass learning_rate >= {MIN_STEP_BOUND / radius:g}")
+        raise ValueError(
+            f"learning_rate={self.learning_rate:g} looks like an AdamW rate, but IVON's learning rate multiplies its "
+            f"preconditioned update, clipped here to ±clip_radius={radius:g}: no weight would move more than "
+            f"{self.learning_rate * radius:.1e} a step, and the run would end near chance. {fix[0].upper() + fix[1:]}.")
 
     def param_groups(self, named_parameters: list[tuple[str, torch.nn.Parameter]]) -> list[dict[str, Any]]:
         """The trained weights, then (where `frozen_mean_modules` names any) the frozen-mean ones at lr 0: IVON's
@@ -363,7 +402,7 @@ class IVONMethod(TrainingMethod):
     def hyperparameters(self) -> dict[str, Any]:
         known = not self.follows_run_length() or self.total_steps  # the default β2 is known once T is
         settings = self._settings(self.beta2() if known else None)
-        return {"method": self.name, **settings,
+        return {"method": self.name, "ivon_preset": self.config.ivon_preset, **settings,
                 "hessian_window": self.config.hessian_window if self._window_rule_applies() else None,
                 "mc_samples": self.config.mc_samples,
                 **({} if not self.config.frozen_mean_modules else

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import numbers
@@ -11,7 +12,7 @@ from typing import Any
 from transformers import TrainingArguments
 
 from ..methods import METHODS, MethodConfig, build_method_config, get_method_class, learns_posterior
-from ..presets import SCRATCH_PRESET
+from ..presets import FINETUNE_PRESET, SCRATCH_PRESET
 
 __all__ = ["POSTERIOR_FIELDS", "VariationalTrainingArguments"]
 
@@ -27,11 +28,12 @@ class VariationalTrainingArguments(TrainingArguments):
     The training method's settings are not fields here: `method_config` holds the chosen method's own config, where
     each is declared, defaulted and checked (`VariationalTrainingArguments(method_config=IVONConfig(ess=1e4))`, or
     `method="sam", method_config={"sam_rho": 0.1}`); after `__post_init__` it is always an instance of that method's
-    config class. The default method is IVON with the authors' CIFAR recipe for training from scratch
-    (`IVONConfig(ivon_preset="scratch")`, varsmooth.presets.SCRATCH_PRESET); for a pretrained model,
-    `ivon_preset="finetune"`. What is declared here serves every method: the fields of `TrainingArguments`, and how a
-    trained model predicts (`eval_mc_samples`, `eval_seed`, `posterior_temperature`, ...), which also applies to a
-    posterior loaded rather than trained.
+    config class. The default method is IVON, whose preset (`IVONConfig.ivon_preset`) the trainer chooses from the model
+    it is handed unless one is named (`varsmooth.presets.choose_preset`: `lora` for peft adapters, `finetune` for
+    weights loaded from a checkpoint, else `scratch`, the authors' CIFAR recipe); until then `learning_rate` and
+    `eval_mc_samples` left unset stay None (`for_model` fills them). What is declared here serves every method: the
+    fields of `TrainingArguments`, and how a trained model predicts (`eval_mc_samples`, `eval_seed`,
+    `posterior_temperature`, ...), which also applies to a posterior loaded rather than trained.
 
     Names of draws and seeds: IVON's `mc_samples` posterior samples per training micro-batch and `seed` (the run, and
     IVON's weight noise during training); `eval_mc_samples` samples per prediction and `eval_seed` (every draw of
@@ -41,9 +43,10 @@ class VariationalTrainingArguments(TrainingArguments):
 
     Defaults of `TrainingArguments` that varsmooth overrides (the fields are redefined below, in one block):
 
-    - `learning_rate` (`float` or `None`, default `None`): the method's own rate (IVON 0.2, whose first step is an
-      SGD step of that size; the finetune preset 0.3; other methods `TrainingArguments`' 5e-5; the method's config
-      may set it, `MethodConfig.training_argument_defaults`). Overrides 5e-5.
+    - `learning_rate` (`float` or `None`, default `None`): the method's own rate (IVON's preset's: scratch 0.2, whose
+      first step is an SGD step of that size; finetune and lora multiply an update clipped to ±clip_radius, so a
+      weight moves at most learning_rate × clip_radius a step; other methods `TrainingArguments`' 5e-5; the method's
+      config may set it, `MethodConfig.training_argument_defaults`). Overrides 5e-5.
     - `max_grad_norm` (`float`, default `0.0`: no gradient-norm clipping). Overrides 1.0. Under IVON the clipping
       acts on every posterior sample's gradient before IVON reads it, so a norm of 1.0 clips most samples of a
       small network early in training and shrinks the gradient *and* the Hessian estimate IVON builds from it.
@@ -67,9 +70,11 @@ class VariationalTrainingArguments(TrainingArguments):
     # -- TrainingArguments defaults overridden by varsmooth (the class docstring says why) -----------------
     learning_rate: float | None = field(
         default=None,
-        metadata={"help": "Peak learning rate. Default: the method's own (IVON 0.2, which is not an AdamW rate: "
-                          "the first IVON step is an SGD step of this size; 0.3 with ivon_preset finetune; others 5e-5 "
-                          "as in TrainingArguments)."},
+        metadata={"help": "Peak learning rate. IVON's is no AdamW rate: under ivon_preset finetune and lora it "
+                          "multiplies an update clipped to ±clip_radius (1e-3), so a weight moves at most "
+                          "learning_rate x 1e-3 a step, and an AdamW-scale rate (2e-5) is refused before the first "
+                          f"step. Default: the method's own (IVON's preset's: scratch 0.2, finetune "
+                          f"{FINETUNE_PRESET['learning_rate']:g}, lora 1.0; others 5e-5 as in TrainingArguments)."},
     )
     max_grad_norm: float = field(
         default=0.0,
@@ -82,7 +87,8 @@ class VariationalTrainingArguments(TrainingArguments):
     eval_mc_samples: int | None = field(
         default=None,
         metadata={"help": "Posterior samples averaged (BMA) by evaluate()/predict(); 0 predicts at the posterior mean. "
-                          "Default (None): 32, 10 with ivon_preset lora (IVON-LoRA's test-time samples)."},
+                          "Default (None): the preset's, 32, or 10 with ivon_preset lora (IVON-LoRA's test-time "
+                          "samples)."},
     )
     eval_seed: int = field(default=0,
                            metadata={"help": "Seed of the posterior samples used for prediction (common across "
@@ -128,15 +134,12 @@ class VariationalTrainingArguments(TrainingArguments):
         refuse_posterior_settings_without_posterior(self)
         # always the method's own config class from here on (a copy: the caller's object is not changed)
         self.method_config = build_method_config(self.method, self.method_config)
-        # None = not set by the user: the method's config (IVON's preset) may decide, else the method's own rate
-        defaults = {"learning_rate": method_cls.default_learning_rate,
-                    "eval_mc_samples": SCRATCH_PRESET["eval_mc_samples"],
-                    **self.method_config.training_argument_defaults()}
-        for name, value in defaults.items():
-            if getattr(self, name) is None:
-                setattr(self, name, value)
+        # None = not set by the user: the method's config (IVON's preset) may decide, else the method's own rate;
+        # a config that decides only once the model is known (IVON's preset chosen from it) leaves them to the trainer
+        if self.method_config.training_argument_defaults() is not None:
+            self._fill_defaults()
         # a NaN rate would train to NaN weights without an error; a config file may give the rate as a string
-        if not 0 <= float(self.learning_rate) < math.inf:
+        if self.learning_rate is not None and not 0 <= float(self.learning_rate) < math.inf:
             raise ValueError(f"learning_rate must be finite and >= 0, got {self.learning_rate}.")
         if learns and self.weight_decay:
             raise ValueError(
@@ -162,12 +165,33 @@ class VariationalTrainingArguments(TrainingArguments):
                 "Bayesian model averaging over their posterior (eval_mc_samples). Use MC dropout with a method without "
                 "a posterior (e.g. method='erm'), or set mc_dropout_samples=0."
             )
-        if self.eval_mc_samples < 0:
+        if self.eval_mc_samples is not None and self.eval_mc_samples < 0:
             raise ValueError("eval_mc_samples must be >= 0 (0 = predict at the posterior mean), got "
                              f"{self.eval_mc_samples}.")
         super().__post_init__()
         fsdp_version = (getattr(self, "fsdp_plugin_args", None) or {}).get("fsdp_version") if self.fsdp else None
         method_cls.check_parallelism(fsdp_version, bool(self.deepspeed))
+
+    def _fill_defaults(self) -> None:
+        """`learning_rate` and `eval_mc_samples` left unset take the method config's defaults, else the method's."""
+        defaults = {"learning_rate": get_method_class(self.method).default_learning_rate,
+                    "eval_mc_samples": SCRATCH_PRESET["eval_mc_samples"],
+                    **self.method_config.training_argument_defaults()}
+        for name, value in defaults.items():
+            if getattr(self, name) is None:
+                setattr(self, name, value)
+
+    def for_model(self, model: Any) -> tuple[VariationalTrainingArguments, str | None]:
+        """These arguments completed for `model` (`MethodConfig.for_model`: IVON's preset, when none was named, and
+        the rate and samples it brings), as a copy when anything changes, so that arguments shared by trainers of
+        other models stay as given; and the config's sentence on what it chose."""
+        config, choice = self.method_config.for_model(model)
+        if config is self.method_config and self.learning_rate is not None and self.eval_mc_samples is not None:
+            return self, choice
+        args = copy.copy(self)
+        args.method_config = config
+        args._fill_defaults()
+        return args, choice
 
     def to_dict(self) -> dict[str, Any]:
         """`TrainingArguments.to_dict` with `method_config` as a dict of its fields, so that `to_json_string`, the

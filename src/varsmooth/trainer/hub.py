@@ -83,6 +83,7 @@ class VariationalHubMixin:
         return RunRecord(
             method=self.method.name,
             learns_posterior=learns_posterior(self.method),
+            method_config_choice=self.method_config_choice,
             hyperparameters={**method_hyperparameters, **training_schedule(args, method_hyperparameters),
                              "per_device_train_batch_size": args.per_device_train_batch_size,
                              "gradient_accumulation_steps": args.gradient_accumulation_steps,

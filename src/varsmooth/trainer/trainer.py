@@ -116,6 +116,10 @@ class VariationalTrainer(AfterTrainingMixin, CheckpointingMixin, VariationalHubM
         self._metrics = EvaluationMetrics(user_metrics, user_preprocess)
         super().__init__(model, args, *pargs, compute_metrics=self._metrics,
                          preprocess_logits_for_metrics=self._metrics.preprocess if user_preprocess else None, **kwargs)
+        # what the method decides from the model it trains (IVON's preset, when none was named), said once
+        self.args, self.method_config_choice = self.args.for_model(self.model)
+        if self.method_config_choice is not None:
+            logger.info("%s: %s.", self.args.method, self.method_config_choice)
         # every label the run will read, the evaluation's and the label-noise export's too, is checked now: one found
         # bad after training would cost the run
         self._train_size = check_datasets(self.train_dataset, self.eval_dataset, model_num_labels(self.model))
