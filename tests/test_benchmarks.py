@@ -520,7 +520,7 @@ def test_defaults_plan_runs_each_optimizer_as_the_examples_leave_it() -> None:
     assert real_noise.effective_settings(image, "erm", erm)["learning_rate"] == 5e-5
     text_erm = real_noise.effective_settings(text, "erm", real_noise.defaults_hyperparams(text.name, "erm"))
     assert (text_erm["learning_rate"], text_erm["weight_decay"]) == (3e-4, 0.0)
-    # IVON: the finetune preset untouched (lr 0.3), not the benchmark's image rate of 1.0
+    # IVON: the finetune preset at the image example's own rate (0.3), not the benchmark's image rate of 1.0
     ivon = real_noise.effective_settings(image, "ivon", real_noise.defaults_hyperparams(image.name, "ivon"))
     assert (ivon["learning_rate"], ivon["clip_radius"], ivon["ess"]) == (0.3, 1e-3, 1e8)
     # the text example's IVON: the preset at the example's own rate and β2, its word embeddings in the posterior with

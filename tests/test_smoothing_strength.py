@@ -22,7 +22,9 @@ def test_label_smoothing_noise_is_the_l1_size_of_ls_targets_minus_the_label(alph
 def _train(tmp_path, alpha, **kw):
     torch.manual_seed(0)
     data = digits_dataset()
-    args = make_args(tmp_path, num_train_epochs=6, ivon_preset="finetune", clip_radius=1e-2, ivon_smoothing=alpha, **kw)
+    # the finetune preset's settings but a step bound (3e-3) that learns digits from scratch in 6 epochs
+    args = make_args(tmp_path, num_train_epochs=6, ivon_preset="finetune", clip_radius=1e-2, learning_rate=0.3,
+                     ivon_smoothing=alpha, **kw)
     trainer = VariationalTrainer(model=TinyClassifier(), args=args, train_dataset=data.select(range(1200)))
     trainer.train()
     return trainer, data.select(range(1200, 1797))
@@ -72,7 +74,7 @@ def test_a_resume_continues_with_the_ess_the_knob_reached(tmp_path):
     whole, _ = _train(tmp_path / "whole", 0.3, save_strategy="steps", save_steps=300)
     torch.manual_seed(0)
     args = make_args(tmp_path / "resumed", num_train_epochs=6, ivon_preset="finetune", clip_radius=1e-2,
-                     ivon_smoothing=0.3)
+                     learning_rate=0.3, ivon_smoothing=0.3)
     resumed = VariationalTrainer(model=TinyClassifier(), args=args, train_dataset=digits_dataset().select(range(1200)))
     resumed.train(resume_from_checkpoint=str(tmp_path / "whole" / "checkpoint-300"))
     # the updates up to 300 are in the checkpoint's ess
