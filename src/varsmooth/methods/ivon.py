@@ -265,8 +265,8 @@ class IVONMethod(TrainingMethod):
     def check_step_bound(self) -> None:
         """Refuse, before the first step, a learning rate whose largest step of a weight, lr·clip_radius, is below
         `MIN_STEP_BOUND`: an AdamW habit (2e-5, 5e-5) given to a clipped preset (finetune, lora), whose lr multiplies
-        an update clipped to ±clip_radius, moves no weight measurably (2e-5 under finetune: 2e-8 a step, a fine-tune
-        at chance, benchmarks/hf_finetune.py)."""
+        an update clipped to ±clip_radius, moves no weight measurably (2e-5 under finetune: 2e-8 a step; a MiniLM
+        fine-tune ended near chance, 54.3 %, against AdamW's 90.0 % at 5e-5)."""
         radius = self.config.clip_radius
         if radius is None or self.learning_rate * radius >= MIN_STEP_BOUND:
             return
