@@ -29,12 +29,12 @@ starts at the pretrained weights with a small std σ0 = 1/sqrt(ess·(hess_init +
 is clipped element-wise so that learning_rate·clip_radius is the largest step of a weight; the learning rate is 0.1
 here (a step of 1e-4, a third of the other methods' AdamW rate), with this example's recipe (frozen word-embedding
 means, mean pooling, 2 layers), which on SST-2 and TREC with 30 % noise trains as accurately as AdamW
-(benchmarks/preset_learning_rate.py); the preset's own rate is set for a model fine-tuned whole. The word embeddings are in the
-posterior with their mean frozen (`--word_embeddings posterior`: IVON's `frozen_mean_modules`) and β2 is 0.97, so that
-the Hessian comes from the data within the run: the rows of tokens the training sentences contain narrow, those of
-tokens they lack keep a wide σ, and the mutual information flags sentences made of what the model has not seen
-(benchmarks/text_ood.py). IVON runs export each training example's label noise (label_noise.parquet,
-`--label_noise_samples`).
+(benchmarks/preset_learning_rate.py); the preset's own rate is set for a model fine-tuned whole. The word
+embeddings are in the posterior with their mean frozen (`--word_embeddings posterior`: IVON's
+`frozen_mean_modules`) and β2 is 0.97, so that the Hessian comes from the data within the run: the rows of tokens
+the training sentences contain narrow, those of tokens they lack keep a wide σ, and the mutual information flags
+sentences made of what the model has not seen (benchmarks/text_ood.py). IVON runs export each training example's
+label noise (label_noise.parquet, `--label_noise_samples`).
 
 LoRA (`--lora_r 8`, with `--lora_alpha`, `--lora_dropout`, `--lora_target_modules`; the `lora` extra installs peft)
 trains adapters on the query/value projections and the new head only, with IVON's `lora` preset (Cong et al. 2024,
