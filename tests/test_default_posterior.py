@@ -375,6 +375,8 @@ def _mi_auroc_on_unseen_sentences(out: Path) -> dict[str, float]:
     from transformers import AutoTokenizer, DataCollatorWithPadding
 
     from example_utils.data import default_data_dir, load_sentiment_sentences, load_text_dataset
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))  # run alone, as in the whole suite (test_benchmarks puts it there)
     from text_ood import encode_sentences, random_token_sentences
 
     tokenizer = AutoTokenizer.from_pretrained(str(out))
