@@ -64,6 +64,7 @@ from varsmooth.methods.heads import AUX_MODULE_NAME
 from varsmooth.methods.label_smoothing import smoothed_cross_entropy
 from varsmooth.methods.logistic_normal import logistic_normal_nll, logistic_normal_targets
 from varsmooth.methods.sam import sam_perturbation
+from varsmooth.presets import FINETUNE_PRESET
 
 K = 10
 #: written out by hand: every method and its config class
@@ -580,11 +581,12 @@ def test_ivon_config_holds_the_settings_the_preset_filled():
     args = make_args("out", method_config=IVONConfig(ivon_preset="finetune", ess=123.0, mc_samples=2))
     assert args.method_config == IVONConfig(ess=123.0, hess_init=1e-3, beta2=None, prior_precision=0.0,
                                             clip_radius=1e-3, rescale_lr=False, mc_samples=2, ivon_preset="finetune")
-    assert args.learning_rate == 0.3 and args.eval_mc_samples == 32 and args.method_config.beta1 == 0.9
+    assert args.learning_rate == FINETUNE_PRESET["learning_rate"] and args.eval_mc_samples == 32
+    assert args.method_config.beta1 == 0.9
     again = VariationalTrainingArguments(**{k: v for k, v in args.to_dict().items()
                                             if k in ("output_dir", "method", "method_config",
                                             "use_cpu")})  # a saved config round-trips
-    assert again.method_config == args.method_config and again.learning_rate == 0.3
+    assert again.method_config == args.method_config and again.learning_rate == FINETUNE_PRESET["learning_rate"]
     assert make_args("out", method_config={"ivon_preset": "lora"}).eval_mc_samples == 10
     with pytest.raises(ValueError, match="hess_init must be finite and > 0"):
         make_args("out", method_config={"hess_init": 0.0})
