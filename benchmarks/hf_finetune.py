@@ -70,23 +70,29 @@ def _text_rows() -> list[tuple[str, int]]:
     return [rows[i] for i in np.random.RandomState(0).permutation(len(rows))]
 
 
-def text_data(tokenizer: Any) -> tuple[Any, Any, Any]:
+def noisy_text_splits(train_rows: list[tuple[str, int]], val_rows: list[tuple[str, int]],
+                      test_rows: list[tuple[str, int]], tokenizer: Any, rate: float = 0.3) -> tuple[Any, Any, Any]:
+    """Tokenized (train, validation, test) of `(text, label)` rows: `rate` symmetric noise on the training labels
+    (`corrupt_labels`, seed 0) and on the validation labels (seed 1), the test labels clean. The training split keeps
+    `is_corrupted` (the stock Trainer drops columns the model does not take); the others only what the model takes."""
     import datasets
 
     from varsmooth.corruption import corrupt_labels
 
-    rows, n, n_val = _text_rows(), SIZES["n_train"], SIZES["n_val"]
     split = lambda part: datasets.Dataset.from_dict({"text": [t for t, _ in part], "label": [y for _, y in part]})  # noqa: E731
-    train = corrupt_labels(split(rows[:n]), "symmetric", 0.3, seed=0)
-    val = corrupt_labels(split(rows[n:n + n_val]), "symmetric", 0.3, seed=1)
-    test = split(rows[n + n_val:n + n_val + SIZES["text_test"]])
 
-    def tokenized(ds: Any) -> Any:
+    def tokenized(ds: Any, keep: tuple[str, ...] = ()) -> Any:
         ds = ds.map(lambda b: tokenizer(b["text"], truncation=True, max_length=SIZES["max_length"]), batched=True)
-        # the stock Trainer would pass these to the model
-        return ds.remove_columns([c for c in ("text", "clean_label", "is_corrupted") if c in ds.column_names])
+        return ds.remove_columns([c for c in ("text", "clean_label", "is_corrupted") if c in ds.column_names
+                                  and c not in keep])
 
-    return tokenized(train), tokenized(val), tokenized(test)
+    return (tokenized(corrupt_labels(split(train_rows), "symmetric", rate, seed=0), keep=("is_corrupted",)),
+            tokenized(corrupt_labels(split(val_rows), "symmetric", rate, seed=1)), tokenized(split(test_rows)))
+
+
+def text_data(tokenizer: Any) -> tuple[Any, Any, Any]:
+    rows, n, n_val = _text_rows(), SIZES["n_train"], SIZES["n_val"]
+    return noisy_text_splits(rows[:n], rows[n:n + n_val], rows[n + n_val:n + n_val + SIZES["text_test"]], tokenizer)
 
 
 def _image_checkpoint() -> str:
@@ -124,27 +130,22 @@ def image_data() -> tuple[Any, Any, Any]:
                                             mode="bilinear", align_corners=False)
         return {"pixel_values": (x - 0.5) / 0.5, "labels": batch["label"]}  # EfficientNet-Lite's normalisation
 
-    def prepared(ds: Any) -> Any:
-        ds = ds.select_columns(["image", "label"])
+    def prepared(ds: Any, keep: tuple[str, ...] = ()) -> Any:
+        ds = ds.select_columns(["image", "label", *keep])
         return ds.map(pixels, batched=True, remove_columns=["image", "label"]).with_format("torch")
 
     n = SIZES["n_train"]
-    return (prepared(rows.select(range(n))), prepared(rows.select(range(n, n + SIZES["n_val"]))),
-            prepared(data["test"]))
+    # the training split keeps `is_corrupted` (the stock Trainer drops columns the model does not take)
+    return (prepared(rows.select(range(n)), keep=("is_corrupted",)),
+            prepared(rows.select(range(n, n + SIZES["n_val"]))), prepared(data["test"]))
 
 
 def build(task: str, seed: int) -> tuple[Any, tuple[Any, Any, Any], Any]:
     """(model, (train, validation, test), collator) of `task`, as a user builds them."""
     import torch
-    from transformers import (
-        AutoModelForImageClassification,
-        AutoModelForSequenceClassification,
-        AutoTokenizer,
-        DataCollatorWithPadding,
-    )
+    from transformers import AutoModelForImageClassification, DataCollatorWithPadding
 
     from example_utils.data import CIFAR10_CLASSES
-    from example_utils.models import minilm_path
 
     torch.manual_seed(seed)  # the new head
     if task == "image":
@@ -153,16 +154,25 @@ def build(task: str, seed: int) -> tuple[Any, tuple[Any, Any, Any], Any]:
             _image_checkpoint(), num_labels=10, id2label=id2label, label2id={v: k for k, v in id2label.items()},
             ignore_mismatched_sizes=True)
         return model, image_data(), None
-    path = minilm_path()
-    if path is None:
-        raise common.DataUnavailable("all-MiniLM-L6-v2 is not installed (the `pretrained` extra).")
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=2)
+    model, tokenizer = text_model(2)
     if task == "text-lora":
         import peft
 
         model = peft.get_peft_model(model, peft.LoraConfig(task_type="SEQ_CLS", **LORA))
     return model, text_data(tokenizer), DataCollatorWithPadding(tokenizer)
+
+
+def text_model(num_labels: int) -> tuple[Any, Any]:
+    """`AutoModelForSequenceClassification.from_pretrained(all-MiniLM-L6-v2)` (a new head) and its tokenizer."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from example_utils.models import minilm_path
+
+    path = minilm_path()
+    if path is None:
+        raise common.DataUnavailable("all-MiniLM-L6-v2 is not installed (the `pretrained` extra).")
+    return (AutoModelForSequenceClassification.from_pretrained(path, num_labels=num_labels),
+            AutoTokenizer.from_pretrained(path))
 
 
 def run_path(task: str, method: str, hyperparams: dict[str, Any], seed: int) -> Path:
