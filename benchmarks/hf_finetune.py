@@ -110,14 +110,14 @@ def _image_checkpoint() -> str:
     return str(folder)
 
 
-def image_data() -> tuple[Any, Any, Any]:
+def image_data(n_train: int = SIZES["n_train"]) -> tuple[Any, Any, Any]:
     import numpy as np
     import torch
 
     from example_utils.data import load_cifar10n
 
     try:
-        data = load_cifar10n(label_set="worse", max_train=SIZES["n_train"] + SIZES["n_val"],
+        data = load_cifar10n(label_set="worse", max_train=n_train + SIZES["n_val"],
                              max_test=SIZES["image_test"], seed=0)
     except FileNotFoundError as error:
         raise common.DataUnavailable(str(error)) from None
@@ -134,7 +134,7 @@ def image_data() -> tuple[Any, Any, Any]:
         ds = ds.select_columns(["image", "label", *keep])
         return ds.map(pixels, batched=True, remove_columns=["image", "label"]).with_format("torch")
 
-    n = SIZES["n_train"]
+    n = n_train
     # the training split keeps `is_corrupted` (the stock Trainer drops columns the model does not take)
     return (prepared(rows.select(range(n)), keep=("is_corrupted",)),
             prepared(rows.select(range(n, n + SIZES["n_val"]))), prepared(data["test"]))
@@ -143,23 +143,29 @@ def image_data() -> tuple[Any, Any, Any]:
 def build(task: str, seed: int) -> tuple[Any, tuple[Any, Any, Any], Any]:
     """(model, (train, validation, test), collator) of `task`, as a user builds them."""
     import torch
-    from transformers import AutoModelForImageClassification, DataCollatorWithPadding
-
-    from example_utils.data import CIFAR10_CLASSES
+    from transformers import DataCollatorWithPadding
 
     torch.manual_seed(seed)  # the new head
     if task == "image":
-        id2label = dict(enumerate(CIFAR10_CLASSES))
-        model = AutoModelForImageClassification.from_pretrained(
-            _image_checkpoint(), num_labels=10, id2label=id2label, label2id={v: k for k, v in id2label.items()},
-            ignore_mismatched_sizes=True)
-        return model, image_data(), None
+        return image_model(), image_data(), None
     model, tokenizer = text_model(2)
     if task == "text-lora":
         import peft
 
         model = peft.get_peft_model(model, peft.LoraConfig(task_type="SEQ_CLS", **LORA))
     return model, text_data(tokenizer), DataCollatorWithPadding(tokenizer)
+
+
+def image_model() -> Any:
+    """`AutoModelForImageClassification.from_pretrained(<EfficientNet-Lite0 checkpoint>)` with a new CIFAR-10 head."""
+    from transformers import AutoModelForImageClassification
+
+    from example_utils.data import CIFAR10_CLASSES
+
+    id2label = dict(enumerate(CIFAR10_CLASSES))
+    return AutoModelForImageClassification.from_pretrained(
+        _image_checkpoint(), num_labels=10, id2label=id2label, label2id={v: k for k, v in id2label.items()},
+        ignore_mismatched_sizes=True)
 
 
 def text_model(num_labels: int) -> tuple[Any, Any]:
