@@ -1,5 +1,5 @@
-"""benchmarks/hf_finetune.py and export_defaults.py: the rate is chosen on the noisy validation split alone, and the
-committed tables are what the reports compute from the committed runs (no training here)."""
+"""benchmarks/hf_finetune.py, long_finetune.py and export_defaults.py: rates and α are chosen on the noisy validation
+split alone, and the committed tables are what the reports compute from the committed runs (no training here)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 import export_defaults  # noqa: E402
 import hf_finetune  # noqa: E402
+import long_finetune  # noqa: E402
 from test_benchmarks import block  # noqa: E402
 
 
@@ -41,3 +42,37 @@ def test_the_finetune_presets_rate_is_the_chosen_one() -> None:
 def test_the_tables_are_the_reports() -> None:
     assert block("hf_finetune") == hf_finetune.report()
     assert block("export_defaults") == export_defaults.report()
+
+
+def test_ls_alpha_is_chosen_on_noisy_validation_accuracy(monkeypatch: pytest.MonkeyPatch) -> None:
+    # test accuracy would choose 0.5, validation chooses 0.3; before every candidate ran, nothing is chosen
+    scores = {0.1: (0.60, 0.80), 0.3: (0.64, 0.79), 0.5: (0.62, 0.90)}
+    runs = {a: {"eval_accuracy": v, "test_accuracy": t} for a, (v, t) in scores.items()}
+    monkeypatch.setattr(long_finetune, "_cached", lambda task, method, hp, seed: runs.get(hp["smoothing"]))
+    assert long_finetune.chosen_alpha("trec-sym30") == 0.3
+    del runs[0.5]
+    assert long_finetune.chosen_alpha("trec-sym30") is None
+
+
+def test_wrong_labels_fitted_is_the_share_predicted_as_labelled() -> None:
+    import torch
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+    from transformers.modeling_outputs import SequenceClassifierOutput
+
+    class Constant(torch.nn.Module):  # predicts class 1 for every input
+        def forward(self, x: torch.Tensor) -> SequenceClassifierOutput:
+            return SequenceClassifierOutput(logits=torch.tensor([0.0, 1.0, 0.0]).expand(len(x), 3))
+
+    rows = [{"x": torch.zeros(2), "labels": y} for y in (1, 0, 1, 2, 1)]
+    callback = long_finetune.WrongLabelsFitted(rows, collator=None, batch_size=2)
+    state = TrainerState()
+    state.epoch = 3.0
+    model = Constant().train()
+    callback.on_epoch_end(TrainingArguments("unused", use_cpu=True, report_to=[]), state, TrainerControl(),
+                          model=model)
+    assert callback.history == [(3.0, 3 / 5)]
+    assert model.training  # left as training had it
+
+
+def test_the_long_finetune_table_is_the_report() -> None:
+    assert block("long_finetune") == long_finetune.report()
