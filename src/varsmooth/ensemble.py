@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from .adapters import is_peft_model
-from .files import MANIFEST_FILE, FolderSave, atomic_path, check_manifest, read_manifest
+from .files import MANIFEST_FILE, FolderSave, check_manifest, read_manifest, recover
 from .modeling import FOLDER_LOADERS, VariationalModel, load_temperature_scaling
 from .predictors import EnsemblePredictor, PredictiveModel
 from .temperature_scaling import TemperatureScaling, network_fingerprint
@@ -122,6 +122,7 @@ class DeepEnsemble(PredictiveModel):
         """
         folder = os.fspath(path)
         config_path = os.path.join(folder, ENSEMBLE_CONFIG_FILE)
+        recover(folder)  # a save killed after it committed has its manifest still staged
         if read_manifest(folder) is None:
             raise ValueError(f"{folder} has {ENSEMBLE_CONFIG_FILE} but no varsmooth manifest: the ensemble's save did "
                              "not finish. Save it again (DeepEnsemble.save_pretrained).")
@@ -166,22 +167,23 @@ class DeepEnsemble(PredictiveModel):
         `varsmooth.pipeline` to find it.
         """
         folder = os.fspath(save_directory)
-        save = FolderSave(folder).begin()
-        earlier = _member_names(folder)
-        names = [f"{MEMBER_PREFIX}{index}" for index in range(len(self.members))]
-        for name, member in zip(names, self.members):
-            member.save_pretrained(os.path.join(folder, name))
-        for name in earlier - set(names):
-            _remove_unchanged_member(os.path.join(folder, name))
-        num_labels, id2label = _labels(self.members[0])
-        config = {"format": 1, "members": names, "num_labels": num_labels, "id2label": id2label,
-                  "member_weights": [dict(zip(("sha256", "dtype"), network_fingerprint(member.model)))
-                                     for member in self.members]}
-        with atomic_path(os.path.join(folder, ENSEMBLE_CONFIG_FILE)) as tmp, open(tmp, "w", encoding="utf-8") as f:
-            json.dump(config, f, indent=2)
-        if self.temperature_scaling is not None:
-            self.temperature_scaling.save(folder, self)
-        save.finish(kind="deep_ensemble")
+        with FolderSave(folder) as save:
+            earlier = _member_names(folder)
+            names = [f"{MEMBER_PREFIX}{index}" for index in range(len(self.members))]
+            # each member is a save of its own into its folder, beside the staged ensemble files
+            for name, member in zip(names, self.members):
+                member.save_pretrained(os.path.join(folder, name))
+            for name in earlier - set(names):
+                _remove_unchanged_member(os.path.join(folder, name))
+            num_labels, id2label = _labels(self.members[0])
+            config = {"format": 1, "members": names, "num_labels": num_labels, "id2label": id2label,
+                      "member_weights": [dict(zip(("sha256", "dtype"), network_fingerprint(member.model)))
+                                         for member in self.members]}
+            with open(os.path.join(save.path, ENSEMBLE_CONFIG_FILE), "w", encoding="utf-8") as f:
+                json.dump(config, f, indent=2)
+            if self.temperature_scaling is not None:
+                self.temperature_scaling.save(save.path, self)
+            save.finish(kind="deep_ensemble")
 
 
 def _remove_unchanged_member(member: str) -> None:

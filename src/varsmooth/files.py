@@ -1,19 +1,29 @@
 """What varsmooth writes into a model folder, and the manifest that makes a folder whole or detectably changed.
 
-A save (`VariationalTrainer._save`, `VariationalModel.save_pretrained`) first marks the folder's manifest as a save in
-progress (`SAVE_IN_PROGRESS_KEY`, keeping the earlier save's entries), then writes its files, then removes the files
-of the earlier save that it did not write again, and writes the manifest last: every file of this save with its size
-and SHA-256. Only a file that the earlier manifest lists, and that still has the recorded hash, is ever removed; any
-other file in the folder (yours, or one you edited since) is kept. A folder whose manifest still marks a save in
-progress was interrupted mid-save (killed between the weights and the posterior, say): loading refuses it as an
-incomplete save; a folder without manifest was written by something else. A file whose size or hash differs from its
-manifest entry was truncated, edited or replaced, and loading refuses it before reading any weights. The manifest is
-also the exact list of files `push_to_hub` uploads. Checkpoints: `varsmooth.trainer.checkpoint_files`.
+A save (`VariationalTrainer._save`, `VariationalModel.save_pretrained`, `with FolderSave(folder) as save`) writes its
+files beside the earlier save, into a staging folder inside the model folder (`SAVING_PREFIX`, on the same filesystem),
+together with the new manifest: every file of this save with its size and SHA-256. Then it commits: it writes a
+journal into the staging folder (whole or not at all) listing the moves, moves each staged file into place by one
+rename, removes the files of the earlier save that it did not write again, moves the manifest into place last and
+deletes the staging folder, journal included. A kill or a failed write (a full disk) before the journal leaves the
+earlier save as it was, and the staging folder is discarded; after the journal, whoever next touches the folder (a
+save, a load, `check_manifest`, `shareable_files`: `recover`) completes the moves from the staged files first. So a
+folder that held a complete save always loads as the earlier save or the new one. A staging folder or temporary file
+that a live process is still writing is locked by it (`flock`) and left alone; on a filesystem without locks, only a
+save (which owns the folder) discards unfinished work.
+
+Only a file that the earlier manifest lists, and that still has the recorded hash, is ever removed; any other file in
+the folder (yours, or one you edited since) is kept. A folder without manifest was written by something else. A file
+whose size or hash differs from its manifest entry was truncated, edited or replaced, and loading refuses it before
+reading any weights; so is a manifest that marks a save in progress (`SAVE_IN_PROGRESS_KEY`, written by the in-place
+saves of earlier varsmooth versions). The manifest is also the exact list of files `push_to_hub` uploads. Checkpoints:
+`varsmooth.trainer.checkpoint_files`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -23,10 +33,16 @@ import tempfile
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-__all__ = ["CHECKPOINT_PREFIX", "DELETING_PREFIX", "MANIFEST_FILE", "METHOD_STATE_FILE", "OWNED_PATTERNS",
-           "PRIVATE_FILES", "SAVE_IN_PROGRESS_KEY", "STAGING_PREFIX", "TEMP_PREFIX", "FolderSave", "add_to_manifest",
-           "atomic_path", "check_manifest", "clear_leftovers", "file_sha256", "is_leftover", "ordinary_file_mode",
-           "read_manifest", "shareable_files", "write_manifest", "written_by_varsmooth"]
+try:
+    import fcntl
+except ImportError:  # Windows: no advisory locks, so whether a leftover's writer still runs cannot be told
+    fcntl = None
+
+__all__ = ["CHECKPOINT_PREFIX", "DELETING_PREFIX", "JOURNAL_FILE", "MANIFEST_FILE", "METHOD_STATE_FILE",
+           "OWNED_PATTERNS", "PRIVATE_FILES", "SAVE_IN_PROGRESS_KEY", "SAVING_PREFIX", "STAGING_PREFIX", "TEMP_PREFIX",
+           "FolderSave", "add_to_manifest", "atomic_path", "check_manifest", "clear_leftovers", "file_sha256",
+           "is_leftover", "ordinary_file_mode", "read_manifest", "recover", "shareable_files", "write_manifest",
+           "written_by_varsmooth"]
 
 MANIFEST_FILE = "varsmooth_manifest.json"
 #: names of files only varsmooth writes: a push deletes those of earlier pushes from the Hub repo
@@ -38,6 +54,10 @@ PRIVATE_FILES = frozenset({"training_args.bin", MANIFEST_FILE})
 METHOD_STATE_FILE = "method_state.pt"
 #: `atomic_path` writes under this prefix, then renames
 TEMP_PREFIX = ".tmp-"
+#: a save writes its files into a folder of this name (and mkdtemp's 8 characters) inside the model folder
+SAVING_PREFIX = ".saving-"
+#: in a save's staging folder: the moves that complete the save; once it exists the save is committed
+JOURNAL_FILE = "journal.json"
 #: the name of a checkpoint folder before its step (`transformers.trainer_utils.PREFIX_CHECKPOINT_DIR`, which
 #: test_files checks it equals: the posterior's files must not import transformers)
 CHECKPOINT_PREFIX = "checkpoint"
@@ -46,25 +66,15 @@ CHECKPOINT_PREFIX = "checkpoint"
 STAGING_PREFIX = ".partial-"
 #: an old checkpoint is renamed under this prefix, then deleted
 DELETING_PREFIX = ".deleting-"
-#: what `atomic_path` (mkstemp's 8 random characters), a checkpoint being written and one being deleted are named
-_LEFTOVER = re.compile(rf"^({re.escape(TEMP_PREFIX)}[a-z0-9_]{{8}}.+|"
-                       rf"({re.escape(STAGING_PREFIX)}|{re.escape(DELETING_PREFIX)})"
-                       rf"{re.escape(CHECKPOINT_PREFIX)}-\d+)$")
-#: set in a manifest from the start of a save to its end: a folder whose manifest still has it holds an incomplete save
+#: what `atomic_path` (mkstemp's 8 random characters), a save being written, a checkpoint being written and one
+#: being deleted are named
+_TEMP = re.compile(rf"^{re.escape(TEMP_PREFIX)}[a-z0-9_]{{8}}.+$")
+_SAVING = re.compile(rf"^{re.escape(SAVING_PREFIX)}[a-z0-9_]{{8}}$")
+_CHECKPOINT_LEFTOVER = re.compile(rf"^({re.escape(STAGING_PREFIX)}|{re.escape(DELETING_PREFIX)})"
+                                  rf"{re.escape(CHECKPOINT_PREFIX)}-\d+$")
+#: set in a manifest by the in-place saves of earlier varsmooth versions from the start of a save to its end: a
+#: folder whose manifest still has it holds an incomplete save
 SAVE_IN_PROGRESS_KEY = "save_in_progress"
-
-_Stat = tuple[int, int, int]
-
-
-def _stats(folder: str) -> dict[str, _Stat]:
-    if not os.path.isdir(folder):
-        return {}
-    out = {}
-    for entry in os.scandir(folder):
-        if entry.is_file(follow_symlinks=False):
-            st = entry.stat(follow_symlinks=False)
-            out[entry.name] = (st.st_ino, st.st_mtime_ns, st.st_size)
-    return out
 
 
 def ordinary_file_mode() -> int:
@@ -74,25 +84,64 @@ def ordinary_file_mode() -> int:
     return 0o666 & ~umask
 
 
+def _lock(fd: int, wait: bool = False) -> bool | None:
+    """Lock `fd` exclusively (`flock`): True when locked, False when another process holds it, None when the
+    filesystem cannot tell (no `fcntl`; NFS refuses it on a directory, Lustre without `-o flock` on anything)."""
+    if fcntl is None:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+    except BlockingIOError:
+        return False
+    except OSError:
+        return None
+    return True
+
+
+@contextlib.contextmanager
+def _abandoned(path: str, wait: bool = False) -> Iterator[bool | None]:
+    """Whether the process that wrote leftover `path` (an `atomic_path` file, a save's staging folder) is gone: it
+    held the lock while writing, and the kernel released it with the process. The lock is held here until the block
+    ends, so that the leftover is not taken over again meanwhile. `wait`: until its writer finishes. None: cannot
+    tell (see `_lock`), also when it is not ours to open."""
+    try:
+        fd = os.open(path, os.O_RDONLY if os.path.isdir(path) else os.O_RDWR)
+    except FileNotFoundError:
+        yield False  # gone: its writer finished (or another process removed it)
+        return
+    except OSError:
+        yield None
+        return
+    try:
+        locked = _lock(fd, wait)
+        # its writer may have finished and removed it before releasing the lock
+        yield locked and os.path.lexists(path) and os.path.samestat(os.fstat(fd), os.lstat(path))
+    finally:
+        os.close(fd)
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[str]:
     """Yield a temporary path in the same folder; on success it replaces `path` in one rename.
 
-    A crash while writing leaves the previous file (or none), never half a file.
+    A crash while writing leaves the previous file (or none), never half a file; its temporary file is locked while it
+    is written, so that the next write into the folder deletes it once its writer is gone (`recover`).
     """
     path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
+    _clear_temp_files(folder, saving=False)
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=TEMP_PREFIX, suffix=os.path.basename(path))
-    os.close(fd)
     try:
+        _lock(fd)
         yield tmp
         # mkstemp creates the file private (0600); give it the permissions an ordinary write would have
         os.chmod(tmp, ordinary_file_mode())
         os.replace(tmp, path)
     finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)  # still there only when the write failed
+        os.close(fd)
 
 
 def file_sha256(path: str | os.PathLike) -> str:
@@ -124,10 +173,12 @@ def _matches(path: str, entry: dict[str, Any]) -> bool:
 
 
 def check_manifest(folder: str | os.PathLike, names: Iterable[str] | None = None) -> None:
-    """Refuse a folder whose files differ from its manifest (a save that did not finish, a file truncated, edited or
-    replaced afterwards), naming every such file; `names`: check only these (those the manifest lists). A folder
-    without manifest passes: it was not written by a varsmooth save. Cheap checks (presence, size) come first."""
+    """Refuse a folder whose files differ from its manifest (a file truncated, edited or replaced after the save, a
+    save of an earlier varsmooth version that did not finish), naming every such file; `names`: check only these (those
+    the manifest lists). A save killed in `folder` is completed or discarded first (`recover`). A folder without
+    manifest passes: it was not written by a varsmooth save. Cheap checks (presence, size) come first."""
     folder = os.fspath(folder)
+    recover(folder)
     manifest = read_manifest(folder)
     if manifest is None:
         return
@@ -157,15 +208,17 @@ def _refuse_incomplete_save(folder: str, manifest: dict[str, Any]) -> None:
     if manifest.get(SAVE_IN_PROGRESS_KEY):
         raise ValueError(
             f"{folder} holds an incomplete save: its {MANIFEST_FILE} says a save into it started and never finished "
-            "(the process was killed or failed while writing, e.g. between the weights and the posterior), so its "
-            "files may mix that save with an earlier one. Save the model again (trainer.save_model()), or resume from "
-            "the last complete checkpoint."
+            "(an earlier varsmooth version, which saved in place, was killed or failed while writing, e.g. between the "
+            "weights and the posterior), so its files may mix that save with an earlier one. Save the model again "
+            "(trainer.save_model()), or resume from the last complete checkpoint."
         )
 
 
 def shareable_files(folder: str | os.PathLike, training_state: bool = False) -> list[str]:
     """The files of `folder`'s manifest that may be uploaded (all but the private ones); a checkpoint's training state
-    (optimizer, scheduler, RNG states: its manifest's `training_state`) only with `training_state=True`."""
+    (optimizer, scheduler, RNG states: its manifest's `training_state`) only with `training_state=True`. A save
+    killed in `folder` is completed or discarded first (`recover`)."""
+    recover(folder)
     manifest = read_manifest(folder)
     if manifest is None:
         raise ValueError(f"{os.fspath(folder)} has no {MANIFEST_FILE}: save the model first (trainer.save_model()).")
@@ -175,54 +228,126 @@ def shareable_files(folder: str | os.PathLike, training_state: bool = False) -> 
 
 
 class FolderSave:
-    """One save into `folder`: `begin()` before writing, `finish(also=...)` after (see the module docstring)."""
+    """One save into `folder`, written beside the earlier one and swapped in (see the module docstring)::
+
+        with FolderSave(folder) as save:
+            model.save_pretrained(save.path)  # every file of the save, into the staging folder
+            save.finish(method="ivon")
+
+    Leaving the block without `finish` (an error) discards the staging folder: `folder` is as it was. On a full disk
+    the error says so (an `OSError` with `errno.ENOSPC`)."""
 
     def __init__(self, folder: str | os.PathLike) -> None:
         self.folder = os.fspath(folder)
-        self.previous: dict[str, Any] | None = None
-        self._before: dict[str, _Stat] = {}
+        self.path = ""  #: the staging folder the save writes into, from entering the block on
+        self.previous: dict[str, Any] | None = None  #: the earlier save's manifest
+        self._fd: int | None = None  # the staging folder's lock, held until it is committed or discarded
+        self._committed = False
 
-    def begin(self) -> "FolderSave":
+    def __enter__(self) -> "FolderSave":
+        os.makedirs(self.folder, exist_ok=True)
+        clear_leftovers(self.folder)  # a killed save that had committed is completed first: it is the earlier save
         try:
             self.previous = read_manifest(self.folder)
         except ValueError:  # unreadable: nothing is known to be varsmooth's, so nothing is removed
             self.previous = None
-        clear_leftovers(self.folder)
-        # from here until finish() the folder is detectably incomplete; the earlier entries stay, so that the save
-        # after an interrupted one still knows which files were varsmooth's
-        os.makedirs(self.folder, exist_ok=True)
-        with atomic_path(os.path.join(self.folder, MANIFEST_FILE)) as tmp, open(tmp, "w", encoding="utf-8") as f:
-            json.dump({**(self.previous or {"format": 2, "files": {}}), SAVE_IN_PROGRESS_KEY: True}, f, indent=2)
-        self._before = _stats(self.folder)
+        while self._fd is None:
+            path = tempfile.mkdtemp(prefix=SAVING_PREFIX, dir=self.folder)
+            fd = os.open(path, os.O_RDONLY)
+            _lock(fd)
+            # a load that listed the folder between mkdtemp and the lock may have taken it for a killed save's and
+            # removed it: then make another
+            if os.path.isdir(path) and os.path.samestat(os.fstat(fd), os.stat(path)):
+                self.path, self._fd = path, fd
+            else:
+                os.close(fd)
         return self
 
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, traceback: Any) -> None:
+        if self._fd is None:  # finished
+            return
+        if not self._committed:
+            shutil.rmtree(self.path, ignore_errors=True)
+        os.close(self._fd)
+        self._fd = None
+        if error is not None and not self._committed and _disk_full(error):
+            kept = "its earlier save is as it was" if self.previous is not None else "no save was written into it"
+            raise OSError(errno.ENOSPC, f"The disk is full (no space left on device) while saving to {self.folder}: "
+                                        f"nothing was changed there, {kept}. Free some space (or save elsewhere) and "
+                                        f"save again.") from error
+
     def finish(self, also: Iterable[str] = (), **info: Any) -> list[str]:
-        """Remove the earlier save's files that this save did not write, write the manifest; returns the names
-        removed. `also`: files this run wrote into the folder before the save (e.g. the label noise)."""
-        after = _stats(self.folder)
-        written = {name for name, stat in after.items() if self._before.get(name) != stat}
-        written |= {name for name in also if name in after}
-        written.discard(MANIFEST_FILE)
-        earlier = (self.previous or {}).get("files", {})
-        # only a file the earlier manifest lists, unchanged since (same hash): one edited since (e.g. your card) is
-        # yours
-        stale = sorted(name for name, entry in earlier.items() if name not in written and name != MANIFEST_FILE
-                       and os.sep not in name and _matches(os.path.join(self.folder, name), entry))
-        for name in stale:
-            os.remove(os.path.join(self.folder, name))
+        """Commit the files written into `path`: move them into the folder, remove the earlier save's files that this
+        save did not write, and put the manifest (with `info`) in place last; returns the names removed. `also`:
+        files this run wrote into the folder itself before the save (e.g. the label noise), listed in the manifest
+        too."""
+        staged = sorted(os.path.relpath(os.path.join(root, name), self.path)
+                        for root, _, names in os.walk(self.path) for name in names)
         mode = ordinary_file_mode()  # transformers writes model.safetensors private (0600), the rest by the umask
-        for name in written:
-            os.chmod(os.path.join(self.folder, name), mode)
-        write_manifest(self.folder, sorted(written), **info)
-        return stale
+        for name in staged:
+            os.chmod(os.path.join(self.path, name), mode)
+        # the manifest lists the folder's own files; a subfolder a writer made (a peft adapter's) moves in unlisted
+        entries = {name: _entry(os.path.join(self.path, name)) for name in staged if os.sep not in name}
+        entries.update({name: _entry(os.path.join(self.folder, name)) for name in also
+                        if name not in entries and os.path.isfile(os.path.join(self.folder, name))})
+        earlier = (self.previous or {}).get("files", {})
+        stale = {name: entry for name, entry in earlier.items()
+                 if name not in entries and name != MANIFEST_FILE and os.sep not in name}
+        write_manifest(self.path, sorted(entries), entries=entries, **info)
+        # whole or absent: a save killed before this line is discarded by the next one to touch the folder, one killed
+        # after it completed
+        with atomic_path(os.path.join(self.path, JOURNAL_FILE)) as tmp, open(tmp, "w", encoding="utf-8") as f:
+            json.dump({"moves": staged, "stale": stale}, f, indent=2)
+        self._committed = True
+        removed = _complete(self.folder, self.path)
+        os.close(self._fd)
+        self._fd = None
+        return removed
+
+
+def _disk_full(error: BaseException) -> bool:
+    """Whether `error`, or one it was raised from, says the disk (or the user's quota) is full; safetensors' and
+    other libraries' errors carry the system's message only."""
+    while error is not None:
+        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if any(text in str(error) for text in (os.strerror(errno.ENOSPC), os.strerror(errno.EDQUOT))):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def _complete(folder: str, staging: str) -> list[str]:
+    """Carry out the journal of the committed save staged in `staging` (after a kill, the steps not yet done; every
+    step is safe to repeat): move the staged files into `folder`, remove the earlier save's files that the save did not
+    write (those unchanged since), move the manifest in last and delete the staging folder. Returns the names
+    removed."""
+    with open(os.path.join(staging, JOURNAL_FILE), encoding="utf-8") as f:
+        journal = json.load(f)
+    for name in journal["moves"]:
+        target = os.path.join(folder, name)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):  # moved before a kill
+            os.replace(os.path.join(staging, name), target)
+    removed = sorted(name for name, entry in journal["stale"].items() if _matches(os.path.join(folder, name), entry))
+    for name in removed:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(folder, name))
+    with contextlib.suppress(FileNotFoundError):
+        os.replace(os.path.join(staging, MANIFEST_FILE), os.path.join(folder, MANIFEST_FILE))
+    shutil.rmtree(staging, ignore_errors=True)
+    return removed
+
+
+def _entry(path: str) -> dict[str, Any]:
+    return {"size": os.path.getsize(path), "sha256": file_sha256(path)}
 
 
 def write_manifest(folder: str, names: Iterable[str], entries: dict[str, dict[str, Any]] | None = None,
                    **info: Any) -> None:
     """Write `folder`'s manifest listing `names` (hashed now; those in `entries` keep the entry given)."""
     entries = entries or {}
-    files = {name: entries.get(name) or {"size": os.path.getsize(os.path.join(folder, name)),
-                                         "sha256": file_sha256(os.path.join(folder, name))} for name in names}
+    files = {name: entries.get(name) or _entry(os.path.join(folder, name)) for name in names}
     with atomic_path(os.path.join(folder, MANIFEST_FILE)) as tmp, open(tmp, "w", encoding="utf-8") as f:
         json.dump({"format": 2, **info, "files": files}, f, indent=2)
 
@@ -247,22 +372,65 @@ def written_by_varsmooth(folder: str | os.PathLike, name: str) -> bool:
 
 
 def is_leftover(name: str) -> bool:
-    """Whether `name` is what a killed save, export or checkpoint leaves: a temporary file of `atomic_path`, a
-    checkpoint being written (`STAGING_PREFIX`) or deleted (`DELETING_PREFIX`). Never a user's file or
-    `checkpoint-N`."""
-    return bool(_LEFTOVER.match(name))
+    """Whether `name` is what a killed save, export or checkpoint leaves: a temporary file of `atomic_path`, a save's
+    staging folder (`SAVING_PREFIX`), a checkpoint being written (`STAGING_PREFIX`) or deleted (`DELETING_PREFIX`).
+    Never a user's file or `checkpoint-N`."""
+    return any(pattern.match(name) for pattern in (_TEMP, _SAVING, _CHECKPOINT_LEFTOVER))
+
+
+def recover(folder: str | os.PathLike, saving: bool = False) -> list[str]:
+    """Finish what killed processes left in `folder`: a save killed after its journal was written is completed from
+    its staged files, one killed before is discarded (the earlier save stays), the temporary files of killed writes
+    are deleted; returns their names. What a live process is still writing (it holds the lock) is left alone, and a
+    committed save waited for. Where the filesystem cannot tell (no locks), only a save (`saving=True`: it owns the
+    folder) discards unfinished work."""
+    folder = os.fspath(folder)
+    if not os.path.isdir(folder):
+        return []
+    done = []
+    for name in sorted(name for name in os.listdir(folder) if _SAVING.match(name)):
+        staging = os.path.join(folder, name)
+        journal = os.path.join(staging, JOURNAL_FILE)
+        with _abandoned(staging, wait=os.path.isfile(journal)) as abandoned:
+            committed = os.path.isfile(journal)  # again: its writer may have committed and finished meanwhile
+            if abandoned or (abandoned is None and (committed or saving)):  # completing twice is harmless
+                if committed:
+                    with contextlib.suppress(FileNotFoundError):  # completed by its writer meanwhile
+                        _complete(folder, staging)
+                else:
+                    shutil.rmtree(staging, ignore_errors=True)
+                done.append(name)
+    return done + _clear_temp_files(folder, saving)
+
+
+def _clear_temp_files(folder: str, saving: bool) -> list[str]:
+    """Delete the temporary files that killed `atomic_path` writes left in `folder` (see `recover`)."""
+    found = []
+    for name in sorted(name for name in os.listdir(folder) if _TEMP.match(name)):
+        path = os.path.join(folder, name)
+        with _abandoned(path) as abandoned:
+            if abandoned or (abandoned is None and saving):
+                _remove(path)
+                found.append(name)
+    return found
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
 
 
 def clear_leftovers(folder: str | os.PathLike) -> list[str]:
-    """Delete what a killed run left in `folder` (`is_leftover`); returns the names deleted. Call it only while no
-    save into `folder` is under way."""
+    """Delete what a killed run left in `folder` (`is_leftover`), completing a save killed after it committed
+    (`recover`); returns the names. Call it only while no checkpoint is being written into `folder`."""
     folder = os.fspath(folder)
-    found = sorted(name for name in os.listdir(folder) if is_leftover(name)) if os.path.isdir(folder) else []
-    for name in found:
-        path = os.path.join(folder, name)
-        if os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(path)
-    return found
+    found = recover(folder, saving=True)
+    if os.path.isdir(folder):
+        for name in os.listdir(folder):
+            if _CHECKPOINT_LEFTOVER.match(name):
+                _remove(os.path.join(folder, name))
+                found.append(name)
+    return sorted(found)

@@ -17,7 +17,7 @@ from transformers import (
 
 from .adapters import has_adapter, is_peft_model, load_adapter_model, save_classifier_config
 from .batchnorm import batchnorm_layers
-from .files import FolderSave, check_manifest
+from .files import FolderSave, check_manifest, is_leftover, recover
 from .mc_dropout import OUTPUT_DROPOUT_KEY, add_output_dropout
 from .posterior import POSTERIOR_FILE, DiagonalGaussianPosterior
 from .posterior.gaussian import non_finite_tensors
@@ -145,6 +145,11 @@ class VariationalModel(PredictiveModel):
         """
         path = os.fspath(pretrained_model_name_or_path)
         refuse_missing_folder(path)
+        if os.path.isdir(path):  # before the folder's kind is told by its files: a killed save may still hold them
+            recover(path)
+            if not [name for name in os.listdir(path) if not is_leftover(name)]:
+                raise ValueError(f"{path} holds no saved model: it is empty (a save into it that did not finish leaves "
+                                 "nothing behind). Save the model again, or check the path.")
         for marker, load in FOLDER_LOADERS.items():
             if os.path.isfile(os.path.join(path, marker)):
                 return load(path, num_samples=num_samples, seed=seed, temperature=temperature,
@@ -179,17 +184,17 @@ class VariationalModel(PredictiveModel):
             raise TypeError("save_pretrained needs a transformers PreTrainedModel or a peft model, got "
                             f"{type(self.model).__name__}.")
         check_finite_weights(self.model, os.fspath(save_directory), saving=True)
-        save = FolderSave(save_directory).begin()
-        self.model.save_pretrained(save_directory, **kwargs)
-        if adapter:
-            save_classifier_config(self.model, os.fspath(save_directory))
-        if not self.posterior.is_point_mass:
-            self.posterior.metadata = {**self.posterior.metadata, "eval_mc_samples": self.num_samples,
-                                       "eval_seed": self.seed}
-            self.posterior.save(save_directory)
-        if self.temperature_scaling is not None:
-            self.temperature_scaling.save(save_directory, self.model)
-        save.finish()
+        with FolderSave(save_directory) as save:
+            self.model.save_pretrained(save.path, **kwargs)
+            if adapter:
+                save_classifier_config(self.model, save.path)
+            if not self.posterior.is_point_mass:
+                self.posterior.metadata = {**self.posterior.metadata, "eval_mc_samples": self.num_samples,
+                                           "eval_seed": self.seed}
+                self.posterior.save(save.path)
+            if self.temperature_scaling is not None:
+                self.temperature_scaling.save(save.path, self.model)
+            save.finish()
 
 
 def check_finite_weights(model: torch.nn.Module, where: str, saving: bool = False) -> None:

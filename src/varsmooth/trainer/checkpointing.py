@@ -110,23 +110,25 @@ class CheckpointingMixin:
                     "(NaN or inf); nothing was written. Resume from the last checkpoint (or load the last save) "
                     "instead."
                 )
-        folder = FolderSave(output_dir).begin() if self.args.should_save else None
-        super()._save(output_dir, state_dict)
-        if self.args.should_save and is_peft_model(self.accelerator.unwrap_model(self.model)):
-            save_classifier_config(self.accelerator.unwrap_model(self.model), output_dir)
-        if self.ivon is not None and self.args.should_save:
-            (self._gathered_posterior or self.posterior()).save(output_dir)
-        if self.temperature_scaling is not None and self.args.should_save:
-            self.temperature_scaling.save(output_dir, self.accelerator.unwrap_model(self.model))
-        report = self.train_noise_report() if self.args.should_save else None
-        if report is not None:
-            report.save(output_dir)
-        if folder is not None:
+        if not self.args.should_save:  # here only to join the gathers of a model sharded at load; writes nothing
+            super()._save(output_dir, state_dict)
+            return
+        with FolderSave(output_dir) as folder:
+            super()._save(folder.path, state_dict)
+            network = self.accelerator.unwrap_model(self.model)
+            if is_peft_model(network):
+                save_classifier_config(network, folder.path)
+            if self.ivon is not None:
+                (self._gathered_posterior or self.posterior()).save(folder.path)
+            if self.temperature_scaling is not None:
+                self.temperature_scaling.save(folder.path, network)
+            report = self.train_noise_report()
+            if report is not None:
+                report.save(folder.path)
             stale = folder.finish(also=self._run_files.get(os.path.abspath(output_dir), ()), method=self.method.name,
                                   global_step=self.state.global_step, seed=self.args.seed)
-            if stale:
-                logger.warning("Removed files of an earlier run from %s that this run did not write: %s", output_dir,
-                               stale)
+        if stale:
+            logger.warning("Removed files of an earlier run from %s that this run did not write: %s", output_dir, stale)
 
     def record_output(self, path: str) -> None:
         """Note a file this run wrote next to its saves (label noise, pictures): the next save keeps it and lists it

@@ -189,12 +189,11 @@ class VariationalHubMixin:
             return
         self.callback_handler.on_push_begin(self.args, self.state, self.control)
         output_dir = self.args.output_dir
-        folder = FolderSave(output_dir).begin()
-        for name in shareable_files(checkpoint_folder):
-            with atomic_path(os.path.join(output_dir, name)) as tmp:
-                shutil.copyfile(os.path.join(checkpoint_folder, name), tmp)
-        folder.finish(also=self._run_files.get(os.path.abspath(output_dir), ()), method=self.method.name,
-                      global_step=self.state.global_step)
+        with FolderSave(output_dir) as folder:
+            for name in shareable_files(checkpoint_folder):
+                shutil.copyfile(os.path.join(checkpoint_folder, name), os.path.join(folder.path, name))
+            folder.finish(also=self._run_files.get(os.path.abspath(output_dir), ()), method=self.method.name,
+                          global_step=self.state.global_step)
         message = f"Training in progress, step {self.state.global_step}"
         jobs = [hf_api().upload_folder(
             repo_id=self.hub_model_id, folder_path=output_dir, token=self.args.hub_token, commit_message=message,
