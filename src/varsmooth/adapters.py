@@ -21,6 +21,7 @@ from .peft_keys import import_peft, is_peft_model, saved_keys, saved_names
 __all__ = ["ADAPTER_CONFIG_FILE", "BASE_WEIGHTS_KEY", "LoraArguments", "add_lora_adapters", "base_fingerprint",
            "has_adapter", "import_peft", "is_peft_model", "load_adapter_model", "save_classifier_config", "saved_names"]
 
+#: peft's adapter config file: a folder (or Hub repository) holding it is loaded as LoRA adapters on their base model
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 #: entry of the classifier's config.json beside an adapter: SHA-256 and dtype of the base weights it was trained on
 BASE_WEIGHTS_KEY = "varsmooth_base_weights"

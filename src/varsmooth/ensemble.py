@@ -32,6 +32,7 @@ from .temperature_scaling import TemperatureScaling, network_fingerprint
 
 __all__ = ["ENSEMBLE_CONFIG_FILE", "DeepEnsemble"]
 
+#: the file of an ensemble folder that lists its member folders, their weights' fingerprints and the label set
 ENSEMBLE_CONFIG_FILE = "ensemble_config.json"
 MEMBER_PREFIX = "member-"
 

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 
 __all__ = ["DEFAULT_SAMPLE_COUNTS", "ood_evaluation", "posterior_samples_curve", "predictive_outputs"]
 
+#: the numbers of posterior samples S `posterior_samples_curve` scores by default
 DEFAULT_SAMPLE_COUNTS = (1, 2, 4, 8, 16, 32, 64)
 
 

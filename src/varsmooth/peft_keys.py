@@ -25,6 +25,7 @@ def import_peft() -> Any:
 
 
 def is_peft_model(model: Any) -> bool:
+    """Whether `model` is a peft model (adapters on a base model); False when peft is not installed."""
     try:
         from peft import PeftModel
     except ImportError:

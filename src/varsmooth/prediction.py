@@ -24,6 +24,7 @@ __all__ = ["VariationalClassifierOutput", "average_predictions", "draw_seeds", "
            "sampled_probs", "predicts_at_the_mean", "restored_buffers", "model_logits", "model_outputs", "logits_of",
            "IGNORE_INDEX", "LABEL_KEYS"]
 
+#: the batch keys that hold labels: removed from a batch before the forward pass, read by what scores predictions
 LABEL_KEYS = ("labels", "label", "label_ids")
 #: the label of a row without one (torch's and transformers' convention): ignored by every loss and score
 IGNORE_INDEX = -100

@@ -1,5 +1,5 @@
-"""Label corruption as `datasets` transforms: synthetic noise with known transition matrices, real
-human noise from a column, and a JSON-safe :class:`NoiseReport` of what was intended and realized."""
+"""Label corruption as `datasets` transforms: synthetic noise with known transition matrices, real human noise from a
+column, and a JSON-safe [`NoiseReport`][varsmooth.corruption.NoiseReport] of what was intended and realized."""
 
 from .arguments import CorruptionArguments
 from .corrupt import corrupt_labels, noise_report, realized_noise_report

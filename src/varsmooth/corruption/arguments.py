@@ -14,8 +14,9 @@ from .transition import ASYMMETRIC_CLASS_MAPS, NOISE_TYPES, NoiseReport
 
 @dataclass
 class CorruptionArguments:
-    """``--noise_type --noise_rate --noise_seed ...`` for the examples; :meth:`apply` runs
-    :func:`~varsmooth.corruption.corrupt_labels` with them."""
+    """``--noise_type --noise_rate --noise_seed ...`` for the examples;
+    [`apply`][varsmooth.corruption.CorruptionArguments.apply] runs
+    [`corrupt_labels`][varsmooth.corruption.corrupt_labels] with them."""
 
     noise_type: str | None = field(
         default=None,
@@ -59,7 +60,7 @@ class CorruptionArguments:
             raise ValueError("--noise_type column needs --noise_column naming the column of noisy labels.")
 
     def type_params(self) -> dict[str, Any]:
-        """The extra keyword arguments of :func:`corrupt_labels` for ``noise_type``."""
+        """The extra keyword arguments of [`corrupt_labels`][varsmooth.corruption.corrupt_labels] for ``noise_type``."""
         if self.noise_type == "asymmetric":
             class_map: Any = self.noise_class_map
             if class_map.lstrip().startswith("{"):

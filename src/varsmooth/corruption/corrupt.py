@@ -94,7 +94,8 @@ def corrupt_labels(
     missing from the noise too).
 
     Returns the corrupted dataset, or ``(dataset, report)`` with ``return_report=True``; for a DatasetDict
-    the report is a dict ``split -> NoiseReport``. :func:`noise_report` recomputes the realized part later.
+    the report is a dict ``split -> NoiseReport``. [`noise_report`][varsmooth.corruption.noise_report] recomputes the
+    realized part later.
     """
     if noise_type not in NOISE_TYPES:
         raise ValueError(f"Unknown noise_type {noise_type!r}; use one of {list(NOISE_TYPES)}.")

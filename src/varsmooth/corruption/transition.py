@@ -1,4 +1,5 @@
-"""Label-noise transition matrices and the :class:`NoiseReport` that documents a corruption.
+"""Label-noise transition matrices and the [`NoiseReport`][varsmooth.corruption.NoiseReport] that documents a
+corruption.
 
 All matrices are row-stochastic: ``T[i, j] = P(noisy = j | clean = i)`` (the Co-teaching / Yu et al.
 convention; cleanlab's ``noise_matrix`` is the transpose).
@@ -18,9 +19,11 @@ from ..files import atomic_path
 
 #: the file a trainer's save writes the training set's `NoiseReport` into, next to the model (the model card reads it)
 NOISE_REPORT_FILE = "noise_report.json"
+#: the `noise_type`s `corrupt_labels` accepts (its docstring describes each)
 NOISE_TYPES: tuple[str, ...] = ("symmetric", "uniform", "pairflip", "asymmetric", "classwise", "instance", "column")
 
-# Published asymmetric ("class-conditional") maps, source class -> target class.
+#: published asymmetric ("class-conditional") maps, source class -> target class, by the name
+#: `corrupt_labels(..., "asymmetric", class_map=name)` takes
 ASYMMETRIC_CLASS_MAPS: dict[str, dict[int, int]] = {
     # Englesson et al. 2023, Logistic-Normal Likelihoods for Heteroscedastic Label Noise, Sec. 5.4 (and their code).
     "mnist": {7: 1, 2: 7, 5: 6, 6: 5, 3: 8},
@@ -166,7 +169,7 @@ class NoiseReport:
     """What a label corruption intended and what it realized, JSON-safe for model cards.
 
     ``intended_*`` describe the generator (``None`` when the report was recomputed from a dataset with
-    :func:`~varsmooth.corruption.noise_report`, which cannot know it); ``realized_*`` are measured on the
+    [`noise_report`][varsmooth.corruption.noise_report], which cannot know it); ``realized_*`` are measured on the
     clean vs noisy labels: ``realized_transition`` is the row-normalised confusion matrix,
     ``per_class_rate[i]`` the fraction of clean class ``i`` whose label changed, ``realized_rate`` the
     fraction of all labels that changed (= mean of ``is_corrupted``).

@@ -28,6 +28,7 @@ from .record import RunRecord
 
 __all__ = ["DEFAULT_LICENSE", "MODEL_CARD_TEMPLATE", "build_model_card", "is_hub_dataset_id"]
 
+#: the Jinja template `build_model_card` fills (the package's `templates/model_card.md`)
 MODEL_CARD_TEMPLATE = resources.files("varsmooth").joinpath("templates/model_card.md")
 
 _FILE_DESCRIPTIONS = {

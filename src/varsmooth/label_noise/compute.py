@@ -206,9 +206,10 @@ def compute_label_noise(
             mass is refused (its ε̄ is zero by definition).
         temperature: the scale of the draws, 1 (the learned posterior) unless you study a tempered one.
         dataset: rows with the model inputs (e.g. `pixel_values` or `input_ids`/`attention_mask`) and the label.
-        batch_size, collate_fn: how to batch `dataset` when no `dataloader` is given. `collate_fn` turns raw rows
-            into model inputs + `labels`; by default the columns that `model.forward` accepts and `label_column`
-            are stacked with `transformers.default_data_collator`.
+        batch_size: how many rows of `dataset` a batch holds when no `dataloader` is given.
+        collate_fn: turns raw rows of `dataset` into model inputs + `labels` when no `dataloader` is given; by
+            default the columns that `model.forward` accepts and `label_column` are stacked with
+            `transformers.default_data_collator`.
         dataloader: batches to use instead of building them from `dataset` (e.g. the Trainer's); they must
             follow dataset order (sequential, sharded by `accelerator` when given), or `order`.
         order: the dataset row of each row `dataloader` yields, when they come in another order (e.g. by length,

@@ -205,10 +205,14 @@ def _info(name: str) -> MethodInfo:
 
 
 def get_method_class(name: str) -> type["TrainingMethod"]:
+    """The `TrainingMethod` subclass registered as `name` (`register_method`); an unknown name is refused with the
+    registered ones."""
     return _info(name).method_class
 
 
 def get_method_config_class(name: str) -> type[MethodConfig]:
+    """The `MethodConfig` subclass registered for the method `name` (`register_method`); an unknown name is refused
+    with the registered ones."""
     return _info(name).config_class
 
 

@@ -27,6 +27,7 @@ from .classification import (
 from .ood import OOD_SCORES, auroc, fpr_at_tpr, ood_detection, ood_metrics, uncertainty_scores
 from .selective import aurc, optimal_aurc, risk_coverage_curve
 
+#: the path of the calibration metric as an `evaluate` module: `evaluate.load(CALIBRATION_METRIC_PATH)`
 CALIBRATION_METRIC_PATH = str(Path(__file__).parent / "calibration" / "calibration.py")
 
 __all__ = ["CALIBRATION_METRIC_PATH", "OOD_SCORES", "adaptive_calibration_error", "aurc", "auroc",

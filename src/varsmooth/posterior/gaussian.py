@@ -34,6 +34,7 @@ __all__ = ["POSTERIOR_FILE", "DiagonalGaussianPosterior", "check_temperature", "
 
 logger = logging.getLogger(__name__)
 
+#: the file of a saved model folder that holds the posterior's σ and its metadata (`DiagonalGaussianPosterior.save`)
 POSTERIOR_FILE = "posterior.safetensors"
 #: metadata key of the posterior temperature τ (σ is scaled by τ when sampling; absent means 1)
 TEMPERATURE_KEY = "posterior_temperature"

@@ -33,6 +33,7 @@ from ..prediction import VariationalClassifierOutput, entropy
 
 __all__ = ["TEMPERATURE_SCALING_FILE", "TemperatureScaling", "network_fingerprint", "scaled_nll"]
 
+#: the file of a saved model folder that holds its fitted temperature T (`TemperatureScaling.save`)
 TEMPERATURE_SCALING_FILE = "temperature_scaling.json"
 #: the fitted T is kept inside [1/100, 100]: on a validation set the model fits perfectly the NLL keeps falling as
 #: T → 0, and such a T would only encode that the validation set was separable
