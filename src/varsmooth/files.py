@@ -44,6 +44,7 @@ __all__ = ["CHECKPOINT_PREFIX", "DELETING_PREFIX", "JOURNAL_FILE", "MANIFEST_FIL
            "is_leftover", "ordinary_file_mode", "read_manifest", "recover", "shareable_files", "write_manifest",
            "written_by_varsmooth"]
 
+#: the manifest of a model folder: every file of its last save with its size and SHA-256 (the module docstring says how)
 MANIFEST_FILE = "varsmooth_manifest.json"
 #: names of files only varsmooth writes: a push deletes those of earlier pushes from the Hub repo
 OWNED_PATTERNS = ("posterior.safetensors", "noise_report.json", "label_noise*.parquet", "label_noise*_summary.json",
