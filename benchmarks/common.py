@@ -61,7 +61,7 @@ hf_logging.set_verbosity_error()
 __all__ = [
     "DATA_DIR", "RESULTS_DIR", "REPO_ROOT", "DataUnavailable", "ImageData", "SmallCNN", "load_data", "noisy_labels",
     "parse_noise", "run", "method_available", "mean_std", "write_json", "steps_per_epoch",
-    "write_readme_section",
+    "readme_with_block", "results_pages", "write_readme_section",
 ]
 
 
@@ -364,11 +364,35 @@ def write_npz(path: Path, arrays: dict[str, np.ndarray]) -> None:
     os.replace(tmp, path)
 
 
+def results_pages(root: Path | None = None) -> list[Path]:
+    """The Markdown pages that hold the generated blocks: benchmarks/README.md (the summary) and one page per study,
+    benchmarks/studies/*.md. `root` is the repository (default `REPO_ROOT`)."""
+    bench = (root or REPO_ROOT) / "benchmarks"
+    return [bench / "README.md", *sorted((bench / "studies").glob("*.md"))]
+
+
+def readme_with_block(name: str, root: Path | None = None) -> Path:
+    """The one page of `results_pages(root)` that has the markers of the generated block `name`; a ValueError names
+    the pages searched when none has them, or the pages when more than one has."""
+    begin, end = f"<!-- generated:{name} -->", f"<!-- /generated:{name} -->"
+    pages = results_pages(root)
+    found = [p for p in pages if p.exists() and begin in (text := p.read_text()) and end in text]
+    if len(found) != 1:
+        where = ", ".join(str(p.relative_to((root or REPO_ROOT))) for p in (found or pages))
+        raise ValueError(f"the generated block {name!r} must have its markers ({begin} ... {end}) on exactly one "
+                         f"page; {'none of' if not found else 'it is on each of'}: {where}")
+    return found[0]
+
+
 def write_readme_section(name: str, markdown: str, readme: Path | None = None) -> Path:
-    """Replace the block between ``<!-- generated:NAME -->`` and ``<!-- /generated:NAME -->`` in benchmarks/README.md
-    with ``markdown`` (appended at the end when the markers are missing), so that every table there is written by the
-    script that computes it, never copied by hand. The file is replaced whole (no half-written README)."""
-    readme = readme or REPO_ROOT / "benchmarks" / "README.md"
+    """Replace the block between ``<!-- generated:NAME -->`` and ``<!-- /generated:NAME -->`` with ``markdown``, so that
+    every table of the results pages is written by the script that computes it, never copied by hand.
+
+    Without `readme` the block is written wherever its markers are: benchmarks/README.md or one of the study pages
+    benchmarks/studies/*.md (`readme_with_block`: a ValueError when no page, or more than one, has them). With
+    `readme` (e.g. the front page's headline table) that file is written, the block appended at its end when the
+    markers are missing. The file is replaced whole (no half-written page). Returns the file written."""
+    readme = readme or readme_with_block(name)
     begin, end = f"<!-- generated:{name} -->", f"<!-- /generated:{name} -->"
     text = readme.read_text() if readme.exists() else ""
     block = f"{begin}\n{markdown.strip()}\n{end}"

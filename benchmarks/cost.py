@@ -46,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import logging  # noqa: E402
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from transformers.trainer_callback import PrinterCallback  # noqa: E402
 
@@ -677,6 +678,8 @@ def main(argv: list[str] | None = None) -> dict | None:
         for path in sorted(OUT_DIR.glob("cost*.json")):
             path.with_suffix(".md").write_text(render(json.loads(path.read_text())))
             print(path.with_suffix(".md").read_text())
+        common.write_readme_section("cost", summary_table())
+        cost_figure(OUT_DIR / "cost.png")
         return None
     torch.set_num_threads(1)
     if a.engine_memory_child:
@@ -760,6 +763,114 @@ def render(result: dict) -> str:
                  f"{v['peak_rss_growth_kib'] / 1024:.1f} MiB |{cell}")
     L += ["", result["note"], "", "Rerun: `OMP_NUM_THREADS=1 python benchmarks/cost.py`", ""]
     return "\n".join(L)
+
+
+#: the committed runs of the summary: (label, file under OUT_DIR)
+SUMMARY_RUNS = (("run 0", "cost.json"), ("run 1", "cost_run1.json"))
+#: the whole-step models of `--engine` in the summary: key of engine.json -> label
+ENGINE_MODELS = {"mlp_8.4M": "8.4 M MLP", "vit_small": "ViT-small (21.4 M)"}
+
+
+def _summary_ratios(out_dir: Path) -> tuple[list[tuple[str, list[str | None], list[dict | None]]], list[str]]:
+    """The ratios of the summary, by row: (label, a cell per run or None, the ratio per run or None), and the runs."""
+    runs = [(label, json.loads((out_dir / name).read_text())) for label, name in SUMMARY_RUNS
+            if (out_dir / name).exists()]
+    rows: list[tuple[str, list[str | None], list[dict | None]]] = []
+
+    def per_round(result: dict, key: str) -> dict:
+        return spread([t[key] / t["erm_adamw"] for t in result["per_round_s"]])
+
+    for key, label in (("ivon_mc1", "IVON (1 MC sample) ÷ ERM with AdamW, per optimizer step"),
+                       ("ivon_mc2", "IVON with 2 MC samples ÷ ERM"), ("sam_adamw", "SAM (ρ 0.05, AdamW base) ÷ ERM")):
+        ratios = [per_round(r, key) for _, r in runs]
+        rows.append((label, [fmt_ratio(x) for x in ratios], ratios))
+    for section, label, field in (("per_S", "BMA evaluation with S = {s} draws ÷ (S + 1) evaluations at the mean",
+                                   "ratio_vs_S_plus_1_per_round"),
+                                  ("label_noise_export", "label-noise export with S = {s} draws ÷ (S + 1) forward "
+                                   "sweeps", "ratio_vs_S_plus_1_per_round")):
+        s = max(runs[0][1]["evaluation"][section], key=int)
+        ratios = [(r["evaluation"][section].get(s) or {}).get(field) for _, r in runs]
+        rows.append((label.format(s=s), [fmt_ratio(x) if x else None for x in ratios], ratios))
+    for key, label in (("ivon_mc1", "IVON"), ("ivon_mc2", "IVON, 2 MC samples"), ("erm_adamw", "ERM with AdamW")):
+        cells = [f"{r['memory'][key]['optimizer_state_bytes'] / r['memory'][key]['param_bytes']:.1f}×"
+                 for _, r in runs]
+        rows.append((f"optimizer state ÷ parameter bytes, {label}", cells, [None] * len(runs)))
+    return rows, [label for label, _ in runs]
+
+
+def summary_table(out_dir: Path = OUT_DIR) -> str:
+    """The `cost` block of the results pages: the committed runs of this script side by side (step time, evaluation,
+    export and optimizer-state ratios) and `--engine`'s whole-step ratios, from their JSON only."""
+    rows, runs = _summary_ratios(out_dir)
+    first = json.loads((out_dir / SUMMARY_RUNS[0][1]).read_text())
+    lines = [f"{first['data']}, {first['model']}, batch {first['batch_size']}, {first['device']}, "
+             f"{first['threads']} thread; ratio: median over interleaved rounds [min–max over rounds] (a spread "
+             f"(max − min) / median above {UNSTABLE_SPREAD} is marked not stable). Written by `benchmarks/cost.py "
+             "--report` from results/cost/*.json.", "",
+             "| | " + " | ".join(runs) + " |", "|---|" + "---|" * len(runs)]
+    lines += [f"| {label} | " + " | ".join(c or "–" for c in cells) + " |" for label, cells, _ in rows]
+    engine_path = out_dir / "engine.json"
+    if engine_path.exists():
+        engine = json.loads(engine_path.read_text())
+        lines += ["", f"`cost.py --engine` ({engine['device']}, {engine['threads']} thread, {engine['rounds']} "
+                  "rounds): a whole VariationalTrainer step, IVON ÷ AdamW(foreach):", "",
+                  "| model | batch | IVON ÷ AdamW, whole training step | AdamW training step ms |", "|---|---|---|---|"]
+        for key, label in ENGINE_MODELS.items():
+            m = engine["models"][key]
+            ratio = m["ratios"]["train:ivon / train:adamw_foreach"]
+            lines.append(f"| {label} | {m['batch_size']} | {fmt_ratio(ratio)} | "
+                         f"{m['ms_median']['train:adamw_foreach']:.0f} |")
+    return "\n".join(lines)
+
+
+def cost_figure(path: Path, out_dir: Path = OUT_DIR) -> Path:
+    """The summary's cost figure, from the committed JSON only: time per training step against ERM/AdamW (each run of
+    this script, and `--engine`'s whole step on two larger models) with the rounds' min–max, and optimizer state
+    against the parameters' bytes. Matplotlib's Agg backend, 100 dpi."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows, runs = _summary_ratios(out_dir)
+    bars: list[tuple[str, dict]] = []
+    for (_, _, ratios), short in zip(rows[:3], ("IVON, 1 MC sample", "IVON, 2 MC samples", "SAM")):
+        bars += [(f"{short}, small CNN ({run})", r) for run, r in zip(runs, ratios) if r]
+    engine_path = out_dir / "engine.json"
+    if engine_path.exists():
+        engine = json.loads(engine_path.read_text())
+        bars += [(f"IVON, {label} (--engine)", engine["models"][key]["ratios"]["train:ivon / train:adamw_foreach"])
+                 for key, label in ENGINE_MODELS.items()]
+    first = json.loads((out_dir / SUMMARY_RUNS[0][1]).read_text())
+    memory = {"ERM (AdamW)": "erm_adamw", "SAM (AdamW)": "sam_adamw", "IVON": "ivon_mc1", "IVON, 2 MC": "ivon_mc2"}
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(9.5, 3.4), gridspec_kw={"width_ratios": [1.7, 1]})
+    y = np.arange(len(bars))[::-1]
+    med = [b["median"] for _, b in bars]
+    err = [[b["median"] - b["min"] for _, b in bars], [b["max"] - b["median"] for _, b in bars]]
+    colors = ["tab:red" if name.startswith("IVON") else "tab:green" for name, _ in bars]
+    ax.barh(y, med, xerr=err, color=colors, alpha=0.8, capsize=2)
+    ax.axvline(1.0, color="k", linewidth=1)
+    ax.set_yticks(y, [name for name, _ in bars], fontsize=8)
+    ax.set_xlabel("time per training step ÷ AdamW's (1 CPU thread)")
+    for yy, m, (_, b) in zip(y, med, bars):
+        ax.text(b["max"] + 0.04, yy, f"{m:.2f}×", va="center", fontsize=8)
+    ax.set_xlim(0, max(b["max"] for _, b in bars) * 1.2)
+    ax.grid(axis="x", alpha=0.3)
+    ratios = [first["memory"][k]["optimizer_state_bytes"] / first["memory"][k]["param_bytes"] for k in memory.values()]
+    yb = np.arange(len(memory))[::-1]
+    bx.barh(yb, ratios, color=["tab:gray", "tab:green", "tab:red", "tab:red"], alpha=0.8)
+    bx.set_yticks(yb, list(memory), fontsize=8)
+    for yy, r in zip(yb, ratios):
+        bx.text(r + 0.1, yy, f"{r:.1f}×", va="center", fontsize=8)
+    bx.set_xlabel("optimizer state ÷ parameter bytes", fontsize=9)
+    bx.set_xlim(0, max(ratios) * 1.3)
+    bx.grid(axis="x", alpha=0.3)
+    fig.suptitle("What IVON costs against AdamW (cost.py, CPU)", fontsize=11)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100, pil_kwargs={"optimize": True})
+    plt.close(fig)
+    return path
 
 
 if __name__ == "__main__":

@@ -220,8 +220,11 @@ def report(dataset: str, epochs: int, noises: list[str], seeds: list[int], specs
     print("\n".join(md))
     if tag == "full":
         common.write_readme_section("robustness", sweep_table(table, noises, SWEEP_COLUMNS))
+        common.write_readme_section("robustness_calibration", calibration_table(table, noises, HEADLINE_COLUMNS))
         common.write_readme_section("headline", sweep_table(table, noises, HEADLINE_COLUMNS),
                                     readme=common.REPO_ROOT / "README.md")
+        noise_rate_figure(table, OUT_DIR / "accuracy_vs_noise.png")
+        calibration_figure(table, OUT_DIR / "calibration_vs_noise.png")
     elif tag == "full_fig6":
         common.write_readme_section("fig6", fig6_table(dataset, epochs, noises, seeds))
     elif tag == "full_fig10":
@@ -256,6 +259,94 @@ def sweep_table(table: dict, noises: list[str], columns: dict[str, str]) -> str:
                  if values[f] else "–" for f in fams]
         lines.append(f"| {noise_label(noise)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def calibration_table(table: dict, noises: list[str], columns: dict[str, str]) -> str:
+    """Clean-test NLL and ECE %, mean over seeds, a row per noise (cells `NLL / ECE`); the lowest NLL of a row in
+    bold."""
+    fams = [f for f in columns if f in table]
+    lines = ["| noise | " + " | ".join(columns[f] for f in fams) + " |", "|---|" + "---|" * len(fams)]
+    for noise in noises:
+        rows = {f: table[f].get(noise, []) for f in fams}
+        nll = {f: common.mean_std([r["test_nll"] for r in rs])[0] for f, rs in rows.items() if rs}
+        best = min(nll, key=nll.get) if nll else None
+        cells = []
+        for f in fams:
+            if not rows[f]:
+                cells.append("–")
+                continue
+            ece = 100 * common.mean_std([r["test_ece"] for r in rows[f]])[0]
+            cell = f"{nll[f]:.2f} / {ece:.0f}"
+            cells.append(f"**{cell}**" if f == best else cell)
+        lines.append(f"| {noise_label(noise)} | " + " | ".join(cells) + " |")
+    lines += ["", "Cells: clean-test NLL / ECE %, mean over the seeds of the sweep's table above; the lowest NLL of a "
+              "row in bold. A model of noisy labels that predicts as uncertainly as they are is under-confident on "
+              "clean ones: a large ECE here is mostly that (LS's most of all), so read the NLL first."]
+    return "\n".join(lines)
+
+
+#: the methods of the summary's figures: family -> (label, colour, line style)
+FIGURE_METHODS = {"ivon": ("IVON, hessian_window rule (posterior mean)", "tab:red", "-"),
+                  "ivon_S1": ("IVON, library defaults (BMA)", "tab:red", ":"),
+                  "erm": ("ERM", "k", "-"), "ls": ("LS, α chosen on noisy val", "tab:blue", "-"),
+                  "sam": ("SAM, ρ chosen on noisy val", "tab:green", "-"), "gce": ("GCE", "tab:purple", "--"),
+                  "logistic_normal": ("logistic-normal", "tab:orange", "--")}
+#: the panels of the summary's figures: (title, noise prefix, x label)
+FIGURE_PANELS = (("symmetric", "sym", "noise rate %"), ("pair-flip", "pair", "noise rate %"),
+                 ("class-wise (Eq. 20-21)", "cw", "κ"))
+
+
+def _sweep_panels(table: dict, metrics: list[tuple[str, float, str]], path: Path, title: str) -> None:
+    """One row of panels per metric (key, scale, y label), one panel per kind of noise, x = the noise rate; a line per
+    method of FIGURE_METHODS with its seeds' mean ± std. Matplotlib's Agg backend, 100 dpi."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    noises = sorted({n for per in table.values() for n in per})
+    fig, axes = plt.subplots(len(metrics), len(FIGURE_PANELS), figsize=(9.5, 2.7 * len(metrics) + 0.8), squeeze=False)
+    for row, (key, scale, ylabel) in enumerate(metrics):
+        for ax, (panel, prefix, xlabel) in zip(axes[row], FIGURE_PANELS):
+            kind = sorted((n for n in noises if n.startswith(prefix)), key=lambda n: float(n[len(prefix):]))
+            x = [float(n[len(prefix):]) for n in kind]
+            for fam, (label, color, style) in FIGURE_METHODS.items():
+                if fam not in table:
+                    continue
+                values = [[scale * r[key] for r in table[fam].get(n, [])] for n in kind]
+                mean = [np.mean(v) if v else np.nan for v in values]
+                std = [np.std(v, ddof=1) if len(v) > 1 else 0.0 for v in values]
+                ax.errorbar(x, mean, yerr=std, color=color, linestyle=style, marker="o", markersize=3, capsize=2,
+                            label=label)
+            ax.set_title(f"{panel}" if row == 0 else "", fontsize=10)
+            ax.set_xticks(x)
+            ax.set_xlabel(xlabel)
+            if ax is axes[row][0]:
+                ax.set_ylabel(ylabel)
+            ax.grid(alpha=0.3)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=8, frameon=False)
+    fig.suptitle(title, fontsize=11)
+    fig.tight_layout(rect=(0, 0.65 / (2.7 * len(metrics) + 0.8), 1, 1))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100, pil_kwargs={"optimize": True})
+    plt.close(fig)
+
+
+def noise_rate_figure(table: dict, path: Path) -> Path:
+    """The summary's figure of clean-test accuracy against the noise rate, by method and kind of noise, from the full
+    sweep's table (`collect`, or the `table` of results/robustness/full/summary.json)."""
+    _sweep_panels(table, [("test_acc", 100, "clean-test accuracy %")], path,
+                  "MNIST, 9k noisy labels, 20 epochs: clean-test accuracy (mean ± std over 3 seeds)")
+    return path
+
+
+def calibration_figure(table: dict, path: Path) -> Path:
+    """The summary's calibration figure: clean-test NLL and ECE against the noise rate, by method and kind of noise,
+    from the same table as `noise_rate_figure`."""
+    _sweep_panels(table, [("test_nll", 1, "clean-test NLL"), ("test_ece", 100, "clean-test ECE %")], path,
+                  "MNIST, 9k noisy labels, 20 epochs: calibration on the clean test set (mean ± std over 3 seeds)")
+    return path
 
 
 def _seed_runs(method: str, hp: dict, noise: str, seeds: list[int], dataset: str, epochs: int) -> list[dict]:

@@ -299,7 +299,7 @@ def _plot(runs: dict, epochs: int, path: Path) -> None:
         ax.legend(fontsize=7)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100, pil_kwargs={"optimize": True})  # ≤ 150 KB: the results summary embeds it
     plt.close(fig)
 
 

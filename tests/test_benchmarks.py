@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -27,13 +28,112 @@ import real_noise  # noqa: E402
 README = REPO / "benchmarks" / "README.md"
 
 
-# -- the tables of benchmarks/README.md ------------------------------------------------------------------------------
-def block(name: str, readme: Path = README) -> str:
-    """The committed text between the markers of `name`."""
+# -- the tables of the results pages (benchmarks/README.md and benchmarks/studies/*.md) --------------------------------
+def block(name: str, readme: Path | None = None) -> str:
+    """The committed text between the markers of `name`: on the one results page that has them
+    (`common.readme_with_block`), or in `readme` (a file, or a copy of the repository's `benchmarks` folder as
+    `regenerate` makes it)."""
+    if readme is None or readme.is_dir():
+        readme = common.readme_with_block(name, REPO if readme is None else readme.parent)
     text = readme.read_text()
     begin, end = f"<!-- generated:{name} -->\n", f"\n<!-- /generated:{name} -->"
     assert begin in text and end in text, f"{readme.name} has no generated block {name!r}"
     return text.split(begin, 1)[1].split(end, 1)[0]
+
+
+def pages(folder: Path) -> dict[str, str]:
+    """The results pages under a `benchmarks` folder, by path relative to it."""
+    return {p.relative_to(folder).as_posix(): p.read_text() for p in common.results_pages(folder.parent)}
+
+
+#: the summary's size limit: a page a user reads in five minutes; the details are on the study pages
+SUMMARY_MAX_BYTES = 25_000
+#: a relative Markdown link or image target (the part before any #anchor), as .ci/docs/hooks.py reads them
+LINK = re.compile(r"\]\(\s*<?([^)\s#>]+)")
+
+
+def test_the_summary_is_short():
+    assert README.stat().st_size <= SUMMARY_MAX_BYTES, f"benchmarks/README.md is {README.stat().st_size} bytes"
+
+
+def _pending(target: Path) -> bool:
+    """A figure of a study that has no runs yet (results/<study>/runs/ empty or absent): linked before it exists."""
+    results = REPO / "benchmarks" / "results"
+    if not target.is_relative_to(results) or len(target.relative_to(results).parts) < 2:
+        return False
+    runs = results / target.relative_to(results).parts[0] / "runs"
+    return not any(runs.glob("*.json"))
+
+
+def test_every_relative_link_of_the_results_pages_resolves():
+    missing = []
+    for page in common.results_pages(REPO):
+        for target in LINK.findall(page.read_text()):
+            if "://" in target or target.startswith(("/", "mailto:")):
+                continue
+            resolved = (page.parent / target).resolve()
+            if not resolved.is_file() and not _pending(resolved):
+                missing.append(f"{page.relative_to(REPO)}: {target}")
+    assert not missing, "links to nothing:\n" + "\n".join(missing)
+
+
+def test_every_generated_block_is_on_one_page(tmp_path):
+    names = [n for page in common.results_pages(REPO) for n in re.findall(r"<!-- generated:(\S+) -->", page.read_text())
+             if n != "NAME"]  # the summary names the markers' form
+    assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
+    assert all(common.readme_with_block(n, REPO).exists() for n in names)
+    # and writing one where none or two pages have its markers is an error that names the pages
+    (tmp_path / "benchmarks" / "studies").mkdir(parents=True)
+    (tmp_path / "benchmarks" / "README.md").write_text("summary\n")
+    marked = "<!-- generated:x -->\nold\n<!-- /generated:x -->\n"
+    (tmp_path / "benchmarks" / "studies" / "a.md").write_text(marked)
+    with pytest.raises(ValueError, match="none of: benchmarks/README.md, benchmarks/studies/a.md"):
+        common.write_readme_section("y", "new", readme=common.readme_with_block("y", tmp_path))
+    common.write_readme_section("x", "new", readme=common.readme_with_block("x", tmp_path))
+    assert "\nnew\n" in (tmp_path / "benchmarks" / "studies" / "a.md").read_text()
+    (tmp_path / "benchmarks" / "studies" / "b.md").write_text(marked)
+    with pytest.raises(ValueError, match="each of: benchmarks/studies/a.md, benchmarks/studies/b.md"):
+        common.readme_with_block("x", tmp_path)
+
+
+def _png(path: Path) -> None:
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 1000, path
+
+
+@pytest.mark.parametrize("figure", ["noise_rate_figure", "calibration_figure"])
+def test_robustness_figures_draw_from_the_committed_sweep(figure, tmp_path):
+    import robustness
+
+    summary = robustness.OUT_DIR / "full" / "summary.json"
+    if not summary.exists():
+        pytest.skip("no committed sweep")
+    _png(getattr(robustness, figure)(json.loads(summary.read_text())["table"], tmp_path / "f.png"))
+
+
+def test_cost_figure_and_table_are_the_committed_runs(tmp_path):
+    import cost
+
+    if not (cost.OUT_DIR / "cost.json").exists():
+        pytest.skip("no committed cost.json")
+    _png(cost.cost_figure(tmp_path / "cost.png"))
+    assert cost.summary_table() == block("cost")
+
+
+def test_training_length_curves_draw_from_the_cache(tmp_path):
+    import training_length_report as report
+
+    runs = report.collect(20)
+    if not runs:
+        pytest.skip("no cached 20-epoch runs")
+    report._plot(runs, 20, tmp_path / "curves.png")
+    _png(tmp_path / "curves.png")
+
+
+def test_the_summary_figures_are_small():
+    figures = [REPO / "benchmarks" / t for t in LINK.findall(README.read_text()) if t.endswith(".png")]
+    assert figures
+    assert all(f.stat().st_size <= 150_000 for f in figures if f.exists()), [
+        (f.name, f.stat().st_size) for f in figures if f.exists()]
 
 
 def needs_mnist() -> None:
@@ -57,12 +157,15 @@ def test_write_readme_section_replaces_only_its_block(tmp_path):
 
 
 def regenerate(report, tmp_path: Path, monkeypatch, *args) -> Path:
-    """Run `report(*args)` with benchmarks/README.md copied to tmp_path; return the copy it wrote into."""
-    (tmp_path / "benchmarks").mkdir()
-    shutil.copy(README, tmp_path / "benchmarks" / "README.md")
+    """Run `report(*args)` with the results pages (benchmarks/README.md, benchmarks/studies/*.md) copied under
+    tmp_path; return the copy's `benchmarks` folder, which `block(name, folder)` reads."""
+    for page in common.results_pages():
+        copy = tmp_path / page.relative_to(REPO)
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(page, copy)
     monkeypatch.setattr(common, "REPO_ROOT", tmp_path)
     report(*args)
-    return tmp_path / "benchmarks" / "README.md"
+    return tmp_path / "benchmarks"
 
 
 @pytest.mark.parametrize("script, section, source", [
@@ -79,7 +182,7 @@ def test_json_reports_reproduce_their_tables(script, section, source, tmp_path, 
            "mislabel_detection": str(copy.parent)}[script]
     written = regenerate(module.report, tmp_path, monkeypatch, arg)
     assert block(section, written) == block(section)
-    assert written.read_text() == README.read_text()  # and nothing else of the file moved
+    assert pages(written) == pages(REPO / "benchmarks")  # and nothing else of the pages moved
 
 
 def test_hp_search_table_is_the_report():
@@ -128,6 +231,7 @@ def test_robustness_tables_are_the_reports():
     table = robustness.collect(dataset, epochs, noises, seeds, specs)
     assert robustness.sweep_table(table, noises, robustness.SWEEP_COLUMNS) == block("robustness")
     assert robustness.sweep_table(table, noises, robustness.HEADLINE_COLUMNS) == block("headline", REPO / "README.md")
+    assert robustness.calibration_table(table, noises, robustness.HEADLINE_COLUMNS) == block("robustness_calibration")
     dataset, epochs, noises, seeds, _ = plan(fig6=True, noises="sym20,sym40,pair20")
     assert robustness.fig6_table(dataset, epochs, noises, seeds) == block("fig6")
     dataset, epochs, noises, seeds, _ = plan(fig10=True, noises="sym40,pair20")
