@@ -12,7 +12,9 @@ Data: MNIST 9k subset, small CNN, batch 64 (random inputs of the same shape if M
 
     OMP_NUM_THREADS=1 python benchmarks/cost.py                 # ~6-8 min on one core
     OMP_NUM_THREADS=1 python benchmarks/cost.py --rounds 2 --steps 20 --eval-size 1000   # smoke
-    python benchmarks/cost.py --report                          # rewrite the .md files from the committed .json
+    python benchmarks/cost.py --report                          # rewrite the .md files, the `cost` table of
+                                                                # benchmarks/studies/cost.md and cost.png
+                                                                # from the committed .json
     OMP_NUM_THREADS=1 python benchmarks/cost.py --engine      # IVON engine vs AdamW (engine.md), ~17 min
     python benchmarks/cost.py --gpu --rounds 3 --steps 20 --skip 5     # on a GPU: bf16 ViT-small and ViT-base,
                                                                        # vs AdamW(fused)

@@ -14,8 +14,9 @@ accuracy, NLL and ECE, mean ± std over seeds; JSON + markdown table + plot in b
     OMP_NUM_THREADS=1 python benchmarks/robustness.py --fig10            # Hessian-init sensitivity (Fig. 10 of [1])
     python benchmarks/robustness.py --report-only [--quick]              # tables/plot from cached runs
 
-The full sweep's report also writes its table into benchmarks/README.md (and the headline table of the repository's
-README.md); `--fig6` and `--fig10` write theirs into benchmarks/README.md.
+The full sweep's report also writes its accuracy and calibration tables into benchmarks/studies/robustness.md (and
+the headline table of the repository's README.md) and the results summary's figures accuracy_vs_noise.png and
+calibration_vs_noise.png; `--fig6` and `--fig10` write their tables into benchmarks/studies/robustness.md.
 
 Runs are cached in benchmarks/results/robustness/runs/ (resumable; interrupt and rerun at will).
 
