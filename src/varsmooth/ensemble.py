@@ -162,7 +162,8 @@ class DeepEnsemble(PredictiveModel):
     def save_pretrained(self, save_directory: str | os.PathLike) -> None:
         """Write the members as `member-N/` subfolders, the ensemble config, the temperature (if fitted) and the
         folder's manifest last. Member folders of an earlier ensemble saved here that this one does not have are
-        removed.
+        removed. Each member is a save of its own (`varsmooth.files`): a save killed between members leaves members
+        whose weights differ from those the ensemble config records, which loading refuses.
 
         Save the tokenizer or image processor into the same folder (e.g. `tokenizer.save_pretrained(folder)`) for
         `varsmooth.pipeline` to find it.

@@ -5,12 +5,14 @@ files beside the earlier save, into a staging folder inside the model folder (`S
 together with the new manifest: every file of this save with its size and SHA-256. Then it commits: it writes a
 journal into the staging folder (whole or not at all) listing the moves, moves each staged file into place by one
 rename, removes the files of the earlier save that it did not write again, moves the manifest into place last and
-deletes the staging folder, journal included. A kill or a failed write (a full disk) before the journal leaves the
-earlier save as it was, and the staging folder is discarded; after the journal, whoever next touches the folder (a
-save, a load, `check_manifest`, `shareable_files`: `recover`) completes the moves from the staged files first. So a
-folder that held a complete save always loads as the earlier save or the new one. A staging folder or temporary file
-that a live process is still writing is locked by it (`flock`) and left alone; on a filesystem without locks, only a
-save (which owns the folder) discards unfinished work.
+deletes the staging folder, journal included. A failed write (a full disk) before the journal discards the staging
+folder at once, and a kill leaves it for whoever next touches the folder (a save, a load, `check_manifest`,
+`shareable_files`: `recover`) to discard: the earlier save stays as it was. A kill after the journal leaves the moves
+to that next one, who completes them from the staged files first. So a folder that held a complete save always loads as
+the earlier save or the new one. The temporary file of a killed `atomic_path` write (an export) is deleted by the next
+write, save or load in its folder. A staging folder or temporary file that a live process is still writing is locked
+by it (`flock`) and left alone; on a filesystem without locks, only a save (which owns the folder) discards unfinished
+work.
 
 Only a file that the earlier manifest lists, and that still has the recorded hash, is ever removed; any other file in
 the folder (yours, or one you edited since) is kept. A folder without manifest was written by something else. A file
@@ -104,7 +106,10 @@ def _abandoned(path: str, wait: bool = False) -> Iterator[bool | None]:
     """Whether the process that wrote leftover `path` (an `atomic_path` file, a save's staging folder) is gone: it
     held the lock while writing, and the kernel released it with the process. The lock is held here until the block
     ends, so that the leftover is not taken over again meanwhile. `wait`: until its writer finishes. None: cannot
-    tell (see `_lock`), also when it is not ours to open."""
+    tell (no locks, see `_lock`), also when it is not ours to open."""
+    if fcntl is None:
+        yield None
+        return
     try:
         fd = os.open(path, os.O_RDONLY if os.path.isdir(path) else os.O_RDWR)
     except FileNotFoundError:
@@ -121,6 +126,21 @@ def _abandoned(path: str, wait: bool = False) -> Iterator[bool | None]:
         os.close(fd)
 
 
+def _held(fd: int) -> int | None:
+    """`fd` of a file or folder just made, locked, to be held open while it is written; None (and closed) where there
+    are no locks: nothing to hold open then (Windows could not rename an open file). Waits while a `recover` that
+    found it holds it (see `FolderSave.__enter__`)."""
+    if _lock(fd, wait=True) is None:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _release(fd: int | None) -> None:
+    if fd is not None:
+        os.close(fd)
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[str]:
     """Yield a temporary path in the same folder; on success it replaces `path` in one rename.
@@ -133,8 +153,8 @@ def atomic_path(path: str | os.PathLike) -> Iterator[str]:
     os.makedirs(folder, exist_ok=True)
     _clear_temp_files(folder, saving=False)
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=TEMP_PREFIX, suffix=os.path.basename(path))
+    lock = _held(fd)
     try:
-        _lock(fd)
         yield tmp
         # mkstemp creates the file private (0600); give it the permissions an ordinary write would have
         os.chmod(tmp, ordinary_file_mode())
@@ -142,7 +162,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[str]:
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.remove(tmp)  # still there only when the write failed
-        os.close(fd)
+        _release(lock)
 
 
 def file_sha256(path: str | os.PathLike) -> str:
@@ -242,7 +262,7 @@ class FolderSave:
         self.folder = os.fspath(folder)
         self.path = ""  #: the staging folder the save writes into, from entering the block on
         self.previous: dict[str, Any] | None = None  #: the earlier save's manifest
-        self._fd: int | None = None  # the staging folder's lock, held until it is committed or discarded
+        self._lock: int | None = None  # on the staging folder, held until it is committed or discarded
         self._committed = False
 
     def __enter__(self) -> "FolderSave":
@@ -252,26 +272,24 @@ class FolderSave:
             self.previous = read_manifest(self.folder)
         except ValueError:  # unreadable: nothing is known to be varsmooth's, so nothing is removed
             self.previous = None
-        while self._fd is None:
+        while not self.path:
             path = tempfile.mkdtemp(prefix=SAVING_PREFIX, dir=self.folder)
-            fd = os.open(path, os.O_RDONLY)
-            _lock(fd)
+            lock = None if fcntl is None else _held(os.open(path, os.O_RDONLY))
             # a load that listed the folder between mkdtemp and the lock may have taken it for a killed save's and
             # removed it: then make another
-            if os.path.isdir(path) and os.path.samestat(os.fstat(fd), os.stat(path)):
-                self.path, self._fd = path, fd
+            if lock is None or (os.path.isdir(path) and os.path.samestat(os.fstat(lock), os.stat(path))):
+                self.path, self._lock = path, lock
             else:
-                os.close(fd)
+                _release(lock)
         return self
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, traceback: Any) -> None:
-        if self._fd is None:  # finished
+        if self._committed:  # finished, or to be completed by the next to touch the folder
+            _release(self._lock)
             return
-        if not self._committed:
-            shutil.rmtree(self.path, ignore_errors=True)
-        os.close(self._fd)
-        self._fd = None
-        if error is not None and not self._committed and _disk_full(error):
+        shutil.rmtree(self.path, ignore_errors=True)
+        _release(self._lock)
+        if error is not None and _disk_full(error):
             kept = "its earlier save is as it was" if self.previous is not None else "no save was written into it"
             raise OSError(errno.ENOSPC, f"The disk is full (no space left on device) while saving to {self.folder}: "
                                         f"nothing was changed there, {kept}. Free some space (or save elsewhere) and "
@@ -300,10 +318,7 @@ class FolderSave:
         with atomic_path(os.path.join(self.path, JOURNAL_FILE)) as tmp, open(tmp, "w", encoding="utf-8") as f:
             json.dump({"moves": staged, "stale": stale}, f, indent=2)
         self._committed = True
-        removed = _complete(self.folder, self.path)
-        os.close(self._fd)
-        self._fd = None
-        return removed
+        return _complete(self.folder, self.path)
 
 
 def _disk_full(error: BaseException) -> bool:
