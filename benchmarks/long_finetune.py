@@ -142,6 +142,7 @@ def run(task: str, method: str, hyperparams: dict[str, Any], seed: int) -> dict[
         return json.loads(path.read_text())
     from varsmooth import VariationalTrainer, VariationalTrainingArguments
 
+    commit = common.code_commit()  # the code this run starts with (the tree may change while it trains)
     model, (train, val, test), collator = build(task, seed)
     wrong = train.filter(lambda row: row["is_corrupted"]).remove_columns("is_corrupted")
     train = train.remove_columns("is_corrupted")
@@ -180,7 +181,7 @@ def run(task: str, method: str, hyperparams: dict[str, Any], seed: int) -> dict[
         "preset": getattr(trainer.args.method_config, "ivon_preset", None),
         "learning_rate": trainer.args.learning_rate, "steps": trainer.state.global_step,
         "wrong_labels_fitted": fitted.history, "train_runtime": output.metrics["train_runtime"],
-        "train_and_after_seconds": seconds, "device": common.bench_device(), "commit": common.code_commit(),
+        "train_and_after_seconds": seconds, "device": common.bench_device(), "commit": commit,
         "versions": common._versions(), "sizes": SIZES,
     })
     common.write_json(path, result)
