@@ -166,9 +166,9 @@ def run(task: str, method: str, hyperparams: dict[str, Any], seed: int) -> dict[
         if early_stopping:
             evals = [h for h in trainer.state.log_history if "eval_loss" in h]
             best = min(evals, key=lambda h: h["eval_loss"])
-            result["early_stopped"] = {
-                "epoch": best["epoch"], "step": best["step"],
-                **_numbers(trainer.evaluate(test, metric_key_prefix="test"))}
+            # the test metrics carry the trainer's epoch (the last): the best checkpoint's goes last
+            result["early_stopped"] = {**_numbers(trainer.evaluate(test, metric_key_prefix="test")),
+                                       "epoch": best["epoch"], "step": best["step"]}
             result["validation_curve"] = [(h["epoch"], h["eval_loss"], h["eval_accuracy"]) for h in evals]
             trainer.model.load_state_dict(final.state_dict)
         result.update(_numbers(trainer.evaluate()))
