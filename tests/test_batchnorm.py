@@ -51,6 +51,7 @@ def test_a_model_without_batchnorm_is_left_alone():
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method, recompute", [("ivon", True), ("ivon", False), ("erm", True)])
 def test_training_with_a_posterior_ends_with_the_statistics_of_the_mean(tmp_path, method, recompute):
     """With IVON the running statistics gathered under sampled weights are replaced by those of the posterior mean over

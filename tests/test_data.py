@@ -170,6 +170,7 @@ def test_efficientnet_lite0_wheel_loads_every_tensor_but_the_classifier():
     assert not mine[-2][1].any() and not mine[-1][1].any()  # a new head starts at the uniform prediction
 
 
+@pytest.mark.slow
 @needs_cifar10n
 @needs_efficientnet
 def test_image_example_trains_on_cifar10n_with_the_wheel(tmp_path):

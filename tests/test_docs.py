@@ -124,6 +124,7 @@ def test_the_site_pulls_the_readmes_in_rather_than_copying_them():
     assert all((ROOT / path).is_file() for path in linked)
 
 
+@pytest.mark.slow
 def test_docs_build_strict(tmp_path):
     for module in ("mkdocs", "mkdocstrings", "mkdocstrings_handlers.python", "material", "griffe_sphinx"):
         if importlib.util.find_spec(module.split(".")[0]) is None:

@@ -620,6 +620,7 @@ def test_fsdp2_trains_hf_vit_and_bert_sharded_beforehand(tmp_path):
             torch.testing.assert_close(files["sharded"][key], std, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_forked_children_can_still_train_after_the_kernels_compiled(tmp_path):
     """torch.compile's tracing, before a process's first backward, would leave autograd unusable in forked children
     (kill -9 tests, multiprocessing with fork): in a fresh process, train with the compiled kernels, fork, and train
@@ -646,6 +647,7 @@ def test_forked_children_can_still_train_after_the_kernels_compiled(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_without_a_cpp_compiler_a_real_run_warns_and_trains_with_foreach_ops(tmp_path):
     """The machine of a user without a C++ compiler, in a fresh process with an empty Inductor cache: torch.compile's
     own failure is caught, named in one warning, and training goes on with foreach ops."""

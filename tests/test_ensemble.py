@@ -147,6 +147,7 @@ def saved_ensemble(tmp_path):
     return ensemble, tokenizer, folder
 
 
+@pytest.mark.slow
 def test_save_then_load_in_a_new_process_predicts_the_same(saved_ensemble):
     ensemble, tokenizer, folder = saved_ensemble
     assert sorted(p.name for p in folder.iterdir() if p.is_dir()) == ["member-0", "member-1", "member-2"]

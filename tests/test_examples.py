@@ -48,6 +48,7 @@ def _metric_lines(stdout: str) -> list[dict]:
     return [json.loads(line) for line in stdout.splitlines() if line.startswith('{"eval_')]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", EXAMPLES, ids=lambda p: p.name)
 def test_every_example_prints_its_help(script):
     result = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=300,
@@ -59,6 +60,7 @@ def test_every_example_prints_its_help(script):
         assert "worse 40 %" in result.stdout
 
 
+@pytest.mark.slow
 def test_the_moons_example_runs_and_its_label_noise_peaks_at_the_boundary(tmp_path):
     """The script as its docstring runs it: IVON trains the MLP, and the exported |ε̄_y| is larger where the posterior
     mean is unsure (|p̄ − 0.5| < 0.2) than elsewhere, with both pictures written."""
@@ -71,6 +73,7 @@ def test_the_moons_example_runs_and_its_label_noise_peaks_at_the_boundary(tmp_pa
     assert (tmp_path / "moons_label_noise.png").is_file() and (tmp_path / "label_noise_vs_mean.png").is_file()
 
 
+@pytest.mark.slow
 def test_the_same_command_twice_gives_the_same_run(tmp_path):
     runs = [_image("--max_steps", "3", "--output_dir", str(tmp_path / name)) for name in ("a", "b")]
     for run in runs:
@@ -85,6 +88,7 @@ def test_the_same_command_twice_gives_the_same_run(tmp_path):
     assert "40 % of the training labels" in runs[0].stderr  # the log's percent sign is not doubled
 
 
+@pytest.mark.slow
 def test_resume_from_checkpoint_continues_at_the_saved_step_and_ends_where_an_uninterrupted_run_ends(tmp_path):
     flags = ["--max_steps", "6", "--save_strategy", "steps", "--save_steps", "3", "--eval_strategy", "no",
              "--logging_strategy", "steps", "--logging_steps", "1"]
@@ -105,6 +109,7 @@ def test_resume_from_checkpoint_continues_at_the_saved_step_and_ends_where_an_un
     assert whole_metrics["eval_nll"] == resumed_metrics["eval_nll"]
 
 
+@pytest.mark.slow
 def test_last_checkpoint_is_found_and_a_used_output_dir_refused(tmp_path):
     args = make_args(tmp_path / "out")
     assert checkpoint_to_resume(args) is None  # no folder yet
@@ -126,6 +131,7 @@ def test_last_checkpoint_is_found_and_a_used_output_dir_refused(tmp_path):
     assert (used / "model.safetensors").read_text() == "an earlier run"
 
 
+@pytest.mark.slow
 def test_do_train_and_do_eval_choose_what_runs(tmp_path):
     evaluated = _image("--do_eval", "--output_dir", str(tmp_path / "eval"))
     assert evaluated.returncode == 0, evaluated.stderr[-3000:]
@@ -138,6 +144,7 @@ def test_do_train_and_do_eval_choose_what_runs(tmp_path):
             and not (tmp_path / "train" / "eval_results.json").exists())
 
 
+@pytest.mark.slow
 def test_do_predict_logging_steps_and_tensorboard_as_in_hugging_faces_examples(tmp_path):
     pytest.importorskip("tensorboard", reason="tensorboard is not installed (the `tensorboard` or `test` extra)")
     out = tmp_path / "out"
@@ -193,6 +200,7 @@ def test_do_predict_is_refused_before_training_without_a_test_split_or_across_pr
         train_evaluate_and_share(trainer, None, ["a test split"], "data")
 
 
+@pytest.mark.slow
 def test_push_to_hub_without_the_hub_says_what_failed_and_how_to_push_later(tmp_path):
     result = _image("--max_steps", "1", "--push_to_hub", "--output_dir", str(tmp_path / "out"))  # HF_HUB_OFFLINE=1
     assert result.returncode != 0
@@ -264,6 +272,7 @@ def test_train_eval_splits_follow_hf_conventions():
         train_eval_splits(datasets.DatasetDict(train=split(20)), train_val_split=0.0)
 
 
+@pytest.mark.slow
 def test_the_default_run_chooses_on_noisy_validation_and_scores_the_clean_test_split_apart(tmp_path):
     example = load_example("train_image_classification")
     data_args = example.parse_arguments(["--use_cpu", "true"])[1]
@@ -494,6 +503,7 @@ def test_a_missing_image_folder_is_named_before_anything_loads(tmp_path, flag):
         example.load_data(data_args, seed=0)
 
 
+@pytest.mark.slow
 def test_images_of_mixed_sizes_without_image_size_are_refused_before_training(tmp_path):
     from example_utils.data import check_image_sizes
 
@@ -550,6 +560,7 @@ def test_a_missing_text_file_is_named_by_its_flag(tmp_path, flag, suffix):
         text.load_data(data_args, seed=0)
 
 
+@pytest.mark.slow
 def test_an_output_folder_that_cannot_be_written_fails_before_training(tmp_path):
     from example_utils.script import check_output_dir_writable
 

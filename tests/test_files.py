@@ -795,6 +795,7 @@ def test_relaunching_a_finished_run_is_refused_instead_of_training_one_more_step
         checkpoint_to_resume(epochs)
 
 
+@pytest.mark.slow
 def test_the_image_example_refuses_a_finished_run_and_another_seeds_checkpoint(tmp_path):
     from test_examples import _image
 

@@ -18,6 +18,8 @@ import hf_finetune  # noqa: E402
 import long_finetune  # noqa: E402
 from test_benchmarks import block  # noqa: E402
 
+pytestmark = pytest.mark.slow  # the benchmarks' checks are the slow tier's (the README's test command skips them)
+
 
 def test_the_rate_is_the_one_whose_worst_task_against_adamw_is_best() -> None:
     adamw = {"text": [0.63, 0.65], "image": [0.30]}

@@ -95,6 +95,7 @@ def test_optim_is_refused_with_ivon_and_built_as_the_stock_trainer_does_with_erm
 
 
 # -- hyperparameter_search ------------------------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("method, searched", [("ivon", {"learning_rate": (0.01, 0.3), "prior_precision": (1e-4, 1e-2)}),
                                               ("erm", {"learning_rate": (1e-3, 0.1)}),
                                               ("ls", {"learning_rate": (1e-3, 0.1), "smoothing": (0.05, 0.5)})])

@@ -251,6 +251,7 @@ def test_label_noise_export_over_adapter_samples(tmp_path):
     assert posterior.summary()["posterior_std_mean"] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", sorted(METHODS))
 def test_every_method_trains_only_the_adapters(tmp_path, method):
     if method == "sam":

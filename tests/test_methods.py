@@ -370,6 +370,7 @@ def test_alasca_positions_ema_confidence_and_targets(tmp_path):
 
 
 # -- inside the Trainer --------------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(METHODS))
 def test_every_method_trains_and_the_saved_model_reloads_as_a_plain_model(tmp_path, name):
     def train(folder, method_name):

@@ -216,6 +216,7 @@ def test_posterior_follows_the_model_when_it_moves():
     assert posterior._cache_used == sum(t.numel() * t.element_size() for t in posterior._cache[0])
 
 
+@pytest.mark.slow
 def test_pipeline_on_a_one_channel_timm_model(tmp_path):
     """A grayscale timm model (TimmWrapperConfig has no `num_channels`, only the `in_chans` of its timm model) trained,
     saved and served by `varsmooth.pipeline`: the scores are the BMA probabilities of the reloaded model."""

@@ -42,6 +42,7 @@ def _held_out_noise(trainer, data):
     return sums.noise_l1 / sums.count, sums.distance_from_uniform / sums.count
 
 
+@pytest.mark.slow
 def test_the_knob_brings_the_measured_label_noise_to_alpha_times_the_means_distance_from_uniform(smoothed):
     for alpha, (trainer, held_out) in smoothed.items():
         knob = _knob(trainer)
@@ -70,6 +71,7 @@ def test_the_posterior_and_the_card_record_the_ess_that_was_used(smoothed):
     assert trainer.ivon.param_groups[0]["ess"] == pytest.approx(trainer.method.config.ess)
 
 
+@pytest.mark.slow
 def test_a_resume_continues_with_the_ess_the_knob_reached(tmp_path):
     whole, _ = _train(tmp_path / "whole", 0.3, save_strategy="steps", save_steps=300)
     torch.manual_seed(0)

