@@ -81,7 +81,9 @@ def run(setting: str, seed: int) -> dict[str, Any]:
         print(f"[{SCRIPT}] {' '.join(command)}", flush=True)
         subprocess.run(command, cwd=ROOT, check=True, capture_output=True, text=True)
         metrics = json.loads((folder / "all_results.json").read_text())
+        # the example's Trainer trains on the GPU when there is one (no use_cpu flag is passed)
         result = {"setting": setting, "seed": seed, "flags": flags, "version": VERSION,
+                  "commit": common.code_commit(), "device": "cuda" if common.torch.cuda.is_available() else "cpu",
                   **{k: metrics[k] for k in ("test_accuracy", "test_nll", "test_mean_accuracy", "test_mean_nll",
                                              "test_posterior_samples_averaged", "eval_nll", "eval_mean_nll")},
                   **ood_auroc(folder, seed)}
@@ -166,8 +168,10 @@ def report() -> str:
             "| noisy val NLL: mean / BMA | MI AUROC noise "
             "| MI AUROC CIFAR-10 | τ = 1, mean's statistics: acc % / NLL / MI AUROC noise |",
             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    shown: list[dict[str, Any]] = []
     for setting in SETTINGS:
         runs = [run(setting, seed) for seed in SEEDS]
+        shown += runs
         col = functools.partial(_column, runs)
         rows.append(f"| {setting} | {col('test_mean_accuracy')} | {col('test_accuracy')} | "
                     f"{col('test_mean_nll', 1.0, 3)} | {col('test_nll', 1.0, 3)} | {col('nll_tau0.5', 1.0, 3)} | "
@@ -178,7 +182,7 @@ def report() -> str:
     return ("BMA: 32 draws at τ = 1, each with its own BatchNorm statistics (what `evaluate()` and the saved model "
             "do); clean test split; `noisy val NLL`: the example's validation split, labels as noisy as the training "
             "labels (clean in the clean-label rows); mean ± sd over seeds " + ", ".join(map(str, SEEDS)) + ".\n\n"
-            + "\n".join(rows))
+            + "\n".join(rows) + "\n\n" + common.stamp_line(shown))
 
 
 # -- MNIST ----------------------------------------------------------------------------------------------------------
@@ -205,11 +209,13 @@ def mnist_jobs() -> list[dict[str, Any]]:
 def mnist_report() -> str:
     rows = ["| noise | setting | n | mean acc % | BMA acc % | mean NLL | BMA NLL | noisy val NLL: mean / BMA "
             "| flipped labels fitted % | σ median |", "|---|---|---|---|---|---|---|---|---|---|"]
+    shown: list[dict[str, Any]] = []
     for noise in MNIST_NOISES:
         for setting, (script, hp) in mnist_settings().items():
             runs = [r for seed in SEEDS if (r := common.cached(script, "ivon", hp, noise, seed, MNIST_EPOCHS))]
             if not runs:
                 continue
+            shown += runs
             col = functools.partial(_column, runs)
             sigma = common.fmt_pm([r["hessian"]["posterior_std_median"] for r in runs], scale=1.0, digits=3)
             rows.append(f"| {noise} | {setting} | {len(runs)} | {col('test_mean_acc')} | {col('test_acc')} | "
@@ -217,7 +223,9 @@ def mnist_report() -> str:
                         f"{col('val_mean_nll', 1.0, 3)} / {col('val_nll', 1.0, 3)} | {col('fit_flipped')} | {sigma} |")
     return ("MNIST, robustness.py's CNN and set-up (9,000 noisy training labels, 20 epochs = 2,820 steps); BMA: 8 "
             "draws at τ = 1 (the sweep's); clean test split; `noisy val NLL`: the noisy validation split; mean ± sd "
-            "over the seeds run (n). The default's runs are the sweep's own.\n\n" + "\n".join(rows))
+            "over the seeds run (n). The default's runs are the sweep's own.\n\n" + "\n".join(rows) + "\n\n"
+            # before runs recorded a device, `common.run` trained with use_cpu=True
+            + common.stamp_line(shown, unrecorded_device="cpu"))
 
 
 def main() -> None:

@@ -61,7 +61,8 @@ hf_logging.set_verbosity_error()
 __all__ = [
     "DATA_DIR", "RESULTS_DIR", "REPO_ROOT", "DataUnavailable", "ImageData", "SmallCNN", "load_data", "noisy_labels",
     "parse_noise", "run", "method_available", "mean_std", "write_json", "steps_per_epoch",
-    "readme_with_block", "results_pages", "write_readme_section",
+    "readme_with_block", "results_pages", "write_readme_section", "code_commit", "bench_device", "stamp_line",
+    "stamp_fields", "STAMP_LINE",
 ]
 
 
@@ -345,6 +346,74 @@ def code_commit() -> str:
     return head + ("+changes" if dirty else "")
 
 
+#: a generated table's stamp line: an optional caption sentence on mixing, then "Runs by ..." or, when no run has a
+#: commit, "N runs predate stamping" (tests/test_benchmarks.py finds the stamp of every block by it)
+STAMP_LINE = re.compile(r"^(\*\*This table mixes [^*]+\*\* )?(Runs by |\d+ runs? predates? stamping)", re.MULTILINE)
+#: the packages that name an engine when a run predates the commit stamp (its `versions` field, when it has one)
+_ENGINE_PACKAGES = ("torch", "transformers", "ivon-opt")
+
+
+def _engine_of(run: dict[str, Any]) -> str:
+    """What a run records of the code that produced it, short of a commit: its package versions, else its cache
+    version, else nothing. Never a commit guessed from a date: a run that did not record one says so."""
+    versions = run.get("versions")
+    if not isinstance(versions, dict):  # some writers keep the versions at the top level (label_noise_cost.py)
+        versions = {name: run[name] for name in _ENGINE_PACKAGES if isinstance(run.get(name), str)}
+    if any(name in versions for name in _ENGINE_PACKAGES):
+        return " ".join(f"{name} {versions[name]}" for name in _ENGINE_PACKAGES if name in versions)
+    config = run.get("config") if isinstance(run.get("config"), dict) else {}
+    version = run.get("version", config.get("version"))
+    return f"cache version {version}" if version is not None else "no versions recorded"
+
+
+def stamp_fields(run: dict[str, Any]) -> dict[str, Any]:
+    """What `stamp_line` reads of a run (commit, device, package versions, cache version), for summaries that keep a
+    few fields of each run rather than the run."""
+    config = run.get("config") if isinstance(run.get("config"), dict) else {}
+    version = run.get("version", config.get("version"))
+    return {**{k: run[k] for k in ("commit", "device", "versions") if k in run},
+            **({"version": version} if version is not None else {})}
+
+
+def _counted(counts: dict[str, int]) -> str:
+    return ", ".join(f"{name} ({n})" for name, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+def stamp_line(runs: Any, *, unrecorded_device: str | None = None) -> str:
+    """One line for under a generated table: which code (commit) on which device its `runs` (dicts as the run JSON
+    holds them, each with ``commit`` and ``device`` where recorded) came from, e.g. "Runs by 8b3ff5c on cpu (3)."
+    When they span more than one engine or device the line opens with a caption sentence saying that the table mixes
+    them (paired differences across engines or devices include their rounding).
+
+    A run recorded before runs were stamped (no ``commit``) is counted as predating stamping and named by what it does
+    record (package versions, else its cache version); no commit is guessed for it. `unrecorded_device` is the device
+    of a run without a ``device`` field, for scripts that could train on nothing else before they recorded one
+    (``use_cpu=True`` until commit 6bf945e for `run`, 41d5069 for real_noise.py, df81a07 for lora.py); None shows
+    such runs as "device not recorded"."""
+    runs = [r for r in runs if r]
+    if not runs:
+        return "Runs by nothing yet: no run is cached."
+    stamped: dict[str, int] = {}
+    predating: dict[str, int] = {}
+    engines, devices = set(), set()
+    for r in runs:
+        device = r.get("device") or unrecorded_device or "device not recorded"
+        engine = r.get("commit") or _engine_of(r)
+        engines.add((bool(r.get("commit")), engine))
+        devices.add(device)
+        group = stamped if r.get("commit") else predating
+        group[f"{engine} on {device}"] = group.get(f"{engine} on {device}", 0) + 1
+    text = f"Runs by {_counted(stamped)}." if stamped else ""
+    if predating:
+        n = sum(predating.values())
+        text += (f" {n} run{'s' * (n != 1)} predate{'s' * (n == 1)} stamping (no commit recorded): "
+                 f"{_counted(predating)}.")
+    if len(engines) > 1 or len(devices) > 1:
+        mixed = [f"{len(engines)} engines" * (len(engines) > 1), f"{len(devices)} devices" * (len(devices) > 1)]
+        text = f"**This table mixes runs of {' and '.join(m for m in mixed if m)}.** {text.strip()}"
+    return text.strip()
+
+
 def _result_path(script: str, key: str) -> Path:
     return RESULTS_DIR / script / "runs" / f"{key}.json"
 
@@ -520,7 +589,7 @@ def run(method: str, hyperparams: dict[str, Any] | None = None, noise: str = "sy
         "hessian": hess, "history": history_cb.history,
         "log_history": [r for r in log_history if "loss" in r],
         "versions": _versions(), "threads": torch.get_num_threads(), "device": bench_device(),
-        **({"analysis": analysis} if analysis is not None else {}),
+        "commit": code_commit(), **({"analysis": analysis} if analysis is not None else {}),
     }
     for prefix, metrics in (("test", test), ("val", val)):
         for name in ("accuracy", "nll", "ece", "brier", "mean_accuracy", "mean_nll", "mean_ece", "mean_brier"):

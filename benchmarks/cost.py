@@ -494,7 +494,7 @@ def engine_report(rounds: int, steps: int, skip: int) -> dict:
     mem = engine_memory(3)
     result = {"device": "cpu", "threads": 1, "cpu": platform.processor() or platform.machine(), "rounds": rounds,
               "trainer_steps_per_block": steps, "models": timing, "memory": mem, "ivon_settings": ENGINE_IVON_KW,
-              "versions": common._versions(),
+              "versions": common._versions(), "commit": common.code_commit(),
               "note": f"{os.cpu_count()}-core machine, load average {load:.1f} at the start: rounds interleaved in "
                       "random order; ratios within a round are the result."}
     common.write_json(OUT_DIR / "engine.json", result)
@@ -708,6 +708,7 @@ def main(argv: list[str] | None = None) -> dict | None:
               "threads": 1, "cpu": platform.processor() or platform.machine(), "rounds": a.rounds,
               "steps_per_block": a.steps, "step_ms_median": step_ms, "step_ratios": step_ratios,
               "per_round_s": per_round, "evaluation": ev, "memory": mem, "versions": common._versions(),
+              "commit": common.code_commit(),
               "note": "Shared 2-core machine: ratios within a round are the result; absolute times are not."}
     common.write_json(OUT_DIR / "cost.json", result)
     text = render(result)
@@ -822,7 +823,9 @@ def summary_table(out_dir: Path = OUT_DIR) -> str:
             ratio = m["ratios"]["train:ivon / train:adamw_foreach"]
             lines.append(f"| {label} | {m['batch_size']} | {fmt_ratio(ratio)} | "
                          f"{m['ms_median']['train:adamw_foreach']:.0f} |")
-    return "\n".join(lines)
+    shown = [json.loads((out_dir / name).read_text()) for _, name in SUMMARY_RUNS if (out_dir / name).exists()]
+    shown += [engine] if engine_path.exists() else []
+    return "\n".join([*lines, "", common.stamp_line(shown)])
 
 
 def cost_figure(path: Path, out_dir: Path = OUT_DIR) -> Path:

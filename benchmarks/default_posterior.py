@@ -94,6 +94,8 @@ def run_example(example: str, seed: int, window: float | None, ess_factor: float
     with tempfile.TemporaryDirectory(prefix="varsmooth-default-posterior-") as tmp:
         result = _run_example_in(Path(tmp) / name, script, example, seed, window, fixed_beta2, ess_factor, setting,
                                  noise_rate)
+    # the example's Trainer trains on the GPU when there is one (no use_cpu flag is passed)
+    result.update(commit=common.code_commit(), device="cuda" if common.torch.cuda.is_available() else "cpu")
     common.write_json(path, result)
     return result
 
@@ -155,7 +157,9 @@ def mnist_row(result: dict[str, Any]) -> dict[str, Any]:
     setting = "fixed" if "beta2" not in result["config"]["hyperparams"] else "rule c=0.1"
     return {"task": f"MNIST {result['config']['noise']}", "setting": setting, "seed": result["config"]["seed"],
             "test_acc": result["test_acc"], "test_nll": result["test_nll"], "test_ece": result["test_ece"],
-            "test_mean_acc": result["test_mean_acc"], "hess_change_median": _hessian_change(result)}
+            "test_mean_acc": result["test_mean_acc"], "hess_change_median": _hessian_change(result),
+            # before runs recorded a device, `common.run` trained with use_cpu=True
+            "device": "cpu", **common.stamp_fields(result)}
 
 
 def _hessian_change(result: dict[str, Any]) -> float | None:
@@ -172,7 +176,9 @@ def lora_row(result: dict[str, Any]) -> dict[str, Any]:
     return {"task": f"LoRA {result['config']['task']}", "setting": setting, "seed": result["config"]["seed"],
             "test_acc": result["test_acc"], "test_nll": result["test_nll"], "test_ece": result["test_ece"],
             "test_mean_acc": result.get("test_mean_acc"),
-            "hess_change_median": result["hessian"].get("hess_change_median")}
+            "hess_change_median": result["hessian"].get("hess_change_median"),
+            # before runs recorded a device, lora.py trained with use_cpu=True
+            "device": "cpu", **common.stamp_fields(result)}
 
 
 # -- report -------------------------------------------------------------------------------------------------------
@@ -235,7 +241,7 @@ def report() -> str:
             f"{', '.join(f'{t:g}' for t in taus) or '–'} | {pm(col('noise_l1_mean'))} | "
             f"{pm(col('noise_l1_q90_over_q10'), digits=2)} | {pm(col('noise_entropy_spearman'), digits=2)} |"
         )
-    return "\n".join(lines) + "\n"
+    return "\n".join([*lines, "", common.stamp_line(rows)]) + "\n"
 
 
 def noise_rate_report() -> str:
@@ -265,7 +271,7 @@ def noise_rate_report() -> str:
             f"{pm(col('noise_entropy_spearman'), digits=2)} | {pm(col('mean_confidence_median'), digits=3)} | "
             f"{pm(col('noise_l1_peak_confidence'), digits=3)} | {pm(col('below_noise_peak_share'), 100, 0)} % |"
         )
-    return "\n".join(lines) + "\n"
+    return "\n".join([*lines, "", common.stamp_line(rows)]) + "\n"
 
 
 def main(argv: list[str] | None = None) -> None:

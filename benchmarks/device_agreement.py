@@ -78,7 +78,9 @@ def report(gpu: list[dict], cpu: list[dict]) -> str:
     abs_diffs = [abs(d) for d in diffs]
     lines += ["", f"GPU − CPU test accuracy: mean {common.mean_std(diffs)[0]:+.2f} pp, mean |difference| "
               f"{common.mean_std(abs_diffs)[0]:.2f} pp, largest {max(abs_diffs):.2f} pp; |difference| / seed std: mean "
-              f"{common.mean_std(ratios)[0]:.2f}, largest {max(ratios, default=float('nan')):.2f}."]
+              f"{common.mean_std(ratios)[0]:.2f}, largest {max(ratios, default=float('nan')):.2f}.",
+              # mixed devices by design; before runs recorded a device, `common.run` trained with use_cpu=True
+              "", common.stamp_line([*gpu, *cpu], unrecorded_device="cpu")]
     text = "\n".join(lines)
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     (OUT_DIR / "report.md").write_text("# GPU vs CPU: the same sweep runs on both devices\n\n" + text + "\n")

@@ -33,6 +33,14 @@ RATES = (5e-5, 1e-4, 3e-4, 1e-3, 3e-3)
 EXTENSION = 1e-2
 
 
+def _commit() -> str:
+    """common.code_commit(), imported only when a run is recorded (common imports torch; this driver needs none)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from common import code_commit
+
+    return code_commit()
+
+
 def run(method: str, lr: float, seed: int) -> dict:
     """The example's default run for `method` at `lr` (cached): its printed validation and test metrics, and time."""
     path = RESULTS / "runs" / f"{method}_lr{lr:g}_seed{seed}.json"
@@ -52,7 +60,8 @@ def run(method: str, lr: float, seed: int) -> dict:
     (line,) = [json.loads(x) for x in result.stdout.splitlines() if x.startswith('{"eval_')]
     losses = [float(ast.literal_eval(x)["loss"]) for x in result.stdout.splitlines() if x.startswith("{'loss'")]
     record = {"method": method, "learning_rate": lr, "seed": seed, "seconds": round(seconds, 1),
-              "final_train_loss": losses[-1] if losses else None,
+              "final_train_loss": losses[-1] if losses else None, "device": "cpu",  # --use_cpu true
+              "commit": _commit(),
               **{k: line[k] for k in ("eval_accuracy", "eval_nll", "test_accuracy", "test_nll") if k in line}}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=2))

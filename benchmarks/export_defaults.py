@@ -110,7 +110,8 @@ def report() -> str:
         lines.append(f"| {s} | {e['seconds']:.1f} | {e['seconds'] / e['train_runtime']:.2f} | "
                      f"{e['mean_noise_l1']:.4f} | {e['mean_ratio_vs_64']:.2f} | {e['spearman_vs_64']:.2f} |")
     stamps = sorted({f"{f['commit']} on {f['device']}" for f in fine_tunes()})
-    lines += ["", f"Main job: commit {r['commit']}, {r['device']}; fine-tunes: {', '.join(stamps) or 'none'}."]
+    lines += ["", f"Main job: commit {r['commit']}, {r['device']}; fine-tunes: {', '.join(stamps) or 'none'}.",
+              "", common.stamp_line([r, *fine_tunes()])]
     return "\n".join(lines)
 
 

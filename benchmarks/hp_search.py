@@ -117,7 +117,9 @@ def report(result: dict[str, list[dict[str, Any]]]) -> str:
         lines.append("")
         summary.append(f"{method} {setting} = {best[setting]:.4g}: clean-test accuracy {100 * best['test_acc']:.2f} %, "
                        f"NLL {best['test_nll']:.4f}")
-    lines += ["Chosen by noisy validation: " + "; ".join(summary) + ".", ""]
+    lines += ["Chosen by noisy validation: " + "; ".join(summary) + ".", "",
+              # every trial trained with use_cpu=True
+              common.stamp_line([t for trials in result.values() for t in trials], unrecorded_device="cpu"), ""]
     return "\n".join(lines)
 
 
@@ -130,7 +132,8 @@ def main() -> None:
 
         result = json.loads(RESULT.read_text())
     else:
-        result = {method: search(method) for method in SEARCHES}
+        stamp = {"commit": common.code_commit(), "device": "cpu"}  # each trial is a run (use_cpu=True)
+        result = {method: [{**trial, **stamp} for trial in search(method)] for method in SEARCHES}
         common.write_json(RESULT, result)
     assert all(math.isfinite(t["val_loss"]) for trials in result.values() for t in trials)
     common.write_readme_section(SCRIPT, report(result))

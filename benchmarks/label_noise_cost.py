@@ -76,6 +76,7 @@ def report(path: str = RESULTS) -> str:
         f"{r['ratio_export_over_S_plus_1_forward_passes']:.2f} |", "",
         f"(S + 1) evaluation passes would take {s1 * r['eval_pass_s']:.2f} s: the export loads each batch once, not "
         f"S + 1 times; against in-memory forward passes it pays for the weight draws and the per-example arithmetic.",
+        "", common.stamp_line([r]),
     ])
     common.write_readme_section("label_noise_cost", text)
     return text
@@ -162,6 +163,7 @@ def main() -> None:
         "torch_threads": torch.get_num_threads(),
         "platform": platform.platform(),
         "torch": torch.__version__,
+        "commit": common.code_commit(),
     }
     os.makedirs(os.path.dirname(cli.output), exist_ok=True)
     with open(cli.output, "w") as f:

@@ -120,7 +120,7 @@ def run(task: str, name: str, seed: int) -> dict[str, Any]:
         eval_s = time.perf_counter() - t1
     result: dict[str, Any] = {
         "key": key, "config": {"task": task, "method": name, "seed": seed, "setup": SETUP, "version": VERSION},
-        "device": DEVICE,
+        "device": DEVICE, "commit": common.code_commit(),
         "settings": {k: getattr(args, k, getattr(args.method_config, k, None))
                      for k in ("learning_rate", "ess", "hess_init", "beta2", "clip_radius", "rescale_lr",
                                "eval_mc_samples", "weight_decay")},
@@ -224,7 +224,9 @@ def report(device: str = DEVICE) -> str:
                 "test_ece": common.mean_std([r["test_ece"] for r in rs]),
                 "s_per_step": float(np.mean([r["s_per_step"] for r in rs])),
                 "diverged": sum(r["diverged"] is not None for r in rs)}
-    lines += ["", *_reading(runs)]
+    # the runs behind the rows; before runs recorded a device, this script trained with use_cpu=True
+    shown = [r for r in runs if r["config"]["task"] in TASKS and r["config"]["method"] in METHODS]
+    lines += ["", *_reading(runs), "", common.stamp_line(shown, unrecorded_device="cpu")]
     common.write_json(out_dir / "summary.json", summary)
     text = "\n".join(lines)
     (out_dir / "README.md").write_text(text + "\n")

@@ -128,7 +128,7 @@ def table(data: dict[str, Any]) -> str:
                          f"{r['s_per_step'] * 1e3:.1f} ms "
                          f"[{r['s_per_step_min'] * 1e3:.1f}–{r['s_per_step_max'] * 1e3:.1f}] | "
                          f"{ratio:.2f}× | {r['peak_train_gib']:.2f} | {pred} |")
-    return "\n".join(lines)
+    return "\n".join([*lines, "", common.stamp_line([data])])
 
 
 def main() -> None:
@@ -147,6 +147,7 @@ def main() -> None:
                              "with a GPU.")
         rows = [measure(size, method, args.steps, args.batch, args.length) for size in args.sizes for method in METHODS]
         common.write_json(out / "scale.json", {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                                               "commit": common.code_commit(),
                                                "steps": args.steps, "batch": args.batch, "length": args.length,
                                                "rows": rows})
     text = table(json.loads((out / "scale.json").read_text()))

@@ -227,6 +227,8 @@ def markdown(result: dict[str, Any]) -> str:
         "one_minus_confidence` (identical rows are a consistency check).",
         "",
     ]
+    # the package versions sit under "environment"; every training has use_cpu=True
+    lines += ["", common.stamp_line([{"versions": result.get("environment", {}), **result}], unrecorded_device="cpu")]
     return "\n".join(lines)
 
 
@@ -274,6 +276,7 @@ def main() -> None:
         "runtime_s": time.perf_counter() - start,
         "environment": {"torch": torch.__version__, "platform": platform.platform(),
                         "cpu_threads": torch.get_num_threads()},
+        "commit": common.code_commit(), "device": "cpu",  # every training has use_cpu=True
         "summary": aggregate(per_seed),
         "per_seed": per_seed,
     }

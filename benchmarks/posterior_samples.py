@@ -69,7 +69,8 @@ def report(results: dict[str, dict[str, Any]]) -> str:
         lines += ["", f"Reading: NLL at S = 1 is {rows[0]['nll']:.4f}, at S = {last['num_samples']} {last['nll']:.4f}; "
                       f"S = {enough['num_samples']} is the smallest S within {NLL_TOLERANCE} of it "
                       f"({enough['seconds']:.2f} s vs {last['seconds']:.2f} s per prediction of the test set).", ""]
-    return "\n".join(lines)
+    # before runs recorded a device, `common.run` trained with use_cpu=True
+    return "\n".join([*lines, common.stamp_line(results.values(), unrecorded_device="cpu")])
 
 
 def main() -> None:

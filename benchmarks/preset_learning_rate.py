@@ -55,6 +55,7 @@ def report(seeds: list[int]) -> str:
     header = ("| task | IVON | AdamW (default) | seeds | steps | IVON acc % | IVON NLL | IVON ECE % | AdamW acc % | "
               "AdamW NLL | AdamW ECE % | Δacc IVON − AdamW (pp, paired, ± SE) | within 1 pt | device |")
     lines = [header, "|---" * 14 + "|"]
+    shown: dict[int, dict[str, Any]] = {}  # by id: AdamW's runs are in every row of their task
     for task in TASKS:
         def runs(method: str, hp: dict[str, Any], task: str = task) -> list[dict[str, Any]]:
             return [r for s in seeds if (r := real_noise._cached(
@@ -66,12 +67,15 @@ def report(seeds: list[int]) -> str:
         variants = [(f"finetune, lr {rate:g}", ivon_hyperparams(task, rate)) for rate in RATES]
         for name, hp in variants:
             ivon = runs("ivon", hp)
+            shown.update((id(r), r) for r in ivon + adamw)
             device = " and ".join(sorted({r.get("device", "cpu") for r in ivon + adamw})) or "–"
             lines.append(real_noise._defaults_row(task, name, ivon, adamw, adamw_text, device))
     text = "\n".join(lines) + (
         "\n\nIVON: the `finetune` preset with only the learning rate changed; AdamW: the task's example's default, "
         "as in `preset_defaults` (the image example's 5e-5 barely trains the CNN in 189 steps: compare the preset's "
-        "two rates there). Clean-test metrics, mean ± sd over the seeds; Δacc paired within a seed.")
+        "two rates there). Clean-test metrics, mean ± sd over the seeds; Δacc paired within a seed.\n\n"
+        # before runs recorded a device, real_noise.py trained with use_cpu=True
+        + common.stamp_line(shown.values(), unrecorded_device="cpu"))
     common.write_readme_section("preset_learning_rate", text)
     return text
 

@@ -511,7 +511,7 @@ def run(task_name: str, method: str, hyperparams: dict[str, Any] | None = None, 
             "effective_settings": effective_settings(task, method, hyperparams, epochs), "n_train": len(y_train),
             "steps": trainer.state.global_step,
             "train_s": train_s, "eval_s": eval_s, "train_loss": training_loss, "diverged": diverged,
-            "device": common.bench_device(),
+            "device": common.bench_device(), "commit": common.code_commit(),
             "features_sha": data.get("features_sha") if task.kind == "image" else None,
             "realized_noise": float((y_train != y_clean).float().mean()), "hessian": trainer.hessian_summary(),
             "log_history": [r for r in trainer.state.log_history if "loss" in r], "versions": common._versions(),
@@ -1219,7 +1219,14 @@ def _task_section(task: str, prot: dict[str, tuple[str, list[dict[str, Any]]]]) 
         if rule in ranked and rule != best:
             d = _paired(present[rule], present[best])
             lines.append(f"{rule} − {best}: {_fmt(d)} pp (ahead on {sum(v > 0 for v in d)}/{len(d)} seeds).")
+    lines += ["", _stamp(rs for rs in present.values())]
     return "\n".join(lines)
+
+
+def _stamp(groups: Any) -> str:
+    """The stamp line of the runs of `groups` (lists of runs), each run counted once."""
+    # before runs recorded a device, this script trained with use_cpu=True
+    return common.stamp_line({id(r): r for rs in groups for r in rs}.values(), unrecorded_device="cpu")
 
 
 def write_readme_sections(protocol_rows: dict[str, dict[str, tuple[str, list[dict[str, Any]]]]]) -> None:
@@ -1247,6 +1254,7 @@ def write_readme_sections(protocol_rows: dict[str, dict[str, tuple[str, list[dic
     if missing:
         lines.append("Not yet run under this protocol: " + ", ".join(missing)
                      + " (`python benchmarks/real_noise.py --plan fair --tasks ...`).")
+    lines += ["", _stamp(rs for t in tasks for _, rs in protocol_rows[t].values())]
     common.write_readme_section("real_noise", "\n".join(lines))
     for task in FAIR_TASKS:
         body = (_task_section(task, protocol_rows[task]) if task in protocol_rows
@@ -1314,8 +1322,10 @@ def preset_defaults_report(seeds: list[int] | tuple[int, ...] = (0, 1, 2)) -> st
     is_preset = (resolved({k: v for k, v in lora.METHODS[preset_method][1].items() if k != "method"})
                  == resolved({"ivon_preset": "lora"}))
     adamw_lora = lora.METHODS["adamw-lora"][1]
+    shown = [rs for methods in groups.values() for rs in methods.values()]  # the runs behind the rows, for the stamp
     for task in lora.TASKS:
         of = lambda name: [r for r in runs if r["config"]["task"] == task and r["config"]["method"] == name]  # noqa: E731, B023
+        shown += [of(preset_method), of("adamw-lora")]
         lines.append(_defaults_row(f"{task} (LoRA, lora.py)",
                                    "lora" if is_preset else f"{preset_method} (not the preset)",
                                    of(preset_method), of("adamw-lora"), _adamw_text(adamw_lora) + " (adamw-lora)",
@@ -1328,6 +1338,7 @@ def preset_defaults_report(seeds: list[int] | tuple[int, ...] = (0, 1, 2)) -> st
         # read whatever ran: these runs need no noisy-validation metrics here (`_cached` retrains those without)
         erm = [json.loads(path.read_text()) for s in seeds if (path := run_path(task, "erm", {}, s)).is_file()]
         ivon = groups[(task, None)]["ivon"]
+        shown.append(erm)
         bench.append(_defaults_row(task, "finetune", ivon, erm,
                                    _adamw_text(settings_for(Task.parse(task), "erm", {})),
                                    " and ".join(sorted({r.get("device", "cpu") for r in ivon + erm})) or "–"))
@@ -1350,7 +1361,7 @@ def preset_defaults_report(seeds: list[int] | tuple[int, ...] = (0, 1, 2)) -> st
               "10 % warm-up) and, within a seed, its weights, labels and batch order. Clean-test metrics, mean ± sd "
               "over the seeds; `within 1 pt`: mean Δacc ≥ −1."
               + ("" if is_preset else f" **{preset_method}'s settings are no longer the `lora` preset's defaults.**")]
-    lines += bench
+    lines += [*bench, "", _stamp(shown)]
     text = "\n".join(lines)
     common.write_readme_section("preset_defaults", text)
     return text

@@ -169,7 +169,8 @@ def collect(dataset: str, epochs: int, noises: list[str], seeds: list[int], spec
                 if fam in missing:
                     continue
                 table.setdefault(fam, {}).setdefault(noise, []).append({"seed": seed, "hp": hp, **{
-                    k: r[k] for k in ("test_acc", "test_nll", "test_ece", "test_bma_acc", "val_acc", "fit_flipped")}})
+                    k: r[k] for k in ("test_acc", "test_nll", "test_ece", "test_bma_acc", "val_acc", "fit_flipped")},
+                    **common.stamp_fields(r)})
     return table
 
 
@@ -259,7 +260,13 @@ def sweep_table(table: dict, noises: list[str], columns: dict[str, str]) -> str:
         cells = [(f"**{common.fmt_pm(values[f], 100, 1)}**" if f == best else common.fmt_pm(values[f], 100, 1))
                  if values[f] else "–" for f in fams]
         lines.append(f"| {noise_label(noise)} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    return "\n".join([*lines, "", _stamp(table, noises, fams)])
+
+
+def _stamp(table: dict, noises: list[str], fams: list[str]) -> str:
+    """The stamp of the runs behind a sweep table's cells (the chosen run of each family, noise and seed)."""
+    # before runs recorded a device, `run` trained with use_cpu=True
+    return common.stamp_line((r for f in fams for n in noises for r in table[f].get(n, [])), unrecorded_device="cpu")
 
 
 def calibration_table(table: dict, noises: list[str], columns: dict[str, str]) -> str:
@@ -282,7 +289,8 @@ def calibration_table(table: dict, noises: list[str], columns: dict[str, str]) -
         lines.append(f"| {noise_label(noise)} | " + " | ".join(cells) + " |")
     lines += ["", "Cells: clean-test NLL / ECE %, mean over the seeds of the sweep's table above; the lowest NLL of a "
               "row in bold. A model of noisy labels that predicts as uncertainly as they are is under-confident on "
-              "clean ones: a large ECE here is mostly that (LS's most of all), so read the NLL first."]
+              "clean ones: a large ECE here is mostly that (LS's most of all), so read the NLL first.",
+              "", _stamp(table, noises, fams)]
     return "\n".join(lines)
 
 
@@ -367,14 +375,16 @@ def fig6_table(dataset: str, epochs: int, noises: list[str], seeds: list[int]) -
              + f" | noisy-val acc, mean of the {len(noises)} noises "
                f"| flipped labels fitted, {noise_label(flip_noise)} |",
              "|---|" + "---|" * (len(noises) + 2)]
+    shown: list[dict] = []
     for label, method, hp, mode in rows:
         runs = {n: _seed_runs(method, hp, n, seeds, dataset, epochs) for n in noises}
+        shown += [r for n in noises for r in runs[n]]
         val = [r[f"val_{mode}acc"] for n in noises for r in runs[n]]
         lines.append(f"| {label} | " + " | ".join(common.fmt_pm([r[f"test_{mode}acc"] for r in runs[n]], 100, 1)
                                                   for n in noises)
                      + f" | {100 * common.mean_std(val)[0]:.1f} | "
                      + f"{100 * common.mean_std([r['fit_flipped'] for r in runs[flip_noise]])[0]:.1f} % |")
-    return "\n".join(lines)
+    return "\n".join([*lines, "", common.stamp_line(shown, unrecorded_device="cpu")])
 
 
 def fig10_table(dataset: str, epochs: int, noises: list[str], seeds: list[int]) -> str:
@@ -383,13 +393,15 @@ def fig10_table(dataset: str, epochs: int, noises: list[str], seeds: list[int]) 
     rule = ivon_setting(epochs, len(common.load_data(dataset).y_train))
     header = [f"{noise_label(n)} {mode}" for n in noises for mode in ("mean", "BMA")]
     lines = ["| h0 | " + " | ".join(header) + " | median h at the end |", "|---|" + "---|" * (len(header) + 1)]
+    shown: list[dict] = []
     for h in HESS_INITS_FIG10:
         runs = {n: _seed_runs("ivon", {**rule, "hess_init": h}, n, seeds, dataset, epochs) for n in noises}
+        shown += [r for n in noises for r in runs[n]]
         cells = [common.fmt_pm([r[key] for r in runs[n]], 100, 1)
                  for n in noises for key in ("test_mean_acc", "test_acc")]
         h_end = [r["hessian"]["hess_median"] for n in noises for r in runs[n]]
         lines.append(f"| {h:g} | " + " | ".join(cells) + f" | {np.median(h_end):.2g} |")
-    return "\n".join(lines)
+    return "\n".join([*lines, "", common.stamp_line(shown, unrecorded_device="cpu")])
 
 
 def _plot(table: dict, fams: list[str], noises: list[str], path: Path, title: str) -> None:

@@ -337,7 +337,12 @@ def report(tasks: list[str], seeds: list[int]) -> str:
     """The tables of the tasks with at least one cached run, and the count."""
     trained = [t for t in tasks if any(r["erm"] or any(r["ivon"].values()) for r in task_rows(t, seeds))]
     counts = [summary(tasks, seeds, key) for key in IVON_ROWS]
-    text = "\n\n".join([*(task_table(t, seeds) for t in trained), *filter(None, counts)]).strip()
+    shown = [_run(row, key) for t in trained for row in task_rows(t, seeds)
+             for key in ("erm", "ls", "sam", "ivon_example")] + [
+        run for t in trained for row in task_rows(t, seeds) for run in row["ivon"].values()]
+    # the runs are real_noise.py's (`real_noise.run`), which trained with use_cpu=True before it recorded a device
+    stamp = common.stamp_line(shown, unrecorded_device="cpu")
+    text = "\n\n".join([*(task_table(t, seeds) for t in trained), *filter(None, counts), stamp]).strip()
     common.write_readme_section(SCRIPT, text)
     return text
 

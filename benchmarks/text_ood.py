@@ -150,7 +150,9 @@ def run(setting: str, seed: int) -> dict[str, Any]:
         ess = [{k: e[k] for k in ("step", "ess", "label_noise_l1") if k in e}
                for e in state.get("log_history", []) if "ess" in e]
         losses = [{"step": e["step"], "loss": e["loss"]} for e in state.get("log_history", []) if "loss" in e]
+        # the example's Trainer trains on the GPU when there is one (no use_cpu flag is passed)
         result = {"setting": setting, "seed": seed, "flags": flags, "version": version(setting),
+                  "commit": common.code_commit(), "device": "cuda" if common.torch.cuda.is_available() else "cpu",
                   "train_runtime": train["train_runtime"], "final_ess": ess[-1]["ess"] if ess else None,
                   "ess_history": ess, "loss_history": losses,
                   **score(folder, predictions_path(setting, seed))}
@@ -329,10 +331,12 @@ def report(write: bool = True) -> str:
     rows = ["| setting | seeds | mean acc % | BMA acc % | mean NLL | BMA NLL | MI AUROC TREC | MI AUROC noise "
             "| entropy AUROC TREC | entropy AUROC noise | median MI test / TREC / noise | σ median | ess at the end |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    shown: list[dict[str, Any]] = []
     for setting in SETTINGS:
         runs = [r for r in (cached_run(setting, seed) for seed in SEEDS) if r is not None]
         if not runs:
             continue
+        shown += runs
         seeds = ", ".join(str(r["seed"]) for r in runs)
         if is_erm(setting):
             rows.append(_row(setting, seeds, runs, "–"))
@@ -351,7 +355,8 @@ def report(write: bool = True) -> str:
              "(ERM: its point prediction; MC dropout and the ensemble: their averages, 'mean' columns at the "
              "weights without dropout and – for the ensemble); with 2 classes the entropy ranks inputs as "
              "1 − max probability does (same AUROC). AUROC: P(OOD input scores more uncertain). Mean ± sd over the "
-             "seeds listed; median MI, σ and ess: medians over the seeds.\n\n" + "\n".join(rows))
+             "seeds listed; median MI, σ and ess: medians over the seeds.\n\n" + "\n".join(rows)
+             + "\n\n" + common.stamp_line(shown))
     if write:
         common.write_readme_section(SCRIPT, table)
     return table

@@ -164,7 +164,7 @@ def report(out: Path = OUT_DIR) -> dict:
     lines = ["# Trainer integration overhead (time per optimizer step)", "", setup, "", *table, "", result["note"], "",
              "Rerun: `OMP_NUM_THREADS=1 python benchmarks/trainer_overhead.py`", ""]
     (out / "trainer_overhead.md").write_text("\n".join(lines))
-    common.write_readme_section("trainer_overhead", "\n".join([setup, "", *table]))
+    common.write_readme_section("trainer_overhead", "\n".join([setup, "", *table, "", common.stamp_line([result])]))
     print("\n".join(lines))
     return result
 
@@ -221,6 +221,7 @@ def main(argv: list[str] | None = None) -> dict:
         "steps_per_block": a.steps, "skip": a.skip, "threads": torch.get_num_threads(), "device": "cpu",
         "cpu": platform.processor() or platform.machine(), "ivon_settings": IVON_KW, "adamw_settings": ADAMW_KW,
         "per_config": summary, "ratios": ratios, "per_round_s": per_round, "versions": common._versions(),
+        "commit": common.code_commit(),
         "note": "Logging off in all configurations (with logging on, VariationalTrainer adds one Hessian/σ median per "
                 "logging step). The machine is shared by other processes: trust ratios within a round, not "
                 "absolute ms.",

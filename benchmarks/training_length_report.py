@@ -268,6 +268,10 @@ def readme_table(runs: dict, epochs: int) -> str:
         gaps.append(f"{label} " + ", ".join(per_noise))
     lines += ["", "Paired gaps (pp, IVON − LS chosen on noisy val, per seed, then mean ± std): "
               + "; ".join(gaps) + "."]
+    # the runs behind the rows (a run in two rows, as the rule's mean and BMA, counted once); before runs recorded a
+    # device, `common.run` trained with use_cpu=True
+    shown = {id(r): r for _, per, _ in rows for n in tl.NOISES for r in per[n]}
+    lines += ["", common.stamp_line(shown.values(), unrecorded_device="cpu")]
     return "\n".join(lines)
 
 

@@ -263,6 +263,7 @@ def run_text(job: dict[str, Any]) -> dict[str, Any]:
             analysis["weights"] = f"{name}.pt"
     val_labels = np.asarray(data["val"]["label"])
     result = {"key": path.stem, "config": config, "settings": settings, "device": common.bench_device(),
+              "commit": common.code_commit(),
               "train_s": train_s, "train_loss": training_loss,
               "diverged": diverged, "analysis": analysis, "versions": common._versions(),
               "val_acc": float((splits["val"]["probs"].argmax(-1) == val_labels).mean()),
@@ -517,7 +518,20 @@ def report(stored: dict[str, dict[str, dict[str, Any]]]) -> str:
                 extra.append("ERM temperature: " + ", ".join(f"{t:.2f}" for t in ts))
             lines += ["", "; ".join(extra) + ".", ""] if extra else [""]
             lines += reading(cells, seeds)
-    return "\n".join(lines)
+    return "\n".join([*lines, "", _stamp(stored)])
+
+
+def _stamp(stored: dict[str, dict[str, dict[str, Any]]]) -> str:
+    """The stamp of the cached runs of the cells shown (task, noise, seed): metrics.json keeps each cell's metrics,
+    not its runs, so the runs are read back from the cache by their configuration."""
+    shown = set(stored)
+    runs = []
+    for path in sorted((common.RESULTS_DIR / SCRIPT / "runs").glob("*.json")):
+        run = json.loads(path.read_text())
+        config = run["config"]
+        if f"{config.get('task', config.get('dataset'))}|{config['noise']}|{config['seed']}" in shown:
+            runs.append(run)
+    return common.stamp_line(runs)
 
 
 def reading(cells: dict[int, dict[str, dict[str, Any]]], seeds: list[int]) -> list[str]:
