@@ -237,8 +237,6 @@ def test_robustness_tables_are_the_reports():
     assert robustness.fig10_table(dataset, epochs, noises, seeds) == block("fig10")
 
 
-@pytest.mark.xfail(strict=True, reason="README.md's headline block predates the stamp line: regenerate it "
-                   "(`python benchmarks/robustness.py --report-only` writes it) and remove this mark")
 def test_the_front_page_headline_is_the_sweeps_report():
     needs_mnist()
     import robustness

@@ -92,10 +92,6 @@ def real_noise_leaders() -> dict[str, str]:
     return {task: next(row["method"] for row in rows if row[task].startswith("**")) for task in REAL_NOISE_TASKS}
 
 
-@pytest.mark.xfail(strict=True, reason="README.md: 'IVON (Hessian rule) leads on 4 of 5 tasks' is not the table's "
-                   "count: the rule leads on 2 (cifar10n-worse, cifar10n-random1), IVON at the preset's β2 on the 2 "
-                   "text tasks. Say 'IVON leads on 4 of 5 tasks (the Hessian rule on 2, the preset's own β2 on the "
-                   "text tasks), separated on none'")
 def test_ivon_leads_on_the_real_noise_tasks_it_is_said_to():
     leads, tasks, rule = (int(g) for g in claim(
         r"IVON leads on (\d+) of (\d+) tasks \(the Hessian rule on (\d+)").groups())
