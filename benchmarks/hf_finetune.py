@@ -336,9 +336,7 @@ def report(seeds: list[int] = SEEDS) -> str:
                      f"{_cell(adamw, 'test_accuracy', 100, 1)} | {_paired(delta, 1)} | {_cell(ivon, 'test_nll')} | "
                      f"{_cell(adamw, 'test_nll')} | {_paired(delta_nll, 3)} | {_cell(ivon, 'test_ece')} | "
                      f"{_cell(adamw, 'test_ece')} | {'yes' if ok else 'no'} |")
-    stamps = sorted({(r["commit"], r["device"]) for j in [*jobs("rate", seeds), *jobs("compare", seeds)]
-                     if (r := _cached(j))})
-    lines += ["", "Runs by " + ", ".join(f"{c} on {d}" for c, d in stamps) + "."]
+    lines += ["", common.stamp_line(_cached(j) for j in [*jobs("rate", seeds), *jobs("compare", seeds)])]
     return "\n".join(lines)
 
 
