@@ -168,7 +168,7 @@ def test_adapter_training_matches_hand_written_ivon_loop(tmp_path, grad_accum, m
     torch.testing.assert_close(trainer.ivon.hessian(), ref_opt.param_groups[0]["hess"], atol=1e-6, rtol=1e-6)
     assert (trainer.ivon.hessian() - 0.5).abs().max() > 1e-3
     assert all(torch.equal(p, frozen[n]) for n, p in model.named_parameters() if not p.requires_grad)
-    assert set(trainer._ivon_param_names) == {n for n, p in model.named_parameters() if p.requires_grad}
+    assert set(trainer.method.param_names) == {n for n, p in model.named_parameters() if p.requires_grad}
 
 
 def test_adapter_resume_is_exact(tmp_path):

@@ -15,6 +15,7 @@ from huggingface_hub.utils import HFValidationError, validate_repo_id
 from ..corruption import NOISE_REPORT_FILE
 from ..files import read_manifest
 from ..modeling import AUTO_CLASSES, classification_task
+from ..posterior.settings import USER_NAMES
 from ..training_health import stalled_loss_text
 from .posterior_text import (
     adaptivity_text,
@@ -50,8 +51,6 @@ _FILE_DESCRIPTIONS = {
     "mean_pooling_bert.py": "modeling code of the mean-pooling classifier, named by config.json's `auto_map` "
                             "(transformers runs it with `trust_remote_code=True`)",
 }
-#: IVON's optimizer keywords in a run's hyperparameters -> the `VariationalTrainingArguments` fields a user sets them by
-_IVON_ARGUMENT_NAMES = {"lr": "learning_rate", "weight_decay": "prior_precision"}
 #: the weights files, which hold the posterior mean of an IVON run
 _WEIGHT_FILES = frozenset({"model.safetensors", "adapter_model.safetensors"})
 #: the card's `license:` when the user names none: varsmooth cannot know the terms of the data or the base model, and
@@ -317,7 +316,7 @@ def build_model_card(record: RunRecord, model: Any, folder: str | os.PathLike) -
         labels_text=", ".join(names) if names else "see config.json",
         corruption_text=corruption_text,
         transition_table=transition_table,
-        hyperparameters={(_IVON_ARGUMENT_NAMES.get(k, k) if record.learns_posterior else k): v
+        hyperparameters={(USER_NAMES.get(k, k) if record.learns_posterior else k): v
                          for k, v in record.hyperparameters.items()},
         choice_text=f"Settings: {record.method_config_choice}." if record.method_config_choice else None,
         metrics_text=metrics_text,

@@ -85,12 +85,11 @@ class SmoothingStrengthCallback(TrainerCallback):
     almost uniformly (mean ‖p̂ − u‖₁ below `UNDECIDED_L1`) there is nothing to smooth and ess is left alone. Every
     process must call it, since the measure adds the shards. `history` holds each update (step, measured mean ‖ε̄‖₁
     before it, target, ess after it); the last also goes into the training logs as `label_noise_l1` and `ess`.
+    `alpha` is `IVONConfig.ivon_smoothing`, whose range that config checks.
     """
 
     def __init__(self, alpha: float, num_updates: int = 5, num_samples: int = 8, max_factor: float = 3.0,
                  bisections: int = 4, max_decades: int = 10) -> None:
-        if not 0 < alpha <= 1:
-            raise ValueError(f"ivon_smoothing is a label-smoothing rate α in (0, 1], got {alpha}.")
         if num_updates < 1 or num_samples < 1 or not max_factor > 1 or bisections < 0 or max_decades < 1:
             raise ValueError(f"Need num_updates >= 1, num_samples >= 1, max_factor > 1, bisections >= 0 and "
                              f"max_decades >= 1, got {num_updates}, {num_samples}, {max_factor}, {bisections}, "

@@ -16,11 +16,12 @@ from .base import (
     build_method_config,
     get_method_class,
     get_method_config_class,
+    learns_posterior,
     list_methods,
     register_method,
 )
 from .gce import GCEConfig, GCEMethod
-from .ivon import IVONConfig, IVONFixedHessianMethod, IVONMethod, learns_posterior
+from .ivon import IVONConfig, IVONFixedHessianMethod, IVONMethod
 from .label_smoothing import (
     GeneralizedLabelSmoothingConfig,
     GeneralizedLabelSmoothingMethod,

@@ -29,10 +29,12 @@ from ..prediction import IGNORE_INDEX, logits_of, model_outputs  # IGNORE_INDEX:
 if TYPE_CHECKING:
     from accelerate import Accelerator
 
+    from ..posterior import DiagonalGaussianPosterior
+
 __all__ = [
     "EXAMPLE_INDEX_KEY", "IGNORE_INDEX", "METHODS", "ExampleIndexDataset", "MethodConfig", "MethodContext",
     "MethodInfo", "OptimizerContext", "TrainingMethod", "build_method_config", "get_method_class",
-    "get_method_config_class", "list_methods", "register_method",
+    "get_method_config_class", "learns_posterior", "list_methods", "register_method",
 ]
 
 #: batch key holding each example's position in the training set (added by the trainer, never seen by the model)
@@ -216,6 +218,13 @@ def get_method_config_class(name: str) -> type[MethodConfig]:
     return _info(name).config_class
 
 
+def learns_posterior(method: str | TrainingMethod | type[TrainingMethod]) -> bool:
+    """Whether a method (its name, class or instance) learns a posterior, which predictions then average over
+    (`TrainingMethod.learns_posterior`)."""
+    cls = get_method_class(method) if isinstance(method, str) else method if isinstance(method, type) else type(method)
+    return cls.learns_posterior
+
+
 def _field_names(config_cls: type[MethodConfig]) -> set[str]:
     return {f.name for f in dataclasses.fields(config_cls) if f.init}
 
@@ -267,6 +276,13 @@ class TrainingMethod:
     #: the image example's default, chosen on its noisy validation split (benchmarks/example_learning_rates.py); None
     #: where `default_learning_rate` is already one
     scratch_learning_rate: ClassVar[float | None] = 1e-4
+    #: whether the method learns a weight posterior, which predictions then average over (`posterior`)
+    learns_posterior: ClassVar[bool] = False
+    #: whether `training_step` clips the gradient norm (`MethodContext.max_grad_norm`) inside its passes, where the
+    #: Trainer's clip after them would come too late; the Trainer then logs `last_grad_norm` as its grad_norm
+    clips_inside_step: ClassVar[bool] = False
+    #: the gradient norm, before clipping, of the last pass that clipped (with `clips_inside_step`)
+    last_grad_norm: torch.Tensor | None = None
 
     def __init__(self, config: MethodConfig | Mapping[str, Any] | None = None,
                  num_train_examples: int | None = None) -> None:
@@ -283,6 +299,46 @@ class TrainingMethod:
         """The optimizer of the trainable `named_parameters` (as `Module.named_parameters` gives them); None (the
         default): the Trainer's own, as `optim` names it."""
         return None
+
+    def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Refuse an optimizer passed to the trainer (`optimizers`) that the method cannot train with; any will do by
+        default."""
+
+    def use_optimizer(self, optimizer: torch.optim.Optimizer, named_parameters: list[tuple[str, torch.nn.Parameter]],
+                      new: bool) -> None:
+        """Called with the run's optimizer once the trainer has it (the method's, the Trainer's own or one passed in
+        `optimizers`; `new`: just built) and the model's `named_parameters`. Nothing by default."""
+
+    def posterior(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+                  metadata: Mapping[str, Any]) -> DiagonalGaussianPosterior | None:
+        """The posterior of `model`'s weights learned so far in `optimizer` (accelerate's wrapper or not), recording
+        `metadata` too; None (the default): none learned."""
+        return None
+
+    def discard_step(self, optimizer: torch.optim.Optimizer | None) -> None:
+        """Forget what `optimizer` gathered for a step that is not applied (a non-finite one); the next step starts
+        afresh. Nothing by default: the Trainer zeroes the gradients itself."""
+
+    def restore_state(self, optimizer: torch.optim.Optimizer | None, model: torch.nn.Module, checkpoint: str,
+                      step: int) -> str | None:
+        """Restore the optimizer state that belongs with the weights just loaded from `checkpoint` into `model` (the
+        best model at the end of training); returns the file it came from, None (the default) when nothing needs it.
+        `step`: the step count when the checkpoint records none."""
+        return None
+
+    def settings_before_resume(self, optimizer: torch.optim.Optimizer | None) -> Any:
+        """What `reconcile_resume` compares the resumed optimizer's settings with, taken before its state is loaded;
+        None by default."""
+        return None
+
+    def reconcile_resume(self, optimizer: torch.optim.Optimizer | None, before: Any, checkpoint: str,
+                         optimizer_state_loaded: bool, model: torch.nn.Module, step: int) -> None:
+        """After the Trainer loaded the optimizer state of `checkpoint` (or skipped it: `optimizer_state_loaded`
+        False), settle what the method's own settings and state need: refuse settings that contradict the
+        checkpoint's, restore state the Trainer skipped. Nothing by default."""
+
+    def after_training(self, optimizer: torch.optim.Optimizer | None) -> None:
+        """Called once training ends, after the trainer's own steps (e.g. a warning about what was learned)."""
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor, context: MethodContext) -> torch.Tensor:
         """Mean training loss of one micro-batch (labels equal to -100 are ignored)."""

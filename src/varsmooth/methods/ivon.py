@@ -1,8 +1,10 @@
 """IVON (Shen et al. 2024, Variational Learning is Effective for Large Deep Networks) — training by variational
 learning, the method of "Variational Learning Induces Adaptive Label Smoothing" (2025) — and its fixed-Hessian ablation.
 
-`IVONConfig` declares, defaults (from its `ivon_preset`) and checks every IVON setting; the method and its optimizer
-take them from it as they are, but for `prior_precision`, which ivon-opt's optimizer calls `weight_decay`.
+`IVONConfig` (`ivon_config`) declares, defaults (from its `ivon_preset`) and checks every IVON setting; the method and
+its optimizer take them from it as they are, under the optimizer's names (`varsmooth.posterior.settings.USER_NAMES`).
+What only IVON knows of a run, the trainer asks of the method (`TrainingMethod`'s hooks): the posterior, clipping
+inside each sample, ess scaling, the state a resume or the best checkpoint restores, the check after training.
 """
 
 from __future__ import annotations
@@ -10,186 +12,29 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import numbers
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import torch
 
 from ..label_noise.strength import SmoothingStrengthCallback
-from ..posterior.gaussian import _reshard
-from ..posterior.optimizer import VariationalIVON
+from ..posterior.diagnostics import warn_if_hessian_stuck
+from ..posterior.gaussian import POSTERIOR_FILE, DiagonalGaussianPosterior, _reshard
+from ..posterior.optimizer import VariationalIVON, unwrap_ivon
+from ..posterior.resume import RESUMED_SETTINGS, load_ivon_state, resumed_settings
+from ..posterior.settings import USER_NAMES
 from ..presets import (
-    DEFAULT_HESSIAN_WINDOW,
-    FINETUNE_PRESET,
     HESSIAN_WINDOW_CLIP_RADIUS,
     IVON_PRESETS,
-    LORA_PRESET,
-    MIN_HESSIAN_WINDOW_STEPS,
     MIN_STEP_BOUND,
-    SCRATCH_PRESET,
-    choose_preset,
     default_beta2,
 )
-from .base import MethodConfig, MethodContext, OptimizerContext, TrainingMethod, get_method_class, register_method
+from .base import MethodContext, OptimizerContext, TrainingMethod, register_method
+from .ivon_config import IVONConfig
 
-__all__ = ["IVONConfig", "IVONFixedHessianMethod", "IVONMethod", "check_ivon_sharding", "learns_posterior"]
+__all__ = ["IVONConfig", "IVONFixedHessianMethod", "IVONMethod", "check_ivon_sharding"]
 
 logger = logging.getLogger(__name__)
-
-
-def _preset_default(name: str) -> str:
-    return (f"Default (None): {SCRATCH_PRESET[name]} with ivon_preset scratch, {FINETUNE_PRESET[name]} with finetune, "
-            f"{LORA_PRESET[name]} with lora.")
-
-
-@dataclass
-class IVONConfig(MethodConfig):
-    """IVON's settings (`VariationalTrainingArguments(method_config=IVONConfig(ess=1e4))`, or `--ess 1e4` after
-    `--method ivon` in the examples). The preset-controlled fields default to None ("not set") and `__post_init__`
-    fills them from `ivon_preset`, so a value the user gives is kept even when it equals another preset's. None left
-    after that means "decided by the run": `ess` the training-set size, `beta2` the run-length rule, `clip_radius`
-    none (0.05 under the run-length rule)."""
-
-    ivon_preset: str | None = field(
-        default=None,
-        metadata={"help": "IVON defaults: 'scratch' (the authors' recipe), 'finetune' (a pretrained model: posterior "
-                          "around the pretrained weights, bounded steps; see varsmooth.presets.FINETUNE_PRESET) or "
-                          "'lora' (LoRA adapters: Cong et al. 2024's IVON-LoRA recipe, varsmooth.presets.LORA_PRESET). "
-                          "Default (None): chosen by VariationalTrainer from the model it is handed "
-                          "(varsmooth.presets.choose_preset: peft adapters lora, weights loaded from a checkpoint "
-                          "finetune, else scratch). Fields you set keep their value.",
-                  "choices": list(IVON_PRESETS)},
-    )
-    ess: float | None = field(
-        default=None,
-        metadata={"help": "IVON effective sample size λ (Eq. 6 of 'Variational Learning Induces Adaptive Label "
-                          "Smoothing'). Default: the number of training examples (1e8 with ivon_preset finetune, 1e7 "
-                          "with lora)."},
-    )
-    hess_init: float | None = field(
-        default=None,
-        metadata={"help": "IVON initial Hessian h0 (> 0); sets the initial posterior std 1/sqrt(ess (h0 + "
-                          "prior_precision)). " + _preset_default("hess_init")},
-    )
-    beta1: float = field(default=0.9, metadata={"help": "IVON gradient momentum β1."})
-    beta2: float | None = field(
-        default=None,
-        metadata={"help": "IVON Hessian EMA rate β2 (1 = fixed Hessian). Default (None): the preset's (0.99999 scratch "
-                          "and lora, 0.999 finetune) when the run is long enough for it to move the Hessian (1 - β2^T "
-                          ">= 0.1) or of unknown length, else the run-length rule of hessian_window "
-                          "(varsmooth.presets.default_beta2). A number fixes β2."},
-    )
-    hessian_window: float = field(
-        default=DEFAULT_HESSIAN_WINDOW,
-        metadata={"help": f"The run-length rule for runs too short for the preset's β2 (beta2 unset): β2 = 1 - "
-                          f"1/max(hessian_window * T, {MIN_HESSIAN_WINDOW_STEPS}), T = the run's optimizer steps "
-                          "(varsmooth.presets), so the Hessian averages over the last fraction hessian_window of the "
-                          "run and the posterior learns whatever the run's length; clip_radius then defaults to 0.05 "
-                          "with ivon_preset scratch. See benchmarks/README.md, 'The default posterior'."},
-    )
-    prior_precision: float | None = field(
-        default=None,
-        metadata={"help": "IVON weight decay δ = precision of the Gaussian prior (ivon-opt's weight_decay). Replaces "
-                          "`weight_decay`, which is refused with IVON methods. " + _preset_default("prior_precision")},
-    )
-    ivon_smoothing: float | None = field(
-        default=None,
-        metadata={"help": "How much IVON smooths the labels, as label smoothing's rate α in (0, 1]: ess is rescaled "
-                          "during training so that the mean label noise ‖ε̄‖₁ over a probe of training examples is α "
-                          "times the mean ‖p̂ - 1/K‖₁ of the posterior mean's predictions p̂ (LS's α(u - y) with p̂ for "
-                          "y: 2α(1 - 1/K) where the mean is certain; varsmooth.label_noise.strength); ess is then "
-                          "where it starts. Choose it on noisy validation as you would α. None: ess stays as given "
-                          "(the preset's)."},
-    )
-    frozen_mean_modules: list[str] | None = field(
-        default=None,
-        metadata={"help": "Modules (names or name suffixes, as peft's target_modules) whose weights stay in the "
-                          "posterior with their mean frozen: IVON learns their σ from the data's curvature but never "
-                          "moves them from the loaded (pretrained) values (learning rate 0). Weights the training data "
-                          "never reaches, such as the embedding rows of tokens it lacks, then keep a wide σ and draws "
-                          "disagree on inputs that use them. None: every trainable weight is trained."},
-    )
-    mc_samples: int = field(default=1, metadata={"help": "Posterior samples (forward+backward) per micro-batch during "
-                                                         "training."})
-    ivon_compiled: bool | None = field(
-        default=None,
-        metadata={"help": "IVON's compiled kernels (torch.compile; varsmooth.posterior.VariationalIVON's `compiled`): "
-                          "None uses them where torch.compile works (a C++ compiler on the CPU, Triton on GPUs), "
-                          "else warns and uses foreach ops; true requires them; false uses foreach ops."},
-    )
-    clip_radius: float | None = field(
-        default=None,
-        metadata={"help": "IVON element-wise clipping of the preconditioned update (None = no clipping). Gradient-norm "
-                          "clipping (`max_grad_norm`) is applied inside each sample, before IVON reads the gradient. "
-                          "Default: 1e-3 with ivon_preset finetune and lora."},
-    )
-    rescale_lr: bool | None = field(
-        default=None,
-        metadata={"help": "Multiply lr by (hess_init + prior_precision), ivon-opt's default (`--rescale_lr false` to "
-                          "turn it off). " + _preset_default("rescale_lr")},
-    )
-
-    def __post_init__(self) -> None:
-        if self.ivon_preset is not None and self.ivon_preset not in IVON_PRESETS:
-            raise ValueError(f"ivon_preset must be one of {list(IVON_PRESETS)} or None (chosen from the model), got "
-                             f"{self.ivon_preset!r}.")
-        for name, value in self._preset().items():
-            if self.ivon_preset is not None and name in _PRESET_FIELDS and getattr(self, name) is None:
-                setattr(self, name, value)
-        # a count: 2.5 would fail mid-run
-        if (isinstance(self.mc_samples, bool) or not isinstance(self.mc_samples, numbers.Real)
-                or not float(self.mc_samples).is_integer()):
-            raise ValueError(f"mc_samples is a number of samples, a whole number, got {self.mc_samples!r}: pass e.g. "
-                             "mc_samples=2.")
-        self.mc_samples = int(self.mc_samples)
-        if self.mc_samples < 1:
-            raise ValueError(f"mc_samples must be >= 1, got {self.mc_samples}.")
-        if self.hess_init is not None and not 0 < self.hess_init < math.inf:
-            raise ValueError("hess_init must be finite and > 0 (IVON's posterior std is 1/sqrt(ess (h + δ))), got "
-                             f"{self.hess_init}.")
-        if not 0.0 <= (self.beta2 if self.beta2 is not None else 0.0) <= 1.0 or not 0.0 <= self.beta1 < 1.0:
-            raise ValueError(f"Need 0 <= beta1 < 1 and 0 <= beta2 <= 1, got beta1={self.beta1}, beta2={self.beta2}.")
-        if self.prior_precision is not None and not 0 <= self.prior_precision < math.inf:
-            raise ValueError(f"prior_precision must be finite and >= 0, got {self.prior_precision}.")
-        if self.ess is not None and not 0 < self.ess < math.inf:
-            raise ValueError(f"ess must be finite and > 0, got {self.ess}.")
-        if not 0 < self.hessian_window < math.inf:
-            raise ValueError(f"hessian_window must be finite and > 0 (a fraction of the run's steps), got "
-                             f"{self.hessian_window}; to fix β2 instead, pass beta2.")
-        if self.clip_radius is not None and not self.clip_radius > 0:
-            raise ValueError(f"clip_radius must be > 0 or None, got {self.clip_radius}.")
-        if isinstance(self.frozen_mean_modules, str):  # one name, not its characters
-            self.frozen_mean_modules = [self.frozen_mean_modules]
-        if self.ivon_smoothing is not None and not 0 < self.ivon_smoothing <= 1:
-            raise ValueError(f"ivon_smoothing is a label-smoothing rate α in (0, 1] (or None: ess as given), got "
-                             f"{self.ivon_smoothing}.")
-
-    def _preset(self) -> dict[str, float | bool]:
-        return {**SCRATCH_PRESET, **IVON_PRESETS[self.ivon_preset or "scratch"]}
-
-    def training_argument_defaults(self) -> dict[str, Any] | None:
-        """The preset's learning rate (finetune and lora) and posterior samples per prediction; None while the preset
-        is to be chosen from the model (`for_model`)."""
-        if self.ivon_preset is None:
-            return None
-        return {name: value for name, value in self._preset().items() if name in ("learning_rate", "eval_mc_samples")}
-
-    def for_model(self, model: Any) -> tuple[IVONConfig, str]:
-        """This config with its preset chosen for `model` where none was named (`varsmooth.presets.choose_preset`),
-        and a sentence saying which preset and why; `scratch` named for a model loaded from a checkpoint warns."""
-        chosen, reason = choose_preset(model)
-        if self.ivon_preset is None:
-            return dataclasses.replace(self, ivon_preset=chosen), f"ivon_preset={chosen!r}, chosen because {reason}"
-        if self.ivon_preset == "scratch" and chosen != "scratch":
-            logger.warning("ivon_preset='scratch' given, but %s: the scratch preset (lr 0.2, h0 0.5, ess = N) "
-                           "is the authors' recipe for training from scratch and leaves a fine-tune at chance "
-                           "accuracy; leave ivon_preset unset (%r is chosen) unless you mean it.", reason, chosen)
-        return self, f"ivon_preset={self.ivon_preset!r}, as given"
-
-    def long_run_beta2(self) -> float:
-        """The preset's β2, kept in runs long enough for it to move the Hessian (`varsmooth.presets.default_beta2`)."""
-        return float(self._preset()["long_run_beta2"])
 
 
 def _in_module(parameter_name: str, module: str) -> bool:
@@ -198,15 +43,6 @@ def _in_module(parameter_name: str, module: str) -> bool:
     owner = parameter_name.rpartition(".")[0]
     return owner == module or owner.endswith("." + module)
 
-
-#: the preset values that are fields of IVONConfig (the others are `VariationalTrainingArguments`' or β2's rule)
-_PRESET_FIELDS = frozenset({"ess", "hess_init", "prior_precision", "clip_radius", "rescale_lr"})
-
-
-def learns_posterior(method: "str | TrainingMethod | type[TrainingMethod]") -> bool:
-    """Whether a method (its name, class or instance) learns a posterior, which predictions then average over."""
-    cls = get_method_class(method) if isinstance(method, str) else method if isinstance(method, type) else type(method)
-    return issubclass(cls, IVONMethod)
 
 
 def check_ivon_sharding(fsdp_version: int | None, deepspeed: bool) -> None:
@@ -238,12 +74,15 @@ class IVONMethod(TrainingMethod):
     config: IVONConfig
     default_learning_rate: ClassVar[float] = 0.2
     scratch_learning_rate: ClassVar[float | None] = None
+    learns_posterior: ClassVar[bool] = True
+    # IVON reads each sample's gradient when the sample ends, before the Trainer would clip
+    clips_inside_step: ClassVar[bool] = True
     #: optimizer steps of the run, known when IVON is built (`create_optimizer`; for the run-length β2 rule)
     total_steps: int | None = None
     #: the run's peak learning rate (`TrainingArguments.learning_rate`), known when IVON is built
     learning_rate: float | None = None
-    #: the gradient norm of the last posterior sample, before clipping (what the Trainer logs as grad_norm)
-    last_grad_norm: torch.Tensor | None = None
+    #: the names of IVON's parameters in the order of its groups, which is that of its σ (`use_optimizer`)
+    param_names: list[str] | None = None
 
     def create_optimizer(self, named_parameters: list[tuple[str, torch.nn.Parameter]],
                          run: OptimizerContext) -> VariationalIVON:
@@ -261,6 +100,80 @@ class IVONMethod(TrainingMethod):
         self.check_step_bound()
         return VariationalIVON(self.param_groups(named_parameters), sample_seed=run.seed, rank=run.rank,
                                compiled=self.config.ivon_compiled, sync=run.sync, **self.ivon_settings())
+
+    def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        if unwrap_ivon(optimizer) is None:
+            raise ValueError(
+                f"method={self.name!r} trains with IVON, which the trainer builds itself; got a "
+                f"{type(optimizer).__name__} in `optimizers`. Drop `optimizers=` (or pass a varsmooth.VariationalIVON)."
+            )
+
+    def use_optimizer(self, optimizer: torch.optim.Optimizer, named_parameters: list[tuple[str, torch.nn.Parameter]],
+                      new: bool) -> None:
+        # once per optimizer: a later call may come after accelerate swapped the parameters (FSDP2's DTensors)
+        if new or self.param_names is None:
+            names = {id(p): n for n, p in named_parameters}
+            self.param_names = [names[id(p)] for g in unwrap_ivon(optimizer).param_groups for p in g["params"]]
+
+    def posterior(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+                  metadata: Mapping[str, Any]) -> DiagonalGaussianPosterior | None:
+        """q = N(m, diag σ²) with σ = 1/sqrt(ess·(h + δ)) from IVON's state, recording `hyperparameters()`, the step
+        and `metadata`; None before IVON exists."""
+        ivon = unwrap_ivon(optimizer)
+        if ivon is None:
+            return None
+        return DiagonalGaussianPosterior.from_ivon(model, ivon, self.param_names,
+                                                   {**self.hyperparameters(), "step": ivon.current_step, **metadata})
+
+    def discard_step(self, optimizer: torch.optim.Optimizer | None) -> None:
+        """Drop the step's posterior samples: IVON stays at the last finite step."""
+        ivon = unwrap_ivon(optimizer)
+        if ivon is not None:
+            ivon.reset_samples()
+
+    def restore_state(self, optimizer: torch.optim.Optimizer | None, model: torch.nn.Module, checkpoint: str,
+                      step: int) -> str | None:
+        """IVON's Hessian and step from `checkpoint` (its optimizer.pt, else the posterior saved there), which the
+        weights' σ needs (`varsmooth.posterior.resume.load_ivon_state`)."""
+        ivon = unwrap_ivon(optimizer)
+        return None if ivon is None else load_ivon_state(ivon, model, checkpoint, self.param_names, step)
+
+    def settings_before_resume(self, optimizer: torch.optim.Optimizer | None) -> dict[str, Any] | None:
+        ivon = unwrap_ivon(optimizer)
+        return None if ivon is None else dict(ivon.param_groups[0])
+
+    def reconcile_resume(self, optimizer: torch.optim.Optimizer | None, before: dict[str, Any] | None,
+                         checkpoint: str, optimizer_state_loaded: bool, model: torch.nn.Module, step: int) -> None:
+        """A setting this run left to be derived (ess from the training set or from `ivon_smoothing`, β2 and
+        clip_radius from the run's length) takes the checkpoint's value, recorded in the config so that the
+        posterior's metadata and the model card report what was used; one given another value is refused
+        (`varsmooth.posterior.resume.resumed_settings`). Where the Trainer skipped the optimizer state (it loads it
+        only with a scheduler.pt), IVON's Hessian and step count are restored here rather than restarted."""
+        ivon = unwrap_ivon(optimizer)
+        if ivon is None:
+            return
+        if before is not None:
+            derived = {name for name in RESUMED_SETTINGS.values() if getattr(self.config, name, 0) is None}
+            if self.config.ivon_smoothing is not None:
+                derived.add("ess")
+            kept = resumed_settings(ivon.param_groups[0], before, derived, checkpoint)
+            if kept:
+                self.config = dataclasses.replace(self.config, **kept)
+                logger.info("Resumed IVON from %s with its %s (left unset here, so the checkpoint's values are kept "
+                            "and recorded).", checkpoint, ", ".join(f"{k}={v!r}" for k, v in kept.items()))
+        if optimizer_state_loaded:
+            return
+        if self.restore_state(ivon, model, checkpoint, step) == POSTERIOR_FILE:
+            logger.warning("%s has no optimizer state (save_only_model=True?): IVON's Hessian and step count were "
+                           "restored from its %s; the gradient momentum restarts at zero and the learning-rate "
+                           "schedule from its start.", checkpoint, POSTERIOR_FILE)
+        else:
+            logger.warning("%s has no scheduler.pt: IVON's state was restored, the learning-rate schedule restarts.",
+                           checkpoint)
+
+    def after_training(self, optimizer: torch.optim.Optimizer | None) -> None:
+        """Warn when the Hessian hardly moved (`varsmooth.posterior.diagnostics.warn_if_hessian_stuck`)."""
+        warn_if_hessian_stuck(unwrap_ivon(optimizer), self.config.beta2 is not None)
 
     def check_step_bound(self) -> None:
         """Refuse, before the first step, a learning rate whose largest step of a weight, lr·clip_radius, is below
@@ -373,12 +286,12 @@ class IVONMethod(TrainingMethod):
         it)."""
         return [] if self.config.ivon_smoothing is None else [SmoothingStrengthCallback(self.config.ivon_smoothing)]
 
-    def scale_ess(self, optimizer: VariationalIVON, factor: float) -> float:
-        """Multiply ess by `factor` in `optimizer` and in the config it is recorded from (the posterior's metadata,
-        the model card and a resume read it there); returns the new ess."""
+    def scale_ess(self, optimizer: torch.optim.Optimizer, factor: float) -> float:
+        """Multiply ess by `factor` in `optimizer` (accelerate's wrapper or not) and in the config it is recorded
+        from (the posterior's metadata, the model card and a resume read it there); returns the new ess."""
         ess = self.ess() * factor
         self.config = dataclasses.replace(self.config, ess=ess)
-        for group in optimizer.param_groups:
+        for group in unwrap_ivon(optimizer).param_groups:
             group["ess"] = ess
         return ess
 
@@ -388,16 +301,11 @@ class IVONMethod(TrainingMethod):
 
     def _settings(self, beta2: float | None) -> dict[str, Any]:
         a = self.config
-        return {
-            "lr": self.learning_rate,
-            "ess": self.ess(),
-            "hess_init": a.hess_init,
-            "beta1": a.beta1,
-            "beta2": beta2,
-            "weight_decay": a.prior_precision,
-            "clip_radius": self.clip_radius(),
-            "rescale_lr": a.rescale_lr,
-        }
+        settings = {"learning_rate": self.learning_rate, "ess": self.ess(), "hess_init": a.hess_init, "beta1": a.beta1,
+                    "beta2": beta2, "prior_precision": a.prior_precision, "clip_radius": self.clip_radius(),
+                    "rescale_lr": a.rescale_lr}
+        keywords = {name: keyword for keyword, name in USER_NAMES.items()}
+        return {keywords.get(name, name): value for name, value in settings.items()}
 
     def hyperparameters(self) -> dict[str, Any]:
         known = not self.follows_run_length() or self.total_steps  # the default β2 is known once T is

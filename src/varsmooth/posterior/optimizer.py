@@ -21,13 +21,14 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from ..presets import SCRATCH_PRESET
 from .kernels import Dispatch, noise_times_grad, perturb, seeded, update
 from .prefetch import NoisePrefetch
 from .seeds import derive_seed
+from .settings import SETTING_RANGES, check_ivon_setting
 from .sharding import DTensor, full_tensor, to_local
 
 __all__ = ["VariationalIVON", "unwrap_ivon"]
-
 
 def _on_device(values: list[float], like: torch.Tensor) -> torch.Tensor:
     """A kernel's scalars on `like`'s device (no wait for it), as a tensor: new values compile no new graph."""
@@ -75,7 +76,8 @@ class VariationalIVON(torch.optim.Optimizer):
     `with optimizer.sampled_params(train=True):` (per MC sample or micro-batch; they are averaged), then `step()`.
 
     Args: `params` (trainable only: frozen ones would get noise and weight decay; groups may set lr, weight_decay,
-    ess, hess_init, beta1, beta2, clip_radius), the rest as in `ivon.IVON` (weight_decay: the prior precision δ;
+    ess, hess_init, beta1, beta2, clip_radius; their ranges: `SETTING_RANGES`), the rest as in `ivon.IVON` but for the
+    defaults, the scratch preset's (`varsmooth.presets.SCRATCH_PRESET`) (weight_decay: the prior precision δ;
     `sync` all-reduces ḡ and mean(e⊙g) in `step()`; hess_approx 'price' only), `sample_seed`, the seed of the weight
     samples (None: from the global RNG), `rank` (mixed into the seed: DDP ranks draw independent samples),
     `compiled` (whether the kernels run through torch.compile: `kernels.Dispatch`) and `prefetch` (whether the next
@@ -84,9 +86,12 @@ class VariationalIVON(torch.optim.Optimizer):
     processes leave a core spare, `_spare_core`; never with `sample_seed=None`, whose draws are not known ahead).
     """
 
-    def __init__(self, params: Any, lr: float, ess: float, hess_init: float = 1.0, beta1: float = 0.9,
-                 beta2: float = 0.99999, weight_decay: float = 1e-4, mc_samples: int = 1, hess_approx: str = "price",
-                 clip_radius: float = math.inf, sync: bool = False, debias: bool = True, rescale_lr: bool = True, *,
+    # the defaults of the scratch preset, which `IVONConfig(ivon_preset="scratch")` fills its fields with
+    def __init__(self, params: Any, lr: float, ess: float, hess_init: float = SCRATCH_PRESET["hess_init"],
+                 beta1: float = 0.9, beta2: float = SCRATCH_PRESET["long_run_beta2"],
+                 weight_decay: float = SCRATCH_PRESET["prior_precision"], mc_samples: int = 1,
+                 hess_approx: str = "price", clip_radius: float = math.inf, sync: bool = False, debias: bool = True,
+                 rescale_lr: bool = SCRATCH_PRESET["rescale_lr"], *,
                  sample_seed: int | None = 0, rank: int = 0, compiled: bool | None = None,
                  prefetch: bool | None = None) -> None:
         if hess_approx != "price":
@@ -115,12 +120,9 @@ class VariationalIVON(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
         group = self.param_groups[-1]
-        for key, low, high in (("lr", 0, math.inf), ("weight_decay", 0, math.inf), ("beta1", 0, 1), ("beta2", 0, 1)):
-            if not low <= group[key] <= high:
-                raise ValueError(f"Invalid {key}: {group[key]} (must lie in [{low}, {high}]).")
-        for key in ("ess", "hess_init", "clip_radius"):
-            if not group[key] > 0:
-                raise ValueError(f"Invalid {key}: {group[key]} (must be > 0).")
+        # a group may set its own values, which no `IVONConfig` has checked
+        for key in SETTING_RANGES:
+            check_ivon_setting(key, group[key])
         for p in group["params"]:
             self._init_state(group, p)
 
@@ -319,11 +321,11 @@ class VariationalIVON(torch.optim.Optimizer):
                 slots["mean"] = free
             elif "noise" in slots and slots["noise"] is None:
                 slots["noise"] = free
-        self._reset_samples()
+        self.reset_samples()
         return loss
 
-    def _reset_samples(self) -> None:
-        """No gradient sample recorded, no draw made since the last step."""
+    def reset_samples(self) -> None:
+        """Forget the gradient samples and draws since the last step (a step that is not applied)."""
         self._draw_seeds, self._count = [], 0
         self._avg_grad.clear()
         self._pending.clear()
@@ -372,7 +374,7 @@ class VariationalIVON(torch.optim.Optimizer):
             hess.copy_((1.0 / (group["ess"] * std.square()) - group["weight_decay"]).clamp_min(0.0))
             self.state[p]["momentum"].zero_()
         self.current_step = int(step)
-        self._reset_samples()
+        self.reset_samples()
 
     # -- checkpointing -----------------------------------------------------------------------------
     def _between_steps(self, what: str) -> None:
@@ -406,7 +408,7 @@ class VariationalIVON(torch.optim.Optimizer):
                 self.state[p][key] = own
         if step is not None:
             self.current_step = int(step)
-        self._reset_samples()
+        self.reset_samples()
 
     def _from_flat_checkpoint(self, state_dict: dict[str, Any]) -> tuple[dict[str, Any], int | None]:
         """ivon-opt's layout (one flat hess/momentum vector per group) split into per-parameter state."""

@@ -3,14 +3,25 @@
 
 from __future__ import annotations
 
+import math
 import os
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
 from .gaussian import POSTERIOR_FILE, DiagonalGaussianPosterior
 from .optimizer import VariationalIVON
+from .settings import USER_NAMES
 
-__all__ = ["load_ivon_state", "restore_ivon_from_posterior"]
+__all__ = ["RESUMED_SETTINGS", "load_ivon_state", "restore_ivon_from_posterior", "resumed_settings"]
+
+#: IVON's settings its optimizer state carries (param group key -> the user's name): a resume from optimizer.pt trains
+#: on with the checkpoint's values of these, whatever the resuming run asked (the peak learning rate, `initial_lr`,
+#: through the scheduler's state too)
+RESUMED_SETTINGS = {**{key: USER_NAMES.get(key, key)
+                       for key in ("ess", "hess_init", "beta1", "beta2", "weight_decay", "clip_radius")},
+                    "initial_lr": USER_NAMES["lr"]}
 
 
 def load_ivon_state(optimizer: VariationalIVON, model: torch.nn.Module, checkpoint: str, param_names: list[str],
@@ -47,3 +58,23 @@ def restore_ivon_from_posterior(optimizer: VariationalIVON, model: torch.nn.Modu
         )
     optimizer.restore_from_posterior([posterior.std[name] for name in param_names],
                                      step=int(posterior.metadata.get("step", default_step)))
+
+
+def resumed_settings(used: Mapping[str, Any], asked: Mapping[str, Any], derived: set[str],
+                     checkpoint: str) -> dict[str, Any]:
+    """The checkpoint's values (by the user's names) of the settings the resuming run left to be `derived` (user's
+    names) and got other values of: `used` is IVON's first param group after its state was loaded from `checkpoint`,
+    `asked` the same group before. A setting given another value than the checkpoint's is refused: IVON's state would
+    continue with the checkpoint's while the run reported this one's."""
+    differ = {key: (used[key], asked[key]) for key in RESUMED_SETTINGS
+              if key in used and key in asked and not math.isclose(used[key], asked[key], rel_tol=1e-9)}
+    refused = {RESUMED_SETTINGS[key]: values for key, values in differ.items() if RESUMED_SETTINGS[key] not in derived}
+    if refused:
+        given = ", ".join(f"{name}={new!r} (the checkpoint's: {old!r})" for name, (old, new) in refused.items())
+        keep = ", ".join(f"{name}={old!r}" for name, (old, _) in refused.items())
+        raise ValueError(
+            f"Resuming {checkpoint} with other IVON settings than it was trained with: {given}. IVON's state would "
+            f"continue with the checkpoint's while the run reports these. Pass {keep} to resume it, or start a new "
+            "run (train() without resume_from_checkpoint, in another output_dir) to train with the new settings."
+        )
+    return {RESUMED_SETTINGS[key]: old for key, (old, _) in differ.items()}

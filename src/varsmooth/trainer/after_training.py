@@ -6,7 +6,7 @@
 3. `prepare_prediction_draws`: each draw predictions make gets BatchNorm statistics of its own
    (`varsmooth.posterior.draw_buffers`);
 4. `fit_temperature_scaling`, with `temperature_scaling=True` (`varsmooth.temperature_scaling`);
-5. the warning when IVON's Hessian hardly moved (`varsmooth.posterior.diagnostics`).
+5. the method's own step (`TrainingMethod.after_training`: IVON warns when its Hessian hardly moved).
 
 They run from the first `on_train_end` callback (`AfterTraining`), so that every other one (the label-noise export,
 reporting, yours) sees the chosen τ and its draws; a failure among them never loses the trained run
@@ -36,7 +36,6 @@ from ..batchnorm import (
 )
 from ..methods import EXAMPLE_INDEX_KEY
 from ..posterior import DiagonalGaussianPosterior
-from ..posterior.diagnostics import warn_if_hessian_stuck
 from ..posterior_temperature import SELECTION_SAMPLES, PosteriorTemperature, select_temperature, temperature_logs
 from ..predictors import measuring_temperature
 from ..temperature_scaling import TemperatureScaling, fit_on_batches
@@ -90,7 +89,7 @@ class AfterTrainingMixin:
         self.prepare_prediction_draws()
         if self.args.temperature_scaling:
             self.fit_temperature_scaling()
-        warn_if_hessian_stuck(self.ivon, getattr(self.args.method_config, "beta2", None) is not None)
+        self.method.after_training(self.optimizer)
 
     def shows_progress(self) -> bool:
         """Whether work outside the Trainer's loops shows progress bars: as the Trainer's own, unless `disable_tqdm`,

@@ -11,7 +11,7 @@ from typing import Any
 
 from transformers import TrainingArguments
 
-from ..methods import METHODS, MethodConfig, build_method_config, get_method_class, learns_posterior
+from ..methods import METHODS, MethodConfig, build_method_config, get_method_class
 from ..presets import FINETUNE_PRESET, SCRATCH_PRESET
 
 __all__ = ["POSTERIOR_FIELDS", "VariationalTrainingArguments"]
@@ -130,7 +130,7 @@ class VariationalTrainingArguments(TrainingArguments):
             if isinstance(value, bool) or not isinstance(value, numbers.Real) or not float(value).is_integer():
                 raise ValueError(f"{name} is a number of samples, a whole number, got {value!r}: pass e.g. {name}=2.")
             setattr(self, name, int(value))
-        learns = learns_posterior(method_cls)
+        learns = method_cls.learns_posterior
         refuse_posterior_settings_without_posterior(self)
         # always the method's own config class from here on (a copy: the caller's object is not changed)
         self.method_config = build_method_config(self.method, self.method_config)
@@ -206,7 +206,7 @@ def refuse_posterior_settings_without_posterior(args: VariationalTrainingArgumen
     """Refuse the settings of prediction with a posterior (`POSTERIOR_FIELDS`) given a value other than their default
     with a method that does not learn one (`method="erm"`, "sam", ...): the run would train without them and its record
     would look as if they had been used."""
-    if learns_posterior(get_method_class(args.method)):
+    if get_method_class(args.method).learns_posterior:
         return
     defaults = {f.name: f.default for f in dataclasses.fields(VariationalTrainingArguments)}
     given = [f"{name}={getattr(args, name)!r}" for name in POSTERIOR_FIELDS if getattr(args, name) != defaults[name]]

@@ -2,15 +2,14 @@
 the fitted temperature, the training set's noise report and the folder's manifest beside the weights, and refuses
 non-finite weights; a checkpoint appears by one rename once complete (`varsmooth.files`); a resume checks the
 checkpoint's files first, refuses to continue another run under this one's name (`files.refuse_other_run`,
-`files.refuse_finished_run`, IVON settings other than the checkpoint's) and restores IVON's Hessian and step with its
-weights (`varsmooth.posterior.resume`). A step after training that fails (an `on_train_end` callback) never loses
-the trained run: it is saved before the error is raised."""
+`files.refuse_finished_run`; the method its own, e.g. IVON settings other than the checkpoint's) and has the method
+restore the state that belongs with the weights (IVON's Hessian and step: `TrainingMethod.reconcile_resume`). A
+step after training that fails (an `on_train_end` callback) never loses the trained run: it is saved before the error
+is raised."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import math
 import os
 from typing import Any
 
@@ -19,9 +18,8 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..adapters import is_peft_model, save_classifier_config
 from ..files import METHOD_STATE_FILE, STAGING_PREFIX, FolderSave, atomic_path, check_manifest, clear_leftovers
-from ..posterior import POSTERIOR_FILE, DiagonalGaussianPosterior
+from ..posterior import DiagonalGaussianPosterior
 from ..posterior.gaussian import non_finite_tensors
-from ..posterior.resume import load_ivon_state
 from .checkpoint_files import (
     has_optimizer_state,
     publish_checkpoint,
@@ -34,15 +32,8 @@ __all__ = ["CheckpointingMixin"]
 
 logger = logging.getLogger(__name__)
 
-#: IVON's settings its optimizer state carries (param group key -> argument): a resume from optimizer.pt trains on
-#: with the checkpoint's values of these, whatever this run's arguments say (the peak learning rate, `initial_lr`,
-#: through the scheduler's state too)
-RESUMED_IVON_SETTINGS = {"ess": "ess", "hess_init": "hess_init", "beta1": "beta1", "beta2": "beta2",
-                         "weight_decay": "prior_precision", "clip_radius": "clip_radius", "initial_lr": "learning_rate"}
-
-
 class CheckpointingMixin:
-    """For `VariationalTrainer` (a `transformers.Trainer` with `posterior()`, `ivon`, a training `method`, an optional
+    """For `VariationalTrainer` (a `transformers.Trainer` with `_learned_posterior()`, a training `method`, an optional
     `temperature_scaling` and `train_noise_report()`). Private `Trainer` hooks it overrides, and what would not work
     without each:
 
@@ -54,7 +45,7 @@ class CheckpointingMixin:
     * `_load_from_checkpoint`: checks the checkpoint against its manifest before any weight is read; without it a
       truncated file fails inside safetensors or torch.load instead of being named;
     * `_load_optimizer_and_scheduler`: the stock one skips the optimizer without a scheduler.pt, restarting IVON's
-      Hessian and step silently (here they come from optimizer.pt or the posterior); also loads the method's state;
+      Hessian and step silently (the method restores them); also loads the method's state;
     * `_load_best_model`: the stock one reloads only the weights; the saved posterior would pair them with the last
       step's σ.
     """
@@ -80,8 +71,8 @@ class CheckpointingMixin:
             self.save_model()
             raise RuntimeError(
                 f"Training finished (step {self.state.global_step}), but a step after it failed "
-                f"({type(error).__name__}: {error}). The trained "
-                f"model{' and its posterior' if self.ivon is not None else ''} were saved to {self.args.output_dir}, "
+                f"({type(error).__name__}: {error}). The trained model"
+                f"{' and its posterior' if self.method.learns_posterior else ''} were saved to {self.args.output_dir}, "
                 "predicting with what was chosen before the failure. Fix what the error names and redo only that step "
                 "on this trainer (trainer.select_posterior_temperature(eval_dataset), "
                 "trainer.fit_temperature_scaling(eval_dataset), trainer.label_noise(dataset)): there is no need to "
@@ -91,8 +82,8 @@ class CheckpointingMixin:
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         # under FSDP σ and the weights are sharded: every process gathers them here, since the stock save_model
         # may leave the writing (`_save`) to the main process alone
-        self._gathered_posterior = (self.posterior().gathered() if self.is_fsdp_enabled and self.ivon is not None
-                                    else None)
+        learned = self._learned_posterior() if self.is_fsdp_enabled else None
+        self._gathered_posterior = learned.gathered() if learned is not None else None
         try:
             super().save_model(output_dir, _internal_call)
         finally:
@@ -118,8 +109,9 @@ class CheckpointingMixin:
             network = self.accelerator.unwrap_model(self.model)
             if is_peft_model(network):
                 save_classifier_config(network, folder.path)
-            if self.ivon is not None:
-                (self._gathered_posterior or self.posterior()).save(folder.path)
+            posterior = self._gathered_posterior or self._learned_posterior()
+            if posterior is not None:
+                posterior.save(folder.path)
             if self.temperature_scaling is not None:
                 self.temperature_scaling.save(folder.path, network)
             report = self.train_noise_report()
@@ -185,61 +177,20 @@ class CheckpointingMixin:
         if self.state.best_model_checkpoint:
             check_manifest(self.state.best_model_checkpoint)
         super()._load_best_model()
-        if self.ivon is not None and self.state.best_model_checkpoint:
-            self._load_ivon_state(self.state.best_model_checkpoint)
+        if self.state.best_model_checkpoint:
+            self.method.restore_state(self.optimizer, self.accelerator.unwrap_model(self.model),
+                                      self.state.best_model_checkpoint, self.state.global_step)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        asked = dict(self.ivon.param_groups[0]) if checkpoint is not None and self.ivon is not None else None
+        before = self.method.settings_before_resume(self.optimizer) if checkpoint is not None else None
         super()._load_optimizer_and_scheduler(checkpoint)
-        if asked is not None:
-            self._settle_resumed_ivon_settings(asked, checkpoint)
+        if checkpoint is None:
+            return
         # the stock Trainer loads the optimizer only together with the scheduler, and silently starts afresh without
-        # them: IVON would restart its Hessian and step count
-        if checkpoint is not None and self.ivon is not None and not (
-                has_optimizer_state(checkpoint) and os.path.isfile(os.path.join(checkpoint, "scheduler.pt"))):
-            if self._load_ivon_state(checkpoint) == POSTERIOR_FILE:
-                logger.warning("%s has no optimizer state (save_only_model=True?): IVON's Hessian and step count were "
-                               "restored from its %s; the gradient momentum restarts at zero and the learning-rate "
-                               "schedule from its start.", checkpoint, POSTERIOR_FILE)
-            else:
-                logger.warning("%s has no scheduler.pt: IVON's state was restored, the learning-rate schedule "
-                               "restarts.", checkpoint)
-        if checkpoint is not None and os.path.isfile(os.path.join(checkpoint, METHOD_STATE_FILE)):
+        # them: the method restores what it needs then
+        loaded = has_optimizer_state(checkpoint) and os.path.isfile(os.path.join(checkpoint, "scheduler.pt"))
+        self.method.reconcile_resume(self.optimizer, before, checkpoint, loaded,
+                                     self.accelerator.unwrap_model(self.model), self.state.global_step)
+        if os.path.isfile(os.path.join(checkpoint, METHOD_STATE_FILE)):
             state = torch.load(os.path.join(checkpoint, METHOD_STATE_FILE), map_location="cpu", weights_only=True)
             self.method.load_state_dict(state)
-
-    def _settle_resumed_ivon_settings(self, asked: dict[str, Any], checkpoint: str) -> None:
-        """After IVON's state was loaded from `checkpoint` (whose settings it carries): refuse a setting this run
-        gives another value than the checkpoint's; one this run left to be derived (ess from the training set, β2
-        and clip_radius from the run's length) takes the checkpoint's value, recorded in the method's config, so that
-        the posterior's metadata and the model card report what was used."""
-        used = self.ivon.param_groups[0]
-        differ = {key: (used[key], asked[key]) for key in RESUMED_IVON_SETTINGS
-                  if key in used and key in asked and not math.isclose(used[key], asked[key], rel_tol=1e-9)}
-        config = self.method.config
-        # ess is derived too where `ivon_smoothing` sets it from the data as training goes
-        derived = {key: old for key, (old, _) in differ.items()
-                   if getattr(config, RESUMED_IVON_SETTINGS[key], 0) is None
-                   or (key == "ess" and getattr(config, "ivon_smoothing", None) is not None)}
-        refused = {RESUMED_IVON_SETTINGS[key]: values for key, values in differ.items() if key not in derived}
-        if refused:
-            given = ", ".join(f"{name}={new!r} (the checkpoint's: {old!r})" for name, (old, new) in refused.items())
-            keep = ", ".join(f"{name}={old!r}" for name, (old, _) in refused.items())
-            raise ValueError(
-                f"Resuming {checkpoint} with other IVON settings than it was trained with: {given}. IVON's state would "
-                f"continue with the checkpoint's while the run reports these. Pass {keep} to resume it, or start a new "
-                "run (train() without resume_from_checkpoint, in another output_dir) to train with the new settings."
-            )
-        if derived:
-            self.method.config = dataclasses.replace(config,
-                                                     **{RESUMED_IVON_SETTINGS[key]: old
-                                                        for key, old in derived.items()})
-            logger.info("Resumed IVON from %s with its %s (left unset here, so the checkpoint's values are kept and "
-                        "recorded).", checkpoint,
-                        ", ".join(f"{RESUMED_IVON_SETTINGS[k]}={v!r}" for k, v in derived.items()))
-
-    def _load_ivon_state(self, checkpoint: str) -> str:
-        """IVON's state from `checkpoint` (without optimizer.pt, from the posterior saved there for the weights just
-        loaded from it); returns the file it came from (`varsmooth.posterior.resume`)."""
-        return load_ivon_state(self.ivon, self.accelerator.unwrap_model(self.model), checkpoint, self._ivon_param_names,
-                               self.state.global_step)

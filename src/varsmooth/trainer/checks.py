@@ -19,8 +19,7 @@ import torch
 from transformers import TrainingArguments
 from transformers.training_args import ParallelMode
 
-from ..methods import EXAMPLE_INDEX_KEY, TrainingMethod, learns_posterior
-from ..posterior.optimizer import VariationalIVON
+from ..methods import EXAMPLE_INDEX_KEY, TrainingMethod
 from ..prediction import IGNORE_INDEX, LABEL_KEYS
 from .arguments import VariationalTrainingArguments
 
@@ -211,21 +210,18 @@ def _refuse_string_labels(role: str, dataset: Any) -> None:
 
 def check_method_inputs(method: TrainingMethod, compute_loss_func: Any, posterior: Any, optimizer: Any) -> None:
     """Refuse a `compute_loss_func` that would replace a method's own loss, a `posterior=` for a method without one,
-    and an optimizer other than IVON for an IVON method."""
+    and an optimizer in `optimizers` the method cannot train with (`TrainingMethod.check_optimizer`)."""
     if compute_loss_func is not None and type(method).loss is not TrainingMethod.loss:
         raise ValueError(
             f"compute_loss_func would replace the training loss of method={method.name!r}, which is the method "
             "itself. Use it with method='ivon', 'ivon_fixed_hessian', 'erm' or 'sam' (cross-entropy by default), "
             "or drop compute_loss_func."
         )
-    if posterior is not None and not learns_posterior(method):
+    if posterior is not None and not method.learns_posterior:
         raise ValueError(f"posterior= is for IVON methods (BMA over the posterior); method={method.name!r} predicts at "
                          "the weights.")
-    if learns_posterior(method) and optimizer is not None and not isinstance(optimizer, VariationalIVON):
-        raise ValueError(
-            f"method={method.name!r} trains with IVON, which the trainer builds itself; got a "
-            f"{type(optimizer).__name__} in `optimizers`. Drop `optimizers=` (or pass a varsmooth.VariationalIVON)."
-        )
+    if optimizer is not None:
+        method.check_optimizer(optimizer)
 
 
 _IVON_OPTIMIZER = ("IVON is the optimizer of method={method!r} (its settings: learning_rate, beta1, beta2, hess_init, "

@@ -37,7 +37,6 @@ from ..hub.record import (
     last_posterior_log,
     training_schedule,
 )
-from ..methods import learns_posterior
 from ..training_health import cross_entropy_classes, stalled_training_loss
 
 __all__ = ["VariationalHubMixin"]
@@ -59,7 +58,7 @@ class VariationalHubMixin:
             return
         self._refuse_to_replace_own_card(replace_model_card)
         picture = write_reliability_diagram(self.reliability_diagram, self.args.output_dir,
-                                            bma=learns_posterior(self.method) and self.args.eval_mc_samples > 0
+                                            bma=self.method.learns_posterior and self.args.eval_mc_samples > 0
                                             and self.posterior_temperature.value > 0)
         if picture is not None:  # beside the model, in the manifest (uploaded) and so embedded by the card
             self.record_output(picture)
@@ -82,7 +81,7 @@ class VariationalHubMixin:
         method_hyperparameters = self.method.hyperparameters()
         return RunRecord(
             method=self.method.name,
-            learns_posterior=learns_posterior(self.method),
+            learns_posterior=self.method.learns_posterior,
             method_config_choice=self.method_config_choice,
             hyperparameters={**method_hyperparameters, **training_schedule(args, method_hyperparameters),
                              "per_device_train_batch_size": args.per_device_train_batch_size,
@@ -109,7 +108,7 @@ class VariationalHubMixin:
         """IVON's Hessian and σ statistics of the optimizer now (after training: the posterior that was saved), else
         of the last training log, and the examples BatchNorm's statistics were recomputed from at the end of training
         (`varsmooth.batchnorm`); None for a method without a posterior."""
-        if not learns_posterior(self.method):
+        if not self.method.learns_posterior:
             return None
         summary = self.hessian_summary()
         log = ({"step": self.state.global_step, **{k: summary[k] for k in POSTERIOR_LOG_KEYS if k in summary}}

@@ -132,6 +132,8 @@ class VariationalTrainer(AfterTrainingMixin, CheckpointingMixin, VariationalHubM
             for role, dataset in named_datasets(self.train_dataset, self.eval_dataset):
                 check_input_columns(role, dataset, self._signature_columns, args.remove_unused_columns)
         check_method_inputs(self.method, self.compute_loss_func, posterior, self.optimizer)
+        if self.optimizer is not None:  # passed in `optimizers`
+            self.method.use_optimizer(self.optimizer, list(self.model.named_parameters()), new=True)
         self._saved_posterior = posterior if posterior is not None else self._posterior_beside_model()
         self._draw_buffers: DrawBuffers | None = None  # each prediction draw's BatchNorm statistics, set after training
         # τ of every prediction; chosen on the eval dataset when training ends, before other train-end callbacks
@@ -144,7 +146,6 @@ class VariationalTrainer(AfterTrainingMixin, CheckpointingMixin, VariationalHubM
         self.temperature_scaling: TemperatureScaling | None = None
         # first, so that every other train-end callback sees what the steps after training chose
         self.callback_handler.callbacks.insert(0, AfterTraining(self.before_training, self.after_training))
-        self._ivon_param_names: list[str] | None = None
         self._init_checkpointing()
         self._finite_guard = NonFiniteGuard()
 
@@ -186,7 +187,7 @@ class VariationalTrainer(AfterTrainingMixin, CheckpointingMixin, VariationalHubM
     def _connect(self, callback: TrainerCallback) -> None:
         if isinstance(callback, SmoothingStrengthCallback):
             callback.connect(measure=self.probe_label_noise, seed=self.args.eval_seed,
-                             scale_ess=lambda factor: self.method.scale_ess(self.ivon, factor))
+                             scale_ess=lambda factor: self.method.scale_ess(self.optimizer, factor))
         if isinstance(callback, LabelNoiseCallback):
             check_labels("the dataset of LabelNoiseCallback", callback.dataset, model_num_labels(self.model))
             callback.connect(measure=self.label_noise, posterior=self.posterior, record_output=self.record_output,
@@ -196,38 +197,43 @@ class VariationalTrainer(AfterTrainingMixin, CheckpointingMixin, VariationalHubM
     @property
     def ivon(self) -> VariationalIVON | None:
         """The IVON optimizer behind accelerate's wrapper, or None before training / for non-IVON methods."""
-        return unwrap_ivon(self.optimizer) if learns_posterior(self.method) else None
+        return unwrap_ivon(self.optimizer) if self.method.learns_posterior else None
 
     def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
         """The method's optimizer (IVON for IVON methods, `TrainingMethod.create_optimizer`), else the Trainer's own."""
-        names = {id(p): n for n, p in self.model.named_parameters()}
-        built = self.optimizer is None
-        if built:
-            params = [(names[id(p)], p) for p in (model or self.model).parameters() if p.requires_grad]
-            # train() knows the run's length before it builds the optimizer; FSDP2 averages the gradients of the
-            # sharded parameters itself, and all ranks draw one sample (IVON's sync off)
-            run = OptimizerContext(total_steps=self.state.max_steps or None, seed=self.args.seed,
-                                   rank=self.args.process_index, learning_rate=self.args.learning_rate,
-                                   sync=self.args.world_size > 1 and not self.is_fsdp_enabled)
-            self.optimizer = self.method.create_optimizer(params, run)
-            if self.optimizer is None:
-                return super().create_optimizer(model)
-        if self.ivon is not None and (built or self._ivon_param_names is None):  # or an IVON passed in `optimizers`
-            # in the order of the optimizer's groups, which is that of its σ
-            self._ivon_param_names = [names[id(p)] for g in self.optimizer.param_groups for p in g["params"]]
+        if self.optimizer is not None:
+            return self.optimizer
+        named = list(self.model.named_parameters())
+        names = {id(p): n for n, p in named}
+        params = [(names[id(p)], p) for p in (model or self.model).parameters() if p.requires_grad]
+        # train() knows the run's length before it builds the optimizer; FSDP2 averages the gradients of the
+        # sharded parameters itself, and all ranks draw one sample (IVON's sync off)
+        run = OptimizerContext(total_steps=self.state.max_steps or None, seed=self.args.seed,
+                               rank=self.args.process_index, learning_rate=self.args.learning_rate,
+                               sync=self.args.world_size > 1 and not self.is_fsdp_enabled)
+        self.optimizer = self.method.create_optimizer(params, run)
+        if self.optimizer is None:
+            return super().create_optimizer(model)
+        self.method.use_optimizer(self.optimizer, named, new=True)
         return self.optimizer
 
     def posterior(self) -> DiagonalGaussianPosterior:
         """The current q = N(m, diag σ²): IVON's once it trains; before that the posterior passed as `posterior=` or
         saved beside the model (`posterior.safetensors` in its `name_or_path` folder); else a point mass."""
-        opt = self.ivon
-        model = self.accelerator.unwrap_model(self.model)
-        if opt is None:
-            return (self._saved_posterior if self._saved_posterior is not None
-                    else DiagonalGaussianPosterior.point_mass(model))
-        meta = {**self.method.hyperparameters(), "eval_mc_samples": self.args.eval_mc_samples,
-                "eval_seed": self.args.eval_seed, "step": opt.current_step, **self.posterior_temperature.metadata()}
-        posterior = DiagonalGaussianPosterior.from_ivon(model, opt, self._ivon_param_names, meta)
+        posterior = self._learned_posterior()
+        if posterior is not None:
+            return posterior
+        return (self._saved_posterior if self._saved_posterior is not None
+                else DiagonalGaussianPosterior.point_mass(self.accelerator.unwrap_model(self.model)))
+
+    def _learned_posterior(self) -> DiagonalGaussianPosterior | None:
+        """The posterior the method has learned in this trainer's optimizer (`TrainingMethod.posterior`), with its
+        draws' BatchNorm statistics; None: none learned."""
+        meta = {"eval_mc_samples": self.args.eval_mc_samples, "eval_seed": self.args.eval_seed,
+                **self.posterior_temperature.metadata()}
+        posterior = self.method.posterior(self.accelerator.unwrap_model(self.model), self.optimizer, meta)
+        if posterior is None:
+            return None
         if self._draw_buffers is not None and self._draw_buffers.for_draws(
                 self.args.eval_seed, self.args.eval_mc_samples, self._draws_temperature()) is None:
             return self.prepare_prediction_draws(posterior)  # τ (or the draws) changed since they were prepared
@@ -237,7 +243,7 @@ class VariationalTrainer(AfterTrainingMixin, CheckpointingMixin, VariationalHubM
     def _posterior_beside_model(self) -> DiagonalGaussianPosterior | None:
         """The posterior an IVON run saved next to the weights this trainer's model was loaded from, if any."""
         folder = getattr(self.model, "name_or_path", None) or ""
-        if not learns_posterior(self.method) or not os.path.isfile(os.path.join(folder, POSTERIOR_FILE)):
+        if not self.method.learns_posterior or not os.path.isfile(os.path.join(folder, POSTERIOR_FILE)):
             return None
         try:
             posterior = DiagonalGaussianPosterior.load(self.model, folder)
@@ -329,10 +335,10 @@ class VariationalTrainer(AfterTrainingMixin, CheckpointingMixin, VariationalHubM
                    if self.accelerator.sync_gradients else None)
         if verdict is None or all(verdict):
             return
-        if self.ivon is not None:
-            self.ivon._reset_samples()  # the step's samples are dropped: IVON stays at the last finite step
+        self.method.discard_step(self.optimizer)
         bad = [] if verdict[2] else non_finite_tensors(self.accelerator.unwrap_model(self.model).named_buffers())
-        raise non_finite_step_error(verdict, self.state.global_step + 1, self.args.method, self.ivon is not None, bad)
+        raise non_finite_step_error(verdict, self.state.global_step + 1, self.args.method,
+                                    self.method.learns_posterior, bad)
 
     def _prepare_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
         inputs = super()._prepare_inputs(inputs)
@@ -358,7 +364,7 @@ class VariationalTrainer(AfterTrainingMixin, CheckpointingMixin, VariationalHubM
             self._signature_columns.append(EXAMPLE_INDEX_KEY)  # or the column removal would drop the index
 
     def _clip_grad_norm(self, model: torch.nn.Module) -> Any:
-        if learns_posterior(self.method):  # already clipped inside each sample; clipping now would not reach IVON
+        if self.method.clips_inside_step:
             return self.method.last_grad_norm
         return super()._clip_grad_norm(model)
 
@@ -388,7 +394,7 @@ class VariationalTrainer(AfterTrainingMixin, CheckpointingMixin, VariationalHubM
         # the posterior is built once per evaluation, from the IVON state of this moment
         posterior = self.posterior()
         self._eval_predictor = predictor = self.predictor(posterior)
-        learns, bma = learns_posterior(self.method), self.args.eval_mc_samples > 0
+        learns, bma = self.method.learns_posterior, self.args.eval_mc_samples > 0
         at_mean_only = learns and bma and posterior.is_point_mass
         if at_mean_only:
             logger.warning(
