@@ -25,6 +25,8 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import common  # noqa: E402
 import real_noise  # noqa: E402
 
+pytestmark = pytest.mark.slow  # the benchmarks' checks are the slow tier's (the README's test command skips them)
+
 README = REPO / "benchmarks" / "README.md"
 
 
