@@ -162,3 +162,9 @@ def test_a_model_brought_as_hf_users_bring_it_fine_tunes_as_accurately_as_adamw_
     comparison = block("hf_finetune").split("IVON at its defaults", 1)[1]
     rows = table(comparison)
     assert rows and all(mean(row["Δ acc (pp)"]) >= 0 for row in rows), rows
+
+
+def test_in_long_fine_tunes_adamw_with_early_stopping_can_lead_where_the_front_page_says():
+    task = {"SST-2": "sst2-sym30"}[claim(r"in 1,008 steps AdamW with early stopping can lead \(([^)]+)\)").group(1)]
+    accuracy = {row["method"]: mean(row["test acc %"]) for row in table(block("long_finetune")) if row["task"] == task}
+    assert accuracy["AdamW + early stopping"] > accuracy["IVON (defaults)"], accuracy
