@@ -89,15 +89,17 @@ def _assert_same_trajectory(ours, ref, tol=1e-6):
 IVON_KW = dict(lr=0.1, ess=200.0, hess_init=0.3, beta1=0.9, beta2=0.99, weight_decay=1e-2)
 
 #: the engine's code paths, all run on the CPU: "compiled" (the default: torch.compile'd kernels, e from torch's CPU
-#: generator, kept), "foreach" (compiled=False, the same functions run eagerly) and "in_kernel" (what CUDA runs: the
-#: compiled kernels draw e themselves with Inductor's Philox and draw it again when the gradient arrives)
-PATHS = ["compiled", "foreach", "in_kernel"]
+#: generator, kept), "foreach" (compiled=False, the same functions run eagerly), "in_kernel" (what CUDA runs: the
+#: compiled kernels draw e themselves with Inductor's Philox and draw it again when the gradient arrives) and
+#: "reference" (foreach=False: the for-loop reference, one function per formula, e kept as on the foreach path)
+PATHS = ["compiled", "foreach", "in_kernel", "reference"]
+EAGER = ("foreach", "reference")
 
 
 def _on_path(path, monkeypatch):
     """Constructor kwargs (and patches) that put these models on one code path."""
-    if path == "foreach":
-        return {"compiled": False}
+    if path in EAGER:
+        return {"compiled": False} if path == "foreach" else {"foreach": False}
     skip_without_compiler()
     if path == "in_kernel":
         monkeypatch.setattr(VariationalIVON, "_keeps_noise", lambda self, t: not self._dispatch.compiles)
@@ -143,7 +145,7 @@ def test_same_trajectory_as_ivon_opt(case, path, monkeypatch):
     ref, _, _ = _run(lambda g, **k: SeededIVON(g, seed=3, **ref_noise, **k), model, STEPS, **run_kw, **kw)
     _assert_same_trajectory(ours, ref)
     assert opt.current_step == STEPS
-    assert opt._dispatch.compiles is (path != "foreach")  # the comparison ran the compiled kernels, not a fallback
+    assert opt._dispatch.compiles is (path not in EAGER)  # the comparison ran the compiled kernels, not a fallback
     if case.get("beta2") == 1.0:
         assert torch.equal(ours[-1][1], torch.full_like(ours[-1][1], 0.3))
     else:
@@ -270,11 +272,11 @@ def test_mixed_dtypes_one_step_matches_ivon_opt_formulas(path, monkeypatch):
         assert opt.state[p]["hess"].dtype == p.dtype and opt.state[p]["momentum"].dtype == p.dtype
         # bfloat16: its sample θ - m is rounded, and ivon-opt rounds each operation, the compiled kernels only results;
         # float64: the compiled kernels contract and reorder operations (h is ~2000× its initial value here)
-        tol = {torch.float32: 1e-5, torch.float64: 1e-12 if path == "foreach" else 1e-9, torch.bfloat16: 2e-2}[p.dtype]
+        tol = {torch.float32: 1e-5, torch.float64: 1e-12 if path in EAGER else 1e-9, torch.bfloat16: 2e-2}[p.dtype]
         torch.testing.assert_close(opt.state[p]["momentum"], mom, atol=tol, rtol=tol)
         torch.testing.assert_close(opt.state[p]["hess"], hess, atol=tol, rtol=tol)
         torch.testing.assert_close(p.detach(), expected, atol=tol, rtol=tol)
-    assert opt._dispatch.compiles is (path != "foreach")
+    assert opt._dispatch.compiles is (path not in EAGER)
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -383,13 +385,17 @@ def test_prefetched_noise_is_the_noise_drawn_in_turn(path, samples_per_step, mon
                for u, v in zip(a, b))
 
 
-def test_cpu_paths_draw_the_same_samples(monkeypatch):
-    """On the CPU the compiled kernels and foreach ops take e from the same generator: one seed, one trajectory."""
+@pytest.mark.parametrize("case", [dict(), dict(clip_radius=0.02, weight_decay=0.05)], ids=["base", "clip_decay"])
+def test_cpu_paths_draw_the_same_samples(case, monkeypatch):
+    """On the CPU the compiled kernels, foreach ops and the for-loop reference take e from the same generator: one
+    seed, one trajectory (the reference's to rounding: it computes σ and the Hessian as the paper writes them)."""
     torch.manual_seed(0)
     model = MLP()
-    runs = [_run(_engine(6, _on_path(path, monkeypatch)), model, 5, 2, **IVON_KW)[0]
-            for path in ("compiled", "foreach")]
-    _assert_same_trajectory(*runs)
+    kw = {**IVON_KW, **case}
+    compiled, *others = [_run(_engine(6, _on_path(path, monkeypatch)), model, 5, 2, **kw)[0]
+                         for path in ("compiled", "foreach", "reference")]
+    for other in others:
+        _assert_same_trajectory(compiled, other)
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -417,8 +423,12 @@ def test_crash_inside_sampling_restores_means_and_records_nothing(path, monkeypa
             raise RuntimeError("kernel failed")
         real(*args, **kwargs)
 
-    real, opt._dispatch = opt._dispatch, fails
-    fails.compiles = real.compiles
+    if path == "reference":  # its sampling is a function of its own, not a kernel run by the dispatch
+        real = kernels._single_tensor_sample
+        monkeypatch.setattr(kernels, "_single_tensor_sample", fails)
+    else:
+        real, opt._dispatch = opt._dispatch, fails
+        fails.compiles = real.compiles
     with pytest.raises(RuntimeError, match="kernel failed"):
         with opt.sampled_params(train=True):
             pass
@@ -518,6 +528,8 @@ def test_bad_settings_are_refused():
         VariationalIVON([{"params": p, "beta2": 1.5}], lr=0.1, ess=10)
     with pytest.raises(ValueError, match="floating-point"):
         VariationalIVON([torch.ones(2, dtype=torch.long)], lr=0.1, ess=10)
+    with pytest.raises(ValueError, match="compiled=True.*foreach=False"):  # as torch.optim's fused and foreach
+        VariationalIVON(p, lr=0.1, ess=10, compiled=True, foreach=False)
 
 
 @pytest.mark.slow

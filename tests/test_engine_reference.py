@@ -1,6 +1,7 @@
 """The engine's foreach and compiled paths against `_single_tensor_ivon`, its formula-by-formula reference: each step
 of a run is replayed by the reference on the run's own inputs (the gradients and noise of its samples), so the paths
-are compared one step at a time, without differences carried through the samples of later steps."""
+are compared one step at a time, without differences carried through the samples of later steps. With foreach=False
+the engine runs the reference itself: the replay is then the same step, bit for bit."""
 
 import copy
 
@@ -84,7 +85,7 @@ def _compare(steps, exact=(), tol=1e-6):
                     torch.testing.assert_close(x, y, atol=tol, rtol=tol, msg=msg)
 
 
-@pytest.mark.parametrize("path", ["foreach", "compiled"])
+@pytest.mark.parametrize("path", ["foreach", "compiled", "reference"])
 @pytest.mark.parametrize("case", [
     dict(),
     dict(samples_per_step=3),
@@ -95,11 +96,11 @@ def _compare(steps, exact=(), tol=1e-6):
 ], ids=["base", "accumulate3", "clip", "no_rescale_no_debias", "no_decay", "float64"])
 def test_each_step_is_the_reference_step(path, case, monkeypatch):
     """The momentum is the reference's arithmetic, bit for bit; the Hessian, rewritten to fewer operations, and the
-    mean, which reads it, agree to rounding."""
+    mean, which reads it, agree to rounding. foreach=False runs the reference: all three bit for bit."""
     steps = _replayed_run(path, monkeypatch, **case)
     # float64: the compiled kernels contract and reorder operations
     tol = {torch.float32: 1e-6, torch.float64: 1e-12 if path == "foreach" else 1e-9}[case.get("dtype", torch.float32)]
-    _compare(steps, exact=("momentum",), tol=tol)
+    _compare(steps, exact=("params", "momentum", "hess") if path == "reference" else ("momentum",), tol=tol)
     assert (steps[-1][0][0][2] - IVON_KW["hess_init"]).abs().max() > 1e-2  # the Hessian moved: its update is compared
     if "clip_radius" in case:  # the clip was active: without it the weights end elsewhere
         monkeypatch.undo()

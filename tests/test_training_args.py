@@ -117,12 +117,20 @@ def test_default_run_trains_on_unclipped_gradients(tmp_path):
     assert _max_diff(clipped, unclipped) > 1e-3
 
 
-@pytest.mark.parametrize("compiled", [True, False])
-def test_ivon_compiled_reaches_the_optimizer_and_either_path_matches_the_hand_written_loop(tmp_path, compiled):
-    """`--ivon_compiled` parses as HF's optional booleans do and picks IVON's code path (compiled kernels or foreach
-    ops); on the CPU both draw the noise from the same generator and train as the ivon-opt reference loop."""
+@pytest.mark.parametrize("path", [dict(ivon_compiled=True), dict(ivon_compiled=False), dict(ivon_foreach=False)],
+                         ids=["compiled", "foreach", "reference"])
+def test_ivon_code_path_reaches_the_optimizer_and_each_path_matches_the_hand_written_loop(tmp_path, path):
+    """`--ivon_compiled` and `--ivon_foreach` parse as HF's optional booleans do and pick IVON's code path (compiled
+    kernels, foreach ops or the for-loop reference); on the CPU all draw the noise from the same generator and train
+    as the ivon-opt reference loop, as the default path does (`test_default_run_trains_on_unclipped_gradients`)."""
     assert _ivon().ivon_compiled is None and _ivon("--ivon_compiled", "false").ivon_compiled is False
-    trainer, init, batches = _train_three_steps(tmp_path, ivon_compiled=compiled)
-    assert trainer.ivon.compiled is compiled and trainer.ivon._dispatch.compiles is compiled
+    assert _ivon().ivon_foreach is None and _ivon("--ivon_foreach", "false").ivon_foreach is False
+    trainer, init, batches = _train_three_steps(tmp_path, **path)
+    compiles = path.get("ivon_compiled", True) and path.get("ivon_foreach") is not False
+    assert trainer.ivon.compiled is path.get("ivon_compiled") and trainer.ivon.foreach is path.get("ivon_foreach")
+    assert trainer.ivon._dispatch.compiles is compiles
     ref, _ = reference_ivon_loop(init, batches, 3, **REFERENCE_IVON)
     assert _max_diff(trainer.model, ref) < 1e-6
+    x, y = (torch.cat(t) for t in zip(*(batches(step)[0] for step in range(3))))
+    losses = [torch.nn.functional.cross_entropy(m(x).logits, y).item() for m in (init, trainer.model)]
+    assert losses[1] < losses[0]  # it trains: the mean's loss on the batches it saw fell

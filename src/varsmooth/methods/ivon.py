@@ -99,7 +99,8 @@ class IVONMethod(TrainingMethod):
         self.learning_rate = self.default_learning_rate if run.learning_rate is None else run.learning_rate
         self.check_step_bound()
         return VariationalIVON(self.param_groups(named_parameters), sample_seed=run.seed, rank=run.rank,
-                               compiled=self.config.ivon_compiled, sync=run.sync, **self.ivon_settings())
+                               compiled=self.config.ivon_compiled, foreach=self.config.ivon_foreach, sync=run.sync,
+                               **self.ivon_settings())
 
     def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         if unwrap_ivon(optimizer) is None:

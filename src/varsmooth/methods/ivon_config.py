@@ -110,6 +110,13 @@ class IVONConfig(MethodConfig):
                           "None uses them where torch.compile works (a C++ compiler on the CPU, Triton on GPUs), "
                           "else warns and uses foreach ops; true requires them; false uses foreach ops."},
     )
+    ivon_foreach: bool | None = field(
+        default=None,
+        metadata={"help": "IVON's implementation, as torch.optim's `foreach` (varsmooth.posterior.VariationalIVON's "
+                          "`foreach`): None or true, the foreach kernels (compiled per ivon_compiled); false, the "
+                          "for-loop reference, one function per formula of the paper (kernels._single_tensor_ivon): "
+                          "slower, for reading and checking. Not with ivon_compiled true."},
+    )
     clip_radius: float | None = field(
         default=None,
         metadata={"help": "IVON element-wise clipping of the preconditioned update (None = no clipping). Gradient-norm "

@@ -1,11 +1,12 @@
 """IVON's arithmetic as functions over the tensor lists of one (device, dtype) bucket, run eagerly or compiled.
 
-`_single_tensor_ivon` is the step written formula by formula, one tensor at a time, as torch.optim's
-`_single_tensor_adamw` and ivon-opt write theirs: the reference the others are tested against. The functions the
-optimizer runs are written once with `torch._foreach_*` ops, like torch.optim's `_multi_tensor_*`: run eagerly they are
-the foreach path; `torch.compile` of them (Inductor's C++ on the CPU, Triton on CUDA) fuses each tensor's ops into one
-pass. Their hyperparameters come as one tensor (`coef`), so that new values (a learning-rate schedule) compile no new
-graph, and the Hessian update is rewritten to fewer operations: both read against the reference.
+`_single_tensor_ivon` (with `_single_tensor_sample`) is the step written formula by formula, one tensor at a time, as
+torch.optim's `_single_tensor_adamw` and ivon-opt write theirs: the reference the others are tested against, which
+`VariationalIVON(foreach=False)` runs. The functions the optimizer runs by default are written once with
+`torch._foreach_*` ops, like torch.optim's `_multi_tensor_*`: run eagerly they are the foreach path; `torch.compile`
+of them (Inductor's C++ on the CPU, Triton on CUDA) fuses each tensor's ops into one pass. Their hyperparameters come
+as one tensor (`coef`), so that new values (a learning-rate schedule) compile no new graph, and the Hessian update is
+rewritten to fewer operations: both read against the reference.
 
 Given `noise=None`, a function draws e with `torch.randn_like` from the device's default generator, seeded by
 `seeded`: compiled, that is Inductor's in-kernel Philox (`tl.randn` on CUDA), so the same seed draws e again when the
@@ -30,26 +31,68 @@ __all__ = ["Dispatch", "noise_times_grad", "perturb", "seeded", "update"]
 RECOMPILE_LIMIT = 64
 
 
+# -- the reference: torch.optim's for-loop implementation (VariationalIVON(foreach=False)), one function per formula,
+# named as ivon-opt's `_ivon.py` names them. Eager, one tensor at a time: each formula reads as the paper writes it.
+
+def _sigma(h: torch.Tensor, *, ess: float, weight_decay: float) -> torch.Tensor:
+    """σ = 1/sqrt(λ (h + δ)), the posterior std (Alg. 1 line 2; ivon-opt's `_sample_params`)."""
+    return (ess * (h + weight_decay)).rsqrt()
+
+
+def _nll_hess(h: torch.Tensor, nxg: torch.Tensor, *, ess: float, weight_decay: float) -> torch.Tensor:
+    """ĥ, the 'price' (reparameterisation) Hessian estimate ĝ⊙(θ - m)/σ² = λ (h + δ) σ⊙mean(e⊙g) (Alg. 1 line 4;
+    ivon-opt's `_get_nll_hess` times ess, whose avg_nxg is σ⊙mean(e⊙g)). σ is the samples': h has not changed since."""
+    return ess * (h + weight_decay) * (_sigma(h, ess=ess, weight_decay=weight_decay) * nxg)
+
+
+def _new_momentum(mom: torch.Tensor, g: torch.Tensor, beta1: float) -> torch.Tensor:
+    """m̄ ← β1 m̄ + (1-β1) ĝ, in place (Alg. 1 line 5)."""
+    return mom.mul_(beta1).add_(g * (1.0 - beta1))
+
+
+def _new_hess(h: torch.Tensor, f: torch.Tensor, *, beta2: float, weight_decay: float) -> torch.Tensor:
+    """h ← β2 h + (1-β2) ĥ + ½(1-β2)² (h - ĥ)²/(h + δ) (Alg. 1 line 6): the EMA, and a correction term that keeps h
+    positive where ĥ is negative."""
+    return beta2 * h + (1.0 - beta2) * f + 0.5 * (1.0 - beta2) ** 2 * (h - f).square() / (h + weight_decay)
+
+
+def _new_param_average(m: torch.Tensor, h: torch.Tensor, mom: torch.Tensor, *, lr: float, weight_decay: float,
+                       clip_radius: float, debias: float) -> torch.Tensor:
+    """m ← m - lr clip((m̄/debias + δ m)/(h + δ), ±r), in place (Alg. 1 line 7, with ivon-opt's element-wise clip): a
+    Newton-like step with the debiased momentum, the prior precision δ as weight decay."""
+    direction = (mom / debias + m * weight_decay) / (h + weight_decay)
+    return m.sub_(direction.clamp(-clip_radius, clip_radius) * lr)
+
+
+def _single_tensor_sample(weights: list[torch.Tensor], means: list[torch.Tensor], hess: list[torch.Tensor],
+                          noise: list[torch.Tensor], *, ess: float, weight_decay: float) -> None:
+    """m into `means`, the sample θ = m + σ⊙e into the weights (Alg. 1 line 3)."""
+    for w, m, h, e in zip(weights, means, hess, noise):
+        m.copy_(w)
+        w.add_(_sigma(h, ess=ess, weight_decay=weight_decay) * e)
+
+
 def _single_tensor_ivon(weights: list[torch.Tensor], grads: list[torch.Tensor], momentum: list[torch.Tensor],
                         hess: list[torch.Tensor], nxg: list[torch.Tensor], *, lr: float, beta1: float, beta2: float,
-                        weight_decay: float, ess: float, debias: float, clip_radius: float) -> None:
-    """One IVON step, in place (Shen et al. 2024, "Variational Learning is Effective for Large Deep Networks", Alg. 1:
-    the 'price' Hessian estimate, the two EMAs, the mean update; with ivon-opt's element-wise clip). `grads` is ḡ and
-    `nxg` mean(e⊙g), both averaged over the step's samples θ = m + σ⊙e; `lr` the rate applied (ivon-opt's
-    `rescale_lr`: lr (h0 + δ)), `debias` 1 - β1^t (or 1)."""
+                        weight_decay: float, ess: float, debias: float, clip_radius: float,
+                        times_grad: bool = False) -> None:
+    """One IVON step, in place (Shen et al. 2024, "Variational Learning is Effective for Large Deep Networks", Alg. 1
+    lines 4-7). `grads` is the gradient estimate ĝ and `nxg` mean(e⊙g) (e, if `times_grad`: one sample, whose e
+    waited for its gradient), both averaged over the step's samples θ = m + σ⊙e by the optimizer; `lr` the rate
+    applied (ivon-opt's `rescale_lr`: lr (h0 + δ)), `debias` 1 - β1^t (or 1)."""
     for m, g, mom, h, n in zip(weights, grads, momentum, hess, nxg):
-        # σ the samples were drawn with: h has not changed since
-        sigma = (ess * (h + weight_decay)).rsqrt()
-        # the 'price' estimate ĥ = ĝ⊙(θ - m)/σ² = ess (h + δ) σ⊙e⊙ĝ (ivon-opt's avg_nxg is σ⊙e⊙ĝ)
-        price = ess * (h + weight_decay) * (sigma * n)
-        # the momentum, an EMA of the gradients
-        mom.mul_(beta1).add_(g * (1.0 - beta1))
-        # the Hessian EMA; its last term keeps h positive where ĥ is negative
-        h.copy_(beta2 * h + (1.0 - beta2) * price
-                + 0.5 * (1.0 - beta2) ** 2 * (h - price).square() / (h + weight_decay))
-        # a Newton-like step on the mean: the debiased momentum, the prior precision δ as weight decay
-        direction = (mom / debias + m * weight_decay) / (h + weight_decay)
-        m.sub_(direction.clamp(-clip_radius, clip_radius) * lr)
+        f = _nll_hess(h, n * g if times_grad else n, ess=ess, weight_decay=weight_decay)
+        _new_momentum(mom, g, beta1)
+        h.copy_(_new_hess(h, f, beta2=beta2, weight_decay=weight_decay))
+        _new_param_average(m, h, mom, lr=lr, weight_decay=weight_decay, clip_radius=clip_radius, debias=debias)
+
+
+def _on_device(values: list[float], like: torch.Tensor) -> torch.Tensor:
+    """A kernel's scalars on `like`'s device (no wait for it), as a tensor: new values compile no new graph."""
+    dtype = torch.float64 if like.dtype == torch.float64 else torch.float32
+    if like.device.type == "cpu":
+        return torch.tensor(values, dtype=dtype)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(like.device, non_blocking=True)
 
 
 def perturb(weights: list[torch.Tensor], means: list[torch.Tensor], hess: list[torch.Tensor],
@@ -124,10 +167,14 @@ def _compiled(fn: Callable) -> Callable:
 class Dispatch:
     """Runs `perturb`, `noise_times_grad` and `update` through torch.compile or eagerly (foreach ops) by the
     optimizer's `compiled` flag: None compiles where torch.compile works, else warns once and runs eagerly (compiling
-    fails before writing); True raises there; False runs eagerly."""
+    fails before writing); True raises there; False runs eagerly. `foreach=False` (the optimizer then runs the
+    for-loop reference, not these) compiles nothing, and refuses compiled=True as torch.optim refuses fused=True."""
 
-    def __init__(self, compiled: bool | None) -> None:
-        self.compiled, self.compiles = compiled, compiled is not False
+    def __init__(self, compiled: bool | None, foreach: bool | None = None) -> None:
+        if foreach is False and compiled:
+            raise ValueError("compiled=True (ivon_compiled) compiles the foreach kernels, foreach=False (ivon_foreach) "
+                             "runs the for-loop reference: pass one of them.")
+        self.compiled, self.compiles = compiled, compiled is not False and foreach is not False
 
     def __call__(self, fn: Callable, *args: list[torch.Tensor] | torch.Tensor | None, **flags: Any) -> None:
         if self.compiles:

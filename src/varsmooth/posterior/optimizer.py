@@ -22,21 +22,14 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ..presets import SCRATCH_PRESET
-from .kernels import Dispatch, noise_times_grad, perturb, seeded, update
+from . import kernels
+from .kernels import Dispatch, _on_device, noise_times_grad, perturb, seeded, update
 from .prefetch import NoisePrefetch
 from .seeds import derive_seed
 from .settings import SETTING_RANGES, check_ivon_setting
 from .sharding import DTensor, full_tensor, to_local
 
 __all__ = ["VariationalIVON", "unwrap_ivon"]
-
-def _on_device(values: list[float], like: torch.Tensor) -> torch.Tensor:
-    """A kernel's scalars on `like`'s device (no wait for it), as a tensor: new values compile no new graph."""
-    dtype = torch.float64 if like.dtype == torch.float64 else torch.float32
-    if like.device.type == "cpu":
-        return torch.tensor(values, dtype=dtype)
-    return torch.tensor(values, dtype=dtype, pin_memory=True).to(like.device, non_blocking=True)
-
 
 def _spare_core() -> bool:
     """Whether torch's threads in this node's processes (torchrun's and accelerate's LOCAL_WORLD_SIZE) leave a core
@@ -80,10 +73,12 @@ class VariationalIVON(torch.optim.Optimizer):
     defaults, the scratch preset's (`varsmooth.presets.SCRATCH_PRESET`) (weight_decay: the prior precision δ;
     `sync` all-reduces ḡ and mean(e⊙g) in `step()`; hess_approx 'price' only), `sample_seed`, the seed of the weight
     samples (None: from the global RNG), `rank` (mixed into the seed: DDP ranks draw independent samples),
-    `compiled` (whether the kernels run through torch.compile: `kernels.Dispatch`) and `prefetch` (whether the next
-    training sample's e, where it is drawn into a buffer (the CPU), is drawn on another thread during this sample's
-    forward and backward, for one more parameter-sized buffer: `prefetch.NoisePrefetch`; None: where this node's
-    processes leave a core spare, `_spare_core`; never with `sample_seed=None`, whose draws are not known ahead).
+    `compiled` (whether the kernels run through torch.compile: `kernels.Dispatch`), `foreach` (as torch.optim's: None
+    or True the foreach kernels, compiled or not; False the slower for-loop reference, one function per formula:
+    `kernels._single_tensor_ivon`; not with compiled=True) and `prefetch` (whether the next training sample's e, where
+    it is drawn into a buffer (the CPU), is drawn on another thread during this sample's forward and backward, for one
+    more parameter-sized buffer: `prefetch.NoisePrefetch`; None: where this node's processes leave a core spare,
+    `_spare_core`; never with `sample_seed=None`, whose draws are not known ahead).
     """
 
     # the defaults of the scratch preset, which `IVONConfig(ivon_preset="scratch")` fills its fields with
@@ -93,7 +88,7 @@ class VariationalIVON(torch.optim.Optimizer):
                  hess_approx: str = "price", clip_radius: float = math.inf, sync: bool = False, debias: bool = True,
                  rescale_lr: bool = SCRATCH_PRESET["rescale_lr"], *,
                  sample_seed: int | None = 0, rank: int = 0, compiled: bool | None = None,
-                 prefetch: bool | None = None) -> None:
+                 foreach: bool | None = None, prefetch: bool | None = None) -> None:
         if hess_approx != "price":
             raise ValueError(f"hess_approx={hess_approx!r} is not implemented; use 'price' (ivon-opt's default).")
         if mc_samples < 1:
@@ -102,7 +97,7 @@ class VariationalIVON(torch.optim.Optimizer):
                         hess_init=hess_init, ess=ess, clip_radius=clip_radius)
         self.mc_samples, self.hess_approx, self.sync, self.debias = mc_samples, hess_approx, sync, debias
         self.rescale_lr, self.sample_seed, self.rank, self.compiled = rescale_lr, sample_seed, rank, compiled
-        self._dispatch = Dispatch(compiled)
+        self.foreach, self._dispatch = foreach, Dispatch(compiled, foreach)
         self.prefetch = prefetch if prefetch is not None else _spare_core()
         self._prefetch = NoisePrefetch()
         self._draws_per_step = 1  # in the last step: where the draw after this one is predicted to fall
@@ -226,9 +221,13 @@ class VariationalIVON(torch.optim.Optimizer):
                                    self._buffer(bucket.params, "noise") if keeps else None)
             self._perturbed.append((bucket, keeps))
             hess = [to_local(self.state[p]["hess"]) for p in bucket.params]
-            with self._kernel_draws(bucket, draw, noise):
-                self._dispatch(perturb, weights, self._buffer(bucket.params, "mean"), hess, noise,
-                               _on_device([group["ess"] ** -0.5, group["weight_decay"]], weights[0]))
+            if self.foreach is False:  # eager: e was drawn into its buffer
+                kernels._single_tensor_sample(weights, self._buffer(bucket.params, "mean"), hess, noise,
+                                              ess=group["ess"], weight_decay=group["weight_decay"])
+            else:
+                with self._kernel_draws(bucket, draw, noise):
+                    self._dispatch(perturb, weights, self._buffer(bucket.params, "mean"), hess, noise,
+                                   _on_device([group["ess"] ** -0.5, group["weight_decay"]], weights[0]))
         if train and self.prefetch and kept and self.sample_seed is not None:
             self._prefetch.start(self._next_draw_seed(draw), kept, draw_noise)
 
@@ -309,12 +308,17 @@ class VariationalIVON(torch.optim.Optimizer):
             b1, b2, wd, root = group["beta1"], group["beta2"], group["weight_decay"], math.sqrt(group["ess"])
             debias = 1.0 - b1 ** self.current_step if self.debias else 1.0
             lr = group["lr"] * (group["hess_init"] + wd) if self.rescale_lr else group["lr"]
-            rate = (1.0 - b2) * root
-            coef = _on_device([b1, 1.0 - b1, wd, root, 0.5 * rate, rate, debias, lr], params[0])
-            self._dispatch(update, [to_local(p) for p in params], [self._avg_grad[p] for p in params],
-                           [to_local(self.state[p]["momentum"]) for p in params],
-                           [to_local(self.state[p]["hess"]) for p in params], self._buffer(params, "nxg"), coef,
-                           hessian_moves=b2 < 1.0, radius=group["clip_radius"], times_grad=params[0] in self._pending)
+            rate, times_grad = (1.0 - b2) * root, params[0] in self._pending
+            tensors = ([to_local(p) for p in params], [self._avg_grad[p] for p in params],
+                       [to_local(self.state[p]["momentum"]) for p in params],
+                       [to_local(self.state[p]["hess"]) for p in params], self._buffer(params, "nxg"))
+            if self.foreach is False:
+                kernels._single_tensor_ivon(*tensors, lr=lr, beta1=b1, beta2=b2, weight_decay=wd, ess=group["ess"],
+                                            debias=debias, clip_radius=group["clip_radius"], times_grad=times_grad)
+            else:
+                coef = _on_device([b1, 1.0 - b1, wd, root, 0.5 * rate, rate, debias, lr], params[0])
+                self._dispatch(update, *tensors, coef, hessian_moves=b2 < 1.0, radius=group["clip_radius"],
+                               times_grad=times_grad)
         for slots in self._buffers.values():  # mean(e⊙g)'s buffer takes the role it had before the first sample
             free = slots.pop("nxg", None)
             if slots.get("mean") is None:
@@ -349,8 +353,8 @@ class VariationalIVON(torch.optim.Optimizer):
     def posterior_std(self) -> list[torch.Tensor]:
         """σ = 1/sqrt(ess·(h + δ)) for each parameter, in `param_groups` order (Alg. 1 line 2)."""
         self._follow_replaced_params()
-        return [(g["ess"] * (self.state[p]["hess"] + g["weight_decay"])).rsqrt() for g in self.param_groups
-                for p in g["params"]]
+        return [kernels._sigma(self.state[p]["hess"], ess=g["ess"], weight_decay=g["weight_decay"])
+                for g in self.param_groups for p in g["params"]]
 
     def hessian(self) -> torch.Tensor:
         """All h, flat in `param_groups` order, on the first parameter's device (DTensors gathered: a collective)."""
