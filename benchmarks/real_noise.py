@@ -674,9 +674,9 @@ def example_defaults(kind: str, method: str, lora: bool = False) -> dict[str, An
     return dict(_example_defaults(kind, method, lora))
 
 
-#: settings that choose a code path, not an experiment (IVON's compiled kernels and its foreach ops train alike,
-#: tested); `ivon_fused` is the name runs cached before the rename recorded
-CODE_PATH_SETTINGS = ("ivon_compiled", "ivon_fused")
+#: settings that choose a code path, not an experiment (IVON's compiled kernels, foreach ops and for-loop reference
+#: train alike, tested); `ivon_fused` is the name runs cached before the rename recorded
+CODE_PATH_SETTINGS = ("ivon_compiled", "ivon_fused", "ivon_foreach")
 
 
 def effective_settings(task: Task, method: str, hyperparams: dict[str, Any],
