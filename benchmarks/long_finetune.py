@@ -284,7 +284,9 @@ def figure(seeds: list[int] = SEEDS) -> Path:
         ax.set_xlabel("epoch")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("wrong training labels fitted (%)")
-    next((ax for ax in axes if ax.lines), axes[0]).legend(fontsize=8)
+    for ax in axes:  # per panel: LS's α is each task's own
+        if ax.lines:
+            ax.legend(fontsize=7)
     fig.tight_layout()
     path = OUT_DIR / "memorisation.png"
     path.parent.mkdir(parents=True, exist_ok=True)
