@@ -105,8 +105,8 @@ def ood_auroc(folder: Path, seed: int) -> dict[str, float]:
     sys.path.insert(0, str(ROOT / "examples"))
     from example_utils.data import default_data_dir, load_cifar10n, load_digits_dataset, train_eval_splits
     from varsmooth import VariationalModel
-    from varsmooth.batchnorm import draw_batchnorm_statistics
-    from varsmooth.prediction import predictive_distribution
+    from varsmooth.prediction.batchnorm import draw_batchnorm_statistics
+    from varsmooth.prediction.bma import predictive_distribution
 
     model = VariationalModel.from_pretrained(folder)
     processor = AutoImageProcessor.from_pretrained(folder)

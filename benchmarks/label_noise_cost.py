@@ -38,8 +38,8 @@ from transformers import default_data_collator
 from transformers.utils import ModelOutput
 
 from varsmooth.label_noise import compute_label_noise
+from varsmooth.outputs import model_logits
 from varsmooth.posterior import DiagonalGaussianPosterior
-from varsmooth.prediction import model_logits
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402

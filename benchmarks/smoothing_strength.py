@@ -88,7 +88,7 @@ def ood_auroc(trainer: Any, val: Any, test: Any, task: str) -> dict[str, float]:
     import torch
 
     from varsmooth.metrics.ood import auroc
-    from varsmooth.prediction import predictive_distribution
+    from varsmooth.prediction.bma import predictive_distribution
 
     sets = ood_sets(getattr(trainer.data_collator, "tokenizer", None), test, task)
     model, posterior = trainer.accelerator.unwrap_model(trainer.model), trainer.posterior().at_temperature(1.0)

@@ -285,7 +285,7 @@ def ensemble_metrics(setting: str, seeds: tuple[int, ...] = SEEDS) -> dict[str, 
     MI = H[mean] − the mean of the members' entropies. None until every member's predictions are kept."""
     import torch
 
-    from varsmooth.prediction import average_predictions
+    from varsmooth.prediction.bma import average_predictions
 
     paths = [predictions_path(setting, seed) for seed in seeds]
     if not all(p.is_file() for p in paths):

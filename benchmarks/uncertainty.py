@@ -279,11 +279,12 @@ def run_text(job: dict[str, Any]) -> dict[str, Any]:
 # -------------------------------------------------------------------------------------------------------------------
 @torch.no_grad()
 def mc_dropout_predictions(task: str, run: dict[str, Any], noise: str, seed: int) -> None:
-    """Predict val, test and OOD with `MC_SAMPLES` dropout masks (`varsmooth.mc_dropout.mc_dropout_predictive`) from
-    the weights the run saved, and cache them as the run's predictions."""
+    """Predict val, test and OOD with `MC_SAMPLES` dropout masks
+    (`varsmooth.prediction.mc_dropout.mc_dropout_predictive`) from the weights the run saved, and cache them as the
+    run's predictions."""
     from transformers import DataCollatorWithPadding
 
-    from varsmooth.mc_dropout import mc_dropout_predictive
+    from varsmooth.prediction.mc_dropout import mc_dropout_predictive
 
     state = torch.load(CACHE_DIR / run["analysis"]["weights"], weights_only=True)
     if task == "mnist":

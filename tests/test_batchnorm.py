@@ -1,4 +1,5 @@
-"""BatchNorm statistics recomputed at the posterior mean when training with a posterior ends (varsmooth.batchnorm)."""
+"""BatchNorm statistics recomputed at the posterior mean when training with a posterior ends
+(varsmooth.prediction.batchnorm)."""
 
 import copy
 import json
@@ -10,10 +11,10 @@ from torch.optim.swa_utils import update_bn
 
 from helpers import TensorInput, digits_images, make_args, tiny_digits_resnet
 from varsmooth import LabelNoiseCallback, VariationalTrainer
-from varsmooth.batchnorm import batchnorm_layers, recompute_batchnorm_statistics
 from varsmooth.hub.card import build_model_card
 from varsmooth.label_noise import compute_label_noise
-from varsmooth.prediction import draw_seeds
+from varsmooth.prediction.batchnorm import batchnorm_layers, recompute_batchnorm_statistics
+from varsmooth.prediction.bma import draw_seeds
 
 
 def _statistics(model):

@@ -35,7 +35,7 @@ from varsmooth import (
     mc_dropout_predictive,
     pipeline,
 )
-from varsmooth.modeling import load_posterior
+from varsmooth.prediction.modeling import load_posterior
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -25,7 +25,7 @@ from varsmooth.label_noise import compute_label_noise
 from varsmooth.methods import get_method_class
 from varsmooth.posterior import DiagonalGaussianPosterior
 from varsmooth.posterior.draw_buffers import DRAW_BUFFER_PREFIX
-from varsmooth.posterior_temperature import (
+from varsmooth.prediction.temperature import (
     TEMPERATURE_EXTENSION,
     TEMPERATURE_GRID,
     choose_temperature,

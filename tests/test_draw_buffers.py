@@ -12,10 +12,10 @@ from torch.optim.swa_utils import update_bn
 
 from helpers import TensorInput, digits_images, make_args, tiny_digits_resnet
 from varsmooth import PosteriorTemperature, VariationalModel, VariationalTrainer
-from varsmooth.batchnorm import batchnorm_layers
 from varsmooth.posterior import DiagonalGaussianPosterior
 from varsmooth.posterior.draw_buffers import DrawBuffers
-from varsmooth.prediction import draw_seeds
+from varsmooth.prediction.batchnorm import batchnorm_layers
+from varsmooth.prediction.bma import draw_seeds
 
 
 def _reference_bma(model, posterior, x, train_x, num_samples, seed, batch_size=32):
@@ -59,7 +59,7 @@ def test_evaluate_averages_draws_that_each_have_the_statistics_update_bn_gives_t
     with_mean_statistics = copy.copy(posterior)
     with_mean_statistics.draw_buffers = None
     labels = trainer.eval_dataset[:]["label"]
-    from varsmooth.prediction import predictive_distribution
+    from varsmooth.prediction.bma import predictive_distribution
     stale = predictive_distribution(model, with_mean_statistics, {"pixel_values": x}, 4, trainer.args.eval_seed).probs
     assert not torch.allclose(stale, expected, atol=1e-3)
     nll = lambda p: -p[torch.arange(len(labels)), labels].log().mean().item()  # noqa: E731

@@ -15,9 +15,9 @@ from transformers import BertConfig, BertForSequenceClassification, BertTokenize
 
 from helpers import TinyClassifier, make_args
 from varsmooth import DeepEnsemble, TemperatureScaling, VariationalModel, VariationalTrainer, classification_metrics
-from varsmooth.ensemble import ENSEMBLE_CONFIG_FILE
+from varsmooth.outputs import entropy
 from varsmooth.posterior import DiagonalGaussianPosterior, derive_seed
-from varsmooth.prediction import entropy
+from varsmooth.prediction.ensemble import ENSEMBLE_CONFIG_FILE
 from varsmooth.temperature_scaling import TEMPERATURE_SCALING_FILE
 
 VOCAB, LENGTH, CLASSES = 40, 8, 3

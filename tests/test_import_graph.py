@@ -51,7 +51,7 @@ def import_graph(package: Path = PACKAGE, external: dict[str, set[str]] | None =
 
 def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
     """The graph between the package's first-level parts: `varsmooth.trainer.checks` counts as `varsmooth.trainer`,
-    a top-level module (`varsmooth.batchnorm`) as itself; the package's front door (`varsmooth`) stays apart."""
+    a top-level module (`varsmooth.outputs`) as itself; the package's front door (`varsmooth`) stays apart."""
     def part(name: str) -> str:
         return ".".join(name.split(".")[:2])
 
@@ -156,9 +156,9 @@ PREDICTION_KINDS = re.compile(r"isinstance\((?:[^()]|\((?:[^()]|\([^()]*\))*\))*
 
 
 def test_only_the_predictors_module_asks_which_kind_a_prediction_is():
-    """`varsmooth.predictors` chooses the kind of every prediction (`make_predictor`); elsewhere a prediction is made,
-    described and measured through the `Predictor` interface, never by testing for a kind."""
+    """`varsmooth.prediction.predictors` chooses the kind of every prediction (`make_predictor`); elsewhere a
+    prediction is made, described and measured through the `Predictor` interface, never by testing for a kind."""
     asking = {_module_name(path, PACKAGE) for path in PACKAGE.rglob("*.py")
               if PREDICTION_KINDS.search(path.read_text(encoding="utf-8"))}
-    assert asking <= {"varsmooth.predictors"}, f"modules testing for a kind of prediction: {sorted(asking)}"
+    assert asking <= {"varsmooth.prediction.predictors"}, f"modules testing for a kind of prediction: {sorted(asking)}"
     assert PREDICTION_KINDS.search("if isinstance(self.accelerator.unwrap_model(model), DeepEnsemble):")

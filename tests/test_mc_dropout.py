@@ -10,9 +10,9 @@ from transformers.modeling_outputs import SequenceClassifierOutput
 
 from helpers import digits_dataset, make_args
 from varsmooth import VariationalModel, VariationalTrainer, VariationalTrainingArguments, mc_dropout_predictive
-from varsmooth.mc_dropout import OUTPUT_DROPOUT_KEY, add_output_dropout
 from varsmooth.posterior import DiagonalGaussianPosterior
-from varsmooth.prediction import predictive_distribution
+from varsmooth.prediction.bma import predictive_distribution
+from varsmooth.prediction.mc_dropout import OUTPUT_DROPOUT_KEY, add_output_dropout
 
 
 class DropoutLinear(torch.nn.Module):

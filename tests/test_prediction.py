@@ -14,8 +14,8 @@ from transformers import ResNetConfig, ResNetForImageClassification
 from helpers import TinyClassifier, digits_dataset, digits_images, make_args, tiny_digits_resnet
 from varsmooth import DiagonalGaussianPosterior, VariationalModel, VariationalTrainer, classification_metrics
 from varsmooth.metrics import CALIBRATION_METRIC_PATH, expected_calibration_error
+from varsmooth.outputs import entropy
 from varsmooth.posterior import POSTERIOR_FILE
-from varsmooth.prediction import entropy
 
 
 def _random_probs(n=500, k=4, seed=0):

@@ -1,5 +1,5 @@
-"""`varsmooth.predictors`: one predictor per kind of prediction, chosen by `make_predictor`, each measuring its
-uncertainty as one measurement (entropy ≥ mutual information, from the same draws)."""
+"""`varsmooth.prediction.predictors`: one predictor per kind of prediction, chosen by `make_predictor`, each measuring
+its uncertainty as one measurement (entropy ≥ mutual information, from the same draws)."""
 
 import pytest
 import torch
@@ -7,8 +7,8 @@ import torch
 from helpers import TinyClassifier
 from varsmooth import DeepEnsemble, TemperatureScaling, VariationalModel
 from varsmooth.posterior import DiagonalGaussianPosterior
-from varsmooth.prediction import predictive_distribution
-from varsmooth.predictors import make_predictor
+from varsmooth.prediction.bma import predictive_distribution
+from varsmooth.prediction.predictors import make_predictor
 
 
 def _posterior(network: torch.nn.Module, temperature: float = 1.0) -> DiagonalGaussianPosterior:

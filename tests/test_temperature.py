@@ -16,10 +16,11 @@ from varsmooth import (
     VariationalTrainingArguments,
     pipeline,
 )
-from varsmooth.batchnorm import draw_batchnorm_statistics
 from varsmooth.label_noise import compute_label_noise
 from varsmooth.posterior import DiagonalGaussianPosterior, derive_seed
-from varsmooth.posterior_temperature import (
+from varsmooth.prediction.batchnorm import draw_batchnorm_statistics
+from varsmooth.prediction.bma import predictive_distribution
+from varsmooth.prediction.temperature import (
     SELECTION_SAMPLES,
     TEMPERATURE_GRID,
     TIE_STANDARD_ERRORS,
@@ -28,7 +29,6 @@ from varsmooth.posterior_temperature import (
     temperature_nll,
     tied_temperatures,
 )
-from varsmooth.prediction import predictive_distribution
 
 
 def _model_and_posterior(scale=0.3):
@@ -312,7 +312,7 @@ def test_noise_corrected_nll_prefers_the_clean_prediction_that_plain_nll_rejects
 
     model = Fixed()
     posterior = DiagonalGaussianPosterior(model, {"w": torch.ones(())})
-    import varsmooth.posterior_temperature as temperature
+    import varsmooth.prediction.temperature as temperature
 
     def fake_draws(model, posterior, batch, num_samples, seed, draw_buffers=None):  # τ > 0: the smoothed predictor
         if posterior.temperature > 0:
@@ -336,7 +336,7 @@ def test_noise_corrected_nll_prefers_the_clean_prediction_that_plain_nll_rejects
     (np.full((4, 4), 0.25), "singular"),
 ])
 def test_bad_transition_matrices_are_refused(matrix, message):
-    from varsmooth.posterior_temperature import check_transition_matrix
+    from varsmooth.prediction.temperature import check_transition_matrix
 
     with pytest.raises(ValueError, match=message):
         check_transition_matrix(matrix)
@@ -348,7 +348,7 @@ def test_trainer_chooses_by_the_corrected_nll_and_records_it(tmp_path):
     from safetensors import safe_open
 
     from varsmooth.corruption.transition import symmetric_transition
-    from varsmooth.posterior_temperature import CORRECTED_NLL_CRITERION
+    from varsmooth.prediction.temperature import CORRECTED_NLL_CRITERION
 
     T = symmetric_transition(10, 0.4)
     train, val, processor, transform = noisy_digits_images(60)

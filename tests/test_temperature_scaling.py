@@ -13,7 +13,7 @@ from transformers import ResNetForImageClassification
 from helpers import TinyClassifier, make_args, noisy_digits_images, tiny_digits_resnet
 from varsmooth import TemperatureScaling, VariationalModel, VariationalTrainer, pipeline
 from varsmooth.files import read_manifest
-from varsmooth.prediction import VariationalClassifierOutput
+from varsmooth.outputs import VariationalClassifierOutput
 from varsmooth.temperature_scaling import TEMPERATURE_SCALING_FILE
 
 

@@ -266,7 +266,7 @@ def test_evaluate_reports_the_new_metrics_and_the_card_shows_the_diagram(tmp_pat
 # -- how many posterior samples ---------------------------------------------------------------------------------
 def test_posterior_samples_curve_matches_the_bma_of_each_s(tmp_path):
     from varsmooth.evaluation import ood_evaluation, posterior_samples_curve
-    from varsmooth.prediction import predictive_distribution
+    from varsmooth.prediction.bma import predictive_distribution
 
     train, test = digits_dataset(160), digits_dataset(64, seed=1)
     args = make_args(tmp_path, max_steps=6, eval_mc_samples=3, beta2=0.99, posterior_temperature=1.0)

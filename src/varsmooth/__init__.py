@@ -3,15 +3,18 @@
 # varsmooth.evaluation scores a trainer (README); importing mean_pooling_bert registers its BERT with the Auto classes
 from . import evaluation, mean_pooling_bert  # noqa: F401
 from .adapters import LoraArguments, add_lora_adapters
-from .ensemble import DeepEnsemble
 from .label_noise import LabelNoiseCallback, compute_label_noise
-from .mc_dropout import add_output_dropout, mc_dropout_predictive
 from .metrics import classification_metrics
-from .modeling import VariationalModel
-from .pipelines import pipeline
+from .outputs import VariationalClassifierOutput
 from .posterior import POSTERIOR_FILE, DiagonalGaussianPosterior, VariationalIVON
-from .posterior_temperature import PosteriorTemperature
-from .prediction import VariationalClassifierOutput
+from .prediction import (
+    DeepEnsemble,
+    PosteriorTemperature,
+    VariationalModel,
+    add_output_dropout,
+    mc_dropout_predictive,
+    pipeline,
+)
 from .temperature_scaling import TemperatureScaling
 from .trainer import VariationalTrainer, VariationalTrainingArguments
 

@@ -17,7 +17,7 @@ from torch.distributed.fsdp import fully_shard
 from helpers import give_indexed_noise
 from test_engine import FSDP_STEPS, IVON_KW, MLP, _data
 from varsmooth.posterior import DiagonalGaussianPosterior, VariationalIVON
-from varsmooth.prediction import predictive_distribution
+from varsmooth.prediction.bma import predictive_distribution
 
 
 class Classifier(torch.nn.Module):  # predictive_distribution reads logits from a model called with keywords

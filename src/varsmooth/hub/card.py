@@ -14,8 +14,8 @@ from huggingface_hub.utils import HFValidationError, validate_repo_id
 
 from ..corruption import NOISE_REPORT_FILE
 from ..files import read_manifest
-from ..modeling import AUTO_CLASSES, classification_task
 from ..posterior.settings import USER_NAMES
+from ..prediction.modeling import AUTO_CLASSES, classification_task
 from ..training_health import stalled_loss_text
 from .posterior_text import (
     adaptivity_text,

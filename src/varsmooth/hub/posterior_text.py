@@ -6,10 +6,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ..batchnorm import RECOMPUTED_LOG_KEY
 from ..label_noise.strength import label_smoothing_noise
 from ..methods import METHODS
 from ..posterior.diagnostics import HESSIAN_STUCK_TOLERANCE
+from ..prediction.batchnorm import RECOMPUTED_LOG_KEY
 from .record import RunRecord
 
 __all__ = ["adaptivity_text", "label_noise_numbers", "method_text", "posterior_text", "prediction_kind",

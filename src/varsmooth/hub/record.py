@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ..posterior_temperature import PosteriorTemperature
+from ..prediction.temperature import PosteriorTemperature
 
 if TYPE_CHECKING:
     from ..corruption import NoiseReport

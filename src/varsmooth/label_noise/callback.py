@@ -11,7 +11,7 @@ from typing import Any
 import datasets
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from ..batchnorm import batchnorm_layers
+from ..prediction.batchnorm import batchnorm_layers
 from .compute import EXPORT_NUM_SAMPLES, write_label_noise
 
 __all__ = ["LabelNoiseCallback"]

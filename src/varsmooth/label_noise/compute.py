@@ -35,10 +35,11 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import default_data_collator
 
-from ..batchnorm import batchnorm_layers, draw_batchnorm_statistics, head_batches
 from ..files import atomic_path
+from ..outputs import LABEL_KEYS
 from ..posterior import DiagonalGaussianPosterior
-from ..prediction import LABEL_KEYS, predictive_distribution
+from ..prediction.batchnorm import batchnorm_layers, draw_batchnorm_statistics, head_batches
+from ..prediction.bma import predictive_distribution
 from .detection import mislabel_detection_report
 
 __all__ = [
@@ -187,8 +188,8 @@ def compute_label_noise(
     with: ε̄ is by definition the noise that training with q induced, and a τ = 0 chosen for prediction would make it
     identically zero. For the same reason, in a model with BatchNorm each draw normalises with statistics of its own,
     recomputed from (at most 2,000 of) the examples measured, as each sampled network normalised with its batch's
-    statistics in training (`varsmooth.batchnorm.draw_batchnorm_statistics`; one more forward pass per draw and
-    example); p̄ uses the model's own statistics.
+    statistics in training (`varsmooth.prediction.batchnorm.draw_batchnorm_statistics`; one more forward pass per draw
+    and example); p̄ uses the model's own statistics.
 
     Columns, in dataset order:
         example_index: row of `dataset`. label: the given (possibly noisy) label y.

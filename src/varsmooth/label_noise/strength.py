@@ -32,7 +32,7 @@ import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from ..posterior import DiagonalGaussianPosterior
-from ..prediction import predictive_distribution
+from ..prediction.bma import predictive_distribution
 
 __all__ = ["LabelNoiseSums", "SmoothingStrengthCallback", "label_smoothing_noise", "mean_label_noise"]
 

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
-from ..prediction import IGNORE_INDEX, logits_of, model_outputs  # IGNORE_INDEX: the label every loss skips
+from ..outputs import IGNORE_INDEX, logits_of, model_outputs  # IGNORE_INDEX: the label every loss skips
 
 if TYPE_CHECKING:
     from accelerate import Accelerator

@@ -7,7 +7,8 @@ accuracy per draw, BMA 48 % against 93 %, and a mutual information lower on nois
 (Maddox et al. 2019, "A Simple Baseline for Bayesian Uncertainty in Deep Learning") recomputes BatchNorm statistics
 for each sampled model for the same reason. The draws of a prediction are fixed by (seed, number of draws, τ)
 (`prediction.draw_seeds`), so their statistics are computed once, from training data, when training ends
-(`varsmooth.batchnorm.draw_batchnorm_statistics`) and saved with the posterior: a reloaded model has no training data.
+(`varsmooth.prediction.batchnorm.draw_batchnorm_statistics`) and saved with the posterior: a reloaded model has no
+training data.
 """
 
 from __future__ import annotations

@@ -277,7 +277,7 @@ class DiagonalGaussianPosterior:
     def temperature(self) -> float:
         """τ ≥ 0: draws are θ = m + τ·σ⊙e, so τ = 0 predicts at the mean and τ = 1 with the learned posterior.
 
-        Kept in `metadata`, so that it is saved and loaded with σ (`varsmooth.posterior_temperature` chooses it).
+        Kept in `metadata`, so that it is saved and loaded with σ (`varsmooth.prediction.temperature` chooses it).
         """
         return float(self.metadata.get(TEMPERATURE_KEY, 1.0))
 

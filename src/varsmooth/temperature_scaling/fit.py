@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ..prediction import LABEL_KEYS, VariationalClassifierOutput
+from ..outputs import LABEL_KEYS, VariationalClassifierOutput
 from .scaling import TemperatureScaling
 
 __all__ = ["fit_on_batches"]

@@ -28,8 +28,8 @@ import torch
 
 from ..files import atomic_path
 from ..model_parts import AUX_MODULE_NAME
+from ..outputs import VariationalClassifierOutput, entropy
 from ..posterior.gaussian import weights_fingerprint
-from ..prediction import VariationalClassifierOutput, entropy
 
 __all__ = ["TEMPERATURE_SCALING_FILE", "TemperatureScaling", "network_fingerprint", "scaled_nll"]
 

@@ -1,8 +1,8 @@
 """What `VariationalTrainer` does once training ends, in this order (`AfterTrainingMixin.after_training`):
 
 1. `recompute_batchnorm_statistics`, with `recompute_batchnorm_statistics`: BatchNorm's running statistics at the
-   posterior mean (`varsmooth.batchnorm`);
-2. `select_posterior_temperature`: τ by validation NLL (`varsmooth.posterior_temperature`), unless it is fixed;
+   posterior mean (`varsmooth.prediction.batchnorm`);
+2. `select_posterior_temperature`: τ by validation NLL (`varsmooth.prediction.temperature`), unless it is fixed;
 3. `prepare_prediction_draws`: each draw predictions make gets BatchNorm statistics of its own
    (`varsmooth.posterior.draw_buffers`);
 4. `fit_temperature_scaling`, with `temperature_scaling=True` (`varsmooth.temperature_scaling`);
@@ -26,7 +26,9 @@ from typing import Any
 import torch
 from transformers import TrainerCallback, TrainerState
 
-from ..batchnorm import (
+from ..methods import EXAMPLE_INDEX_KEY
+from ..posterior import DiagonalGaussianPosterior
+from ..prediction.batchnorm import (
     RECOMPUTED_LOG_KEY,
     batchnorm_layers,
     draw_batchnorm_statistics,
@@ -34,10 +36,8 @@ from ..batchnorm import (
     prediction_draw_buffers,
     recompute_batchnorm_statistics,
 )
-from ..methods import EXAMPLE_INDEX_KEY
-from ..posterior import DiagonalGaussianPosterior
-from ..posterior_temperature import SELECTION_SAMPLES, PosteriorTemperature, select_temperature, temperature_logs
-from ..predictors import measuring_temperature
+from ..prediction.predictors import measuring_temperature
+from ..prediction.temperature import SELECTION_SAMPLES, PosteriorTemperature, select_temperature, temperature_logs
 from ..temperature_scaling import TemperatureScaling, fit_on_batches
 from ..utils import length_order
 
@@ -99,7 +99,8 @@ class AfterTrainingMixin:
     def recompute_batchnorm_statistics(self) -> int:
         """Recompute BatchNorm's running statistics at the posterior mean from the training data (done by `train()` with
         `args.recompute_batchnorm_statistics`); returns the number of examples used, 0 when there was nothing to do (no
-        posterior learned, no BatchNorm, no training data). See `varsmooth.batchnorm`. Every process must call this."""
+        posterior learned, no BatchNorm, no training data). See `varsmooth.prediction.batchnorm`. Every process must
+        call this."""
         model = self.accelerator.unwrap_model(self.model)
         if self.ivon is None or self.train_dataset is None:
             return 0
@@ -116,7 +117,7 @@ class AfterTrainingMixin:
     def select_posterior_temperature(self, eval_dataset: Any = None) -> dict[str, Any] | None:
         """Choose the posterior temperature τ by validation NLL and predict with it from now on (done by `train()`
         when `args.posterior_temperature` is None); returns the NLL at each τ tried, or None without validation data.
-        See `varsmooth.posterior_temperature`."""
+        See `varsmooth.prediction.temperature`."""
         if self.ivon is None or self.args.eval_mc_samples <= 0:  # no posterior, or a prediction at the mean already
             return None
         eval_dataset = self.eval_dataset if eval_dataset is None else eval_dataset

@@ -97,7 +97,7 @@ class VariationalTrainingArguments(TrainingArguments):
         default=None,
         metadata={"help": "τ >= 0 scaling the posterior std σ at prediction time (0 = predict at the posterior mean, 1 "
                           "= the learned posterior). None: chosen when training ends, by the eval dataset's NLL over "
-                          "varsmooth.posterior_temperature.TEMPERATURE_GRID (which holds 0 and 1); 1 without an eval "
+                          "varsmooth.prediction.temperature.TEMPERATURE_GRID (which holds 0 and 1); 1 without an eval "
                           "dataset. A number fixes τ for every prediction; 1 turns the selection off."},
     )
     recompute_batchnorm_statistics: bool = field(

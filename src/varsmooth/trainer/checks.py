@@ -20,7 +20,7 @@ from transformers import TrainingArguments
 from transformers.training_args import ParallelMode
 
 from ..methods import EXAMPLE_INDEX_KEY, TrainingMethod
-from ..prediction import IGNORE_INDEX, LABEL_KEYS
+from ..outputs import IGNORE_INDEX, LABEL_KEYS
 from .arguments import VariationalTrainingArguments
 
 __all__ = ["HONOURED_ARGUMENTS", "UNHONOURED_ARGUMENTS", "check_arguments", "check_compute_metrics", "check_datasets",

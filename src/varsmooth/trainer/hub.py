@@ -16,7 +16,6 @@ from huggingface_hub import CommitOperationAdd, CommitOperationDelete
 from transformers.trainer_utils import HubStrategy
 from transformers.utils.hub import PushInProgress, hf_api
 
-from ..batchnorm import RECOMPUTED_LOG_KEY
 from ..files import (
     MANIFEST_FILE,
     OWNED_PATTERNS,
@@ -37,6 +36,7 @@ from ..hub.record import (
     last_posterior_log,
     training_schedule,
 )
+from ..prediction.batchnorm import RECOMPUTED_LOG_KEY
 from ..training_health import cross_entropy_classes, stalled_training_loss
 
 __all__ = ["VariationalHubMixin"]
@@ -107,7 +107,7 @@ class VariationalHubMixin:
     def _posterior_log(self) -> dict[str, float] | None:
         """IVON's Hessian and σ statistics of the optimizer now (after training: the posterior that was saved), else
         of the last training log, and the examples BatchNorm's statistics were recomputed from at the end of training
-        (`varsmooth.batchnorm`); None for a method without a posterior."""
+        (`varsmooth.prediction.batchnorm`); None for a method without a posterior."""
         if not self.method.learns_posterior:
             return None
         summary = self.hessian_summary()

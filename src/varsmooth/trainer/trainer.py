@@ -5,10 +5,10 @@ The trainer holds one value for the layers below it, the posterior (`posterior()
 values down, never itself: a method gets its config and a `MethodContext` (`varsmooth.methods`; IVON's Monte-Carlo
 step is `IVONMethod.training_step`), callbacks get handles, τ and the temperature scaling are chosen by functions of
 (model, posterior, batches), and what `evaluate()`/`predict()` predict with is a `Predictor` chosen from (model,
-posterior, arguments) by `varsmooth.predictors.make_predictor`. Its other jobs live beside it in this package: the
-checks of its inputs (`checks`), the steps after training, in one ordered sequence (`after_training`), saves and
-resumes (`checkpointing`, `checkpoint_files`), the guard against non-finite steps (`finite`), FSDP2 (`fsdp`), the
-model card and Hub pushes (`hub`) and hyperparameter search (`hp_search`); the metrics of `evaluate()`
+posterior, arguments) by `varsmooth.prediction.predictors.make_predictor`. Its other jobs live beside it in this
+package: the checks of its inputs (`checks`), the steps after training, in one ordered sequence (`after_training`),
+saves and resumes (`checkpointing`, `checkpoint_files`), the guard against non-finite steps (`finite`), FSDP2 (`fsdp`),
+the model card and Hub pushes (`hub`) and hyperparameter search (`hp_search`); the metrics of `evaluate()`
 (`varsmooth.metrics.evaluation_metrics`) and `label_noise()` (`varsmooth.label_noise.LabelNoiseMixin`) come from below.
 """
 
@@ -37,12 +37,12 @@ from ..methods import (
 )
 from ..metrics.evaluation_metrics import EvaluationMetrics
 from ..model_parts import model_num_labels
+from ..outputs import VariationalClassifierOutput
 from ..posterior import POSTERIOR_FILE, DiagonalGaussianPosterior, VariationalIVON, hessian_summary, unwrap_ivon
 from ..posterior.draw_buffers import DrawBuffers
 from ..posterior.gaussian import non_finite_tensors
-from ..posterior_temperature import check_transition_matrix
-from ..prediction import VariationalClassifierOutput
-from ..predictors import Predictor, make_predictor
+from ..prediction.predictors import Predictor, make_predictor
+from ..prediction.temperature import check_transition_matrix
 from ..temperature_scaling import TemperatureScaling
 from ..training_health import StalledLossCallback
 from .after_training import AfterTraining, AfterTrainingMixin
@@ -139,7 +139,7 @@ class VariationalTrainer(AfterTrainingMixin, CheckpointingMixin, VariationalHubM
         # τ of every prediction; chosen on the eval dataset when training ends, before other train-end callbacks
         self._reset_posterior_temperature()
         #: T[i, j] = P(observed j | true i) of the eval dataset's labels, when known (e.g. the noise the example
-        #: injected): τ is then chosen by the forward-corrected validation NLL (`varsmooth.posterior_temperature`)
+        #: injected): τ is then chosen by the forward-corrected validation NLL (`varsmooth.prediction.temperature`)
         self.eval_noise_transition = (None if eval_noise_transition is None
                                       else check_transition_matrix(eval_noise_transition))
         # post-hoc temperature of every prediction (None: uncalibrated); fitted right after τ, which it calibrates
@@ -255,9 +255,10 @@ class VariationalTrainer(AfterTrainingMixin, CheckpointingMixin, VariationalHubM
         return posterior
 
     def predictor(self, posterior: DiagonalGaussianPosterior | None = None) -> Predictor:
-        """What `evaluate()`/`predict()` predict with (`varsmooth.predictors.make_predictor`): a `DeepEnsemble` model's
-        pooled prediction, MC dropout (`args.mc_dropout_samples`), or BMA over `args.eval_mc_samples` draws of
-        `posterior` (default: `self.posterior()`; a point mass predicts at the weights)."""
+        """What `evaluate()`/`predict()` predict with (`varsmooth.prediction.predictors.make_predictor`): a
+        `DeepEnsemble` model's pooled prediction, MC dropout (`args.mc_dropout_samples`), or BMA over
+        `args.eval_mc_samples` draws of `posterior` (default: `self.posterior()`; a point mass predicts at the
+        weights)."""
         return make_predictor(self.accelerator.unwrap_model(self.model),
                               self.posterior() if posterior is None else posterior,
                               self.args.eval_mc_samples, self.args.eval_seed, self.args.mc_dropout_samples)

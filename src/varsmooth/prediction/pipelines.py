@@ -32,8 +32,9 @@ import transformers
 from transformers import ImageClassificationPipeline, TextClassificationPipeline
 from transformers.image_utils import load_image
 
-from .adapters import is_peft_model
-from .files import check_manifest
+from ..adapters import is_peft_model
+from ..files import check_manifest
+from ..posterior import DiagonalGaussianPosterior
 from .modeling import (
     VariationalModel,
     check_finite_weights,
@@ -41,7 +42,6 @@ from .modeling import (
     load_temperature_scaling,
     sampling_settings,
 )
-from .posterior import DiagonalGaussianPosterior
 from .predictors import PredictiveModel
 
 __all__ = ["VariationalImageClassificationPipeline", "VariationalTextClassificationPipeline", "pipeline"]

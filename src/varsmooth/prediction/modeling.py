@@ -15,15 +15,15 @@ from transformers import (
     PreTrainedModel,
 )
 
-from .adapters import has_adapter, is_peft_model, load_adapter_model, save_classifier_config
+from ..adapters import has_adapter, is_peft_model, load_adapter_model, save_classifier_config
+from ..files import FolderSave, check_manifest, is_leftover, recover
+from ..posterior import POSTERIOR_FILE, DiagonalGaussianPosterior
+from ..posterior.gaussian import non_finite_tensors
+from ..temperature_scaling import TEMPERATURE_SCALING_FILE, TemperatureScaling
 from .batchnorm import batchnorm_layers
-from .files import FolderSave, check_manifest, is_leftover, recover
+from .bma import predicts_at_the_mean
 from .mc_dropout import OUTPUT_DROPOUT_KEY, add_output_dropout
-from .posterior import POSTERIOR_FILE, DiagonalGaussianPosterior
-from .posterior.gaussian import non_finite_tensors
-from .prediction import predicts_at_the_mean
 from .predictors import PredictiveModel, Predictor, make_predictor
-from .temperature_scaling import TEMPERATURE_SCALING_FILE, TemperatureScaling
 
 #: marker file of a saved folder that another class loads -> that class's `from_pretrained` (a `DeepEnsemble` folder
 #: registers itself here: the ensemble is made of `VariationalModel`s, so this module cannot import it)
@@ -76,7 +76,7 @@ class VariationalModel(PredictiveModel):
     For the same `seed` the draws are those of `VariationalTrainer.evaluate()` (common random numbers), scaled by
     the posterior temperature `posterior.temperature` chosen in training (saved with the posterior).
 
-    `mc_dropout_samples > 0` predicts by MC dropout instead (`varsmooth.mc_dropout`), for models trained
+    `mc_dropout_samples > 0` predicts by MC dropout instead (`varsmooth.prediction.mc_dropout`), for models trained
     without a posterior. A `temperature_scaling` (`varsmooth.temperature_scaling.TemperatureScaling`) rescales the final
     prediction: `logits`, `probs` and `entropy` are then the calibrated ones.
     """
@@ -99,7 +99,7 @@ class VariationalModel(PredictiveModel):
 
     @property
     def predictor(self) -> Predictor:
-        """What `forward` predicts with these settings (`varsmooth.predictors`)."""
+        """What `forward` predicts with these settings (`varsmooth.prediction.predictors`)."""
         return make_predictor(self.model, self.posterior, self.num_samples, self.seed, self.mc_dropout_samples)
 
     @property

@@ -35,8 +35,9 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from .posterior.gaussian import TEMPERATURE_KEY, DiagonalGaussianPosterior, check_temperature
-from .prediction import IGNORE_INDEX, LABEL_KEYS, average_predictions, model_logits, sampled_probs
+from ..outputs import IGNORE_INDEX, LABEL_KEYS, model_logits
+from ..posterior.gaussian import TEMPERATURE_KEY, DiagonalGaussianPosterior, check_temperature
+from .bma import average_predictions, sampled_probs
 
 __all__ = ["SELECTION_SAMPLES", "TEMPERATURE_EXTENSION", "TEMPERATURE_GRID", "PosteriorTemperature",
            "check_transition_matrix",
@@ -138,9 +139,9 @@ def temperature_losses(
     prediction of `evaluate()` and τ = 0 that of the posterior mean. `gather` collects the per-example NLLs of all
     processes (e.g. `accelerator.gather_for_metrics`). With `transition` (T, the noise of the labels, see
     `check_transition_matrix`) the forward-corrected NLL −log (Tᵀ P̂_τ)[y]. `draw_buffers(posterior at τ)`: the buffers
-    each draw at τ predicts with (its own BatchNorm statistics, `varsmooth.batchnorm.prediction_draw_buffers`), as the
-    prediction at the chosen τ will. `progress` shows a progress bar over the batches. The posterior's own temperature
-    is left as it was.
+    each draw at τ predicts with (its own BatchNorm statistics,
+    `varsmooth.prediction.batchnorm.prediction_draw_buffers`), as the prediction at the chosen τ will. `progress` shows
+    a progress bar over the batches. The posterior's own temperature is left as it was.
     """
     log_transition = None  # log T, checked against the model's classes and moved to its device at the first batch
     temperatures = [float(t) for t in temperatures]

@@ -25,9 +25,10 @@ from typing import Any
 
 import torch
 
-from .model_parts import output_layer
-from .posterior.seeds import derive_seed
-from .prediction import VariationalClassifierOutput, average_predictions, model_logits
+from ..model_parts import output_layer
+from ..outputs import VariationalClassifierOutput, model_logits
+from ..posterior.seeds import derive_seed
+from .bma import average_predictions
 
 __all__ = ["OUTPUT_DROPOUT_KEY", "add_output_dropout", "dropout_modules", "dropout_sampling", "mc_dropout_predictive"]
 

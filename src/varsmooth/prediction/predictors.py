@@ -3,8 +3,8 @@
 * `PosteriorPredictor`: Bayesian model averaging over draws of IVON's posterior scaled by the posterior temperature τ,
   each draw with its own BatchNorm statistics when the posterior holds them (`posterior.draw_buffers`); at τ = 0 (or
   with no draws) the prediction at the posterior mean.
-* `MCDropoutPredictor`: the average over dropout masks (`varsmooth.mc_dropout`).
-* `EnsemblePredictor`: the average of a deep ensemble's members' predictions (`varsmooth.ensemble`).
+* `MCDropoutPredictor`: the average over dropout masks (`varsmooth.prediction.mc_dropout`).
+* `EnsemblePredictor`: the average of a deep ensemble's members' predictions (`varsmooth.prediction.ensemble`).
 
 A point prediction (a network trained without a posterior) is a `PosteriorPredictor` over a point mass
 (`DiagonalGaussianPosterior.point_mass`): it draws nothing and predicts at the weights.
@@ -23,16 +23,11 @@ from typing import Any
 
 import torch
 
+from ..outputs import LABEL_KEYS, VariationalClassifierOutput, entropy as entropy_of
+from ..posterior.gaussian import DiagonalGaussianPosterior
+from ..temperature_scaling import TemperatureScaling
+from .bma import predictive_distribution, predicts_at_the_mean
 from .mc_dropout import mc_dropout_predictive
-from .posterior.gaussian import DiagonalGaussianPosterior
-from .prediction import (
-    LABEL_KEYS,
-    VariationalClassifierOutput,
-    entropy as entropy_of,
-    predictive_distribution,
-    predicts_at_the_mean,
-)
-from .temperature_scaling import TemperatureScaling
 
 __all__ = ["EnsemblePredictor", "MCDropoutPredictor", "PosteriorPredictor", "Predictor", "make_predictor",
            "measuring_temperature"]
@@ -130,7 +125,8 @@ class PosteriorPredictor(Predictor):
 
 
 class MCDropoutPredictor(Predictor):
-    """The average over `num_samples` dropout masks of `seed` (`varsmooth.mc_dropout.mc_dropout_predictive`)."""
+    """The average over `num_samples` dropout masks of `seed`
+    (`varsmooth.prediction.mc_dropout.mc_dropout_predictive`)."""
 
     def __init__(self, num_samples: int, seed: int = 0) -> None:
         if num_samples <= 0:

@@ -22,9 +22,10 @@ import torch.distributed as dist
 from torch.nn.modules.batchnorm import _BatchNorm
 from tqdm.auto import tqdm
 
-from .posterior import DiagonalGaussianPosterior
-from .posterior.draw_buffers import DrawBuffers
-from .prediction import draw_seeds, model_outputs, predicts_at_the_mean, restored_buffers
+from ..outputs import model_outputs
+from ..posterior import DiagonalGaussianPosterior
+from ..posterior.draw_buffers import DrawBuffers
+from .bma import draw_seeds, predicts_at_the_mean, restored_buffers
 
 __all__ = ["DRAW_RECALIBRATION_EXAMPLES", "RECALIBRATION_EXAMPLES", "RECOMPUTED_LOG_KEY",
            "batch_rows", "batchnorm_layers", "draw_batchnorm_statistics", "head_batches", "prediction_draw_buffers",

@@ -24,11 +24,11 @@ from typing import Any
 
 import torch
 
-from .adapters import is_peft_model
-from .files import MANIFEST_FILE, FolderSave, check_manifest, read_manifest, recover
+from ..adapters import is_peft_model
+from ..files import MANIFEST_FILE, FolderSave, check_manifest, read_manifest, recover
+from ..temperature_scaling import TemperatureScaling, network_fingerprint
 from .modeling import FOLDER_LOADERS, VariationalModel, load_temperature_scaling
 from .predictors import EnsemblePredictor, PredictiveModel
-from .temperature_scaling import TemperatureScaling, network_fingerprint
 
 __all__ = ["ENSEMBLE_CONFIG_FILE", "DeepEnsemble"]
 
@@ -84,7 +84,7 @@ class DeepEnsemble(PredictiveModel):
 
     @property
     def predictor(self) -> EnsemblePredictor:
-        """The average of the members' predictions (`varsmooth.predictors.EnsemblePredictor`)."""
+        """The average of the members' predictions (`varsmooth.prediction.predictors.EnsemblePredictor`)."""
         return EnsemblePredictor(self.members)
 
     @property
