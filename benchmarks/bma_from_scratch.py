@@ -2,7 +2,7 @@
 
 The image example (scikit-learn digits, 40 % symmetric noise, a small BatchNorm ResNet trained from scratch) with its
 posterior temperature fixed at 1, so that `evaluate()` scores BMA over the learned posterior (32 draws, each with
-BatchNorm statistics of its own, `varsmooth.posterior.draw_buffers`) and the posterior mean side by side on the clean
+BatchNorm statistics of its own, `varsmooth.prediction.batchnorm`) and the posterior mean side by side on the clean
 test split; then the saved model, reloaded, scores how well its mutual information (MI) flags inputs it has not seen:
 uniform-noise 8×8 images and CIFAR-10 test images turned grayscale 8×8, against the test digits (AUROC, 300 each).
 
@@ -144,15 +144,15 @@ def ood_auroc(folder: Path, seed: int) -> dict[str, float]:
         batches = [{"pixel_values": train[i:i + 128]} for i in range(0, len(train), 128)]
         network, posterior, draws = model.model, model.posterior, model.num_samples
         for tau in (0.25, 0.5):
-            at = posterior.at_temperature(tau)
-            buffers = draw_batchnorm_statistics(network, at, lambda: iter(batches), draws, model.seed)
-            out = predictive_distribution(network, at, {"pixel_values": x_test}, draws, model.seed, buffers)
+            buffers = draw_batchnorm_statistics(network, posterior, lambda: iter(batches), draws, model.seed,
+                                                temperature=tau)
+            out = predictive_distribution(network, posterior, {"pixel_values": x_test}, draws, model.seed, buffers,
+                                          tau)
             result[f"accuracy_tau{tau:g}"], result[f"nll_tau{tau:g}"] = scores(out.probs)
-        stale = posterior.at_temperature(1.0)
-        stale.draw_buffers = None
-        out = predictive_distribution(network, stale, {"pixel_values": x_test}, draws, model.seed)
+        # τ = 1 with the mean's statistics for every draw (no draw buffers: the old behaviour)
+        out = predictive_distribution(network, posterior, {"pixel_values": x_test}, draws, model.seed)
         result["accuracy_mean_statistics"], result["nll_mean_statistics"] = scores(out.probs)
-        noise = predictive_distribution(network, stale, {"pixel_values": unseen["noise"]}, draws, model.seed)
+        noise = predictive_distribution(network, posterior, {"pixel_values": unseen["noise"]}, draws, model.seed)
         truth = np.r_[np.zeros(len(y_test)), np.ones(OOD_SIZE)]
         result["mi_auroc_noise_mean_statistics"] = float(roc_auc_score(
             truth, np.r_[out.mutual_information.numpy(), noise.mutual_information.numpy()]))

@@ -96,7 +96,7 @@ def analyze(trainer: Any, val: Any, test: Any, transition: np.ndarray | None = N
     from varsmooth.prediction.temperature import PosteriorTemperature, check_transition_matrix
 
     def log_probs(dataset: Any, tau: float) -> tuple[np.ndarray, np.ndarray]:
-        trainer.posterior_temperature = PosteriorTemperature(tau)
+        trainer.prepare_predictor(PosteriorTemperature(tau))
         out = trainer.predict(dataset)
         return out.predictions, out.label_ids
 
@@ -117,7 +117,7 @@ def analyze(trainer: Any, val: Any, test: Any, transition: np.ndarray | None = N
     test_lp = {"mean": log_probs(test, 0.0), "bma": log_probs(test, 1.0), "chosen": log_probs(test, chosen)}
     if corrected is not None:
         test_lp["chosen_corrected"] = log_probs(test, corrected["temperature"])
-    trainer.posterior_temperature = PosteriorTemperature.chosen(report)
+    trainer.prepare_predictor(PosteriorTemperature.chosen(report))
     y_test = test_lp["mean"][1]
     test_lp["ts_mean"] = (torch.as_tensor(test_lp["mean"][0] / temps["ts_mean"]).log_softmax(-1).numpy(), y_test)
     test_lp["ts_bma"] = (torch.as_tensor(test_lp["bma"][0] / temps["ts_bma"]).log_softmax(-1).numpy(), y_test)

@@ -91,7 +91,7 @@ def ood_auroc(trainer: Any, val: Any, test: Any, task: str) -> dict[str, float]:
     from varsmooth.prediction.bma import predictive_distribution
 
     sets = ood_sets(getattr(trainer.data_collator, "tokenizer", None), test, task)
-    model, posterior = trainer.accelerator.unwrap_model(trainer.model), trainer.posterior().at_temperature(1.0)
+    model, posterior = trainer.accelerator.unwrap_model(trainer.model), trainer.posterior()
     model.eval()
     scores: dict[str, dict[str, np.ndarray]] = {"mi": {}, "entropy": {}}
     with torch.no_grad():

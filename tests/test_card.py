@@ -229,7 +229,7 @@ def test_a_card_at_the_posterior_mean_says_so_and_why(run):
     report = {"temperature": 0.0, "nll": {"0": 0.512, "0.5": 0.534, "1": 0.601}, "num_samples": 4,
               "criterion": "noise-corrected validation NLL"}
     saved = trainer.posterior_temperature, trainer.args.posterior_temperature
-    trainer.posterior_temperature = PosteriorTemperature.chosen(report)
+    trainer.prepare_predictor(PosteriorTemperature.chosen(report))
     trainer.args.posterior_temperature = None
     try:
         text, meta = _parts(_card(trainer))
@@ -241,18 +241,19 @@ def test_a_card_at_the_posterior_mean_says_so_and_why(run):
         # a tie the validation split cannot resolve is said as a tie, the best named whichever it is
         for nll, verdict in (({"0": 0.512, "0.5": 0.514, "1": 0.601}, "scored best (τ = 0.5 tie with it"),
                              ({"0": 0.514, "0.5": 0.512, "1": 0.601}, "tied with the best (τ = 0.5 tie with it")):
-            trainer.posterior_temperature = PosteriorTemperature.chosen({**report, "nll": nll, "tied": [0.0, 0.5]})
+            trainer.prepare_predictor(PosteriorTemperature.chosen({**report, "nll": nll, "tied": [0.0, 0.5]}))
             assert verdict in _parts(_card(trainer))[0]
         assert "posterior-averaged" not in text and "average the softmax" not in text
         names = {m["name"] for r in meta["model-index"][0]["results"] for m in r["metrics"]}
         assert "Negative log-likelihood (posterior mean)" in names and not any("averaged" in n for n in names)
         # no draws asked for at all
-        trainer.posterior_temperature, trainer.args.eval_mc_samples = PosteriorTemperature(1.0), 0
+        trainer.args.eval_mc_samples = 0
+        trainer.prepare_predictor(PosteriorTemperature(1.0))
         text, _ = _parts(_card(trainer))
         assert "without averaging: `eval_mc_samples=0` was set" in text and "posterior-averaged" not in text
     finally:
-        trainer.posterior_temperature, trainer.args.posterior_temperature = saved
-        trainer.args.eval_mc_samples = 4
+        trainer.args.posterior_temperature, trainer.args.eval_mc_samples = saved[1], 4
+        trainer.prepare_predictor(saved[0])
 
 
 def test_a_baseline_card_describes_the_baseline(tmp_path):

@@ -24,7 +24,7 @@ from varsmooth import LabelNoiseCallback, VariationalModel, VariationalTrainer, 
 from varsmooth.label_noise import compute_label_noise
 from varsmooth.methods import get_method_class
 from varsmooth.posterior import DiagonalGaussianPosterior
-from varsmooth.posterior.draw_buffers import DRAW_BUFFER_PREFIX
+from varsmooth.posterior.gaussian import EXTRA_PREFIX
 from varsmooth.prediction.temperature import (
     TEMPERATURE_EXTENSION,
     TEMPERATURE_GRID,
@@ -96,10 +96,10 @@ def test_the_export_samples_the_learned_posterior_when_prediction_is_at_the_mean
     torch.manual_seed(0)
     trainer = VariationalTrainer(TinyClassifier(), args, train_dataset=data, eval_dataset=data, callbacks=[callback])
     trainer.train()
-    assert trainer.posterior().temperature == 0.0  # prediction at the mean ...
+    assert trainer.posterior_temperature.value == 0.0  # prediction at the mean ...
     exported = datasets.Dataset.from_parquet(str(tmp_path / "label_noise.parquet")).with_format("numpy")[:]
     assert np.abs(exported["noise"]).max() > 1e-3  # ... but ε̄ from q itself, not the zero of τ = 0
-    learned = compute_label_noise(trainer.model, trainer.posterior().at_temperature(1.0),
+    learned = compute_label_noise(trainer.model, trainer.posterior(),
                                   data.remove_columns("clean_label"),
                                   num_samples=4, seed=args.eval_seed, keep_columns=())
     np.testing.assert_allclose(exported["noise"], learned.with_format("numpy")[:]["noise"], atol=1e-6)
@@ -268,7 +268,7 @@ def test_the_image_example_default_run_learns_a_posterior_and_exports_adaptive_n
     with safe_open(str(out / "posterior.safetensors"), framework="np") as f:
         meta = json.loads(f.metadata()["varsmooth"])
         std = np.concatenate([f.get_tensor(k).ravel() for k in f.keys()  # σ, not the draws' BatchNorm statistics
-                              if not k.startswith(DRAW_BUFFER_PREFIX)]).astype(np.float64)
+                              if not k.startswith(EXTRA_PREFIX)]).astype(np.float64)
     hess = 1.0 / (meta["ess"] * std**2) - meta["weight_decay"]
     decayed = meta["hess_init"] * meta["beta2"] ** summary["global_step"]
     share = (np.abs(hess - decayed) >= 0.1 * decayed).mean()
@@ -345,9 +345,9 @@ def test_the_image_examples_learned_posterior_predicts_well_and_its_mi_flags_uns
 
     out, _ = image_example_run
     # at τ = 0 the saved draws are τ = 1's
-    tau = VariationalModel.from_pretrained(str(out)).posterior.temperature or 1.0
+    tau = VariationalModel.from_pretrained(str(out)).posterior_predictor.temperature or 1.0
     learned = VariationalModel.from_pretrained(str(out), temperature=tau)
-    assert learned.posterior.draw_buffers.for_draws(learned.seed, learned.num_samples, tau) is not None
+    assert learned.posterior_predictor.draw_buffers is not None  # the draws training prepared, with their statistics
     processor = AutoImageProcessor.from_pretrained(str(out))
     test = load_digits_dataset(seed=0)["test"]  # the example's test split at its default seed
     rng = np.random.default_rng(0)
@@ -380,7 +380,7 @@ def _mi_auroc_on_unseen_sentences(out: Path) -> dict[str, float]:
     from text_ood import encode_sentences, random_token_sentences
 
     tokenizer = AutoTokenizer.from_pretrained(str(out))
-    chosen = VariationalModel.from_pretrained(str(out)).posterior.temperature
+    chosen = VariationalModel.from_pretrained(str(out)).posterior_predictor.temperature
     learned = VariationalModel.from_pretrained(str(out), temperature=chosen or 1.0)
     collate = DataCollatorWithPadding(tokenizer)
     test = encode_sentences(tokenizer, list(load_sentiment_sentences(seed=42)["test"]["text"]))

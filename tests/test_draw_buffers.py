@@ -1,5 +1,5 @@
 """Bayesian model averaging on BatchNorm networks: each posterior draw predicts with BatchNorm statistics of its own,
-computed when training ends and saved with the posterior (varsmooth.posterior.draw_buffers)."""
+computed when training ends and saved with the posterior (`PosteriorPredictor`, varsmooth.prediction.batchnorm)."""
 
 import copy
 import json
@@ -12,18 +12,17 @@ from torch.optim.swa_utils import update_bn
 
 from helpers import TensorInput, digits_images, make_args, tiny_digits_resnet
 from varsmooth import PosteriorTemperature, VariationalModel, VariationalTrainer
-from varsmooth.posterior import DiagonalGaussianPosterior
-from varsmooth.posterior.draw_buffers import DrawBuffers
-from varsmooth.prediction.batchnorm import batchnorm_layers
-from varsmooth.prediction.bma import draw_seeds
+from varsmooth.prediction.batchnorm import batchnorm_layers, draw_buffer_tensors, draw_buffers_from_tensors
+from varsmooth.prediction.bma import draw_seeds, predictive_distribution
+from varsmooth.prediction.predictors import PosteriorPredictor
 
 
-def _reference_bma(model, posterior, x, train_x, num_samples, seed, batch_size=32):
+def _reference_bma(model, posterior, x, train_x, num_samples, seed, batch_size=32, temperature=1.0):
     """The BMA of the definition: every draw a copy of the network at θ_s whose BatchNorm statistics torch's update_bn
     recomputed from the training images, each averaged in probability."""
     total = 0
     for draw_seed, mirrored in draw_seeds(seed, num_samples):
-        with posterior.sampled(draw_seed, mirrored=mirrored):
+        with posterior.sampled(draw_seed, mirrored=mirrored, scale=temperature):
             drawn = TensorInput(copy.deepcopy(model))
         update_bn([train_x[i:i + batch_size] for i in range(0, len(train_x), batch_size)], drawn)
         with torch.no_grad():
@@ -46,8 +45,10 @@ def trained(tmp_path_factory):
 
 def test_evaluate_averages_draws_that_each_have_the_statistics_update_bn_gives_them(trained):
     trainer, train, _ = trained
-    model, posterior = trainer.model.eval(), trainer.posterior()
-    assert posterior.draw_buffers is not None and len(posterior.draw_buffers.buffers) == 4
+    model, predictor = trainer.model.eval(), trainer.posterior_predictor()
+    posterior = predictor.posterior
+    assert predictor.draw_buffers is not None and len(predictor.draw_buffers) == 4
+    assert trainer.posterior_predictor() is predictor  # built once, when training ended
     own = [layer.running_mean.clone() for layer in batchnorm_layers(model)]
     x = trainer.eval_dataset[:]["pixel_values"]
     expected = _reference_bma(model, posterior, x, train[:]["pixel_values"], 4, trainer.args.eval_seed)
@@ -56,11 +57,8 @@ def test_evaluate_averages_draws_that_each_have_the_statistics_update_bn_gives_t
     # the mean's own statistics are back, and with them (the old behaviour) the draws are other, worse networks
     for before, layer in zip(own, batchnorm_layers(model), strict=True):
         assert torch.equal(before, layer.running_mean)
-    with_mean_statistics = copy.copy(posterior)
-    with_mean_statistics.draw_buffers = None
     labels = trainer.eval_dataset[:]["label"]
-    from varsmooth.prediction.bma import predictive_distribution
-    stale = predictive_distribution(model, with_mean_statistics, {"pixel_values": x}, 4, trainer.args.eval_seed).probs
+    stale = predictive_distribution(model, posterior, {"pixel_values": x}, 4, trainer.args.eval_seed).probs
     assert not torch.allclose(stale, expected, atol=1e-3)
     nll = lambda p: -p[torch.arange(len(labels)), labels].log().mean().item()  # noqa: E731
     assert nll(expected) < nll(stale)
@@ -78,25 +76,29 @@ def test_the_saved_model_predicts_with_the_same_draws_in_a_new_object(trained):
     loaded = VariationalModel.from_pretrained(out)
     torch.testing.assert_close(loaded(pixel_values=x).probs, expected, atol=1e-6, rtol=1e-5)
     # fewer draws of the same seed reuse the first statistics; other draws have none to use
-    assert loaded.posterior.draw_buffers.for_draws(trainer.args.eval_seed, 2, 1.0) is not None
-    assert loaded.posterior.draw_buffers.for_draws(trainer.args.eval_seed, 5, 1.0) is None
-    assert loaded.posterior.draw_buffers.for_draws(trainer.args.eval_seed + 1, 2, 1.0) is None
-    assert loaded.posterior.draw_buffers.for_draws(trainer.args.eval_seed, 2, 0.5) is None
+    saved = loaded.posterior_predictor
+    assert saved.drawing(2).draw_buffers is not None
+    assert saved.drawing(5).draw_buffers is None
+    assert saved.drawing(2, trainer.args.eval_seed + 1).draw_buffers is None
+    assert saved.drawing(2, temperature=PosteriorTemperature(0.5)).draw_buffers is None
+    assert saved.drawing(2, temperature=PosteriorTemperature(0.0)).draw_buffers is not None  # τ = 0 measures at τ = 1
+    # the prediction's settings are the predictor's; σ's own metadata holds none of them
+    assert "posterior_temperature" not in saved.posterior.metadata and "draw_buffers" not in saved.posterior.metadata
 
 
-def test_changing_tau_after_training_recomputes_the_draws_statistics(trained):
+def test_changing_tau_after_training_rebuilds_the_prediction_with_its_draws_statistics(trained):
     trainer, train, _ = trained
     try:
-        trainer.posterior_temperature = PosteriorTemperature(0.5)
-        posterior = trainer.posterior()
-        assert posterior.draw_buffers.temperature == 0.5
+        predictor = trainer.prepare_predictor(0.5)
+        assert trainer.posterior_predictor() is predictor and trainer.posterior_temperature.value == 0.5
+        assert predictor.draws_temperature == 0.5 and len(predictor.draw_buffers) == 4
         x = trainer.eval_dataset[:]["pixel_values"]
-        expected = _reference_bma(trainer.model.eval(), posterior, x, train[:]["pixel_values"], 4,
-                                  trainer.args.eval_seed)
+        expected = _reference_bma(trainer.model.eval(), predictor.posterior, x, train[:]["pixel_values"], 4,
+                                  trainer.args.eval_seed, temperature=0.5)
         got = torch.from_numpy(trainer.predict(trainer.eval_dataset).predictions).exp()
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
     finally:
-        trainer.posterior_temperature = PosteriorTemperature(1.0)
+        trainer.prepare_predictor(1.0)
 
 
 def test_a_posterior_file_with_edited_draw_buffers_is_refused(trained, tmp_path):
@@ -118,14 +120,16 @@ def test_a_posterior_file_with_edited_draw_buffers_is_refused(trained, tmp_path)
         path = tmp_path / f"{case}.safetensors"
         save_file(content, str(path), metadata=metadata)
         with pytest.raises(ValueError, match="draw"):
-            DiagonalGaussianPosterior.load(model, path)
+            PosteriorPredictor.load(model, path)
 
 
 def test_draw_buffers_round_trip_through_their_tensors():
+    model = torch.nn.Module()
+    model.a = torch.nn.BatchNorm1d(2)
     buffers = [{"a.running_mean": torch.full((2,), float(s)), "a.num_batches_tracked": torch.tensor(s)}
                for s in range(3)]
-    original = DrawBuffers(seed=7, temperature=0.25, buffers=buffers)
-    back = DrawBuffers.from_tensors(original.tensors(), original.describe(), "f")
-    assert (back.seed, back.temperature, len(back.buffers)) == (7, 0.25, 3)
-    for a, b in zip(original.buffers, back.buffers, strict=True):
+    back = draw_buffers_from_tensors(draw_buffer_tensors(buffers), 3, model, "f")
+    for a, b in zip(buffers, back, strict=True):
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(ValueError, match="4 posterior draws"):
+        draw_buffers_from_tensors(draw_buffer_tensors(buffers), 4, model, "f")

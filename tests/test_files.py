@@ -104,7 +104,7 @@ def test_save_failing_between_weights_and_posterior_keeps_the_earlier_save(tmp_p
         trainer.args.max_steps = 4
         trainer.train(resume_from_checkpoint=None)  # the weights move on
     real_save = DiagonalGaussianPosterior.save
-    monkeypatch.setattr(DiagonalGaussianPosterior, "save", lambda self, path: (_ for _ in ()).throw(OSError("failed")))
+    monkeypatch.setattr(DiagonalGaussianPosterior, "save", lambda self, *args: (_ for _ in ()).throw(OSError("failed")))
     with pytest.raises(OSError, match="failed"):
         trainer.save_model(str(out))  # after the weights were written
     if earlier_save:  # the earlier save, as it was, and nothing of the failed one

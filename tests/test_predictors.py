@@ -8,13 +8,20 @@ from helpers import TinyClassifier
 from varsmooth import DeepEnsemble, TemperatureScaling, VariationalModel
 from varsmooth.posterior import DiagonalGaussianPosterior
 from varsmooth.prediction.bma import predictive_distribution
-from varsmooth.prediction.predictors import make_predictor
+from varsmooth.prediction.predictors import PosteriorPredictor, make_predictor
+from varsmooth.prediction.temperature import PosteriorTemperature
 
 
-def _posterior(network: torch.nn.Module, temperature: float = 1.0) -> DiagonalGaussianPosterior:
+def _posterior(network: torch.nn.Module) -> DiagonalGaussianPosterior:
     gen = torch.Generator().manual_seed(1)
     std = {n: 0.5 * torch.rand(p.shape, generator=gen) for n, p in network.named_parameters()}
-    return DiagonalGaussianPosterior(network, std, {"posterior_temperature": temperature})
+    return DiagonalGaussianPosterior(network, std)
+
+
+def _bma(network: torch.nn.Module, num_samples: int, temperature: float = 1.0, seed: int = 0,
+         posterior: DiagonalGaussianPosterior | None = None) -> PosteriorPredictor:
+    return PosteriorPredictor(_posterior(network) if posterior is None else posterior, num_samples, seed,
+                              PosteriorTemperature(temperature))
 
 
 def _dropout_network() -> torch.nn.Module:
@@ -31,42 +38,43 @@ def network():
 
 
 def test_the_factory_chooses_each_kind_and_describes_it(network):
-    assert make_predictor(network, _posterior(network), 4, seed=2).describe() == {
+    assert make_predictor(network, _bma(network, 4, seed=2)).describe() == {
         "kind": "bma", "num_samples": 4, "posterior_temperature": 1.0}
-    for posterior, samples in ((_posterior(network, 0.0), 4), (_posterior(network), 0),
-                               (DiagonalGaussianPosterior.point_mass(network), 4)):
-        assert make_predictor(network, posterior, samples).describe() == {"kind": "weights"}
+    for bma in (_bma(network, 4, 0.0), _bma(network, 0),
+                _bma(network, 4, posterior=DiagonalGaussianPosterior.point_mass(network))):
+        assert make_predictor(network, bma).describe() == {"kind": "weights"}
     dropout = _dropout_network()
-    assert make_predictor(dropout, DiagonalGaussianPosterior.point_mass(dropout), 0,
+    assert make_predictor(dropout, _bma(dropout, 0, posterior=DiagonalGaussianPosterior.point_mass(dropout)),
                           mc_dropout_samples=3).describe() == {
         "kind": "mc_dropout", "num_samples": 3}
     ensemble = DeepEnsemble([VariationalModel(network, _posterior(network), num_samples=2),
                              VariationalModel(network, DiagonalGaussianPosterior.point_mass(network), num_samples=0)])
-    assert make_predictor(ensemble, DiagonalGaussianPosterior.point_mass(network), 8).describe() == {
+    assert make_predictor(ensemble, _bma(network, 8, posterior=DiagonalGaussianPosterior.point_mass(network))
+                          ).describe() == {
         "kind": "ensemble", "members": 2,
         "member_predictions": [{"kind": "bma", "num_samples": 2, "posterior_temperature": 1.0}, {"kind": "weights"}]}
 
 
 def test_evaluate_reports_the_temperature_and_the_draws_averaged(network):
-    assert make_predictor(network, _posterior(network, 0.5), 4).evaluation_entries() == {
+    assert make_predictor(network, _bma(network, 4, 0.5)).evaluation_entries() == {
         "posterior_temperature": 0.5, "posterior_samples_averaged": 4}
-    assert make_predictor(network, _posterior(network, 0.0), 4).evaluation_entries() == {
+    assert make_predictor(network, _bma(network, 4, 0.0)).evaluation_entries() == {
         "posterior_temperature": 0.0, "posterior_samples_averaged": 0}
 
 
 def test_at_the_mean_the_uncertainty_is_the_learned_posteriors_bma_while_the_prediction_stays_at_the_mean(network):
     x = {"pixel_values": torch.rand(6, 8, 8)}
-    predictor = make_predictor(network, _posterior(network, 0.0), 4, seed=3)
+    predictor = make_predictor(network, _bma(network, 4, 0.0, seed=3))
     prediction = predictor.predict(network, x)
     assert prediction.mutual_information is None  # nothing drawn, nothing measured
     measured = predictor.uncertainty(network, x, prediction)
-    learned = predictive_distribution(network, _posterior(network, 1.0), x, 4, seed=3)
+    learned = predictive_distribution(network, _posterior(network), x, 4, seed=3)
     assert predictor.uncertainty_temperature == 1.0
     for field in ("probs", "entropy", "mutual_information"):  # entropy and MI of the same draws, τ = 1's
         torch.testing.assert_close(getattr(measured, field), getattr(learned, field), rtol=0, atol=0)
-    at_one = make_predictor(network, _posterior(network, 1.0), 4, seed=3)
+    at_one = make_predictor(network, _bma(network, 4, 1.0, seed=3))
     assert at_one.uncertainty(network, x, prediction) is prediction  # the prediction's own draws, not drawn again
-    assert make_predictor(network, _posterior(network), 0).uncertainty_temperature is None
+    assert make_predictor(network, _bma(network, 0)).uncertainty_temperature is None
 
 
 def test_every_kind_reports_a_mutual_information_no_larger_than_the_entropy_beside_it(network):
@@ -74,8 +82,8 @@ def test_every_kind_reports_a_mutual_information_no_larger_than_the_entropy_besi
     dropout = _dropout_network()
     sharpening = TemperatureScaling(0.05)  # would push a calibrated entropy below the draws' mutual information
     models = [
-        VariationalModel(network, _posterior(network, 1.0), num_samples=6, temperature_scaling=sharpening),
-        VariationalModel(network, _posterior(network, 0.0), num_samples=6, temperature_scaling=sharpening),
+        VariationalModel(network, _posterior(network), num_samples=6, temperature_scaling=sharpening),
+        VariationalModel(network, _posterior(network), num_samples=6, temperature_scaling=sharpening, temperature=0.0),
         VariationalModel(dropout, DiagonalGaussianPosterior.point_mass(dropout), num_samples=0, mc_dropout_samples=6,
                          temperature_scaling=sharpening),
         DeepEnsemble([VariationalModel(network, _posterior(network), num_samples=2),
@@ -94,6 +102,6 @@ def test_a_trainer_predicts_an_ensemble_with_its_own_temperature_as_the_ensemble
     x = {"pixel_values": torch.rand(5, 8, 8)}
     ensemble = DeepEnsemble([VariationalModel(network, _posterior(network), num_samples=2)],
                             temperature_scaling=TemperatureScaling(2.5))
-    predictor = make_predictor(ensemble, DiagonalGaussianPosterior.point_mass(network), 4)
+    predictor = make_predictor(ensemble, _bma(network, 4, posterior=DiagonalGaussianPosterior.point_mass(network)))
     torch.testing.assert_close(predictor.predict(ensemble, x).probs, ensemble(**x).probs, rtol=0, atol=0)
     assert predictor.describe() == ensemble.predictor.describe()  # what a temperature fitted on top would record

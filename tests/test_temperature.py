@@ -60,9 +60,8 @@ def _hand_bma(model, std, x, num_samples, seed, scale=1.0):
 def test_temperature_zero_is_the_mean_prediction_exactly():
     model, std = _model_and_posterior()
     posterior = DiagonalGaussianPosterior(model, std)
-    posterior.temperature = 0.0
     x = torch.rand(20, 8, 8)
-    out = predictive_distribution(model, posterior, {"pixel_values": x}, num_samples=16, seed=3)
+    out = predictive_distribution(model, posterior, {"pixel_values": x}, num_samples=16, seed=3, temperature=0.0)
     with torch.no_grad():
         mean_probs = model(pixel_values=x).logits.softmax(-1)
     assert torch.equal(out.probs, mean_probs)
@@ -70,7 +69,7 @@ def test_temperature_zero_is_the_mean_prediction_exactly():
     assert out.mutual_information is None and out.noise_rms is None  # no draws: nothing measured, nothing reported
     # sampling at τ = 0 leaves the weights at the mean
     before = [p.detach().clone() for p in model.parameters()]
-    with posterior.sampled(seed=5):
+    with posterior.sampled(seed=5, scale=0.0):
         assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
 
 
@@ -80,14 +79,12 @@ def test_temperature_one_is_the_learned_bma_and_scales_the_draws():
     x = torch.rand(20, 8, 8)
     expected = _hand_bma(model, std, x, num_samples=6, seed=3)
     default = predictive_distribution(model, posterior, {"pixel_values": x}, num_samples=6, seed=3).probs
-    assert posterior.temperature == 1.0
     torch.testing.assert_close(default, expected, rtol=0, atol=1e-7)
     # a cooler posterior is the BMA of σ scaled by τ, with the same draws e (they come from the cache here)
-    posterior.temperature = 0.5
-    half = predictive_distribution(model, posterior, {"pixel_values": x}, num_samples=6, seed=3).probs
+    half = predictive_distribution(model, posterior, {"pixel_values": x}, num_samples=6, seed=3, temperature=0.5).probs
     torch.testing.assert_close(half, _hand_bma(model, std, x, num_samples=6, seed=3, scale=0.5), rtol=0, atol=1e-6)
     assert not torch.allclose(half, default, atol=1e-3)
-    posterior.temperature = 1.0  # back to 1: exactly the first prediction (the cached σ⊙e was not scaled in place)
+    # back to 1: exactly the first prediction (the cached σ⊙e was not scaled in place)
     assert torch.equal(predictive_distribution(model, posterior, {"pixel_values": x}, num_samples=6, seed=3).probs,
                        default)
 
@@ -97,11 +94,10 @@ def test_bad_temperatures_are_refused(tmp_path):
     posterior = DiagonalGaussianPosterior(model, std)
     for bad in (-0.1, float("nan"), float("inf"), "auto"):
         with pytest.raises(ValueError, match="temperature"):
-            posterior.temperature = bad
-    with pytest.raises(ValueError, match="temperature"):
-        DiagonalGaussianPosterior(model, std, {"posterior_temperature": -1})
-    with pytest.raises(ValueError, match="temperature"):
-        DiagonalGaussianPosterior(model, std, {"posterior_temperature": "auto"})
+            PosteriorTemperature(bad)
+        with pytest.raises(ValueError, match="temperature"):
+            temperature_nll(model, posterior, [{"pixel_values": torch.rand(2, 8, 8), "labels": torch.zeros(2)}],
+                            (bad,), num_samples=2)
     with pytest.raises(ValueError, match="posterior_temperature"):
         make_args(tmp_path, posterior_temperature=-0.5)
     (args,) = HfArgumentParser(VariationalTrainingArguments).parse_args_into_dataclasses(
@@ -147,7 +143,6 @@ def test_temperature_nll_scores_each_bma_with_common_draws():
     for tau in (0.0, 0.5, 1.0):
         probs = _hand_bma(model, std, x, num_samples=6, seed=3, scale=tau)
         assert nll[tau] == pytest.approx(float(-probs[rows, y].log().mean()), rel=1e-5)
-    assert posterior.temperature == 1.0  # left as it was
 
 
 @pytest.fixture(scope="module")
@@ -176,9 +171,9 @@ def test_chosen_temperature_is_never_worse_than_mean_or_learned_posterior(run):
     assert not held.fixed
     measured = {}
     for tau in (0.0, 1.0, chosen):
-        trainer.posterior_temperature = PosteriorTemperature(tau)
+        trainer.prepare_predictor(PosteriorTemperature(tau))
         measured[tau] = trainer.evaluate()
-    trainer.posterior_temperature = held
+    trainer.prepare_predictor(held)
     # evaluate() predicts with τ: its NLL is the one the selection measured, and τ = 0 is the posterior mean's
     for tau in (0.0, 1.0):
         assert measured[tau]["eval_nll"] == pytest.approx(report["nll"][f"{tau:g}"], rel=1e-5)
@@ -188,7 +183,7 @@ def test_chosen_temperature_is_never_worse_than_mean_or_learned_posterior(run):
     assert chosen == min(report["tied"]) and float(best) in report["tied"]
     margin = TIE_STANDARD_ERRORS * report["standard_error"][f"{chosen:g}"] + 1e-6
     assert measured[chosen]["eval_nll"] <= min(measured[0.0]["eval_nll"], measured[1.0]["eval_nll"]) + margin
-    assert trainer.posterior().temperature == chosen
+    assert trainer.posterior_temperature.value == chosen == trainer.posterior_predictor().temperature
     assert any(entry.get("posterior_temperature") == chosen for entry in trainer.state.log_history)
 
 
@@ -197,16 +192,16 @@ def test_saved_temperature_is_used_by_the_reloaded_model_and_pipeline(run, tmp_p
     held = trainer.posterior_temperature
     try:
         # strictly between 0 and 1, so that losing it would show
-        trainer.posterior_temperature = PosteriorTemperature(0.25)
+        trainer.prepare_predictor(0.25)
         trainer.save_model(str(tmp_path))
         expected = np.exp(trainer.predict(val.with_transform(transform)).predictions)
-        trainer.posterior_temperature = PosteriorTemperature(1.0)
+        trainer.prepare_predictor(1.0)
         learned = np.exp(trainer.predict(val.with_transform(transform)).predictions)
     finally:
-        trainer.posterior_temperature = held
+        trainer.prepare_predictor(held)
     assert not np.allclose(expected, learned, atol=1e-3)
     loaded = VariationalModel.from_pretrained(tmp_path)
-    assert loaded.posterior.temperature == 0.25
+    assert loaded.posterior_predictor.temperature == 0.25
     pixels = transform(val[:])["pixel_values"]
     with torch.no_grad():
         np.testing.assert_allclose(loaded(pixel_values=pixels).probs.numpy(), expected, rtol=1e-5, atol=1e-6)
@@ -263,7 +258,7 @@ def test_without_eval_data_the_learned_posterior_is_kept(tmp_path):
                                args=make_args(tmp_path, max_steps=4, eval_mc_samples=4, posterior_temperature=0.5))
     fixed.train()
     assert fixed.posterior_temperature == PosteriorTemperature(0.5, fixed=True, selection=None)
-    assert fixed.posterior().temperature == 0.5
+    assert fixed.posterior_predictor().temperature == 0.5
 
 
 def test_noise_corrected_nll_is_the_forward_corrected_likelihood():
@@ -314,9 +309,9 @@ def test_noise_corrected_nll_prefers_the_clean_prediction_that_plain_nll_rejects
     posterior = DiagonalGaussianPosterior(model, {"w": torch.ones(())})
     import varsmooth.prediction.temperature as temperature
 
-    def fake_draws(model, posterior, batch, num_samples, seed, draw_buffers=None):  # τ > 0: the smoothed predictor
-        if posterior.temperature > 0:
-            model.w.data.fill_(posterior.temperature)
+    def fake_draws(model, posterior, batch, num_samples, seed, draw_buffers=None, temperature=1.0):  # τ > 0: smoothed
+        if temperature > 0:
+            model.w.data.fill_(temperature)
             yield model(batch["index"]).logits.exp()
             model.w.data.fill_(0.0)
 
@@ -361,9 +356,9 @@ def test_trainer_chooses_by_the_corrected_nll_and_records_it(tmp_path):
     assert report["criterion"] == CORRECTED_NLL_CRITERION and np.allclose(report["transition"], T)
     batches = trainer._batchnorm_batches(trainer.model)  # each draw's statistics, from the training examples in order
     expected = temperature_nll(trainer.model, trainer.posterior(), trainer.validation_batches(trainer.eval_dataset),
-                               TEMPERATURE_GRID, SELECTION_SAMPLES, 3, transition=T, draw_buffers=lambda p: (
-                                   draw_batchnorm_statistics(trainer.model, p, lambda: iter(batches), SELECTION_SAMPLES,
-                                                             3)))
+                               TEMPERATURE_GRID, SELECTION_SAMPLES, 3, transition=T, draw_buffers=lambda tau: (
+                                   draw_batchnorm_statistics(trainer.model, trainer.posterior(), lambda: iter(batches),
+                                                             SELECTION_SAMPLES, 3, temperature=tau)))
     assert {float(k): v for k, v in report["nll"].items() if float(k) in expected} == pytest.approx(expected, rel=1e-9)
     trainer.save_model()
     trainer.create_model_card()

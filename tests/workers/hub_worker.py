@@ -74,7 +74,7 @@ def main(out: str) -> None:
         draws = []
         for s in range(loaded.num_samples):
             with loaded.posterior.sampled(derive_seed(loaded.seed, s // 2), mirrored=s % 2 == 1):
-                for name, value in loaded.posterior.draw_buffers.buffers[s].items():
+                for name, value in loaded.posterior_predictor.draw_buffers[s].items():
                     buffers[name].copy_(value)
                 draws.append(loaded.model(pixel_values=first).logits.softmax(-1)[0].tolist())
         for name, value in mean_statistics.items():

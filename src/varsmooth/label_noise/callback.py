@@ -62,13 +62,14 @@ class LabelNoiseCallback(TrainerCallback):
         self.plots = plots
         self._measure: Callable[..., datasets.Dataset] | None = None
 
-    def connect(self, measure: Callable[..., datasets.Dataset], posterior: Callable[[], Any],
+    def connect(self, measure: Callable[..., datasets.Dataset], predictor: Callable[[], Any],
                 record_output: Callable[[str], None], train_dataset: Callable[[], Any]) -> "LabelNoiseCallback":
         """Give the callback what it exports with (`VariationalTrainer` does it on init and in `add_callback`):
-        `measure(dataset, num_samples=, seed=)` the label noise (`VariationalTrainer.label_noise`), `posterior()` the
-        current posterior (its summary goes into the metadata), `record_output(path)` notes a file the run wrote
-        beside its saves, `train_dataset()` the examples measured by default."""
-        self._measure, self._posterior, self._record_output, self._train_dataset = (measure, posterior, record_output,
+        `measure(dataset, num_samples=, seed=)` the label noise (`VariationalTrainer.label_noise`), `predictor()` the
+        current prediction (`PosteriorPredictor`: its posterior's summary and its τ go into the metadata),
+        `record_output(path)` notes a file the run wrote beside its saves, `train_dataset()` the examples measured by
+        default."""
+        self._measure, self._predictor, self._record_output, self._train_dataset = (measure, predictor, record_output,
                                                                                     train_dataset)
         return self
 
@@ -103,12 +104,13 @@ class LabelNoiseCallback(TrainerCallback):
         noise = self._measure(dataset, num_samples=self.num_samples, seed=seed)
         seconds = time.perf_counter() - start
         # on every process: under FSDP2 the posterior's σ is sharded, and its summary gathers it (a collective)
-        posterior = self._posterior()
+        predictor = self._predictor()
+        posterior = predictor.posterior
         # the export samples the learned posterior (τ = 1, `compute_label_noise`); τ of the predictions is noted apart
         metadata = {"epoch": state.epoch, "global_step": state.global_step, "num_samples": self.num_samples,
                     "export_seconds": round(seconds, 2), "seed": seed, **posterior.summary(),
                     "posterior_temperature": 1.0,
-                    "prediction_posterior_temperature": posterior.temperature,
+                    "prediction_posterior_temperature": predictor.temperature,
                     "batchnorm_statistics_per_draw": bool(batchnorm_layers(posterior.model))}  # compute_label_noise
         if not args.should_save:
             return None

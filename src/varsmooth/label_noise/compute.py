@@ -38,8 +38,8 @@ from transformers import default_data_collator
 from ..files import atomic_path
 from ..outputs import LABEL_KEYS
 from ..posterior import DiagonalGaussianPosterior
-from ..prediction.batchnorm import batchnorm_layers, draw_batchnorm_statistics, head_batches
-from ..prediction.bma import predictive_distribution
+from ..prediction.batchnorm import head_batches
+from ..prediction.predictors import PosteriorPredictor, as_posterior_predictor
 from .detection import mislabel_detection_report
 
 __all__ = [
@@ -63,16 +63,8 @@ MAGNITUDE_COLUMNS = ("noise_at_label", "noise_l1", "noise_l2", "noise_rms", "con
 _QUANTILES = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0)
 
 
-def _batch_label_noise(
-    model: torch.nn.Module,
-    posterior: DiagonalGaussianPosterior,
-    batch: Mapping[str, Any],
-    num_samples: int,
-    seed: int,
-    max_full_classes: int,
-    top_k: int,
-    draw_buffers: list[dict[str, torch.Tensor]] | None,
-) -> dict[str, torch.Tensor]:
+def _batch_label_noise(model: torch.nn.Module, predictor: PosteriorPredictor, batch: Mapping[str, Any],
+                       max_full_classes: int, top_k: int) -> dict[str, torch.Tensor]:
     """All per-example quantities of one batch, as tensors of leading size B (memory O(B·K))."""
     label_key = next((key for key in LABEL_KEYS if key in batch), None)
     if label_key is None:
@@ -81,7 +73,7 @@ def _batch_label_noise(
             "Keep the label column ('label' or 'labels') in the dataset and collator."
         )
     labels = batch[label_key].long()
-    out = predictive_distribution(model, posterior, batch, num_samples, seed, draw_buffers)
+    out = predictor.predict(model, batch)
     num_classes = out.probs.shape[-1]
     if labels.min() < 0 or labels.max() >= num_classes:
         raise ValueError(f"Labels must lie in [0, {num_classes}); got values in [{labels.min().item()}, "
@@ -159,7 +151,7 @@ def _to_arrow(column: np.ndarray) -> pa.Array:
 @torch.no_grad()
 def compute_label_noise(
     model: torch.nn.Module,
-    posterior: DiagonalGaussianPosterior,
+    posterior: DiagonalGaussianPosterior | PosteriorPredictor,
     dataset: datasets.Dataset,
     *,
     num_samples: int = EXPORT_NUM_SAMPLES,
@@ -203,8 +195,10 @@ def compute_label_noise(
 
     Args:
         model: the network; its weights are the posterior mean m.
-        posterior: q over `model`'s weights (`trainer.posterior()`, `DiagonalGaussianPosterior.load`); a point
-            mass is refused (its ε̄ is zero by definition).
+        posterior: q over `model`'s weights (`trainer.posterior()`, `DiagonalGaussianPosterior.load`), or a
+            prediction with it (`trainer.posterior_predictor()`, `PosteriorPredictor.load`), whose draws' BatchNorm
+            statistics are used when they are the export's draws; a point mass is refused (its ε̄ is zero by
+            definition).
         temperature: the scale of the draws, 1 (the learned posterior) unless you study a tempered one.
         dataset: rows with the model inputs (e.g. `pixel_values` or `input_ids`/`attention_mask`) and the label.
         batch_size: how many rows of `dataset` a batch holds when no `dataloader` is given.
@@ -225,6 +219,9 @@ def compute_label_noise(
     if temperature == 0:
         raise ValueError("temperature=0 draws nothing (every draw is the posterior mean): the label noise would be "
                          "zero by definition. Measure it with the learned posterior, temperature=1 (the default).")
+    # ε̄ is the noise that training with the learned posterior induced (Eq. 15): τ = 1, whatever τ prediction uses
+    predictor = as_posterior_predictor(posterior, num_samples, seed, temperature)
+    posterior = predictor.posterior
     if posterior.is_point_mass:
         raise ValueError(
             "The posterior is a point mass (a model without posterior.safetensors, or trained by a method without "
@@ -232,30 +229,24 @@ def compute_label_noise(
             "(trainer.posterior() of an IVON run, or DiagonalGaussianPosterior.load(model, folder))."
         )
     _check_posterior_belongs_to(model, posterior)
-    # ε̄ is the noise that training with the learned posterior induced (Eq. 15): τ = 1, whatever τ prediction uses
-    posterior = posterior.at_temperature(temperature)
     device = torch.device(device) if device is not None else next(model.parameters()).device
     if dataloader is None:
         dataloader = _default_dataloader(model, dataset, batch_size, collate_fn, label_column)
-    draw_buffers = None
-    if batchnorm_layers(model):
+    if predictor.lacks_draw_statistics(model):
         # each draw normalises with statistics of its own, as each sampled network did while training; the batches
         # they are computed from are read once (collating them again for every draw cost more than the passes)
         batches = iter(dataloader)
         head = head_batches(batches)
         if batches is dataloader:  # an iterator: what the head took is measured below all the same
             dataloader = itertools.chain(head, batches)
-        draw_buffers = draw_batchnorm_statistics(model, posterior, lambda: (_to_device(b, device) for b in head),
-                                                 num_samples, seed, progress=progress)
+        predictor = predictor.with_draw_statistics(model, [_to_device(b, device) for b in head], progress=progress)
     was_training = model.training
     model.eval()
     parts: dict[str, list[np.ndarray]] = {}
     try:
         for batch in tqdm(dataloader, desc=f"Label noise ({num_samples} posterior draws)", disable=not progress,
                           leave=False):
-            result = _batch_label_noise(
-                model, posterior, _to_device(batch, device), num_samples, seed, max_full_classes, top_k, draw_buffers
-            )
+            result = _batch_label_noise(model, predictor, _to_device(batch, device), max_full_classes, top_k)
             if accelerator is not None:
                 result = accelerator.gather_for_metrics(result)
             for key, value in result.items():

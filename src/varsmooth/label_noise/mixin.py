@@ -21,7 +21,8 @@ SMOOTHING_PROBE_SIZE = 128
 
 
 class LabelNoiseMixin:
-    """For a `transformers.Trainer` subclass with a `posterior()` (`VariationalTrainer`)."""
+    """For a `transformers.Trainer` subclass with a `posterior()` and a `posterior_predictor()`
+    (`VariationalTrainer`)."""
 
     def label_noise(self, dataset: Any = None, num_samples: int = EXPORT_NUM_SAMPLES,
                     **kwargs: Any) -> datasets.Dataset:
@@ -44,7 +45,7 @@ class LabelNoiseMixin:
         loader = self._get_dataloader(dataset, "Label noise", batch_size, sampler_fn=sampler_fn)
         kwargs.setdefault("seed", self.args.eval_seed)
         return compute_label_noise(
-            self.accelerator.unwrap_model(self.model), self.posterior(), dataset, num_samples=num_samples,
+            self.accelerator.unwrap_model(self.model), self.posterior_predictor(), dataset, num_samples=num_samples,
             dataloader=loader, accelerator=self.accelerator, device=self.args.device, order=order,
             progress=self.shows_progress(), **kwargs,
         )

@@ -59,7 +59,6 @@ def mean_label_noise(model: torch.nn.Module, posterior: DiagonalGaussianPosterio
                      batches: Iterable[Mapping[str, Any]], num_samples: int, seed: int) -> LabelNoiseSums:
     """The label noise over `batches`, with `num_samples` draws of `posterior` at τ = 1 (the noise training with q
     induces, whatever τ prediction uses), the model in eval mode (no dropout)."""
-    posterior = posterior.at_temperature(1.0)
     was_training = model.training
     model.eval()
     noise, distance, count = 0.0, 0.0, 0

@@ -12,7 +12,6 @@ import copy
 import hashlib
 import json
 import logging
-import math
 import os
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
@@ -25,19 +24,18 @@ from safetensors.torch import save_file
 from ..files import atomic_path
 from ..peft_keys import saved_names
 from ..presets import HESSIAN_MOVE_THRESHOLD
-from .draw_buffers import DRAW_BUFFER_PREFIX, DrawBuffers
 from .seeds import derive_seed
 from .sharding import DTensor, full_tensor, local_slice, to_local
 
-__all__ = ["POSTERIOR_FILE", "DiagonalGaussianPosterior", "check_temperature", "hessian_movement", "non_finite_tensors",
-           "std_summary", "tensors_sha256", "weights_fingerprint"]
+__all__ = ["POSTERIOR_FILE", "DiagonalGaussianPosterior", "hessian_movement", "non_finite_tensors", "std_summary",
+           "tensors_sha256", "weights_fingerprint"]
 
 logger = logging.getLogger(__name__)
 
 #: the file of a saved model folder that holds the posterior's σ and its metadata (`DiagonalGaussianPosterior.save`)
 POSTERIOR_FILE = "posterior.safetensors"
-#: metadata key of the posterior temperature τ (σ is scaled by τ when sampling; absent means 1)
-TEMPERATURE_KEY = "posterior_temperature"
+#: the key prefix of the tensors a file holds beside σ (`save`'s `extra`; σ's keys are parameter names, never so)
+EXTRA_PREFIX = "draw_buffers/"
 #: default memory for cached weight perturbations (a tiny CNN's 64 draws take a few MB; a ResNet-34's, 5 GB)
 DEFAULT_CACHE_BYTES = 256 * 2**20
 
@@ -101,16 +99,16 @@ class DiagonalGaussianPosterior:
     Args:
         model: the network; its current weights are the posterior mean m.
         std: parameter name -> σ (same shape as the parameter). Parameters not listed are deterministic.
-        metadata: JSON-safe facts about how σ was obtained (ess, prior precision, hess_init, ...). Its
-            `"posterior_temperature"` entry is the temperature τ (see `temperature`).
+        metadata: JSON-safe facts about how σ was obtained (ess, prior precision, hess_init, ...).
         cache_bytes: memory for keeping drawn perturbations σ⊙e (σ is fixed for the object's lifetime).
-        draw_buffers: the buffers (BatchNorm statistics) each draw of a prediction uses, computed for the draws of one
-            seed and τ (`varsmooth.posterior.draw_buffers`); saved and loaded with σ.
+
+    How a prediction scales and uses the draws (the posterior temperature τ, each draw's BatchNorm statistics) is the
+    predictor's (`varsmooth.prediction.PosteriorPredictor`), which saves them in the same file (`save`'s `extra`).
     """
 
     def __init__(self, model: torch.nn.Module, std: Mapping[str, torch.Tensor],
                  metadata: Mapping[str, Any] | None = None,
-                 cache_bytes: int = DEFAULT_CACHE_BYTES, draw_buffers: DrawBuffers | None = None):
+                 cache_bytes: int = DEFAULT_CACHE_BYTES):
         params = dict(model.named_parameters())
         missing = [name for name in std if name not in params]
         if missing:
@@ -129,9 +127,7 @@ class DiagonalGaussianPosterior:
         self.names = [name for name in params if name in std]
         self.std = {name: std[name].detach().to(params[name].device, params[name].dtype) for name in self.names}
         self.metadata = dict(metadata or {})
-        check_temperature(self.metadata.get(TEMPERATURE_KEY, 1.0))
         self.cache_bytes = cache_bytes
-        self.draw_buffers = draw_buffers
         self._cache: dict[int, list[torch.Tensor]] = {}
         self._cache_used = 0
         self._fingerprint: str | None = None  # set by `gathered`
@@ -153,7 +149,15 @@ class DiagonalGaussianPosterior:
 
     @classmethod
     def load(cls, model: torch.nn.Module, path: str | os.PathLike) -> "DiagonalGaussianPosterior":
-        """Read σ saved by `save` for `model`, whose current weights must be the ones σ was saved with.
+        """Read σ saved by `save` for `model`, whose current weights must be the ones σ was saved with (`read`, without
+        what the file holds beside σ)."""
+        return cls.read(model, path)[0]
+
+    @classmethod
+    def read(cls, model: torch.nn.Module, path: str | os.PathLike,
+             ) -> tuple["DiagonalGaussianPosterior", dict[str, torch.Tensor]]:
+        """(σ saved by `save` for `model`, the tensors saved beside it under `EXTRA_PREFIX`, by their names without the
+        prefix); `model`'s current weights must be the ones σ was saved with.
 
         Refuses (naming the file) a file that differs from its folder's manifest (edited after the save), is
         unreadable, holds other σ than the hash it records of its own tensors (σ rewritten, even with its metadata
@@ -179,36 +183,24 @@ class DiagonalGaussianPosterior:
                 f"{path} cannot be read ({type(error).__name__}: {error}): the file is truncated or corrupted. "
                 "Save the model again (trainer.save_model()), or delete the file to predict at the weights."
             ) from error
-        std = {key: t for key, t in tensors.items() if not key.startswith(DRAW_BUFFER_PREFIX)}
-        draw_tensors = {key: t for key, t in tensors.items() if key.startswith(DRAW_BUFFER_PREFIX)}
+        std = {key: t for key, t in tensors.items() if not key.startswith(EXTRA_PREFIX)}
+        extra = {key[len(EXTRA_PREFIX):]: t for key, t in tensors.items() if key.startswith(EXTRA_PREFIX)}
         _check_std(path, std, metadata)
-        # the hash covers every tensor of the file: σ and the draws' BatchNorm statistics
+        # the hash covers every tensor of the file: σ and what was saved beside it
         if "std_sha256" in metadata and tensors_sha256(tensors) != metadata["std_sha256"]:
             raise ValueError(
                 f"{path} holds other standard deviations than the ones it was saved with (the SHA-256 of its tensors, "
-                "σ and the draws' statistics, "
+                "σ and what was saved beside it, such as the draws' statistics, "
                 "differs from the one its metadata records): σ was rewritten after the save, and would sample another "
                 "posterior than the one trained. Save the model again (trainer.save_model()), or delete the file to "
                 "predict at the weights."
             )
-        description = metadata.pop("draw_buffers", None)
-        draw_buffers = None
-        if draw_tensors or description is not None:
-            if not draw_tensors or not isinstance(description, dict) or not description.get("num_draws"):
-                raise ValueError(f"{path} holds posterior draws' buffers without their description, or the reverse: "
-                                 "the file was edited. Save the model again (trainer.save_model()).")
-            draw_buffers = DrawBuffers.from_tensors(draw_tensors, description, path)
-            unknown = sorted(set(draw_buffers.buffers[0]) - {name for name, _ in model.named_buffers()})
-            if unknown:
-                raise ValueError(f"{path} holds posterior draws' buffers {unknown[:3]} that the model does not have: "
-                                 "the file belongs to another architecture.")
-
         # an adapter's posterior is keyed as peft keys the adapter weights (`saved_names`): back to the model's names
         model_name = {saved: name for name, saved in saved_names(model, dict(model.named_parameters())).items()}
         std = {model_name.get(key, key): s for key, s in std.items()}
-        posterior = cls(model, std, metadata, draw_buffers=draw_buffers)
+        posterior = cls(model, std, metadata)
         posterior._check_weights(path)
-        return posterior
+        return posterior, extra
 
     def _check_weights(self, path: str) -> None:
         expected = self.metadata.get("weights_sha256")
@@ -241,9 +233,12 @@ class DiagonalGaussianPosterior:
         out._cache, out._cache_used = {}, 0
         return out
 
-    def save(self, path: str | os.PathLike) -> str:
-        """Write σ as safetensors (whole file or nothing) with the metadata as JSON. Sharded σ and weights are
-        gathered (a collective): in an FSDP run, every process calls `gathered()` and the main one saves that."""
+    def save(self, path: str | os.PathLike, metadata: Mapping[str, Any] | None = None,
+             extra: Mapping[str, torch.Tensor] | None = None) -> str:
+        """Write σ as safetensors (whole file or nothing) with the metadata, and `metadata` besides, as JSON; `extra`
+        tensors (a prediction's, `read` gives them back) are saved beside σ, under `EXTRA_PREFIX`. Sharded σ and
+        weights are gathered (a collective): in an FSDP run, every process calls `gathered()` and the main one saves
+        that."""
         if os.path.isdir(path):
             path = os.path.join(path, POSTERIOR_FILE)
 
@@ -251,17 +246,14 @@ class DiagonalGaussianPosterior:
         key = saved_names(self.model, self.names)
         # IVON's parameters are views of one flat storage: clone so safetensors accepts them.
         tensors = {key[name]: full_tensor(s.detach()).to("cpu").clone().contiguous() for name, s in self.std.items()}
-        if self.draw_buffers is not None:
-            tensors.update(self.draw_buffers.tensors())
-            binding_draws = {"draw_buffers": self.draw_buffers.describe()}
-        else:
-            binding_draws = {}
+        tensors.update({f"{EXTRA_PREFIX}{name}": t.detach().to("cpu").contiguous()
+                        for name, t in (extra or {}).items()})
         params = dict(self.model.named_parameters())
         fingerprint = (self._fingerprint if self._fingerprint is not None
                        else weights_fingerprint(self.model, self.names))
         binding = {"parameters": [key[name] for name in self.names], "weights_sha256": fingerprint,
                    "weights_dtype": str(params[self.names[0]].dtype) if self.names else None,
-                   "std_sha256": tensors_sha256(tensors), **binding_draws}
+                   "std_sha256": tensors_sha256(tensors)}
         bad = non_finite_tensors(tensors.items())
         if bad:
             raise FloatingPointError(f"Not saving {path}: the posterior standard deviations of {bad[:5]} are not "
@@ -269,31 +261,11 @@ class DiagonalGaussianPosterior:
                                      "loaded from an earlier save).")
         # one metadata entry: safetensors writes several in a random order, and identical runs would differ in bytes
         with atomic_path(path) as tmp:
-            save_file(tensors, tmp, metadata={"varsmooth": json.dumps({**self.metadata, **binding})})
+            save_file(tensors, tmp,
+                      metadata={"varsmooth": json.dumps({**self.metadata, **(metadata or {}), **binding})})
         return str(path)
 
     # -- sampling ----------------------------------------------------------------------------------
-    @property
-    def temperature(self) -> float:
-        """τ ≥ 0: draws are θ = m + τ·σ⊙e, so τ = 0 predicts at the mean and τ = 1 with the learned posterior.
-
-        Kept in `metadata`, so that it is saved and loaded with σ (`varsmooth.prediction.temperature` chooses it).
-        """
-        return float(self.metadata.get(TEMPERATURE_KEY, 1.0))
-
-    @temperature.setter
-    def temperature(self, value: float) -> None:
-        check_temperature(value)
-        self.metadata[TEMPERATURE_KEY] = float(value)
-
-    def at_temperature(self, temperature: float) -> "DiagonalGaussianPosterior":
-        """This posterior with draws scaled by `temperature` instead (e.g. 1: the learned posterior, whatever τ
-        prediction uses); σ and the drawn e are shared with this one, so both sample the same models up to scale."""
-        check_temperature(temperature)
-        out = copy.copy(self)
-        out.metadata = {**self.metadata, TEMPERATURE_KEY: float(temperature)}
-        return out
-
     @property
     def is_point_mass(self) -> bool:
         return not self.std
@@ -336,9 +308,10 @@ class DiagonalGaussianPosterior:
             self._cache_used = 0
 
     @contextlib.contextmanager
-    def sampled(self, seed: int, mirrored: bool = False) -> Iterator[None]:
-        """Set the model's weights to θ = m + τσ⊙e, e ~ N(0, I) drawn from `seed` (θ = m − τσ⊙e, the antithetic
-        twin, with `mirrored`); restore m on exit, always.
+    def sampled(self, seed: int, mirrored: bool = False, scale: float = 1.0) -> Iterator[None]:
+        """Set the model's weights to θ = m + scale·σ⊙e, e ~ N(0, I) drawn from `seed` (θ = m − scale·σ⊙e, the
+        antithetic twin, with `mirrored`); restore m on exit, always. `scale` is a prediction's posterior temperature
+        τ (1: the learned posterior).
 
         The draw depends on the seed, the parameter order and the device only — not on batch size or on
         the global RNG — so the s-th sample of an evaluation is the same model on every batch.
@@ -350,16 +323,16 @@ class DiagonalGaussianPosterior:
         saved: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
         try:
             with torch.no_grad():
-                temperature = -self.temperature if mirrored else self.temperature
+                signed = -scale if mirrored else scale
                 for name, delta in zip(self.names, self._perturbation(seed, params)):
                     p = params[name]
-                    delta = delta if temperature == 1.0 else temperature * delta
+                    delta = delta if signed == 1.0 else signed * delta
                     if isinstance(p, DTensor):  # FSDP2 gathers from the shard's storage: change it in place
                         saved.append((p, to_local(p).clone()))
                         to_local(p).add_(delta)
                         continue
                     saved.append((p, p.data))
-                    # the cache holds σ⊙e: τ is applied here, so changing τ reuses the same draws e
+                    # the cache holds σ⊙e: the scale is applied here, so another τ reuses the same draws e
                     p.data = p.data + delta
             yield
         finally:
@@ -373,13 +346,13 @@ class DiagonalGaussianPosterior:
                 _reshard(self.model)
 
     def summary(self) -> dict[str, float]:
-        """σ's mean and median, τ, and, when the metadata records IVON's ess, hess_init and weight_decay (δ), how far
+        """σ's mean and median, and, when the metadata records IVON's ess, hess_init and weight_decay (δ), how far
         the Hessian behind σ (h = 1/(ess σ²) − δ) moved from h0 and, with β2 and the step count, how much of that
         the data did (`hessian_movement`): near 0, σ was never learned. A σ sharded by FSDP2 is gathered: every
         process must call it then."""
         if self.is_point_mass:
             return {}
-        summary = {**std_summary(self.std.values()), TEMPERATURE_KEY: self.temperature}
+        summary = std_summary(self.std.values())
         meta = self.metadata
         if all(isinstance(meta.get(k), (int, float)) for k in ("ess", "hess_init", "weight_decay")):
             flat = torch.cat([full_tensor(s).flatten().double() for s in self.std.values()])
@@ -421,12 +394,3 @@ def _check_std(path: str, std: Mapping[str, torch.Tensor], metadata: Mapping[str
                 f"{path} has a {bad} standard deviation for {name!r}: σ must be finite and > 0. Training diverged "
                 "before the save, or the file was edited. Save again from a healthy run."
             )
-
-
-def check_temperature(value: Any) -> None:
-    """Refuses a posterior temperature τ that is not a finite number >= 0."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise ValueError(
-            f"The posterior temperature must be a finite number >= 0 (0 = the posterior mean, 1 = the learned "
-            f"posterior), got {value!r}."
-        )

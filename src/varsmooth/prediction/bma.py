@@ -41,43 +41,42 @@ def predictive_distribution(
     num_samples: int,
     seed: int = 0,
     draw_buffers: Sequence[Mapping[str, torch.Tensor]] | None = None,
+    temperature: float = 1.0,
 ) -> VariationalClassifierOutput:
     """BMA over `num_samples` draws of `posterior` and the prediction at the mean, for one batch.
 
     The draws are the antithetic pairs of `draw_seeds(seed, num_samples)`: the same S models for every batch and every
     call, so the trainer's evaluation and a model reloaded from disk agree exactly. The draws are scaled by the
-    posterior's temperature τ; `num_samples=0`, τ = 0 or a point-mass posterior predict at the mean (and then
-    `mutual_information` and `noise_rms` are None: nothing was averaged to measure them). `draw_buffers`: see
+    posterior temperature τ = `temperature`; `num_samples=0`, τ = 0 or a point-mass posterior predict at the mean (and
+    then `mutual_information` and `noise_rms` are None: nothing was averaged to measure them). `draw_buffers`: see
     `sampled_probs`.
     """
     if num_samples < 0:
         raise ValueError(f"num_samples must be >= 0 (0 = predict at the posterior mean), got {num_samples}.")
     return average_predictions(model_logits(model, inputs),
-                               sampled_probs(model, posterior, inputs, num_samples, seed, draw_buffers))
+                               sampled_probs(model, posterior, inputs, num_samples, seed, draw_buffers, temperature))
 
 
-def predicts_at_the_mean(posterior: DiagonalGaussianPosterior, num_samples: int) -> bool:
-    """Whether a prediction with `num_samples` draws of `posterior` draws nothing: no draws asked for, a point mass, or
-    τ = 0 (every draw would be the posterior mean)."""
-    return num_samples <= 0 or posterior.is_point_mass or posterior.temperature == 0
+def predicts_at_the_mean(posterior: DiagonalGaussianPosterior, num_samples: int, temperature: float = 1.0) -> bool:
+    """Whether a prediction with `num_samples` draws of `posterior` at `temperature` draws nothing: no draws asked
+    for, a point mass, or τ = 0 (every draw would be the posterior mean)."""
+    return num_samples <= 0 or posterior.is_point_mass or temperature == 0
 
 
 def sampled_probs(model: torch.nn.Module, posterior: DiagonalGaussianPosterior, inputs: Mapping[str, Any],
                   num_samples: int, seed: int = 0, draw_buffers: Sequence[Mapping[str, torch.Tensor]] | None = None,
-                  ) -> Iterator[torch.Tensor]:
-    """softmax(f(x; θ_s)) of the draws of `draw_seeds(seed, num_samples)`, scaled by the posterior's τ; none for τ = 0
-    or a point mass (they would all be the mean prediction).
+                  temperature: float = 1.0) -> Iterator[torch.Tensor]:
+    """softmax(f(x; θ_s)) of the draws of `draw_seeds(seed, num_samples)`, scaled by the posterior temperature τ =
+    `temperature`; none for τ = 0 or a point mass (they would all be the mean prediction).
 
     `draw_buffers[s]`: buffers of `model` by name that the draw s predicts with (its own BatchNorm statistics,
-    `varsmooth.prediction.batchnorm.draw_batchnorm_statistics`); by default those the posterior holds for these draws
-    (`posterior.draw_buffers`), if any. The model's own are back once the draws are done."""
-    if predicts_at_the_mean(posterior, num_samples):
+    `varsmooth.prediction.batchnorm.draw_batchnorm_statistics`); None: the model's own. The model's own are back once
+    the draws are done."""
+    if predicts_at_the_mean(posterior, num_samples, temperature):
         return
-    if draw_buffers is None and posterior.draw_buffers is not None:
-        draw_buffers = posterior.draw_buffers.for_draws(seed, num_samples, posterior.temperature)
     with restored_buffers(model, draw_buffers[0] if draw_buffers else ()) as named:
         for s, (draw_seed, mirrored) in enumerate(draw_seeds(seed, num_samples)):
-            with posterior.sampled(draw_seed, mirrored=mirrored):
+            with posterior.sampled(draw_seed, mirrored=mirrored, scale=temperature):
                 for name, value in (draw_buffers[s] if draw_buffers else {}).items():
                     named[name].copy_(value)
                 yield model_logits(model, inputs).softmax(-1)

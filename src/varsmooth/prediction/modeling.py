@@ -20,17 +20,15 @@ from ..files import FolderSave, check_manifest, is_leftover, recover
 from ..posterior import POSTERIOR_FILE, DiagonalGaussianPosterior
 from ..posterior.gaussian import non_finite_tensors
 from ..temperature_scaling import TEMPERATURE_SCALING_FILE, TemperatureScaling
-from .batchnorm import batchnorm_layers
-from .bma import predicts_at_the_mean
 from .mc_dropout import OUTPUT_DROPOUT_KEY, add_output_dropout
-from .predictors import PredictiveModel, Predictor, make_predictor
+from .predictors import PosteriorPredictor, PredictiveModel, Predictor, as_posterior_predictor, make_predictor
 
 #: marker file of a saved folder that another class loads -> that class's `from_pretrained` (a `DeepEnsemble` folder
 #: registers itself here: the ensemble is made of `VariationalModel`s, so this module cannot import it)
 FOLDER_LOADERS: dict[str, Callable[..., torch.nn.Module]] = {}
 
 __all__ = ["AUTO_CLASSES", "FOLDER_LOADERS", "VariationalModel", "check_finite_weights", "classification_task",
-           "load_posterior", "load_temperature_scaling", "sampling_settings"]
+           "load_posterior_predictor", "load_temperature_scaling", "predictive_model"]
 
 #: the Auto class that loads a classifier of each task varsmooth serves
 AUTO_CLASSES = {"image-classification": AutoModelForImageClassification,
@@ -74,33 +72,49 @@ class VariationalModel(PredictiveModel):
     `forward(**inputs)` returns a `VariationalClassifierOutput` whose `logits` are log P̂, so argmax/softmax
     code written for ordinary logits gets the BMA prediction; `num_samples=0` predicts at the posterior mean.
     For the same `seed` the draws are those of `VariationalTrainer.evaluate()` (common random numbers), scaled by
-    the posterior temperature `posterior.temperature` chosen in training (saved with the posterior).
+    the posterior temperature τ chosen in training (saved with the posterior). `posterior` is σ alone (then
+    `num_samples` default 32, `seed` 0, `temperature` τ = 1) or a whole `PosteriorPredictor` (σ, τ, the draws and their
+    BatchNorm statistics, as `from_pretrained` loads it), whose settings the arguments given replace.
 
     `mc_dropout_samples > 0` predicts by MC dropout instead (`varsmooth.prediction.mc_dropout`), for models trained
     without a posterior. A `temperature_scaling` (`varsmooth.temperature_scaling.TemperatureScaling`) rescales the final
     prediction: `logits`, `probs` and `entropy` are then the calibrated ones.
     """
 
-    def __init__(self, model: torch.nn.Module, posterior: DiagonalGaussianPosterior, num_samples: int = 32,
-                 seed: int = 0,
-                 temperature_scaling: TemperatureScaling | None = None, mc_dropout_samples: int = 0) -> None:
+    def __init__(self, model: torch.nn.Module, posterior: DiagonalGaussianPosterior | PosteriorPredictor,
+                 num_samples: int | None = None, seed: int | None = None,
+                 temperature_scaling: TemperatureScaling | None = None, mc_dropout_samples: int = 0,
+                 temperature: float | None = None) -> None:
         super().__init__()
         if mc_dropout_samples < 0:
             raise ValueError(f"mc_dropout_samples must be >= 0 (0 = no MC dropout), got {mc_dropout_samples}.")
-        if mc_dropout_samples and not posterior.is_point_mass:
+        self.model = model
+        self.posterior_predictor = as_posterior_predictor(posterior, num_samples, seed, temperature)
+        if mc_dropout_samples and not self.posterior.is_point_mass:
             raise ValueError("mc_dropout_samples is for models without a posterior: this one predicts by Bayesian "
                              "model averaging over its posterior (num_samples). Set mc_dropout_samples=0.")
-        self.model = model
-        self.posterior = posterior
-        self.num_samples, self.seed = sampling_settings(posterior, num_samples, seed)
         self.temperature_scaling = temperature_scaling
         self.mc_dropout_samples = mc_dropout_samples
-        warn_without_draw_buffers(model, posterior, self.num_samples, self.seed)
+        self._predictor = make_predictor(model, self.posterior_predictor, mc_dropout_samples)
+        warn_without_draw_buffers(model, self.posterior_predictor)
+
+    @property
+    def posterior(self) -> DiagonalGaussianPosterior:
+        """q = N(m, diag σ²) over `model`'s weights (a point mass for a model without one)."""
+        return self.posterior_predictor.posterior
+
+    @property
+    def num_samples(self) -> int:
+        return self.posterior_predictor.num_samples
+
+    @property
+    def seed(self) -> int:
+        return self.posterior_predictor.seed
 
     @property
     def predictor(self) -> Predictor:
-        """What `forward` predicts with these settings (`varsmooth.prediction.predictors`)."""
-        return make_predictor(self.model, self.posterior, self.num_samples, self.seed, self.mc_dropout_samples)
+        """What `forward` predicts with (`varsmooth.prediction.predictors`)."""
+        return self._predictor
 
     @property
     def network(self) -> torch.nn.Module:
@@ -163,20 +177,12 @@ class VariationalModel(PredictiveModel):
             if model_class is None:
                 model_class = _auto_class(AutoConfig.from_pretrained(path, revision=revision, token=token))
             model = model_class.from_pretrained(path, revision=revision, token=token, **model_kwargs)
-        check_finite_weights(model, path)
         if getattr(model.config, OUTPUT_DROPOUT_KEY, None) is not None:  # trained with `add_output_dropout`
             add_output_dropout(model, getattr(model.config, OUTPUT_DROPOUT_KEY))
         model.eval()
-        posterior = load_posterior(model, path, revision=revision, token=token)
-        if temperature is not None:
-            posterior.temperature = temperature
-        num_samples, seed = sampling_settings(posterior, num_samples, seed)
-        loaded = cls(model, posterior, num_samples=num_samples, seed=seed, mc_dropout_samples=mc_dropout_samples)
-        if temperature_scaling:
-            loaded.temperature_scaling = load_temperature_scaling(model, path, revision=revision, token=token)
-            if loaded.temperature_scaling is not None:
-                loaded.temperature_scaling.check_prediction(loaded.predictor.describe(), path)
-        return loaded
+        return predictive_model(model, path, num_samples=num_samples, seed=seed, temperature=temperature,
+                                temperature_scaling=temperature_scaling, mc_dropout_samples=mc_dropout_samples,
+                                revision=revision, token=token, manifest_checked=True)
 
     def save_pretrained(self, save_directory: str | os.PathLike, **kwargs: Any) -> None:
         adapter = is_peft_model(self.model)
@@ -189,9 +195,7 @@ class VariationalModel(PredictiveModel):
             if adapter:
                 save_classifier_config(self.model, save.path)
             if not self.posterior.is_point_mass:
-                self.posterior.metadata = {**self.posterior.metadata, "eval_mc_samples": self.num_samples,
-                                           "eval_seed": self.seed}
-                self.posterior.save(save.path)
+                self.posterior_predictor.save(save.path)
             if self.temperature_scaling is not None:
                 self.temperature_scaling.save(save.path, self.model)
             save.finish()
@@ -211,50 +215,57 @@ def check_finite_weights(model: torch.nn.Module, where: str, saving: bool = Fals
                      "after training diverged, or the file was edited. Load an earlier checkpoint, or train again.")
 
 
-def warn_without_draw_buffers(model: torch.nn.Module, posterior: DiagonalGaussianPosterior, num_samples: int,
-                              seed: int) -> None:
-    """Warn when BMA over `num_samples` draws of `seed` would normalise every draw of a BatchNorm network with the
-    statistics of the posterior mean: the posterior holds none of their own for those draws (another τ, seed or more
-    draws than training prepared), and such draws are far worse networks than the ones training fitted
-    (`varsmooth.posterior.draw_buffers`)."""
-    if predicts_at_the_mean(posterior, num_samples) or not batchnorm_layers(model):
+def warn_without_draw_buffers(model: torch.nn.Module, predictor: PosteriorPredictor) -> None:
+    """Warn when BMA with `predictor` would normalise every draw of a BatchNorm network with the statistics of the
+    posterior mean: none of their own are held for those draws (another τ, seed or more draws than training
+    prepared), and such draws are far worse networks than the ones training fitted
+    (`varsmooth.prediction.batchnorm`)."""
+    if predictor.draws_nothing or not predictor.lacks_draw_statistics(model):
         return
-    prepared = posterior.draw_buffers
-    if prepared is not None and prepared.for_draws(seed, num_samples, posterior.temperature) is not None:
-        return
-    held = ("none" if prepared is None else
-            f"those of {len(prepared.buffers)} draws of seed {prepared.seed} at temperature {prepared.temperature:g}")
     warnings.warn(
-        f"The {num_samples} posterior draws of seed {seed} at temperature {posterior.temperature:g} have no BatchNorm "
-        f"statistics of their own (the posterior holds {held}): each draw normalises with the posterior mean's, which "
-        "makes it a worse network than training fitted. Predict with the draws training prepared (the defaults of "
-        "from_pretrained), or compute theirs from training data (VariationalTrainer.prepare_prediction_draws after "
-        "setting trainer.posterior_temperature = varsmooth.PosteriorTemperature(τ)).", UserWarning, stacklevel=3,
+        f"The {predictor.num_samples} posterior draws of seed {predictor.seed} at temperature "
+        f"{predictor.temperature:g} have no BatchNorm statistics of their own: each draw normalises with the posterior "
+        "mean's, which makes it a worse network than training fitted. Predict with the draws training prepared (the "
+        "defaults of from_pretrained), or compute theirs from training data (VariationalTrainer.prepare_predictor).",
+        UserWarning, stacklevel=3,
     )
 
 
-def sampling_settings(posterior: DiagonalGaussianPosterior, num_samples: int | None = None,
-                      seed: int | None = None) -> tuple[int, int]:
-    """The posterior samples and seed of predictions: those given, else those the model was evaluated with in training
-    (saved with the posterior), else 32 samples and seed 0."""
-    meta = posterior.metadata
-    num_samples = int(meta.get("eval_mc_samples", 32)) if num_samples is None else num_samples
-    if num_samples < 0:
-        raise ValueError(f"num_samples must be >= 0 (0 = predict at the posterior mean), got {num_samples}.")
-    return num_samples, int(meta.get("eval_seed", 0)) if seed is None else seed
+def predictive_model(model: torch.nn.Module, path: str | os.PathLike, *, num_samples: int | None = None,
+                     seed: int | None = None, temperature: float | None = None, temperature_scaling: bool = True,
+                     mc_dropout_samples: int = 0, revision: str | None = None, token: str | None = None,
+                     manifest_checked: bool = False) -> VariationalModel:
+    """`model`, loaded from `path` (a folder or Hub repo), with what was saved beside it: the one loader of a saved
+    prediction, for `VariationalModel.from_pretrained` and the pipelines. A local folder must match its manifest
+    (unless `manifest_checked`), the weights must be finite, the posterior must belong to them
+    (`PosteriorPredictor.load`; a point mass with a warning when there is none) and a fitted temperature scaling
+    (applied unless `temperature_scaling=False`) to this prediction."""
+    where = os.fspath(path)
+    if os.path.isdir(where) and not manifest_checked:
+        check_manifest(where)
+    check_finite_weights(model, where)
+    predictor = load_posterior_predictor(model, where, num_samples, seed, temperature, revision, token)
+    loaded = VariationalModel(model, predictor, mc_dropout_samples=mc_dropout_samples)
+    if temperature_scaling:
+        loaded.temperature_scaling = load_temperature_scaling(model, where, revision=revision, token=token)
+        if loaded.temperature_scaling is not None:
+            loaded.temperature_scaling.check_prediction(loaded.predictor.describe(), where)
+    return loaded
 
 
-def load_posterior(model: torch.nn.Module, path: str | os.PathLike, revision: str | None = None,
-                   token: str | None = None) -> DiagonalGaussianPosterior:
-    """The posterior saved next to `model`'s weights (folder or Hub repo); a point mass, with a warning, if none."""
+def load_posterior_predictor(model: torch.nn.Module, path: str | os.PathLike, num_samples: int | None = None,
+                             seed: int | None = None, temperature: float | None = None, revision: str | None = None,
+                             token: str | None = None) -> PosteriorPredictor:
+    """The prediction saved next to `model`'s weights (folder or Hub repo, `PosteriorPredictor.load`); over a point
+    mass, with a warning, if there is none."""
     posterior_path = _resolve_file(os.fspath(path), POSTERIOR_FILE, revision, token)
     if posterior_path is None:
         warnings.warn(
             f"No {POSTERIOR_FILE} in {os.fspath(path)!r}: the model was not trained with IVON (or the file was not "
             "uploaded). Predicting at the posterior mean (a point estimate).", UserWarning, stacklevel=3,
         )
-        return DiagonalGaussianPosterior.point_mass(model)
-    return DiagonalGaussianPosterior.load(model, posterior_path)
+        return as_posterior_predictor(DiagonalGaussianPosterior.point_mass(model), num_samples, seed, temperature)
+    return PosteriorPredictor.load(model, posterior_path, num_samples, seed, temperature)
 
 
 def load_temperature_scaling(model: torch.nn.Module, path: str | os.PathLike, revision: str | None = None,

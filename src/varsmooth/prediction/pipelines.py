@@ -33,15 +33,7 @@ from transformers import ImageClassificationPipeline, TextClassificationPipeline
 from transformers.image_utils import load_image
 
 from ..adapters import is_peft_model
-from ..files import check_manifest
-from ..posterior import DiagonalGaussianPosterior
-from .modeling import (
-    VariationalModel,
-    check_finite_weights,
-    load_posterior,
-    load_temperature_scaling,
-    sampling_settings,
-)
+from .modeling import VariationalModel, predictive_model
 from .predictors import PredictiveModel
 
 __all__ = ["VariationalImageClassificationPipeline", "VariationalTextClassificationPipeline", "pipeline"]
@@ -52,20 +44,13 @@ class _VariationalMixin:
     (BMA over `num_samples` posterior draws, the trainer's draws for the same seed) or a `DeepEnsemble` of which it is
     member 0."""
 
-    def __init__(self, *args: Any, posterior: DiagonalGaussianPosterior | None = None, num_samples: int | None = None,
+    def __init__(self, *args: Any, num_samples: int | None = None,
                  seed: int | None = None, variational_model: PredictiveModel | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         # built by `transformers.pipeline(..., pipeline_class=...)`, which loaded the model
         if variational_model is None:
-            if os.path.isdir(self.model.name_or_path):
-                check_manifest(self.model.name_or_path)
-            check_finite_weights(self.model, self.model.name_or_path)
-            if posterior is None:
-                posterior = load_posterior(self.model, self.model.name_or_path)
-            num_samples, seed = sampling_settings(posterior, num_samples, seed)
-            variational_model = VariationalModel(
-                self.model, posterior, num_samples=num_samples, seed=seed,
-                temperature_scaling=load_temperature_scaling(self.model, self.model.name_or_path))
+            variational_model = predictive_model(self.model, self.model.name_or_path, num_samples=num_samples,
+                                                 seed=seed)
         # the pipeline has moved its model (member 0 of an ensemble) to its device: the other members follow
         self.variational_model = variational_model.to(self.model.device)
 

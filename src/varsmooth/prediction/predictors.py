@@ -1,8 +1,8 @@
 """What a trained classifier predicts, one `Predictor` per kind of prediction, chosen in one place (`make_predictor`).
 
 * `PosteriorPredictor`: Bayesian model averaging over draws of IVON's posterior scaled by the posterior temperature τ,
-  each draw with its own BatchNorm statistics when the posterior holds them (`posterior.draw_buffers`); at τ = 0 (or
-  with no draws) the prediction at the posterior mean.
+  each draw with its own BatchNorm statistics; at τ = 0 (or with no draws) the prediction at the posterior mean. It
+  owns what such a prediction is made of (σ, τ, the draws and their statistics) and saves and loads them together.
 * `MCDropoutPredictor`: the average over dropout masks (`varsmooth.prediction.mc_dropout`).
 * `EnsemblePredictor`: the average of a deep ensemble's members' predictions (`varsmooth.prediction.ensemble`).
 
@@ -17,6 +17,7 @@ other module asks which kind a prediction is. A fitted temperature scaling resca
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -26,11 +27,26 @@ import torch
 from ..outputs import LABEL_KEYS, VariationalClassifierOutput, entropy as entropy_of
 from ..posterior.gaussian import DiagonalGaussianPosterior
 from ..temperature_scaling import TemperatureScaling
+from .batchnorm import (
+    DrawBuffers,
+    batchnorm_layers,
+    draw_batchnorm_statistics,
+    draw_buffer_tensors,
+    draw_buffers_from_tensors,
+)
 from .bma import predictive_distribution, predicts_at_the_mean
 from .mc_dropout import mc_dropout_predictive
+from .temperature import TEMPERATURE_KEY, PosteriorTemperature
 
-__all__ = ["EnsemblePredictor", "MCDropoutPredictor", "PosteriorPredictor", "Predictor", "make_predictor",
-           "measuring_temperature"]
+__all__ = ["EnsemblePredictor", "MCDropoutPredictor", "PosteriorPredictor", "Predictor", "as_posterior_predictor",
+           "make_predictor", "measuring_temperature"]
+
+#: the posterior file's metadata entries that a saved prediction holds beside σ's own: its draws (number and seed)
+#: and what their buffers are (`PosteriorPredictor.save`)
+SAMPLES_KEY, SEED_KEY, DRAWS_KEY = "eval_mc_samples", "eval_seed", "draw_buffers"
+PREDICTION_KEYS = (TEMPERATURE_KEY, "posterior_temperature_selection", SAMPLES_KEY, SEED_KEY, DRAWS_KEY)
+#: the draws of a prediction when neither the caller nor the saved model names them
+DEFAULT_SAMPLES = 32
 
 
 def measuring_temperature(temperature: float) -> float:
@@ -70,35 +86,84 @@ class Predictor(ABC):
 
 
 class PosteriorPredictor(Predictor):
-    """BMA over `num_samples` draws of `posterior` (the antithetic draws of `seed`, `prediction.draw_seeds`), σ scaled
-    by the posterior's temperature τ; at τ = 0, with no draws or a point mass, the prediction at the posterior mean.
+    """BMA over `num_samples` draws of `posterior` (the antithetic draws of `seed`, `bma.draw_seeds`), σ scaled by the
+    posterior temperature τ; at τ = 0, with no draws or a point mass, the prediction at the posterior mean.
 
-    τ is the posterior's (`posterior.temperature`: chosen in training, saved and loaded with σ); this class is what
-    reads it for a prediction.
+    The one holder of what such a prediction is made of: σ (`posterior`), τ (`temperature`, with how it was set) and
+    `draw_buffers`, each draw's BatchNorm statistics (`varsmooth.prediction.batchnorm`; None: the model's own), which
+    belong to the draws of `draws_temperature`. It is built once τ is known (`with_draw_statistics` computes the
+    statistics) and never changes: another τ or other draws are another predictor (`drawing`). `save` writes all of
+    it beside σ; `load` reads it back.
     """
 
-    def __init__(self, posterior: DiagonalGaussianPosterior, num_samples: int, seed: int = 0) -> None:
+    def __init__(self, posterior: DiagonalGaussianPosterior, num_samples: int, seed: int = 0,
+                 temperature: PosteriorTemperature | None = None, draw_buffers: DrawBuffers | None = None) -> None:
         if num_samples < 0:
             raise ValueError(f"num_samples must be >= 0 (0 = predict at the posterior mean), got {num_samples}.")
+        if draw_buffers is not None and len(draw_buffers) < num_samples:
+            raise ValueError(f"{len(draw_buffers)} draws' buffers cannot serve a prediction of {num_samples} draws.")
         self.posterior, self.num_samples, self.seed = posterior, int(num_samples), int(seed)
+        self.posterior_temperature = PosteriorTemperature() if temperature is None else temperature
+        self.draw_buffers = draw_buffers
 
     @property
     def temperature(self) -> float:
         """τ: draws are θ = m + τ·σ⊙e (0: the posterior mean, 1: the learned posterior)."""
-        return self.posterior.temperature
+        return self.posterior_temperature.value
+
+    @property
+    def draws_temperature(self) -> float:
+        """The τ of the draws `draw_buffers` belong to: the prediction's own, or at τ = 0 (which draws nothing) those
+        that measure its uncertainty (`measuring_temperature`)."""
+        return measuring_temperature(self.temperature)
 
     @property
     def draws_nothing(self) -> bool:
         """Whether the prediction is the one at the posterior mean (τ = 0, no draws, or a point mass)."""
-        return predicts_at_the_mean(self.posterior, self.num_samples)
+        return predicts_at_the_mean(self.posterior, self.num_samples, self.temperature)
 
     @property
     def samples_averaged(self) -> int:
         """The draws each prediction averages (0 at the posterior mean)."""
         return 0 if self.draws_nothing else self.num_samples
 
+    def _buffers(self, temperature: float) -> DrawBuffers | None:
+        """The statistics of the draws at `temperature`, when they are the ones held."""
+        held = self.draw_buffers is not None and temperature == self.draws_temperature
+        return self.draw_buffers[:self.num_samples] if held else None
+
+    def lacks_draw_statistics(self, model: torch.nn.Module) -> bool:
+        """Whether `model`'s draws would normalise with the posterior mean's BatchNorm statistics rather than their
+        own: a BatchNorm network whose draws have none computed."""
+        return (self.draw_buffers is None and not self.posterior.is_point_mass and self.num_samples > 0
+                and bool(batchnorm_layers(model)))
+
+    def with_draw_statistics(self, model: torch.nn.Module, batches: Sequence[Mapping[str, Any]],
+                             progress: bool = False) -> PosteriorPredictor:
+        """This prediction with each draw's BatchNorm statistics computed from `batches` (training data, read once
+        per draw); itself when there is nothing to compute (`lacks_draw_statistics`). Every process must call it."""
+        if not self.lacks_draw_statistics(model):
+            return self
+        buffers = draw_batchnorm_statistics(model, self.posterior, lambda: iter(batches), self.num_samples, self.seed,
+                                            progress=progress, temperature=self.draws_temperature)
+        return PosteriorPredictor(self.posterior, self.num_samples, self.seed, self.posterior_temperature, buffers)
+
+    def drawing(self, num_samples: int | None = None, seed: int | None = None,
+                temperature: PosteriorTemperature | None = None) -> PosteriorPredictor:
+        """The prediction of the same posterior with other draws (by default this one's): `num_samples` draws of
+        `seed` at `temperature`. The draws' statistics carry over when they are those draws (the first S draws of a
+        seed are the same for every S)."""
+        num_samples = self.num_samples if num_samples is None else num_samples
+        seed = self.seed if seed is None else seed
+        temperature = self.posterior_temperature if temperature is None else temperature
+        same = (self.draw_buffers is not None and seed == self.seed and num_samples <= len(self.draw_buffers)
+                and measuring_temperature(temperature.value) == self.draws_temperature)
+        return PosteriorPredictor(self.posterior, num_samples, seed, temperature,
+                                  self.draw_buffers[:num_samples] if same else None)
+
     def predict(self, model: torch.nn.Module, inputs: Mapping[str, Any]) -> VariationalClassifierOutput:
-        return predictive_distribution(model, self.posterior, inputs, self.num_samples, self.seed)
+        return predictive_distribution(model, self.posterior, inputs, self.num_samples, self.seed,
+                                       self._buffers(self.temperature), self.temperature)
 
     def describe(self) -> dict[str, Any]:
         if self.draws_nothing:
@@ -110,8 +175,7 @@ class PosteriorPredictor(Predictor):
 
     @property
     def uncertainty_temperature(self) -> float | None:
-        return (None if self.posterior.is_point_mass or self.num_samples == 0
-                else measuring_temperature(self.temperature))
+        return None if self.posterior.is_point_mass or self.num_samples == 0 else self.draws_temperature
 
     def uncertainty(self, model: torch.nn.Module, inputs: Mapping[str, Any],
                     prediction: VariationalClassifierOutput | None = None) -> VariationalClassifierOutput:
@@ -119,9 +183,49 @@ class PosteriorPredictor(Predictor):
         included (`measuring_temperature`)."""
         measured_at = self.uncertainty_temperature
         if measured_at is not None and measured_at != self.temperature:
-            return predictive_distribution(model, self.posterior.at_temperature(measured_at), inputs, self.num_samples,
-                                           self.seed)
+            return predictive_distribution(model, self.posterior, inputs, self.num_samples, self.seed,
+                                           self._buffers(measured_at), measured_at)
         return super().uncertainty(model, inputs, prediction)
+
+    def gathered(self) -> PosteriorPredictor:
+        """This prediction with whole σ, for one process to `save` alone (`DiagonalGaussianPosterior.gathered`: under
+        FSDP2 every process must call it)."""
+        return PosteriorPredictor(self.posterior.gathered(), self.num_samples, self.seed, self.posterior_temperature,
+                                  self.draw_buffers)
+
+    def save(self, path: str | os.PathLike) -> str:
+        """Write σ with all the prediction is made of (τ and how it was set, the draws, their statistics) into
+        `path` (a folder: its `posterior.safetensors`), whole or not at all."""
+        metadata = {**self.posterior_temperature.metadata(), SAMPLES_KEY: self.num_samples, SEED_KEY: self.seed}
+        if self.draw_buffers is not None:
+            metadata[DRAWS_KEY] = {"seed": self.seed, "temperature": self.draws_temperature,
+                                   "num_draws": len(self.draw_buffers)}
+        return self.posterior.save(path, metadata,
+                                   None if self.draw_buffers is None else draw_buffer_tensors(self.draw_buffers))
+
+    @classmethod
+    def load(cls, model: torch.nn.Module, path: str | os.PathLike, num_samples: int | None = None,
+             seed: int | None = None, temperature: float | None = None) -> PosteriorPredictor:
+        """The prediction `save` wrote into `path` for `model` (whose weights must be the ones σ was saved with): its
+        draws, seed and τ unless `num_samples`, `seed` or `temperature` are given (a τ given is fixed), its draws'
+        statistics when they are the draws asked for. See `DiagonalGaussianPosterior.read` for what is refused."""
+        posterior, extra = DiagonalGaussianPosterior.read(model, path)
+        saved = {key: posterior.metadata.pop(key) for key in PREDICTION_KEYS if key in posterior.metadata}
+        description = saved.get(DRAWS_KEY)
+        if bool(extra) != (description is not None) or (description is not None and (
+                not isinstance(description, dict) or not description.get("num_draws"))):
+            raise ValueError(f"{path} holds posterior draws' buffers without their description, or the reverse: the "
+                             "file was edited. Save the model again (trainer.save_model()).")
+        saved_prediction = cls(posterior, int(saved.get(SAMPLES_KEY, DEFAULT_SAMPLES)), int(saved.get(SEED_KEY, 0)),
+                               PosteriorTemperature.from_metadata(saved))
+        if description is not None:
+            buffers = draw_buffers_from_tensors(extra, int(description["num_draws"]), model, os.fspath(path))
+            if (int(description["seed"]), float(description["temperature"])) == (saved_prediction.seed,
+                                                                                 saved_prediction.draws_temperature):
+                saved_prediction.draw_buffers = buffers
+        return saved_prediction.drawing(num_samples, seed,
+                                        None if temperature is None else
+                                        PosteriorTemperature.from_argument(temperature))
 
 
 class MCDropoutPredictor(Predictor):
@@ -189,18 +293,28 @@ class _SelfCalibrated(Predictor):
         return self.inner.describe()
 
 
-def make_predictor(network: torch.nn.Module, posterior: DiagonalGaussianPosterior, num_samples: int, seed: int = 0,
-                   mc_dropout_samples: int = 0) -> Predictor:
+def as_posterior_predictor(posterior: DiagonalGaussianPosterior | PosteriorPredictor, num_samples: int | None = None,
+                           seed: int | None = None, temperature: float | None = None) -> PosteriorPredictor:
+    """`posterior` as a prediction: a `PosteriorPredictor` with the draws and τ given replacing its own, or σ alone
+    predicted with them (by default `DEFAULT_SAMPLES` draws of seed 0 at τ = 1)."""
+    fixed = None if temperature is None else PosteriorTemperature.from_argument(temperature)
+    if isinstance(posterior, PosteriorPredictor):
+        return posterior.drawing(num_samples, seed, fixed)
+    return PosteriorPredictor(posterior, DEFAULT_SAMPLES if num_samples is None else num_samples,
+                              0 if seed is None else seed, PosteriorTemperature() if fixed is None else fixed)
+
+
+def make_predictor(network: torch.nn.Module, bma: PosteriorPredictor, mc_dropout_samples: int = 0) -> Predictor:
     """The prediction `network` makes: its own when it is an ensemble (a module whose `predictor` pools members,
-    calibrated by its own temperature if it has one), MC dropout with `mc_dropout_samples > 0`, else BMA over
-    `num_samples` draws of `posterior` (a point mass: at the weights)."""
+    calibrated by its own temperature if it has one), MC dropout with `mc_dropout_samples > 0` (the masks of `bma`'s
+    seed), else `bma` (over a point mass: at the weights)."""
     own = getattr(network, "predictor", None)
     if isinstance(own, EnsemblePredictor):
         scaling = getattr(network, "temperature_scaling", None)
         return own if scaling is None else _SelfCalibrated(own, scaling)
     if mc_dropout_samples > 0:
-        return MCDropoutPredictor(mc_dropout_samples, seed)
-    return PosteriorPredictor(posterior, num_samples, seed)
+        return MCDropoutPredictor(mc_dropout_samples, bma.seed)
+    return bma
 
 
 class PredictiveModel(torch.nn.Module):

@@ -36,11 +36,11 @@ import torch
 from tqdm.auto import tqdm
 
 from ..outputs import IGNORE_INDEX, LABEL_KEYS, model_logits
-from ..posterior.gaussian import TEMPERATURE_KEY, DiagonalGaussianPosterior, check_temperature
+from ..posterior.gaussian import DiagonalGaussianPosterior
 from .bma import average_predictions, sampled_probs
 
-__all__ = ["SELECTION_SAMPLES", "TEMPERATURE_EXTENSION", "TEMPERATURE_GRID", "PosteriorTemperature",
-           "check_transition_matrix",
+__all__ = ["SELECTION_SAMPLES", "TEMPERATURE_EXTENSION", "TEMPERATURE_GRID", "TEMPERATURE_KEY", "PosteriorTemperature",
+           "check_temperature", "check_transition_matrix",
            "choose_temperature", "paired_standard_errors", "search_temperatures", "select_temperature",
            "temperature_logs", "temperature_losses", "temperature_nll", "tied_temperatures"]
 
@@ -55,18 +55,29 @@ TEMPERATURE_GRID = (0.0, 0.1, 0.25, 0.5, 1.0, 1.5)
 #: tried one by one while the largest τ tried so far has the lowest NLL (1.5 won 3 of 3 IVON runs on a real noisy text
 #: set): a wider posterior than the learned one is then better calibrated; the search stops at the last
 TEMPERATURE_EXTENSION = (2.0, 3.0, 4.0, 6.0, 8.0)
+#: metadata key of τ in the posterior file (a saved prediction's, `PosteriorPredictor.save`; absent means 1)
+TEMPERATURE_KEY = "posterior_temperature"
 #: metadata key of how τ was chosen (the report of `select_temperature`), saved with the posterior
 SELECTION_KEY = "posterior_temperature_selection"
 
 
+def check_temperature(value: Any) -> None:
+    """Refuses a posterior temperature τ that is not a finite number >= 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(
+            f"The posterior temperature must be a finite number >= 0 (0 = the posterior mean, 1 = the learned "
+            f"posterior), got {value!r}."
+        )
+
+
 @dataclass(frozen=True)
 class PosteriorTemperature:
-    """The τ a run predicts with and where it came from: the one place the trainer holds τ.
+    """The τ a prediction is made at and where it came from; a `PosteriorPredictor` holds it, the one place τ is.
 
     `value`: σ is scaled by it when predicting (0: the posterior mean, 1: the learned posterior). `fixed`: set by the
     user (`posterior_temperature`) rather than chosen. `selection`: when chosen on validation, `select_temperature`'s
-    report (the NLL at each τ tried), else None. The posterior saved with the model carries it (`metadata()`), and the
-    model card tells it from the run's record.
+    report (the NLL at each τ tried), else None. Saved with σ (`metadata()`, `from_metadata`), and the model card tells
+    it from the run's record.
     """
 
     value: float = 1.0
@@ -86,6 +97,11 @@ class PosteriorTemperature:
     def chosen(cls, report: Mapping[str, Any]) -> PosteriorTemperature:
         """The τ `select_temperature` chose, with its `report`."""
         return cls(float(report["temperature"]), selection=report)
+
+    @classmethod
+    def from_metadata(cls, metadata: Mapping[str, Any]) -> PosteriorTemperature:
+        """What `metadata()` saved (τ = 1 when a file records none)."""
+        return cls(float(metadata.get(TEMPERATURE_KEY, 1.0)), selection=metadata.get(SELECTION_KEY))
 
     def metadata(self) -> dict[str, Any]:
         """The posterior's metadata entries for τ: its value, and how it was chosen if it was."""
@@ -129,7 +145,7 @@ def temperature_losses(
     seed: int = 0,
     gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
     transition: Any = None,
-    draw_buffers: Callable[[DiagonalGaussianPosterior], Sequence[Mapping[str, torch.Tensor]] | None] | None = None,
+    draw_buffers: Callable[[float], Sequence[Mapping[str, torch.Tensor]] | None] | None = None,
     progress: bool = False,
 ) -> dict[float, torch.Tensor]:
     """The NLL −log P̂_τ(y|x) of the BMA prediction at each temperature, per labelled example (float64, CPU), over
@@ -138,50 +154,45 @@ def temperature_losses(
     One BMA evaluation per τ with the draws e of `seed` (those of `predictive_distribution`), so τ = 1 scores the
     prediction of `evaluate()` and τ = 0 that of the posterior mean. `gather` collects the per-example NLLs of all
     processes (e.g. `accelerator.gather_for_metrics`). With `transition` (T, the noise of the labels, see
-    `check_transition_matrix`) the forward-corrected NLL −log (Tᵀ P̂_τ)[y]. `draw_buffers(posterior at τ)`: the buffers
-    each draw at τ predicts with (its own BatchNorm statistics,
-    `varsmooth.prediction.batchnorm.prediction_draw_buffers`), as the prediction at the chosen τ will. `progress` shows
-    a progress bar over the batches. The posterior's own temperature is left as it was.
+    `check_transition_matrix`) the forward-corrected NLL −log (Tᵀ P̂_τ)[y]. `draw_buffers(τ)`: the buffers
+    each draw at τ predicts with (its own BatchNorm statistics, `varsmooth.prediction.batchnorm`), as the prediction
+    at the chosen τ will. `progress` shows a progress bar over the batches.
     """
     log_transition = None  # log T, checked against the model's classes and moved to its device at the first batch
+    for t in temperatures:
+        check_temperature(t)
     temperatures = [float(t) for t in temperatures]
     if not temperatures:
         raise ValueError("temperature_nll needs at least one temperature.")
-    original = posterior.temperature
-    buffers = {t: draw_buffers(posterior.at_temperature(t)) if draw_buffers is not None and t > 0 else None
-               for t in temperatures}
+    buffers = {t: draw_buffers(t) if draw_buffers is not None and t > 0 else None for t in temperatures}
     chunks = []
-    try:
-        for batch in tqdm(batches, desc=f"Validation NLL at τ = {', '.join(f'{t:g}' for t in temperatures)}",
-                          disable=not progress, leave=False):
-            labels = next((batch[k] for k in LABEL_KEYS if k in batch), None)
-            if labels is None:
-                raise ValueError(
-                    f"A validation batch has no labels (keys: {sorted(batch)}): the temperature is chosen by the NLL "
-                    "of the given labels, so the eval dataset needs a 'label' or 'labels' column."
-                )
-            labels = torch.as_tensor(labels).long()
-            keep = labels != IGNORE_INDEX  # unlabelled rows, as evaluate() and the loss ignore them
-            if not keep.any():
-                continue
-            labels = labels[keep]
-            columns = []
-            mean_logits = model_logits(model, batch)  # one pass at the mean serves every τ
-            for t in temperatures:
-                posterior.temperature = t  # validates t
-                out = average_predictions(mean_logits,
-                                          sampled_probs(model, posterior, batch, num_samples, seed, buffers[t]))
-                log_probs = out.logits[keep.to(out.logits.device)]
-                if transition is not None:  # log Σ_i p_i T[i, j], the predicted distribution of the noisy label
-                    if log_transition is None:
-                        log_transition = check_transition_matrix(transition,
-                                                                 log_probs.shape[-1]).log().to(log_probs.device)
-                    log_probs = torch.logsumexp(log_probs.double()[:, :, None] + log_transition, dim=1)
-                columns.append(-log_probs.gather(-1, labels.to(log_probs.device)[:, None]).squeeze(-1))
-            nll = torch.stack(columns, -1)
-            chunks.append((gather(nll) if gather is not None else nll).double().cpu())
-    finally:
-        posterior.temperature = original
+    for batch in tqdm(batches, desc=f"Validation NLL at τ = {', '.join(f'{t:g}' for t in temperatures)}",
+                      disable=not progress, leave=False):
+        labels = next((batch[k] for k in LABEL_KEYS if k in batch), None)
+        if labels is None:
+            raise ValueError(
+                f"A validation batch has no labels (keys: {sorted(batch)}): the temperature is chosen by the NLL "
+                "of the given labels, so the eval dataset needs a 'label' or 'labels' column."
+            )
+        labels = torch.as_tensor(labels).long()
+        keep = labels != IGNORE_INDEX  # unlabelled rows, as evaluate() and the loss ignore them
+        if not keep.any():
+            continue
+        labels = labels[keep]
+        columns = []
+        mean_logits = model_logits(model, batch)  # one pass at the mean serves every τ
+        for t in temperatures:
+            out = average_predictions(mean_logits,
+                                      sampled_probs(model, posterior, batch, num_samples, seed, buffers[t], t))
+            log_probs = out.logits[keep.to(out.logits.device)]
+            if transition is not None:  # log Σ_i p_i T[i, j], the predicted distribution of the noisy label
+                if log_transition is None:
+                    log_transition = check_transition_matrix(transition,
+                                                             log_probs.shape[-1]).log().to(log_probs.device)
+                log_probs = torch.logsumexp(log_probs.double()[:, :, None] + log_transition, dim=1)
+            columns.append(-log_probs.gather(-1, labels.to(log_probs.device)[:, None]).squeeze(-1))
+        nll = torch.stack(columns, -1)
+        chunks.append((gather(nll) if gather is not None else nll).double().cpu())
     if not chunks:
         raise ValueError(f"temperature_nll got no labelled examples: the validation set is empty or every label is "
                          f"{IGNORE_INDEX}.")
@@ -254,7 +265,7 @@ def select_temperature(
     seed: int = 0,
     gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
     transition: Any = None,
-    draw_buffers: Callable[[DiagonalGaussianPosterior], Sequence[Mapping[str, torch.Tensor]] | None] | None = None,
+    draw_buffers: Callable[[float], Sequence[Mapping[str, torch.Tensor]] | None] | None = None,
     progress: bool = False,
 ) -> dict[str, Any]:
     """Choose τ for `posterior` by the NLL of `model`'s predictions on the labelled validation batches that `batches()`

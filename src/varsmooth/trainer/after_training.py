@@ -3,8 +3,8 @@
 1. `recompute_batchnorm_statistics`, with `recompute_batchnorm_statistics`: BatchNorm's running statistics at the
    posterior mean (`varsmooth.prediction.batchnorm`);
 2. `select_posterior_temperature`: τ by validation NLL (`varsmooth.prediction.temperature`), unless it is fixed;
-3. `prepare_prediction_draws`: each draw predictions make gets BatchNorm statistics of its own
-   (`varsmooth.posterior.draw_buffers`);
+3. `prepare_predictor`: the prediction every evaluation, prediction and save uses from then on, built once at that τ,
+   each of its draws with BatchNorm statistics of its own (`varsmooth.prediction.PosteriorPredictor`);
 4. `fit_temperature_scaling`, with `temperature_scaling=True` (`varsmooth.temperature_scaling`);
 5. the method's own step (`TrainingMethod.after_training`: IVON warns when its Hessian hardly moved).
 
@@ -27,16 +27,14 @@ import torch
 from transformers import TrainerCallback, TrainerState
 
 from ..methods import EXAMPLE_INDEX_KEY
-from ..posterior import DiagonalGaussianPosterior
 from ..prediction.batchnorm import (
     RECOMPUTED_LOG_KEY,
     batchnorm_layers,
     draw_batchnorm_statistics,
     head_batches,
-    prediction_draw_buffers,
     recompute_batchnorm_statistics,
 )
-from ..prediction.predictors import measuring_temperature
+from ..prediction.predictors import PosteriorPredictor
 from ..prediction.temperature import SELECTION_SAMPLES, PosteriorTemperature, select_temperature, temperature_logs
 from ..temperature_scaling import TemperatureScaling, fit_on_batches
 from ..utils import length_order
@@ -62,12 +60,12 @@ class AfterTraining(TrainerCallback):
 
 class AfterTrainingMixin:
     """The steps after training of `VariationalTrainer` (this module's docstring), on the trainer's own state: its
-    model, posterior (`posterior()`), τ (`posterior_temperature`), data and arguments."""
+    model, posterior (`posterior()`), prediction (`posterior_predictor()`), data and arguments."""
 
     def before_training(self) -> None:
         """A new `train()` starts from the learned posterior (or the fixed τ), without the previous run's temperature
         scaling; `temperature_scaling=True` needs an eval dataset, checked now rather than after training."""
-        self._reset_posterior_temperature()
+        self._predictor = None  # while training, each evaluation predicts with the posterior of its moment
         self.temperature_scaling = None
         if self.args.temperature_scaling and self.eval_dataset is None:
             raise ValueError("temperature_scaling=True fits the temperature on the eval dataset, and the trainer has "
@@ -78,15 +76,17 @@ class AfterTrainingMixin:
         self._training_ended = True  # from here on, a failure must not lose the trained run
         if self.args.recompute_batchnorm_statistics:
             self.recompute_batchnorm_statistics()
-        if self.args.posterior_temperature is None and self.args.load_best_model_at_end and state.best_model_checkpoint:
+        keeps_best = self.args.load_best_model_at_end and state.best_model_checkpoint
+        if self.args.posterior_temperature is None and keeps_best:
             # best_metric was measured at the τ of the evaluations during training: choosing another τ now would
             # make the loaded best model predict other than what made it the best
             logger.info("load_best_model_at_end: keeping τ = 1, at which %s scored best_metric %s; to choose τ on the "
                         "validation NLL, call trainer.select_posterior_temperature() (the metrics then differ from "
                         "best_metric).", state.best_model_checkpoint, state.best_metric)
-        elif self.args.posterior_temperature is None:
-            self.select_posterior_temperature()
-        self.prepare_prediction_draws()
+        chooses = self.args.posterior_temperature is None and not keeps_best
+        # choosing τ prepares the prediction at it; without a choice, the prediction at the τ of the arguments
+        if not chooses or self.select_posterior_temperature() is None:
+            self.prepare_predictor()
         if self.args.temperature_scaling:
             self.fit_temperature_scaling()
         self.method.after_training(self.optimizer)
@@ -127,50 +127,40 @@ class AfterTrainingMixin:
                         "posterior_temperature.")
             return None
         model, samples = self.accelerator.unwrap_model(self.model), min(self.args.eval_mc_samples, SELECTION_SAMPLES)
-        batches = self._batchnorm_batches(model)
+        posterior, batches = self.posterior(), self._batchnorm_batches(model)
         draw_buffers = None if batches is None else (
-            lambda posterior: draw_batchnorm_statistics(model, posterior, lambda: iter(batches), samples,
-                                                        self.args.eval_seed, progress=self.shows_progress()))
-        report = select_temperature(self.model, self.posterior(), lambda: self.validation_batches(eval_dataset),
+            lambda tau: draw_batchnorm_statistics(model, posterior, lambda: iter(batches), samples, self.args.eval_seed,
+                                                  progress=self.shows_progress(), temperature=tau))
+        report = select_temperature(self.model, posterior, lambda: self.validation_batches(eval_dataset),
                                     samples, self.args.eval_seed, gather=self.accelerator.gather_for_metrics,
                                     transition=self.eval_noise_transition, draw_buffers=draw_buffers,
                                     progress=self.shows_progress())
-        self.posterior_temperature = PosteriorTemperature.chosen(report)
         self.log(temperature_logs(report))
+        self.prepare_predictor(PosteriorTemperature.chosen(report))
         return report
 
-    def _reset_posterior_temperature(self) -> None:
-        """A new train() starts again from the learned posterior (or the fixed τ)."""
-        self.posterior_temperature = PosteriorTemperature.from_argument(self.args.posterior_temperature)
-        self._draw_buffers = None
-
-    def prepare_prediction_draws(self, posterior: DiagonalGaussianPosterior | None = None) -> DiagonalGaussianPosterior:
-        """Give each draw that predictions make (`eval_mc_samples` draws of `eval_seed` at τ; at τ = 0, which draws
-        nothing, those of the learned posterior, τ = 1, which the label-noise export and a pipeline's mutual
-        information use) BatchNorm statistics of its own, computed from training data and saved with the posterior
-        (`varsmooth.posterior.draw_buffers`); done by `train()` once τ is known, and again by `posterior()` when τ or
-        the draws change after that. Returns the posterior (default `posterior()`) holding them; none are needed
-        without BatchNorm, training data, a learned posterior or draws. Every process must call it."""
-        self._draw_buffers = None
-        posterior = self.posterior() if posterior is None else posterior
+    def prepare_predictor(self, temperature: PosteriorTemperature | float | None = None) -> PosteriorPredictor:
+        """Build the prediction every evaluation, prediction, save and label-noise export uses from now on: the
+        current posterior at `temperature` (a number is fixed; default: the τ of the current prediction), with
+        `eval_mc_samples` draws of `eval_seed`, each with BatchNorm statistics of its own computed from training data
+        (at τ = 0, which draws nothing, those of the learned posterior's draws, which the label-noise export and a
+        pipeline's mutual information use). Done by `train()` once τ is known; the one way to change τ after it.
+        Every process must call it."""
+        if temperature is None:
+            temperature = self.posterior_predictor().posterior_temperature
+        elif not isinstance(temperature, PosteriorTemperature):
+            temperature = PosteriorTemperature.from_argument(temperature)
+        # the statistics already computed carry over when they are those of the same draws of the same posterior
+        predictor = self.posterior_predictor().drawing(self.args.eval_mc_samples, self.args.eval_seed, temperature)
         model = self.accelerator.unwrap_model(self.model)
         batches = self._batchnorm_batches(model) if self.ivon is not None else None
-        if batches is not None:
+        if batches is not None and predictor.lacks_draw_statistics(model):
             start = time.perf_counter()
-            self._draw_buffers = prediction_draw_buffers(
-                model, posterior.at_temperature(self._draws_temperature()), batches, self.args.eval_mc_samples,
-                self.args.eval_seed, progress=self.shows_progress())
-            if self._draw_buffers is not None:
-                logger.info("BatchNorm statistics of each of the %d posterior draws at τ = %g computed in %.1f s.",
-                            len(self._draw_buffers.buffers), self._draw_buffers.temperature,
-                            time.perf_counter() - start)
-        posterior.draw_buffers = self._draw_buffers
-        return posterior
-
-    def _draws_temperature(self) -> float:
-        """The τ of the draws whose statistics are prepared: those that measure the prediction's uncertainty (the
-        prediction's own, or at τ = 0 the learned posterior's, which the label-noise export samples too)."""
-        return measuring_temperature(self.posterior_temperature.value)
+            predictor = predictor.with_draw_statistics(model, batches, progress=self.shows_progress())
+            logger.info("BatchNorm statistics of each of the %d posterior draws at τ = %g computed in %.1f s.",
+                        predictor.num_samples, predictor.draws_temperature, time.perf_counter() - start)
+        self._predictor = predictor
+        return predictor
 
     def _batchnorm_batches(self, model: torch.nn.Module) -> list[dict[str, Any]] | None:
         """The prepared training batches each posterior draw's BatchNorm statistics are computed from (the first

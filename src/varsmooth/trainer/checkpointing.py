@@ -18,8 +18,8 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..adapters import is_peft_model, save_classifier_config
 from ..files import METHOD_STATE_FILE, STAGING_PREFIX, FolderSave, atomic_path, check_manifest, clear_leftovers
-from ..posterior import DiagonalGaussianPosterior
 from ..posterior.gaussian import non_finite_tensors
+from ..prediction.predictors import PosteriorPredictor
 from .checkpoint_files import (
     has_optimizer_state,
     publish_checkpoint,
@@ -33,7 +33,7 @@ __all__ = ["CheckpointingMixin"]
 logger = logging.getLogger(__name__)
 
 class CheckpointingMixin:
-    """For `VariationalTrainer` (a `transformers.Trainer` with `_learned_posterior()`, a training `method`, an optional
+    """For `VariationalTrainer` (a `transformers.Trainer` with `_saved_prediction()`, a training `method`, an optional
     `temperature_scaling` and `train_noise_report()`). Private `Trainer` hooks it overrides, and what would not work
     without each:
 
@@ -53,7 +53,7 @@ class CheckpointingMixin:
     def _init_checkpointing(self) -> None:
         self._run_files: dict[str, set[str]] = {}  # folder -> files this trainer wrote there outside `_save`
         self._staging_dir: str | None = None
-        self._gathered_posterior: DiagonalGaussianPosterior | None = None  # σ gathered by save_model under FSDP
+        self._gathered_prediction: PosteriorPredictor | None = None  # σ gathered by save_model under FSDP
         self._training_ended = False  # set by `after_training`: a failure after it must not lose the run
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
@@ -82,12 +82,12 @@ class CheckpointingMixin:
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         # under FSDP σ and the weights are sharded: every process gathers them here, since the stock save_model
         # may leave the writing (`_save`) to the main process alone
-        learned = self._learned_posterior() if self.is_fsdp_enabled else None
-        self._gathered_posterior = learned.gathered() if learned is not None else None
+        saved = self._saved_prediction() if self.is_fsdp_enabled else None
+        self._gathered_prediction = saved.gathered() if saved is not None else None
         try:
             super().save_model(output_dir, _internal_call)
         finally:
-            self._gathered_posterior = None
+            self._gathered_prediction = None
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         output_dir = output_dir if output_dir is not None else self.args.output_dir
@@ -109,9 +109,9 @@ class CheckpointingMixin:
             network = self.accelerator.unwrap_model(self.model)
             if is_peft_model(network):
                 save_classifier_config(network, folder.path)
-            posterior = self._gathered_posterior or self._learned_posterior()
-            if posterior is not None:
-                posterior.save(folder.path)
+            prediction = self._gathered_prediction or self._saved_prediction()
+            if prediction is not None:
+                prediction.save(folder.path)
             if self.temperature_scaling is not None:
                 self.temperature_scaling.save(folder.path, network)
             report = self.train_noise_report()

@@ -1,11 +1,12 @@
 """`VariationalTrainer`: `transformers.Trainer` that trains with a registered method (IVON by default) and predicts by
 Bayesian model averaging over the posterior IVON learns.
 
-The trainer holds one value for the layers below it, the posterior (`posterior()`, with its temperature τ), and hands
-values down, never itself: a method gets its config and a `MethodContext` (`varsmooth.methods`; IVON's Monte-Carlo
-step is `IVONMethod.training_step`), callbacks get handles, τ and the temperature scaling are chosen by functions of
-(model, posterior, batches), and what `evaluate()`/`predict()` predict with is a `Predictor` chosen from (model,
-posterior, arguments) by `varsmooth.prediction.predictors.make_predictor`. Its other jobs live beside it in this
+The trainer holds one value for the layers below it, the prediction it makes (`posterior_predictor()`: the posterior,
+its temperature τ and its draws, built once when training ends), and hands values down, never itself: a method gets its
+config and a `MethodContext` (`varsmooth.methods`; IVON's Monte-Carlo step is `IVONMethod.training_step`), callbacks
+get handles, τ and the temperature scaling are chosen by functions of (model, posterior, batches), and what
+`evaluate()`/`predict()` predict with is a `Predictor` chosen from (model, that prediction, arguments) by
+`varsmooth.prediction.predictors.make_predictor`. Its other jobs live beside it in this
 package: the checks of its inputs (`checks`), the steps after training, in one ordered sequence (`after_training`),
 saves and resumes (`checkpointing`, `checkpoint_files`), the guard against non-finite steps (`finite`), FSDP2 (`fsdp`),
 the model card and Hub pushes (`hub`) and hyperparameter search (`hp_search`); the metrics of `evaluate()`
@@ -39,10 +40,9 @@ from ..metrics.evaluation_metrics import EvaluationMetrics
 from ..model_parts import model_num_labels
 from ..outputs import VariationalClassifierOutput
 from ..posterior import POSTERIOR_FILE, DiagonalGaussianPosterior, VariationalIVON, hessian_summary, unwrap_ivon
-from ..posterior.draw_buffers import DrawBuffers
 from ..posterior.gaussian import non_finite_tensors
-from ..prediction.predictors import Predictor, make_predictor
-from ..prediction.temperature import check_transition_matrix
+from ..prediction.predictors import PosteriorPredictor, Predictor, make_predictor
+from ..prediction.temperature import PosteriorTemperature, check_transition_matrix
 from ..temperature_scaling import TemperatureScaling
 from ..training_health import StalledLossCallback
 from .after_training import AfterTraining, AfterTrainingMixin
@@ -134,10 +134,12 @@ class VariationalTrainer(AfterTrainingMixin, CheckpointingMixin, VariationalHubM
         check_method_inputs(self.method, self.compute_loss_func, posterior, self.optimizer)
         if self.optimizer is not None:  # passed in `optimizers`
             self.method.use_optimizer(self.optimizer, list(self.model.named_parameters()), new=True)
-        self._saved_posterior = posterior if posterior is not None else self._posterior_beside_model()
-        self._draw_buffers: DrawBuffers | None = None  # each prediction draw's BatchNorm statistics, set after training
-        # τ of every prediction; chosen on the eval dataset when training ends, before other train-end callbacks
-        self._reset_posterior_temperature()
+        # the prediction of every evaluation once τ is known: built when training ends (`prepare_predictor`), or
+        # the one saved beside the model (or given as `posterior=`) until this trainer trains
+        self._predictor: PosteriorPredictor | None = (
+            self._predictor_beside_model() if posterior is None
+            else PosteriorPredictor(posterior, self.args.eval_mc_samples, self.args.eval_seed,
+                                    PosteriorTemperature.from_argument(self.args.posterior_temperature)))
         #: T[i, j] = P(observed j | true i) of the eval dataset's labels, when known (e.g. the noise the example
         #: injected): τ is then chosen by the forward-corrected validation NLL (`varsmooth.prediction.temperature`)
         self.eval_noise_transition = (None if eval_noise_transition is None
@@ -190,8 +192,8 @@ class VariationalTrainer(AfterTrainingMixin, CheckpointingMixin, VariationalHubM
                              scale_ess=lambda factor: self.method.scale_ess(self.optimizer, factor))
         if isinstance(callback, LabelNoiseCallback):
             check_labels("the dataset of LabelNoiseCallback", callback.dataset, model_num_labels(self.model))
-            callback.connect(measure=self.label_noise, posterior=self.posterior, record_output=self.record_output,
-                             train_dataset=lambda: self.train_dataset)
+            callback.connect(measure=self.label_noise, predictor=self.posterior_predictor,
+                             record_output=self.record_output, train_dataset=lambda: self.train_dataset)
 
     # -- optimizer ---------------------------------------------------------------------------------
     @property
@@ -218,50 +220,62 @@ class VariationalTrainer(AfterTrainingMixin, CheckpointingMixin, VariationalHubM
         return self.optimizer
 
     def posterior(self) -> DiagonalGaussianPosterior:
-        """The current q = N(m, diag σ²): IVON's once it trains; before that the posterior passed as `posterior=` or
-        saved beside the model (`posterior.safetensors` in its `name_or_path` folder); else a point mass."""
-        posterior = self._learned_posterior()
-        if posterior is not None:
-            return posterior
-        return (self._saved_posterior if self._saved_posterior is not None
+        """The current q = N(m, diag σ²): IVON's once it trains; before that the one of the prediction passed as
+        `posterior=` or saved beside the model (`posterior.safetensors` in its `name_or_path` folder); else a point
+        mass."""
+        learned = self._learned_posterior()
+        if learned is not None:
+            return learned
+        return (self._predictor.posterior if self._predictor is not None
                 else DiagonalGaussianPosterior.point_mass(self.accelerator.unwrap_model(self.model)))
 
     def _learned_posterior(self) -> DiagonalGaussianPosterior | None:
-        """The posterior the method has learned in this trainer's optimizer (`TrainingMethod.posterior`), with its
-        draws' BatchNorm statistics; None: none learned."""
-        meta = {"eval_mc_samples": self.args.eval_mc_samples, "eval_seed": self.args.eval_seed,
-                **self.posterior_temperature.metadata()}
-        posterior = self.method.posterior(self.accelerator.unwrap_model(self.model), self.optimizer, meta)
-        if posterior is None:
-            return None
-        if self._draw_buffers is not None and self._draw_buffers.for_draws(
-                self.args.eval_seed, self.args.eval_mc_samples, self._draws_temperature()) is None:
-            return self.prepare_prediction_draws(posterior)  # τ (or the draws) changed since they were prepared
-        posterior.draw_buffers = self._draw_buffers
-        return posterior
+        """The posterior the method has learned in this trainer's optimizer (`TrainingMethod.posterior`); None: none
+        learned."""
+        return self.method.posterior(self.accelerator.unwrap_model(self.model), self.optimizer, {})
 
-    def _posterior_beside_model(self) -> DiagonalGaussianPosterior | None:
-        """The posterior an IVON run saved next to the weights this trainer's model was loaded from, if any."""
+    def posterior_predictor(self) -> PosteriorPredictor:
+        """What Bayesian model averaging predicts with: the prediction built when training ended (`prepare_predictor`:
+        τ chosen, each draw's BatchNorm statistics) or loaded with the model; while training, the posterior of this
+        moment at the τ of the arguments (1 unless `posterior_temperature` fixes it), its draws normalising with the
+        model's statistics."""
+        if self._predictor is not None:
+            return self._predictor
+        return PosteriorPredictor(self.posterior(), self.args.eval_mc_samples, self.args.eval_seed,
+                                  PosteriorTemperature.from_argument(self.args.posterior_temperature))
+
+    @property
+    def posterior_temperature(self) -> PosteriorTemperature:
+        """τ of the predictions (`posterior_predictor()`'s) and how it was set; `prepare_predictor(τ)` changes it."""
+        return self.posterior_predictor().posterior_temperature
+
+    def _saved_prediction(self) -> PosteriorPredictor | None:
+        """What a save writes beside the weights: the prediction (σ, τ, the draws and their statistics) when the method
+        learned a posterior; None otherwise."""
+        return self.posterior_predictor() if self._learned_posterior() is not None else None
+
+    def _predictor_beside_model(self) -> PosteriorPredictor | None:
+        """The prediction an IVON run saved next to the weights this trainer's model was loaded from, if any, with
+        this trainer's draws (`eval_mc_samples`, `eval_seed`) and, when `posterior_temperature` is set, its τ."""
         folder = getattr(self.model, "name_or_path", None) or ""
         if not self.method.learns_posterior or not os.path.isfile(os.path.join(folder, POSTERIOR_FILE)):
             return None
         try:
-            posterior = DiagonalGaussianPosterior.load(self.model, folder)
+            predictor = PosteriorPredictor.load(self.model, folder, self.args.eval_mc_samples, self.args.eval_seed,
+                                                self.args.posterior_temperature)
         except ValueError as error:  # e.g. a new classification head: the saved σ belongs to another network
             logger.warning("Not using %s from %s: %s", POSTERIOR_FILE, folder, error)
             return None
         logger.info("Loaded the posterior saved with the model (%s): evaluation before training predicts by BMA with "
                     "it.", os.path.join(folder, POSTERIOR_FILE))
-        return posterior
+        return predictor
 
-    def predictor(self, posterior: DiagonalGaussianPosterior | None = None) -> Predictor:
+    def predictor(self) -> Predictor:
         """What `evaluate()`/`predict()` predict with (`varsmooth.prediction.predictors.make_predictor`): a
-        `DeepEnsemble` model's pooled prediction, MC dropout (`args.mc_dropout_samples`), or BMA over
-        `args.eval_mc_samples` draws of `posterior` (default: `self.posterior()`; a point mass predicts at the
-        weights)."""
-        return make_predictor(self.accelerator.unwrap_model(self.model),
-                              self.posterior() if posterior is None else posterior,
-                              self.args.eval_mc_samples, self.args.eval_seed, self.args.mc_dropout_samples)
+        `DeepEnsemble` model's pooled prediction, MC dropout (`args.mc_dropout_samples`), or BMA
+        (`posterior_predictor()`; over a point mass, at the weights)."""
+        return make_predictor(self.accelerator.unwrap_model(self.model), self.posterior_predictor(),
+                              self.args.mc_dropout_samples)
 
     def predictive(self, model: torch.nn.Module, inputs: dict[str, Any], predictor: Predictor | None = None,
                    calibrated: bool = True) -> VariationalClassifierOutput:
@@ -392,11 +406,12 @@ class VariationalTrainer(AfterTrainingMixin, CheckpointingMixin, VariationalHubM
         return loss, (out.logits, out.mean_logits), labels
 
     def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
-        # the posterior is built once per evaluation, from the IVON state of this moment
-        posterior = self.posterior()
-        self._eval_predictor = predictor = self.predictor(posterior)
+        # one prediction for the whole evaluation (while training, of the posterior of this moment)
+        posterior_predictor = self.posterior_predictor()
+        self._eval_predictor = predictor = make_predictor(self.accelerator.unwrap_model(self.model),
+                                                          posterior_predictor, self.args.mc_dropout_samples)
         learns, bma = self.method.learns_posterior, self.args.eval_mc_samples > 0
-        at_mean_only = learns and bma and posterior.is_point_mass
+        at_mean_only = learns and bma and posterior_predictor.posterior.is_point_mass
         if at_mean_only:
             logger.warning(
                 "eval_mc_samples=%d asks for Bayesian model averaging, but there is no posterior: this trainer has not "
