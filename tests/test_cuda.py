@@ -35,7 +35,7 @@ from varsmooth import (
     mc_dropout_predictive,
     pipeline,
 )
-from varsmooth.prediction.modeling import load_posterior
+from varsmooth.posterior import DiagonalGaussianPosterior
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -214,7 +214,7 @@ def test_gpu_trained_posterior_reloads_on_cpu(tmp_path):
     with torch.no_grad():
         cpu_logits = loaded(pixel_values=x).logits
     assert torch.allclose(gpu_logits.log_softmax(-1), cpu_logits, atol=1e-4)
-    posterior = load_posterior(loaded.model, tmp_path / "model")
+    posterior = DiagonalGaussianPosterior.load(loaded.model, tmp_path / "model")
     assert all(s.device.type == "cpu" for s in posterior.std.values())
     std_gpu = trainer.posterior().std
     assert all(s.device.type == "cuda" for s in std_gpu.values())
@@ -286,7 +286,7 @@ def test_fsdp2_training_matches_unsharded_run_and_saves(tmp_path, kind):
     for kind, folder in (("fsdp", "fsdp/model"), ("plain", "plain_model")):
         model = TinyClassifier(hidden=32)
         model.load_state_dict(load_file(str(tmp_path / folder / "model.safetensors")))
-        loaded[kind] = (model, load_posterior(model, tmp_path / folder).std)  # checks the weights' fingerprint too
+        loaded[kind] = (model, DiagonalGaussianPosterior.load(model, tmp_path / folder).std)  # checks the weights' fingerprint too
     for (name, a), (_, b) in zip(loaded["fsdp"][0].named_parameters(), loaded["plain"][0].named_parameters()):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=name)
     stds = {kind: std for kind, (_, std) in loaded.items()}

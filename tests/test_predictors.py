@@ -105,3 +105,19 @@ def test_a_trainer_predicts_an_ensemble_with_its_own_temperature_as_the_ensemble
     predictor = make_predictor(ensemble, _bma(network, 4, posterior=DiagonalGaussianPosterior.point_mass(network)))
     torch.testing.assert_close(predictor.predict(ensemble, x).probs, ensemble(**x).probs, rtol=0, atol=0)
     assert predictor.describe() == ensemble.predictor.describe()  # what a temperature fitted on top would record
+
+
+def test_a_posterior_prediction_saves_and_loads_with_its_tau_and_draws_and_sigma_holds_none_of_them(network, tmp_path):
+    report = {"temperature": 0.25, "nll": {"0": 0.6, "0.25": 0.5, "1": 0.7}, "criterion": "validation NLL"}
+    saved = PosteriorPredictor(_posterior(network), 6, 3, PosteriorTemperature.chosen(report))
+    saved.save(tmp_path)
+    loaded = PosteriorPredictor.load(network, tmp_path)
+    assert (loaded.num_samples, loaded.seed, loaded.posterior_temperature) == (6, 3, saved.posterior_temperature)
+    assert not {"posterior_temperature", "eval_mc_samples", "eval_seed"} & set(loaded.posterior.metadata)
+    x = {"pixel_values": torch.rand(5, 8, 8)}
+    torch.testing.assert_close(loaded.predict(network, x).probs, saved.predict(network, x).probs, rtol=0, atol=0)
+    # what the caller names replaces what was saved; a τ named is fixed, not chosen
+    other = PosteriorPredictor.load(network, tmp_path, num_samples=2, seed=5, temperature=0.5)
+    assert (other.num_samples, other.seed, other.posterior_temperature) == (2, 5, PosteriorTemperature(0.5, True))
+    # another τ is another prediction: this one is left as it was
+    assert saved.drawing(temperature=PosteriorTemperature(1.0)).temperature == 1.0 and saved.temperature == 0.25

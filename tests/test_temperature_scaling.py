@@ -220,7 +220,7 @@ def test_the_pipelines_uncertainty_is_one_measurement_of_the_uncalibrated_draws(
     ivon = trainer.args.method == "ivon"
     images, pixels = val[:8]["image"], transform(val[:8])["pixel_values"]
     measured = VariationalModel.from_pretrained(tmp_path, temperature_scaling=False)
-    assert measured.posterior_predictor.temperature == 1.0  # the run's τ: draws at τ = 0 and at the run's τ measure alike
+    assert measured.posterior_predictor.temperature == 1.0  # the run's τ
     with torch.no_grad():
         draws = measured(pixel_values=pixels)
     for temperature in (None, 0.0):
