@@ -286,7 +286,8 @@ def test_fsdp2_training_matches_unsharded_run_and_saves(tmp_path, kind):
     for kind, folder in (("fsdp", "fsdp/model"), ("plain", "plain_model")):
         model = TinyClassifier(hidden=32)
         model.load_state_dict(load_file(str(tmp_path / folder / "model.safetensors")))
-        loaded[kind] = (model, DiagonalGaussianPosterior.load(model, tmp_path / folder).std)  # checks the weights' fingerprint too
+        # the load checks the weights' fingerprint too
+        loaded[kind] = (model, DiagonalGaussianPosterior.load(model, tmp_path / folder).std)
     for (name, a), (_, b) in zip(loaded["fsdp"][0].named_parameters(), loaded["plain"][0].named_parameters()):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=name)
     stds = {kind: std for kind, (_, std) in loaded.items()}

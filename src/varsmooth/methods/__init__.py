@@ -7,6 +7,7 @@ from .alasca import ALASCAConfig, ALASCAMethod
 from .base import (
     EXAMPLE_INDEX_KEY,
     METHODS,
+    CallbackContext,
     ExampleIndexDataset,
     MethodConfig,
     MethodContext,
@@ -35,6 +36,7 @@ from .sam import SAMConfig, SAMMethod
 
 __all__ = [
     "ALASCAConfig",
+    "CallbackContext",
     "ALASCAMethod",
     "EXAMPLE_INDEX_KEY",
     "ExampleIndexDataset",

@@ -131,6 +131,19 @@ class OptimizerContext:
     learning_rate: float | None = None
 
 
+@dataclass
+class CallbackContext:
+    """What a method's callbacks may use of the run (`TrainingMethod.callbacks`): handles, never the trainer."""
+
+    #: (mean ‖ε̄‖₁, mean ‖p̂ − 1/K‖₁) of the current posterior over a fixed probe of training examples, for
+    #: (number of draws, seed) (`VariationalTrainer.probe_label_noise`)
+    measure_label_noise: Callable[[int, int], tuple[float, float]] | None = None
+    #: the seed of the draws that measure (`TrainingArguments.eval_seed`)
+    seed: int = 0
+    #: the optimizer of the moment (None before training builds it)
+    optimizer: Callable[[], torch.optim.Optimizer | None] = lambda: None
+
+
 @dataclass(frozen=True)
 class MethodInfo:
     """One registered method, as `list_methods()` describes it."""
@@ -387,9 +400,13 @@ class TrainingMethod:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         pass
 
-    def callbacks(self) -> list[Any]:
-        """`TrainerCallback`s the method needs (e.g. end-of-epoch updates)."""
+    def callbacks(self, run: CallbackContext) -> list[Any]:
+        """`TrainerCallback`s the method needs (e.g. end-of-epoch updates), connected to what they use of `run`."""
         return []
+
+    def training_log(self, optimizer: torch.optim.Optimizer | None) -> dict[str, float]:
+        """What a training log reports of the method's state beside the loss (IVON: whether its posterior learns)."""
+        return {}
 
     def hyperparameters(self) -> dict[str, Any]:
         """What the model card reports about this method: its name and config."""

@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 import torch
 
 from ..label_noise.strength import SmoothingStrengthCallback
-from ..posterior.diagnostics import warn_if_hessian_stuck
+from ..posterior.diagnostics import hessian_summary, warn_if_hessian_stuck
 from ..posterior.gaussian import POSTERIOR_FILE, DiagonalGaussianPosterior, _reshard
 from ..posterior.optimizer import VariationalIVON, unwrap_ivon
 from ..posterior.resume import RESUMED_SETTINGS, load_ivon_state, resumed_settings
@@ -29,7 +29,7 @@ from ..presets import (
     MIN_STEP_BOUND,
     default_beta2,
 )
-from .base import MethodContext, OptimizerContext, TrainingMethod, register_method
+from .base import CallbackContext, MethodContext, OptimizerContext, TrainingMethod, register_method
 from .ivon_config import IVONConfig
 
 __all__ = ["IVONConfig", "IVONFixedHessianMethod", "IVONMethod", "check_ivon_sharding"]
@@ -282,10 +282,17 @@ class IVONMethod(TrainingMethod):
             )
         return float(self.num_train_examples)
 
-    def callbacks(self) -> list[Any]:
-        """With `ivon_smoothing`, the callback that sets ess from the label noise it measures (the trainer connects
-        it)."""
-        return [] if self.config.ivon_smoothing is None else [SmoothingStrengthCallback(self.config.ivon_smoothing)]
+    def callbacks(self, run: CallbackContext) -> list[Any]:
+        """With `ivon_smoothing`, the callback that sets ess from the label noise `run` measures."""
+        if self.config.ivon_smoothing is None:
+            return []
+        return [SmoothingStrengthCallback(self.config.ivon_smoothing).connect(
+            measure=run.measure_label_noise, scale_ess=lambda factor: self.scale_ess(run.optimizer(), factor),
+            seed=run.seed)]
+
+    def training_log(self, optimizer: torch.optim.Optimizer | None) -> dict[str, float]:
+        """The Hessian summary (`varsmooth.posterior.diagnostics.hessian_summary`): whether the posterior learns."""
+        return hessian_summary(unwrap_ivon(optimizer))
 
     def scale_ess(self, optimizer: torch.optim.Optimizer, factor: float) -> float:
         """Multiply ess by `factor` in `optimizer` (accelerate's wrapper or not) and in the config it is recorded

@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from transformers import TrainerCallback
 
-from .base import IGNORE_INDEX, MethodConfig, MethodContext, TrainingMethod, register_method
+from .base import IGNORE_INDEX, CallbackContext, MethodConfig, MethodContext, TrainingMethod, register_method
 
 __all__ = ["OnlineLabelSmoothingConfig", "OnlineLabelSmoothingMethod"]
 
@@ -123,7 +123,7 @@ class OnlineLabelSmoothingMethod(TrainingMethod):
             self.counts.zero_()
         self.epoch += 1
 
-    def callbacks(self) -> list[Any]:
+    def callbacks(self, run: CallbackContext) -> list[Any]:
         return [_EpochSwap(self)]
 
     def state_dict(self) -> dict[str, Any]:

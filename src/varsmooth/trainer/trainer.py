@@ -26,9 +26,10 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PredictionOutput
 
 from ..corruption import realized_noise_report
-from ..label_noise import LabelNoiseCallback, LabelNoiseMixin, SmoothingStrengthCallback
+from ..label_noise import LabelNoiseCallback, LabelNoiseMixin
 from ..methods import (
     EXAMPLE_INDEX_KEY,
+    CallbackContext,
     ExampleIndexDataset,
     MethodContext,
     OptimizerContext,
@@ -39,7 +40,7 @@ from ..methods import (
 from ..metrics.evaluation_metrics import EvaluationMetrics
 from ..model_parts import model_num_labels
 from ..outputs import VariationalClassifierOutput
-from ..posterior import POSTERIOR_FILE, DiagonalGaussianPosterior, VariationalIVON, hessian_summary, unwrap_ivon
+from ..posterior import POSTERIOR_FILE, DiagonalGaussianPosterior, VariationalIVON, unwrap_ivon
 from ..posterior.gaussian import non_finite_tensors
 from ..prediction.predictors import PosteriorPredictor, Predictor, make_predictor
 from ..prediction.temperature import PosteriorTemperature, check_transition_matrix
@@ -166,7 +167,9 @@ class VariationalTrainer(AfterTrainingMixin, CheckpointingMixin, VariationalHubM
         keep_presharded_model(fsdp, self.model)
         if self.model is not None:
             self.method.attach(self.model)
-        self._method_callbacks = [*self.method.callbacks(), StalledLossCallback(self.method)]
+        run = CallbackContext(measure_label_noise=self.probe_label_noise, seed=self.args.eval_seed,
+                              optimizer=lambda: self.optimizer)
+        self._method_callbacks = [*self.method.callbacks(run), StalledLossCallback(self.method)]
         for callback in self._method_callbacks:  # `add_callback` binds these
             self.add_callback(callback)
 
@@ -187,9 +190,6 @@ class VariationalTrainer(AfterTrainingMixin, CheckpointingMixin, VariationalHubM
         self._connect(self.callback_handler.callbacks[-1])
 
     def _connect(self, callback: TrainerCallback) -> None:
-        if isinstance(callback, SmoothingStrengthCallback):
-            callback.connect(measure=self.probe_label_noise, seed=self.args.eval_seed,
-                             scale_ess=lambda factor: self.method.scale_ess(self.optimizer, factor))
         if isinstance(callback, LabelNoiseCallback):
             check_labels("the dataset of LabelNoiseCallback", callback.dataset, model_num_labels(self.model))
             callback.connect(measure=self.label_noise, predictor=self.posterior_predictor,
@@ -448,8 +448,9 @@ class VariationalTrainer(AfterTrainingMixin, CheckpointingMixin, VariationalHubM
         return self._noise_report if self._noise_report is not None else realized_noise_report(self.train_dataset)
 
     def hessian_summary(self) -> dict[str, float]:
-        """Mean/median of IVON's Hessian h and of the posterior std σ (`varsmooth.posterior.diagnostics`)."""
-        return hessian_summary(self.ivon)
+        """What the method reports of its state beside the loss (`TrainingMethod.training_log`): for IVON, the
+        mean/median of its Hessian h and of the posterior std σ (`varsmooth.posterior.diagnostics`)."""
+        return self.method.training_log(self.optimizer)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """`Trainer.log`; a training log (one with a "loss") also shows whether the posterior learns: the Hessian
