@@ -197,7 +197,7 @@ def test_preprocess_logits_for_metrics_and_compute_metrics_get_logits_as_with_th
     np.testing.assert_allclose(probs, np.exp(seen["logits"]), rtol=1e-5, atol=1e-7)
     assert metrics["eval_accuracy"] == pytest.approx((probs.argmax(-1) == np.asarray(val["label"])).mean())
     preprocessed = VariationalTrainer(model=ivon.model, args=_args(tmp_path, "ivon"), eval_dataset=val,
-                                      posterior=ivon.posterior(), compute_metrics=_accuracy,
+                                      posterior=ivon.posterior_predictor(), compute_metrics=_accuracy,
                                       preprocess_logits_for_metrics=argmax)
     assert preprocessed.evaluate()["eval_acc"] == pytest.approx(metrics["eval_accuracy"])
     np.testing.assert_array_equal(preprocessed.predict(val).predictions, seen["logits"].argmax(-1))

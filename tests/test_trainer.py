@@ -31,6 +31,7 @@ from varsmooth import (
 from varsmooth.methods.ivon import IVONConfig, check_ivon_sharding
 from varsmooth.posterior import VariationalIVON
 from varsmooth.posterior.diagnostics import HESSIAN_STUCK_TOLERANCE, hessian_summary
+from varsmooth.prediction.predictors import PosteriorPredictor
 from varsmooth.trainer.arguments import POSTERIOR_FIELDS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -701,10 +702,16 @@ def test_posterior_passed_to_the_trainer_is_used(saved, tmp_path):
     elsewhere = tmp_path / "weights_only"
     ResNetForImageClassification.from_pretrained(out).save_pretrained(elsewhere)  # no posterior file there
     model = ResNetForImageClassification.from_pretrained(elsewhere)
-    posterior = DiagonalGaussianPosterior.load(model, out / POSTERIOR_FILE)
+    # the whole prediction (σ, τ, each draw's BatchNorm statistics), as the trained model predicted
+    predictor = PosteriorPredictor.load(model, out / POSTERIOR_FILE)
     trainer = VariationalTrainer(model=model, args=make_args(tmp_path, eval_mc_samples=4), eval_dataset=test,
-                                 posterior=posterior)
+                                 posterior=predictor)
     assert trainer.evaluate()["eval_nll"] == pytest.approx(trained_metrics["eval_nll"], rel=1e-5)
+    # σ alone: the same posterior, its draws normalising with the mean's statistics (another prediction)
+    alone = VariationalTrainer(model=model, args=make_args(tmp_path, eval_mc_samples=4), eval_dataset=test,
+                               posterior=DiagonalGaussianPosterior.load(model, out / POSTERIOR_FILE))
+    assert alone.posterior().std.keys() == predictor.posterior.std.keys()
+    assert alone.evaluate()["eval_nll"] != pytest.approx(trained_metrics["eval_nll"], rel=1e-3)
 
 
 def test_bma_without_posterior_warns_and_names_the_metrics_after_the_mean(tmp_path, caplog):

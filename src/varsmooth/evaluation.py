@@ -31,8 +31,9 @@ def posterior_samples_curve(trainer: "VariationalTrainer", eval_dataset: Any = N
     the seconds one prediction of the dataset took (`trainer.predict`, so the time a user pays per S).
 
     The draws are the trainer's (`eval_seed`): the S-sample prediction uses the first S draws of every larger one, so
-    the rows differ by the added samples only. `args.eval_mc_samples` is restored afterwards. Returns one dict per S
-    with `num_samples`, `seconds` and the metrics.
+    the rows differ by the added samples only. Each S is prepared as the trainer prepares its prediction
+    (`prepare_predictor`: each draw's BatchNorm statistics, not timed); `args.eval_mc_samples` and the prediction are
+    restored afterwards. Returns one dict per S with `num_samples`, `seconds` and the metrics.
     """
     counts = list(sample_counts)
     if not counts or any(isinstance(s, bool) or int(s) != s or s < 1 for s in counts):
@@ -50,6 +51,7 @@ def posterior_samples_curve(trainer: "VariationalTrainer", eval_dataset: Any = N
     try:
         for s in counts:
             trainer.args.eval_mc_samples = int(s)
+            trainer.prepare_predictor()
             start = time.perf_counter()
             metrics = trainer.predict(dataset, metric_key_prefix="samples").metrics
             seconds = time.perf_counter() - start
@@ -60,6 +62,7 @@ def posterior_samples_curve(trainer: "VariationalTrainer", eval_dataset: Any = N
                                           "samples_steps_per_second")}})
     finally:
         trainer.args.eval_mc_samples = original
+        trainer.prepare_predictor()
     return rows
 
 

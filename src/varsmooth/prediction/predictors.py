@@ -156,6 +156,8 @@ class PosteriorPredictor(Predictor):
         num_samples = self.num_samples if num_samples is None else num_samples
         seed = self.seed if seed is None else seed
         temperature = self.posterior_temperature if temperature is None else temperature
+        if (num_samples, seed, temperature) == (self.num_samples, self.seed, self.posterior_temperature):
+            return self
         same = (self.draw_buffers is not None and seed == self.seed and num_samples <= len(self.draw_buffers)
                 and measuring_temperature(temperature.value) == self.draws_temperature)
         return PosteriorPredictor(self.posterior, num_samples, seed, temperature,

@@ -42,7 +42,7 @@ from ..model_parts import model_num_labels
 from ..outputs import VariationalClassifierOutput
 from ..posterior import POSTERIOR_FILE, DiagonalGaussianPosterior, VariationalIVON, unwrap_ivon
 from ..posterior.gaussian import non_finite_tensors
-from ..prediction.predictors import PosteriorPredictor, Predictor, make_predictor
+from ..prediction.predictors import PosteriorPredictor, Predictor, as_posterior_predictor, make_predictor
 from ..prediction.temperature import PosteriorTemperature, check_transition_matrix
 from ..temperature_scaling import TemperatureScaling
 from ..training_health import StalledLossCallback
@@ -82,7 +82,9 @@ class VariationalTrainer(AfterTrainingMixin, CheckpointingMixin, VariationalHubM
     log P̂ as the logits (softmax of them is P̂; `EvaluationMetrics`); `label_names=[name]` names the label column of
     training and evaluation alike; for `compute_loss_func` see `compute_loss`, for `hyperparameter_search`
     `HyperparameterSearchMixin`; the `TrainingArguments` a method cannot honour are refused or warned of as
-    `checks.UNHONOURED_ARGUMENTS` declares.
+    `checks.UNHONOURED_ARGUMENTS` declares. `posterior=` predicts before training with a saved prediction
+    (`PosteriorPredictor.load`: σ, τ and each draw's BatchNorm statistics) or with σ alone (a
+    `DiagonalGaussianPosterior`, at τ = 1 unless `posterior_temperature` says otherwise).
 
     Private `Trainer` hooks it overrides, and what would not work without each:
 
@@ -139,8 +141,8 @@ class VariationalTrainer(AfterTrainingMixin, CheckpointingMixin, VariationalHubM
         # the one saved beside the model (or given as `posterior=`) until this trainer trains
         self._predictor: PosteriorPredictor | None = (
             self._predictor_beside_model() if posterior is None
-            else PosteriorPredictor(posterior, self.args.eval_mc_samples, self.args.eval_seed,
-                                    PosteriorTemperature.from_argument(self.args.posterior_temperature)))
+            else as_posterior_predictor(posterior, self.args.eval_mc_samples, self.args.eval_seed,
+                                        self.args.posterior_temperature))
         #: T[i, j] = P(observed j | true i) of the eval dataset's labels, when known (e.g. the noise the example
         #: injected): τ is then chosen by the forward-corrected validation NLL (`varsmooth.prediction.temperature`)
         self.eval_noise_transition = (None if eval_noise_transition is None
@@ -236,11 +238,18 @@ class VariationalTrainer(AfterTrainingMixin, CheckpointingMixin, VariationalHubM
 
     def posterior_predictor(self) -> PosteriorPredictor:
         """What Bayesian model averaging predicts with: the prediction built when training ended (`prepare_predictor`:
-        τ chosen, each draw's BatchNorm statistics) or loaded with the model; while training, the posterior of this
-        moment at the τ of the arguments (1 unless `posterior_temperature` fixes it), its draws normalising with the
-        model's statistics."""
+        τ chosen, each draw's BatchNorm statistics) or loaded with the model, with the draws the arguments ask for now
+        (`eval_mc_samples`, `eval_seed`); while training, the posterior of this moment at the τ of the arguments (1
+        unless `posterior_temperature` fixes it), its draws normalising with the model's statistics."""
         if self._predictor is not None:
-            return self._predictor
+            predictor = self._predictor.drawing(self.args.eval_mc_samples, self.args.eval_seed)
+            network = self.accelerator.unwrap_model(self.model)
+            if predictor.lacks_draw_statistics(network) and not predictor.draws_nothing:
+                logger.warning("The %d posterior draws of seed %d have no BatchNorm statistics of their own (the "
+                               "prediction was prepared for %d draws of seed %d): call trainer.prepare_predictor() "
+                               "after changing eval_mc_samples or eval_seed.", predictor.num_samples, predictor.seed,
+                               self._predictor.num_samples, self._predictor.seed)
+            return predictor
         return PosteriorPredictor(self.posterior(), self.args.eval_mc_samples, self.args.eval_seed,
                                   PosteriorTemperature.from_argument(self.args.posterior_temperature))
 
