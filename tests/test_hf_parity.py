@@ -17,7 +17,7 @@ from transformers.modeling_outputs import SequenceClassifierOutput
 
 from helpers import TinyClassifier, digits_dataset, make_args
 from varsmooth import VariationalTrainer
-from varsmooth.trainer.checks import HONOURED_ARGUMENTS, UNHONOURED_ARGUMENTS, check_unhonoured_arguments
+from varsmooth.trainer.arguments import HONOURED_ARGUMENTS, UNHONOURED_ARGUMENTS, check_unhonoured_arguments
 
 METHODS = ("ivon", "erm")
 #: a value other than TrainingArguments' default for each field of UNHONOURED_ARGUMENTS

@@ -215,13 +215,14 @@ def test_non_finite_loss_is_a_clear_error_and_weights_survive(tmp_path):
 
 def test_weight_decay_is_refused_with_ivon_and_names_prior_precision(tmp_path):
     with pytest.raises(ValueError,
-                       match="IVON's weight decay is the precision of its Gaussian prior, `prior_precision`"):
+                       match="weight_decay=0.01 cannot be honoured: IVON's weight decay is the precision of its "
+                             "Gaussian prior, `prior_precision`"):
         make_args(tmp_path, weight_decay=0.01)
     assert make_args(tmp_path, method="erm", weight_decay=0.01).weight_decay == 0.01  # AdamW's, as in TrainingArguments
 
 
 def test_fp16_refused_with_clear_error(tmp_path):
-    with pytest.raises(ValueError, match="fp16 with a gradient scaler is not supported with IVON"):
+    with pytest.raises(ValueError, match="fp16=True cannot be honoured: fp16 with a gradient scaler is not supported"):
         make_args(tmp_path, fp16=True)
 
 

@@ -6,7 +6,6 @@ checked there: a run must not be lost to a bad label found after training."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import inspect
 import logging
 import os
@@ -23,10 +22,9 @@ from ..methods import EXAMPLE_INDEX_KEY, TrainingMethod
 from ..outputs import IGNORE_INDEX, LABEL_KEYS
 from .arguments import VariationalTrainingArguments
 
-__all__ = ["HONOURED_ARGUMENTS", "UNHONOURED_ARGUMENTS", "check_arguments", "check_compute_metrics", "check_datasets",
-           "check_input_columns", "check_label_names", "check_labels", "check_method_inputs",
-           "check_single_label_model",
-           "check_unhonoured_arguments", "named_datasets", "name_inputs_the_model_cannot_take"]
+__all__ = ["check_arguments", "check_compute_metrics", "check_datasets", "check_input_columns", "check_label_names",
+           "check_labels", "check_method_inputs", "check_single_label_model", "named_datasets",
+           "name_inputs_the_model_cannot_take"]
 
 logger = logging.getLogger(__name__)
 
@@ -222,69 +220,6 @@ def check_method_inputs(method: TrainingMethod, compute_loss_func: Any, posterio
                          "the weights.")
     if optimizer is not None:
         method.check_optimizer(optimizer)
-
-
-_IVON_OPTIMIZER = ("IVON is the optimizer of method={method!r} (its settings: learning_rate, beta1, beta2, hess_init, "
-                   "prior_precision, ...); train with method='erm' (or another baseline) to use {name}={value!r}, or "
-                   "drop {name}.")
-
-#: The `TrainingArguments` fields that some method cannot honour: name -> (methods, action, why). `methods` is "ivon"
-#: (the methods that learn a posterior: IVON is their optimizer) or "all"; `action` "refuse" raises and "ignore"
-#: warns, each when the value differs from `TrainingArguments`' default (`check_unhonoured_arguments`). The message
-#: may use {name}, {value} and {method}. Every other field is in `HONOURED_ARGUMENTS`; tests/test_hf_parity.py fails
-#: on a field of a new transformers release that is in neither.
-UNHONOURED_ARGUMENTS: dict[str, tuple[str, str, str]] = {
-    **{name: ("ivon", "refuse", _IVON_OPTIMIZER)
-       for name in ("optim", "optim_args", "optim_target_modules", "adam_beta1", "adam_beta2", "adam_epsilon")},
-    "weight_decay": ("ivon", "refuse",
-                     "IVON's weight decay is the precision of its Gaussian prior: pass prior_precision= "
-                     "instead of {name}={value!r} with method={method!r}."),
-    "fp16": ("ivon", "refuse", "fp16's gradient scaler would scale the gradients IVON reads (method={method!r}): use "
-             "bf16=True or full precision."),
-    "deepspeed": ("ivon", "refuse", "IVON (method={method!r}) cannot train under DeepSpeed, which steps the optimizer "
-                  "itself: use FSDP2 (fsdp_config={{'version': 2}}) or DDP."),
-    "label_smoothing_factor": ("all", "refuse", "VariationalTrainer does not use it: choose "
-                               "method='ls' with method_config={{'smoothing': ...}} instead, so that the method is "
-                               "recorded and compared fairly."),
-    "average_tokens_across_devices": ("all", "ignore", "every method's loss is a mean over its micro-batch's examples, "
-                                      "so there are no token counts to average ({name}={value!r} has no effect)."),
-}
-
-#: The `TrainingArguments` fields every method honours as the stock Trainer does.
-HONOURED_ARGUMENTS = frozenset("""
-    output_dir per_device_train_batch_size num_train_epochs max_steps learning_rate lr_scheduler_type
-    lr_scheduler_kwargs warmup_steps gradient_accumulation_steps max_grad_norm bf16 bf16_full_eval fp16_full_eval tf32
-    activation_checkpointing activation_checkpointing_kwargs gradient_checkpointing gradient_checkpointing_kwargs
-    torch_compile torch_compile_backend torch_compile_mode use_liger_kernel liger_kernel_config use_cache
-    neftune_noise_alpha torch_empty_cache_steps auto_find_batch_size logging_strategy logging_steps logging_first_step
-    log_on_each_node logging_nan_inf_filter include_num_input_tokens_seen log_level log_level_replica disable_tqdm
-    report_to run_name project trackio_space_id trackio_bucket_id trackio_static_space_id eval_strategy eval_steps
-    eval_delay per_device_eval_batch_size prediction_loss_only eval_on_start eval_do_concat_batches
-    eval_use_gather_object eval_accumulation_steps include_for_metrics batch_eval_metrics save_only_model
-    save_strategy save_steps save_on_each_node save_total_limit enable_jit_checkpoint push_to_hub hub_token
-    hub_private_repo hub_model_id hub_strategy hub_always_push hub_revision load_best_model_at_end
-    metric_for_best_model greater_is_better ignore_data_skip restore_callback_states_from_checkpoint full_determinism
-    seed data_seed use_cpu accelerator_config parallelism_config dataloader_drop_last dataloader_num_workers
-    dataloader_pin_memory dataloader_persistent_workers dataloader_prefetch_factor dataloader_multiprocessing_context
-    dataloader_in_order remove_unused_columns label_names train_sampling_strategy length_column_name
-    ddp_find_unused_parameters ddp_bucket_cap_mb ddp_broadcast_buffers ddp_static_graph ddp_backend ddp_timeout fsdp
-    fsdp_config debug skip_memory_metrics do_train do_eval do_predict resume_from_checkpoint local_rank
-""".split())
-
-
-def check_unhonoured_arguments(args: TrainingArguments, method: str, posterior: bool) -> None:
-    """Refuse (or warn about) a `TrainingArguments` field set to a value `method` cannot honour, as
-    `UNHONOURED_ARGUMENTS` declares; `posterior`: whether the method learns one (trains with IVON)."""
-    defaults = {f.name: f.default for f in dataclasses.fields(TrainingArguments)}
-    for name, (methods, action, why) in UNHONOURED_ARGUMENTS.items():
-        value = getattr(args, name)
-        value = getattr(value, "value", value)  # an enum (optim) as the user wrote it
-        if (methods == "ivon" and not posterior) or value in (defaults[name], None):
-            continue
-        message = why.format(name=name, value=value, method=method)
-        if action == "refuse":
-            raise ValueError(f"{name}={value!r} cannot be honoured: {message}")
-        logger.warning("%s=%r is ignored: %s", name, value, message)
 
 
 def check_label_names(args: TrainingArguments) -> None:

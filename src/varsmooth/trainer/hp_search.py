@@ -15,8 +15,7 @@ from typing import Any
 from transformers.trainer_utils import BestRun, HPSearchBackend, default_compute_objective
 
 from ..methods import MethodConfig, learns_posterior
-from .arguments import VariationalTrainingArguments
-from .checks import check_unhonoured_arguments
+from .arguments import VariationalTrainingArguments, check_unhonoured_arguments
 
 __all__ = ["HyperparameterSearchMixin", "trial_method_config"]
 

@@ -35,7 +35,6 @@ from ..methods import (
     OptimizerContext,
     TrainingMethod,
     get_method_class,
-    learns_posterior,
 )
 from ..metrics.evaluation_metrics import EvaluationMetrics
 from ..model_parts import model_num_labels
@@ -57,7 +56,6 @@ from .checks import (
     check_labels,
     check_method_inputs,
     check_single_label_model,
-    check_unhonoured_arguments,
     name_inputs_the_model_cannot_take,
     named_datasets,
 )
@@ -82,7 +80,7 @@ class VariationalTrainer(AfterTrainingMixin, PredictionMixin, CheckpointingMixin
     log P̂ as the logits (softmax of them is P̂; `EvaluationMetrics`); `label_names=[name]` names the label column of
     training and evaluation alike; for `compute_loss_func` see `compute_loss`, for `hyperparameter_search`
     `HyperparameterSearchMixin`; the `TrainingArguments` a method cannot honour are refused or warned of as
-    `checks.UNHONOURED_ARGUMENTS` declares. `posterior=` predicts before training with a saved prediction
+    `arguments.UNHONOURED_ARGUMENTS` declares. `posterior=` predicts before training with a saved prediction
     (`PosteriorPredictor.load`: σ, τ and each draw's BatchNorm statistics) or with σ alone (a
     `DiagonalGaussianPosterior`, at τ = 1 unless `posterior_temperature` says otherwise).
 
@@ -107,7 +105,6 @@ class VariationalTrainer(AfterTrainingMixin, PredictionMixin, CheckpointingMixin
                  **kwargs: Any) -> None:
         args = check_arguments(args)
         check_label_names(args)
-        check_unhonoured_arguments(args, args.method, learns_posterior(args.method))
         user_metrics = kwargs.pop("compute_metrics", None)
         check_compute_metrics(args, user_metrics)
         self._noise_report = kwargs.pop("noise_report", None)
