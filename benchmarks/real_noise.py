@@ -1313,9 +1313,7 @@ def preset_defaults_report(seeds: list[int] | tuple[int, ...] = (0, 1, 2)) -> st
     # the LoRA tasks: lora.py's cache (the GPU's 3 seeds where present)
     device = "cuda" if (lora._results_dir("cuda") / "runs").is_dir() else "cpu"
     out_dir = lora._results_dir(device)
-    runs = [json.loads(p.read_text()) for p in sorted((out_dir / "runs").glob("*.json"))]
-    runs = [r for r in runs if r["config"]["version"] == lora.VERSION and r["config"]["setup"] == lora.SETUP
-            and r["config"]["seed"] in seeds]
+    runs = [r for r in lora.test_runs(out_dir) if r["config"]["seed"] in seeds]
     preset_method = "ivon-lora-lr1-window"
     check = Task.parse("sst2-clean")  # the set-up of lora.py: real_noise's text tasks (189 steps)
     resolved = lambda hp: effective_settings(check, "ivon", {AT_DEFAULTS: True, "eval_mc_samples": None, **hp})  # noqa: E731
