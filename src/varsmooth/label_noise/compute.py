@@ -179,9 +179,10 @@ def compute_label_noise(
     The draws come from the learned posterior (`temperature` = 1), whatever posterior temperature τ the model predicts
     with: ε̄ is by definition the noise that training with q induced, and a τ = 0 chosen for prediction would make it
     identically zero. For the same reason, in a model with BatchNorm each draw normalises with statistics of its own,
-    recomputed from (at most 2,000 of) the examples measured, as each sampled network normalised with its batch's
-    statistics in training (`varsmooth.prediction.batchnorm.draw_batchnorm_statistics`; one more forward pass per draw
-    and example); p̄ uses the model's own statistics.
+    as each sampled network normalised with its batch's statistics in training: those `posterior` holds when it is a
+    `PosteriorPredictor` prepared for these draws (the trainer's, computed from training data), else recomputed from
+    (at most 2,000 of) the examples measured (`varsmooth.prediction.batchnorm.draw_batchnorm_statistics`; one more
+    forward pass per draw and example); p̄ uses the model's own statistics.
 
     Columns, in dataset order:
         example_index: row of `dataset`. label: the given (possibly noisy) label y.
