@@ -218,13 +218,14 @@ class PosteriorPredictor(Predictor):
                 not isinstance(description, dict) or not description.get("num_draws"))):
             raise ValueError(f"{path} holds posterior draws' buffers without their description, or the reverse: the "
                              "file was edited. Save the model again (trainer.save_model()).")
-        saved_prediction = cls(posterior, int(saved.get(SAMPLES_KEY, DEFAULT_SAMPLES)), int(saved.get(SEED_KEY, 0)),
-                               PosteriorTemperature.from_metadata(saved))
+        samples, saved_seed = int(saved.get(SAMPLES_KEY, DEFAULT_SAMPLES)), int(saved.get(SEED_KEY, 0))
+        tau, buffers = PosteriorTemperature.from_metadata(saved), None
         if description is not None:
-            buffers = draw_buffers_from_tensors(extra, int(description["num_draws"]), model, os.fspath(path))
-            if (int(description["seed"]), float(description["temperature"])) == (saved_prediction.seed,
-                                                                                 saved_prediction.draws_temperature):
-                saved_prediction.draw_buffers = buffers
+            drawn = draw_buffers_from_tensors(extra, int(description["num_draws"]), model, os.fspath(path))
+            prepared_for = (int(description["seed"]), float(description["temperature"]))
+            if prepared_for == (saved_seed, measuring_temperature(tau.value)) and len(drawn) >= samples:
+                buffers = drawn
+        saved_prediction = cls(posterior, samples, saved_seed, tau, buffers)
         return saved_prediction.drawing(num_samples, seed,
                                         None if temperature is None else
                                         PosteriorTemperature.from_argument(temperature))

@@ -66,7 +66,7 @@ class PredictionMixin:
     def _saved_prediction(self) -> PosteriorPredictor | None:
         """What a save writes beside the weights: the prediction (σ, τ, the draws and their statistics) when the method
         learned a posterior; None otherwise."""
-        return self.posterior_predictor() if self._learned_posterior() is not None else None
+        return self.posterior_predictor() if self.ivon is not None else None
 
     def _predictor_beside_model(self) -> PosteriorPredictor | None:
         """The prediction an IVON run saved next to the weights this trainer's model was loaded from, if any, with
