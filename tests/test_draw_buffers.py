@@ -101,6 +101,18 @@ def test_changing_tau_after_training_rebuilds_the_prediction_with_its_draws_stat
         trainer.prepare_predictor(1.0)
 
 
+def test_draws_the_prediction_was_not_prepared_for_are_said_to_lack_their_statistics(trained):
+    trainer, _, _ = trained
+    try:
+        trainer.args.eval_mc_samples = 6  # more draws than training prepared
+        with pytest.warns(UserWarning, match="BatchNorm statistics of their own"):
+            assert trainer.posterior_predictor().draw_buffers is None
+        trainer.args.eval_mc_samples = 2  # fewer: the first draws' statistics serve them
+        assert len(trainer.posterior_predictor().draw_buffers) == 2
+    finally:
+        trainer.args.eval_mc_samples = 4
+
+
 def test_a_posterior_file_with_edited_draw_buffers_is_refused(trained, tmp_path):
     trainer, _, out = trained
     model = trainer.model

@@ -12,6 +12,7 @@ import torch
 
 from ..outputs import VariationalClassifierOutput
 from ..posterior import POSTERIOR_FILE, DiagonalGaussianPosterior
+from ..prediction.modeling import warn_without_draw_buffers
 from ..prediction.predictors import PosteriorPredictor, Predictor, make_predictor
 from ..prediction.temperature import PosteriorTemperature
 
@@ -48,12 +49,7 @@ class PredictionMixin:
         unless `posterior_temperature` fixes it), its draws normalising with the model's statistics."""
         if self._predictor is not None:
             predictor = self._predictor.drawing(self.args.eval_mc_samples, self.args.eval_seed)
-            network = self.accelerator.unwrap_model(self.model)
-            if predictor.lacks_draw_statistics(network) and not predictor.draws_nothing:
-                logger.warning("The %d posterior draws of seed %d have no BatchNorm statistics of their own (the "
-                               "prediction was prepared for %d draws of seed %d): call trainer.prepare_predictor() "
-                               "after changing eval_mc_samples or eval_seed.", predictor.num_samples, predictor.seed,
-                               self._predictor.num_samples, self._predictor.seed)
+            warn_without_draw_buffers(self.accelerator.unwrap_model(self.model), predictor)
             return predictor
         return PosteriorPredictor(self.posterior(), self.args.eval_mc_samples, self.args.eval_seed,
                                   PosteriorTemperature.from_argument(self.args.posterior_temperature))
