@@ -77,10 +77,10 @@ def test_unhonoured_arguments_are_refused_or_warned(tmp_path, method, caplog):
         applies = methods == "all" or method == "ivon"
         if applies and action == "refuse":
             with pytest.raises(ValueError, match=f"{name}="):
-                check_unhonoured_arguments(args, method, method == "ivon")
+                check_unhonoured_arguments(args)
         else:
             with caplog.at_level(logging.WARNING, logger="varsmooth.trainer.checks"):
-                check_unhonoured_arguments(args, method, method == "ivon")
+                check_unhonoured_arguments(args)
             assert (f"{name}=" in caplog.text) == (applies and action == "ignore")
         setattr(args, name, default)
 

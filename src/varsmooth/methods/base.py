@@ -291,6 +291,8 @@ class TrainingMethod:
     scratch_learning_rate: ClassVar[float | None] = 1e-4
     #: whether the method learns a weight posterior, which predictions then average over (`posterior`)
     learns_posterior: ClassVar[bool] = False
+    #: the settings that bound an update, named to the user who has to make steps smaller (a non-finite step)
+    step_settings: ClassVar[str] = "learning_rate / set max_grad_norm"
     #: whether `training_step` clips the gradient norm (`MethodContext.max_grad_norm`) inside its passes, where the
     #: Trainer's clip after them would come too late; the Trainer then logs `last_grad_norm` as its grad_norm
     clips_inside_step: ClassVar[bool] = False

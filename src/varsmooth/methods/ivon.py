@@ -75,6 +75,7 @@ class IVONMethod(TrainingMethod):
     default_learning_rate: ClassVar[float] = 0.2
     scratch_learning_rate: ClassVar[float | None] = None
     learns_posterior: ClassVar[bool] = True
+    step_settings: ClassVar[str] = "learning_rate / set max_grad_norm or clip_radius (e.g. 0.05)"
     # IVON reads each sample's gradient when the sample ends, before the Trainer would clip
     clips_inside_step: ClassVar[bool] = True
     #: optimizer steps of the run, known when IVON is built (`create_optimizer`; for the run-length β2 rule)

@@ -21,7 +21,7 @@ __all__ = ["HONOURED_ARGUMENTS", "POSTERIOR_FIELDS", "UNHONOURED_ARGUMENTS", "Va
 logger = logging.getLogger(__name__)
 
 #: the fields only methods that learn a posterior (IVON) read: with another method a value other than the field's
-#: default is refused (`refuse_posterior_settings_without_posterior`)
+#: default is refused (`check_unhonoured_arguments`)
 POSTERIOR_FIELDS = ("posterior_temperature", "recompute_batchnorm_statistics")
 
 
@@ -134,8 +134,6 @@ class VariationalTrainingArguments(TrainingArguments):
             if isinstance(value, bool) or not isinstance(value, numbers.Real) or not float(value).is_integer():
                 raise ValueError(f"{name} is a number of samples, a whole number, got {value!r}: pass e.g. {name}=2.")
             setattr(self, name, int(value))
-        learns = method_cls.learns_posterior
-        refuse_posterior_settings_without_posterior(self)
         # always the method's own config class from here on (a copy: the caller's object is not changed)
         self.method_config = build_method_config(self.method, self.method_config)
         # None = not set by the user: the method's config (IVON's preset) may decide, else the method's own rate;
@@ -145,18 +143,12 @@ class VariationalTrainingArguments(TrainingArguments):
         # a NaN rate would train to NaN weights without an error; a config file may give the rate as a string
         if self.learning_rate is not None and not 0 <= float(self.learning_rate) < math.inf:
             raise ValueError(f"learning_rate must be finite and >= 0, got {self.learning_rate}.")
-        check_unhonoured_arguments(self, self.method, learns)
+        check_unhonoured_arguments(self)
         if self.posterior_temperature is not None and not 0 <= self.posterior_temperature < float("inf"):
             raise ValueError("posterior_temperature must be a finite number >= 0 or None (choose it on the eval "
                              f"dataset), got {self.posterior_temperature}.")
         if self.mc_dropout_samples < 0:
             raise ValueError(f"mc_dropout_samples must be >= 0 (0 = no MC dropout), got {self.mc_dropout_samples}.")
-        if self.mc_dropout_samples and learns:
-            raise ValueError(
-                f"mc_dropout_samples={self.mc_dropout_samples} with method={self.method!r}: IVON methods predict by "
-                "Bayesian model averaging over their posterior (eval_mc_samples). Use MC dropout with a method without "
-                "a posterior (e.g. method='erm'), or set mc_dropout_samples=0."
-            )
         if self.eval_mc_samples is not None and self.eval_mc_samples < 0:
             raise ValueError("eval_mc_samples must be >= 0 (0 = predict at the posterior mean), got "
                              f"{self.eval_mc_samples}.")
@@ -192,23 +184,6 @@ class VariationalTrainingArguments(TrainingArguments):
         if isinstance(self.method_config, MethodConfig):
             d["method_config"] = dataclasses.asdict(self.method_config)
         return d
-
-
-def refuse_posterior_settings_without_posterior(args: VariationalTrainingArguments) -> None:
-    """Refuse the settings of prediction with a posterior (`POSTERIOR_FIELDS`) given a value other than their default
-    with a method that does not learn one (`method="erm"`, "sam", ...): the run would train without them and its record
-    would look as if they had been used."""
-    if get_method_class(args.method).learns_posterior:
-        return
-    defaults = {f.name: f.default for f in dataclasses.fields(VariationalTrainingArguments)}
-    given = [f"{name}={getattr(args, name)!r}" for name in POSTERIOR_FIELDS if getattr(args, name) != defaults[name]]
-    if given:
-        raise ValueError(
-            f"{', '.join(given)} {'is a setting' if len(given) == 1 else 'are settings'} of prediction with IVON's "
-            f"posterior, and method={args.method!r} learns none: {'it' if len(given) == 1 else 'they'} would be "
-            f"silently ignored. Drop {', '.join(g.split('=')[0] for g in given)}, or choose an IVON method "
-            "(method='ivon')."
-        )
 
 
 _IVON_OPTIMIZER = ("IVON is the optimizer of method={method!r} (its settings: learning_rate, beta1, beta2, hess_init, "
@@ -261,16 +236,33 @@ HONOURED_ARGUMENTS = frozenset("""
 """.split())
 
 
-def check_unhonoured_arguments(args: TrainingArguments, method: str, posterior: bool) -> None:
-    """Refuse (or warn about) a `TrainingArguments` field set to a value `method` cannot honour, as
-    `UNHONOURED_ARGUMENTS` declares; `posterior`: whether the method learns one (trains with IVON)."""
-    defaults = {f.name: f.default for f in dataclasses.fields(TrainingArguments)}
+def check_unhonoured_arguments(args: VariationalTrainingArguments) -> None:
+    """Refuse (or warn about) a field set to a value `args.method` cannot honour: a `TrainingArguments` field as
+    `UNHONOURED_ARGUMENTS` declares; with a method that learns no posterior, a setting of prediction with one
+    (`POSTERIOR_FIELDS`) other than its default, which the run would ignore while its record looked as if it had been
+    used; with one that does, MC dropout."""
+    posterior = get_method_class(args.method).learns_posterior
+    defaults = {f.name: f.default for f in dataclasses.fields(VariationalTrainingArguments)}
     for name, (methods, action, why) in UNHONOURED_ARGUMENTS.items():
         value = getattr(args, name)
         value = getattr(value, "value", value)  # an enum (optim) as the user wrote it
         if (methods == "ivon" and not posterior) or value in (defaults[name], None):
             continue
-        message = why.format(name=name, value=value, method=method)
+        message = why.format(name=name, value=value, method=args.method)
         if action == "refuse":
             raise ValueError(f"{name}={value!r} cannot be honoured: {message}")
         logger.warning("%s=%r is ignored: %s", name, value, message)
+    given = [f"{name}={getattr(args, name)!r}" for name in POSTERIOR_FIELDS if getattr(args, name) != defaults[name]]
+    if given and not posterior:
+        raise ValueError(
+            f"{', '.join(given)} {'is a setting' if len(given) == 1 else 'are settings'} of prediction with IVON's "
+            f"posterior, and method={args.method!r} learns none: {'it' if len(given) == 1 else 'they'} would be "
+            f"silently ignored. Drop {', '.join(g.split('=')[0] for g in given)}, or choose an IVON method "
+            "(method='ivon')."
+        )
+    if args.mc_dropout_samples and posterior:
+        raise ValueError(
+            f"mc_dropout_samples={args.mc_dropout_samples} with method={args.method!r}: IVON methods predict by "
+            "Bayesian model averaging over their posterior (eval_mc_samples). Use MC dropout with a method without "
+            "a posterior (e.g. method='erm'), or set mc_dropout_samples=0."
+        )

@@ -18,6 +18,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..adapters import is_peft_model, save_classifier_config
 from ..files import METHOD_STATE_FILE, STAGING_PREFIX, FolderSave, atomic_path, check_manifest, clear_leftovers
+from ..posterior import POSTERIOR_FILE
 from ..posterior.gaussian import non_finite_tensors
 from ..prediction.predictors import PosteriorPredictor
 from .checkpoint_files import (
@@ -69,10 +70,11 @@ class CheckpointingMixin:
             if not self._training_ended:
                 raise
             self.save_model()
+            saved = ("The trained model and its posterior were"
+                     if os.path.isfile(os.path.join(self.args.output_dir, POSTERIOR_FILE)) else "The trained model was")
             raise RuntimeError(
                 f"Training finished (step {self.state.global_step}), but a step after it failed "
-                f"({type(error).__name__}: {error}). The trained model"
-                f"{' and its posterior' if self.method.learns_posterior else ''} were saved to {self.args.output_dir}, "
+                f"({type(error).__name__}: {error}). {saved} saved to {self.args.output_dir}, "
                 "predicting with what was chosen before the failure. Fix what the error names and redo only that step "
                 "on this trainer (trainer.select_posterior_temperature(eval_dataset), "
                 "trainer.fit_temperature_scaling(eval_dataset), trainer.label_noise(dataset)): there is no need to "

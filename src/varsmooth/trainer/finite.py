@@ -51,23 +51,21 @@ class NonFiniteGuard:
         return loss_ok, grads_ok, buffers_ok
 
 
-def non_finite_step_error(verdict: tuple[bool, bool, bool], step: int, method: str, learns_posterior: bool,
+def non_finite_step_error(verdict: tuple[bool, bool, bool], step: int, method: str, step_settings: str,
                           bad_buffers: list[str]) -> FloatingPointError:
     """The error that stops optimizer step `step` (counted from 1) of `method` for a `NonFiniteGuard.verdict`, naming
-    what was not finite, what was kept, and the fix; `bad_buffers` are the buffers now non-finite (saving is
-    refused)."""
+    what was not finite, what was kept, and the fix: lower `step_settings` (the method's settings that bound a step,
+    `TrainingMethod.step_settings`); `bad_buffers` are the buffers now non-finite (saving is refused)."""
     loss_ok, grads_ok, _ = verdict
     what = ("training loss" if not loss_ok else
             "gradients (NaN, inf or past float32's range, with a finite loss)" if not grads_ok else
             "buffers (running statistics the forward pass updates)")
-    kept = "weights and posterior" if learns_posterior else "weights and optimizer state"
     after = f"after step {step - 1}" if step > 1 else "the initial ones"
     state = ("and saving them is safe" if not bad_buffers else
              f"but the forward pass made the buffers {bad_buffers[:5]} non-finite, so saving is refused: resume from "
              "the last checkpoint, or load the last save")
     return FloatingPointError(
-        f"Non-finite {what} in optimizer step {step} with method={method!r}. That step was not applied: the {kept} are "
-        f"those of the last finite step ({after}), {state}. Check the inputs for NaN or inf values (a single inf "
-        "feature gives a finite loss but inf gradients), or lower learning_rate / set max_grad_norm"
-        + (" or clip_radius (e.g. 0.05)." if learns_posterior else ".")
+        f"Non-finite {what} in optimizer step {step} with method={method!r}. That step was not applied: the weights "
+        f"and optimizer state are those of the last finite step ({after}), {state}. Check the inputs for NaN or inf "
+        f"values (a single inf feature gives a finite loss but inf gradients), or lower {step_settings}."
     )

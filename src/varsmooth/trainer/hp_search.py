@@ -14,7 +14,7 @@ from typing import Any
 
 from transformers.trainer_utils import BestRun, HPSearchBackend, default_compute_objective
 
-from ..methods import MethodConfig, learns_posterior
+from ..methods import MethodConfig
 from .arguments import VariationalTrainingArguments, check_unhonoured_arguments
 
 __all__ = ["HyperparameterSearchMixin", "trial_method_config"]
@@ -71,6 +71,6 @@ class HyperparameterSearchMixin:
         finally:
             self.hp_space = space
         self._trial = trial
-        check_unhonoured_arguments(self.args, self.args.method, learns_posterior(self.args.method))
+        check_unhonoured_arguments(self.args)
         self.args.method_config = trial_method_config(self.args, settings)
         self._build_method()

@@ -58,8 +58,8 @@ class VariationalHubMixin:
             return
         self._refuse_to_replace_own_card(replace_model_card)
         picture = write_reliability_diagram(self.reliability_diagram, self.args.output_dir,
-                                            bma=self.method.learns_posterior and self.args.eval_mc_samples > 0
-                                            and self.posterior_temperature.value > 0)
+                                            bma=record.learns_posterior and record.eval_mc_samples > 0
+                                            and record.posterior_temperature.value > 0)
         if picture is not None:  # beside the model, in the manifest (uploaded) and so embedded by the card
             self.record_output(picture)
             add_to_manifest(self.args.output_dir, [os.path.basename(picture)])
@@ -108,9 +108,7 @@ class VariationalHubMixin:
         """IVON's Hessian and σ statistics of the optimizer now (after training: the posterior that was saved), else
         of the last training log, and the examples BatchNorm's statistics were recomputed from at the end of training
         (`varsmooth.prediction.batchnorm`); None for a method without a posterior."""
-        if not self.method.learns_posterior:
-            return None
-        summary = self.hessian_summary()
+        summary = self.hessian_summary()  # a method without a posterior logs none
         log = ({"step": self.state.global_step, **{k: summary[k] for k in POSTERIOR_LOG_KEYS if k in summary}}
                if summary else last_posterior_log(self.state.log_history))
         recomputed = next((entry[RECOMPUTED_LOG_KEY] for entry in reversed(self.state.log_history)

@@ -198,7 +198,7 @@ class VariationalTrainer(AfterTrainingMixin, PredictionMixin, CheckpointingMixin
     @property
     def ivon(self) -> VariationalIVON | None:
         """The IVON optimizer behind accelerate's wrapper, or None before training / for non-IVON methods."""
-        return unwrap_ivon(self.optimizer) if self.method.learns_posterior else None
+        return unwrap_ivon(self.optimizer)
 
     def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
         """The method's optimizer (IVON for IVON methods, `TrainingMethod.create_optimizer`), else the Trainer's own."""
@@ -287,7 +287,7 @@ class VariationalTrainer(AfterTrainingMixin, PredictionMixin, CheckpointingMixin
         self.method.discard_step(self.optimizer)
         bad = [] if verdict[2] else non_finite_tensors(self.accelerator.unwrap_model(self.model).named_buffers())
         raise non_finite_step_error(verdict, self.state.global_step + 1, self.args.method,
-                                    self.method.learns_posterior, bad)
+                                    self.method.step_settings, bad)
 
     def _prepare_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
         inputs = super()._prepare_inputs(inputs)
