@@ -105,11 +105,13 @@ class VariationalIVON(torch.optim.Optimizer):
         self._draw_seeds: list[int] = []  # base seed of each draw since the last step
         self._perturbed: list[tuple[_Bucket, bool]] = []  # buckets holding a sample, and whether they keep e
         # Per-parameter scratch, reused (on the CPU a fresh buffer costs page faults): "mean" (m while the parameter
-        # holds θ), "noise" (e, where kept), "nxg" (mean(e⊙g), in the buffer e⊙g was formed in) and, with several
-        # samples per step, "avg_grad" (with one, ḡ is the gradient tensor itself).
-        self._buffers: dict[torch.Tensor, dict[str, torch.Tensor | None]] = {}
+        # holds θ), "noise" (e, where kept) and, with several samples per step, "avg_grad" and "nxg".
+        self._buffers: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
+        # ḡ and mean(e⊙g) of the step's samples: after one sample, the gradient itself and the buffer e⊙g was formed
+        # in (e's, or the mean's, free until the next sample); after more, the "avg_grad" and "nxg" buffers
         self._avg_grad: dict[torch.Tensor, torch.Tensor] = {}
-        self._pending: set[torch.Tensor] = set()  # parameters whose "nxg" still holds e, not yet e⊙g
+        self._nxg: dict[torch.Tensor, torch.Tensor] = {}
+        self._pending: set[torch.Tensor] = set()  # parameters whose `_nxg` still holds e, not yet e⊙g
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -151,7 +153,7 @@ class VariationalIVON(torch.optim.Optimizer):
         out = []
         for p in params:
             slots = self._buffers.setdefault(p, {})
-            if slots.get(name) is None:
+            if name not in slots:
                 # e is drawn in logical (contiguous) order, whatever the parameter's layout
                 layout = torch.contiguous_format if name == "noise" else torch.preserve_format
                 slots[name] = torch.empty_like(to_local(p), memory_format=layout)
@@ -196,11 +198,13 @@ class VariationalIVON(torch.optim.Optimizer):
     @torch.no_grad()
     def _sample_params(self, train: bool) -> None:
         self._follow_replaced_params()
-        self._multiply_pending()  # a further sample of this step: its backward may zero the gradient holding ḡ
-        for p, grad in list(self._avg_grad.items()):
-            self._avg_grad[p] = own = self._buffer([p], "avg_grad")[0]
-            if grad is not own:
-                own.copy_(grad)
+        # a further sample of this step: its backward may zero the gradient holding ḡ, and it writes m and e
+        self._multiply_pending()
+        for held, name in ((self._avg_grad, "avg_grad"), (self._nxg, "nxg")):
+            for p, average in list(held.items()):
+                held[p] = own = self._buffer([p], name)[0]
+                if average is not own:
+                    own.copy_(average)
         draw = len(self._draw_seeds)
         self._draw_seeds.append(derive_seed(self.sample_seed, self.current_step, draw) if self.sample_seed is not None
                                 else int(torch.randint(0, 1 << 62, ()).item()))  # the CPU generator: no device sync
@@ -248,8 +252,7 @@ class VariationalIVON(torch.optim.Optimizer):
             grads = [to_local(p.grad) if p.grad is not None and p.requires_grad else torch.zeros_like(to_local(p))
                      for p in bucket.params]
             # e⊙g, in the buffer that held e or, where e was not kept, in the now free buffer of the mean
-            role = "noise" if keeps else "mean"
-            out = self._buffer(bucket.params, role)
+            out = self._buffer(bucket.params, "noise" if keeps else "mean")
             if keeps and count == 1:  # e⊙g formed by the step's kernel, which reads e and g anyway
                 self._pending.update(bucket.params)
             elif keeps:
@@ -258,13 +261,12 @@ class VariationalIVON(torch.optim.Optimizer):
                 noise = draw_noise(bucket, self._draw_seeds[draw], None)
                 with self._kernel_draws(bucket, draw, noise):
                     self._dispatch(noise_times_grad, out, grads, noise)
-            if count == 1:  # the product is the average: its buffer changes role, no copy
+            if count == 1:  # one sample's ḡ and e⊙g are the means: no copy
                 self._avg_grad.update(zip(bucket.params, grads))
-                for p, product in zip(bucket.params, out):
-                    self._buffers[p].update({"nxg": product, role: None})
+                self._nxg.update(zip(bucket.params, out))
                 continue
             # running means over the samples of this step, a + (x - a)/count as ivon-opt's Welford mean
-            torch._foreach_lerp_(self._buffer(bucket.params, "nxg"), out, 1.0 / count)
+            torch._foreach_lerp_([self._nxg[p] for p in bucket.params], out, 1.0 / count)
             torch._foreach_lerp_([self._avg_grad[p] for p in bucket.params], grads, 1.0 / count)
         self._count = count
 
@@ -311,7 +313,7 @@ class VariationalIVON(torch.optim.Optimizer):
             rate, times_grad = (1.0 - b2) * root, params[0] in self._pending
             tensors = ([to_local(p) for p in params], [self._avg_grad[p] for p in params],
                        [to_local(self.state[p]["momentum"]) for p in params],
-                       [to_local(self.state[p]["hess"]) for p in params], self._buffer(params, "nxg"))
+                       [to_local(self.state[p]["hess"]) for p in params], [self._nxg[p] for p in params])
             if self.foreach is False:
                 kernels._single_tensor_ivon(*tensors, lr=lr, beta1=b1, beta2=b2, weight_decay=wd, ess=group["ess"],
                                             debias=debias, clip_radius=group["clip_radius"], times_grad=times_grad)
@@ -319,12 +321,6 @@ class VariationalIVON(torch.optim.Optimizer):
                 coef = _on_device([b1, 1.0 - b1, wd, root, 0.5 * rate, rate, debias, lr], params[0])
                 self._dispatch(update, *tensors, coef, hessian_moves=b2 < 1.0, radius=group["clip_radius"],
                                times_grad=times_grad)
-        for slots in self._buffers.values():  # mean(e⊙g)'s buffer takes the role it had before the first sample
-            free = slots.pop("nxg", None)
-            if slots.get("mean") is None:
-                slots["mean"] = free
-            elif "noise" in slots and slots["noise"] is None:
-                slots["noise"] = free
         self.reset_samples()
         return loss
 
@@ -332,18 +328,19 @@ class VariationalIVON(torch.optim.Optimizer):
         """Forget the gradient samples and draws since the last step (a step that is not applied)."""
         self._draw_seeds, self._count = [], 0
         self._avg_grad.clear()
+        self._nxg.clear()
         self._pending.clear()
 
     def _multiply_pending(self) -> None:
         """e⊙g where the step's kernel was to form it, for a further sample or a sync."""
         pending, self._pending = self._pending, set()
         if pending:
-            torch._foreach_mul_([self._buffers[p]["nxg"] for p in pending], [self._avg_grad[p] for p in pending])
+            torch._foreach_mul_([self._nxg[p] for p in pending], [self._avg_grad[p] for p in pending])
 
     def _sync_samples(self, buckets: list[_Bucket]) -> None:
         """Averages ḡ and mean(e⊙g) over the ranks (one all-reduce per bucket)."""
         for bucket in buckets:
-            tensors = [self._avg_grad[p] for p in bucket.params] + self._buffer(bucket.params, "nxg")
+            tensors = [self._avg_grad[p] for p in bucket.params] + [self._nxg[p] for p in bucket.params]
             flat = _flatten_dense_tensors(tensors)
             dist.all_reduce(flat)
             flat.div_(dist.get_world_size())
