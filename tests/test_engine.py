@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from helpers import WORKERS, SeededIVON, give_indexed_noise, indexed_noise, run_script, skip_without_compiler
 from varsmooth.posterior import VariationalIVON, kernels
+from varsmooth.posterior.resume import ivon_state_from_posterior
 
 STEPS = 50
 FSDP_STEPS = 12
@@ -463,7 +464,7 @@ def test_resume_from_per_parameter_checkpoint_is_exact(path, samples_per_step, m
     assert torch.equal(resumed.hessian(), full[-1][1])
 
 
-def test_restore_from_posterior_inverts_the_posterior_std():
+def test_state_from_posterior_inverts_the_posterior_std():
     torch.manual_seed(0)
     model = MLP()
     make = lambda g, **k: VariationalIVON(g, sample_seed=5, **k)  # noqa: E731
@@ -472,7 +473,7 @@ def test_restore_from_posterior_inverts_the_posterior_std():
     fresh = make(_groups(fresh_model, IVON_KW["weight_decay"]),
                  **{k: v for k, v in IVON_KW.items() if k != "weight_decay"})
     stds = trained.posterior_std()
-    fresh.restore_from_posterior(stds, step=6)
+    fresh.load_state_dict(ivon_state_from_posterior(fresh, stds, 6))
     # σ = 1/sqrt(ess (h + δ)) of the restored h is the σ it was restored from, and sampling draws with it
     for restored, std in zip(fresh.posterior_std(), stds):
         torch.testing.assert_close(restored, std, rtol=1e-5, atol=0)
@@ -480,7 +481,7 @@ def test_restore_from_posterior_inverts_the_posterior_std():
     assert fresh.current_step == 6
     assert all(float(fresh.state[p]["momentum"].abs().sum()) == 0 for g in fresh.param_groups for p in g["params"])
     with pytest.raises(ValueError, match="posterior stds"):
-        fresh.restore_from_posterior(stds[:-1], step=6)
+        ivon_state_from_posterior(fresh, stds[:-1], 6)
 
 
 def test_flat_ivon_opt_checkpoint_loads_and_continues_the_trajectory():

@@ -1,11 +1,8 @@
 """varsmooth's IVON optimizer: ivon-opt 0.1.3's update (Shen et al. 2024, "Variational Learning is Effective for Large
-Deep Networks", Alg. 1, 'price' estimate) in torch.optim's shape: state (per-parameter `momentum`, `hess`), param
-groups, `sampled_params` and checkpoints here, the arithmetic per (device, dtype) bucket in `kernels`. Parameters may
-mix devices and dtypes, are never replaced, are restored if the body of `sampled_params` raises, and count as a zero
-gradient where they got none. Draw d after step t of bucket b on process r is seeded by derive_seed(derive_seed(
-sample_seed, t, d), r, b): the same seed, device and path give the same samples; resumes are exact. FSDP2 (DTensor)
-shards draw with their mesh coordinate for r and together form one sample (`sync` off: FSDP2 averages gradients).
-Nothing in a sample or a step waits for the device.
+Deep Networks", Alg. 1, 'price' estimate) in torch.optim's shape, its arithmetic per (device, dtype) bucket in
+`kernels`. Draw d after step t of bucket b on process r is seeded by derive_seed(derive_seed(sample_seed, t, d), r, b),
+so resumes are exact; FSDP2's shards draw with their mesh coordinate for r and form one sample together. Nothing in a
+sample or a step waits for the device.
 """
 
 from __future__ import annotations
@@ -23,6 +20,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ..presets import SCRATCH_PRESET
 from . import kernels
+from .ivon_opt_layout import is_flat_layout, per_parameter_state
 from .kernels import Dispatch, _on_device, noise_times_grad, perturb, seeded, update
 from .prefetch import NoisePrefetch
 from .seeds import derive_seed
@@ -359,24 +357,6 @@ class VariationalIVON(torch.optim.Optimizer):
         hess = [full_tensor(self.state[p]["hess"]).flatten() for g in self.param_groups for p in g["params"]]
         return torch.cat([h.to(hess[0].device) for h in hess]) if hess else torch.zeros(0)
 
-    def restore_from_posterior(self, stds: list[torch.Tensor], step: int) -> None:
-        """h = 1/(ess σ²) − δ (σ's inverse), zero momentum and step count `step`: a resume from a saved posterior
-        without optimizer state. `stds` in `param_groups` order, whole (unsharded) parameters."""
-        self._between_steps("restore_from_posterior")
-        params = [(g, p) for g in self.param_groups for p in g["params"]]
-        if len(stds) != len(params):
-            raise ValueError(f"Got {len(stds)} posterior stds for the {len(params)} parameters IVON trains.")
-        for (group, p), std in zip(params, stds):
-            hess = self.state[p]["hess"]
-            if isinstance(hess, DTensor) or tuple(std.shape) != tuple(hess.shape):
-                raise ValueError(f"A posterior std of shape {tuple(std.shape)} cannot restore IVON's Hessian of shape "
-                                 f"{tuple(hess.shape)}{' (sharded)' if isinstance(hess, DTensor) else ''}.")
-            std = std.to(hess)
-            hess.copy_((1.0 / (group["ess"] * std.square()) - group["weight_decay"]).clamp_min(0.0))
-            self.state[p]["momentum"].zero_()
-        self.current_step = int(step)
-        self.reset_samples()
-
     # -- checkpointing -----------------------------------------------------------------------------
     def _between_steps(self, what: str) -> None:
         if self._sampling:
@@ -393,10 +373,10 @@ class VariationalIVON(torch.optim.Optimizer):
         return state_dict
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Loads a checkpoint of this class, or of the earlier ivon-opt based one (flat `hess`/`momentum` per group)."""
+        """Loads a state dict of this class, or of ivon-opt's layout (`ivon_opt_layout`)."""
         self._between_steps("load_state_dict")
-        if "count" in state_dict["state"] or any("hess" in g for g in state_dict["param_groups"]):
-            state_dict, step = self._from_flat_checkpoint(state_dict)
+        if is_flat_layout(state_dict):
+            state_dict, step = per_parameter_state(state_dict, self.param_groups)
         else:
             step = state_dict["param_groups"][0].get("current_step") if state_dict["param_groups"] else None
         super().load_state_dict(state_dict)
@@ -410,28 +390,6 @@ class VariationalIVON(torch.optim.Optimizer):
         if step is not None:
             self.current_step = int(step)
         self.reset_samples()
-
-    def _from_flat_checkpoint(self, state_dict: dict[str, Any]) -> tuple[dict[str, Any], int | None]:
-        """ivon-opt's layout (one flat hess/momentum vector per group) split into per-parameter state."""
-        old_state, state, groups = state_dict["state"], {}, []
-        if old_state.get("count", 0):
-            raise ValueError("The IVON checkpoint holds gradient samples not yet used by a step; save after step().")
-        if len(state_dict["param_groups"]) != len(self.param_groups):
-            raise ValueError(f"The IVON checkpoint has {len(state_dict['param_groups'])} param groups, this optimizer "
-                             f"{len(self.param_groups)}: it was written for another model or parameter grouping.")
-        for saved, group in zip(state_dict["param_groups"], self.param_groups):
-            saved = {k: v for k, v in saved.items() if k != "numel"}
-            hess, momentum, numel = saved.pop("hess"), saved.pop("momentum"), sum(p.numel() for p in group["params"])
-            if len(saved["params"]) != len(group["params"]) or hess.numel() != numel or momentum.numel() != numel:
-                raise ValueError(f"The IVON checkpoint's param group holds {len(saved['params'])} parameters with "
-                                 f"{hess.numel()} values, this optimizer's {len(group['params'])} with {numel}: it was "
-                                 "written for another model.")
-            ends = torch.tensor([p.numel() for p in group["params"]]).cumsum(0).tolist()
-            for index, p, end in zip(saved["params"], group["params"], ends):
-                state[index] = {"momentum": momentum[end - p.numel():end].view(p.shape),
-                                "hess": hess[end - p.numel():end].view(p.shape)}
-            groups.append(saved)
-        return {"state": state, "param_groups": groups}, old_state.get("current_step")
 
 
 def unwrap_ivon(optimizer: Any) -> VariationalIVON | None:

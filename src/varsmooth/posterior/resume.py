@@ -1,5 +1,5 @@
 """IVON's state from a checkpoint: its optimizer.pt, or, in a checkpoint saved without optimizer state
-(`save_only_model=True`), the posterior saved beside its weights."""
+(`save_only_model=True`), the posterior saved beside its weights (`ivon_state_from_posterior`)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,10 @@ import torch
 from .gaussian import POSTERIOR_FILE, DiagonalGaussianPosterior
 from .optimizer import VariationalIVON
 from .settings import USER_NAMES
+from .sharding import DTensor
 
-__all__ = ["RESUMED_SETTINGS", "load_ivon_state", "restore_ivon_from_posterior", "resumed_settings"]
+__all__ = ["RESUMED_SETTINGS", "ivon_state_from_posterior", "load_ivon_state", "restore_ivon_from_posterior",
+           "resumed_settings"]
 
 #: IVON's settings its optimizer state carries (param group key -> the user's name): a resume from optimizer.pt trains
 #: on with the checkpoint's values of these, whatever the resuming run asked (the peak learning rate, `initial_lr`,
@@ -56,8 +58,27 @@ def restore_ivon_from_posterior(optimizer: VariationalIVON, model: torch.nn.Modu
             f"{path} covers {len(posterior.names)} parameters but IVON trains {len(param_names)}: the "
             "checkpoint was saved with other trainable parameters. Freeze the same parameters as in that run."
         )
-    optimizer.restore_from_posterior([posterior.std[name] for name in param_names],
-                                     step=int(posterior.metadata.get("step", default_step)))
+    optimizer.load_state_dict(ivon_state_from_posterior(optimizer, [posterior.std[name] for name in param_names],
+                                                        int(posterior.metadata.get("step", default_step))))
+
+
+def ivon_state_from_posterior(optimizer: VariationalIVON, stds: list[torch.Tensor], step: int) -> dict[str, Any]:
+    """The state dict of `optimizer` at the posterior of std `stds` (in `param_groups` order, whole parameters): the
+    Hessian h = 1/(ess σ²) − δ, σ = 1/sqrt(ess (h + δ)) inverted, zero momentum and step count `step`."""
+    state_dict = optimizer.state_dict()
+    indexed = [(group, index) for group in state_dict["param_groups"] for index in group["params"]]
+    if len(stds) != len(indexed):
+        raise ValueError(f"Got {len(stds)} posterior stds for the {len(indexed)} parameters IVON trains.")
+    for (group, index), std in zip(indexed, stds):
+        hess = state_dict["state"][index]["hess"]
+        if isinstance(hess, DTensor) or tuple(std.shape) != tuple(hess.shape):
+            raise ValueError(f"A posterior std of shape {tuple(std.shape)} cannot restore IVON's Hessian of shape "
+                             f"{tuple(hess.shape)}{' (sharded)' if isinstance(hess, DTensor) else ''}.")
+        std = std.to(hess)
+        state_dict["state"][index] = {"momentum": torch.zeros_like(std), "hess": (
+            1.0 / (group["ess"] * std.square()) - group["weight_decay"]).clamp_min(0.0)}
+        group["current_step"] = step
+    return state_dict
 
 
 def resumed_settings(used: Mapping[str, Any], asked: Mapping[str, Any], derived: set[str],
