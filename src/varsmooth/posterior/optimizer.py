@@ -40,7 +40,7 @@ class _Bucket(NamedTuple):
     """A param group's parameters of one device, dtype and noise key (rank or shard coordinate, bucket number)."""
     group: dict[str, Any]
     params: list[torch.Tensor]
-    indices: list[int]
+    indices: list[int]  # the parameters' positions over all param groups, which no bucketing changes
     seed_key: tuple[int, ...]
 
     def noise_seed(self, draw_seed: int) -> int:
@@ -105,8 +105,7 @@ class VariationalIVON(torch.optim.Optimizer):
         # Per-parameter scratch, reused (on the CPU a fresh buffer costs page faults): "mean" (m while the parameter
         # holds θ), "noise" (e, where kept) and, with several samples per step, "avg_grad" and "nxg".
         self._buffers: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
-        # ḡ and mean(e⊙g) of the step's samples: after one sample, the gradient itself and the buffer e⊙g was formed
-        # in (e's, or the mean's, free until the next sample); after more, the "avg_grad" and "nxg" buffers
+        # ḡ and mean(e⊙g): after one sample, the gradient and e⊙g's buffer (e's or m's); after more, "avg_grad", "nxg"
         self._avg_grad: dict[torch.Tensor, torch.Tensor] = {}
         self._nxg: dict[torch.Tensor, torch.Tensor] = {}
         self._pending: set[torch.Tensor] = set()  # parameters whose `_nxg` still holds e, not yet e⊙g
@@ -189,9 +188,8 @@ class VariationalIVON(torch.optim.Optimizer):
 
     def _next_draw_seed(self, draw: int) -> int:
         """The seed of the draw predicted to follow draw `draw` of this step (the last step's count of draws)."""
-        if draw + 1 < self._draws_per_step:
-            return derive_seed(self.sample_seed, self.current_step, draw + 1)
-        return derive_seed(self.sample_seed, self.current_step + 1, 0)
+        later = draw + 1 < self._draws_per_step  # else the next step's first draw
+        return derive_seed(self.sample_seed, *((self.current_step, draw + 1) if later else (self.current_step + 1, 0)))
 
     @torch.no_grad()
     def _sample_params(self, train: bool) -> None:
@@ -210,17 +208,15 @@ class VariationalIVON(torch.optim.Optimizer):
         keeping = [self._keeps_noise(to_local(b.params[0])) for b in buckets]
         kept = [b for b, keeps in zip(buckets, keeping) if keeps]
         prefetched = self._prefetch.take(self._draw_seeds[draw], kept, [self._buffer(b.params, "noise") for b in kept])
-        prefetched_noise = iter(prefetched or [])
+        if prefetched is not None:  # buffers that hold this draw's e already
+            for bucket, noise in zip(kept, prefetched):
+                for p, e in zip(bucket.params, noise):
+                    self._buffers[p]["noise"] = e
         for bucket, keeps in zip(buckets, keeping):
             group = bucket.group
             weights = [to_local(p) for p in bucket.params]
-            if keeps and prefetched is not None:
-                noise = next(prefetched_noise)
-                for p, e in zip(bucket.params, noise):
-                    self._buffers[p]["noise"] = e
-            else:
-                noise = draw_noise(bucket, self._draw_seeds[draw],
-                                   self._buffer(bucket.params, "noise") if keeps else None)
+            into = self._buffer(bucket.params, "noise") if keeps else None
+            noise = into if keeps and prefetched is not None else draw_noise(bucket, self._draw_seeds[draw], into)
             self._perturbed.append((bucket, keeps))
             hess = [to_local(self.state[p]["hess"]) for p in bucket.params]
             if self.foreach is False:  # eager: e was drawn into its buffer

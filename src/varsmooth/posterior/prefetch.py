@@ -22,15 +22,9 @@ __all__ = ["NoisePrefetch"]
 
 
 def _key(draw_seed: int, buckets: Sequence[Any]) -> tuple:
-    return draw_seed, tuple((b.seed_key, tuple(b.params)) for b in buckets)
-
-
-def _same(a: tuple | None, b: tuple) -> bool:
-    """Keys equal, with parameters compared by identity (tensors have no usable ==)."""
-    if a is None or a[0] != b[0] or len(a[1]) != len(b[1]):
-        return False
-    return all(ka == kb and len(pa) == len(pb) and all(x is y for x, y in zip(pa, pb))
-               for (ka, pa), (kb, pb) in zip(a[1], b[1]))
+    """The draw and its parameters by identity: tensors have no usable ==, and ids cannot be reused while `_noise`
+    holds the parameters (until `forget`, which drops the key)."""
+    return draw_seed, tuple((b.seed_key, tuple(map(id, b.params))) for b in buckets)
 
 
 class NoisePrefetch:
@@ -73,7 +67,7 @@ class NoisePrefetch:
         """The e drawn for `draw_seed` and `buckets`, or None if another draw was predicted. Its buffers leave this
         object; `spare` (the optimizer's buffers for e, free now) take their place for the next draw."""
         self.wait()
-        if not _same(self._key, _key(draw_seed, buckets)):
+        if self._key != _key(draw_seed, buckets):
             return None
         self._key = None
         noise = [[self._noise[p] for p in b.params] for b in buckets]
@@ -84,5 +78,6 @@ class NoisePrefetch:
     def forget(self, params: set[torch.Tensor]) -> None:
         """Drops the buffers of parameters no longer optimized."""
         self.wait()
+        self._key = None
         for p in params:
             self._noise.pop(p, None)
