@@ -183,8 +183,8 @@ def report() -> str:
                     f"{col('mi_auroc_noise_mean_statistics', 1.0, 2)} |")
     return ("BMA: 32 draws at τ = 1, each with its own BatchNorm statistics (what `evaluate()` and the saved model "
             "do); clean test split; `noisy val`: the example's validation split, labels as noisy as the training "
-            "labels (clean in the clean-label rows), on which settings are chosen; mean ± sd over seeds " + ", ".join(map(str, SEEDS)) + ".\n\n"
-            + "\n".join(rows) + "\n\n" + common.stamp_line(shown))
+            "labels (clean in the clean-label rows), on which settings are chosen; mean ± sd over seeds "
+            + ", ".join(map(str, SEEDS)) + ".\n\n" + "\n".join(rows) + "\n\n" + common.stamp_line(shown))
 
 
 # -- MNIST ----------------------------------------------------------------------------------------------------------
