@@ -99,10 +99,10 @@ class AfterTrainingMixin:
     def recompute_batchnorm_statistics(self) -> int:
         """Recompute BatchNorm's running statistics at the posterior mean from the training data (done by `train()` with
         `args.recompute_batchnorm_statistics`); returns the number of examples used, 0 when there was nothing to do (no
-        posterior learned, no BatchNorm, no training data). See `varsmooth.prediction.batchnorm`. Every process must
+        posterior, no BatchNorm, no training data). See `varsmooth.prediction.batchnorm`. Every process must
         call this."""
         model = self.accelerator.unwrap_model(self.model)
-        if self.ivon is None or self.train_dataset is None:
+        if self.train_dataset is None or self.posterior().is_point_mass:
             return 0
         batches = ({k: v for k, v in self._prepare_inputs(batch).items() if k != EXAMPLE_INDEX_KEY}
                    for batch in self.get_train_dataloader())
@@ -118,7 +118,8 @@ class AfterTrainingMixin:
         """Choose the posterior temperature τ by validation NLL and predict with it from now on (done by `train()`
         when `args.posterior_temperature` is None); returns the NLL at each τ tried, or None without validation data.
         See `varsmooth.prediction.temperature`."""
-        if self.ivon is None or self.args.eval_mc_samples <= 0:  # no posterior, or a prediction at the mean already
+        posterior = self.posterior()
+        if posterior.is_point_mass or self.args.eval_mc_samples <= 0:  # nothing to average, or the mean predicts
             return None
         eval_dataset = self.eval_dataset if eval_dataset is None else eval_dataset
         if eval_dataset is None:  # not the training set: every example was fitted, it cannot tell which generalizes
@@ -127,7 +128,7 @@ class AfterTrainingMixin:
                         "posterior_temperature.")
             return None
         model, samples = self.accelerator.unwrap_model(self.model), min(self.args.eval_mc_samples, SELECTION_SAMPLES)
-        posterior, batches = self.posterior(), self._batchnorm_batches(model)
+        batches = self._batchnorm_batches(model)
         draw_buffers = None if batches is None else (
             lambda tau: draw_batchnorm_statistics(model, posterior, lambda: iter(batches), samples, self.args.eval_seed,
                                                   progress=self.shows_progress(), temperature=tau))
@@ -153,7 +154,7 @@ class AfterTrainingMixin:
         # the statistics already computed carry over when they are those of the same draws of the same posterior
         predictor = self.posterior_predictor().drawing(self.args.eval_mc_samples, self.args.eval_seed, temperature)
         model = self.accelerator.unwrap_model(self.model)
-        batches = self._batchnorm_batches(model) if self.ivon is not None else None
+        batches = None if predictor.posterior.is_point_mass else self._batchnorm_batches(model)
         if batches is not None and predictor.lacks_draw_statistics(model):
             start = time.perf_counter()
             predictor = predictor.with_draw_statistics(model, batches, progress=self.shows_progress())

@@ -60,9 +60,10 @@ class PredictionMixin:
         return self.posterior_predictor().posterior_temperature
 
     def _saved_prediction(self) -> PosteriorPredictor | None:
-        """What a save writes beside the weights: the prediction (σ, τ, the draws and their statistics) when the method
-        learned a posterior; None otherwise."""
-        return self.posterior_predictor() if self.ivon is not None else None
+        """What a save writes beside the weights: the prediction (σ, τ, the draws and their statistics) of the posterior
+        learned or loaded; None for a point mass (a method without one)."""
+        predictor = self.posterior_predictor()
+        return None if predictor.posterior.is_point_mass else predictor
 
     def _predictor_beside_model(self) -> PosteriorPredictor | None:
         """The prediction an IVON run saved next to the weights this trainer's model was loaded from, if any, with
