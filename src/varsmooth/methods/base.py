@@ -93,7 +93,7 @@ class MethodContext:
     loss_override: Callable[[torch.nn.Module, dict[str, Any]], torch.Tensor] | None = None
     #: the context a loss is computed under (the Trainer's autocast)
     loss_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
-    #: the optimizer behind accelerate's wrapper (IVON's samples the weights)
+    #: the trainer's optimizer (accelerate's wrapper, which a method unwraps for what the wrapper does not forward)
     optimizer: torch.optim.Optimizer | None = None
     #: DDP with the gradient all-reduce off for the passes inside it (a null context without DDP)
     no_sync: Callable[[torch.nn.Module], contextlib.AbstractContextManager] = lambda model: contextlib.nullcontext()

@@ -218,7 +218,7 @@ class IVONMethod(TrainingMethod):
         since IVON has read the gradients before the Trainer would clip. DDP's all-reduce is off for every sample: IVON
         (sync=True) averages g and ε⊙g over ranks in `step()`, where DDP's would average g over other ranks' draws;
         FSDP2 reduce-scatters each sample's gradient onto the shards IVON updates."""
-        opt = context.optimizer
+        opt = unwrap_ivon(context.optimizer)  # inside accelerate's wrapper, which forwards no sampled_params
         params = [p for g in opt.param_groups for p in g["params"]]
         losses = []
         for _ in range(self.config.mc_samples):

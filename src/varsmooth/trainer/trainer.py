@@ -263,7 +263,7 @@ class VariationalTrainer(AfterTrainingMixin, PredictionMixin, CheckpointingMixin
         context = self.method_context(
             model, num_items_in_batch=num_items_in_batch,
             gradient_accumulation_steps=self.current_gradient_accumulation_steps,
-            loss_context=self.compute_loss_context_manager, optimizer=unwrap_ivon(self.optimizer) or self.optimizer,
+            loss_context=self.compute_loss_context_manager, optimizer=self.optimizer,
             sharded=self.is_fsdp_enabled, **({"no_sync": self.accelerator.no_sync} if ddp else {}),
             max_grad_norm=self.args.max_grad_norm or 0.0, gradients_complete=self.accelerator.sync_gradients,
             note_finite=self._note_finite,
