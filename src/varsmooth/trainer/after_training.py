@@ -118,8 +118,10 @@ class AfterTrainingMixin:
         """Choose the posterior temperature τ by validation NLL and predict with it from now on (done by `train()`
         when `args.posterior_temperature` is None); returns the NLL at each τ tried, or None without validation data.
         See `varsmooth.prediction.temperature`."""
+        if self.args.eval_mc_samples <= 0:  # a prediction at the mean already
+            return None
         posterior = self.posterior()
-        if posterior.is_point_mass or self.args.eval_mc_samples <= 0:  # nothing to average, or the mean predicts
+        if posterior.is_point_mass:  # nothing to average
             return None
         eval_dataset = self.eval_dataset if eval_dataset is None else eval_dataset
         if eval_dataset is None:  # not the training set: every example was fitted, it cannot tell which generalizes
