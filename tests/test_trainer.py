@@ -715,6 +715,33 @@ def test_posterior_passed_to_the_trainer_is_used(saved, tmp_path):
     assert alone.evaluate()["eval_nll"] != pytest.approx(trained_metrics["eval_nll"], rel=1e-3)
 
 
+@pytest.mark.parametrize("given", ["beside the model", "as posterior="])
+def test_a_loaded_posterior_is_saved_with_the_model_it_came_with(saved, tmp_path, given):
+    """A trainer that predicts with a loaded posterior and never trains saves that posterior beside the weights: the
+    new folder predicts as the trained run did, and `VariationalModel` loads it (a folder of weights alone would be
+    a model whose BMA the trainer could not reproduce)."""
+    out, test, trained_metrics = saved
+    if given == "beside the model":
+        model = ResNetForImageClassification.from_pretrained(out)
+        trainer = VariationalTrainer(model=model, args=make_args(tmp_path, eval_mc_samples=4), eval_dataset=test)
+    else:
+        ResNetForImageClassification.from_pretrained(out).save_pretrained(tmp_path / "weights_only")
+        model = ResNetForImageClassification.from_pretrained(tmp_path / "weights_only")
+        trainer = VariationalTrainer(model=model, args=make_args(tmp_path, eval_mc_samples=4), eval_dataset=test,
+                                     posterior=PosteriorPredictor.load(model, out / POSTERIOR_FILE))
+    again = tmp_path / "saved_again"
+    trainer.save_model(str(again))
+    assert (again / POSTERIOR_FILE).is_file()
+    original = DiagonalGaussianPosterior.load(model, out / POSTERIOR_FILE).std
+    copied = DiagonalGaussianPosterior.load(model, again / POSTERIOR_FILE).std
+    assert copied.keys() == original.keys() and all(torch.equal(copied[k], original[k]) for k in original)
+    assert min(float(s.min()) for s in copied.values()) > 0  # a posterior, not a point mass written out
+    np.testing.assert_allclose(_bma_probs(again, test), _bma_probs(out, test), rtol=1e-5, atol=1e-7)
+    reloaded = VariationalTrainer(model=ResNetForImageClassification.from_pretrained(again),
+                                  args=make_args(tmp_path, eval_mc_samples=4), eval_dataset=test)
+    assert reloaded.evaluate()["eval_nll"] == pytest.approx(trained_metrics["eval_nll"], rel=1e-5)
+
+
 def test_bma_without_posterior_warns_and_names_the_metrics_after_the_mean(tmp_path, caplog):
     tiny_digits_resnet().save_pretrained(tmp_path / "plain")
     model = ResNetForImageClassification.from_pretrained(tmp_path / "plain")
