@@ -17,13 +17,15 @@ warm-up). Tasks, 3 epochs at batch 32 (189 steps) on one CPU thread:
   validation split of the same labels, 1,000 clean test images.
 
 `--plan rate` trains the finetune preset at each of `CANDIDATE_RATES` on `text` and `image`, `--plan reference` AdamW
-at HF's defaults on every task (and IVON with LoRA), and `choose_rate` picks the preset's default from their noisy
-validation splits alone; `--plan compare` adds IVON at its defaults (the chosen rate) on `text` and `image`. Runs
+at HF's defaults on every task (and IVON with LoRA), and `choose_candidate` picks the preset's default from their noisy
+validation splits alone; `--plan window` does the same for the preset's Hessian window at the chosen rate
+(`WINDOW_CANDIDATES`); `--plan compare` adds IVON at its defaults on `text` and `image`. Runs
 are cached under benchmarks/results/hf_finetune/runs/ with the commit and device that produced them; `--report`
 writes the tables into benchmarks/README.md from the cache, training nothing.
 
     OMP_NUM_THREADS=1 python benchmarks/hf_finetune.py --plan rate --seeds 0
     OMP_NUM_THREADS=1 python benchmarks/hf_finetune.py --plan reference --seeds 0 1 2
+    OMP_NUM_THREADS=1 python benchmarks/hf_finetune.py --plan window --seeds 0
     OMP_NUM_THREADS=1 python benchmarks/hf_finetune.py --plan compare --seeds 0 1 2
     python benchmarks/hf_finetune.py --report
 """
@@ -44,6 +46,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402  (sets OMP_NUM_THREADS before torch is imported)
+from varsmooth.presets import DEFAULT_HESSIAN_WINDOW, FINETUNE_PRESET, beta2_for_window  # noqa: E402
 
 SCRIPT = "hf_finetune"
 TASKS = ("text", "text-lora", "image")
@@ -54,6 +57,15 @@ CANDIDATE_RATES = (0.01, 0.02, 0.05, 0.1)
 SEEDS = [0, 1, 2]
 SIZES = {"n_train": 2000, "n_val": 400, "text_test": 600, "image_test": 1000, "epochs": 3, "batch_size": 32,
          "eval_mc_samples": 8, "max_length": 64, "image_size": 64}
+#: optimizer steps of every run (3 epochs of 63 batches)
+STEPS = SIZES["epochs"] * -(-SIZES["n_train"] // SIZES["batch_size"])
+#: the finetune preset's Hessian windows tried at its chosen rate, as the β2 each names (in 189 steps the preset's
+#: 0.999 applies: `varsmooth.presets.default_beta2`)
+WINDOW_CANDIDATES = {
+    "β2 0.999 (~1,000 steps)": 0.999,
+    "run-length rule (hessian_window 0.1: β2 = 1 − 1/300)": beta2_for_window(STEPS, DEFAULT_HESSIAN_WINDOW),
+    "β2 0.99999 (the authors' from-scratch)": 0.99999,
+}
 LORA = {"r": 8, "lora_alpha": 16, "target_modules": ["query", "value"]}
 
 
@@ -235,6 +247,11 @@ def run(task: str, method: str, hyperparams: dict[str, Any], seed: int) -> dict[
 
 
 def jobs(plan: str, seeds: list[int]) -> list[dict[str, Any]]:
+    if plan == "window":
+        return [{"task": task, "method": "ivon", "seed": seed,
+                 "hyperparams": {"ivon_preset": "finetune", "learning_rate": FINETUNE_PRESET["learning_rate"],
+                                 "beta2": beta2}}
+                for seed in seeds for task in RATE_TASKS for beta2 in WINDOW_CANDIDATES.values()]
     if plan == "rate":
         return [{"task": task, "method": "ivon", "hyperparams": {"ivon_preset": "finetune", "learning_rate": rate},
                  "seed": seed} for seed in seeds for task in RATE_TASKS for rate in CANDIDATE_RATES]
@@ -246,17 +263,19 @@ def jobs(plan: str, seeds: list[int]) -> list[dict[str, Any]]:
             for part in (first, then) for seed in seeds for task, method in part]
 
 
-def choose_rate(ivon: dict[float, dict[str, list[float]]], adamw: dict[str, list[float]]) -> float:
-    """The finetune preset's rate: the candidate whose worst task, in mean noisy-validation accuracy against AdamW at
-    HF's defaults on the same task, is best (`ivon[rate][task]` and `adamw[task]`: one accuracy per seed). The goal is
-    to fine-tune every model users bring as AdamW does, so a rate is judged by the task it serves worst; the test
-    split is no argument: it is scored once, after the choice.
+def choose_candidate(ivon: dict[Any, dict[str, list[float]]], adamw: dict[str, list[float]]) -> Any:
+    """A setting of the finetune preset (its rate, its window): the candidate whose worst task, in mean noisy-
+    validation accuracy against AdamW at HF's defaults on the same task, is best (`ivon[candidate][task]` and
+    `adamw[task]`: one accuracy per seed); ties go to the first candidate. The goal is to fine-tune every model users
+    bring as AdamW does, so a setting is judged by the task it serves worst; the test split is no argument: it is
+    scored once, after the choice.
 
     Accuracy, not NLL: under symmetric noise the noisy accuracy ranks models as the clean one does (it is
     (1 − η)·clean + η·(1 − clean)/(K − 1)), while the noisy NLL also rewards under-confidence (benchmarks/README.md,
     the BMA frontier: a prediction of noisy labels is less confident than clean labels reward)."""
-    def worst_gap(rate: float) -> float:
-        return min(statistics.fmean(ivon[rate][task]) - statistics.fmean(adamw[task]) for task in ivon[rate])
+    def worst_gap(candidate: Any) -> float:
+        return round(min(statistics.fmean(ivon[candidate][task]) - statistics.fmean(adamw[task])
+                         for task in ivon[candidate]), 9)
 
     return max(ivon, key=worst_gap)
 
@@ -290,34 +309,44 @@ def _cell(runs: list[dict[str, Any]], key: str, scale: float = 1.0, digits: int 
                                                         if len(values) > 1 else "")
 
 
-def report(seeds: list[int] = SEEDS) -> str:
-    """The tables of benchmarks/README.md's `hf_finetune` block, from the cached runs of `seeds`."""
-    lines = []
-    by_rate = {rate: [r for j in jobs("rate", seeds) if j["hyperparams"]["learning_rate"] == rate
-                      and (r := _cached(j))] for rate in CANDIDATE_RATES}
-    # AdamW on the seeds the rates ran on (paired: the same noisy labels, head and batch order)
-    rate_seeds = sorted({r["seed"] for runs in by_rate.values() for r in runs})
-    adamw = {task: [r["eval_accuracy"] for s in rate_seeds
+def _choice(setting: str, candidates: dict[str, list[dict[str, Any]]], columns: str) -> list[str]:
+    """The table of one setting of the finetune preset chosen on the noisy validation splits (`choose_candidate`):
+    each candidate's runs (`candidates[label]`, the jobs of its seeds), AdamW's on the same seeds beside them; empty
+    until every candidate and AdamW have run on every task."""
+    runs = {label: [r for j in todo if (r := _cached(j))] for label, todo in candidates.items()}
+    seeds = sorted({r["seed"] for done in runs.values() for r in done})
+    # AdamW on the seeds the candidates ran on (paired: the same noisy labels, head and batch order)
+    adamw = {task: [r["eval_accuracy"] for s in seeds
                     if (r := _cached({"task": task, "method": "erm", "hyperparams": {}, "seed": s}))]
              for task in RATE_TASKS}
-    ivon = {rate: {task: [r["eval_accuracy"] for r in runs if r["task"] == task] for task in RATE_TASKS}
-            for rate, runs in by_rate.items()}
-    complete = {rate: by_task for rate, by_task in ivon.items() if all(by_task.values())}
-    if complete and all(adamw.values()):
-        chosen = choose_rate(complete, adamw)
-        lines += ["The finetune preset's learning rate, chosen on the noisy validation splits: the rate whose worst "
-                  "task, in validation accuracy against AdamW at HF's defaults, is best (mean ± std over seeds "
-                  f"{rate_seeds}); chosen: **{chosen:g}**.", "",
-                  "| rate | step bound | runs | " + " | ".join(f"`{t}` val acc % (AdamW {_cell_values(adamw[t])})"
-                                                              for t in RATE_TASKS)
-                  + " | " + " | ".join(f"`{t}` test acc %" for t in RATE_TASKS) + " |",
-                  "|---|---|---|" + "---|" * 2 * len(RATE_TASKS)]
-        for rate, runs in by_rate.items():
-            lines.append(f"| {rate:g} | {rate * 1e-3:.0e} | {len(runs)} | "
-                         + " | ".join(_cell_values(ivon[rate][t]) for t in RATE_TASKS) + " | "
-                         + " | ".join(_cell([r for r in runs if r["task"] == t], "test_accuracy", 100, 1)
-                                      for t in RATE_TASKS) + " |")
-        lines.append("")
+    ivon = {label: {task: [r["eval_accuracy"] for r in done if r["task"] == task] for task in RATE_TASKS}
+            for label, done in runs.items()}
+    if not all(by_task for scores in ivon.values() for by_task in scores.values()) or not all(adamw.values()):
+        return []
+    chosen = choose_candidate(ivon, adamw)
+    lines = [f"The finetune preset's {setting}, chosen on the noisy validation splits: the candidate whose worst task, "
+             "in validation accuracy against AdamW at HF's defaults, is best (mean ± std over seeds "
+             f"{seeds}); chosen: **{chosen}**.", "",
+             f"| {setting} | {columns}runs | " + " | ".join(f"`{t}` val acc % (AdamW {_cell_values(adamw[t])})"
+                                                          for t in RATE_TASKS)
+             + " | " + " | ".join(f"`{t}` test acc %" for t in RATE_TASKS) + " |",
+             "|---|" + "---|" * (columns.count("|") + 1 + 2 * len(RATE_TASKS))]
+    for label, done in runs.items():
+        extra = f"{done[0]['hyperparams']['learning_rate'] * 1e-3:.0e} | " if columns else ""
+        lines.append(f"| {label} | {extra}{len(done)} | "
+                     + " | ".join(_cell_values(ivon[label][t]) for t in RATE_TASKS) + " | "
+                     + " | ".join(_cell([r for r in done if r["task"] == t], "test_accuracy", 100, 1)
+                                  for t in RATE_TASKS) + " |")
+    return [*lines, ""]
+
+
+def report(seeds: list[int] = SEEDS) -> str:
+    """The tables of benchmarks/README.md's `hf_finetune` block, from the cached runs of `seeds`."""
+    rates = {f"{rate:g}": [j for j in jobs("rate", seeds) if j["hyperparams"]["learning_rate"] == rate]
+             for rate in CANDIDATE_RATES}
+    windows = {label: [j for j in jobs("window", seeds) if j["hyperparams"]["beta2"] == beta2]
+               for label, beta2 in WINDOW_CANDIDATES.items()}
+    lines = [*_choice("learning rate", rates, "step bound | "), *_choice("Hessian window", windows, "")]
     lines += ["IVON at its defaults (preset chosen from the model) against AdamW at HF's defaults, clean test "
               f"(mean ± std over seeds {seeds}; Δ: IVON − AdamW within a seed, mean ± SE):", "",
               "| task | preset chosen | IVON acc % | AdamW acc % | Δ acc (pp) | IVON NLL | AdamW NLL | Δ NLL | "
@@ -336,7 +365,7 @@ def report(seeds: list[int] = SEEDS) -> str:
                      f"{_cell(adamw, 'test_accuracy', 100, 1)} | {_paired(delta, 1)} | {_cell(ivon, 'test_nll')} | "
                      f"{_cell(adamw, 'test_nll')} | {_paired(delta_nll, 3)} | {_cell(ivon, 'test_ece')} | "
                      f"{_cell(adamw, 'test_ece')} | {'yes' if ok else 'no'} |")
-    lines += ["", common.stamp_line(_cached(j) for j in [*jobs("rate", seeds), *jobs("compare", seeds)])]
+    lines += ["", common.stamp_line(_cached(j) for plan in ("rate", "window", "compare") for j in jobs(plan, seeds))]
     return "\n".join(lines)
 
 
@@ -351,7 +380,7 @@ def _run_job(job: dict[str, Any]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--plan", choices=("rate", "reference", "compare"), default="compare")
+    parser.add_argument("--plan", choices=("rate", "window", "reference", "compare"), default="compare")
     parser.add_argument("--seeds", type=int, nargs="+", default=SEEDS)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--report", action="store_true", help="Write the tables from the cached runs only.")

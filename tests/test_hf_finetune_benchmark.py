@@ -21,15 +21,15 @@ from test_benchmarks import block  # noqa: E402
 pytestmark = pytest.mark.slow  # the benchmarks' checks are the slow tier's (the README's test command skips them)
 
 
-def test_the_rate_is_the_one_whose_worst_task_against_adamw_is_best() -> None:
+def test_a_setting_is_the_candidate_whose_worst_task_against_adamw_is_best() -> None:
     adamw = {"text": [0.63, 0.65], "image": [0.30]}
     # 0.02 leads on text but trails AdamW by 10 points on image; 0.1 trails by at most 2 points anywhere
     ivon = {0.02: {"text": [0.64, 0.66], "image": [0.20]}, 0.1: {"text": [0.62, 0.62], "image": [0.31]}}
-    assert hf_finetune.choose_rate(ivon, adamw) == 0.1
+    assert hf_finetune.choose_candidate(ivon, adamw) == 0.1
     ivon[0.02]["image"] = [0.29]
-    assert hf_finetune.choose_rate(ivon, adamw) == 0.02
+    assert hf_finetune.choose_candidate(ivon, adamw) == 0.02
     # validation accuracies only: the test split is no argument of the choice
-    assert list(inspect.signature(hf_finetune.choose_rate).parameters) == ["ivon", "adamw"]
+    assert list(inspect.signature(hf_finetune.choose_candidate).parameters) == ["ivon", "adamw"]
 
 
 def test_the_finetune_presets_rate_is_the_chosen_one() -> None:
