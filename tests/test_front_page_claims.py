@@ -177,3 +177,13 @@ def test_in_long_fine_tunes_each_leads_where_the_front_page_says():
             stopped = next(mean(row["stopped at epoch"]) for row in rows
                            if row["task"] == task and row["method"] == "AdamW + early stopping")
             assert (stopped >= 14) == (leader == "IVON (defaults)"), (task, stopped)
+
+
+def test_the_results_pages_long_fine_tune_numbers_are_the_tables():
+    """benchmarks/README.md's paragraph on long fine-tunes quotes its table: every `mean ± std` it types is a cell
+    of the generated `long_finetune` block."""
+    page = (REPO / "benchmarks" / "README.md").read_text()
+    paragraph = page.split("**Long fine-tunes against AdamW with early stopping**", 1)[1].split("![Figure 5", 1)[0]
+    quoted = re.findall(r"\d+\.\d+ ± \d+\.\d+", paragraph)
+    cells = set(re.findall(r"\d+\.\d+ ± \d+\.\d+", block("long_finetune")))
+    assert len(quoted) >= 8 and set(quoted) <= cells, set(quoted) - cells
