@@ -314,10 +314,11 @@ def _cell(runs: list[dict[str, Any]], key: str, scale: float = 1.0, digits: int 
                                                         if len(values) > 1 else "")
 
 
-def _choice(setting: str, candidates: dict[str, list[dict[str, Any]]], columns: str) -> list[str]:
+def _choice(setting: str, candidates: dict[str, list[dict[str, Any]]], step_bound: bool = False) -> list[str]:
     """The table of one setting of the finetune preset chosen on the noisy validation splits (`choose_candidate`):
-    each candidate's runs (`candidates[label]`, the jobs of its seeds), AdamW's on the same seeds beside them; empty
-    until every candidate and AdamW have run on every task."""
+    each candidate's runs (`candidates[label]`, the jobs of its seeds), AdamW's on the same seeds beside them, and with
+    `step_bound` each candidate's largest step of a weight (rate × the preset's clip_radius); empty until every
+    candidate and AdamW have run on every task."""
     runs = {label: [r for j in todo if (r := _cached(j))] for label, todo in candidates.items()}
     seeds = sorted({r["seed"] for done in runs.values() for r in done})
     # AdamW on the seeds the candidates ran on (paired: the same noisy labels, head and batch order)
@@ -329,19 +330,18 @@ def _choice(setting: str, candidates: dict[str, list[dict[str, Any]]], columns: 
     if not all(by_task for scores in ivon.values() for by_task in scores.values()) or not all(adamw.values()):
         return []
     chosen = choose_candidate(ivon, adamw)
+    header = [setting, *(["step bound"] if step_bound else []), "runs",
+              *(f"`{t}` val acc % (AdamW {_cell_values(adamw[t])})" for t in RATE_TASKS),
+              *(f"`{t}` test acc %" for t in RATE_TASKS)]
     lines = [f"The finetune preset's {setting}, chosen on the noisy validation splits: the candidate whose worst task, "
              "in validation accuracy against AdamW at HF's defaults, is best (mean ± std over seeds "
-             f"{seeds}); chosen: **{chosen}**.", "",
-             f"| {setting} | {columns}runs | " + " | ".join(f"`{t}` val acc % (AdamW {_cell_values(adamw[t])})"
-                                                          for t in RATE_TASKS)
-             + " | " + " | ".join(f"`{t}` test acc %" for t in RATE_TASKS) + " |",
-             "|---|" + "---|" * (columns.count("|") + 1 + 2 * len(RATE_TASKS))]
+             f"{seeds}); chosen: **{chosen}**.", "", "| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
     for label, done in runs.items():
-        extra = f"{done[0]['hyperparams']['learning_rate'] * 1e-3:.0e} | " if columns else ""
-        lines.append(f"| {label} | {extra}{len(done)} | "
-                     + " | ".join(_cell_values(ivon[label][t]) for t in RATE_TASKS) + " | "
-                     + " | ".join(_cell([r for r in done if r["task"] == t], "test_accuracy", 100, 1)
-                                  for t in RATE_TASKS) + " |")
+        rate = done[0]["hyperparams"]["learning_rate"]
+        bound = [f"{rate * FINETUNE_PRESET['clip_radius']:.0e}"] if step_bound else []
+        cells = [label, *bound, str(len(done)), *(_cell_values(ivon[label][t]) for t in RATE_TASKS),
+                 *(_cell([r for r in done if r["task"] == t], "test_accuracy", 100, 1) for t in RATE_TASKS)]
+        lines.append("| " + " | ".join(cells) + " |")
     return [*lines, ""]
 
 
@@ -351,7 +351,7 @@ def report(seeds: list[int] = SEEDS) -> str:
              for rate in CANDIDATE_RATES}
     windows = {label: [j for j in jobs("window", seeds) if j["hyperparams"]["beta2"] == beta2]
                for label, beta2 in WINDOW_CANDIDATES.items()}
-    lines = [*_choice("learning rate", rates, "step bound | "), *_choice("Hessian window", windows, "")]
+    lines = [*_choice("learning rate", rates, step_bound=True), *_choice("Hessian window", windows)]
     lines += ["IVON at its defaults (preset chosen from the model) against AdamW at HF's defaults, clean test "
               f"(mean ± std over seeds {seeds}; Δ: IVON − AdamW within a seed, mean ± SE; the last column on the "
               "noisy validation split):", "",
