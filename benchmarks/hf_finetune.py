@@ -19,13 +19,14 @@ warm-up). Tasks, 3 epochs at batch 32 (189 steps) on one CPU thread:
 `--plan rate` trains the finetune preset at each of `CANDIDATE_RATES` on `text` and `image`, `--plan reference` AdamW
 at HF's defaults on every task (and IVON with LoRA), and `choose_candidate` picks the preset's default from their noisy
 validation splits alone; `--plan window` does the same for the preset's Hessian window at the chosen rate
-(`WINDOW_CANDIDATES`); `--plan compare` adds IVON at its defaults on `text` and `image`. Runs
+(`WINDOW_CANDIDATES`), `--plan ess` for its effective sample size (`ESS_CANDIDATES`); `--plan compare` adds IVON at its defaults on `text` and `image`. Runs
 are cached under benchmarks/results/hf_finetune/runs/ with the commit and device that produced them; `--report`
 writes the tables into benchmarks/README.md from the cache, training nothing.
 
     OMP_NUM_THREADS=1 python benchmarks/hf_finetune.py --plan rate --seeds 0
     OMP_NUM_THREADS=1 python benchmarks/hf_finetune.py --plan reference --seeds 0 1 2
     OMP_NUM_THREADS=1 python benchmarks/hf_finetune.py --plan window --seeds 0
+    OMP_NUM_THREADS=1 python benchmarks/hf_finetune.py --plan ess --seeds 0
     OMP_NUM_THREADS=1 python benchmarks/hf_finetune.py --plan compare --seeds 0 1 2
     python benchmarks/hf_finetune.py --report
 """
@@ -66,6 +67,9 @@ WINDOW_CANDIDATES = {
     "run-length rule (hessian_window 0.1: β2 = 1 − 1/300)": beta2_for_window(STEPS, DEFAULT_HESSIAN_WINDOW),
     "β2 0.99999 (the authors' from-scratch)": 0.99999,
 }
+#: the finetune preset's effective sample sizes tried at its chosen rate and window: the initial posterior std
+#: σ0 = 1/sqrt(ess·h0) is 1e-2, 3e-3 (the preset's) and 1e-3 (weights of the pretrained models are ~5e-2 in size)
+ESS_CANDIDATES = {"ess 1e7 (σ0 1e-2)": 1e7, "ess 1e8 (σ0 3e-3)": 1e8, "ess 1e9 (σ0 1e-3)": 1e9}
 LORA = {"r": 8, "lora_alpha": 16, "target_modules": ["query", "value"]}
 
 
@@ -257,6 +261,11 @@ def jobs(plan: str, seeds: list[int]) -> list[dict[str, Any]]:
                  "hyperparams": {"ivon_preset": "finetune", "learning_rate": FINETUNE_PRESET["learning_rate"],
                                  "beta2": beta2}}
                 for seed in seeds for task in RATE_TASKS for beta2 in WINDOW_CANDIDATES.values()]
+    if plan == "ess":  # the preset's own ess is the chosen rate's run (`--plan rate`), not trained again
+        return [{"task": task, "method": "ivon", "seed": seed,
+                 "hyperparams": {"ivon_preset": "finetune", "learning_rate": FINETUNE_PRESET["learning_rate"],
+                                 **({"ess": ess} if ess != FINETUNE_PRESET["ess"] else {})}}
+                for seed in seeds for task in RATE_TASKS for ess in ESS_CANDIDATES.values()]
     if plan == "rate":
         return [{"task": task, "method": "ivon", "hyperparams": {"ivon_preset": "finetune", "learning_rate": rate},
                  "seed": seed} for seed in seeds for task in RATE_TASKS for rate in CANDIDATE_RATES]
@@ -388,7 +397,7 @@ def _run_job(job: dict[str, Any]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--plan", choices=("rate", "window", "reference", "compare"), default="compare")
+    parser.add_argument("--plan", choices=("rate", "window", "ess", "reference", "compare"), default="compare")
     parser.add_argument("--seeds", type=int, nargs="+", default=SEEDS)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--report", action="store_true", help="Write the tables from the cached runs only.")
