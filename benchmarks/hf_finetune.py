@@ -360,7 +360,10 @@ def report(seeds: list[int] = SEEDS) -> str:
              for rate in CANDIDATE_RATES}
     windows = {label: [j for j in jobs("window", seeds) if j["hyperparams"]["beta2"] == beta2]
                for label, beta2 in WINDOW_CANDIDATES.items()}
-    lines = [*_choice("learning rate", rates, step_bound=True), *_choice("Hessian window", windows)]
+    esses = {label: [j for j in jobs("ess", seeds) if j["hyperparams"].get("ess", FINETUNE_PRESET["ess"]) == ess]
+             for label, ess in ESS_CANDIDATES.items()}
+    lines = [*_choice("learning rate", rates, step_bound=True), *_choice("Hessian window", windows),
+             *_choice("effective sample size", esses)]
     lines += ["IVON at its defaults (preset chosen from the model) against AdamW at HF's defaults, clean test "
               f"(mean ± std over seeds {seeds}; Δ: IVON − AdamW within a seed, mean ± SE; the last column on the "
               "noisy validation split):", "",
@@ -382,7 +385,7 @@ def report(seeds: list[int] = SEEDS) -> str:
                      f"{_cell(adamw, 'test_accuracy', 100, 1)} | {_paired(delta, 1)} | {_cell(ivon, 'test_nll')} | "
                      f"{_cell(adamw, 'test_nll')} | {_paired(delta_nll, 3)} | {_cell(ivon, 'test_ece')} | "
                      f"{_cell(adamw, 'test_ece')} | {'yes' if ok else 'no'} | {_paired(delta_val_nll, 3)} |")
-    lines += ["", common.stamp_line(_cached(j) for plan in ("rate", "window", "compare") for j in jobs(plan, seeds))]
+    lines += ["", common.stamp_line(_cached(j) for plan in ("rate", "window", "ess", "compare") for j in jobs(plan, seeds))]
     return "\n".join(lines)
 
 

@@ -50,6 +50,14 @@ def test_the_finetune_presets_window_is_the_chosen_one() -> None:
         hf_finetune.WINDOW_CANDIDATES[chosen.group(1)]
 
 
+def test_the_finetune_presets_ess_is_the_chosen_one() -> None:
+    from varsmooth.presets import FINETUNE_PRESET
+
+    chosen = re.search(r"effective sample size, chosen .*; chosen: \*\*(.+?)\*\*", block("hf_finetune"))
+    assert chosen is not None, "no ess chosen: the committed ess and reference runs are missing"
+    assert FINETUNE_PRESET["ess"] == hf_finetune.ESS_CANDIDATES[chosen.group(1)]
+
+
 def test_a_freshly_built_image_checkpoint_leaves_the_seeded_head_as_a_cached_one(tmp_path: Path,
                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """The image task's new head comes from the seed alone: building the checkpoint folder (the first run on a fresh
