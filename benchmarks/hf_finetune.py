@@ -19,14 +19,16 @@ warm-up). Tasks, 3 epochs at batch 32 (189 steps) on one CPU thread:
 `--plan rate` trains the finetune preset at each of `CANDIDATE_RATES` on `text` and `image`, `--plan reference` AdamW
 at HF's defaults on every task (and IVON with LoRA), and `choose_candidate` picks the preset's default from their noisy
 validation splits alone; `--plan window` does the same for the preset's Hessian window at the chosen rate
-(`WINDOW_CANDIDATES`), `--plan ess` for its effective sample size (`ESS_CANDIDATES`); `--plan compare` adds IVON at its
-defaults on `text` and `image`. Runs are cached under benchmarks/results/hf_finetune/runs/ with the commit and device
-that produced them; `--report` writes the tables into benchmarks/README.md from the cache, training nothing.
+(`WINDOW_CANDIDATES`), `--plan ess` for its effective sample size (`ESS_CANDIDATES`), `--plan step` for its clipped
+sign step against IVON's own preconditioned step at rates of AdamW's scale (`STEP_CANDIDATES`); `--plan compare` adds
+IVON at its defaults on `text` and `image`. Runs are cached under benchmarks/results/hf_finetune/runs/ with the commit
+and device that produced them; `--report` writes the tables into benchmarks/README.md from the cache, training nothing.
 
     OMP_NUM_THREADS=1 python benchmarks/hf_finetune.py --plan rate --seeds 0
     OMP_NUM_THREADS=1 python benchmarks/hf_finetune.py --plan reference --seeds 0 1 2 3 4
     OMP_NUM_THREADS=1 python benchmarks/hf_finetune.py --plan window --seeds 0
     OMP_NUM_THREADS=1 python benchmarks/hf_finetune.py --plan ess --seeds 0
+    OMP_NUM_THREADS=1 python benchmarks/hf_finetune.py --plan step --seeds 0
     OMP_NUM_THREADS=1 python benchmarks/hf_finetune.py --plan compare --seeds 0 1 2 3 4
     python benchmarks/hf_finetune.py --report
 """
@@ -70,6 +72,12 @@ WINDOW_CANDIDATES = {
 #: the finetune preset's effective sample sizes tried at its chosen rate and window: the initial posterior std
 #: σ0 = 1/sqrt(ess·h0) is 1e-2, 3e-3 (the preset's) and 1e-3 (weights of the pretrained models are ~5e-2 in size)
 ESS_CANDIDATES = {"ess 1e7 (σ0 1e-2)": 1e7, "ess 1e8 (σ0 3e-3)": 1e8, "ess 1e9 (σ0 1e-3)": 1e9}
+#: the finetune preset's update, (clip_radius, learning_rate): its own clip of ±1e-3 makes nearly every weight take a
+#: sign step of rate × 1e-3 (the Hessian stays near h0 on text), while clip_radius 1 leaves IVON's preconditioned step
+#: (g + δm)/(h + δ), which differs from weight to weight as AdamW's does, at rates of AdamW's scale
+STEP_CANDIDATES = {"sign step: clip_radius 1e-3, lr 0.02": (1e-3, 0.02),
+                   **{f"preconditioned: clip_radius 1, lr {rate:g}": (1.0, rate)
+                      for rate in (2e-5, 5e-5, 1e-4, 3e-4, 1e-3)}}
 LORA = {"r": 8, "lora_alpha": 16, "target_modules": ["query", "value"]}
 
 
@@ -266,6 +274,11 @@ def jobs(plan: str, seeds: list[int]) -> list[dict[str, Any]]:
                  "hyperparams": {"ivon_preset": "finetune", "learning_rate": FINETUNE_PRESET["learning_rate"],
                                  **({"ess": ess} if ess != FINETUNE_PRESET["ess"] else {})}}
                 for seed in seeds for task in RATE_TASKS for ess in ESS_CANDIDATES.values()]
+    if plan == "step":  # the preset's own step is the chosen rate's run (`--plan rate`), not trained again
+        return [{"task": task, "method": "ivon", "seed": seed,
+                 "hyperparams": {"ivon_preset": "finetune", "learning_rate": rate,
+                                 **({"clip_radius": radius} if radius != FINETUNE_PRESET["clip_radius"] else {})}}
+                for seed in seeds for task in RATE_TASKS for radius, rate in STEP_CANDIDATES.values()]
     if plan == "rate":
         return [{"task": task, "method": "ivon", "hyperparams": {"ivon_preset": "finetune", "learning_rate": rate},
                  "seed": seed} for seed in seeds for task in RATE_TASKS for rate in CANDIDATE_RATES]
@@ -326,7 +339,7 @@ def _cell(runs: list[dict[str, Any]], key: str, scale: float = 1.0, digits: int 
 def _choice(setting: str, candidates: dict[str, list[dict[str, Any]]], step_bound: bool = False) -> list[str]:
     """The table of one setting of the finetune preset chosen on the noisy validation splits (`choose_candidate`):
     each candidate's runs (`candidates[label]`, the jobs of its seeds), AdamW's on the same seeds beside them, and with
-    `step_bound` each candidate's largest step of a weight (rate × the preset's clip_radius); empty until every
+    `step_bound` each candidate's largest step of a weight (rate × its clip_radius); empty until every
     candidate and AdamW have run on every task."""
     runs = {label: [r for j in todo if (r := _cached(j))] for label, todo in candidates.items()}
     seeds = sorted({r["seed"] for done in runs.values() for r in done})
@@ -348,7 +361,8 @@ def _choice(setting: str, candidates: dict[str, list[dict[str, Any]]], step_boun
              f"{seeds}); chosen: **{chosen}**.", "", "| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
     for label, done in runs.items():
         rate = done[0]["hyperparams"]["learning_rate"]
-        bound = [f"{rate * FINETUNE_PRESET['clip_radius']:.0e}"] if step_bound else []
+        radius = done[0]["hyperparams"].get("clip_radius", FINETUNE_PRESET["clip_radius"])
+        bound = [f"{rate * radius:.0e}"] if step_bound else []
         cells = [label, *bound, str(len(done)), *(_cell_values(ivon[label][t]) for t in RATE_TASKS),
                  *(_cell([r for r in done if r["task"] == t], "test_accuracy", 100, 1) for t in RATE_TASKS),
                  *(_cell([r for r in done if r["task"] == t], f"{split}_nll")
@@ -365,8 +379,10 @@ def report(seeds: list[int] = SEEDS) -> str:
                for label, beta2 in WINDOW_CANDIDATES.items()}
     esses = {label: [j for j in jobs("ess", seeds) if j["hyperparams"].get("ess", FINETUNE_PRESET["ess"]) == ess]
              for label, ess in ESS_CANDIDATES.items()}
+    steps = {label: [j for j in jobs("step", seeds) if (j["hyperparams"].get("clip_radius", FINETUNE_PRESET[
+        "clip_radius"]), j["hyperparams"]["learning_rate"]) == step] for label, step in STEP_CANDIDATES.items()}
     lines = [*_choice("learning rate", rates, step_bound=True), *_choice("Hessian window", windows),
-             *_choice("effective sample size", esses)]
+             *_choice("effective sample size", esses), *_choice("update", steps, step_bound=True)]
     lines += ["IVON at its defaults (preset chosen from the model) against AdamW at HF's defaults, clean test "
               f"(mean ± std over seeds {seeds}; Δ: IVON − AdamW within a seed, mean ± SE; the last column on the "
               "noisy validation split):", "",
@@ -388,7 +404,7 @@ def report(seeds: list[int] = SEEDS) -> str:
                      f"{_cell(adamw, 'test_accuracy', 100, 1)} | {_paired(delta, 1)} | {_cell(ivon, 'test_nll')} | "
                      f"{_cell(adamw, 'test_nll')} | {_paired(delta_nll, 3)} | {_cell(ivon, 'test_ece')} | "
                      f"{_cell(adamw, 'test_ece')} | {'yes' if ok else 'no'} | {_paired(delta_val_nll, 3)} |")
-    plans = ("rate", "window", "ess", "compare")
+    plans = ("rate", "window", "ess", "step", "compare")
     lines += ["", common.stamp_line(_cached(j) for plan in plans for j in jobs(plan, seeds))]
     return "\n".join(lines)
 
@@ -404,7 +420,7 @@ def _run_job(job: dict[str, Any]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--plan", choices=("rate", "window", "ess", "reference", "compare"), default="compare")
+    parser.add_argument("--plan", choices=("rate", "window", "ess", "step", "reference", "compare"), default="compare")
     parser.add_argument("--seeds", type=int, nargs="+", default=SEEDS)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--report", action="store_true", help="Write the tables from the cached runs only.")

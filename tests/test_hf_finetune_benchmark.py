@@ -58,6 +58,17 @@ def test_the_finetune_presets_ess_is_the_chosen_one() -> None:
     assert FINETUNE_PRESET["ess"] == hf_finetune.ESS_CANDIDATES[chosen.group(1)]
 
 
+def test_the_finetune_presets_update_is_the_chosen_one() -> None:
+    """The preset's clipped sign step (clip_radius, rate) won against IVON's own preconditioned step at rates of
+    AdamW's scale, on the noisy validation splits."""
+    from varsmooth.presets import FINETUNE_PRESET
+
+    chosen = re.search(r"update, chosen .*; chosen: \*\*(.+?)\*\*", block("hf_finetune"))
+    assert chosen is not None, "no update chosen: the committed step and reference runs are missing"
+    assert hf_finetune.STEP_CANDIDATES[chosen.group(1)] == (FINETUNE_PRESET["clip_radius"],
+                                                           FINETUNE_PRESET["learning_rate"])
+
+
 def test_a_freshly_built_image_checkpoint_leaves_the_seeded_head_as_a_cached_one(tmp_path: Path,
                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """The image task's new head comes from the seed alone: building the checkpoint folder (the first run on a fresh
