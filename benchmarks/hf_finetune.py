@@ -263,21 +263,26 @@ def run(task: str, method: str, hyperparams: dict[str, Any], seed: int) -> dict[
     return result
 
 
+def _finetune(learning_rate: float, **settings: float) -> dict[str, Any]:
+    """The hyperparameters of a finetune-preset run at `learning_rate`, naming only the `settings` that differ from
+    the preset's: a candidate equal to the preset is the rate plan's run (`--plan rate`), not trained again."""
+    return {"ivon_preset": "finetune", "learning_rate": learning_rate,
+            **{key: value for key, value in settings.items() if value != FINETUNE_PRESET[key]}}
+
+
 def jobs(plan: str, seeds: list[int]) -> list[dict[str, Any]]:
     if plan == "window":
         return [{"task": task, "method": "ivon", "seed": seed,
                  "hyperparams": {"ivon_preset": "finetune", "learning_rate": FINETUNE_PRESET["learning_rate"],
                                  "beta2": beta2}}
                 for seed in seeds for task in RATE_TASKS for beta2 in WINDOW_CANDIDATES.values()]
-    if plan == "ess":  # the preset's own ess is the chosen rate's run (`--plan rate`), not trained again
+    if plan == "ess":
         return [{"task": task, "method": "ivon", "seed": seed,
-                 "hyperparams": {"ivon_preset": "finetune", "learning_rate": FINETUNE_PRESET["learning_rate"],
-                                 **({"ess": ess} if ess != FINETUNE_PRESET["ess"] else {})}}
+                 "hyperparams": _finetune(FINETUNE_PRESET["learning_rate"], ess=ess)}
                 for seed in seeds for task in RATE_TASKS for ess in ESS_CANDIDATES.values()]
-    if plan == "step":  # the preset's own step is the chosen rate's run (`--plan rate`), not trained again
+    if plan == "step":
         return [{"task": task, "method": "ivon", "seed": seed,
-                 "hyperparams": {"ivon_preset": "finetune", "learning_rate": rate,
-                                 **({"clip_radius": radius} if radius != FINETUNE_PRESET["clip_radius"] else {})}}
+                 "hyperparams": _finetune(rate, clip_radius=radius)}
                 for seed in seeds for task in RATE_TASKS for radius, rate in STEP_CANDIDATES.values()]
     if plan == "rate":
         return [{"task": task, "method": "ivon", "hyperparams": {"ivon_preset": "finetune", "learning_rate": rate},
@@ -377,10 +382,11 @@ def report(seeds: list[int] = SEEDS) -> str:
              for rate in CANDIDATE_RATES}
     windows = {label: [j for j in jobs("window", seeds) if j["hyperparams"]["beta2"] == beta2]
                for label, beta2 in WINDOW_CANDIDATES.items()}
-    esses = {label: [j for j in jobs("ess", seeds) if j["hyperparams"].get("ess", FINETUNE_PRESET["ess"]) == ess]
+    preset_rate = FINETUNE_PRESET["learning_rate"]
+    esses = {label: [j for j in jobs("ess", seeds) if j["hyperparams"] == _finetune(preset_rate, ess=ess)]
              for label, ess in ESS_CANDIDATES.items()}
-    steps = {label: [j for j in jobs("step", seeds) if (j["hyperparams"].get("clip_radius", FINETUNE_PRESET[
-        "clip_radius"]), j["hyperparams"]["learning_rate"]) == step] for label, step in STEP_CANDIDATES.items()}
+    steps = {label: [j for j in jobs("step", seeds) if j["hyperparams"] == _finetune(rate, clip_radius=radius)]
+             for label, (radius, rate) in STEP_CANDIDATES.items()}
     lines = [*_choice("learning rate", rates, step_bound=True), *_choice("Hessian window", windows),
              *_choice("effective sample size", esses), *_choice("update", steps, step_bound=True)]
     lines += ["IVON at its defaults (preset chosen from the model) against AdamW at HF's defaults, clean test "
