@@ -56,7 +56,7 @@ TASKS = ("text", "text-lora", "image")
 #: the tasks the finetune preset's rate is chosen on (the preset trains every weight; `text-lora` takes `lora`)
 RATE_TASKS = ("text", "image")
 #: the finetune preset's learning rates tried (its largest step of a weight is rate × clip_radius 1e-3)
-CANDIDATE_RATES = (0.01, 0.02, 0.05, 0.1)
+CANDIDATE_RATES = (0.01, 0.02, 0.03, 0.04, 0.05, 0.1)
 SEEDS = [0, 1, 2, 3, 4]
 SIZES = {"n_train": 2000, "n_val": 400, "text_test": 600, "image_test": 1000, "epochs": 3, "batch_size": 32,
          "eval_mc_samples": 8, "max_length": 64, "image_size": 64}
