@@ -22,7 +22,8 @@ validation splits alone; `--plan window` does the same for the preset's Hessian 
 (`WINDOW_CANDIDATES`), `--plan ess` for its effective sample size (`ESS_CANDIDATES`), `--plan step` for its clipped
 sign step against IVON's own preconditioned step at rates of AdamW's scale (`STEP_CANDIDATES`); `--plan compare` adds
 IVON at its defaults on `text` and `image`. Runs are cached under benchmarks/results/hf_finetune/runs/ with the commit
-and device that produced them; `--report` writes the tables into benchmarks/README.md from the cache, training nothing.
+and device that produced them; `--report` writes the tables into benchmarks/studies/hf_finetune.md from the cache,
+training nothing.
 
     OMP_NUM_THREADS=1 python benchmarks/hf_finetune.py --plan rate --seeds 0
     OMP_NUM_THREADS=1 python benchmarks/hf_finetune.py --plan reference --seeds 0 1 2 3 4
@@ -285,8 +286,8 @@ def jobs(plan: str, seeds: list[int]) -> list[dict[str, Any]]:
                  "hyperparams": _finetune(rate, clip_radius=radius)}
                 for seed in seeds for task in RATE_TASKS for radius, rate in STEP_CANDIDATES.values()]
     if plan == "rate":
-        return [{"task": task, "method": "ivon", "hyperparams": {"ivon_preset": "finetune", "learning_rate": rate},
-                 "seed": seed} for seed in seeds for task in RATE_TASKS for rate in CANDIDATE_RATES]
+        return [{"task": task, "method": "ivon", "hyperparams": _finetune(rate), "seed": seed}
+                for seed in seeds for task in RATE_TASKS for rate in CANDIDATE_RATES]
     # AdamW's runs and IVON's LoRA runs first (`--plan reference`): the finetune preset's rate is chosen against
     # AdamW's, and IVON's full fine-tunes at the defaults need it
     first = [(task, method) for task in TASKS for method in ("erm", "ivon") if method == "erm" or task == "text-lora"]
@@ -377,7 +378,7 @@ def _choice(setting: str, candidates: dict[str, list[dict[str, Any]]], step_boun
 
 
 def report(seeds: list[int] = SEEDS) -> str:
-    """The tables of benchmarks/README.md's `hf_finetune` block, from the cached runs of `seeds`."""
+    """The tables of the `hf_finetune` block of benchmarks/studies/hf_finetune.md, from the cached runs of `seeds`."""
     rates = {f"{rate:g}": [j for j in jobs("rate", seeds) if j["hyperparams"]["learning_rate"] == rate]
              for rate in CANDIDATE_RATES}
     windows = {label: [j for j in jobs("window", seeds) if j["hyperparams"]["beta2"] == beta2]
