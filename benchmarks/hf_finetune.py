@@ -20,17 +20,19 @@ warm-up). Tasks, 3 epochs at batch 32 (189 steps) on one CPU thread:
 at HF's defaults on every task (and IVON with LoRA), and `choose_candidate` picks the preset's default from their noisy
 validation splits alone; `--plan window` does the same for the preset's Hessian window at the chosen rate
 (`WINDOW_CANDIDATES`), `--plan ess` for its effective sample size (`ESS_CANDIDATES`), `--plan step` for its clipped
-sign step against IVON's own preconditioned step at rates of AdamW's scale (`STEP_CANDIDATES`); `--plan compare` adds
-IVON at its defaults on `text` and `image`. Runs are cached under benchmarks/results/hf_finetune/runs/ with the commit
-and device that produced them; `--report` writes the tables into benchmarks/studies/hf_finetune.md from the cache,
-training nothing.
+sign step against IVON's own preconditioned step at rates of AdamW's scale (`STEP_CANDIDATES`), `--plan new_weights`
+for the learning-rate multiplier of the weights `from_pretrained` newly initialised (`NEW_WEIGHT_SCALES`); `--plan
+compare` adds IVON at its defaults on `text` and `image`. Each plan runs on its seeds (`PLAN_SEEDS`). Runs are cached
+under benchmarks/results/hf_finetune/runs/ with the commit and device that produced them; `--report` writes the tables
+into benchmarks/studies/hf_finetune.md from the cache, training nothing.
 
-    OMP_NUM_THREADS=1 python benchmarks/hf_finetune.py --plan rate --seeds 0
-    OMP_NUM_THREADS=1 python benchmarks/hf_finetune.py --plan reference --seeds 0 1 2 3 4
-    OMP_NUM_THREADS=1 python benchmarks/hf_finetune.py --plan window --seeds 0
-    OMP_NUM_THREADS=1 python benchmarks/hf_finetune.py --plan ess --seeds 0
-    OMP_NUM_THREADS=1 python benchmarks/hf_finetune.py --plan step --seeds 0
-    OMP_NUM_THREADS=1 python benchmarks/hf_finetune.py --plan compare --seeds 0 1 2 3 4
+    OMP_NUM_THREADS=1 python benchmarks/hf_finetune.py --plan rate
+    OMP_NUM_THREADS=1 python benchmarks/hf_finetune.py --plan reference
+    OMP_NUM_THREADS=1 python benchmarks/hf_finetune.py --plan window
+    OMP_NUM_THREADS=1 python benchmarks/hf_finetune.py --plan ess
+    OMP_NUM_THREADS=1 python benchmarks/hf_finetune.py --plan step
+    OMP_NUM_THREADS=1 python benchmarks/hf_finetune.py --plan new_weights
+    OMP_NUM_THREADS=1 python benchmarks/hf_finetune.py --plan compare
     python benchmarks/hf_finetune.py --report
 """
 
@@ -59,6 +61,10 @@ RATE_TASKS = ("text", "image")
 #: the finetune preset's learning rates tried (its largest step of a weight is rate × clip_radius 1e-3)
 CANDIDATE_RATES = (0.01, 0.02, 0.03, 0.04, 0.05, 0.1)
 SEEDS = [0, 1, 2, 3, 4]
+#: the seeds each plan runs on by default and its table reads: the rate, window, ess and update were screened at one
+#: seed, the new weights' rate multiplier at three, the comparison at the defaults at five
+PLAN_SEEDS = {"rate": [0], "window": [0], "ess": [0], "step": [0], "new_weights": [0, 1, 2], "reference": SEEDS,
+              "compare": SEEDS}
 SIZES = {"n_train": 2000, "n_val": 400, "text_test": 600, "image_test": 1000, "epochs": 3, "batch_size": 32,
          "eval_mc_samples": 8, "max_length": 64, "image_size": 64}
 #: optimizer steps of every run (3 epochs of 63 batches)
@@ -79,6 +85,10 @@ ESS_CANDIDATES = {"ess 1e7 (σ0 1e-2)": 1e7, "ess 1e8 (σ0 3e-3)": 1e8, "ess 1e9
 STEP_CANDIDATES = {"sign step: clip_radius 1e-3, lr 0.02": (1e-3, 0.02),
                    **{f"preconditioned: clip_radius 1, lr {rate:g}": (1.0, rate)
                       for rate in (2e-5, 5e-5, 1e-4, 3e-4, 1e-3)}}
+#: the learning-rate multipliers tried for the weights `from_pretrained` newly initialised (the new head), at the
+#: chosen rate, window and ess: under the sign step every weight moves at most rate × clip_radius a step, the
+#: randomly initialised head included
+NEW_WEIGHT_SCALES = {"1 (every weight at one rate)": 1.0, "10": 10.0, "30": 30.0}
 LORA = {"r": 8, "lora_alpha": 16, "target_modules": ["query", "value"]}
 
 
@@ -264,18 +274,19 @@ def run(task: str, method: str, hyperparams: dict[str, Any], seed: int) -> dict[
     return result
 
 
-def _finetune(learning_rate: float, **settings: float) -> dict[str, Any]:
+def _finetune(learning_rate: float, new_weight_lr_scale: float = 1.0, **settings: float) -> dict[str, Any]:
     """The hyperparameters of a finetune-preset run at `learning_rate`, naming only the `settings` that differ from
-    the preset's: a candidate equal to the preset is the rate plan's run (`--plan rate`), not trained again."""
-    return {"ivon_preset": "finetune", "learning_rate": learning_rate,
+    the preset's (a candidate equal to the preset is the rate plan's run, `--plan rate`, not trained again) and always
+    the new weights' rate multiplier: the rate, window, ess and update were chosen with every weight at one rate (1),
+    before the multiplier was (`--plan new_weights`)."""
+    return {"ivon_preset": "finetune", "learning_rate": learning_rate, "new_weight_lr_scale": new_weight_lr_scale,
             **{key: value for key, value in settings.items() if value != FINETUNE_PRESET[key]}}
 
 
 def jobs(plan: str, seeds: list[int]) -> list[dict[str, Any]]:
     if plan == "window":
         return [{"task": task, "method": "ivon", "seed": seed,
-                 "hyperparams": {"ivon_preset": "finetune", "learning_rate": FINETUNE_PRESET["learning_rate"],
-                                 "beta2": beta2}}
+                 "hyperparams": {**_finetune(FINETUNE_PRESET["learning_rate"]), "beta2": beta2}}
                 for seed in seeds for task in RATE_TASKS for beta2 in WINDOW_CANDIDATES.values()]
     if plan == "ess":
         return [{"task": task, "method": "ivon", "seed": seed,
@@ -285,6 +296,10 @@ def jobs(plan: str, seeds: list[int]) -> list[dict[str, Any]]:
         return [{"task": task, "method": "ivon", "seed": seed,
                  "hyperparams": _finetune(rate, clip_radius=radius)}
                 for seed in seeds for task in RATE_TASKS for radius, rate in STEP_CANDIDATES.values()]
+    if plan == "new_weights":
+        return [{"task": task, "method": "ivon", "seed": seed,
+                 "hyperparams": _finetune(FINETUNE_PRESET["learning_rate"], new_weight_lr_scale=scale)}
+                for seed in seeds for task in RATE_TASKS for scale in NEW_WEIGHT_SCALES.values()]
     if plan == "rate":
         return [{"task": task, "method": "ivon", "hyperparams": _finetune(rate), "seed": seed}
                 for seed in seeds for task in RATE_TASKS for rate in CANDIDATE_RATES]
@@ -377,19 +392,28 @@ def _choice(setting: str, candidates: dict[str, list[dict[str, Any]]], step_boun
     return [*lines, ""]
 
 
-def report(seeds: list[int] = SEEDS) -> str:
-    """The tables of the `hf_finetune` block of benchmarks/studies/hf_finetune.md, from the cached runs of `seeds`."""
-    rates = {f"{rate:g}": [j for j in jobs("rate", seeds) if j["hyperparams"]["learning_rate"] == rate]
+def _plan_jobs(plan: str) -> list[dict[str, Any]]:
+    return jobs(plan, PLAN_SEEDS[plan])
+
+
+def report() -> str:
+    """The tables of the `hf_finetune` block of benchmarks/studies/hf_finetune.md, from the cached runs of each
+    plan's seeds (`PLAN_SEEDS`)."""
+    rates = {f"{rate:g}": [j for j in _plan_jobs("rate") if j["hyperparams"]["learning_rate"] == rate]
              for rate in CANDIDATE_RATES}
-    windows = {label: [j for j in jobs("window", seeds) if j["hyperparams"]["beta2"] == beta2]
+    windows = {label: [j for j in _plan_jobs("window") if j["hyperparams"]["beta2"] == beta2]
                for label, beta2 in WINDOW_CANDIDATES.items()}
     preset_rate = FINETUNE_PRESET["learning_rate"]
-    esses = {label: [j for j in jobs("ess", seeds) if j["hyperparams"] == _finetune(preset_rate, ess=ess)]
+    esses = {label: [j for j in _plan_jobs("ess") if j["hyperparams"] == _finetune(preset_rate, ess=ess)]
              for label, ess in ESS_CANDIDATES.items()}
-    steps = {label: [j for j in jobs("step", seeds) if j["hyperparams"] == _finetune(rate, clip_radius=radius)]
+    steps = {label: [j for j in _plan_jobs("step") if j["hyperparams"] == _finetune(rate, clip_radius=radius)]
              for label, (radius, rate) in STEP_CANDIDATES.items()}
+    scales = {label: [j for j in _plan_jobs("new_weights") if j["hyperparams"]["new_weight_lr_scale"] == scale]
+              for label, scale in NEW_WEIGHT_SCALES.items()}
+    seeds = PLAN_SEEDS["compare"]
     lines = [*_choice("learning rate", rates, step_bound=True), *_choice("Hessian window", windows),
-             *_choice("effective sample size", esses), *_choice("update", steps, step_bound=True)]
+             *_choice("effective sample size", esses), *_choice("update", steps, step_bound=True),
+             *_choice("learning-rate multiplier of the new weights (the head)", scales)]
     lines += ["IVON at its defaults (preset chosen from the model) against AdamW at HF's defaults, clean test "
               f"(mean ± std over seeds {seeds}; Δ: IVON − AdamW within a seed, mean ± SE; the last column on the "
               "noisy validation split):", "",
@@ -411,8 +435,8 @@ def report(seeds: list[int] = SEEDS) -> str:
                      f"{_cell(adamw, 'test_accuracy', 100, 1)} | {_paired(delta, 1)} | {_cell(ivon, 'test_nll')} | "
                      f"{_cell(adamw, 'test_nll')} | {_paired(delta_nll, 3)} | {_cell(ivon, 'test_ece')} | "
                      f"{_cell(adamw, 'test_ece')} | {'yes' if ok else 'no'} | {_paired(delta_val_nll, 3)} |")
-    plans = ("rate", "window", "ess", "step", "compare")
-    lines += ["", common.stamp_line(_cached(j) for plan in plans for j in jobs(plan, seeds))]
+    plans = ("rate", "window", "ess", "step", "new_weights", "compare")
+    lines += ["", common.stamp_line(_cached(j) for plan in plans for j in _plan_jobs(plan))]
     return "\n".join(lines)
 
 
@@ -427,13 +451,14 @@ def _run_job(job: dict[str, Any]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--plan", choices=("rate", "window", "ess", "step", "reference", "compare"), default="compare")
-    parser.add_argument("--seeds", type=int, nargs="+", default=SEEDS)
+    parser.add_argument("--plan", choices=("rate", "window", "ess", "step", "new_weights", "reference",
+                                                   "compare"), default="compare")
+    parser.add_argument("--seeds", type=int, nargs="+", help="Default: the plan's (PLAN_SEEDS).")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--report", action="store_true", help="Write the tables from the cached runs only.")
     cli = parser.parse_args()
     if not cli.report:
-        todo = [j for j in jobs(cli.plan, cli.seeds) if _cached(j) is None]
+        todo = [j for j in jobs(cli.plan, cli.seeds or PLAN_SEEDS[cli.plan]) if _cached(j) is None]
         import multiprocessing as mp
 
         with mp.get_context("spawn").Pool(cli.workers, maxtasksperchild=1) as pool:

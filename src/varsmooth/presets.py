@@ -43,6 +43,7 @@ __all__ = [
     "choose_preset",
     "default_beta2",
     "hessian_window_of",
+    "newly_initialized_modules",
     "total_optimizer_steps",
 ]
 
@@ -51,7 +52,7 @@ __all__ = [
 #: rate) and ess = the training-set size, these fill the fields a user leaves unset (None); see FINETUNE_PRESET.
 #: `long_run_beta2` is the authors' β2, kept for runs long enough for it to move the Hessian (`default_beta2`).
 SCRATCH_PRESET: dict[str, float | bool] = {"hess_init": 0.5, "long_run_beta2": 0.99999, "prior_precision": 2e-4,
-                                           "rescale_lr": True, "eval_mc_samples": 32}
+                                           "rescale_lr": True, "eval_mc_samples": 32, "new_weight_lr_scale": 1.0}
 
 #: IVON settings for fine-tuning a pretrained model (`ivon_preset="finetune"`, the trainer's choice for weights loaded
 #: from a checkpoint). The posterior starts *at* the pretrained weights with σ0 = 1/sqrt(ess·(h0 + δ)) ≈ 3e-3, far
@@ -68,7 +69,7 @@ SCRATCH_PRESET: dict[str, float | bool] = {"hess_init": 0.5, "long_run_beta2": 0
 #: CIFAR-10N "worse" with a pretrained EfficientNet-Lite0.
 FINETUNE_PRESET: dict[str, float | bool] = {
     "learning_rate": 0.02, "ess": 1e8, "hess_init": 1e-3, "prior_precision": 0.0, "long_run_beta2": 0.999,
-    "rescale_lr": False, "clip_radius": 1e-3,
+    "rescale_lr": False, "clip_radius": 1e-3, "new_weight_lr_scale": 1.0,
 }
 
 #: IVON settings for LoRA adapters on a pretrained model (`ivon_preset="lora"`): the recipe of Cong et al. 2024,
@@ -89,7 +90,7 @@ FINETUNE_PRESET: dict[str, float | bool] = {
 #: - eval_mc_samples 10: their posterior samples at test time (softmax-averaged).
 LORA_PRESET: dict[str, float | bool] = {
     "learning_rate": 1.0, "ess": 1e7, "hess_init": 1e-3, "prior_precision": 0.0, "long_run_beta2": 0.99999,
-    "rescale_lr": False, "clip_radius": 1e-3, "eval_mc_samples": 10,
+    "rescale_lr": False, "clip_radius": 1e-3, "eval_mc_samples": 10, "new_weight_lr_scale": 1.0,
 }
 
 #: `ivon_preset` name -> the settings it fills on top of SCRATCH_PRESET
@@ -165,6 +166,18 @@ def _checkpoint_name(model: Any) -> str | None:
         if name:
             return str(name)
     return None
+
+
+def newly_initialized_modules(model: Any) -> list[str] | None:
+    """The modules whose trainable weights `from_pretrained` initialised instead of loading (a new classification
+    head: the MISSING and MISMATCHED rows of transformers' load report), found by the mark transformers leaves on every
+    weight it loaded (`_is_hf_initialized`); None where no trainable weight carries it (a model transformers did not
+    load, e.g. `timm.create_model(pretrained=True)`), since then nothing tells a loaded weight from a new one."""
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    loaded = [bool(getattr(p, "_is_hf_initialized", False)) for _, p in named]
+    if not any(loaded):
+        return None
+    return sorted({name.rpartition(".")[0] for (name, _), was_loaded in zip(named, loaded) if not was_loaded})
 
 
 def choose_preset(model: Any) -> tuple[str, str]:

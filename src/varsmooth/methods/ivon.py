@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -195,20 +195,33 @@ class IVONMethod(TrainingMethod):
             f"{self.learning_rate * radius:.1e} a step, and the run would end near chance. {fix[0].upper() + fix[1:]}.")
 
     def param_groups(self, named_parameters: list[tuple[str, torch.nn.Parameter]]) -> list[dict[str, Any]]:
-        """The trained weights, then (where `frozen_mean_modules` names any) the frozen-mean ones at lr 0: IVON's
-        Hessian update does not involve the learning rate, so their σ learns while their mean stays. The trained
-        group comes first because the Trainer logs and schedules from the first group's rate."""
-        keys = self.config.frozen_mean_modules or []
-        frozen = lambda name: any(_in_module(name, key) for key in keys)  # noqa: E731
+        """The trained weights; then the new ones (`new_weight_modules`, where `new_weight_lr_scale` is not 1) at
+        that multiple of the rate; then the frozen-mean ones (`frozen_mean_modules`) at lr 0: IVON's Hessian update
+        does not involve the learning rate, so their σ learns while their mean stays. The trained group comes first
+        because the Trainer logs the first group's rate (the scheduler scales each group's own)."""
+        frozen = self._module_matcher(named_parameters, self.config.frozen_mean_modules, "frozen_mean_modules")
+        scale = self.config.new_weight_lr_scale
+        new = self._module_matcher(named_parameters, self.config.new_weight_modules if scale != 1 else None,
+                                   "new_weight_modules")
+        groups = [{"params": [p for name, p in named_parameters if not frozen(name) and not new(name)]},
+                  {"params": [p for name, p in named_parameters if new(name) and not frozen(name)],
+                   "lr": self.learning_rate * (scale or 1.0)},
+                  {"params": [p for name, p in named_parameters if frozen(name)], "lr": 0.0}]
+        return [group for group in groups if group["params"]]
+
+    @staticmethod
+    def _module_matcher(named_parameters: list[tuple[str, torch.nn.Parameter]], keys: list[str] | None,
+                        setting: str) -> Callable[[str], bool]:
+        """Whether a parameter name belongs to one of the modules `keys` names (`_in_module`); a key matching no
+        trainable weight is refused, naming the setting and the modules there are."""
+        keys = keys or []
         unmatched = [key for key in keys if not any(_in_module(name, key) for name, _ in named_parameters)]
         if unmatched:
             modules = sorted({name.rpartition(".")[0] for name, _ in named_parameters})
-            raise ValueError(f"frozen_mean_modules names {unmatched}, which match no module with trainable weights; "
-                             f"the trainable modules are {modules[:8]}{' …' if len(modules) > 8 else ''}. Name one "
-                             "of them (or a suffix of its name, e.g. 'word_embeddings').")
-        groups = [{"params": [p for name, p in named_parameters if not frozen(name)]},
-                  {"params": [p for name, p in named_parameters if frozen(name)], "lr": 0.0}]
-        return [group for group in groups if group["params"]]
+            raise ValueError(f"{setting} names {unmatched}, which match no module with trainable weights; the "
+                             f"trainable modules are {modules[:8]}{' …' if len(modules) > 8 else ''}. Name one of "
+                             "them (or a suffix of its name, e.g. 'word_embeddings').")
+        return lambda name: any(_in_module(name, key) for key in keys)
 
     def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], context: MethodContext) -> torch.Tensor:
         """`mc_samples` posterior samples, each running forward *and* backward inside one weight-sampling context:
@@ -324,6 +337,9 @@ class IVONMethod(TrainingMethod):
                 "mc_samples": self.config.mc_samples,
                 **({} if not self.config.frozen_mean_modules else
                    {"frozen_mean_modules": list(self.config.frozen_mean_modules)}),
+                **({} if self.config.new_weight_lr_scale == 1 or not self.config.new_weight_modules else
+                   {"new_weight_lr_scale": self.config.new_weight_lr_scale,
+                    "new_weight_modules": list(self.config.new_weight_modules)}),
                 **({} if self.config.ivon_smoothing is None else {"ivon_smoothing": self.config.ivon_smoothing})}
 
 

@@ -19,6 +19,7 @@ from ..presets import (
     MIN_HESSIAN_WINDOW_STEPS,
     SCRATCH_PRESET,
     choose_preset,
+    newly_initialized_modules,
 )
 from .base import MethodConfig
 
@@ -27,7 +28,7 @@ __all__ = ["IVONConfig"]
 logger = logging.getLogger(__name__)
 
 #: the preset values that are fields of IVONConfig (the others are `VariationalTrainingArguments`' or β2's rule)
-_PRESET_FIELDS = frozenset({"ess", "hess_init", "prior_precision", "clip_radius", "rescale_lr"})
+_PRESET_FIELDS = frozenset({"ess", "hess_init", "prior_precision", "clip_radius", "rescale_lr", "new_weight_lr_scale"})
 
 
 def _preset_default(name: str) -> str:
@@ -102,6 +103,22 @@ class IVONConfig(MethodConfig):
                           "never reaches, such as the embedding rows of tokens it lacks, then keep a wide σ and draws "
                           "disagree on inputs that use them. None: every trainable weight is trained."},
     )
+    new_weight_lr_scale: float | None = field(
+        default=None,
+        metadata={"help": "Learning-rate multiplier for the weights the checkpoint did not provide "
+                          "(new_weight_modules: by default those from_pretrained newly initialised, such as a new "
+                          "classification head). They start from a random initialisation, not a pretrained optimum, "
+                          "and under a clipped preset's sign step (at most lr·clip_radius a step for every weight) "
+                          "would move no faster than the pretrained ones. " + _preset_default("new_weight_lr_scale")},
+    )
+    new_weight_modules: list[str] | None = field(
+        default=None,
+        metadata={"help": "The modules (names or name suffixes, as frozen_mean_modules) whose weights train at "
+                          "new_weight_lr_scale times the learning rate. None: those whose weights transformers' "
+                          "from_pretrained newly initialised (the MISSING and MISMATCHED rows of its load report), "
+                          "found when the trainer is built (varsmooth.presets.newly_initialized_modules); [] for "
+                          "none."},
+    )
     mc_samples: int = field(default=1, metadata={"help": "Posterior samples (forward+backward) per micro-batch during "
                                                          "training."})
     ivon_compiled: bool | None = field(
@@ -154,6 +171,11 @@ class IVONConfig(MethodConfig):
                              f"{self.hessian_window}; to fix β2 instead, pass beta2.")
         if isinstance(self.frozen_mean_modules, str):  # one name, not its characters
             self.frozen_mean_modules = [self.frozen_mean_modules]
+        if isinstance(self.new_weight_modules, str):
+            self.new_weight_modules = [self.new_weight_modules]
+        if self.new_weight_lr_scale is not None and not 0 < self.new_weight_lr_scale < math.inf:
+            raise ValueError(f"new_weight_lr_scale multiplies the learning rate of the new weights: a finite number "
+                             f"> 0 (1: the same rate as the others), got {self.new_weight_lr_scale}.")
         if self.ivon_smoothing is not None and not 0 < self.ivon_smoothing <= 1:
             raise ValueError(f"ivon_smoothing is a label-smoothing rate α in (0, 1] (or None: ess as given), got "
                              f"{self.ivon_smoothing}.")
@@ -169,16 +191,27 @@ class IVONConfig(MethodConfig):
         return {name: value for name, value in self._preset().items() if name in ("learning_rate", "eval_mc_samples")}
 
     def for_model(self, model: Any) -> tuple[IVONConfig, str]:
-        """This config with its preset chosen for `model` where none was named (`varsmooth.presets.choose_preset`),
-        and a sentence saying which preset and why; `scratch` named for a model loaded from a checkpoint warns."""
+        """This config with its preset chosen for `model` where none was named (`varsmooth.presets.choose_preset`)
+        and, where the new weights train at their own rate, the modules `from_pretrained` newly initialised
+        (`varsmooth.presets.newly_initialized_modules`: read now, before a wrapper such as FSDP2's replaces the
+        weights), with a sentence saying which preset and why; `scratch` named for a loaded model warns."""
         chosen, reason = choose_preset(model)
         if self.ivon_preset is None:
-            return dataclasses.replace(self, ivon_preset=chosen), f"ivon_preset={chosen!r}, chosen because {reason}"
+            config = dataclasses.replace(self, ivon_preset=chosen)
+            choice = f"ivon_preset={chosen!r}, chosen because {reason}"
+        else:
+            config, choice = self, f"ivon_preset={self.ivon_preset!r}, as given"
         if self.ivon_preset == "scratch" and chosen != "scratch":
             logger.warning("ivon_preset='scratch' given, but %s: the scratch preset (lr 0.2, h0 0.5, ess = N) "
                            "is the authors' recipe for training from scratch and leaves a fine-tune at chance "
                            "accuracy; leave ivon_preset unset (%r is chosen) unless you mean it.", reason, chosen)
-        return self, f"ivon_preset={self.ivon_preset!r}, as given"
+        if config.new_weight_lr_scale != 1 and config.new_weight_modules is None:
+            modules = newly_initialized_modules(model) or []
+            config = dataclasses.replace(config, new_weight_modules=modules)
+            if modules:
+                choice += (f"; the weights from_pretrained newly initialised ({', '.join(modules)}) train at "
+                           f"{config.new_weight_lr_scale:g}× the rate")
+        return config, choice
 
     def long_run_beta2(self) -> float:
         """The preset's β2, kept in runs long enough for it to move the Hessian (`varsmooth.presets.default_beta2`)."""
