@@ -704,6 +704,10 @@ def effective_settings(task: Task, method: str, hyperparams: dict[str, Any],
            if k not in ("ivon_preset", "hessian_window", "beta2", "clip_radius", *CODE_PATH_SETTINGS)}
     if not own.get("frozen_mean_modules"):  # every weight trained, as in the runs from before the setting
         own.pop("frozen_mean_modules", None)
+    # every weight at one rate (None: the preset's, 1 in every preset), as in the runs from before the setting
+    if own.get("new_weight_lr_scale", 1.0) in (None, 1.0):
+        own.pop("new_weight_lr_scale", None)
+        own.pop("new_weight_modules", None)
     return {**out, **own, "beta2": beta2, "clip_radius": clip, "eval_mc_samples": int(args.eval_mc_samples)}
 
 

@@ -69,6 +69,17 @@ def test_the_finetune_presets_update_is_the_chosen_one() -> None:
                                                            FINETUNE_PRESET["learning_rate"])
 
 
+def test_the_finetune_presets_new_weight_multiplier_is_the_chosen_one() -> None:
+    """The rate multiplier of the weights from_pretrained newly initialised (the new head), chosen on three seeds' noisy
+    validation splits at the preset's rate, window, ess and update."""
+    from varsmooth.presets import FINETUNE_PRESET
+
+    chosen = re.search(r"multiplier of the new weights \(the head\), chosen .*seeds \[0, 1, 2\]\); "
+                       r"chosen: \*\*(.+?)\*\*", block("hf_finetune"))
+    assert chosen is not None, "no multiplier chosen: the committed new_weights and reference runs are missing"
+    assert FINETUNE_PRESET["new_weight_lr_scale"] == hf_finetune.NEW_WEIGHT_SCALES[chosen.group(1)]
+
+
 def test_a_freshly_built_image_checkpoint_leaves_the_seeded_head_as_a_cached_one(tmp_path: Path,
                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """The image task's new head comes from the seed alone: building the checkpoint folder (the first run on a fresh

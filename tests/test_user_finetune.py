@@ -12,12 +12,19 @@ import datasets
 import numpy as np
 import pytest
 import torch
-from transformers import BertConfig, BertForSequenceClassification
+from transformers import BertConfig, BertForSequenceClassification, BertModel
 
 from helpers import make_args, tiny_digits_resnet
 from varsmooth import VariationalTrainer, VariationalTrainingArguments
 from varsmooth.adapters import add_lora_adapters
-from varsmooth.presets import FINETUNE_PRESET, LORA_PRESET, MIN_STEP_BOUND, SCRATCH_PRESET, choose_preset
+from varsmooth.presets import (
+    FINETUNE_PRESET,
+    LORA_PRESET,
+    MIN_STEP_BOUND,
+    SCRATCH_PRESET,
+    choose_preset,
+    newly_initialized_modules,
+)
 
 pytest.importorskip("peft")
 
@@ -33,6 +40,15 @@ def loaded_bert(tmp_path):
     torch.manual_seed(0)
     BertForSequenceClassification(_tiny_bert_config()).save_pretrained(tmp_path / "checkpoint")
     return BertForSequenceClassification.from_pretrained(tmp_path / "checkpoint")
+
+
+@pytest.fixture
+def bert_with_new_head(tmp_path):
+    """A tiny BERT encoder saved as a Hub checkpoint is and loaded with a classification head it does not have: the
+    head is newly initialised (MISSING in transformers' load report), as on every user's fine-tune."""
+    torch.manual_seed(0)
+    BertModel(_tiny_bert_config()).save_pretrained(tmp_path / "encoder")
+    return BertForSequenceClassification.from_pretrained(tmp_path / "encoder", num_labels=2)
 
 
 def _tokens(n: int = 32) -> datasets.Dataset:
@@ -83,6 +99,82 @@ def test_the_trainer_chooses_the_preset_says_why_and_leaves_the_arguments_as_giv
     record = trainer.run_record()
     assert record.hyperparameters["ivon_preset"] == "finetune"
     assert "chosen because its weights were loaded from" in record.method_config_choice
+
+
+def test_the_weights_from_pretrained_initialised_are_told_from_the_loaded_ones(bert_with_new_head, loaded_bert,
+                                                                             tmp_path) -> None:
+    assert newly_initialized_modules(bert_with_new_head) == ["classifier"]
+    assert newly_initialized_modules(loaded_bert) == []  # its checkpoint had the head
+    # a head of another size (ignore_mismatched_sizes) is new too
+    other = BertForSequenceClassification.from_pretrained(tmp_path / "checkpoint", num_labels=3,
+                                                          ignore_mismatched_sizes=True)
+    assert newly_initialized_modules(other) == ["classifier"]
+    # nothing transformers loaded: no mark tells a loaded weight from a new one
+    assert newly_initialized_modules(BertForSequenceClassification(_tiny_bert_config())) is None
+    assert newly_initialized_modules(tiny_digits_resnet()) is None
+
+
+def _weight_steps(trainer: VariationalTrainer, before: dict[str, torch.Tensor]) -> dict[str, float]:
+    """The largest move of a weight in the head and in the rest of the model since `before`."""
+    moved = {name: (p.detach() - before[name]).abs().max().item() for name, p in trainer.model.named_parameters()}
+    return {"head": max(v for k, v in moved.items() if k.startswith("classifier.")),
+            "rest": max(v for k, v in moved.items() if not k.startswith("classifier."))}
+
+
+@pytest.mark.parametrize("scale", [1.0, 10.0])
+def test_the_new_head_moves_its_multiple_of_the_sign_step(bert_with_new_head, tmp_path, scale) -> None:
+    """Under the finetune preset h0 is far below the gradients, so the clipped update moves every weight by exactly
+    lr·clip_radius in the first step (a sign step): the head by `scale` times that."""
+    before = {name: p.detach().clone() for name, p in bert_with_new_head.named_parameters()}
+    args = make_args(tmp_path / "out", ivon_preset="finetune", new_weight_lr_scale=scale, max_steps=1)
+    trainer = VariationalTrainer(model=bert_with_new_head, args=args, train_dataset=_tokens())
+    trainer.train()
+    bound = FINETUNE_PRESET["learning_rate"] * FINETUNE_PRESET["clip_radius"]
+    steps = _weight_steps(trainer, before)
+    # float32 weights of size ~1 (LayerNorm's) store a step of 2e-5 to within an ulp, 1.2e-7
+    assert steps["rest"] == pytest.approx(bound, rel=1e-2)
+    assert steps["head"] == pytest.approx(scale * bound, rel=1e-2)
+    groups = trainer.optimizer.param_groups
+    assert len(groups) == (1 if scale == 1 else 2)
+    if scale != 1:
+        assert trainer.args.method_config.new_weight_modules == ["classifier"]
+        assert "the weights from_pretrained newly initialised (classifier) train at 10× the rate" in (
+            trainer.method_config_choice)
+        assert trainer.run_record().hyperparameters["new_weight_modules"] == ["classifier"]
+        # the scheduler scales each group's own rate: the head's stays 10× the rest's
+        assert groups[1]["lr"] == pytest.approx(scale * groups[0]["lr"])
+
+
+def test_named_new_weight_modules_win_and_frozen_means_win_over_them(bert_with_new_head, tmp_path) -> None:
+    before = {name: p.detach().clone() for name, p in bert_with_new_head.named_parameters()}
+    trainer = VariationalTrainer(model=bert_with_new_head, train_dataset=_tokens(), args=make_args(
+        tmp_path / "out", ivon_preset="finetune", new_weight_lr_scale=10.0, new_weight_modules=["pooler.dense"],
+        frozen_mean_modules=["classifier"], max_steps=1))
+    trainer.train()
+    moved = {name: (p.detach() - before[name]).abs().max().item()
+             for name, p in trainer.model.named_parameters()}
+    bound = FINETUNE_PRESET["learning_rate"] * FINETUNE_PRESET["clip_radius"]
+    assert moved["bert.pooler.dense.weight"] == pytest.approx(10 * bound, rel=1e-2)
+    assert moved["classifier.weight"] == 0.0
+    with pytest.raises(ValueError, match=r"new_weight_modules names \['head'\], which match no module"):
+        VariationalTrainer(model=bert_with_new_head, train_dataset=_tokens(), args=make_args(
+            tmp_path / "bad", ivon_preset="finetune", new_weight_lr_scale=10.0, new_weight_modules=["head"],
+            max_steps=1)).train()
+    with pytest.raises(ValueError, match="new_weight_lr_scale multiplies the learning rate"):
+        make_args(tmp_path / "zero", new_weight_lr_scale=0.0)
+
+
+def test_a_model_transformers_did_not_load_trains_every_weight_at_one_rate_and_says_so(tmp_path, caplog) -> None:
+    with caplog.at_level(logging.WARNING, logger="varsmooth"):
+        trainer = VariationalTrainer(model=BertForSequenceClassification(_tiny_bert_config()), train_dataset=_tokens(),
+                                     args=make_args(tmp_path / "out", ivon_preset="finetune", new_weight_lr_scale=10.0,
+                                                    max_steps=1))
+    assert any("new_weight_lr_scale=10, but no weight" in r.getMessage() and "new_weight_modules" in r.getMessage()
+               for r in caplog.records)
+    assert trainer.args.method_config.new_weight_modules == []
+    assert "newly initialised" not in trainer.method_config_choice
+    trainer.train()
+    assert len(trainer.optimizer.param_groups) == 1
 
 
 @pytest.mark.slow
