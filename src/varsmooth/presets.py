@@ -67,7 +67,7 @@ SCRATCH_PRESET: dict[str, float | bool] = {"hess_init": 0.5, "long_run_beta2": 0
 #: (benchmarks/hf_finetune.py); the former 0.3 (3e-4 for every weight, embeddings and LayerNorm included) left the
 #: MiniLM at chance. The new head trains at the same rate (new_weight_lr_scale 1, kept over 10 and 30 on the same
 #: splits over 3 seeds: they lift the EfficientNet's validation accuracy by 9-11 points, the MiniLM's not at all,
-#: 0.1-0.4 below, and the worst task decides; an image fine-tune may pass 10). The authors' from-scratch settings
+#: 0.1-0.4 below, and the worst task decides; an image fine-tune may pass 30). The authors' from-scratch settings
 #: (lr 0.2, h0 0.5, ess = N) reached 39.6 % vs 66.0 % on CIFAR-10N "worse" with a pretrained EfficientNet-Lite0.
 FINETUNE_PRESET: dict[str, float | bool] = {
     "learning_rate": 0.02, "ess": 1e8, "hess_init": 1e-3, "prior_precision": 0.0, "long_run_beta2": 0.999,

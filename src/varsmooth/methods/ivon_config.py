@@ -109,9 +109,9 @@ class IVONConfig(MethodConfig):
                           "(new_weight_modules: by default those from_pretrained newly initialised, such as a new "
                           "classification head). They start from a random initialisation, not a pretrained optimum, "
                           "and under a clipped preset's sign step (at most lr·clip_radius a step for every weight) "
-                          "would move no faster than the pretrained ones. Default (None): 1 with every preset; 10 "
-                          "lifted a pretrained EfficientNet-Lite0's noisy-validation accuracy by 9 points, a MiniLM's "
-                          "not at all (benchmarks/studies/hf_finetune.md)."},
+                          "would move no faster than the pretrained ones. Default (None): 1 with every preset; 30 "
+                          "lifted a pretrained EfficientNet-Lite0's noisy-validation accuracy by 11 points, a "
+                          "MiniLM's not at all (benchmarks/studies/hf_finetune.md)."},
     )
     new_weight_modules: list[str] | None = field(
         default=None,
