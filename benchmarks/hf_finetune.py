@@ -451,8 +451,7 @@ def _run_job(job: dict[str, Any]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--plan", choices=("rate", "window", "ess", "step", "new_weights", "reference",
-                                                   "compare"), default="compare")
+    parser.add_argument("--plan", choices=tuple(PLAN_SEEDS), default="compare")
     parser.add_argument("--seeds", type=int, nargs="+", help="Default: the plan's (PLAN_SEEDS).")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--report", action="store_true", help="Write the tables from the cached runs only.")
