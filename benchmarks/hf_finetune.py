@@ -22,9 +22,11 @@ validation splits alone; `--plan window` does the same for the preset's Hessian 
 (`WINDOW_CANDIDATES`), `--plan ess` for its effective sample size (`ESS_CANDIDATES`), `--plan step` for its clipped
 sign step against IVON's own preconditioned step at rates of AdamW's scale (`STEP_CANDIDATES`), `--plan new_weights`
 for the learning-rate multiplier of the weights `from_pretrained` newly initialised (`NEW_WEIGHT_SCALES`); `--plan
-compare` adds IVON at its defaults on `text` and `image`. Each plan runs on its seeds (`PLAN_SEEDS`). Runs are cached
-under benchmarks/results/hf_finetune/runs/ with the commit and device that produced them; `--report` writes the tables
-into benchmarks/studies/hf_finetune.md from the cache, training nothing.
+compare` adds IVON at its defaults on `text` and `image`; `--plan nll_gap` splits IVON's clean-test NLL gap to AdamW
+on `text` between its step and its posterior's noise (`NLL_GAP_ESS`; a diagnosis, nothing is chosen from it). Each plan
+runs on its seeds (`PLAN_SEEDS`). Runs are cached under benchmarks/results/hf_finetune/runs/ with the commit and device
+that produced them; `--report` writes the tables into benchmarks/studies/hf_finetune.md from the cache, training
+nothing.
 
     OMP_NUM_THREADS=1 python benchmarks/hf_finetune.py --plan rate
     OMP_NUM_THREADS=1 python benchmarks/hf_finetune.py --plan reference
@@ -33,6 +35,7 @@ into benchmarks/studies/hf_finetune.md from the cache, training nothing.
     OMP_NUM_THREADS=1 python benchmarks/hf_finetune.py --plan step
     OMP_NUM_THREADS=1 python benchmarks/hf_finetune.py --plan new_weights
     OMP_NUM_THREADS=1 python benchmarks/hf_finetune.py --plan compare
+    OMP_NUM_THREADS=1 python benchmarks/hf_finetune.py --plan nll_gap
     python benchmarks/hf_finetune.py --report
 """
 
@@ -64,7 +67,7 @@ SEEDS = [0, 1, 2, 3, 4]
 #: the seeds each plan runs on by default and its table reads: the rate, window, ess and update were screened at one
 #: seed, the new weights' rate multiplier at three, the comparison at the defaults at five
 PLAN_SEEDS = {"rate": [0], "window": [0], "ess": [0], "step": [0], "new_weights": [0, 1, 2], "reference": SEEDS,
-              "compare": SEEDS}
+              "compare": SEEDS, "nll_gap": [0, 1, 2]}
 SIZES = {"n_train": 2000, "n_val": 400, "text_test": 600, "image_test": 1000, "epochs": 3, "batch_size": 32,
          "eval_mc_samples": 8, "max_length": 64, "image_size": 64}
 #: optimizer steps of every run (3 epochs of 63 batches)
@@ -89,6 +92,11 @@ STEP_CANDIDATES = {"sign step: clip_radius 1e-3, lr 0.02": (1e-3, 0.02),
 #: chosen rate, window and ess: under the sign step every weight moves at most rate × clip_radius a step, the
 #: randomly initialised head included
 NEW_WEIGHT_SCALES = {"1 (every weight at one rate)": 1.0, "10": 10.0, "30": 30.0}
+#: the diagnosis of the text NLL gap: the finetune preset's step with the Hessian held at h0 (β2 1, so that both runs
+#: take the same preconditioned, clipped step) without the posterior's noise (ess 1e12: σ 3e-5, a thousandth of the
+#: weights' size) and with the preset's (ess 1e8: σ 3e-3); IVON's default run beside them lets the Hessian learn
+NLL_GAP_ESS = {"IVON's step, Hessian held at h0, σ 3e-5 (ess 1e12: next to no posterior noise)": 1e12,
+               "the same step, σ 3e-3 (the preset's ess 1e8)": 1e8}
 LORA = {"r": 8, "lora_alpha": 16, "target_modules": ["query", "value"]}
 
 
@@ -283,6 +291,11 @@ def _finetune(learning_rate: float, new_weight_lr_scale: float = 1.0, **settings
             **{key: value for key, value in settings.items() if value != FINETUNE_PRESET[key]}}
 
 
+def _held_hessian(ess: float) -> dict[str, Any]:
+    """The hyperparameters of a finetune-preset run at `ess` whose Hessian stays at h0 (β2 1: `--plan nll_gap`)."""
+    return {**_finetune(FINETUNE_PRESET["learning_rate"], ess=ess), "beta2": 1.0}
+
+
 def jobs(plan: str, seeds: list[int]) -> list[dict[str, Any]]:
     if plan == "window":
         return [{"task": task, "method": "ivon", "seed": seed,
@@ -300,6 +313,9 @@ def jobs(plan: str, seeds: list[int]) -> list[dict[str, Any]]:
         return [{"task": task, "method": "ivon", "seed": seed,
                  "hyperparams": _finetune(FINETUNE_PRESET["learning_rate"], new_weight_lr_scale=scale)}
                 for seed in seeds for task in RATE_TASKS for scale in NEW_WEIGHT_SCALES.values()]
+    if plan == "nll_gap":
+        return [{"task": "text", "method": "ivon", "seed": seed,
+                 "hyperparams": _held_hessian(ess)} for seed in seeds for ess in NLL_GAP_ESS.values()]
     if plan == "rate":
         return [{"task": task, "method": "ivon", "hyperparams": _finetune(rate), "seed": seed}
                 for seed in seeds for task in RATE_TASKS for rate in CANDIDATE_RATES]
@@ -392,6 +408,32 @@ def _choice(setting: str, candidates: dict[str, list[dict[str, Any]]], step_boun
     return [*lines, ""]
 
 
+def _nll_gap() -> list[str]:
+    """The table of `--plan nll_gap`: AdamW at HF's defaults, IVON's step with and without its posterior's noise, and
+    IVON at its defaults on `text`, each seed's NLL against AdamW's on the same seed; empty until all have run."""
+    seeds = PLAN_SEEDS["nll_gap"]
+    rows = {"AdamW at HF's defaults": ("erm", {}),
+            **{label: ("ivon", _held_hessian(ess)) for label, ess in NLL_GAP_ESS.items()},
+            "IVON at its defaults (the Hessian learns: β2 0.999)": ("ivon", {})}
+    runs = {label: [_cached({"task": "text", "method": method, "hyperparams": hyperparams, "seed": s}) for s in seeds]
+            for label, (method, hyperparams) in rows.items()}
+    if not all(r for done in runs.values() for r in done):
+        return []
+    reference = "AdamW at HF's defaults"
+    adamw = runs[reference]
+    lines = ["Where IVON's clean-test NLL gap to AdamW on `text` comes from (a diagnosis, nothing is chosen from it; "
+             f"mean ± std over seeds {seeds}; Δ: against AdamW on the same seed, mean ± SE):", "",
+             "| run | val acc % | val NLL | Δ val NLL | test acc % | test NLL | Δ test NLL |", "|---" * 7 + "|"]
+    for label, done in runs.items():
+        delta = {split: "–" if label == reference else
+                 _paired([r[f"{split}_nll"] - a[f"{split}_nll"] for r, a in zip(done, adamw)], 4)
+                 for split in ("eval", "test")}
+        cells = [label, _cell(done, "eval_accuracy", 100, 1), _cell(done, "eval_nll", digits=4), delta["eval"],
+                 _cell(done, "test_accuracy", 100, 1), _cell(done, "test_nll", digits=4), delta["test"]]
+        lines.append("| " + " | ".join(cells) + " |")
+    return [*lines, ""]
+
+
 def _plan_jobs(plan: str) -> list[dict[str, Any]]:
     return jobs(plan, PLAN_SEEDS[plan])
 
@@ -435,8 +477,8 @@ def report() -> str:
                      f"{_cell(adamw, 'test_accuracy', 100, 1)} | {_paired(delta, 1)} | {_cell(ivon, 'test_nll')} | "
                      f"{_cell(adamw, 'test_nll')} | {_paired(delta_nll, 3)} | {_cell(ivon, 'test_ece')} | "
                      f"{_cell(adamw, 'test_ece')} | {'yes' if ok else 'no'} | {_paired(delta_val_nll, 3)} |")
-    plans = ("rate", "window", "ess", "step", "new_weights", "compare")
-    lines += ["", common.stamp_line(_cached(j) for plan in plans for j in _plan_jobs(plan))]
+    plans = ("rate", "window", "ess", "step", "new_weights", "compare", "nll_gap")
+    lines += ["", *_nll_gap(), common.stamp_line(_cached(j) for plan in plans for j in _plan_jobs(plan))]
     return "\n".join(lines)
 
 

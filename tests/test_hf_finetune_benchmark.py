@@ -133,3 +133,19 @@ def test_wrong_labels_fitted_is_the_share_predicted_as_labelled() -> None:
 
 def test_the_long_finetune_table_is_the_report() -> None:
     assert block("long_finetune") == long_finetune.report()
+
+
+def test_the_nll_gap_runs_differ_in_the_posteriors_noise_alone() -> None:
+    """`--plan nll_gap` isolates the posterior's noise: its runs take the finetune preset's step with the Hessian held
+    at h0 (β2 1, where ivon-opt's update leaves h as it is; tests/test_engine.py holds the engine to ivon-opt there)
+    and differ from each other in ess alone, whose σ = 1/sqrt(ess·h0) is what the table's labels say."""
+    from varsmooth.presets import FINETUNE_PRESET
+
+    runs = hf_finetune.jobs("nll_gap", [0])
+    assert [r["hyperparams"]["beta2"] for r in runs] == [1.0, 1.0]
+    without_ess = [{k: v for k, v in r["hyperparams"].items() if k != "ess"} for r in runs]
+    assert without_ess[0] == without_ess[1] == {"ivon_preset": "finetune", "beta2": 1.0, "new_weight_lr_scale": 1.0,
+                                                "learning_rate": FINETUNE_PRESET["learning_rate"]}
+    for label, ess in hf_finetune.NLL_GAP_ESS.items():
+        sigma = (ess * FINETUNE_PRESET["hess_init"]) ** -0.5
+        assert f"σ {sigma:.0e}".replace("e-0", "e-") in label
