@@ -37,7 +37,9 @@ def claim(pattern: str) -> re.Match[str]:
 
 def table(markdown: str) -> list[dict[str, str]]:
     """The first Markdown table of a block as rows {header: cell}."""
-    lines = [line for line in markdown.splitlines() if line.startswith("|")]
+    rest = markdown.splitlines()
+    rest = rest[next(i for i, line in enumerate(rest) if line.startswith("|")):]
+    lines = rest[:next((i for i, line in enumerate(rest) if not line.startswith("|")), len(rest))]
     header = [c.strip() for c in lines[0].strip("|").split("|")]
     return [dict(zip(header, (c.strip() for c in line.strip("|").split("|")))) for line in lines[2:]]
 
