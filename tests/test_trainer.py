@@ -843,3 +843,22 @@ def test_a_subclass_compute_loss_is_what_every_posterior_sample_backpropagates(t
     first = [next(e["loss"] for e in t.state.log_history if "loss" in e) for t in (weighted, plain)]
     assert first[0] == pytest.approx(2 * first[1], rel=1e-4)
     assert not torch.equal(weighted.model.head.weight, plain.model.head.weight)  # and the doubled gradient moved it
+
+
+def test_the_training_sets_noise_report_spans_the_models_classes(tmp_path):
+    """Integer labels in which the last class never occurs: the realized noise report the trainer saves counts the
+    model's 10 classes (config.num_labels), not the 9 that max(label) + 1 would infer, and says nothing of inferring."""
+    import warnings
+
+    from varsmooth.corruption import corrupt_labels
+
+    ds = digits_images(120).with_format(None)
+    ds = ds.filter(lambda row: row["label"] != 9).cast_column("label", datasets.Value("int64"))
+    train = corrupt_labels(ds, "symmetric", 0.0, seed=0, num_classes=10).with_format("torch")
+    trainer = VariationalTrainer(model=tiny_digits_resnet(), args=make_args(tmp_path, max_steps=1),
+                                 train_dataset=train)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        report = trainer.train_noise_report()
+    assert report.num_classes == 10 and len(report.realized_transition) == 10
+    assert report.class_counts[9] == 0 and sum(report.class_counts) == len(train)

@@ -378,8 +378,11 @@ class VariationalTrainer(AfterTrainingMixin, PredictionMixin, CheckpointingMixin
 
     def train_noise_report(self) -> Any:
         """The label corruption of the training set: the report given at construction, else the realized one
-        recomputed from a `clean_label` column (None when the labels are the dataset's own)."""
-        return self._noise_report if self._noise_report is not None else realized_noise_report(self.train_dataset)
+        recomputed from a `clean_label` column over the model's classes (None when the labels are the dataset's
+        own)."""
+        if self._noise_report is not None:
+            return self._noise_report
+        return realized_noise_report(self.train_dataset, model_num_labels(self.model))
 
     def hessian_summary(self) -> dict[str, float]:
         """What the method reports of its state beside the loss (`TrainingMethod.training_log`): for IVON, the
