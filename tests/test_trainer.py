@@ -862,3 +862,12 @@ def test_the_training_sets_noise_report_spans_the_models_classes(tmp_path):
         report = trainer.train_noise_report()
     assert report.num_classes == 10 and len(report.realized_transition) == 10
     assert report.class_counts[9] == 0 and sum(report.class_counts) == len(train)
+
+    # a ClassLabel names the classes itself: a model with more outputs than the dataset's 10 classes still saves
+    twelve = {i: str(i) for i in range(12)}
+    model = ResNetForImageClassification(dataclasses.replace(tiny_digits_resnet().config, id2label=twelve,
+                                                             label2id={v: k for k, v in twelve.items()}))
+    assert model.config.num_labels == 12
+    classed = corrupt_labels(digits_images(60).with_format(None), "symmetric", 0.2, seed=0).with_format("torch")
+    trainer = VariationalTrainer(model=model, args=make_args(tmp_path, max_steps=1), train_dataset=classed)
+    assert trainer.train_noise_report().num_classes == 10

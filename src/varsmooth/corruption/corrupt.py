@@ -169,11 +169,13 @@ def noise_report(
 
 
 def realized_noise_report(dataset: Any, num_classes: int | None = None) -> NoiseReport | None:
-    """The realized noise of a training set recomputed from its ``clean_label`` column (`noise_report`, over
-    `num_classes` classes: the model's, where a class may be absent from the set), or None when it has no such column
-    (its labels are the dataset's own) or is no ``datasets.Dataset``."""
+    """The realized noise of a training set recomputed from its ``clean_label`` column (`noise_report`), or None when
+    it has no such column (its labels are the dataset's own) or is no ``datasets.Dataset``. Its classes are the
+    column's ClassLabel, else `num_classes` (the model's: integer labels need not show every class)."""
     if isinstance(dataset, Dataset) and CLEAN_COLUMN in dataset.column_names:
         label_column = "label" if "label" in dataset.column_names else "labels"
+        if isinstance(dataset.features[CLEAN_COLUMN], ClassLabel):
+            num_classes = None  # the dataset names its classes; a model may predict more (an unused head)
         return noise_report(dataset.with_format(None), label_column=label_column, num_classes=num_classes)
     return None
 
