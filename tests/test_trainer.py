@@ -863,7 +863,7 @@ def test_the_training_sets_noise_report_spans_the_models_classes(tmp_path):
     assert report.num_classes == 10 and len(report.realized_transition) == 10
     assert report.class_counts[9] == 0 and sum(report.class_counts) == len(train)
 
-    # a ClassLabel names the classes itself: a model with more outputs than the dataset's 10 classes still saves
+    # a ClassLabel names the classes itself, and a model with more outputs (12) is no contradiction to refuse
     twelve = {i: str(i) for i in range(12)}
     model = ResNetForImageClassification(dataclasses.replace(tiny_digits_resnet().config, id2label=twelve,
                                                              label2id={v: k for k, v in twelve.items()}))

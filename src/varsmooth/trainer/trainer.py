@@ -378,8 +378,8 @@ class VariationalTrainer(AfterTrainingMixin, PredictionMixin, CheckpointingMixin
 
     def train_noise_report(self) -> Any:
         """The label corruption of the training set: the report given at construction, else the realized one
-        recomputed from a `clean_label` column over the model's classes (None when the labels are the dataset's
-        own)."""
+        recomputed from a `clean_label` column over its ClassLabel's classes, else the model's (None when the labels
+        are the dataset's own)."""
         if self._noise_report is not None:
             return self._noise_report
         return realized_noise_report(self.train_dataset, model_num_labels(self.model))
