@@ -201,6 +201,7 @@ def test_the_card_reports_max_steps_and_what_the_posterior_learned(run):
     summary = json.loads((out / "label_noise_summary.json").read_text())
     assert f"|ε̄|₁ has mean {summary['all']['noise_l1']['mean']:.3g}" in text
     assert "Predictions average the softmax over 4 samples of that posterior" in text
+    assert "whose mean is the model's weights (`model.safetensors`)" in text  # a full model's (an adapter's: test_lora)
 
 
 @pytest.mark.parametrize("rho, says",

@@ -344,6 +344,9 @@ def test_adapter_folder_saves_the_posterior_under_peft_names_and_loads_back(tmp_
         for key in a.keys():
             assert p.get_tensor(key).shape == a.get_tensor(key).shape
 
+    trainer.create_model_card()  # the card names the file that holds the posterior mean: the adapter's
+    assert "whose mean is the model's weights (`adapter_model.safetensors`)" in (out / "README.md").read_text()
+
     loaded = VariationalModel.from_pretrained(out)
     assert len(loaded.model.get_base_model().bert.encoder.layer) == 2  # the cut recorded in config.json
     assert loaded.num_samples == 4 and loaded.seed == 3

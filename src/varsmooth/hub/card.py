@@ -303,7 +303,7 @@ def build_model_card(record: RunRecord, model: Any, folder: str | os.PathLike) -
         task_name=task,
         auto_class=auto_class,
         method=method,
-        method_text=method_text(record),
+        method_text=method_text(record, "model.safetensors" if adapter is None else "adapter_model.safetensors"),
         prediction=prediction,
         remote_code=auto_class in auto_map,
         posterior_text=posterior_text(record),

@@ -46,9 +46,9 @@ def _mean_reason(record: RunRecord) -> str:
             f"{criterion} on the validation split ({nll['0']:.4f}, against " + ", ".join(others) + ")")
 
 
-def method_text(record: RunRecord) -> str:
-    """The card's first paragraph after "trained with varsmooth": what the method computed and how the model
-    predicts."""
+def method_text(record: RunRecord, weights_file: str = "model.safetensors") -> str:
+    """The card's first paragraph after "trained with varsmooth": what the method computed, with its mean in
+    `weights_file` (a PEFT adapter's `adapter_model.safetensors`), and how the model predicts."""
     prediction = prediction_kind(record)
     if prediction == "weights":
         info = METHODS.get(record.method)
@@ -56,8 +56,7 @@ def method_text(record: RunRecord) -> str:
         return (f" with the `{record.method}` method{description}. It learns no posterior over the weights: "
                 "predictions are made at the trained weights.")
     text = (" by variational learning (IVON): training learned a Gaussian posterior over the weights, whose mean is "
-            "the model's weights (`model.safetensors`) and whose standard deviation σ ships in "
-            "`posterior.safetensors`.")
+            f"the model's weights (`{weights_file}`) and whose standard deviation σ ships in `posterior.safetensors`.")
     frozen = record.hyperparameters.get("frozen_mean_modules")
     if frozen:
         text += (f" The weights of {', '.join(f'`{m}`' for m in frozen)} are in that posterior with their mean frozen "
