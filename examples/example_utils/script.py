@@ -137,15 +137,53 @@ def label_noise_callbacks(training_args: Any) -> list[LabelNoiseCallback] | None
 
 
 @dataclass
+class HubArguments:
+    """The flags of Hugging Face's example scripts (run_classification.py, run_image_classification.py) for loading
+    models, their tokenizers or image processors, and datasets from the Hub."""
+
+    cache_dir: str | None = field(
+        default=None, metadata={"help": "Where models and datasets downloaded from the Hub are stored."}
+    )
+    model_revision: str = field(
+        default="main", metadata={"help": "The model version to load: a branch name, tag name or commit id."}
+    )
+    token: str | None = field(
+        default=None,
+        metadata={"help": "The token for private models and datasets (default: the one `hf auth login` stored)."},
+    )
+    trust_remote_code: bool = field(
+        default=False,
+        metadata={"help": "Run the modelling code of a Hub model repository (only for repositories you trust)."},
+    )
+    ignore_mismatched_sizes: bool = field(
+        default=True,
+        metadata={"help": "Load a checkpoint whose classifier has another number of classes, with a new one for the "
+                          "dataset's classes. On by default here (off in Hugging Face's examples): these examples "
+                          "always build the head for the data."},
+    )
+
+    def from_pretrained_kwargs(self) -> dict[str, Any]:
+        """What every `from_pretrained` of the run takes (the model's, its config's, tokenizer's or processor's)."""
+        return {"cache_dir": self.cache_dir, "revision": self.model_revision, "token": self.token,
+                "trust_remote_code": self.trust_remote_code}
+
+    def load_dataset_kwargs(self) -> dict[str, Any]:
+        """What `datasets.load_dataset` takes of them (the model's revision is not the dataset's)."""
+        return {"cache_dir": self.cache_dir, "token": self.token}
+
+
+@dataclass
 class SplitArguments:
     """Which splits train, validate and test (the data flags of both examples, before their own)."""
 
-    train_split: str = field(default="train", metadata={"help": "Split to train on."})
+    train_split: str = field(default="train", metadata={"help": "Split to train on.",
+                                                        "aliases": ["--train_split_name"]})
     eval_split: str | None = field(
         default=None,
         metadata={"help": "Validation split: evaluated during and after training, and where the posterior temperature "
                           "is chosen (default: 'validation' if the dataset has one, else --train_val_split of the "
-                          "training split). A 'test' split is scored once at the end (test_* metrics)."},
+                          "training split). A 'test' split is scored once at the end (test_* metrics).",
+                  "aliases": ["--validation_split_name"]},
     )
     train_val_split: float = field(
         default=0.2,
