@@ -90,6 +90,11 @@ class ModelArguments(HubArguments, LoraArguments):
                           f"of the same network), or an installed weights package: {', '.join(WEIGHT_PACKAGES)} "
                           "(offline ImageNet weights for tf_efficientnet_lite0). The classifier is always new."},
     )
+    image_processor_name: str | None = field(
+        default=None,
+        metadata={"help": "An image processor's id or path, if not the model's (default: the HF checkpoint's own; "
+                          "a plain resize + normalise one for a timm architecture or a small ResNet)."},
+    )
 
 
 @dataclass
@@ -226,9 +231,13 @@ def load_data(data_args: DataArguments, seed: int, hub: HubArguments | None = No
 
 
 def build_processor(model_args: ModelArguments, num_channels: int, image_size: int | None):
-    """The model's own image processor, or a plain resize + normalise one that `save_pretrained` can ship."""
-    if model_args.model_name_or_path and not is_timm_name(model_args.model_name_or_path):
-        return AutoImageProcessor.from_pretrained(model_args.model_name_or_path, **model_args.from_pretrained_kwargs())
+    """--image_processor_name's, else the model's own image processor, else a plain resize + normalise one that
+    `save_pretrained` can ship."""
+    name = model_args.image_processor_name
+    if name is None and model_args.model_name_or_path and not is_timm_name(model_args.model_name_or_path):
+        name = model_args.model_name_or_path
+    if name is not None:
+        return AutoImageProcessor.from_pretrained(name, **model_args.from_pretrained_kwargs())
     size = {"height": image_size, "width": image_size} if image_size else None
     return ViTImageProcessor(
         do_resize=size is not None, size=size or {"height": 224, "width": 224},

@@ -61,7 +61,7 @@ import sys
 from dataclasses import dataclass, field
 
 import datasets
-from transformers import AutoConfig, DataCollatorWithPadding, set_seed
+from transformers import AutoConfig, DataCollatorWithPadding, PreTrainedTokenizerBase, set_seed
 
 from varsmooth import VariationalTrainer, VariationalTrainingArguments
 from varsmooth.adapters import LoraArguments
@@ -205,6 +205,20 @@ class DataArguments(SplitArguments):
     )
     max_train_samples: int | None = field(
         default=None, metadata={"help": "Train on a random subset of this size (for quick runs; default: all)."}
+    )
+    max_predict_samples: int | None = field(
+        default=None, metadata={"help": "Truncate the test set (default: --max_eval_samples, else all of it)."}
+    )
+    pad_to_max_length: bool = field(
+        default=False,
+        metadata={"help": "Pad every text to --max_seq_length (on by default in Hugging Face's examples). Off: each "
+                          "batch is padded to its longest text, which is faster on CPU."},
+    )
+    preprocessing_num_workers: int | None = field(
+        default=None, metadata={"help": "Processes that tokenize the data (datasets.map's num_proc)."}
+    )
+    overwrite_cache: bool = field(
+        default=False, metadata={"help": "Tokenize again rather than reuse datasets' cache of an earlier run."}
     )
 
 
@@ -360,6 +374,23 @@ def resolve_pooling(pooling: str, name_or_path: str | None, offline_default: boo
     return pooling
 
 
+def tokenize_splits(data: datasets.DatasetDict, tokenizer: PreTrainedTokenizerBase, data_args: DataArguments
+                    ) -> dict[str, datasets.Dataset]:
+    """Each split's texts as the model's inputs with `labels`, cut to --max_seq_length (and padded to it with
+    --pad_to_max_length), keeping `clean_label` and `is_corrupted`, which trainer.label_noise() reports against."""
+    def tokenize(batch: dict) -> dict:
+        out = tokenizer(batch[data_args.text_column_name], truncation=True, max_length=data_args.max_seq_length,
+                        padding="max_length" if data_args.pad_to_max_length else False)
+        out["labels"] = batch[data_args.label_column_name]
+        return out
+
+    keep = ("clean_label", "is_corrupted")
+    return {split: data[split].map(tokenize, batched=True, num_proc=data_args.preprocessing_num_workers,
+                                   load_from_cache_file=not data_args.overwrite_cache,
+                                   remove_columns=[c for c in data[split].column_names if c not in keep])
+            for split in data}
+
+
 def main() -> None:
     model_args, data_args, noise_args, training_args = parse_arguments(sys.argv[1:])
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
@@ -375,10 +406,12 @@ def main() -> None:
     if data_args.max_train_samples:
         data["train"] = data["train"].shuffle(seed=training_args.seed).select(
             range(min(data_args.max_train_samples, len(data["train"]))))
-    if data_args.max_eval_samples:
-        for split in ("validation", "test") if "test" in data else ("validation",):
-            data[split] = data[split].select(range(min(data_args.max_eval_samples, len(data[split]))))
-    if data_args.max_eval_samples and test_labels is not None:
+    limits = {"validation": data_args.max_eval_samples, "test": data_args.max_predict_samples or
+              data_args.max_eval_samples}
+    for split, limit in limits.items():
+        if limit and split in data:
+            data[split] = data[split].select(range(min(limit, len(data[split]))))
+    if test_labels is not None:
         test_labels = test_labels[: len(data["test"])]
     named_data = not (data_args.train_file or data_args.dataset_name)  # the embedded sentences, SST-2 or TREC
     if named_data and noise_args.noise_type is None:
@@ -422,17 +455,7 @@ def main() -> None:
     logger.info("Model: %s (%s, %s pooling) with %d trainable parameters", type(model).__name__,
                 name_or_path or "from a config", pooled, count_parameters(model))
 
-    def tokenize(batch: dict) -> dict:
-        out = tokenizer(batch[data_args.text_column_name], truncation=True, max_length=data_args.max_seq_length)
-        out["labels"] = batch[data_args.label_column_name]
-        return out
-
-    keep = ("clean_label", "is_corrupted")  # trainer.label_noise() reports against them (batches never see them)
-    tokenized = {
-        split: data[split].map(tokenize, batched=True,
-                               remove_columns=[c for c in data[split].column_names if c not in keep])
-        for split in data
-    }
+    tokenized = tokenize_splits(data, tokenizer, data_args)
     # the validation split is predicted many times (every τ of the posterior temperature, the export): in order of
     # length its batches pad little (SST-2: 2x faster); the test split keeps its order (predict_results.txt's index)
     validation = tokenized["validation"]

@@ -624,3 +624,16 @@ def test_ignore_mismatched_sizes_false_keeps_a_checkpoints_head_of_other_classes
     assert model.classifier.out_features == 2
     with pytest.raises(RuntimeError, match="size mismatch|ignore_mismatched_sizes"):
         create_text_classifier(str(tmp_path), two, ignore_mismatched_sizes=False)
+
+
+def test_image_processor_name_brings_that_processor_to_any_model(tmp_path):
+    """--image_processor_name (run_image_classification.py's) loads the named processor, even for a model (a small
+    ResNet built from a config) that would otherwise get the plain resize + normalise one."""
+    from transformers import ViTImageProcessor
+
+    example = load_example("train_image_classification")
+    ViTImageProcessor(size={"height": 40, "width": 40}, image_mean=[0.1], image_std=[0.2]).save_pretrained(tmp_path)
+    named = example.parse_arguments(["--image_processor_name", str(tmp_path), "--use_cpu", "true"])[0]
+    assert example.build_processor(named, num_channels=1, image_size=8).size == {"height": 40, "width": 40}
+    plain = example.parse_arguments(["--use_cpu", "true"])[0]
+    assert example.build_processor(plain, num_channels=1, image_size=8).size == {"height": 8, "width": 8}

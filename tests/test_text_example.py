@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import datasets
 import numpy as np
 import pytest
 import torch
@@ -371,3 +372,37 @@ def test_default_model_is_the_pretrained_minilm_and_its_absence_stops_the_run(tm
     monkeypatch.undo()
     if minilm_path() is not None:
         assert module.default_model() == str(minilm_path())
+
+
+def test_hugging_faces_data_flags_pad_truncate_and_tokenize_in_processes(tmp_path):
+    """run_classification.py's --max_seq_length, --pad_to_max_length, --preprocessing_num_workers and
+    --overwrite_cache shape the tokenized splits as they say; --max_predict_samples cuts the test split alone
+    (end to end: test_the_example_cuts_the_test_split_to_max_predict_samples)."""
+    module = load_example("train_text_classification")
+    texts = [f"the film was {'very ' * (i % 5)}good ." for i in range(12)]
+    data = datasets.DatasetDict(train=datasets.Dataset.from_dict({"text": texts, "label": [i % 2 for i in range(12)]}))
+    _, tokenizer = create_text_classifier(None, {0: "neg", 1: "pos"}, train_texts=texts)
+
+    def lengths(*flags: str) -> set[int]:
+        data_args = module.parse_arguments([*flags, "--use_cpu", "true"])[1]
+        return {len(ids) for ids in module.tokenize_splits(data, tokenizer, data_args)["train"]["input_ids"]}
+
+    cut = lengths("--max_seq_length", "9")
+    assert len(cut) > 1 and max(cut) == 9
+    assert lengths("--max_seq_length", "9", "--pad_to_max_length", "true", "--preprocessing_num_workers", "2",
+                   "--overwrite_cache", "true") == {9}
+
+
+def test_the_example_cuts_the_test_split_to_max_predict_samples(tmp_path):
+    train, test = _write_sentiment_files(tmp_path)
+    out = tmp_path / "out"
+    result = _run_flags("--model_name_or_path", "none", "--train_file", str(train), "--test_file", str(test),
+                        "--max_steps", "1", "--per_device_train_batch_size", "8", "--eval_mc_samples", "2",
+                        "--method", "erm", "--do_predict", "--max_predict_samples", "5", "--output_dir", str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [line.split("\t") for line in (out / "predict_results.txt").read_text().splitlines()[1:]]
+    labels = [line.split(" ", 1)[0] for line in test.read_text().splitlines()]
+    assert [label for _, _, label, *_ in rows] == labels[:5]  # the first 5 of the 24 test sentences
+    # and the test metrics are those 5's
+    accuracy = sum(predicted == label for _, predicted, label, *_ in rows) / 5
+    assert json.loads((out / "test_results.json").read_text())["test_accuracy"] == pytest.approx(accuracy)
