@@ -589,6 +589,7 @@ def test_the_text_example_loads_a_hub_model_with_hugging_faces_model_flags(tmp_p
     assert not [d for d in hub.downloads if d[2] in ("config.json", "model.safetensors") and d not in asked]
     assert "models--offline-user--tiny-bert" in results["cached"]
     assert "model.safetensors" in results["saved"]
+    assert results["token_saved"] == []  # the token reaches the Hub, never the saved run (card, arguments, config)
 
 
 @pytest.mark.parametrize("name", ["train_text_classification", "train_image_classification"])

@@ -27,7 +27,10 @@ def main(out: str) -> None:
                 "--max_train_samples", "16", "--max_eval_samples", "8", "--label_noise_samples", "0",
                 "--output_dir", os.path.join(out, "run")]
     example.main()
-    json.dump({"cached": sorted(os.listdir(cache)), "saved": sorted(os.listdir(os.path.join(out, "run")))},
+    run = os.path.join(out, "run")
+    files = [os.path.join(folder, name) for folder, _, names in os.walk(run) for name in names]
+    json.dump({"cached": sorted(os.listdir(cache)), "saved": sorted(os.listdir(run)),
+               "token_saved": [f for f in files if b"hf_flag_token" in open(f, "rb").read()]},
               open(os.path.join(out, "results.json"), "w"))
 
 
