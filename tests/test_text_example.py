@@ -374,23 +374,24 @@ def test_default_model_is_the_pretrained_minilm_and_its_absence_stops_the_run(tm
         assert module.default_model() == str(minilm_path())
 
 
-def test_hugging_faces_data_flags_pad_truncate_and_tokenize_in_processes(tmp_path):
-    """run_classification.py's --max_seq_length, --pad_to_max_length, --preprocessing_num_workers and
-    --overwrite_cache shape the tokenized splits as they say; --max_predict_samples cuts the test split alone
-    (end to end: test_the_example_cuts_the_test_split_to_max_predict_samples)."""
+def test_hugging_faces_data_flags_pad_truncate_and_tokenize_in_processes():
+    """run_classification.py's --max_seq_length cuts the texts and --pad_to_max_length pads them to it;
+    --preprocessing_num_workers 2 with --overwrite_cache tokenizes in two processes to the same splits
+    (--max_predict_samples: test_the_example_cuts_the_test_split_to_max_predict_samples)."""
     module = load_example("train_text_classification")
     texts = [f"the film was {'very ' * (i % 5)}good ." for i in range(12)]
     data = datasets.DatasetDict(train=datasets.Dataset.from_dict({"text": texts, "label": [i % 2 for i in range(12)]}))
     _, tokenizer = create_text_classifier(None, {0: "neg", 1: "pos"}, train_texts=texts)
 
-    def lengths(*flags: str) -> set[int]:
-        data_args = module.parse_arguments([*flags, "--use_cpu", "true"])[1]
-        return {len(ids) for ids in module.tokenize_splits(data, tokenizer, data_args)["train"]["input_ids"]}
+    def ids(*flags: str) -> list[list[int]]:
+        data_args = module.parse_arguments(["--max_seq_length", "9", *flags, "--use_cpu", "true"])[1]
+        return module.tokenize_splits(data, tokenizer, data_args)["train"]["input_ids"]
 
-    cut = lengths("--max_seq_length", "9")
+    cut = {len(row) for row in ids()}
     assert len(cut) > 1 and max(cut) == 9
-    assert lengths("--max_seq_length", "9", "--pad_to_max_length", "true", "--preprocessing_num_workers", "2",
-                   "--overwrite_cache", "true") == {9}
+    padded = ids("--pad_to_max_length", "true")
+    assert {len(row) for row in padded} == {9}
+    assert ids("--pad_to_max_length", "true", "--preprocessing_num_workers", "2", "--overwrite_cache", "true") == padded
 
 
 def test_the_example_cuts_the_test_split_to_max_predict_samples(tmp_path):

@@ -138,8 +138,8 @@ def label_noise_callbacks(training_args: Any) -> list[LabelNoiseCallback] | None
 
 @dataclass
 class HubArguments:
-    """The flags of Hugging Face's example scripts (run_classification.py, run_image_classification.py) for loading
-    models, their tokenizers or image processors, and datasets from the Hub."""
+    """The model flags of Hugging Face's example scripts (run_classification.py, run_image_classification.py): how
+    models, their tokenizers or image processors, and datasets are loaded from the Hub (or a folder)."""
 
     cache_dir: str | None = field(
         default=None, metadata={"help": "Where models and datasets downloaded from the Hub are stored."}
