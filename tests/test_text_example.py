@@ -407,3 +407,31 @@ def test_the_example_cuts_the_test_split_to_max_predict_samples(tmp_path):
     # and the test metrics are those 5's
     accuracy = sum(predicted == label for _, predicted, label, *_ in rows) / 5
     assert json.loads((out / "test_results.json").read_text())["test_accuracy"] == pytest.approx(accuracy)
+
+
+def test_several_text_columns_are_joined_into_the_text_the_model_reads(tmp_path):
+    """run_classification.py's --text_column_names premise,hypothesis (and --text_column_delimiter): each example's
+    texts are joined into one, which a run on a two-column CSV tokenizes and trains on."""
+    module = load_example("train_text_classification")
+    lines = "premise,hypothesis,label\n" + "".join(
+        f"the film {i} was {'good' if i % 2 else 'bad'},it was {'fine' if i % 3 else 'long'},{i % 2}\n"
+        for i in range(40))
+    (tmp_path / "pairs.csv").write_text(lines)
+    data_args = module.parse_arguments(["--train_file", str(tmp_path / "pairs.csv"), "--text_column_names",
+                                        "premise,hypothesis", "--text_column_delimiter", " | ", "--use_cpu",
+                                        "true"])[1]
+    data = module.load_data(data_args, seed=0)
+    row = data["train"][0]
+    assert data_args.text_column == "premise+hypothesis"
+    assert row["premise+hypothesis"] == f"{row['premise']} | {row['hypothesis']}"
+    with pytest.raises(ValueError, match="Column 'claim' not found"):
+        module.load_data(module.parse_arguments(["--train_file", str(tmp_path / "pairs.csv"), "--text_column_names",
+                                                 "premise,claim", "--use_cpu", "true"])[1], seed=0)
+    out = tmp_path / "out"
+    result = _run_flags("--model_name_or_path", "none", "--train_file", str(tmp_path / "pairs.csv"),
+                        "--text_column_names", "premise,hypothesis", "--method", "erm", "--max_steps", "1",
+                        "--per_device_train_batch_size", "8", "--output_dir", str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    # the vocabulary the small BERT learned from the training texts has words of both columns
+    vocab = json.loads((out / "tokenizer.json").read_text())["model"]["vocab"]
+    assert {"film", "good", "fine", "long"} <= set(vocab)

@@ -315,14 +315,14 @@ def load_data_files(files: Mapping[str, str | os.PathLike], builder: str,
     return datasets.DatasetDict(splits)
 
 
-def check_text_cells(raw: datasets.DatasetDict, text_column: str, label_column: str,
+def check_text_cells(raw: datasets.DatasetDict, text_columns: Sequence[str], label_column: str,
                      sources: Mapping[str, str] | None = None) -> None:
     """Refuse empty text or label cells (None, or text of whitespace only) in any split, naming the split's file
     (`sources`: split -> file), the first rows (counted from 0, as `dataset[i]`) and the fix: they would train on an
     empty sentence, or fail inside `class_encode_column`."""
     for split, dataset in raw.items():
         where = (sources or {}).get(split, f"the {split!r} split")
-        for column in (text_column, label_column):
+        for column in (*text_columns, label_column):
             if column not in dataset.column_names:
                 continue
             rows = [i for i, value in enumerate(dataset[column])
